@@ -1,0 +1,121 @@
+"""Gather-then-compute: the naive Muon port that dmuon exists to beat.
+
+Every rank all-gathers every matrix's (sharded) update direction, runs
+Newton-Schulz on all of them, and keeps its own shard of the result. The
+math is the same as :class:`dmuon.DMuon`; only the work distribution differs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dmuon.optim.adamw import adamw_group_step
+from dmuon.optim.dmuon import KELLER_COEFFICIENTS
+from dmuon.optim.muon import apply_update, momentum_update
+from dmuon.ortho import orthogonalize_many
+from dmuon.plan.selection import SelectFn, select_matrices
+
+
+def _matrix_shape(shape) -> tuple[int, int]:
+    return (shape[0], int(torch.Size(shape[1:]).numel()))
+
+
+class GatherThenCompute(torch.optim.Optimizer):
+    """Muon on an ordinary FSDP2 model by gathering every matrix everywhere.
+
+    Takes the same keyword arguments as :class:`dmuon.DMuon` (minus the plan),
+    plus ``select`` to override which parameters are Muon matrices.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients=KELLER_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_method: str = "auto",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        select: SelectFn | None = None,
+    ) -> None:
+        matrices = [p for _, p in select_matrices(model, select)]
+        ids = {id(p) for p in matrices}
+        others = [p for p in model.parameters() if id(p) not in ids]
+        self.ns_method = ns_method
+        self.ns_dtype = ns_dtype
+        groups = [
+            dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
+                 nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                 adjust_lr_fn=adjust_lr_fn),
+            dict(params=others, algorithm="adamw", lr=lr if adamw_lr is None else adamw_lr,
+                 betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=None),
+        ]
+        super().__init__([g for g in groups if g["params"]], defaults={})
+        self._last_stats: dict[str, Any] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        sent = received = 0
+        ns_seconds = 0.0
+        count = 0
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                adamw_group_step(group, self.state)
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
+                direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                if isinstance(direction, DTensor):
+                    local = direction.to_local().numel()
+                    full = direction.full_tensor()
+                    world = direction.device_mesh.size()
+                    sent += local * (world - 1) * full.element_size()
+                    received += (full.numel() - local) * full.element_size()
+                else:
+                    full = direction
+                mshape = _matrix_shape(p.shape)
+                t0 = time.perf_counter()
+                (ortho,) = orthogonalize_many(
+                    [full.reshape(mshape)], method=self.ns_method, coefficients=group["ns_coefficients"],
+                    steps=group["ns_steps"], eps=group["eps"], dtype=self.ns_dtype,
+                )
+                ns_seconds += time.perf_counter() - t0
+                ortho = ortho.reshape(p.shape).to(p.dtype)
+                if isinstance(p, DTensor):
+                    # Keep only this rank's rows; splitting locally needs no communication.
+                    ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+                apply_update(p, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
+                             adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=mshape)
+                count += 1
+        self._last_stats = {
+            "orthogonalized": count, "bytes_sent": sent, "bytes_received": received,
+            "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
+        }
+        return loss
+
+    def last_step_stats(self) -> dict[str, Any]:
+        """Same keys as :meth:`dmuon.DMuon.last_step_stats` (bytes estimated from the gathers)."""
+        return dict(self._last_stats)

@@ -1,0 +1,200 @@
+"""Owner runtime: keeps non-owned matrices in sync with their owners.
+
+Under ZeRO-2 every rank keeps every matrix resident and the owners publish new
+values after each step. Under ZeRO-3 a non-owner frees a matrix's storage
+after the block's forward and after the matrix's gradient is accumulated, and
+re-materializes it from the owners before the block's forward and backward,
+prefetching the next block in the direction of travel.
+
+Only public hooks are used: module forward (pre-)hooks, multi-grad hooks on a
+block's outputs for "backward is about to enter this block", and
+post-accumulate-grad hooks on parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from dmuon.comm import CommStats, Exchanger, PendingGather
+from dmuon.plan.plan import Plan
+
+
+class OwnerRuntime:
+    """Moves matrices between owners and the other ranks for one plan.
+
+    Args:
+        plan: The ownership plan.
+        group: Process group for dmuon's collectives (None in a single process).
+    """
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | None) -> None:
+        self.plan = plan
+        self.stats = CommStats()
+        self.exchanger = Exchanger(plan.infos, group, plan.rank, plan.world_size, self.stats)
+        self.block_buckets: dict[int, list] = {}
+        for bucket in plan.buckets:
+            self.block_buckets.setdefault(bucket.block, []).append(bucket)
+        # Logical residency, identical on every rank (owners never release their
+        # storage, but track the state so all ranks make the same collective calls).
+        self.resident = [True] * len(plan.infos)
+        self.pending: dict[int, list[PendingGather]] = {}
+        self._hooks: list[Any] = []
+
+    def is_owner(self, index: int) -> bool:
+        return self.plan.infos[index].owner == self.plan.rank
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, bucket, members: list[int]) -> None:
+        """Sends the owners' current values of ``members`` to every rank (ZeRO-2)."""
+        if not members:
+            return
+        values = {i: self.plan.infos[i].param.detach() for i in members if self.is_owner(i)}
+        pending = self.exchanger.gather_from_owners(bucket, members, values)
+        self._scatter_into_params(pending)
+
+    def publish_all(self) -> None:
+        """Makes every rank hold the owners' values (used once by ``prepare``)."""
+        for bucket in self.plan.buckets:
+            self.publish(bucket, bucket.members)
+
+    def _scatter_into_params(self, pending: PendingGather) -> None:
+        flat = pending.wait()
+        pos = 0
+        with torch.no_grad():
+            for i in pending.members:
+                info = self.plan.infos[i]
+                if not self.is_owner(i):
+                    self._alloc(i)
+                    # ``.data`` has its own version counter: refilling must not
+                    # invalidate tensors autograd saved from this parameter.
+                    info.param.data.copy_(flat[pos : pos + info.numel].view(info.shape))
+                self.resident[i] = True
+                pos += info.numel
+
+    # ------------------------------------------------------------------ ZeRO-3
+    def _alloc(self, index: int) -> None:
+        storage = self.plan.infos[index].param.data.untyped_storage()
+        nbytes = self.plan.infos[index].numel * self.plan.infos[index].param.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def free(self, index: int) -> None:
+        """Releases a non-owned matrix's storage (ZeRO-3); owners keep theirs."""
+        if self.plan.zero == 3 and self.resident[index]:
+            if not self.is_owner(index):
+                self.plan.infos[index].param.data.untyped_storage().resize_(0)
+            self.resident[index] = False
+
+    def free_block(self, block: int) -> None:
+        for i in self.plan.blocks[block].matrices:
+            self.free(i)
+
+    def start_gather(self, block: int) -> None:
+        """Issues the (async) materialization of ``block`` unless resident or in flight."""
+        if block in self.pending or block not in self.block_buckets:
+            return
+        members = self.plan.blocks[block].matrices
+        if all(self.resident[i] for i in members):
+            return
+        self.pending[block] = [
+            self.exchanger.gather_from_owners(
+                bucket,
+                bucket.members,
+                {i: self.plan.infos[i].param.detach() for i in bucket.members if self.is_owner(i)},
+                async_op=True,
+            )
+            for bucket in self.block_buckets[block]
+        ]
+
+    def materialize(self, block: int) -> None:
+        """Makes ``block``'s matrices resident now, using a prefetch if one is in flight."""
+        self.start_gather(block)
+        for pending in self.pending.pop(block, []):
+            self._scatter_into_params(pending)
+
+    def drain(self) -> None:
+        """Completes every in-flight gather and frees all non-owned matrices.
+
+        Called at the start of each optimizer step, so prefetches of blocks that
+        were never used cannot leak into the next iteration.
+        """
+        for block in sorted(self.pending):
+            for pending in self.pending.pop(block):
+                pending.wait()
+        for i in range(len(self.plan.infos)):
+            self.free(i)
+
+    def install_zero3_hooks(self) -> None:
+        """Registers the forward/backward hooks that free and re-materialize blocks."""
+        order = [b.index for b in self.plan.blocks if b.index in self.block_buckets]
+        nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
+        prv = {b: order[k - 1] for k, b in enumerate(order) if k > 0}
+        for b in order:
+            module = self.plan.blocks[b].module
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(b, nxt.get(b))))
+            self._hooks.append(module.register_forward_hook(self._post_forward(b, prv.get(b))))
+            for i in self.plan.blocks[b].matrices:
+                self._hooks.append(
+                    self.plan.infos[i].param.register_post_accumulate_grad_hook(self._after_grad(i))
+                )
+
+    def _pre_forward(self, block: int, next_block: int | None):
+        def hook(module, args):
+            self.materialize(block)
+            if next_block is not None:
+                self.start_gather(next_block)
+
+        return hook
+
+    def _post_forward(self, block: int, prev_block: int | None):
+        def hook(module, args, output):
+            self.free_block(block)
+            if torch.is_grad_enabled():
+                outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outs, self._pre_backward(block, prev_block), mode="any"
+                    )
+            return output
+
+        return hook
+
+    def _pre_backward(self, block: int, prev_block: int | None):
+        def hook(grad):
+            self.materialize(block)
+            if prev_block is not None:
+                self.start_gather(prev_block)
+
+        return hook
+
+    def _after_grad(self, index: int):
+        def hook(param):
+            self.free(index)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def full_matrices(runtime: OwnerRuntime) -> dict[str, torch.Tensor]:
+    """Every matrix's current value from its owner, on every rank (a collective).
+
+    Leaves the parameters (and ZeRO-3 residency) untouched: the values are copies.
+    """
+    out = {}
+    infos = runtime.plan.infos
+    for bucket in runtime.plan.buckets:
+        values = {i: infos[i].param.detach() for i in bucket.members if runtime.is_owner(i)}
+        flat = runtime.exchanger.gather_from_owners(bucket, bucket.members, values).wait()
+        pos = 0
+        for i in bucket.members:
+            out[infos[i].name] = flat[pos : pos + infos[i].numel].view(infos[i].shape).clone()
+            pos += infos[i].numel
+    return out

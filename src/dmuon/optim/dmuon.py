@@ -1,0 +1,262 @@
+"""DMuon: the optimizer front door.
+
+One ``torch.optim.Optimizer`` for the whole model. Muon matrices (from the
+plan) are updated owner-centrically; every other parameter stays under FSDP2
+and follows ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.optim.adamw import adamw_group_step
+from dmuon.optim.muon import ADJUST_LR_FNS, apply_update, momentum_update
+from dmuon.ortho import orthogonalize_many
+from dmuon.plan.plan import Plan
+
+NS_METHODS = ("auto", "standard", "gram")
+KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def _check_nonnegative(name: str, value: float) -> None:
+    if not value >= 0.0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+class DMuon(torch.optim.Optimizer):
+    """Muon on FSDP2 with one owner per matrix, AdamW for everything else.
+
+    Args:
+        model: The model (after ``fully_shard``).
+        plan: The plan ``dmuon.prepare`` returned for this model.
+        lr: Muon learning rate.
+        weight_decay: Muon decoupled weight decay.
+        momentum: Muon momentum.
+        nesterov: Nesterov momentum for Muon.
+        ns_coefficients: Quintic Newton-Schulz coefficients ``(a, b, c)``, or
+            ``"polar_express"`` for per-iteration Polar Express coefficients.
+        eps: Floor of the norm NS divides by.
+        ns_steps: Newton-Schulz iterations.
+        adjust_lr_fn: ``None``/``"original"`` (Keller's scaling) or ``"match_rms_adamw"``.
+        ns_method: ``"standard"`` (torch's iteration), ``"gram"`` (Gram NS) or
+            ``"auto"`` (fastest passing the accuracy bar per shape).
+        ns_dtype: Dtype of the NS iteration (``torch.bfloat16`` as torch.optim.Muon).
+        adamw_lr: AdamW learning rate (None: ``lr``).
+        adamw_betas: AdamW betas.
+        adamw_eps: AdamW epsilon.
+        adamw_weight_decay: AdamW decoupled weight decay.
+        param_groups: Optional list of dicts, each with ``"params"`` (a subset of
+            the model's parameters) and overrides of the keywords above
+            (``lr``, ``momentum``, ..., ``adamw_lr``, ...). Each is split into a
+            Muon group and an AdamW group. Default: all parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] | str = KELLER_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_method: str = "auto",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        param_groups: list[dict[str, Any]] | None = None,
+    ) -> None:
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
+        if plan.runtime is None:
+            raise ValueError("plan has no runtime: build it with dmuon.prepare(model, mesh, ...)")
+        if ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        if not 0 < ns_steps < 100:
+            raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
+        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
+                            ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
+            _check_nonnegative(name, value)
+        self.plan = plan
+        self.runtime = plan.runtime
+        self.ns_method = ns_method
+        self.ns_dtype = ns_dtype
+        self._index = {id(info.param): info.index for info in plan.infos}
+        self._muon_defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+        )
+        self._adamw_defaults = dict(
+            lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
+            weight_decay=adamw_weight_decay, foreach=None,
+        )
+        model_params = list(model.parameters())
+        known = {id(p) for p in model_params}
+        missing = [info.name for info in plan.infos if id(info.param) not in known]
+        if missing:
+            raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
+        user_groups = param_groups if param_groups is not None else [{"params": model_params}]
+        groups = []
+        for g in user_groups:
+            groups.extend(self._split_group(g))
+        self._last_stats: dict[str, Any] = {}
+        super().__init__(groups, defaults=dict(self._muon_defaults))
+
+    # -------------------------------------------------------------- param groups
+    def _split_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+        if "params" not in group:
+            raise ValueError("every param group needs a 'params' entry")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        muon = [p for p in params if id(p) in self._index]
+        other = [p for p in params if id(p) not in self._index]
+        extra = {k: v for k, v in group.items() if k != "params"}
+        out = []
+        if muon:
+            g = {k: v for k, v in extra.items() if not k.startswith("adamw_")}
+            out.append({"params": muon, "algorithm": "muon", **g})
+        if other:
+            g = {k[len("adamw_"):]: v for k, v in extra.items() if k.startswith("adamw_")}
+            out.append({"params": other, "algorithm": "adamw", **g})
+        return out
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group; its ``algorithm`` is inferred from whether the params are plan matrices."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if "algorithm" not in param_group:
+            kinds = {id(p) in self._index for p in params}
+            if len(kinds) > 1:
+                raise ValueError("a param group mixes Muon matrices and other parameters; split it")
+            param_group["algorithm"] = "muon" if kinds == {True} else "adamw"
+        algorithm = param_group["algorithm"]
+        if algorithm == "muon":
+            for p in params:
+                if id(p) not in self._index:
+                    raise ValueError("a 'muon' param group holds a parameter that is not in the plan")
+            defaults = self._muon_defaults
+        elif algorithm == "adamw":
+            defaults = self._adamw_defaults
+        else:
+            raise ValueError(f"param group algorithm must be 'muon' or 'adamw', got {algorithm!r}")
+        for key, value in defaults.items():
+            param_group.setdefault(key, value)
+        saved, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(param_group)
+        finally:
+            self.defaults = saved
+
+    # --------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step on every rank (a collective call)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        self.runtime.drain()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                adamw_group_step(group, self.state)
+        orthogonalized, ns_seconds = self._muon_step()
+        stats = self.runtime.stats
+        self._last_stats = {
+            "orthogonalized": orthogonalized,
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received,
+            "collectives": stats.collectives,
+            "comm_wait_seconds": stats.wait_seconds,
+            "ns_seconds": ns_seconds,
+            "step_seconds": time.perf_counter() - start,
+        }
+        stats.reset()
+        return loss
+
+    def _active_matrices(self) -> dict[int, dict]:
+        """Plan index -> param group of every matrix with a gradient on some rank."""
+        group_of: dict[int, dict] = {}
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                for p in group["params"]:
+                    group_of[self._index[id(p)]] = group
+        has_grad = torch.zeros(len(self.plan.infos), dtype=torch.int32)
+        for i in group_of:
+            grad = self.plan.infos[i].param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(f"parameter {self.plan.infos[i].name!r}: sparse gradients are not supported by Muon")
+            has_grad[i] = 1
+        if self.plan.world_size > 1:
+            # One tiny collective keeps every rank on the same collective path
+            # even when a block was unused on some of them.
+            dist.all_reduce(has_grad, group=self.runtime.exchanger.group)
+        return {i: g for i, g in group_of.items() if has_grad[i] > 0}
+
+    def _muon_step(self) -> tuple[int, float]:
+        active = self._active_matrices()
+        infos = self.plan.infos
+        reduced: dict[int, torch.Tensor] = {}
+        for bucket in self.plan.buckets:
+            members = [i for i in bucket.members if i in active]
+            if members:
+                grads = {i: infos[i].param.grad for i in members}
+                reduced.update(self.runtime.exchanger.reduce_to_owners(bucket, members, grads))
+
+        ns_start = time.perf_counter()
+        by_group: dict[int, list[int]] = {}
+        for i in sorted(reduced):
+            by_group.setdefault(id(active[i]), []).append(i)
+        for indices in by_group.values():
+            group = active[indices[0]]
+            directions = []
+            for i in indices:
+                state = self.state[infos[i].param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros(infos[i].shape, dtype=torch.float32, device=reduced[i].device)
+                d = momentum_update(reduced[i], state["momentum_buffer"], group["momentum"], group["nesterov"])
+                directions.append(d.reshape(infos[i].matrix_shape))
+            orthos = orthogonalize_many(
+                directions,
+                method=self.ns_method,
+                coefficients=group["ns_coefficients"],
+                steps=group["ns_steps"],
+                eps=group["eps"],
+                dtype=self.ns_dtype,
+            )
+            for i, ortho in zip(indices, orthos):
+                apply_update(
+                    infos[i].param, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
+                    adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
+                )
+        ns_seconds = time.perf_counter() - ns_start
+
+        if self.plan.zero == 2:
+            for bucket in self.plan.buckets:
+                self.runtime.publish(bucket, [i for i in bucket.members if i in active])
+        return len(reduced), ns_seconds
+
+    def last_step_stats(self) -> dict[str, Any]:
+        """This rank's figures for the last step and the forward/backward before it.
+
+        Keys: ``orthogonalized`` (matrices this rank ran NS for), ``bytes_sent``
+        and ``bytes_received`` (dmuon's own collectives), ``collectives``,
+        ``comm_wait_seconds``, ``ns_seconds`` (momentum, NS and update on the
+        owner) and ``step_seconds``.
+        """
+        return dict(self._last_stats)

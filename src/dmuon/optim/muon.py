@@ -1,0 +1,45 @@
+"""The per-matrix Muon update rule, exactly as ``torch.optim.Muon`` applies it.
+
+Kept apart from the distributed runtime: given a reduced gradient and the
+owner's momentum buffer, these functions produce the new weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, matrix_shape: tuple[int, int]) -> float:
+    """The learning rate scaled for a matrix's shape, as ``torch.optim.Muon`` does."""
+    rows, cols = matrix_shape
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def momentum_update(
+    grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool
+) -> torch.Tensor:
+    """Advances ``buf`` in place and returns the direction to orthogonalize."""
+    buf.lerp_(grad.to(buf.dtype), 1 - momentum)
+    return grad.to(buf.dtype).lerp(buf, momentum) if nesterov else buf
+
+
+def apply_update(
+    param: torch.Tensor,
+    ortho: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+    matrix_shape: tuple[int, int],
+) -> None:
+    """Decoupled weight decay with the raw lr, then the shape-adjusted step."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(ortho.view(param.shape).to(param.dtype), alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape))

@@ -1,0 +1,192 @@
+"""The ownership plan: which rank owns each Muon matrix, and how matrices travel."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dmuon.plan.balance import rank_loads
+
+
+@dataclass
+class MatrixInfo:
+    """One Muon matrix and where it lives."""
+
+    index: int
+    """Position in the plan; identical on every rank."""
+    name: str
+    """Fully qualified parameter name in the model."""
+    param: nn.Parameter = field(repr=False)
+    """The parameter itself (full-size on its owner; possibly freed elsewhere under ZeRO-3)."""
+    shape: tuple[int, ...]
+    """Shape of the parameter."""
+    block: int
+    """Index of the block (see ``Plan.blocks``) whose forward uses the matrix."""
+    owner: int = -1
+    """Rank that keeps the optimizer state and runs Newton-Schulz for it."""
+    cost: float = 0.0
+    """Estimated owner-side cost used by the balancer (arbitrary units)."""
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """The 2-D view NS works on: ``(shape[0], prod(shape[1:]))``, as Keller Jordan's Muon."""
+        return (self.shape[0], math.prod(self.shape[1:]))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class BlockInfo:
+    """A group of matrices used by one module's forward; the unit of packing and prefetch."""
+
+    index: int
+    """Position in forward order."""
+    name: str
+    """Module name (``""`` for the root)."""
+    module: nn.Module = field(repr=False)
+    """The module whose forward hooks materialize the block's matrices under ZeRO-3."""
+    matrices: list[int] = field(default_factory=list)
+    """Indices of the block's matrices in the plan."""
+
+
+@dataclass
+class Bucket:
+    """The matrices of one block with one dtype, laid out by owner for packed collectives.
+
+    Members are ordered by ``(owner, index)``, so the data rank ``r`` owns is
+    one contiguous slice ``[rank_offset[r], rank_offset[r] + rank_numel[r])``
+    of the flat bucket, which is exactly what an uneven all-to-all moves.
+    """
+
+    block: int
+    """Index of the block the bucket belongs to."""
+    dtype: torch.dtype
+    """Dtype of every member (and of the packed buffers)."""
+    members: list[int]
+    """Matrix indices ordered by ``(owner, index)``."""
+    offsets: list[int]
+    """Start of each member inside the flat bucket."""
+    rank_numel: list[int]
+    """Number of elements owned by each rank."""
+
+    @property
+    def numel(self) -> int:
+        return sum(self.rank_numel)
+
+    def rank_offset(self, rank: int) -> int:
+        return sum(self.rank_numel[:rank])
+
+
+def build_buckets(
+    infos: list[MatrixInfo], blocks: list[BlockInfo], world_size: int
+) -> list[Bucket]:
+    """Groups each block's matrices by dtype into owner-ordered buckets."""
+    buckets = []
+    for block in blocks:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in block.matrices:
+            by_dtype.setdefault(infos[i].param.dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            members = sorted(members, key=lambda i: (infos[i].owner, i))
+            offsets, rank_numel, pos = [], [0] * world_size, 0
+            for i in members:
+                offsets.append(pos)
+                pos += infos[i].numel
+                rank_numel[infos[i].owner] += infos[i].numel
+            buckets.append(Bucket(block.index, dtype, members, offsets, rank_numel))
+    return buckets
+
+
+@dataclass
+class Plan:
+    """Ownership plan returned by :func:`dmuon.prepare`.
+
+    ``plan.matrices`` is the set to pass as ``ignored_params`` to every
+    ``fully_shard`` call; :class:`dmuon.DMuon` takes the plan to run the
+    owner-centric update.
+    """
+
+    infos: list[MatrixInfo]
+    """Every Muon matrix, in plan order."""
+    blocks: list[BlockInfo]
+    """Blocks in forward order; the root block (matrices outside any block) comes first."""
+    buckets: list[Bucket]
+    """Packed transport units, in block order."""
+    world_size: int
+    """Ranks that own matrices (the mesh size; 1 without a mesh)."""
+    rank: int
+    """This process's rank in the mesh."""
+    zero: int
+    """2: full weights resident everywhere; 3: non-owners free them between uses."""
+    balancer: str
+    """Name of the balancer that assigned the owners."""
+    mesh: object = field(default=None, repr=False)
+    """The DeviceMesh given to ``prepare`` (None in a single process)."""
+    runtime: object = field(default=None, repr=False)
+    """The :class:`dmuon.runtime.OwnerRuntime` that moves matrices for this plan."""
+
+    def __post_init__(self) -> None:
+        self._by_name = {info.name: info for info in self.infos}
+
+    @property
+    def matrices(self) -> set[nn.Parameter]:
+        """The Muon matrices: FSDP2 must leave these alone (``ignored_params``)."""
+        return {info.param for info in self.infos}
+
+    def owner(self, name: str) -> int:
+        """Owner rank of the matrix called ``name``.
+
+        Raises:
+            ValueError: If ``name`` is not a Muon matrix of this plan.
+        """
+        if name not in self._by_name:
+            raise ValueError(f"{name!r} is not a Muon matrix in this plan")
+        return self._by_name[name].owner
+
+    def info(self, name: str) -> MatrixInfo:
+        """The :class:`MatrixInfo` of the matrix called ``name``."""
+        self.owner(name)
+        return self._by_name[name]
+
+    def owned(self, rank: int | None = None) -> list[MatrixInfo]:
+        """Matrices owned by ``rank`` (default: this rank), in plan order."""
+        rank = self.rank if rank is None else rank
+        return [info for info in self.infos if info.owner == rank]
+
+    def rank_costs(self) -> list[float]:
+        """Estimated owner-side cost per rank."""
+        return rank_loads([i.cost for i in self.infos], [i.owner for i in self.infos], self.world_size)
+
+    def imbalance(self) -> float:
+        """Slowest rank's cost over the mean (1.0 is perfect)."""
+        loads = self.rank_costs()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def __str__(self) -> str:
+        rows = [("matrix", "shape", "owner", "est. cost")]
+        for info in self.infos:
+            rows.append((info.name, "x".join(map(str, info.shape)), str(info.owner), f"{info.cost:.3g}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        lines = [f"dmuon plan: {len(self.infos)} matrices, {self.world_size} ranks, "
+                 f"ZeRO-{self.zero}, balancer={self.balancer}"]
+        for k, row in enumerate(rows):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        loads = self.rank_costs()
+        state = [0] * self.world_size
+        for info in self.infos:
+            state[info.owner] += info.numel * 4
+        lines.append("")
+        lines.append("rank  est. cost  matrices  momentum bytes")
+        for r in range(self.world_size):
+            count = sum(1 for i in self.infos if i.owner == r)
+            lines.append(f"{r:<4}  {loads[r]:<9.3g}  {count:<8}  {state[r]}")
+        lines.append(f"imbalance (max/mean): {self.imbalance():.3f}")
+        return "\n".join(lines)

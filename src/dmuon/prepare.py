@@ -1,0 +1,159 @@
+"""``dmuon.prepare``: choose the Muon matrices, assign owners, install the runtime."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dmuon.fsdp.runtime import OwnerRuntime
+from dmuon.plan.balance import BALANCERS, assign_owners
+from dmuon.plan.cost import update_cost
+from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, build_buckets
+from dmuon.plan.selection import SelectFn, select_matrices
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Default blocks: the entries of every outermost ``nn.ModuleList``, in order.
+
+    These are the transformer layers a training script passes to
+    ``fully_shard`` one by one.
+    """
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                found.extend((f"{path}.{k}", m) for k, m in child.named_children())
+            else:
+                visit(path, child)
+
+    visit("", model)
+    return found
+
+
+def _fingerprint(model: nn.Module, chosen: list[str], zero: int, balancer: str) -> torch.Tensor:
+    h = hashlib.sha256(f"{zero}|{balancer}|{','.join(chosen)}".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(torch.int64)
+
+
+def _check_same_everywhere(fingerprint: torch.Tensor, group, world_size: int, device) -> None:
+    gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, fingerprint.to(device), group=group)
+    rows = gathered.view(world_size, -1).cpu()
+    differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
+    if differing:
+        raise ValueError(
+            "dmuon.prepare: ranks disagree on the model's parameters (names, shapes, dtypes, "
+            f"order) or on prepare's arguments; ranks {differing} differ from rank 0"
+        )
+
+
+def _check_zero3_storage(info: MatrixInfo) -> None:
+    p = info.param
+    if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+        raise ValueError(
+            f"parameter {info.name!r}: zero=3 needs each matrix to own a contiguous storage; "
+            "use zero=2 or allocate the weight as its own tensor"
+        )
+
+
+def prepare(
+    model: nn.Module,
+    mesh=None,
+    *,
+    zero: int = 3,
+    select: SelectFn | None = None,
+    balancer: str = "greedy",
+    blocks: list[nn.Module] | None = None,
+    ns_steps: int = 5,
+) -> Plan:
+    """Selects the Muon matrices, assigns each one owner rank and installs the runtime.
+
+    Call it on every rank, before ``fully_shard``, then pass ``plan.matrices``
+    as ``ignored_params`` to every ``fully_shard`` call.
+
+    Args:
+        model: The model, with real (non-meta) weights on its training device.
+        mesh: A 1-D ``DeviceMesh`` (None for a single process without a process group).
+        zero: 2 keeps full matrices resident on every rank; 3 frees them on
+            non-owners between uses and re-materializes them before forward/backward.
+        select: ``select(name, param) -> bool`` overriding the default matrix rule.
+        balancer: ``"greedy"`` (LPT on estimated NS cost) or ``"round_robin"``.
+        blocks: Modules that form the packing/prefetch units, in forward order
+            (default: the entries of the model's ``nn.ModuleList``s).
+        ns_steps: NS iterations, for the cost estimate.
+
+    Returns:
+        The :class:`~dmuon.plan.Plan`.
+
+    Raises:
+        ValueError: For bad arguments, models already sharded, unsupported
+            parameters (named), or ranks whose models differ.
+    """
+    if zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, got {zero!r}")
+    if balancer not in BALANCERS:
+        raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
+    if mesh is None:
+        group, rank, world_size = None, 0, 1
+    else:
+        if mesh.ndim != 1:
+            raise ValueError(f"mesh must be 1-D for now, got a {mesh.ndim}-D mesh")
+        if not dist.is_initialized():
+            raise ValueError("mesh was given but torch.distributed is not initialized")
+        world_size, rank = mesh.size(), mesh.get_local_rank()
+        # A dedicated group keeps dmuon's traffic apart from FSDP2's.
+        group = dist.new_group(ranks=mesh.mesh.flatten().tolist())
+
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"parameter {name!r} is already sharded: call dmuon.prepare before fully_shard")
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device: materialize weights before prepare")
+    chosen = select_matrices(model, select)
+    if world_size > 1:
+        device = chosen[0][1].device if chosen else torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], zero, balancer), group, world_size, device)
+
+    block_list = [("", model)] + (
+        [(next((n for n, m in model.named_modules() if m is b), f"block{k}"), b) for k, b in enumerate(blocks)]
+        if blocks is not None
+        else find_blocks(model)
+    )
+    block_of: dict[int, int] = {}
+    for b, (_, module) in enumerate(block_list[1:], start=1):
+        for p in module.parameters():
+            block_of[id(p)] = b  # innermost listed block wins when blocks nest
+    block_infos = [BlockInfo(b, name, module) for b, (name, module) in enumerate(block_list)]
+
+    infos = []
+    for index, (name, p) in enumerate(chosen):
+        info = MatrixInfo(index, name, p, tuple(p.shape), block_of.get(id(p), 0))
+        info.cost = update_cost(info.matrix_shape, ns_steps)
+        infos.append(info)
+        block_infos[info.block].matrices.append(index)
+    for info, owner in zip(infos, assign_owners([i.cost for i in infos], world_size, balancer)):
+        info.owner = owner
+    if zero == 3:
+        for info in infos:
+            _check_zero3_storage(info)
+
+    plan = Plan(infos, block_infos, build_buckets(infos, block_infos, world_size),
+                world_size, rank, zero, balancer, mesh)
+    plan.runtime = OwnerRuntime(plan, group)
+    if zero == 2:
+        # Start from the owners' values so ranks that initialized differently agree.
+        plan.runtime.publish_all()
+    else:
+        plan.runtime.drain()
+        plan.runtime.install_zero3_hooks()
+    return plan

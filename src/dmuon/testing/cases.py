@@ -1,0 +1,85 @@
+"""Distributed training cases shared by the tests (run inside spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import dmuon
+from dmuon.baselines import GatherThenCompute
+from dmuon.fsdp.runtime import full_matrices
+from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+
+@dataclass
+class Case:
+    """One distributed training run on :class:`OddNet`."""
+
+    kind: str = "dmuon"
+    """``"dmuon"`` or ``"gather"``."""
+    zero: int = 3
+    """ZeRO level for dmuon."""
+    ns_dtype: torch.dtype = torch.float32
+    """NS iteration dtype."""
+    steps: int = 3
+    """Optimizer steps."""
+    skip: dict[int, set[int]] = field(default_factory=dict)
+    """step -> blocks left out of that step's forward (on every rank)."""
+    lr: float = 0.02
+    adamw_lr: float = 3e-3
+    balancer: str = "greedy"
+    ns_method: str = "standard"
+
+
+MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+
+
+def full_params(model, plan) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, on every rank."""
+    out = full_matrices(plan.runtime) if plan is not None else {}
+    for name, p in model.named_parameters():
+        if name not in out:
+            out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    return out
+
+
+def run_case(rank: int, world_size: int, case: Case) -> dict:
+    """Trains OddNet under FSDP2 with dmuon (or the gather baseline) and reports everything."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = None
+    if case.kind == "dmuon":
+        plan = dmuon.prepare(model, mesh, zero=case.zero, balancer=case.balancer)
+        ignored = plan.matrices
+    else:
+        ignored = None
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
+    opt = dmuon.DMuon(model, plan, **kw) if plan is not None else GatherThenCompute(model, **kw)
+    losses, stats = [], []
+    for step in range(case.steps):
+        model.skip = case.skip.get(step, set())
+        loss = lm_loss(model, odd_batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        stats.append(opt.last_step_stats())
+    params = full_params(model, plan)
+    return {
+        "params": params if rank == 0 else None,
+        "losses": losses,
+        "stats": stats,
+        "owners": {i.name: i.owner for i in plan.infos} if plan else None,
+        "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
+    }

@@ -1,0 +1,77 @@
+"""Single-process references: torch.optim.Muon on the matrices, torch.optim.AdamW on the rest."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+from unittest import mock
+
+import torch
+import torch.optim._muon as torch_muon
+from torch import nn
+
+from dmuon.plan.selection import select_matrices
+
+
+def _fp32_zeropower(grad, ns_coefficients, ns_steps, eps):
+    # torch's own iteration with the bf16 cast replaced by fp32; written out
+    # here so the reference does not depend on dmuon's NS code.
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        g = x @ x.T
+        x = torch.addmm(x, torch.addmm(g, g, g, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+@contextmanager
+def ns_precision(dtype: torch.dtype):
+    """Makes ``torch.optim.Muon`` iterate in ``dtype`` (only fp32 needs a change)."""
+    if dtype == torch.bfloat16:
+        yield
+    else:
+        with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", _fp32_zeropower):
+            yield
+
+
+def reference_training(
+    model: nn.Module,
+    batches: list,
+    loss_fn: Callable,
+    *,
+    muon_kwargs: dict,
+    adamw_kwargs: dict,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Trains ``model`` in one process on ``batches`` (one global batch per step).
+
+    Matrices with more than two dims are optimized through a 2-D view sharing
+    their storage, so ``torch.optim.Muon`` sees ``(shape[0], prod(shape[1:]))``.
+
+    Returns:
+        The final parameters by name and the loss of each step.
+    """
+    matrices = select_matrices(model)
+    ids = {id(p) for _, p in matrices}
+    views = [(p, nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
+    muon = torch.optim.Muon([v for _, v in views], **muon_kwargs)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], **adamw_kwargs)
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        for p, v in views:
+            if v is not p:
+                v.grad = None if p.grad is None else p.grad.view(v.shape)
+        with ns_precision(ns_dtype):
+            muon.step()
+        adamw.step()
+        for p, v in views:
+            p.grad = None
+            v.grad = None
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses

@@ -1,0 +1,67 @@
+"""Run a function on N local gloo ranks and collect what each returns.
+
+Used by dmuon's own tests and benchmarks; handy for users' tests too.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+            timeout_s: float, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
+                    timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    Args:
+        fn: A module-level (picklable) function.
+        world_size: Number of processes.
+        *args: Extra picklable arguments.
+        timeout_s: Process-group timeout, so a mismatched collective fails
+            instead of hanging.
+        threads: ``torch.set_num_threads`` in each rank.
+
+    Returns:
+        The per-rank return values, in rank order.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: If any rank raised; the
+            other ranks are terminated.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads),
+                 nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
