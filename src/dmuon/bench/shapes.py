@@ -1,0 +1,287 @@
+"""Weight-free matrix shape lists of full-size models, for ``dmuon plan``.
+
+A shape list says which weight matrices a model has (PyTorch ``nn.Linear``
+convention: ``(out_features, in_features)``), how many of each, and whether
+each is optimised by Muon (hidden-layer matrices) or by an element-wise
+optimiser (embeddings, output heads, input/output projections, convolutions).
+Only matrices are listed: biases and norm weights are left out; convolutions
+are listed flattened to ``(out_channels, in_channels * kh * kw)`` with
+``muon=False``.
+
+Available lists (see :func:`full_size_shapes`):
+
+* ``"qwen2.5-7b"``: Qwen2.5-7B.
+* ``"pi0"``: a Pi0-like VLA (PaliGemma-3B backbone + Gemma-300M action expert).
+* ``"qwen2"`` / ``"vla"`` / ``"tiny"``: the benchmark models of
+  :mod:`dmuon.bench.models` at a given size preset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FULL_SIZE_NAMES",
+    "MatrixShape",
+    "full_size_shapes",
+    "load_shapes_json",
+    "total_params",
+]
+
+
+@dataclass(frozen=True)
+class MatrixShape:
+    """A group of identically shaped weight matrices."""
+
+    name: str
+    """What the matrices are, e.g. ``"layers.*.self_attn.q_proj"``."""
+
+    shape: tuple[int, int]
+    """``(rows, cols)``; for linear layers ``(out_features, in_features)``."""
+
+    count: int
+    """How many matrices of this kind the model has."""
+
+    muon: bool = True
+    """Whether Muon optimises these matrices (``False`` for embeddings, output
+    heads, input/output projections and convolutions)."""
+
+    @property
+    def numel(self) -> int:
+        """Total number of elements over all ``count`` matrices."""
+        return self.shape[0] * self.shape[1] * self.count
+
+
+FULL_SIZE_NAMES: tuple[str, ...] = ("qwen2.5-7b", "pi0", "qwen2", "vla", "tiny")
+"""Names accepted by :func:`full_size_shapes`."""
+
+
+def total_params(shapes: list[MatrixShape], *, prefix: str = "",
+                 muon: bool | None = None) -> int:
+    """Sums the matrix elements of a shape list.
+
+    Args:
+        shapes: The shape list.
+        prefix: Only count entries whose name starts with this.
+        muon: If not ``None``, only count entries whose ``muon`` flag equals it.
+
+    Returns:
+        The number of matrix parameters.
+    """
+    return sum(s.numel for s in shapes
+               if s.name.startswith(prefix) and (muon is None or s.muon == muon))
+
+
+def _qwen25_7b() -> list[MatrixShape]:
+    """Qwen2.5-7B (``Qwen/Qwen2.5-7B`` ``config.json``).
+
+    hidden 3584, intermediate 18944, 28 layers, 28 query heads and 4 KV heads
+    of dimension 128, vocabulary 152064, untied input embedding and LM head.
+    Matrices: 6.53B non-embedding, 0.545B per embedding table (7.07B with one
+    table, 7.62B with both).
+    """
+    h, i, layers, kv, vocab = 3584, 18944, 28, 4 * 128, 152064
+    return [
+        MatrixShape("embed_tokens", (vocab, h), 1, muon=False),
+        MatrixShape("layers.*.self_attn.q_proj", (h, h), layers),
+        MatrixShape("layers.*.self_attn.k_proj", (kv, h), layers),
+        MatrixShape("layers.*.self_attn.v_proj", (kv, h), layers),
+        MatrixShape("layers.*.self_attn.o_proj", (h, h), layers),
+        MatrixShape("layers.*.mlp.gate_proj", (i, h), layers),
+        MatrixShape("layers.*.mlp.up_proj", (i, h), layers),
+        MatrixShape("layers.*.mlp.down_proj", (h, i), layers),
+        MatrixShape("lm_head", (vocab, h), 1, muon=False),
+    ]
+
+
+def _gemma_layers(prefix: str, width: int, mlp: int, layers: int, heads: int,
+                  kv_heads: int, head_dim: int) -> list[MatrixShape]:
+    """Matrices of ``layers`` Gemma decoder layers (no biases)."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return [
+        MatrixShape(f"{prefix}layers.*.self_attn.q_proj", (q, width), layers),
+        MatrixShape(f"{prefix}layers.*.self_attn.k_proj", (kv, width), layers),
+        MatrixShape(f"{prefix}layers.*.self_attn.v_proj", (kv, width), layers),
+        MatrixShape(f"{prefix}layers.*.self_attn.o_proj", (width, q), layers),
+        MatrixShape(f"{prefix}layers.*.mlp.gate_proj", (mlp, width), layers),
+        MatrixShape(f"{prefix}layers.*.mlp.up_proj", (mlp, width), layers),
+        MatrixShape(f"{prefix}layers.*.mlp.down_proj", (width, mlp), layers),
+    ]
+
+
+def _pi0() -> list[MatrixShape]:
+    """Pi0 (Physical Intelligence, 2024; ``openpi`` ``pi0.py`` / ``gemma.py``).
+
+    Sources and assumptions:
+
+    * Backbone: PaliGemma-3B at 224 px (``google/paligemma-3b-pt-224``).
+      Vision tower SigLIP So400m/14: width 1152, MLP 4304, 27 layers, 16 heads,
+      patch 14 so 256 patches; the attention-pooling head is not used by
+      PaliGemma and is not listed.  Multimodal projector 1152 -> 2048.
+      Language model Gemma-2B: hidden 2048, MLP 16384 (GeGLU gate/up/down),
+      18 layers, 8 query heads and 1 KV head of dimension 256, vocabulary
+      257152, LM head tied to the input embedding (listed once).  About 0.41B
+      (vision) + 2.51B (language) = 2.92B matrix parameters.
+    * Action expert: openpi's ``gemma_300m``: width 1024, MLP 4096, 18 layers,
+      8 query heads and 1 KV head of dimension 256 (the same head layout as
+      the backbone, so its queries can attend to the backbone's keys/values
+      layer by layer); no embedding table.  About 0.31B parameters.
+    * Small projections as in openpi ``Pi0``: action and state dimension 32
+      (padded), ``state_proj`` 32 -> 1024, ``action_in_proj`` 32 -> 1024,
+      ``action_time_mlp_in`` 2048 -> 1024, ``action_time_mlp_out``
+      1024 -> 1024, ``action_out_proj`` 1024 -> 32.  The input/output
+      projections (state, action in/out) are flagged non-Muon like embeddings
+      and heads; the time MLP is a hidden layer and uses Muon.
+    * Names: ``paligemma.vision.*``, ``paligemma.projector``,
+      ``paligemma.llm.*`` for the backbone, ``expert.*`` for the action expert,
+      ``proj.*`` for the small projections.
+    """
+    dv, mlp_v, layers_v, patch, patches = 1152, 4304, 27, 14, 256
+    dl, dl_mlp, vocab = 2048, 16384, 257152
+    da, da_mlp, action_dim = 1024, 4096, 32
+    v = "paligemma.vision."
+    return [
+        MatrixShape(f"{v}patch_embed", (dv, 3 * patch * patch), 1, muon=False),
+        MatrixShape(f"{v}position_embedding", (patches, dv), 1, muon=False),
+        MatrixShape(f"{v}layers.*.self_attn.q_proj", (dv, dv), layers_v),
+        MatrixShape(f"{v}layers.*.self_attn.k_proj", (dv, dv), layers_v),
+        MatrixShape(f"{v}layers.*.self_attn.v_proj", (dv, dv), layers_v),
+        MatrixShape(f"{v}layers.*.self_attn.out_proj", (dv, dv), layers_v),
+        MatrixShape(f"{v}layers.*.mlp.fc1", (mlp_v, dv), layers_v),
+        MatrixShape(f"{v}layers.*.mlp.fc2", (dv, mlp_v), layers_v),
+        MatrixShape("paligemma.projector", (dl, dv), 1),
+        MatrixShape("paligemma.llm.embed_tokens", (vocab, dl), 1, muon=False),
+        *_gemma_layers("paligemma.llm.", dl, dl_mlp, 18, 8, 1, 256),
+        *_gemma_layers("expert.", da, da_mlp, 18, 8, 1, 256),
+        MatrixShape("proj.state_proj", (da, action_dim), 1, muon=False),
+        MatrixShape("proj.action_in_proj", (da, action_dim), 1, muon=False),
+        MatrixShape("proj.action_time_mlp_in", (da, 2 * da), 1),
+        MatrixShape("proj.action_time_mlp_out", (da, da), 1),
+        MatrixShape("proj.action_out_proj", (action_dim, da), 1, muon=False),
+    ]
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def bench_model_shapes(name: str, size: str = "small") -> list[MatrixShape]:
+    """Shape list of a benchmark model of :mod:`dmuon.bench.models`.
+
+    The model is built on the meta device (no memory, no initialisation cost);
+    every parameter with two or more dimensions is listed (flattened to 2-D),
+    with layer indices replaced by ``*`` and identical ``(name, shape, muon)``
+    entries merged and counted.  ``muon`` follows the workload's
+    ``muon_param_names``.
+
+    Args:
+        name: ``"qwen2"``, ``"vla"`` or ``"tiny"``.
+        size: Size preset, as for :func:`~dmuon.bench.models.build_workload`.
+
+    Returns:
+        The shape list, in parameter order.
+
+    Raises:
+        ValueError: If ``name`` or ``size`` is unknown.
+    """
+    from dmuon.bench.models import build_workload
+
+    with torch.device("meta"):
+        workload = build_workload(name, size=size)
+    muon_names = set(workload.muon_param_names or ())
+    groups: dict[tuple[str, tuple[int, int], bool], int] = {}
+    for pname, param in workload.model.named_parameters():
+        if param.ndim < 2:
+            continue
+        key_name = _LAYER_INDEX.sub(".*.", pname).removesuffix(".weight")
+        shape = (int(param.shape[0]), int(param[0].numel()))
+        key = (key_name, shape, pname in muon_names)
+        groups[key] = groups.get(key, 0) + 1
+    return [MatrixShape(n, s, c, muon=m) for (n, s, m), c in groups.items()]
+
+
+def full_size_shapes(name: str, *, size: str = "small") -> list[MatrixShape]:
+    """Returns the weight-matrix shape list of a model.
+
+    Args:
+        name: ``"qwen2.5-7b"``, ``"pi0"``, or a benchmark model ``"qwen2"``,
+            ``"vla"`` or ``"tiny"``.
+        size: Size preset for the benchmark models; ignored otherwise.
+
+    Returns:
+        The list of :class:`MatrixShape`.
+
+    Raises:
+        ValueError: If ``name`` (or, for benchmark models, ``size``) is unknown.
+    """
+    if name == "qwen2.5-7b":
+        return _qwen25_7b()
+    if name == "pi0":
+        return _pi0()
+    if name in ("qwen2", "vla", "tiny"):
+        return bench_model_shapes(name, size)
+    raise ValueError(f"name must be one of {FULL_SIZE_NAMES}, got {name!r}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def load_shapes_json(path: str | os.PathLike[str]) -> list[MatrixShape]:
+    """Reads a shape list from a JSON file.
+
+    The file holds a list of objects ``{"name": str, "shape": [m, n],
+    "count": int}`` with an optional ``"muon": bool`` (default ``true``).
+
+    Args:
+        path: Path of the JSON file.
+
+    Returns:
+        The list of :class:`MatrixShape`, in file order.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: If the file is not valid JSON or an entry is malformed; the
+            message names the entry index and the field.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{os.fspath(path)}: invalid JSON: {err}") from err
+    if not isinstance(data, list):
+        raise ValueError(f"{os.fspath(path)}: expected a JSON list of shape entries, "
+                         f"got {type(data).__name__}")
+    allowed = {"name", "shape", "count", "muon"}
+    shapes = []
+    for i, entry in enumerate(data):
+        where = f"{os.fspath(path)}: entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - allowed)
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} "
+                             f"(allowed: name, shape, count, muon)")
+        for key in ("name", "shape", "count"):
+            if key not in entry:
+                raise ValueError(f"{where}: missing field {key!r}")
+        name, shape, count = entry["name"], entry["shape"], entry["count"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(_positive_int(d) for d in shape)):
+            raise ValueError(f"{where} ({name!r}): field 'shape' must be a list of two "
+                             f"positive integers, got {shape!r}")
+        if not _positive_int(count):
+            raise ValueError(f"{where} ({name!r}): field 'count' must be a positive "
+                             f"integer, got {count!r}")
+        muon = entry.get("muon", True)
+        if not isinstance(muon, bool):
+            raise ValueError(f"{where} ({name!r}): field 'muon' must be true or false, "
+                             f"got {muon!r}")
+        shapes.append(MatrixShape(name, (shape[0], shape[1]), count, muon=muon))
+    return shapes
