@@ -12,3 +12,17 @@ if _TESTS not in sys.path:
 import _bench_import  # noqa: E402
 
 _bench_import.ensure_importable()
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Runs each test here with one intra-op thread (tiny models; avoids
+    oversubscribing shared CPUs), restoring the previous setting afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
