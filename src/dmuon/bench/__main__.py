@@ -1,0 +1,5 @@
+import sys
+
+from dmuon.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""``dmuon bench``: training steps side by side with what users would run instead."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from dmuon.bench.report import (
+    format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
+)
+from dmuon.bench.runner import BenchOptions, run_all, run_config
+from dmuon.bench.setups import CONFIGS, Hyper
+from dmuon.testing.spawn import run_distributed
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dmuon bench",
+        description="Time FSDP2+AdamW, FSDP2+torch.optim.Muon, gather-then-compute and dmuon side by side.",
+    )
+    p.add_argument("--model", default="qwen2", choices=["qwen2", "vla", "tiny"])
+    p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
+    p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--ns-dtype", default="auto", choices=["auto", *DTYPES],
+                   help="NS dtype for dmuon/gather; auto: bfloat16 on CUDA, float32 on CPU "
+                        "(CPUs without bf16 matrix units run bf16 matmuls several times slower)")
+    p.add_argument("--ns-method", default="auto", choices=["auto", "standard", "gram"])
+    p.add_argument("--balancer", default="greedy", choices=["greedy", "round_robin"])
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _options(args) -> BenchOptions:
+    if args.ns_dtype == "auto":
+        ns_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    else:
+        ns_dtype = DTYPES[args.ns_dtype]
+    return BenchOptions(
+        model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
+        steps=args.steps, warmup=args.warmup, progress=not args.quiet,
+        hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method, balancer=args.balancer),
+    )
+
+
+def _spawned_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> dict:
+    return run_config(rank, world_size, config, opts)
+
+
+def run(args) -> dict:
+    """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"dmuon bench: --configs: unknown {bad}; choose from {CONFIGS}")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("dmuon bench: --steps must be >= 1 and --warmup >= 0")
+    opts = _options(args)
+    start = time.perf_counter()
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    if under_torchrun:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+        world_size = dist.get_world_size()
+        results = run_all(dist.get_rank(), world_size, configs, opts)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return {}
+    else:
+        world_size = args.world_size
+        if world_size < 1:
+            raise SystemExit("dmuon bench: --world-size must be >= 1")
+        if not args.quiet:
+            print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
+                  f"configs {', '.join(configs)}", file=sys.stderr)
+        results = []
+        for config in configs:
+            # One process group per configuration keeps peak-memory figures separate.
+            results.append(run_distributed(_spawned_config, world_size, config, opts, timeout_s=600)[0])
+    payload = {
+        "machine": machine_description(),
+        "world_size": world_size,
+        "model": args.model,
+        "size": args.size,
+        "tokens_per_rank": results[0]["tokens_per_rank"],
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "ns_dtype": str(opts.hyper.ns_dtype).replace("torch.", ""),
+        "ns_method": opts.hyper.ns_method,
+        "wall_seconds": time.perf_counter() - start,
+        "results": results,
+        "ratios": ratios(results),
+    }
+    ok, verdict = loss_agreement(results)
+    payload["losses_agree"] = ok
+    payload["loss_check"] = verdict
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    payload = run(args)
+    if not payload:
+        return 0
+    print(f"\n{payload['machine']}; {payload['world_size']} ranks; model {payload['model']} "
+          f"({payload['size']}, {payload['tokens_per_rank']} tokens/rank); NS {payload['ns_dtype']}, "
+          f"{payload['steps']} timed steps")
+    print(format_table(payload["results"]))
+    if payload["ratios"]:
+        print("\nratios (median step times):")
+        print(format_ratios(payload["ratios"]))
+    print("\n" + payload["loss_check"])
+    if args.json:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, payload["results"], f"{payload['model']} on {payload['world_size']} ranks")
+        print(f"wrote {args.plot}")
+    return 0 if payload["losses_agree"] else 1

@@ -1,0 +1,106 @@
+"""Tables, ratios, JSON and plots from bench results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+
+from dmuon.bench.setups import MUON_CONFIGS
+
+LOSS_RTOL = 0.02
+"""Muon configurations run the same update rule; final losses within this relative
+tolerance agree (torch.optim.Muon iterates NS in bf16, so bit equality is not expected)."""
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return (f"{platform.machine()} CPU ({os.cpu_count()} cores, {platform.processor() or 'unknown'}), "
+            f"torch {torch.__version__}, gloo")
+
+
+def format_table(results: list[dict]) -> str:
+    head = ("config", "step ms (min-max)", "fwd+bwd ms", "optim ms", "MB/step", "peak MB", "final loss")
+    rows = [head]
+    for r in results:
+        rows.append((
+            r["config"],
+            f"{1e3 * r['step_s']:.1f} ({1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f})",
+            f"{1e3 * r['fwd_bwd_s']:.1f}",
+            f"{1e3 * r['optimizer_s']:.1f}",
+            f"{r['bytes_per_step'] / 2**20:.2f}",
+            f"{r['peak_mem_bytes'] / 2**20:.0f}",
+            f"{r['final_loss']:.4f}",
+        ))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ratios(results: list[dict]) -> dict[str, float]:
+    """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups)."""
+    by = {r["config"]: r for r in results}
+    out: dict[str, float] = {}
+    for mine in ("dmuon_z2", "dmuon_z3"):
+        if mine not in by:
+            continue
+        d = by[mine]
+        if "adamw" in by:
+            out[f"{mine}_overhead_vs_adamw_pct"] = 100.0 * (d["step_s"] / by["adamw"]["step_s"] - 1.0)
+        for base in ("torch_muon", "gather"):
+            if base in by:
+                out[f"{mine}_step_speedup_vs_{base}"] = by[base]["step_s"] / d["step_s"]
+                out[f"{mine}_optimizer_speedup_vs_{base}"] = by[base]["optimizer_s"] / d["optimizer_s"]
+    return out
+
+
+def loss_agreement(results: list[dict]) -> tuple[bool, str]:
+    muon = [r for r in results if r["config"] in MUON_CONFIGS]
+    if len(muon) < 2:
+        return True, "fewer than two Muon configurations: nothing to compare"
+    ref = muon[0]
+    worst = max(abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"]) for r in muon)
+    ok = worst <= LOSS_RTOL
+    names = ", ".join(r["config"] for r in muon)
+    verdict = "agree" if ok else "MISMATCH"
+    return ok, f"final losses of {names} {verdict} (max relative difference {worst:.2e}, tolerance {LOSS_RTOL})"
+
+
+def format_ratios(r: dict[str, float]) -> str:
+    lines = []
+    for key, value in r.items():
+        if key.endswith("_pct"):
+            lines.append(f"  {key[:-4]}: {value:+.1f}%")
+        else:
+            lines.append(f"  {key}: {value:.2f}x")
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def write_plot(path: str, results: list[dict], title: str) -> None:
+    """A PNG bar chart of the step-time breakdown per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    fb = [1e3 * r["fwd_bwd_s"] for r in results]
+    op = [1e3 * r["optimizer_s"] for r in results]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(names, fb, label="forward + backward")
+    ax.bar(names, op, bottom=fb, label="optimizer step")
+    ax.set_ylabel("median ms per step")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,88 @@
+"""The configurations the bench compares, each built the way its users would build it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.baselines import GatherThenCompute
+from dmuon.plan.selection import select_matrices
+
+CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
+MUON_CONFIGS = ("torch_muon", "gather", "dmuon_z2", "dmuon_z3")
+
+
+@dataclass
+class Hyper:
+    """Optimizer settings shared by every configuration."""
+
+    lr: float = 0.02
+    """Muon learning rate."""
+    adamw_lr: float = 3e-4
+    """AdamW learning rate (AdamW-only config uses it for every parameter)."""
+    ns_dtype: torch.dtype = torch.float32
+    """NS dtype for dmuon and gather (torch.optim.Muon always iterates in bf16)."""
+    ns_method: str = "auto"
+    """dmuon/gather NS method."""
+    balancer: str = "greedy"
+    """dmuon owner balancer."""
+
+
+class _Pair:
+    """Steps two torch optimizers as one (what torch users write for Muon + AdamW)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def last_step_stats(self) -> dict[str, Any]:
+        return {}
+
+
+def _shard(workload, mesh, ignored=None) -> None:
+    for block in workload.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ignored)
+    fully_shard(workload.model, mesh=mesh, ignored_params=ignored)
+
+
+def build(config: str, workload, mesh, hyper: Hyper):
+    """Shards ``workload.model`` for ``config`` and returns ``(optimizer, plan)``.
+
+    Raises:
+        ValueError: For an unknown configuration name.
+    """
+    model = workload.model
+    if config == "adamw":
+        _shard(workload, mesh)
+        return torch.optim.AdamW(model.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
+    if config == "torch_muon":
+        # Select before sharding: FSDP2 swaps the parameters for DTensors in place.
+        names = {n for n, _ in select_matrices(model)}
+        _shard(workload, mesh)
+        mats = [p for n, p in model.named_parameters() if n in names]
+        rest = [p for n, p in model.named_parameters() if n not in names]
+        return _Pair(
+            torch.optim.Muon(mats, lr=hyper.lr, weight_decay=0.1),
+            torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
+        ), None
+    kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
+    if config == "gather":
+        _shard(workload, mesh)
+        return GatherThenCompute(model, **kw), None
+    if config in ("dmuon_z2", "dmuon_z3"):
+        plan = dmuon.prepare(model, mesh, zero=int(config[-1]), balancer=hyper.balancer,
+                             blocks=workload.blocks)
+        _shard(workload, mesh, plan.matrices)
+        return dmuon.DMuon(model, plan, **kw), plan
+    raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")

@@ -1,0 +1,69 @@
+"""`dmuon bench` end to end in a short mode, and `dmuon plan` invariants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmuon.bench import cli as bench_cli
+from dmuon.bench import plan_cli
+from dmuon.plan.offline import expand, plan_offline
+from dmuon.bench.shapes import full_size_shapes
+
+RESULT_FIELDS = {"config", "step_s", "step_s_min", "step_s_max", "optimizer_s", "fwd_bwd_s",
+                 "bytes_per_step", "peak_mem_bytes", "final_loss"}
+
+
+def test_bench_short_mode_writes_every_field(tmp_path):
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    code = bench_cli.main(["--model", "tiny", "--world-size", "2", "--steps", "1", "--warmup", "1",
+                           "--configs", "adamw,gather,dmuon_z3", "--json", str(out), "--plot", str(plot),
+                           "--quiet"])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert {"machine", "world_size", "model", "results", "ratios"} <= payload.keys()
+    assert payload["world_size"] == 2 and payload["model"] == "tiny"
+    assert [r["config"] for r in payload["results"]] == ["adamw", "gather", "dmuon_z3"]
+    for r in payload["results"]:
+        assert RESULT_FIELDS <= r.keys()
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["step_s"] == pytest.approx(r["fwd_bwd_s"] + r["optimizer_s"], rel=1e-6)
+    # gather and dmuon run the same update rule from the same data.
+    losses = {r["config"]: r["losses"] for r in payload["results"]}
+    assert losses["gather"] == pytest.approx(losses["dmuon_z3"], rel=1e-4)
+    assert "dmuon_z3_overhead_vs_adamw_pct" in payload["ratios"]
+    assert payload["losses_agree"] is True
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_unknown_config():
+    with pytest.raises(SystemExit, match="nope"):
+        bench_cli.main(["--configs", "adamw,nope", "--quiet"])
+
+
+@pytest.mark.parametrize("model,world_size", [("qwen2.5-7b", 8), ("pi0", 64), ("qwen2", 3), ("qwen2.5-7b", 1024)])
+def test_plan_costs_sum_and_single_owner(model, world_size):
+    groups = full_size_shapes(model)
+    plan = plan_offline(groups, world_size)
+    names = [n for r in plan["ranks"] for n in r["matrices"]]
+    expected = [m.name for m in expand(groups)]
+    assert sorted(names) == sorted(expected) and len(set(names)) == len(names)
+    from dmuon.plan.cost import update_cost
+    total = sum(update_cost(m.shape) for m in expand(groups))
+    assert sum(r["cost"] for r in plan["ranks"]) == pytest.approx(total)
+    assert plan["makespan"] == max(r["cost"] for r in plan["ranks"])
+    assert plan["imbalance"] == pytest.approx(plan["makespan"] / plan["mean"])
+
+
+def test_plan_cli_json(tmp_path, capsys):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"name": "a", "shape": [64, 256], "count": 5},
+                                  {"name": "b", "shape": [256, 64], "count": 2}]))
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--shapes", str(shapes), "--world-size", "3", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert {"world_size", "balancer", "makespan", "mean", "imbalance", "ranks"} <= plan.keys()
+    assert sum(len(r["matrices"]) for r in plan["ranks"]) == 7
+    assert "imbalance" in capsys.readouterr().out
