@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dmuon.bench.report import (
     format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
 )
-from dmuon.bench.runner import BenchOptions, run_all, run_config
+from dmuon.bench.runner import BenchOptions, run_all
 from dmuon.bench.setups import CONFIGS, Hyper
 from dmuon.testing.spawn import run_distributed
 
@@ -56,10 +56,6 @@ def _options(args) -> BenchOptions:
     )
 
 
-def _spawned_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> dict:
-    return run_config(rank, world_size, config, opts)
-
-
 def run(args) -> dict:
     """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -89,10 +85,9 @@ def run(args) -> dict:
         if not args.quiet:
             print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
                   f"configs {', '.join(configs)}", file=sys.stderr)
-        results = []
-        for config in configs:
-            # One process group per configuration keeps peak-memory figures separate.
-            results.append(run_distributed(_spawned_config, world_size, config, opts, timeout_s=600)[0])
+        # One spawn for all configurations: process start-up (torch, transformers)
+        # would otherwise dominate a short run. Peak memory is reset per config.
+        results = run_distributed(run_all, world_size, configs, opts, timeout_s=600)[0]
     payload = {
         "machine": machine_description(),
         "world_size": world_size,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import statistics
 import sys
@@ -39,9 +41,40 @@ class BenchOptions:
     """Rank 0 prints a progress bar on stderr."""
 
 
-def _rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _proc_status_bytes(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _start_peak_rss() -> int:
+    """Releases freed heap, resets the kernel's peak-RSS mark and returns the current RSS.
+
+    Writing 5 to ``/proc/self/clear_refs`` resets ``VmHWM`` (Linux >= 4.0), so
+    configurations run one after another in one process get their own peaks.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    rss = _proc_status_bytes("VmRSS")
+    return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_rss() -> int:
+    peak = _proc_status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _fsdp_bytes_per_step(model, world_size: int) -> int:
@@ -71,7 +104,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
     """Trains ``opts.model`` with ``config`` for warmup+steps and reports timings (rank 0's view)."""
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world_size,))
-    rss_before = _rss_bytes()
+    rss_before = _start_peak_rss()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with torch.device(device):
@@ -118,7 +151,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         opt_bytes = sum(2 * p.numel() * p.element_size() * (world_size - 1) // world_size
                         for g in optimizer.opts[0].param_groups for p in g["params"])
     fsdp_bytes = _fsdp_bytes_per_step(model, world_size)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _rss_bytes() - rss_before
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss() - rss_before
     peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     return {
