@@ -1,0 +1,31 @@
+"""dmuon.ortho: owner-side orthogonalisation numerics (no torch.distributed).
+
+Public API:
+
+* :func:`orthogonalize` / :func:`orthogonalize_many` — the entry points.
+* :func:`newton_schulz` — standard quintic Newton–Schulz (bit-identical to
+  ``torch.optim.Muon``'s for bfloat16 2-D input).
+* :func:`gram_newton_schulz` — the same iteration in the Gram space.
+* Coefficient schedules: :data:`KELLER`, :func:`fixed_schedule`,
+  :func:`polar_express_schedule`.
+* :class:`Autotuner` — measured, cached method/batching choices.
+"""
+
+from .api import orthogonalize, orthogonalize_many
+from .autotune import Autotuner, get_autotuner
+from .coefficients import KELLER, fixed_schedule, polar_express_schedule, resolve_schedule
+from .gram import gram_newton_schulz
+from .newton_schulz import newton_schulz
+
+__all__ = [
+    "KELLER",
+    "Autotuner",
+    "fixed_schedule",
+    "get_autotuner",
+    "gram_newton_schulz",
+    "newton_schulz",
+    "orthogonalize",
+    "orthogonalize_many",
+    "polar_express_schedule",
+    "resolve_schedule",
+]

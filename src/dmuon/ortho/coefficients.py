@@ -1,0 +1,152 @@
+"""Coefficient schedules for quintic Newton–Schulz iterations.
+
+Every iteration applies the odd matrix polynomial ``p(X) = a X + b (X Xᵀ) X + c (X Xᵀ)² X``
+to the current iterate. A *schedule* is the sequence of ``(a, b, c)`` triples used by
+the successive iterations; a single triple repeated ``steps`` times is the classic
+Muon setting.
+
+Sources of the constants:
+
+* ``KELLER`` — Keller Jordan's Muon reference implementation
+  (https://github.com/KellerJordan/Muon), also the default of
+  ``torch.optim.Muon``. The triple maximises the slope at zero; it does not converge
+  to the polar factor but leaves singular values roughly in ``[0.68, 1.13]``.
+* Polar Express — N. Amsel, D. Persson, C. Musco, R. M. Gower, "The Polar Express:
+  Optimal Matrix Sign Methods and Their Application to the Muon Algorithm",
+  arXiv:2505.16932 (2025), Algorithm 1 (degree 5, lower spectral bound 1e-3). The raw
+  table below is copied from the paper; after its last entry the optimal polynomial
+  is numerically constant, so that entry repeats for any further iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Union
+
+Coeffs = tuple[float, float, float]
+Schedule = list[Coeffs]
+CoefficientSpec = Union[Coeffs, Sequence[Sequence[float]], str]
+
+KELLER: Coeffs = (3.4445, -4.7750, 2.0315)
+
+# Raw (unsafeguarded) Polar Express coefficients, Amsel et al. 2025, Algorithm 1.
+POLAR_EXPRESS_RAW: tuple[Coeffs, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+POLAR_EXPRESS_SAFETY = 1.01
+
+
+def _check_triple(coeffs: Sequence[float], where: str = "coefficients") -> Coeffs:
+    if isinstance(coeffs, (str, bytes)) or len(coeffs) != 3:
+        raise ValueError(f"{where} must be an (a, b, c) triple, got {coeffs!r}")
+    try:
+        triple = tuple(float(v) for v in coeffs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where} must contain numbers, got {coeffs!r}") from exc
+    if not all(math.isfinite(v) for v in triple):
+        raise ValueError(f"{where} must be finite, got {coeffs!r}")
+    return triple  # type: ignore[return-value]
+
+
+def _check_steps(steps: int) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+    return steps
+
+
+def fixed_schedule(coeffs: Sequence[float], steps: int) -> Schedule:
+    """Repeats one coefficient triple for every iteration.
+
+    Args:
+        coeffs: The ``(a, b, c)`` triple.
+        steps: Number of iterations.
+
+    Returns:
+        A list of ``steps`` identical triples.
+
+    Raises:
+        ValueError: If ``coeffs`` is not a finite triple or ``steps`` is negative.
+    """
+    return [_check_triple(coeffs)] * _check_steps(steps)
+
+
+def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> Schedule:
+    """Per-iteration Polar Express coefficients (Amsel et al. 2025).
+
+    The table entries are optimal for singular values in ``[1e-3, 1]``. Following the
+    paper's Algorithm 1, every table entry except the final, fixed-point one
+    ``(1.875, -1.25, 0.375)`` is replaced by ``(a / s, b / s**3, c / s**5)``, i.e. the
+    polynomial ``p(x / s)``, so that singular values slightly above 1 after a
+    low-precision normalisation are still mapped near 1. Iterations beyond the table
+    repeat the (unscaled) final entry, which the paper notes is the numerically
+    converged optimum.
+
+    Args:
+        steps: Number of iterations.
+        safety: Safety factor ``s >= 1``; ``1.0`` gives the raw table.
+
+    Returns:
+        A list of ``steps`` triples.
+
+    Raises:
+        ValueError: If ``steps`` is negative or ``safety`` is not a finite number >= 1.
+    """
+    _check_steps(steps)
+    if not (isinstance(safety, (int, float)) and math.isfinite(safety) and safety >= 1.0):
+        raise ValueError(f"safety must be a finite number >= 1, got {safety!r}")
+    s = float(safety)
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_RAW[:-1]]
+    table.append(POLAR_EXPRESS_RAW[-1])
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
+    """Turns any accepted coefficient specification into an explicit schedule.
+
+    Args:
+        spec: One ``(a, b, c)`` triple (repeated ``steps`` times), a sequence of triples
+            (its first ``steps`` entries are used), or the string ``"polar_express"``
+            (``"keller"`` is accepted too).
+        steps: Number of iterations.
+
+    Returns:
+        A list of exactly ``steps`` triples.
+
+    Raises:
+        ValueError: For an unknown name, malformed triples, or a schedule shorter
+            than ``steps``.
+    """
+    _check_steps(steps)
+    if isinstance(spec, str):
+        name = spec.lower().replace("-", "_")
+        if name == "polar_express":
+            return polar_express_schedule(steps)
+        if name == "keller":
+            return fixed_schedule(KELLER, steps)
+        raise ValueError(f"unknown coefficient schedule {spec!r}; use 'polar_express' or 'keller'")
+    if not isinstance(spec, Sequence) or len(spec) == 0:
+        raise ValueError(f"coefficients must be a triple, a schedule or a name, got {spec!r}")
+    # A flat triple of numbers is a fixed schedule; a sequence of sequences is explicit.
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in spec):
+        return fixed_schedule(spec, steps)  # type: ignore[arg-type]
+    schedule = [_check_triple(t, f"schedule entry {i}") for i, t in enumerate(spec)]
+    if len(schedule) < steps:
+        raise ValueError(f"schedule has {len(schedule)} entries but steps={steps}")
+    return schedule[:steps]
+
+
+def schedule_key(schedule: Sequence[Coeffs]) -> str:
+    """A short stable fingerprint of a schedule, for cache keys."""
+    import hashlib
+
+    text = ";".join(",".join(repr(float(v)) for v in t) for t in schedule)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
