@@ -1,0 +1,335 @@
+"""Symmetric matrix products that compute only half of the result.
+
+Gram Newton–Schulz spends its inner loop on products whose result is symmetric:
+
+* ``gram(X) = X Xᵀ``,
+* ``sym_square(A) = A A`` for symmetric ``A`` (the same as ``A Aᵀ``),
+* ``sym_poly2(A, b, c) = b A + c A A`` (the polynomial step, fused),
+* ``sym_product(A, B) = A B`` where ``A`` and ``B`` are symmetric *and commute*
+  (both are polynomials in the same Gram matrix), so ``A B`` is symmetric too.
+
+Each comes in a plain reference form (full matmul) and a half-work form that computes
+one triangle and mirrors it. The half-work backends:
+
+``"blas"`` (CPU, float32/float64)
+    ``?syrk`` from ``scipy.linalg.blas`` on zero-copy NumPy views for the first three;
+    a lower block-triangular schedule of NumPy (OpenBLAS) matmuls for ``sym_product``.
+``"torch"`` (any device)
+    The same block-triangular schedule with ``torch.matmul`` for all four.
+``"triton"`` (CUDA)
+    The lower-triangle tile kernel in :mod:`dmuon.ortho.triton_syrk` for the Gram and
+    squares; ``sym_product`` falls back to ``"torch"``.
+
+Which backend is fastest was measured on the development CPU (see
+:func:`default_backend`). Results from the half-work forms equal the reference up to
+floating-point summation order and are exactly symmetric.
+
+Low-precision inputs (bfloat16/float16) are computed with float32 accumulation and a
+float32 result on every backend: on CPU a bfloat16 matmul is several times slower than
+float32, and a bfloat16 Gram matrix would discard the small eigenvalues that the
+Newton–Schulz polynomial needs to amplify.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+try:  # SciPy is optional: without it the CPU falls back to the torch schedule.
+    import numpy as _np
+    from scipy.linalg import blas as _blas
+except ImportError:  # pragma: no cover - exercised only without scipy
+    _np = None
+    _blas = None
+
+BACKENDS = ("reference", "torch", "blas", "triton")
+
+# Block count for the block-triangular schedule: k blocks cost (k+1)/(2k) of a full
+# product in k matmuls. 4 blocks (62.5%) keeps each matmul large enough for BLAS to
+# run near peak on the sizes Muon sees (m >= 256).
+_BLOCKS = 4
+# Below this size the extra calls cost more than the halved arithmetic saves.
+_MIN_HALF = 128
+# Tile edge for mirroring; transposing whole strips at once thrashes the cache.
+_MIRROR_TILE = 256
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_square(A: torch.Tensor, name: str) -> None:
+    if A.ndim not in (2, 3) or A.shape[-1] != A.shape[-2]:
+        raise ValueError(f"{name} must be square (m, m) or (B, m, m), got {tuple(A.shape)}")
+
+
+def _check_matrix(X: torch.Tensor, name: str) -> None:
+    if not isinstance(X, torch.Tensor) or X.ndim not in (2, 3):
+        raise ValueError(f"{name} must be a (m, n) or (B, m, n) tensor")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        from . import triton_syrk
+
+        return triton_syrk.is_available()
+    except Exception:  # pragma: no cover - import problems mean "not available"
+        return False
+
+
+def default_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """The fastest half-work backend for a device, as measured during development.
+
+    On the 2-core AMD EPYC development machine (torch 2.13 with MKL, NumPy/SciPy with
+    OpenBLAS 0.3.31) ``ssyrk`` and OpenBLAS ``sgemm`` beat both the torch block
+    schedule and the full torch matmul; see ``python -m dmuon.ortho.bench --kernels``.
+
+    Args:
+        device: Where the operands live.
+        dtype: Operand dtype.
+
+    Returns:
+        One of ``"blas"``, ``"triton"``, ``"torch"``.
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu" and _blas is not None:
+        return "blas"
+    if dev.type == "cuda" and _triton_available():
+        return "triton"
+    return "torch"
+
+
+def _resolve(backend: str | None, T: torch.Tensor) -> str:
+    if backend is None:
+        backend = default_backend(T.device, T.dtype)
+    _check_backend(backend)
+    if backend == "blas" and (T.device.type != "cpu" or _blas is None):
+        backend = "torch"
+    if backend == "triton" and (T.device.type != "cuda" or not _triton_available()):
+        backend = "torch"
+    return backend
+
+
+# ----------------------------------------------------------------------------- mirror
+
+
+def mirror_lower_(C: torch.Tensor) -> torch.Tensor:
+    """Copies the lower triangle of a square matrix onto its upper triangle in place.
+
+    Args:
+        C: A contiguous ``(m, m)`` tensor whose lower triangle (with diagonal) is valid.
+
+    Returns:
+        ``C``, now exactly symmetric.
+    """
+    m = C.shape[-1]
+    t = _MIRROR_TILE
+    for i in range(0, m, t):
+        i1 = min(i + t, m)
+        for j in range(i1, m, t):
+            j1 = min(j + t, m)
+            C[i:i1, j:j1] = C[j:j1, i:i1].mT
+        blk = C[i:i1, i:i1]
+        blk.copy_(torch.tril(blk) + torch.tril(blk, -1).mT)
+    return C
+
+
+# ----------------------------------------------------------------------- references
+
+
+def gram_reference(X: torch.Tensor) -> torch.Tensor:
+    """``X Xᵀ`` by a plain matmul, accumulated in float32 (or float64)."""
+    _check_matrix(X, "X")
+    X = X.to(_acc_dtype(X.dtype))
+    return X @ X.mT
+
+
+def sym_square_reference(A: torch.Tensor) -> torch.Tensor:
+    """``A A`` by a plain matmul."""
+    _check_square(A, "A")
+    A = A.to(_acc_dtype(A.dtype))
+    return A @ A
+
+
+def sym_poly2_reference(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """``b A + c A A`` by a fused plain matmul."""
+    _check_square(A, "A")
+    A = A.to(_acc_dtype(A.dtype))
+    if A.ndim == 2:
+        return torch.addmm(A, A, A, beta=b, alpha=c)
+    return torch.baddbmm(A, A, A, beta=b, alpha=c)
+
+
+def sym_product_reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``A B`` by a plain matmul (no symmetry assumed)."""
+    _check_square(A, "A")
+    _check_square(B, "B")
+    dt = _acc_dtype(A.dtype)
+    return A.to(dt) @ B.to(dt)
+
+
+# --------------------------------------------------------------------- torch blocks
+
+
+def _tril_product_torch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes the lower block triangle of ``A @ B`` (block rows times leading columns)."""
+    m = A.shape[0]
+    k = _BLOCKS
+    edges = [round(i * m / k) for i in range(k + 1)]
+    for i in range(k):
+        r0, r1 = edges[i], edges[i + 1]
+        out[r0:r1, :r1] = A[r0:r1] @ B[:, :r1]
+    return out
+
+
+def _gram_torch(X: torch.Tensor) -> torch.Tensor:
+    C = torch.empty(X.shape[0], X.shape[0], dtype=X.dtype, device=X.device)
+    return mirror_lower_(_tril_product_torch(X, X.mT, C))
+
+
+def _sym_product_torch(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    C = torch.empty_like(A)
+    return mirror_lower_(_tril_product_torch(A, B, C))
+
+
+# ----------------------------------------------------------------------- BLAS (CPU)
+
+
+def _syrk_np(A, alpha: float = 1.0, beta: float = 0.0, C=None):
+    """``alpha A Aᵀ + beta C`` with ?syrk; returns a C-order array, lower triangle valid.
+
+    ``A`` and ``C`` are C-contiguous NumPy arrays. Passing the transposes hands BLAS
+    Fortran-contiguous views, so nothing is copied.
+    """
+    fn = _blas.ssyrk if A.dtype == _np.float32 else _blas.dsyrk
+    if C is None:
+        res = fn(alpha, A.T, trans=1, lower=0)
+    else:
+        res = fn(alpha, A.T, beta=beta, c=C.T, trans=1, lower=0, overwrite_c=1)
+    # Upper triangle of the Fortran result == lower triangle of its C-order transpose.
+    return res.T
+
+
+def _as_np(T: torch.Tensor):
+    return T.detach().contiguous().numpy()
+
+
+def _gram_blas(X: torch.Tensor) -> torch.Tensor:
+    Xn = _as_np(X)
+    return mirror_lower_(torch.from_numpy(_np.ascontiguousarray(_syrk_np(Xn))))
+
+
+def _sym_poly2_blas(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    An = _as_np(A)
+    Cn = An.copy()
+    res = _syrk_np(An, alpha=c, beta=b, C=Cn)
+    return mirror_lower_(torch.from_numpy(_np.ascontiguousarray(res)))
+
+
+def _sym_product_blas(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    An, Bn = _as_np(A), _as_np(B)
+    m = An.shape[0]
+    Cn = _np.empty_like(An)
+    k = _BLOCKS
+    edges = [round(i * m / k) for i in range(k + 1)]
+    for i in range(k):
+        r0, r1 = edges[i], edges[i + 1]
+        _np.matmul(An[r0:r1], Bn[:, :r1], out=Cn[r0:r1, :r1])
+    return mirror_lower_(torch.from_numpy(Cn))
+
+
+# -------------------------------------------------------------------------- triton
+
+
+def _gram_triton(X: torch.Tensor) -> torch.Tensor:
+    from .triton_syrk import syrk
+
+    return syrk(X)
+
+
+def _sym_poly2_triton(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    from .triton_syrk import syrk
+
+    return syrk(A, alpha=c, beta=b, C=A)
+
+
+# ----------------------------------------------------------------------- dispatch
+
+
+def _per_matrix(fn: Callable[..., torch.Tensor], *mats: torch.Tensor, **kw) -> torch.Tensor:
+    if mats[0].ndim == 2:
+        return fn(*mats, **kw)
+    return torch.stack([fn(*ms, **kw) for ms in zip(*mats)])
+
+
+def gram(X: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``X Xᵀ`` computing one triangle only.
+
+    Args:
+        X: ``(m, n)`` or ``(B, m, n)``.
+        backend: ``None`` for :func:`default_backend`, or one of :data:`BACKENDS`.
+
+    Returns:
+        The exactly symmetric ``(m, m)`` (or ``(B, m, m)``) Gram matrix in float32
+        (float64 for float64 input).
+    """
+    _check_matrix(X, "X")
+    X = X.to(_acc_dtype(X.dtype))
+    backend = _resolve(backend, X)
+    if backend == "reference" or X.shape[-2] < _MIN_HALF:
+        return gram_reference(X)
+    fn = {"blas": _gram_blas, "torch": _gram_torch, "triton": _gram_triton}[backend]
+    return _per_matrix(fn, X)
+
+
+def sym_square(A: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``A A`` for symmetric ``A`` (only ``A``'s symmetry is assumed, not checked)."""
+    _check_square(A, "A")
+    return gram(A, backend)
+
+
+def sym_poly2(A: torch.Tensor, b: float, c: float, backend: str | None = None) -> torch.Tensor:
+    """``b A + c A A`` for symmetric ``A``: the quintic step's polynomial, fused.
+
+    Args:
+        A: Symmetric ``(m, m)`` or ``(B, m, m)``.
+        b: Coefficient of ``A``.
+        c: Coefficient of ``A A``.
+        backend: As in :func:`gram`.
+    """
+    _check_square(A, "A")
+    A = A.to(_acc_dtype(A.dtype))
+    backend = _resolve(backend, A)
+    if backend == "reference" or A.shape[-1] < _MIN_HALF:
+        return sym_poly2_reference(A, b, c)
+    if backend == "torch":
+        return b * A + c * _per_matrix(_gram_torch, A)
+    fn = {"blas": _sym_poly2_blas, "triton": _sym_poly2_triton}[backend]
+    return _per_matrix(fn, A, b=b, c=c)
+
+
+def sym_product(A: torch.Tensor, B: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``A B`` for symmetric, commuting ``A`` and ``B`` (so the product is symmetric).
+
+    Only the lower triangle is computed. If the operands do not commute the result is
+    the symmetrisation ``tril(A B) + tril(A B, -1)ᵀ``, not ``A B``.
+    """
+    _check_square(A, "A")
+    _check_square(B, "B")
+    if A.shape != B.shape:
+        raise ValueError(f"shape mismatch {tuple(A.shape)} vs {tuple(B.shape)}")
+    dt = _acc_dtype(A.dtype)
+    A, B = A.to(dt), B.to(dt)
+    backend = _resolve(backend, A)
+    if backend == "reference" or A.shape[-1] < _MIN_HALF:
+        return sym_product_reference(A, B)
+    fn = _sym_product_blas if backend == "blas" else _sym_product_torch
+    return _per_matrix(fn, A, B)
