@@ -1,0 +1,326 @@
+"""Measure-once choices for orthogonalisation, persisted in a JSON cache.
+
+Two decisions are tuned, each per device, compute dtype, matrix shape and schedule:
+
+* **method** — standard Newton–Schulz or Gram Newton–Schulz. Gram is eligible only
+  if it passes an accuracy bar on a probe matrix with a decaying spectrum (its
+  distance to the float32 standard result may not exceed the standard path's own
+  distance in the requested dtype, nor 1e-3 relative, whichever is larger);
+  the faster eligible method wins.
+* **batching** — for ``B`` same-shape matrices, one batched call or a loop of 2-D
+  calls, for the chosen method. On CPU batching wins when per-call dispatch
+  dominates (many small matrices) and can lose for mid-sized ones.
+
+The cache is one JSON file per device fingerprint, under ``cache_dir`` (argument,
+else ``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``). Its header names the device,
+torch version and schema version; a file that does not parse, or whose header differs,
+is ignored (and replaced on the next write), never trusted. Writes go to a temporary
+file in the same directory and are moved into place with ``os.replace``, so a reader
+never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .coefficients import Schedule, schedule_key
+from .gram import gram_newton_schulz
+from .newton_schulz import newton_schulz
+
+SCHEMA_VERSION = 1
+METHODS = ("standard", "gram")
+# Relative error floor of the accuracy bar (see module docstring).
+ACCURACY_FLOOR = 1e-3
+# A run slower than this is timed once instead of ``repeats`` times.
+SLOW_RUN_S = 0.5
+
+
+def default_cache_dir() -> Path:
+    """``$DMUON_CACHE_DIR`` if set, else ``~/.cache/dmuon``."""
+    env = os.environ.get("DMUON_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dmuon"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_fingerprint(device: torch.device | str) -> str:
+    """A string naming the device type and model (and CPU thread count)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{torch.cuda.get_device_name(idx)}"
+    if dev.type == "cpu":
+        return f"cpu:{_cpu_name()}:threads={torch.get_num_threads()}"
+    return dev.type
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` in seconds after one warm-up call."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    first = time.perf_counter() - t0
+    if first > SLOW_RUN_S:
+        repeats = 1
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a decision depends on."""
+
+    device: str
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    schedule: tuple[tuple[float, float, float], ...]
+    eps: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule)
+
+    def key(self, batch: int | None = None) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        base = f"{dt}|{self.shape[0]}x{self.shape[1]}|steps={self.steps}|sched={schedule_key(self.schedule)}"
+        return base if batch is None else f"{base}|batch={batch}"
+
+
+def run_method(method: str, G: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """Runs one method on a matrix or stack (the autotuner's and the API's runner)."""
+    sched = [tuple(t) for t in problem.schedule]
+    if method == "standard":
+        return newton_schulz(G, sched, problem.steps, problem.eps, problem.dtype)
+    if method == "gram":
+        return gram_newton_schulz(G, sched, problem.steps, problem.eps, problem.dtype)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def run_looped(method: str, G: torch.Tensor, problem: Problem) -> list[torch.Tensor]:
+    return [run_method(method, g, problem) for g in G]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm().clamp(min=1e-300))
+
+
+def _probe(shape: tuple[int, int], device: torch.device, batch: int = 1) -> torch.Tensor:
+    """A reproducible gradient-like probe: low rank plus small noise."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    m, n = shape
+    r = max(1, min(m, n) // 8)
+    low = torch.randn(batch, m, r, generator=gen) @ torch.randn(batch, r, n, generator=gen)
+    G = low / math.sqrt(r) + 1e-2 * torch.randn(batch, m, n, generator=gen)
+    return G.to(device)
+
+
+class Autotuner:
+    """Decides method and batching per problem, measuring on a cache miss.
+
+    Args:
+        cache_dir: Directory of the JSON cache; ``None`` for :func:`default_cache_dir`.
+        repeats: Timed repetitions per candidate (median is used).
+        persist: Write measurements to disk (in-memory only when ``False``).
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None, repeats: int = 3, persist: bool = True):
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.repeats = repeats
+        self.persist = persist
+        self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
+        self._files: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ storage
+
+    def cache_path(self, device_fp: str) -> Path:
+        import hashlib
+
+        tag = hashlib.sha1(device_fp.encode()).hexdigest()[:10]
+        return self.cache_dir / f"ortho-autotune-{tag}.json"
+
+    def _header(self, device_fp: str) -> dict:
+        return {"schema": SCHEMA_VERSION, "torch": torch.__version__, "device": device_fp}
+
+    def _entries(self, device_fp: str) -> dict:
+        if device_fp not in self._files:
+            self._files[device_fp] = self._read(device_fp)
+        return self._files[device_fp]
+
+    def _read(self, device_fp: str) -> dict:
+        path = self.cache_path(device_fp)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("header") != self._header(device_fp):
+            return {}
+        entries = data.get("entries")
+        if not isinstance(entries, dict):
+            return {}
+        return {k: v for k, v in entries.items() if isinstance(v, dict)}
+
+    def _write(self, device_fp: str) -> None:
+        if not self.persist:
+            return
+        path = self.cache_path(device_fp)
+        payload = {"header": self._header(device_fp), "entries": self._files.get(device_fp, {})}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(payload, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            # A read-only or full cache directory must not break training; the
+            # decisions stay valid in memory for this process.
+            pass
+
+    # ---------------------------------------------------------------- decisions
+
+    def problem(self, shape, dtype: torch.dtype, device, schedule: Schedule, eps: float) -> Problem:
+        return Problem(
+            device_fingerprint(device), dtype, (int(shape[0]), int(shape[1])),
+            tuple(tuple(float(v) for v in t) for t in schedule), float(eps),
+        )
+
+    def method(self, problem: Problem, device: torch.device | str) -> str:
+        """The method to use for one matrix of ``problem``'s shape."""
+        device = torch.device(device)
+        with self._lock:
+            entries = self._entries(problem.device)
+            entry = entries.get(problem.key())
+            if not (isinstance(entry, dict) and entry.get("method") in METHODS):
+                entry = self._measure_method(problem, device)
+                entries[problem.key()] = entry
+                self._write(problem.device)
+            elif device.type == "cuda" and entry.get("triton_tiles"):
+                _pin_triton_tiles(entry["triton_tiles"])
+            return entry["method"]
+
+    def batching(self, problem: Problem, batch: int, method: str, device: torch.device | str) -> bool:
+        """Whether ``batch`` matrices of ``problem``'s shape should run as one batched call."""
+        if batch <= 1:
+            return False
+        device = torch.device(device)
+        key = problem.key(batch) + f"|method={method}"
+        with self._lock:
+            entries = self._entries(problem.device)
+            entry = entries.get(key)
+            if not (isinstance(entry, dict) and isinstance(entry.get("batched"), bool)):
+                entry = self._measure_batching(problem, batch, method, device)
+                entries[key] = entry
+                self._write(problem.device)
+            return entry["batched"]
+
+    def lookup(self, problem: Problem, batch: int | None = None) -> dict | None:
+        """The cached entry for a problem, without measuring."""
+        return self._entries(problem.device).get(problem.key(batch))
+
+    # -------------------------------------------------------------- measurement
+
+    def _measure_method(self, problem: Problem, device: torch.device) -> dict:
+        self.measurements += 1
+        G = _probe(problem.shape, device)[0]
+        fp32 = Problem(problem.device, torch.float32 if problem.dtype != torch.float64 else torch.float64,
+                       problem.shape, problem.schedule, problem.eps)
+        reference = run_method("standard", G, fp32)
+        std_err = _rel(run_method("standard", G, problem), reference)
+        gram_err = _rel(run_method("gram", G, problem), reference)
+        bar = max(std_err, ACCURACY_FLOOR)
+        gram_ok = math.isfinite(gram_err) and gram_err <= bar
+        times = {"standard": time_call(lambda: run_method("standard", G, problem), device, self.repeats)}
+        if gram_ok:
+            times["gram"] = time_call(lambda: run_method("gram", G, problem), device, self.repeats)
+        method = min(times, key=times.get)
+        entry = {"method": method, "times_s": times, "gram_error": gram_err, "standard_error": std_err,
+                 "gram_accurate": gram_ok}
+        if device.type == "cuda" and gram_ok:
+            entry["triton_tiles"] = _triton_tiles(problem.shape)
+        return entry
+
+    def _measure_batching(self, problem: Problem, batch: int, method: str, device: torch.device) -> dict:
+        self.measurements += 1
+        G = _probe(problem.shape, device, batch)
+        t_batched = time_call(lambda: run_method(method, G, problem), device, self.repeats)
+        t_looped = time_call(lambda: run_looped(method, G, problem), device, self.repeats)
+        return {"batched": t_batched <= t_looped, "times_s": {"batched": t_batched, "looped": t_looped}}
+
+
+def _triton_tiles(shape: tuple[int, int]) -> list:
+    """The Triton SYRK tile configs autotuned for the Gram path of ``shape``."""
+    try:
+        from . import triton_syrk
+    except Exception:  # pragma: no cover
+        return []
+    m, n = min(shape), max(shape)
+    found = []
+    for M, K in ((m, n), (m, m)):  # X Xᵀ, and the m x m squares of the inner loop
+        cfg = triton_syrk.best_config(M, K)
+        if cfg is not None:
+            found.append([M, K, *cfg])
+    return found
+
+
+def _pin_triton_tiles(tiles) -> None:
+    try:
+        from . import triton_syrk
+
+        for M, K, *cfg in tiles:
+            triton_syrk.pin_config(int(M), int(K), tuple(int(v) for v in cfg))
+    except Exception:
+        # A malformed cached config is only a missed optimisation; autotuning redoes it.
+        pass
+
+
+_default: Autotuner | None = None
+_default_lock = threading.Lock()
+
+
+def get_autotuner() -> Autotuner:
+    """The process-wide autotuner (cache directory from the environment)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.cache_dir != default_cache_dir():
+            _default = Autotuner()
+        return _default
