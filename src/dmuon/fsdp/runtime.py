@@ -132,7 +132,10 @@ class OwnerRuntime:
         """Registers the forward/backward hooks that free and re-materialize blocks."""
         order = [b.index for b in self.plan.blocks if b.index in self.block_buckets]
         nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
-        prv = {b: order[k - 1] for k, b in enumerate(order) if k > 0}
+        # The root block (0) is materialized by its own pre-backward hook, the
+        # first to fire in backward, and stays until its gradients land, so no
+        # block prefetches it on the way back.
+        prv = {b: order[k - 1] for k, b in enumerate(order) if k > 0 and order[k - 1] != 0}
         for b in order:
             module = self.plan.blocks[b].module
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(b, nxt.get(b))))

@@ -1,0 +1,73 @@
+"""Misuse cases run inside spawned ranks: each must raise a clear error, never hang."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+
+def _catch(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def mismatched_models(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = OddNet(blocks=3 if rank == 0 else 2)
+    return _catch(lambda: dmuon.prepare(model, mesh))
+
+
+def prepare_after_fully_shard(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = OddNet()
+    fully_shard(model, mesh=mesh)
+    return _catch(lambda: dmuon.prepare(model, mesh))
+
+
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(10, 6, sparse=True)
+        self.proj = nn.Linear(6, 3, bias=False)
+
+    def forward(self, idx):
+        return self.proj(self.table(idx)).sum()
+
+
+def sparse_gradient(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = SparseNet()
+    plan = dmuon.prepare(model, mesh, zero=2, select=lambda n, p: p.ndim == 2)
+    opt = dmuon.DMuon(model, plan)
+    model(torch.tensor([1, 2, 3])).backward()
+    return _catch(opt.step)
+
+
+def traffic(rank: int, world_size: int, zero: int) -> dict:
+    """Counted bytes of one steady-state step, to compare with the analytical model."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = dmuon.prepare(model, mesh, zero=zero)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
+    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    opt = dmuon.DMuon(model, plan, ns_method="standard", ns_dtype=torch.float32)
+    for step in range(2):
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "stats": opt.last_step_stats(),
+        "numels": [i.numel for i in plan.infos],
+        "owners": [i.owner for i in plan.infos],
+        "elem": plan.infos[0].param.element_size(),
+    }

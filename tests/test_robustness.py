@@ -1,0 +1,34 @@
+"""Bad input gets a clear error on every rank (no hang); counters match the traffic model."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmuon.plan.offline import traffic_per_rank
+from dmuon.testing import run_distributed
+from dmuon.testing import faults
+
+
+def test_ranks_with_different_models_fail_clearly():
+    out = run_distributed(faults.mismatched_models, 2, timeout_s=60)
+    assert all(o.startswith("ValueError") and "ranks [1] differ" in o for o in out), out
+
+
+def test_prepare_after_fully_shard_names_the_parameter():
+    out = run_distributed(faults.prepare_after_fully_shard, 2, timeout_s=60)
+    assert all("already sharded" in o and "embed.weight" in o for o in out), out
+
+
+def test_sparse_gradient_names_the_parameter():
+    out = run_distributed(faults.sparse_gradient, 2, timeout_s=60)
+    assert all("table.weight" in o and "sparse" in o for o in out), out
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_counted_bytes_match_the_traffic_model(zero):
+    world_size = 3
+    out = run_distributed(faults.traffic, world_size, zero, timeout_s=120)
+    model = traffic_per_rank(out[0]["numels"], out[0]["owners"], world_size, zero, out[0]["elem"])
+    for rank, o in enumerate(out):
+        assert (o["stats"]["bytes_sent"], o["stats"]["bytes_received"]) == model[rank]
+    assert sum(o["stats"]["orthogonalized"] for o in out) == len(out[0]["numels"])
