@@ -1,0 +1,257 @@
+"""Side-by-side speed of the orthogonalisation variants.
+
+``python -m dmuon.ortho.bench`` (or ``dmuon bench --ortho``) prints two tables:
+
+* per matrix shape: standard Newton–Schulz, Gram NS with plain matmuls, and Gram NS
+  with the half-work symmetric kernels, as times and speed-ups over standard;
+* per (batch, shape): one batched call versus a loop of 2-D calls, for the standard
+  and the Gram method, plus what a fresh autotuner picks and how close its pick is
+  to the better of the two.
+
+All variants of a row are timed in the same process, interleaved round by round, and
+the median per variant is reported, so background load affects them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .autotune import Autotuner
+from .coefficients import KELLER
+from .gram import gram_newton_schulz
+from .newton_schulz import newton_schulz
+
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((256, 1024), (512, 2048), (1024, 1024), (1024, 4096), (1024, 8192))
+DEFAULT_BATCHES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (16, 128, 512), (8, 256, 1024), (4, 512, 512))
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per function, timing them round-robin after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_ortho_bench(
+    shapes: Sequence[tuple[int, int]] | None = None,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+    batches: Sequence[tuple[int, int, int]] | None = None,
+    steps: int = 5,
+    coefficients=KELLER,
+) -> list[dict]:
+    """Times the orthogonalisation variants on CPU.
+
+    Args:
+        shapes: ``(m, n)`` shapes for the method comparison (default
+            :data:`DEFAULT_SHAPES`); an empty sequence skips it.
+        dtype: Compute/result dtype passed to every variant.
+        repeats: Timed rounds per variant (median reported).
+        batches: ``(B, m, n)`` triples for the batched-vs-looped comparison (default
+            :data:`DEFAULT_BATCHES`); an empty sequence skips it.
+        steps: Newton–Schulz steps.
+        coefficients: Coefficient triple or schedule.
+
+    Returns:
+        One dict per row. Method rows have ``kind="method"``, times in seconds under
+        ``standard_s``, ``gram_s``, ``gram_sym_s`` and the speed-ups
+        ``gram_speedup``/``gram_sym_speedup`` over standard. Batch rows have
+        ``kind="batch"`` with ``{method}_batched_s``, ``{method}_looped_s``,
+        ``{method}_batched_speedup`` (looped / batched), the autotuner's ``auto_method``
+        and ``auto_batched`` and ``auto_vs_best`` (time of its pick over the best
+        measured time of that method; 1.0 is ideal).
+
+    Raises:
+        ValueError: For a non-positive ``repeats`` or malformed shapes.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    shapes = DEFAULT_SHAPES if shapes is None else shapes
+    batches = DEFAULT_BATCHES if batches is None else batches
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    for shape in shapes:
+        if len(shape) != 2 or min(shape) < 1:
+            raise ValueError(f"bad shape {shape!r}")
+        m, n = shape
+        G = torch.randn(m, n, generator=gen)
+        fns = {
+            "standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype),
+            "gram": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, backend="reference"),
+            "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype),
+        }
+        t = _interleaved(fns, repeats)
+        rows.append({
+            "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
+            "standard_s": t["standard"], "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
+            "gram_speedup": t["standard"] / t["gram"], "gram_sym_speedup": t["standard"] / t["gram_sym"],
+        })
+    tuner = Autotuner(repeats=repeats, persist=False)
+    for triple in batches:
+        if len(triple) != 3 or min(triple) < 1:
+            raise ValueError(f"bad batch spec {triple!r}")
+        B, m, n = triple
+        G = torch.randn(B, m, n, generator=gen)
+        fns = {}
+        for method, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
+            fns[f"{method}_batched"] = (lambda fn=fn: fn(G, coefficients, steps, dtype=dtype))
+            fns[f"{method}_looped"] = (lambda fn=fn: [fn(g, coefficients, steps, dtype=dtype) for g in G])
+        t = _interleaved(fns, repeats)
+        row = {"kind": "batch", "batch": B, "shape": (m, n), "dtype": str(dtype).replace("torch.", "")}
+        for method in ("standard", "gram"):
+            row[f"{method}_batched_s"] = t[f"{method}_batched"]
+            row[f"{method}_looped_s"] = t[f"{method}_looped"]
+            row[f"{method}_batched_speedup"] = t[f"{method}_looped"] / t[f"{method}_batched"]
+        from .coefficients import resolve_schedule
+
+        problem = tuner.problem((m, n), dtype, "cpu", resolve_schedule(coefficients, steps), 1e-7)
+        method = tuner.method(problem, "cpu")
+        batched = tuner.batching(problem, B, method, "cpu")
+        picked = row[f"{method}_{'batched' if batched else 'looped'}_s"]
+        best = min(row[f"{method}_batched_s"], row[f"{method}_looped_s"])
+        row.update({"auto_method": method, "auto_batched": batched, "auto_vs_best": picked / best})
+        rows.append(row)
+    return rows
+
+
+def run_kernel_bench(sizes: Sequence[int] = (256, 512, 1024, 2048), repeats: int = 5) -> list[dict]:
+    """Times each symmetric-product backend against the full-matmul reference.
+
+    For each ``m``: ``gram`` of an ``(m, 4m)`` float32 matrix, ``sym_poly2`` and
+    ``sym_product`` of ``(m, m)`` symmetric commuting matrices.
+
+    Returns:
+        One dict per (op, m) with ``{backend}_s`` times in seconds.
+    """
+    from . import symmetric as sym
+
+    gen = torch.Generator().manual_seed(0)
+    backends = [b for b in ("reference", "torch", "blas") if b != "blas" or sym._blas is not None]
+    rows = []
+    for m in sizes:
+        X = torch.randn(m, 4 * m, generator=gen)
+        R = sym.gram_reference(X) / (4 * m)
+        P = R @ R + R
+        ops = {
+            "gram": lambda b: sym.gram(X, b),
+            "sym_poly2": lambda b: sym.sym_poly2(R, 2.0, 3.0, b),
+            "sym_product": lambda b: sym.sym_product(R, P, b),
+        }
+        for op, fn in ops.items():
+            t = _interleaved({b: (lambda b=b: fn(b)) for b in backends}, repeats)
+            rows.append({"kind": "kernel", "op": op, "m": m, **{f"{b}_s": v for b, v in t.items()}})
+    return rows
+
+
+def format_kernel_table(rows: list[dict]) -> str:
+    """Renders :func:`run_kernel_bench` rows."""
+    backends = [k[:-2] for k in rows[0] if k.endswith("_s")] if rows else []
+    out = [f"{'op':>12} {'m':>5} " + " ".join(f"{b:>10}" for b in backends) + "  (ms; x = speed-up vs reference)"]
+    for r in rows:
+        ref = r["reference_s"]
+        cells = " ".join(f"{r[b + '_s'] * 1e3:>6.2f}/{ref / r[b + '_s']:.1f}x" for b in backends)
+        out.append(f"{r['op']:>12} {r['m']:>5} {cells}")
+    return "\n".join(out)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Renders :func:`run_ortho_bench` rows as two plain-text tables."""
+    out = []
+    mrows = [r for r in rows if r["kind"] == "method"]
+    if mrows:
+        out.append(f"{'shape':>12} {'dtype':>9} {'standard':>10} {'gram':>10} {'gram+sym':>10} "
+                   f"{'gram x':>7} {'g+sym x':>8}")
+        for r in mrows:
+            out.append(
+                f"{r['shape'][0]:>5}x{r['shape'][1]:<6} {r['dtype']:>9} {r['standard_s'] * 1e3:>8.1f}ms "
+                f"{r['gram_s'] * 1e3:>8.1f}ms {r['gram_sym_s'] * 1e3:>8.1f}ms "
+                f"{r['gram_speedup']:>6.2f}x {r['gram_sym_speedup']:>7.2f}x"
+            )
+    brows = [r for r in rows if r["kind"] == "batch"]
+    if brows:
+        if out:
+            out.append("")
+        out.append(f"{'B x shape':>15} {'dtype':>9} {'std batch':>10} {'std loop':>10} {'std b/l':>8} "
+                   f"{'gram batch':>11} {'gram loop':>10} {'gram b/l':>9} {'auto pick':>15} {'pick/best':>9}")
+        for r in brows:
+            pick = f"{r['auto_method']}/{'batched' if r['auto_batched'] else 'looped'}"
+            out.append(
+                f"{r['batch']:>4} x {r['shape'][0]:>4}x{r['shape'][1]:<4} {r['dtype']:>9} "
+                f"{r['standard_batched_s'] * 1e3:>8.2f}ms {r['standard_looped_s'] * 1e3:>8.2f}ms "
+                f"{r['standard_batched_speedup']:>7.2f}x "
+                f"{r['gram_batched_s'] * 1e3:>9.2f}ms {r['gram_looped_s'] * 1e3:>8.2f}ms "
+                f"{r['gram_batched_speedup']:>8.2f}x {pick:>15} {r['auto_vs_best']:>9.3f}"
+            )
+    return "\n".join(out)
+
+
+def _parse_pairs(text: str, arity: int) -> list[tuple[int, ...]]:
+    items = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        dims = tuple(int(v) for v in part.lower().split("x"))
+        if len(dims) != arity:
+            raise ValueError(f"expected {arity} dimensions in {part!r}")
+        items.append(dims)
+    return items
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m dmuon.ortho.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="compute dtype (default fp32)")
+    p.add_argument("--shapes", default=None, help="comma-separated MxN list for the method table ('' skips)")
+    p.add_argument("--batches", default=None, help="comma-separated BxMxN list for the batching table ('' skips)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per variant (median)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--coefficients", default="keller", choices=["keller", "polar_express"])
+    p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+    p.add_argument("--kernels", action="store_true", help="time the symmetric-product backends instead")
+    args = p.parse_args(argv)
+    if args.kernels:
+        krows = run_kernel_bench(repeats=args.repeats)
+        if args.json:
+            import json
+
+            print(json.dumps(krows, indent=1))
+        else:
+            print(format_kernel_table(krows))
+        return 0
+    try:
+        rows = run_ortho_bench(
+            shapes=None if args.shapes is None else _parse_pairs(args.shapes, 2),
+            dtype=_DTYPES[args.dtype],
+            repeats=args.repeats,
+            batches=None if args.batches is None else _parse_pairs(args.batches, 3),
+            steps=args.steps,
+            coefficients=KELLER if args.coefficients == "keller" else "polar_express",
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

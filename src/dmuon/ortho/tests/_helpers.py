@@ -1,0 +1,46 @@
+"""Small numerical helpers shared by the ortho tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius distance of ``a`` to ``b``, computed in float64."""
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm())
+
+
+def polar_factor(G: torch.Tensor) -> torch.Tensor:
+    """``U Vᵀ`` from a float64 SVD: the exact orthogonal polar factor of ``G``."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+def with_spectrum(m: int, n: int, s: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A float32 ``(m, n)`` matrix with singular values ``s`` and random singular vectors."""
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    return ((U * s.to(torch.float64)) @ V.T).float()
+
+
+def gradient_like(kind: str, m: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Test matrices: ``gauss``, ``lowrank`` (low rank plus noise), ``powerlaw`` and
+    ``logspec`` (heavy-tailed spectra), ``student`` (heavy-tailed entries)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    if kind == "gauss":
+        return torch.randn(m, n, generator=gen)
+    if kind == "lowrank":
+        r = max(1, k // 16)
+        return torch.randn(m, r, generator=gen) @ torch.randn(r, n, generator=gen) + 0.01 * torch.randn(m, n, generator=gen)
+    if kind == "powerlaw":
+        return with_spectrum(m, n, torch.arange(1, k + 1, dtype=torch.float64) ** -1.5, gen)
+    if kind == "logspec":
+        return with_spectrum(m, n, torch.logspace(0, -6, k, dtype=torch.float64), gen)
+    if kind == "student":
+        u = torch.rand(m, n, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+        # Cauchy-like tails via the inverse CDF (no global RNG state touched).
+        return torch.tan(torch.pi * (u - 0.5)).clamp(-1e4, 1e4).float()
+    raise ValueError(kind)

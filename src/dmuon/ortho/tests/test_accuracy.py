@@ -1,0 +1,95 @@
+"""Accuracy bar of the Gram path against the standard path and the exact polar factor.
+
+For each input, the standard path's own outputs define what is acceptable:
+
+* distance: ``|gram - std_fp32| <= |std_bf16 - std_fp32|`` (Frobenius), i.e. the Gram
+  path (bf16 or fp32 output) deviates from the fp32 standard iteration no more than
+  the bf16 standard iteration — what torch.optim.Muon runs — does;
+* singular-value band: every singular value of the Gram output lies in
+  ``[lo - 0.02, hi + 0.02]`` where ``[lo, hi]`` spans the singular values of the bf16
+  and fp32 standard outputs (for Keller's triple roughly [0.68, 1.13], lower for
+  directions the five steps cannot lift), and the sorted singular values are as
+  close to the fp32 standard's as the bf16 standard's are (plus 1e-3);
+* polar factor: its distance to ``U Vᵀ`` from a float64 SVD is no worse than the
+  standard path's (2% + 1e-3 slack).
+"""
+
+import pytest
+import torch
+
+from dmuon.ortho.coefficients import KELLER
+from dmuon.ortho.gram import gram_newton_schulz
+from dmuon.ortho.newton_schulz import newton_schulz
+
+from ._helpers import gradient_like, rel
+
+KINDS = ["gauss", "lowrank", "powerlaw", "logspec", "student"]
+
+
+def _svals(T: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(T.double())
+
+
+def check_accuracy_bar(G: torch.Tensor, coefficients, steps: int = 5) -> dict:
+    std32 = newton_schulz(G, coefficients, steps, dtype=torch.float32)
+    std16 = newton_schulz(G, coefficients, steps, dtype=torch.bfloat16)
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = U @ Vh
+    bf16_gap = rel(std16, std32)
+    s32, s16 = _svals(std32), _svals(std16)
+    lo = min(s32.min(), s16.min()).item() - 0.02
+    hi = max(s32.max(), s16.max()).item() + 0.02
+    sv_gap = (s16 - s32).abs().max().item()
+    std_polar = max(rel(std16, polar), rel(std32, polar))
+    report = {"bf16_gap": bf16_gap}
+    for dtype in (torch.bfloat16, torch.float32):
+        gram = gram_newton_schulz(G, coefficients, steps, dtype=dtype)
+        assert gram.dtype == dtype and gram.shape == G.shape
+        gap = rel(gram, std32)
+        assert gap <= bf16_gap, (dtype, gap, bf16_gap)
+        sg = _svals(gram)
+        assert lo <= sg.min().item() and sg.max().item() <= hi, (dtype, sg.min().item(), sg.max().item(), lo, hi)
+        assert (sg - s32).abs().max().item() <= sv_gap + 1e-3, dtype
+        assert rel(gram, polar) <= 1.02 * std_polar + 1e-3, dtype
+        report[f"gap_{dtype}"] = gap
+    return report
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("coefficients", [KELLER, "polar_express"], ids=["keller", "pe"])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 64), (64, 1), (48, 48), (64, 256), (32, 256), (384, 96), (256, 1024)],
+    ids=lambda s: f"{s[0]}x{s[1]}",
+)
+def test_gram_meets_accuracy_bar(shape, coefficients, kind):
+    if shape in ((1, 64), (64, 1)) and kind in ("powerlaw", "logspec"):
+        pytest.skip("a single singular value has no spectrum to shape")
+    G = gradient_like(kind, *shape, seed=sum(shape) + KINDS.index(kind))
+    check_accuracy_bar(G, coefficients)
+
+
+def test_bar_detects_a_broken_gram_path(monkeypatch):
+    # The bar must be able to fail: corrupt the R update and expect a violation.
+    from dmuon.ortho import gram as gram_mod
+
+    real = gram_mod.sym.sym_square
+    monkeypatch.setattr(gram_mod.sym, "sym_square", lambda P, backend=None: real(P, backend) * 1.05)
+    G = gradient_like("lowrank", 128, 512, seed=1)
+    with pytest.raises(AssertionError):
+        check_accuracy_bar(G, KELLER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape,kind",
+    [((1024, 4096), "lowrank"), ((1024, 4096), "powerlaw"), ((1024, 8192), "student"), ((2048, 2048), "logspec"),
+     ((4096, 1024), "gauss"), ((4096, 16384), "lowrank")],
+    ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else v,
+)
+def test_gram_meets_accuracy_bar_large(shape, kind):
+    torch.set_num_threads(2)
+    G = gradient_like(kind, *shape, seed=11)
+    check_accuracy_bar(G, KELLER)
+    if max(shape) <= 4096:
+        check_accuracy_bar(G, "polar_express")

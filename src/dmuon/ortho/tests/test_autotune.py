@@ -1,0 +1,152 @@
+import json
+import os
+
+import pytest
+import torch
+
+from dmuon.ortho import autotune as at
+from dmuon.ortho.autotune import Autotuner
+from dmuon.ortho.coefficients import KELLER, resolve_schedule
+
+SCHED = resolve_schedule(KELLER, 5)
+
+
+def _problem(tuner, shape=(16, 48), dtype=torch.float32):
+    return tuner.problem(shape, dtype, "cpu", SCHED, 1e-7)
+
+
+def _tmp_files(d):
+    return [p for p in os.listdir(d) if p.endswith(".tmp")]
+
+
+def test_cache_written_and_reused(tmp_path):
+    t1 = Autotuner(tmp_path, repeats=1)
+    p = _problem(t1)
+    method = t1.method(p, "cpu")
+    assert method in at.METHODS and t1.measurements == 1
+    assert t1.batching(p, 4, method, "cpu") in (True, False) and t1.measurements == 2
+    path = t1.cache_path(p.device)
+    data = json.loads(path.read_text())
+    assert data["header"] == {"schema": at.SCHEMA_VERSION, "torch": torch.__version__, "device": p.device}
+    assert data["entries"][p.key()]["method"] == method
+    assert not _tmp_files(tmp_path)
+
+    # A fresh tuner (new process in real life) must reuse the file and never measure.
+    t2 = Autotuner(tmp_path, repeats=1)
+
+    def boom(*a, **k):
+        raise AssertionError("measured despite a valid cache entry")
+
+    t2._measure_method = boom
+    t2._measure_batching = boom
+    assert t2.method(p, "cpu") == method
+    assert t2.batching(p, 4, method, "cpu") == data["entries"][p.key(4) + f"|method={method}"]["batched"]
+    assert t2.measurements == 0
+    # Same tuner: in-memory reuse too.
+    t1.method(p, "cpu")
+    assert t1.measurements == 2
+
+
+def test_cached_decision_is_followed(tmp_path):
+    # Forge a decision the measurement would be unlikely to produce and check it is used.
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t, shape=(8, 8))
+    path = t.cache_path(p.device)
+    path.write_text(json.dumps({"header": t._header(p.device), "entries": {p.key(): {"method": "gram"}}}))
+    assert Autotuner(tmp_path).method(p, "cpu") == "gram"
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "", "[]", json.dumps({"header": None}), "\x00\xff garbage",
+     json.dumps({"header": {"schema": 1}, "entries": {"x": {"method": "gram"}}})],
+)
+def test_corrupt_file_is_ignored_and_replaced(tmp_path, content):
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t)
+    path = t.cache_path(p.device)
+    path.write_text(content, errors="surrogateescape")
+    t.method(p, "cpu")
+    assert t.measurements == 1
+    data = json.loads(path.read_text())  # rewritten as a valid file
+    assert data["header"]["device"] == p.device
+
+
+@pytest.mark.parametrize("field,value", [("device", "cuda:Imaginary GPU 9000"), ("torch", "0.0.1"), ("schema", 999)])
+def test_file_from_other_device_or_version_is_not_trusted(tmp_path, field, value):
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t)
+    header = dict(t._header(p.device), **{field: value})
+    entries = {p.key(): {"method": "gram", "times_s": {}}, p.key(4) + "|method=gram": {"batched": True}}
+    t.cache_path(p.device).write_text(json.dumps({"header": header, "entries": entries}))
+
+    calls = []
+    real = t._measure_method
+
+    def spy(*a, **k):
+        calls.append(1)
+        entry = real(*a, **k)
+        entry["method"] = "standard"
+        return entry
+
+    t._measure_method = spy
+    assert t.method(p, "cpu") == "standard"
+    assert calls == [1]
+
+
+def test_malformed_entry_is_remeasured(tmp_path):
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t)
+    t.cache_path(p.device).write_text(
+        json.dumps({"header": t._header(p.device), "entries": {p.key(): {"method": "warp-drive"}}})
+    )
+    assert t.method(p, "cpu") in at.METHODS
+    assert t.measurements == 1
+
+
+def test_cache_dir_from_env_and_argument(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "env"))
+    assert at.default_cache_dir() == tmp_path / "env"
+    assert Autotuner().cache_dir == tmp_path / "env"
+    assert at.get_autotuner().cache_dir == tmp_path / "env"
+    assert Autotuner(tmp_path / "arg").cache_dir == tmp_path / "arg"
+    monkeypatch.delenv("DMUON_CACHE_DIR")
+    assert at.default_cache_dir() == at.Path.home() / ".cache" / "dmuon"
+
+
+def test_unwritable_cache_dir_does_not_break(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    t = Autotuner(blocker / "sub", repeats=1)  # a directory under a regular file
+    p = _problem(t)
+    assert t.method(p, "cpu") in at.METHODS
+    assert t.method(p, "cpu") in at.METHODS and t.measurements == 1
+
+
+def test_inaccurate_gram_is_never_chosen(tmp_path, monkeypatch):
+    # Make Gram instant but wrong: the accuracy bar must reject it.
+    monkeypatch.setattr(at, "gram_newton_schulz", lambda G, *a, **k: torch.zeros_like(G, dtype=a[3]))
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t, shape=(32, 128))
+    assert t.method(p, "cpu") == "standard"
+    entry = t.lookup(p)
+    assert entry["gram_accurate"] is False and "gram" not in entry["times_s"]
+
+
+def test_faster_accurate_method_is_chosen(tmp_path, monkeypatch):
+    import time as _time
+
+    real_ns = at.newton_schulz
+
+    def slow_ns(*a, **k):
+        _time.sleep(0.02)
+        return real_ns(*a, **k)
+
+    monkeypatch.setattr(at, "newton_schulz", slow_ns)
+    t = Autotuner(tmp_path, repeats=1)
+    assert t.method(_problem(t, shape=(16, 64)), "cpu") == "gram"
+
+
+def test_bad_repeats():
+    with pytest.raises(ValueError):
+        Autotuner(repeats=0)

@@ -1,0 +1,40 @@
+import subprocess
+import sys
+import os
+
+import pytest
+import torch
+
+from dmuon.ortho.bench import format_kernel_table, format_table, main, run_kernel_bench, run_ortho_bench
+
+
+def test_run_ortho_bench_rows():
+    rows = run_ortho_bench(shapes=[(16, 64)], dtype=torch.float32, repeats=1, batches=[(3, 8, 16)])
+    method, batch = rows
+    assert method["kind"] == "method" and method["shape"] == (16, 64)
+    for k in ("standard_s", "gram_s", "gram_sym_s"):
+        assert method[k] > 0
+    assert method["gram_sym_speedup"] == pytest.approx(method["standard_s"] / method["gram_sym_s"])
+    assert batch["kind"] == "batch" and batch["batch"] == 3
+    assert batch["auto_method"] in ("standard", "gram") and batch["auto_vs_best"] >= 1.0
+    table = format_table(rows)
+    assert "16x64" in table and "pick/best" in table
+
+
+def test_kernel_bench_rows():
+    rows = run_kernel_bench(sizes=(130,), repeats=1)
+    assert {r["op"] for r in rows} == {"gram", "sym_poly2", "sym_product"}
+    assert "sym_product" in format_kernel_table(rows)
+
+
+def test_main_and_module_entry(capsys):
+    assert main(["--shapes", "8x24", "--batches", "", "--repeats", "1"]) == 0
+    assert "8x24" in capsys.readouterr().out
+    assert main(["--shapes", "8x", "--repeats", "1"]) == 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run(
+        [sys.executable, "-m", "dmuon.ortho.bench", "--shapes", "8x16", "--batches", "2x4x8", "--repeats", "1", "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert '"kind": "batch"' in res.stdout

@@ -1,0 +1,153 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dmuon.ortho import symmetric as sym
+
+BACKENDS = ["reference", "torch"] + (["blas"] if sym._blas is not None else [])
+# Sizes below and above the half-work threshold, and ones not divisible by the blocks.
+SIZES = [5, 127, 130, 301]
+
+
+def _commuting_pair(m, gen, batch=None):
+    shape = (m, 3 * m) if batch is None else (batch, m, 3 * m)
+    X = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    R = X @ X.mT / (3 * m)
+    Z = 0.7 * R - 1.3 * R @ R
+    Q = 2.0 * R + Z @ R  # polynomials in R: symmetric and commuting with Z
+    return R, Z, Q
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", SIZES)
+def test_half_work_products_match_reference(backend, m):
+    gen = torch.Generator().manual_seed(m)
+    X = torch.randn(m, 2 * m + 3, generator=gen)
+    X64 = X.double()
+    half = backend != "reference" and m >= sym._MIN_HALF
+    check_sym = (lambda T: torch.equal(T, T.mT)) if half else (lambda T: True)
+    G = sym.gram(X, backend)
+    assert G.dtype == torch.float32 and check_sym(G)
+    torch.testing.assert_close(G.double(), X64 @ X64.T, rtol=1e-5, atol=1e-4 * (2 * m) ** 0.5)
+
+    R, Z, Q = (t.float() for t in _commuting_pair(m, gen))
+    R64, Z64, Q64 = R.double(), Z.double(), Q.double()
+    S = sym.sym_square(R, backend)
+    assert check_sym(S)
+    torch.testing.assert_close(S.double(), R64 @ R64, rtol=1e-5, atol=1e-6)
+    P = sym.sym_poly2(R, 1.5, -2.5, backend)
+    assert check_sym(P)
+    torch.testing.assert_close(P.double(), 1.5 * R64 - 2.5 * R64 @ R64, rtol=1e-5, atol=1e-6)
+    QZ = sym.sym_product(Q, Z, backend)
+    assert check_sym(QZ)
+    torch.testing.assert_close(QZ.double(), Q64 @ Z64, rtol=1e-5, atol=1e-6)
+    # The operands are not modified.
+    assert torch.equal(R, R64.float())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_stays_float64_and_is_exactish(backend):
+    gen = torch.Generator().manual_seed(0)
+    R, Z, Q = _commuting_pair(200, gen)
+    out = sym.sym_product(Q, Z, backend)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, Q @ Z, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(sym.sym_poly2(R, 2.0, 3.0, backend), 2 * R + 3 * R @ R, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_and_bf16_inputs(backend):
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(3, 140, 300, generator=gen).bfloat16()
+    G = sym.gram(X, backend)
+    assert G.shape == (3, 140, 140) and G.dtype == torch.float32  # fp32 accumulation
+    X64 = X.double()
+    torch.testing.assert_close(G.double(), X64 @ X64.mT, rtol=1e-5, atol=1e-3)
+    R, Z, Q = _commuting_pair(140, gen, batch=2)
+    torch.testing.assert_close(sym.sym_product(Q.float(), Z.float(), backend).double(), Q @ Z, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sym.sym_poly2(R.float(), 1.0, 2.0, backend).double(), R + 2 * R @ R, rtol=1e-5, atol=1e-6)
+
+
+def test_half_work_really_reads_one_triangle_only():
+    # sym_product computes only the lower block triangle; non-commuting operands
+    # give the symmetrised lower part, which proves the upper part is mirrored.
+    gen = torch.Generator().manual_seed(2)
+    A = torch.randn(256, 256, generator=gen, dtype=torch.float64)
+    A = A + A.T
+    B = torch.randn(256, 256, generator=gen, dtype=torch.float64)
+    B = B + B.T
+    for backend in BACKENDS[1:]:
+        out = sym.sym_product(A, B, backend)
+        full = A @ B
+        expected = torch.tril(full) + torch.tril(full, -1).T
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 7, 256, 300, 513])
+def test_mirror_lower(m):
+    C = torch.randn(m, m)
+    expected = torch.tril(C) + torch.tril(C, -1).T
+    assert torch.equal(sym.mirror_lower_(C.clone()), expected)
+
+
+def test_backend_selection_and_errors():
+    assert sym.default_backend("cpu") in ("blas", "torch")
+    with pytest.raises(ValueError):
+        sym.gram(torch.randn(4, 4), "nope")
+    with pytest.raises(ValueError):
+        sym.sym_square(torch.randn(4, 5))
+    with pytest.raises(ValueError):
+        sym.sym_product(torch.randn(4, 4), torch.randn(5, 5))
+    with pytest.raises(ValueError):
+        sym.gram(torch.randn(4))
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+def test_triton_syrk_under_interpreter():
+    # TRITON_INTERPRET must be set before the kernel is defined, hence a subprocess.
+    script = textwrap.dedent(
+        """
+        import torch
+        from dmuon.ortho import triton_syrk as T
+        assert T.is_available("cpu")
+        for M, K in [(1, 5), (33, 70), (64, 64), (100, 33)]:
+            g = torch.Generator().manual_seed(M)
+            A = torch.randn(M, K, generator=g)
+            C0 = torch.randn(M, M, generator=g)
+            C0 = C0 + C0.T
+            out = T.syrk(A, 2.0, -0.5, C0)
+            A64 = A.double()
+            ref = 2 * A64 @ A64.T - 0.5 * C0.double()
+            assert out.dtype == torch.float32 and torch.equal(out, out.T)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+            Ab = A.bfloat16()
+            out = T.syrk(Ab)
+            torch.testing.assert_close(out.double(), Ab.double() @ Ab.double().T, rtol=1e-5, atol=1e-4)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+
+
+def test_triton_module_imports_and_reports_availability():
+    from dmuon.ortho import triton_syrk
+
+    if not torch.cuda.is_available() and not triton_syrk.interpreting():
+        assert not triton_syrk.is_available()
+        with pytest.raises(RuntimeError):
+            triton_syrk.syrk(torch.randn(4, 4))
