@@ -31,9 +31,9 @@ class BenchOptions:
     """Tokens per sample override."""
     batch_size: int | None = None
     """Samples per rank override."""
-    steps: int = 8
+    steps: int = 6
     """Timed steps."""
-    warmup: int = 2
+    warmup: int = 1
     """Untimed steps first (autotuning and caches settle here)."""
     hyper: Hyper = field(default_factory=Hyper)
     """Optimizer settings."""
