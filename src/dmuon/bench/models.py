@@ -157,9 +157,11 @@ QWEN2_SIZES: dict[str, Qwen2Size] = {
     # Seconds for a couple of steps on 4 CPU processes.
     "tiny": Qwen2Size(hidden=64, intermediate=192, layers=2, heads=8, kv_heads=2,
                       vocab=256, seq_len=32, batch_size=2),
-    # Default bench size for gloo CPU runs.
-    "small": Qwen2Size(hidden=384, intermediate=1152, layers=4, heads=8, kv_heads=2,
-                       vocab=4096, seq_len=128, batch_size=2),
+    # Default bench size for gloo CPU runs: the default `dmuon bench` (5 configs x 10
+    # steps, 4 ranks) took 203 s on 2 busy cores, 115 s of it the torch.optim.Muon
+    # baseline on DTensors; hidden 384 made that baseline alone take ~250 s.
+    "small": Qwen2Size(hidden=256, intermediate=768, layers=4, heads=8, kv_heads=2,
+                       vocab=2048, seq_len=128, batch_size=2),
     # Qwen2.5-0.5B geometry (untied).
     "medium": Qwen2Size(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2,
                         vocab=151936, seq_len=1024, batch_size=4),
@@ -259,11 +261,12 @@ VLA_SIZES: dict[str, VLASize] = {
                     expert_layers=2, expert_heads=4, expert_kv_heads=1,
                     expert_head_dim=8, expert_mlp=96, action_horizon=8,
                     action_dim=7, state_dim=8, batch_size=2),
-    "small": VLASize(image_size=64, patch=8, dv=192, vision_layers=2, vision_heads=6,
-                     vision_mlp=768, dl=320, lm_layers=4, lm_heads=8, lm_kv_heads=2,
-                     lm_head_dim=40, lm_mlp=960, vocab=2048, text_len=64, da=256,
-                     expert_layers=4, expert_heads=4, expert_kv_heads=1,
-                     expert_head_dim=64, expert_mlp=768, action_horizon=16,
+    # About the optimizer cost of qwen2 "small" (4.1M matrix params in 60 matrices).
+    "small": VLASize(image_size=64, patch=8, dv=128, vision_layers=2, vision_heads=4,
+                     vision_mlp=512, dl=256, lm_layers=3, lm_heads=8, lm_kv_heads=2,
+                     lm_head_dim=32, lm_mlp=768, vocab=2048, text_len=64, da=192,
+                     expert_layers=3, expert_heads=4, expert_kv_heads=1,
+                     expert_head_dim=48, expert_mlp=512, action_horizon=16,
                      action_dim=14, state_dim=14, batch_size=2),
     "medium": VLASize(image_size=224, patch=14, dv=768, vision_layers=12, vision_heads=12,
                       vision_mlp=3072, dl=1024, lm_layers=12, lm_heads=16, lm_kv_heads=4,
