@@ -70,8 +70,10 @@ def build(config: str, workload, mesh, hyper: Hyper):
         # Select before sharding: FSDP2 swaps the parameters for DTensors in place.
         names = {n for n, _ in select_matrices(model)}
         _shard(workload, mesh)
-        mats = [p for n, p in model.named_parameters() if n in names]
-        rest = [p for n, p in model.named_parameters() if n not in names]
+        # torch.optim.Muon takes 2-D parameters only; conv kernels go to AdamW,
+        # which is what its users have to do.
+        mats = [p for n, p in model.named_parameters() if n in names and p.ndim == 2]
+        rest = [p for n, p in model.named_parameters() if not (n in names and p.ndim == 2)]
         return _Pair(
             torch.optim.Muon(mats, lr=hyper.lr, weight_decay=0.1),
             torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
