@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)

@@ -31,7 +31,7 @@ class BenchOptions:
     """Tokens per sample override."""
     batch_size: int | None = None
     """Samples per rank override."""
-    steps: int = 6
+    steps: int = 4
     """Timed steps."""
     warmup: int = 1
     """Untimed steps first (autotuning and caches settle here)."""

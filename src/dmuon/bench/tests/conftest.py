@@ -1,4 +1,4 @@
-"""Test setup: makes ``dmuon.bench`` importable (see ``_bench_import.py``)."""
+"""Test setup for the bench workloads."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ _TESTS = str(pathlib.Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-import _bench_import  # noqa: E402
-
-_bench_import.ensure_importable()
 
 
 import pytest  # noqa: E402
