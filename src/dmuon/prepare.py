@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.fsdp.runtime import OwnerRuntime
-from dmuon.plan.balance import BALANCERS, assign_owners
-from dmuon.plan.cost import update_cost
+from dmuon.plan.assign import assign
+from dmuon.plan.balance import BALANCERS
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, build_buckets
 from dmuon.plan.selection import SelectFn, select_matrices
 
@@ -138,11 +138,9 @@ def prepare(
     infos = []
     for index, (name, p) in enumerate(chosen):
         info = MatrixInfo(index, name, p, tuple(p.shape), block_of.get(id(p), 0))
-        info.cost = update_cost(info.matrix_shape, ns_steps)
         infos.append(info)
         block_infos[info.block].matrices.append(index)
-    for info, owner in zip(infos, assign_owners([i.cost for i in infos], world_size, balancer)):
-        info.owner = owner
+    assign(infos, world_size, balancer, ns_steps=ns_steps)
     if zero == 3:
         for info in infos:
             _check_zero3_storage(info)
