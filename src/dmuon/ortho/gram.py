@@ -48,44 +48,76 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _matmul(A: torch.Tensor, B: torch.Tensor, backend: str) -> torch.Tensor:
-    """A general product; on CPU with the BLAS backend it goes through NumPy.
+class _TorchOps:
+    """Tensor kernels for the Gram loop (any device)."""
 
-    The tall products ``Q X`` dominate the Gram path; OpenBLAS sgemm was ~1.3x faster
-    than torch's MKL sgemm for them on the AMD development CPU.
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def gram(self, X):
+        return sym.gram(X, self.backend)
+
+    def poly2(self, R, b, c):
+        return sym.sym_poly2(R, b, c, self.backend)
+
+    def square(self, P):
+        return sym.sym_square(P, self.backend)
+
+    def product(self, A, B):
+        return sym.sym_product(A, B, self.backend)
+
+    def matmul(self, A, B):
+        return A @ B
+
+    def add_identity_(self, Z, a):
+        Z.diagonal(dim1=-2, dim2=-1).add_(a)
+        return Z
+
+
+class _NumpyOps:
+    """NumPy/SciPy-BLAS kernels for one CPU matrix.
+
+    The whole loop stays in NumPy so no torch op runs between BLAS calls (see
+    :func:`dmuon.ortho.symmetric.np_mirror_lower_`). OpenBLAS sgemm was also ~1.1-1.3x
+    faster than torch's MKL sgemm for the tall ``Q X`` products on the AMD
+    development CPU.
     """
-    if backend == "blas" and A.ndim == 2 and sym._np is not None:
-        An = A.detach().contiguous().numpy()
-        Bn = B.detach().contiguous().numpy()
-        return torch.from_numpy(An @ Bn)
-    return A @ B
+
+    gram = staticmethod(sym.np_gram)
+    poly2 = staticmethod(sym.np_sym_poly2)
+    square = staticmethod(sym.np_gram)  # A A == A Aᵀ for symmetric A
+    product = staticmethod(sym.np_sym_product)
+
+    @staticmethod
+    def matmul(A, B):
+        return A @ B
+
+    @staticmethod
+    def add_identity_(Z, a):
+        Z.flat[:: Z.shape[0] + 1] += a
+        return Z
 
 
-def _add_identity_(Z: torch.Tensor, a: float) -> torch.Tensor:
-    Z.diagonal(dim1=-2, dim2=-1).add_(a)
-    return Z
-
-
-def _gram_ns_core(X: torch.Tensor, schedule, restart_every: int, backend: str) -> torch.Tensor:
+def _gram_ns_core(X, schedule, restart_every: int, ops):
     """Runs the Gram iteration on a normalised, wide (m <= n) float32/64 iterate."""
     n_steps = len(schedule)
     if n_steps == 0:
         return X
-    R = sym.gram(X, backend)
+    R = ops.gram(X)
     Q = None
     for i, (a, b, c) in enumerate(schedule):
         if restart_every > 0 and i > 0 and i % restart_every == 0 and Q is not None:
-            X = _matmul(Q, X, backend)
-            R = sym.gram(X, backend)
+            X = ops.matmul(Q, X)
+            R = ops.gram(X)
             Q = None
-        P = _add_identity_(sym.sym_poly2(R, b, c, backend), a)
-        Q = P if Q is None else sym.sym_product(Q, P, backend)
+        P = ops.add_identity_(ops.poly2(R, b, c), a)
+        Q = P if Q is None else ops.product(Q, P)
         last = i == n_steps - 1
         restart_next = restart_every > 0 and (i + 1) % restart_every == 0
         if not last and not restart_next:
             # p(R) R p(R) = R p(R)² because the factors commute; the square is a syrk.
-            R = sym.sym_product(R, sym.sym_square(P, backend), backend)
-    return _matmul(Q, X, backend)
+            R = ops.product(R, ops.square(P))
+    return ops.matmul(Q, X)
 
 
 def gram_newton_schulz(
@@ -141,12 +173,17 @@ def gram_newton_schulz(
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     X = X.contiguous()
     backend = sym._resolve(backend, X)
-    if X.ndim == 3 and backend in ("blas", "triton"):
-        # These kernels are per matrix anyway; keeping one matrix's state hot in cache
-        # through all steps beats interleaving the stack step by step.
-        out = torch.stack([_gram_ns_core(x, schedule, restart_every, backend) for x in X])
+    if backend == "blas":
+        # Per matrix: these kernels are per matrix anyway, and one matrix's state stays
+        # hot in cache through all steps.
+        mats = X.numpy() if X.ndim == 3 else X.numpy()[None]
+        outs = [torch.from_numpy(_gram_ns_core(x, schedule, restart_every, _NumpyOps)) for x in mats]
+        out = torch.stack(outs) if X.ndim == 3 else outs[0]
+    elif X.ndim == 3 and backend == "triton":
+        ops = _TorchOps(backend)
+        out = torch.stack([_gram_ns_core(x, schedule, restart_every, ops) for x in X])
     else:
-        out = _gram_ns_core(X, schedule, restart_every, backend)
+        out = _gram_ns_core(X, schedule, restart_every, _TorchOps(backend))
     if transposed:
         out = out.mT
     return out.to(dtype)

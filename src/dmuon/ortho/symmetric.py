@@ -54,6 +54,8 @@ _BLOCKS = 4
 _MIN_HALF = 128
 # Tile edge for mirroring; transposing whole strips at once thrashes the cache.
 _MIRROR_TILE = 256
+# NumPy's strided copies prefer narrower strips (measured: 128 beat 32/64/256).
+_MIRROR_TILE_NP = 128
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -218,32 +220,67 @@ def _syrk_np(A, alpha: float = 1.0, beta: float = 0.0, C=None):
     return res.T
 
 
+def np_mirror_lower_(C):
+    """NumPy twin of :func:`mirror_lower_` (keeps the BLAS path free of torch ops).
+
+    Mixing torch's OpenMP pool and OpenBLAS's pthreads pool inside one loop made
+    both spin against each other on a loaded 2-core machine; staying in NumPy
+    between BLAS calls avoids the hand-offs.
+    """
+    m = C.shape[0]
+    t = _MIRROR_TILE_NP
+    for i in range(0, m, t):
+        i1 = min(i + t, m)
+        C[i:i1, i1:] = C[i1:, i:i1].T
+        blk = C[i:i1, i:i1]
+        blk[...] = _np.tril(blk) + _np.tril(blk, -1).T
+    return C
+
+
+def np_gram(X):
+    """``X Xᵀ`` of a C-contiguous float32/float64 array via ?syrk, mirrored."""
+    if X.shape[0] < _MIN_HALF:
+        return X @ X.T
+    return np_mirror_lower_(_syrk_np(X))
+
+
+def np_sym_poly2(A, b: float, c: float):
+    """``b A + c A A`` for symmetric ``A`` via one fused ?syrk, mirrored."""
+    if A.shape[0] < _MIN_HALF:
+        return b * A + c * (A @ A)
+    return np_mirror_lower_(_syrk_np(A, alpha=c, beta=b, C=A.copy()))
+
+
+def np_sym_product(A, B):
+    """``A B`` for symmetric commuting ``A``, ``B``: lower block triangle, mirrored."""
+    m = A.shape[0]
+    if m < _MIN_HALF:
+        return A @ B
+    C = _np.empty_like(A)
+    k = _BLOCKS
+    edges = [round(i * m / k) for i in range(k + 1)]
+    for i in range(k):
+        r0, r1 = edges[i], edges[i + 1]
+        # Row slices of C-order arrays keep unit inner stride, so matmul writes
+        # straight into C through BLAS without temporaries.
+        _np.matmul(A[r0:r1], B[:, :r1], out=C[r0:r1, :r1])
+    return np_mirror_lower_(C)
+
+
 def _as_np(T: torch.Tensor):
     return T.detach().contiguous().numpy()
 
 
 def _gram_blas(X: torch.Tensor) -> torch.Tensor:
-    Xn = _as_np(X)
-    return mirror_lower_(torch.from_numpy(_np.ascontiguousarray(_syrk_np(Xn))))
+    return torch.from_numpy(np_gram(_as_np(X)))
 
 
 def _sym_poly2_blas(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
-    An = _as_np(A)
-    Cn = An.copy()
-    res = _syrk_np(An, alpha=c, beta=b, C=Cn)
-    return mirror_lower_(torch.from_numpy(_np.ascontiguousarray(res)))
+    return torch.from_numpy(np_sym_poly2(_as_np(A), b, c))
 
 
 def _sym_product_blas(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    An, Bn = _as_np(A), _as_np(B)
-    m = An.shape[0]
-    Cn = _np.empty_like(An)
-    k = _BLOCKS
-    edges = [round(i * m / k) for i in range(k + 1)]
-    for i in range(k):
-        r0, r1 = edges[i], edges[i + 1]
-        _np.matmul(An[r0:r1], Bn[:, :r1], out=Cn[r0:r1, :r1])
-    return mirror_lower_(torch.from_numpy(Cn))
+    return torch.from_numpy(np_sym_product(_as_np(A), _as_np(B)))
 
 
 # -------------------------------------------------------------------------- triton
