@@ -56,6 +56,12 @@ _MIN_HALF = 128
 _MIRROR_TILE = 256
 # NumPy's strided copies prefer narrower strips (measured: 128 beat 32/64/256).
 _MIRROR_TILE_NP = 128
+# Crossovers of the NumPy/BLAS path, measured single-threaded on the development CPU
+# (python -m dmuon.ortho.bench --kernels): the fused syrk beats syrk + axpy from
+# m ~ 768; the block-triangular product beats one full gemm from m ~ 384, and 8
+# blocks beat 4 from m ~ 1024.
+_NP_FUSED_POLY_MIN = 768
+_NP_HALF_PRODUCT_MIN = 384
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -238,26 +244,32 @@ def np_mirror_lower_(C):
 
 
 def np_gram(X):
-    """``X Xᵀ`` of a C-contiguous float32/float64 array via ?syrk, mirrored."""
-    if X.shape[0] < _MIN_HALF:
-        return X @ X.T
-    return np_mirror_lower_(_syrk_np(X))
+    """``X Xᵀ`` of a C-contiguous float32/float64 array.
+
+    NumPy already recognises ``X @ X.T`` on one buffer and calls ?syrk, then mirrors
+    in C; that measured as fast as or faster than ?syrk plus our own mirror at every
+    size, so it is used as is.
+    """
+    return X @ X.T
 
 
 def np_sym_poly2(A, b: float, c: float):
-    """``b A + c A A`` for symmetric ``A`` via one fused ?syrk, mirrored."""
-    if A.shape[0] < _MIN_HALF:
-        return b * A + c * (A @ A)
+    """``b A + c A A`` for symmetric ``A``: ?syrk, fused with the axpy when large."""
+    if A.shape[0] < _NP_FUSED_POLY_MIN:
+        S = A @ A.T  # syrk via NumPy
+        S *= c
+        S += b * A
+        return S
     return np_mirror_lower_(_syrk_np(A, alpha=c, beta=b, C=A.copy()))
 
 
 def np_sym_product(A, B):
     """``A B`` for symmetric commuting ``A``, ``B``: lower block triangle, mirrored."""
     m = A.shape[0]
-    if m < _MIN_HALF:
+    if m < _NP_HALF_PRODUCT_MIN:
         return A @ B
     C = _np.empty_like(A)
-    k = _BLOCKS
+    k = 8 if m >= 1024 else 4
     edges = [round(i * m / k) for i in range(k + 1)]
     for i in range(k):
         r0, r1 = edges[i], edges[i + 1]
@@ -307,6 +319,21 @@ def _per_matrix(fn: Callable[..., torch.Tensor], *mats: torch.Tensor, **kw) -> t
     return torch.stack([fn(*ms, **kw) for ms in zip(*mats)])
 
 
+def uses_half_work(op: str, backend: str, m: int) -> bool:
+    """Whether ``op`` (``"gram"``, ``"sym_poly2"``, ``"sym_product"``) on an ``m x m``
+    result computes one triangle and mirrors it (so the result is exactly symmetric).
+    """
+    if backend == "reference":
+        return False
+    if backend == "blas":
+        if op == "gram":
+            return True  # NumPy's syrk path
+        if op == "sym_poly2":
+            return True  # syrk either way
+        return m >= _NP_HALF_PRODUCT_MIN
+    return m >= _MIN_HALF
+
+
 def gram(X: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """``X Xᵀ`` computing one triangle only.
 
@@ -321,7 +348,7 @@ def gram(X: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     _check_matrix(X, "X")
     X = X.to(_acc_dtype(X.dtype))
     backend = _resolve(backend, X)
-    if backend == "reference" or X.shape[-2] < _MIN_HALF:
+    if not uses_half_work("gram", backend, X.shape[-2]):
         return gram_reference(X)
     fn = {"blas": _gram_blas, "torch": _gram_torch, "triton": _gram_triton}[backend]
     return _per_matrix(fn, X)
@@ -345,7 +372,7 @@ def sym_poly2(A: torch.Tensor, b: float, c: float, backend: str | None = None) -
     _check_square(A, "A")
     A = A.to(_acc_dtype(A.dtype))
     backend = _resolve(backend, A)
-    if backend == "reference" or A.shape[-1] < _MIN_HALF:
+    if not uses_half_work("sym_poly2", backend, A.shape[-1]):
         return sym_poly2_reference(A, b, c)
     if backend == "torch":
         return b * A + c * _per_matrix(_gram_torch, A)
@@ -366,7 +393,7 @@ def sym_product(A: torch.Tensor, B: torch.Tensor, backend: str | None = None) ->
     dt = _acc_dtype(A.dtype)
     A, B = A.to(dt), B.to(dt)
     backend = _resolve(backend, A)
-    if backend == "reference" or A.shape[-1] < _MIN_HALF:
+    if not uses_half_work("sym_product", backend, A.shape[-1]):
         return sym_product_reference(A, B)
     fn = _sym_product_blas if backend == "blas" else _sym_product_torch
     return _per_matrix(fn, A, B)

@@ -10,7 +10,7 @@ from dmuon.ortho import symmetric as sym
 
 BACKENDS = ["reference", "torch"] + (["blas"] if sym._blas is not None else [])
 # Sizes below and above the half-work threshold, and ones not divisible by the blocks.
-SIZES = [5, 127, 130, 301]
+SIZES = [5, 127, 130, 301, 390, 777]
 
 
 def _commuting_pair(m, gen, batch=None):
@@ -28,8 +28,10 @@ def test_half_work_products_match_reference(backend, m):
     gen = torch.Generator().manual_seed(m)
     X = torch.randn(m, 2 * m + 3, generator=gen)
     X64 = X.double()
-    half = backend != "reference" and m >= sym._MIN_HALF
-    check_sym = (lambda T: torch.equal(T, T.mT)) if half else (lambda T: True)
+
+    def check_sym(T, op="gram"):
+        return torch.equal(T, T.mT) if sym.uses_half_work(op, backend, m) else True
+
     G = sym.gram(X, backend)
     assert G.dtype == torch.float32 and check_sym(G)
     torch.testing.assert_close(G.double(), X64 @ X64.T, rtol=1e-5, atol=1e-4 * (2 * m) ** 0.5)
@@ -40,10 +42,10 @@ def test_half_work_products_match_reference(backend, m):
     assert check_sym(S)
     torch.testing.assert_close(S.double(), R64 @ R64, rtol=1e-5, atol=1e-6)
     P = sym.sym_poly2(R, 1.5, -2.5, backend)
-    assert check_sym(P)
+    assert check_sym(P, "sym_poly2")
     torch.testing.assert_close(P.double(), 1.5 * R64 - 2.5 * R64 @ R64, rtol=1e-5, atol=1e-6)
     QZ = sym.sym_product(Q, Z, backend)
-    assert check_sym(QZ)
+    assert check_sym(QZ, "sym_product")
     torch.testing.assert_close(QZ.double(), Q64 @ Z64, rtol=1e-5, atol=1e-6)
     # The operands are not modified.
     assert torch.equal(R, R64.float())
@@ -76,11 +78,12 @@ def test_half_work_really_reads_one_triangle_only():
     # sym_product computes only the lower block triangle; non-commuting operands
     # give the symmetrised lower part, which proves the upper part is mirrored.
     gen = torch.Generator().manual_seed(2)
-    A = torch.randn(256, 256, generator=gen, dtype=torch.float64)
+    A = torch.randn(520, 520, generator=gen, dtype=torch.float64)
     A = A + A.T
-    B = torch.randn(256, 256, generator=gen, dtype=torch.float64)
+    B = torch.randn(520, 520, generator=gen, dtype=torch.float64)
     B = B + B.T
     for backend in BACKENDS[1:]:
+        assert sym.uses_half_work("sym_product", backend, 520)
         out = sym.sym_product(A, B, backend)
         full = A @ B
         expected = torch.tril(full) + torch.tril(full, -1).T
