@@ -73,8 +73,9 @@ def test_bar_detects_a_broken_gram_path(monkeypatch):
     # The bar must be able to fail: corrupt the R update and expect a violation.
     from dmuon.ortho import gram as gram_mod
 
-    real = gram_mod.sym.sym_square
-    monkeypatch.setattr(gram_mod.sym, "sym_square", lambda P, backend=None: real(P, backend) * 1.05)
+    real_np, real_torch = gram_mod._NumpyOps.square, gram_mod._TorchOps.square
+    monkeypatch.setattr(gram_mod._NumpyOps, "square", staticmethod(lambda P: real_np(P) * 1.05))
+    monkeypatch.setattr(gram_mod._TorchOps, "square", lambda self, P: real_torch(self, P) * 1.05)
     G = gradient_like("lowrank", 128, 512, seed=1)
     with pytest.raises(AssertionError):
         check_accuracy_bar(G, KELLER)
