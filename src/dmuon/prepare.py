@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon.comm.topology import from_mesh, single_process
 from dmuon.fsdp.runtime import OwnerRuntime
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
@@ -81,7 +82,9 @@ def prepare(
 
     Args:
         model: The model, with real (non-meta) weights on its training device.
-        mesh: A 1-D ``DeviceMesh`` (None for a single process without a process group).
+        mesh: A 1-D ``DeviceMesh`` (FSDP), a 2-D one ``(replicate, shard)`` (HSDP:
+            owners are global over all R*S ranks, traffic routed intra-replica
+            first), or None for a single process without a process group.
         zero: 2 keeps full matrices resident on every rank; 3 frees them on
             non-owners between uses and re-materializes them before forward/backward.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
@@ -102,15 +105,12 @@ def prepare(
     if balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
     if mesh is None:
-        group, rank, world_size = None, 0, 1
+        topology = single_process()
     else:
-        if mesh.ndim != 1:
-            raise ValueError(f"mesh must be 1-D for now, got a {mesh.ndim}-D mesh")
         if not dist.is_initialized():
             raise ValueError("mesh was given but torch.distributed is not initialized")
-        world_size, rank = mesh.size(), mesh.get_local_rank()
-        # A dedicated group keeps dmuon's traffic apart from FSDP2's.
-        group = dist.new_group(ranks=mesh.mesh.flatten().tolist())
+        topology = from_mesh(mesh)
+    group, rank, world_size = topology.world_group, topology.rank, topology.world_size
 
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -145,13 +145,15 @@ def prepare(
         for info in infos:
             _check_zero3_storage(info)
 
-    plan = Plan(infos, block_infos, build_buckets(infos, block_infos, world_size),
-                world_size, rank, zero, balancer, mesh)
-    plan.runtime = OwnerRuntime(plan, group)
+    plan = Plan(infos, block_infos, build_buckets(infos, block_infos, topology.shard),
+                world_size, rank, zero, balancer, topology.replicate, mesh)
+    plan.runtime = OwnerRuntime(plan, topology)
     if zero == 2:
         # Start from the owners' values so ranks that initialized differently agree.
         plan.runtime.publish_all()
     else:
         plan.runtime.drain()
         plan.runtime.install_zero3_hooks()
+    # Set-up traffic is not part of any training step.
+    plan.runtime.stats.reset()
     return plan

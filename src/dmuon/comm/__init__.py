@@ -2,5 +2,6 @@
 
 from dmuon.comm.exchange import Exchanger, PendingGather
 from dmuon.comm.stats import CommStats
+from dmuon.comm.topology import Topology, from_mesh, single_process
 
-__all__ = ["CommStats", "Exchanger", "PendingGather"]
+__all__ = ["CommStats", "Exchanger", "PendingGather", "Topology", "from_mesh", "single_process"]

@@ -1,28 +1,35 @@
 """Packed, variable-length collectives between matrix owners and the other ranks.
 
-Both directions use one uneven ``all_to_all_single`` per bucket, which gloo
-and NCCL both support:
+Everything moves in uneven ``all_to_all_single`` calls, one per bucket and
+level, which gloo and NCCL both support. On a (replicate x shard) mesh the
+shard level is the fast intra-node network and the replicate level the slow
+inter-node one; a 1-D mesh is one replica.
 
-* reduce-to-owner: every rank sends its local gradient of each matrix to the
-  matrix's owner only; the owner sums the copies. Nobody gathers a matrix it
-  does not own.
-* gather-from-owner (publish / ZeRO-3 materialization): each owner sends the
-  matrices it owns to every rank.
+* Reduce-to-owner. Hop 1 (shard level): each rank sends each gradient to the
+  rank of its own replica that sits in the owner's shard column, which sums the
+  S copies. Hop 2 (replicate level): those partial sums go to the owner, which
+  sums the R of them. Only R-1 partial sums of a matrix cross the slow level.
+* Gather-from-owner (publish, ZeRO-3 materialization). Hop 1 (replicate
+  level): the owner sends its matrices to its shard column, one rank per
+  replica. Hop 2 (shard level): every rank forwards what its column holds to
+  its replica. Again R-1 copies cross the slow level.
 
-A bucket's members are laid out by owner (see :class:`dmuon.plan.Bucket`), so
-each rank's share is one contiguous slice and packing is a single ``cat``.
+A bucket's members are ordered by the owner's ``(s, r)`` coordinates (see
+:class:`dmuon.plan.Bucket`), so every destination's share is one contiguous
+slice and packing is a single ``cat``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm.stats import CommStats
+from dmuon.comm.topology import Topology
 from dmuon.plan.plan import Bucket, MatrixInfo
 
 
@@ -31,12 +38,14 @@ class PendingGather:
     """An in-flight gather-from-owners; ``wait()`` returns the flat bucket."""
 
     work: object
-    """The async collective's handle (None when the data is already local)."""
+    """The async collective's handle (None when nothing is in flight)."""
     flat: torch.Tensor
-    """Receive buffer: the active members' data in bucket order."""
+    """Receive buffer; after ``wait()`` the members' data in bucket order."""
     members: list[int]
-    """The active matrix indices, in the order they appear in ``flat``."""
+    """The matrix indices, in the order they appear in ``flat`` after ``wait()``."""
     stats: CommStats
+    then: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    """Second hop to run once the first has landed (HSDP)."""
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -44,68 +53,73 @@ class PendingGather:
             self.work.wait()
             self.stats.wait_seconds += time.perf_counter() - start
             self.work = None
+        if self.then is not None:
+            self.flat, self.then = self.then(self.flat), None
         return self.flat
 
 
 class Exchanger:
-    """Runs dmuon's collectives for one plan on one process group.
+    """Runs dmuon's collectives for one plan.
 
     Args:
         infos: The plan's matrices.
-        group: Process group (None for a single process).
-        rank: This process's rank in ``group``.
-        world_size: Size of ``group``.
+        topology: Mesh shape, this rank's place in it and dmuon's process groups.
         stats: Counters to update.
     """
 
-    def __init__(
-        self,
-        infos: Sequence[MatrixInfo],
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        stats: CommStats,
-    ) -> None:
+    def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats) -> None:
         self.infos = infos
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
+        self.topo = topology
         self.stats = stats
 
-    def _split(self, members: Sequence[int]) -> list[int]:
-        sizes = [0] * self.world_size
+    @property
+    def group(self):
+        """The group spanning every rank (for small agreement collectives)."""
+        return self.topo.world_group
+
+    # ---------------------------------------------------------------- helpers
+    def _owner_coords(self, i: int) -> tuple[int, int]:
+        return self.topo.coords_of(self.infos[i].owner)
+
+    def _sizes_by(self, members: Sequence[int], key: Callable[[int], int], n: int) -> list[int]:
+        sizes = [0] * n
         for i in members:
-            sizes[self.infos[i].owner] += self.infos[i].numel
+            sizes[key(i)] += self.infos[i].numel
         return sizes
 
-    def _all_to_all(self, out, inp, out_splits, in_splits, async_op):
+    def _all_to_all(self, level: str, group, out, inp, out_splits, in_splits, async_op, me):
         elem = inp.element_size()
-        self.stats.bytes_sent += (sum(in_splits) - in_splits[self.rank]) * elem
-        self.stats.bytes_received += (sum(out_splits) - out_splits[self.rank]) * elem
-        self.stats.collectives += 1
-        return dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.group, async_op=async_op
-        )
+        sent = (sum(in_splits) - in_splits[me]) * elem
+        received = (sum(out_splits) - out_splits[me]) * elem
+        self.stats.add(level, sent, received)
+        start = time.perf_counter()
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+        if not async_op:
+            self.stats.wait_seconds += time.perf_counter() - start
+        return work
 
+    # ------------------------------------------------------- reduce to owner
     def reduce_to_owners(
         self,
         bucket: Bucket,
         members: Sequence[int],
         grads: dict[int, torch.Tensor | None],
     ) -> dict[int, torch.Tensor]:
-        """Averages each member's gradient over ranks, onto its owner only.
+        """Averages each member's gradient over all ranks, onto its owner only.
 
         Args:
             bucket: The bucket the members belong to.
-            members: Active members (a gradient exists on some rank), in bucket order.
-                Must be identical on every rank.
+            members: Active members (a gradient exists on some rank), in bucket
+                order; identical on every rank.
             grads: This rank's local gradient per member; None counts as zero.
 
         Returns:
             The averaged gradient of each member this rank owns, shaped like the parameter.
         """
-        owned = [i for i in members if self.infos[i].owner == self.rank]
-        if self.world_size == 1:
+        topo = self.topo
+        r, s = topo.coords
+        owned = [i for i in members if self.infos[i].owner == topo.rank]
+        if topo.world_size == 1:
             return {i: grads[i] for i in owned}
         chunks = []
         for i in members:
@@ -116,15 +130,22 @@ class Exchanger:
                 if g is None
                 else g.reshape(-1).to(bucket.dtype)
             )
-        send = torch.cat(chunks)
-        in_splits = self._split(members)
-        mine = in_splits[self.rank]
-        recv = send.new_empty(mine * self.world_size)
-        start = time.perf_counter()
-        self._all_to_all(recv, send, [mine] * self.world_size, in_splits, async_op=False)
-        self.stats.wait_seconds += time.perf_counter() - start
-        # Sum in rank order so every run reduces identically.
-        total = recv.view(self.world_size, mine).sum(dim=0).div_(self.world_size)
+        partial = torch.cat(chunks)
+        if topo.shard > 1:
+            in_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
+            mine = in_splits[s]
+            recv = partial.new_empty(mine * topo.shard)
+            self._all_to_all("intra", topo.shard_group, recv, partial, [mine] * topo.shard, in_splits, False, s)
+            # Sum in rank order so every run reduces identically.
+            partial = recv.view(topo.shard, mine).sum(dim=0)
+        column = [i for i in members if self._owner_coords(i)[1] == s]
+        if topo.replicate > 1:
+            in_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
+            mine = in_splits[r]
+            recv = partial.new_empty(mine * topo.replicate)
+            self._all_to_all("inter", topo.replicate_group, recv, partial, [mine] * topo.replicate, in_splits, False, r)
+            partial = recv.view(topo.replicate, mine).sum(dim=0)
+        total = partial.div_(topo.world_size)
         out, pos = {}, 0
         for i in owned:
             info = self.infos[i]
@@ -132,6 +153,7 @@ class Exchanger:
             pos += info.numel
         return out
 
+    # ----------------------------------------------------- gather from owner
     def gather_from_owners(
         self,
         bucket: Bucket,
@@ -145,26 +167,48 @@ class Exchanger:
             bucket: The bucket the members belong to.
             members: Members to move, in bucket order; identical on every rank.
             owned_values: Current value of each member this rank owns.
-            async_op: Return before the data has arrived.
+            async_op: Return before the data has arrived (the first hop is in
+                flight; an HSDP second hop runs in ``wait()``).
 
         Returns:
             A :class:`PendingGather` whose flat buffer holds every member in order.
         """
+        topo = self.topo
+        r, s = topo.coords
         device = self.infos[members[0]].param.device
-        owned = [i for i in members if self.infos[i].owner == self.rank]
+        owned = [i for i in members if self.infos[i].owner == topo.rank]
         mine = (
             torch.cat([owned_values[i].reshape(-1).to(bucket.dtype) for i in owned])
             if owned
             else torch.empty(0, dtype=bucket.dtype, device=device)
         )
-        if self.world_size == 1:
+        if topo.world_size == 1:
             return PendingGather(None, mine, list(members), self.stats)
-        out_splits = self._split(members)
-        send = mine.repeat(self.world_size)
-        recv = torch.empty(sum(out_splits), dtype=bucket.dtype, device=device)
-        start = time.perf_counter()
-        work = self._all_to_all(recv, send, out_splits, [mine.numel()] * self.world_size, async_op)
+
+        def shard_hop(column: torch.Tensor, async_hop: bool):
+            if topo.shard == 1:
+                return None, column
+            out_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
+            recv = torch.empty(sum(out_splits), dtype=bucket.dtype, device=device)
+            work = self._all_to_all("intra", topo.shard_group, recv, column.repeat(topo.shard),
+                                    out_splits, [column.numel()] * topo.shard, async_hop, s)
+            return work, recv
+
+        if topo.replicate == 1:
+            work, recv = shard_hop(mine, async_op)
+            return PendingGather(work, recv, list(members), self.stats)
+
+        column = [i for i in members if self._owner_coords(i)[1] == s]
+        out_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
+        col_buf = torch.empty(sum(out_splits), dtype=bucket.dtype, device=device)
+        work = self._all_to_all("inter", topo.replicate_group, col_buf, mine.repeat(topo.replicate),
+                                out_splits, [mine.numel()] * topo.replicate, async_op, r)
+
+        def second_hop(col: torch.Tensor) -> torch.Tensor:
+            hop_work, full = shard_hop(col, False)
+            return full
+
+        pending = PendingGather(work if async_op else None, col_buf, list(members), self.stats, then=second_hop)
         if not async_op:
-            self.stats.wait_seconds += time.perf_counter() - start
-            work = None
-        return PendingGather(work, recv, list(members), self.stats)
+            pending.wait()
+        return pending

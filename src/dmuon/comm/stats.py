@@ -13,10 +13,26 @@ class CommStats:
     """Bytes this rank sent to other ranks (its own share excluded)."""
     bytes_received: int = 0
     """Bytes this rank received from other ranks."""
+    intra_bytes_sent: int = 0
+    """Part of ``bytes_sent`` on the shard (intra-node) level."""
+    intra_bytes_received: int = 0
+    """Part of ``bytes_received`` on the shard level."""
+    inter_bytes_sent: int = 0
+    """Part of ``bytes_sent`` on the replicate (inter-node) level; 0 without HSDP."""
+    inter_bytes_received: int = 0
+    """Part of ``bytes_received`` on the replicate level."""
     collectives: int = 0
     """Number of collectives issued."""
     wait_seconds: float = 0.0
     """Wall time spent blocked on dmuon collectives (communication not hidden by compute)."""
+
+    def add(self, level: str, sent: int, received: int) -> None:
+        assert level in ("intra", "inter"), level
+        self.bytes_sent += sent
+        self.bytes_received += received
+        setattr(self, f"{level}_bytes_sent", getattr(self, f"{level}_bytes_sent") + sent)
+        setattr(self, f"{level}_bytes_received", getattr(self, f"{level}_bytes_received") + received)
+        self.collectives += 1
 
     def reset(self) -> None:
         for f in fields(self):

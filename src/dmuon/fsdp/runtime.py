@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from dmuon.comm import CommStats, Exchanger, PendingGather
+from dmuon.comm.topology import Topology
 from dmuon.plan.plan import Plan
 
 
@@ -28,13 +28,13 @@ class OwnerRuntime:
 
     Args:
         plan: The ownership plan.
-        group: Process group for dmuon's collectives (None in a single process).
+        topology: The mesh's levels and dmuon's process groups.
     """
 
-    def __init__(self, plan: Plan, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, plan: Plan, topology: Topology) -> None:
         self.plan = plan
         self.stats = CommStats()
-        self.exchanger = Exchanger(plan.infos, group, plan.rank, plan.world_size, self.stats)
+        self.exchanger = Exchanger(plan.infos, topology, self.stats)
         self.block_buckets: dict[int, list] = {}
         for bucket in plan.buckets:
             self.block_buckets.setdefault(bucket.block, []).append(bucket)

@@ -177,9 +177,7 @@ class DMuon(torch.optim.Optimizer):
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
-            "bytes_sent": stats.bytes_sent,
-            "bytes_received": stats.bytes_received,
-            "collectives": stats.collectives,
+            **{k: v for k, v in stats.as_dict().items() if k != "wait_seconds"},
             "comm_wait_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
             "step_seconds": time.perf_counter() - start,
@@ -255,7 +253,9 @@ class DMuon(torch.optim.Optimizer):
         """This rank's figures for the last step and the forward/backward before it.
 
         Keys: ``orthogonalized`` (matrices this rank ran NS for), ``bytes_sent``
-        and ``bytes_received`` (dmuon's own collectives), ``collectives``,
+        and ``bytes_received`` (dmuon's own collectives), the same split into
+        ``intra_bytes_*`` (shard level) and ``inter_bytes_*`` (replicate level,
+        HSDP only), ``collectives``,
         ``comm_wait_seconds``, ``ns_seconds`` (momentum, NS and update on the
         owner) and ``step_seconds``.
         """

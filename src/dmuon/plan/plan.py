@@ -56,11 +56,12 @@ class BlockInfo:
 
 @dataclass
 class Bucket:
-    """The matrices of one block with one dtype, laid out by owner for packed collectives.
+    """The matrices of one block with one dtype, laid out for packed collectives.
 
-    Members are ordered by ``(owner, index)``, so the data rank ``r`` owns is
-    one contiguous slice ``[rank_offset[r], rank_offset[r] + rank_numel[r])``
-    of the flat bucket, which is exactly what an uneven all-to-all moves.
+    Members are ordered by their owner's mesh coordinates ``(s, r)`` and then
+    by index, with owner rank ``r * shard + s``. Every hop of the two-level
+    exchange then sends each destination one contiguous slice (on a 1-D mesh
+    this is simply owner order).
     """
 
     block: int
@@ -68,37 +69,25 @@ class Bucket:
     dtype: torch.dtype
     """Dtype of every member (and of the packed buffers)."""
     members: list[int]
-    """Matrix indices ordered by ``(owner, index)``."""
-    offsets: list[int]
-    """Start of each member inside the flat bucket."""
-    rank_numel: list[int]
-    """Number of elements owned by each rank."""
-
-    @property
-    def numel(self) -> int:
-        return sum(self.rank_numel)
-
-    def rank_offset(self, rank: int) -> int:
-        return sum(self.rank_numel[:rank])
+    """Matrix indices in transport order."""
 
 
-def build_buckets(
-    infos: list[MatrixInfo], blocks: list[BlockInfo], world_size: int
-) -> list[Bucket]:
-    """Groups each block's matrices by dtype into owner-ordered buckets."""
+def build_buckets(infos: list[MatrixInfo], blocks: list[BlockInfo], shard: int) -> list[Bucket]:
+    """Groups each block's matrices by dtype into transport-ordered buckets.
+
+    Args:
+        infos: The matrices, owners assigned.
+        blocks: The blocks.
+        shard: Ranks per replica (the mesh's last dimension; the world size on a 1-D mesh).
+    """
     buckets = []
     for block in blocks:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in block.matrices:
             by_dtype.setdefault(infos[i].param.dtype, []).append(i)
         for dtype, members in by_dtype.items():
-            members = sorted(members, key=lambda i: (infos[i].owner, i))
-            offsets, rank_numel, pos = [], [0] * world_size, 0
-            for i in members:
-                offsets.append(pos)
-                pos += infos[i].numel
-                rank_numel[infos[i].owner] += infos[i].numel
-            buckets.append(Bucket(block.index, dtype, members, offsets, rank_numel))
+            members = sorted(members, key=lambda i: (infos[i].owner % shard, infos[i].owner // shard, i))
+            buckets.append(Bucket(block.index, dtype, members))
     return buckets
 
 
@@ -118,13 +107,15 @@ class Plan:
     buckets: list[Bucket]
     """Packed transport units, in block order."""
     world_size: int
-    """Ranks that own matrices (the mesh size; 1 without a mesh)."""
+    """Ranks that own matrices: every rank of the mesh (R*S for HSDP; 1 without a mesh)."""
     rank: int
     """This process's rank in the mesh."""
     zero: int
     """2: full weights resident everywhere; 3: non-owners free them between uses."""
     balancer: str
     """Name of the balancer that assigned the owners."""
+    replicate: int = 1
+    """R, the mesh's replicate dimension (1 for a 1-D mesh)."""
     mesh: object = field(default=None, repr=False)
     """The DeviceMesh given to ``prepare`` (None in a single process)."""
     runtime: object = field(default=None, repr=False)
@@ -173,7 +164,8 @@ class Plan:
         for info in self.infos:
             rows.append((info.name, "x".join(map(str, info.shape)), str(info.owner), f"{info.cost:.3g}"))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
-        lines = [f"dmuon plan: {len(self.infos)} matrices, {self.world_size} ranks, "
+        mesh = f"{self.replicate}x{self.world_size // self.replicate} (replicate x shard)" if self.replicate > 1 else str(self.world_size)
+        lines = [f"dmuon plan: {len(self.infos)} matrices, {mesh} ranks, "
                  f"ZeRO-{self.zero}, balancer={self.balancer}"]
         for k, row in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)))

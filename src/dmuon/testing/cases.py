@@ -34,6 +34,8 @@ class Case:
     adamw_lr: float = 3e-3
     balancer: str = "greedy"
     ns_method: str = "standard"
+    mesh_shape: tuple[int, int] | None = None
+    """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -50,7 +52,10 @@ def full_params(model, plan) -> dict[str, torch.Tensor]:
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
     """Trains OddNet under FSDP2 with dmuon (or the gather baseline) and reports everything."""
-    mesh = init_device_mesh("cpu", (world_size,))
+    if case.mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        mesh = init_device_mesh("cpu", case.mesh_shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = OddNet()
     plan = None
@@ -81,5 +86,6 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         "losses": losses,
         "stats": stats,
         "owners": {i.name: i.owner for i in plan.infos} if plan else None,
+        "numels": {i.name: i.numel for i in plan.infos} if plan else None,
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }

@@ -1,0 +1,76 @@
+"""Where this rank sits in a (replicate x shard) mesh, and the groups dmuon talks on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    """A two-level view of the ranks: ``replicate`` (slow, inter-node) x ``shard`` (fast, intra-node).
+
+    Plan ranks are flat indices ``r * shard + s`` of mesh coordinates ``(r, s)``.
+    A 1-D mesh is the special case ``replicate == 1``.
+    """
+
+    replicate: int
+    """R: number of replicas (size of the slow level)."""
+    shard: int
+    """S: ranks per replica (size of the fast level)."""
+    rank: int
+    """This process's flat plan rank ``r * S + s``."""
+    shard_group: object = None
+    """Process group of this rank's replica (S ranks, ordered by ``s``); None when S == 1."""
+    replicate_group: object = None
+    """Process group of this rank's shard column (R ranks, ordered by ``r``); None when R == 1."""
+    world_group: object = None
+    """All R*S ranks; None in a single process."""
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        return divmod(self.rank, self.shard)
+
+    def coords_of(self, plan_rank: int) -> tuple[int, int]:
+        """``(r, s)`` of a plan rank."""
+        return divmod(plan_rank, self.shard)
+
+
+def single_process() -> Topology:
+    return Topology(1, 1, 0)
+
+
+def from_mesh(mesh) -> Topology:
+    """Builds dedicated process groups for dmuon's traffic on a 1-D or 2-D DeviceMesh.
+
+    Every rank of the default group must call this (``new_group`` is collective
+    over the world), in the same order, which ``prepare`` guarantees.
+
+    Raises:
+        ValueError: For meshes of more than two dimensions.
+    """
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got {mesh.ndim}-D")
+    grid = mesh.mesh.reshape(1, -1) if mesh.ndim == 1 else mesh.mesh
+    replicate, shard = grid.shape
+    coord = mesh.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
+    r, s = (0, coord[0]) if mesh.ndim == 1 else (coord[0], coord[1])
+    # A separate set of groups keeps dmuon's collectives apart from FSDP2's.
+    world_group = dist.new_group(ranks=grid.flatten().tolist())
+    shard_group = replicate_group = None
+    for row in range(replicate):
+        g = world_group if replicate == 1 else dist.new_group(ranks=grid[row].tolist())
+        if row == r:
+            shard_group = g
+    if replicate > 1:
+        for col in range(shard):
+            g = dist.new_group(ranks=grid[:, col].tolist())
+            if col == s:
+                replicate_group = g
+    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group)
