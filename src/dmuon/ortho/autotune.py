@@ -43,7 +43,7 @@ SCHEMA_VERSION = 1
 METHODS = ("standard", "gram")
 # Relative error floor of the accuracy bar (see module docstring).
 ACCURACY_FLOOR = 1e-3
-# A run slower than this is timed once instead of ``repeats`` times.
+# A candidate slower than this is timed once instead of ``repeats`` times.
 SLOW_RUN_S = 0.5
 
 
@@ -80,22 +80,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` in seconds after one warm-up call."""
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - t0
-    if first > SLOW_RUN_S:
-        repeats = 1
-    times = []
-    for _ in range(max(1, repeats)):
+def time_candidates(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+    """Median wall time in seconds of each candidate, timed round-robin.
+
+    Every candidate runs once untimed (warm-up), then the candidates alternate for
+    ``repeats`` rounds so that background load drifts affect them alike. If the
+    warm-up of any candidate took longer than :data:`SLOW_RUN_S`, one round is used.
+    """
+    slow = False
+    for fn in fns.values():
+        _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        slow = slow or time.perf_counter() - t0 > SLOW_RUN_S
+    rounds = 1 if slow else max(1, repeats)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @dataclass(frozen=True)
@@ -269,9 +277,10 @@ class Autotuner:
         gram_err = _rel(run_method("gram", G, problem), reference)
         bar = max(std_err, ACCURACY_FLOOR)
         gram_ok = math.isfinite(gram_err) and gram_err <= bar
-        times = {"standard": time_call(lambda: run_method("standard", G, problem), device, self.repeats)}
+        candidates = {"standard": lambda: run_method("standard", G, problem)}
         if gram_ok:
-            times["gram"] = time_call(lambda: run_method("gram", G, problem), device, self.repeats)
+            candidates["gram"] = lambda: run_method("gram", G, problem)
+        times = time_candidates(candidates, device, self.repeats)
         method = min(times, key=times.get)
         entry = {"method": method, "times_s": times, "gram_error": gram_err, "standard_error": std_err,
                  "gram_accurate": gram_ok}
@@ -282,9 +291,11 @@ class Autotuner:
     def _measure_batching(self, problem: Problem, batch: int, method: str, device: torch.device) -> dict:
         self.measurements += 1
         G = _probe(problem.shape, device, batch)
-        t_batched = time_call(lambda: run_method(method, G, problem), device, self.repeats)
-        t_looped = time_call(lambda: run_looped(method, G, problem), device, self.repeats)
-        return {"batched": t_batched <= t_looped, "times_s": {"batched": t_batched, "looped": t_looped}}
+        times = time_candidates(
+            {"batched": lambda: run_method(method, G, problem), "looped": lambda: run_looped(method, G, problem)},
+            device, self.repeats,
+        )
+        return {"batched": times["batched"] <= times["looped"], "times_s": times}
 
 
 def _triton_tiles(shape: tuple[int, int]) -> list:

@@ -32,8 +32,11 @@ DEFAULT_BATCHES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (16, 128, 51
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per function, timing them round-robin after one warm-up each."""
+_STATS = {"min": min, "median": statistics.median}
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, stat: str = "min") -> dict[str, float]:
+    """Seconds per function (``stat`` over rounds), timed round-robin after one warm-up each."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -42,7 +45,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: _STATS[stat](v) for k, v in times.items()}
 
 
 def run_ortho_bench(
@@ -52,6 +55,7 @@ def run_ortho_bench(
     batches: Sequence[tuple[int, int, int]] | None = None,
     steps: int = 5,
     coefficients=KELLER,
+    stat: str = "min",
 ) -> list[dict]:
     """Times the orthogonalisation variants on CPU.
 
@@ -64,6 +68,8 @@ def run_ortho_bench(
             :data:`DEFAULT_BATCHES`); an empty sequence skips it.
         steps: Newton–Schulz steps.
         coefficients: Coefficient triple or schedule.
+        stat: ``"min"`` (default; on a shared machine the fastest round is the best
+            estimate of the uncontended cost) or ``"median"``.
 
     Returns:
         One dict per row. Method rows have ``kind="method"``, times in seconds under
@@ -71,14 +77,17 @@ def run_ortho_bench(
         ``gram_speedup``/``gram_sym_speedup`` over standard. Batch rows have
         ``kind="batch"`` with ``{method}_batched_s``, ``{method}_looped_s``,
         ``{method}_batched_speedup`` (looped / batched), the autotuner's ``auto_method``
-        and ``auto_batched`` and ``auto_vs_best`` (time of its pick over the best
-        measured time of that method; 1.0 is ideal).
+        and ``auto_batched``, ``auto_vs_best`` (time of its pick over the best
+        measured time of that method; 1.0 is ideal) and ``auto_speedup_vs_loop``
+        (looped time of that method over its pick).
 
     Raises:
         ValueError: For a non-positive ``repeats`` or malformed shapes.
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if stat not in _STATS:
+        raise ValueError(f"stat must be one of {sorted(_STATS)}, got {stat!r}")
     shapes = DEFAULT_SHAPES if shapes is None else shapes
     batches = DEFAULT_BATCHES if batches is None else batches
     gen = torch.Generator().manual_seed(0)
@@ -93,7 +102,7 @@ def run_ortho_bench(
             "gram": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, backend="reference"),
             "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype),
         }
-        t = _interleaved(fns, repeats)
+        t = _interleaved(fns, repeats, stat)
         rows.append({
             "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
             "standard_s": t["standard"], "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
@@ -109,7 +118,7 @@ def run_ortho_bench(
         for method, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
             fns[f"{method}_batched"] = (lambda fn=fn: fn(G, coefficients, steps, dtype=dtype))
             fns[f"{method}_looped"] = (lambda fn=fn: [fn(g, coefficients, steps, dtype=dtype) for g in G])
-        t = _interleaved(fns, repeats)
+        t = _interleaved(fns, repeats, stat)
         row = {"kind": "batch", "batch": B, "shape": (m, n), "dtype": str(dtype).replace("torch.", "")}
         for method in ("standard", "gram"):
             row[f"{method}_batched_s"] = t[f"{method}_batched"]
@@ -122,7 +131,10 @@ def run_ortho_bench(
         batched = tuner.batching(problem, B, method, "cpu")
         picked = row[f"{method}_{'batched' if batched else 'looped'}_s"]
         best = min(row[f"{method}_batched_s"], row[f"{method}_looped_s"])
-        row.update({"auto_method": method, "auto_batched": batched, "auto_vs_best": picked / best})
+        row.update({
+            "auto_method": method, "auto_batched": batched, "auto_vs_best": picked / best,
+            "auto_speedup_vs_loop": row[f"{method}_looped_s"] / picked,
+        })
         rows.append(row)
     return rows
 
@@ -185,7 +197,7 @@ def format_table(rows: list[dict]) -> str:
         if out:
             out.append("")
         out.append(f"{'B x shape':>15} {'dtype':>9} {'std batch':>10} {'std loop':>10} {'std b/l':>8} "
-                   f"{'gram batch':>11} {'gram loop':>10} {'gram b/l':>9} {'auto pick':>15} {'pick/best':>9}")
+                   f"{'gram batch':>11} {'gram loop':>10} {'gram b/l':>9} {'auto pick':>15} {'pick/best':>9} {'loop/pick':>9}")
         for r in brows:
             pick = f"{r['auto_method']}/{'batched' if r['auto_batched'] else 'looped'}"
             out.append(
@@ -193,7 +205,8 @@ def format_table(rows: list[dict]) -> str:
                 f"{r['standard_batched_s'] * 1e3:>8.2f}ms {r['standard_looped_s'] * 1e3:>8.2f}ms "
                 f"{r['standard_batched_speedup']:>7.2f}x "
                 f"{r['gram_batched_s'] * 1e3:>9.2f}ms {r['gram_looped_s'] * 1e3:>8.2f}ms "
-                f"{r['gram_batched_speedup']:>8.2f}x {pick:>15} {r['auto_vs_best']:>9.3f}"
+                f"{r['gram_batched_speedup']:>8.2f}x {pick:>15} {r['auto_vs_best']:>9.3f} "
+                f"{r['auto_speedup_vs_loop']:>8.2f}x"
             )
     return "\n".join(out)
 
@@ -220,9 +233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per variant (median)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--coefficients", default="keller", choices=["keller", "polar_express"])
+    p.add_argument("--stat", default="min", choices=sorted(_STATS), help="per-variant statistic over rounds")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (set OPENBLAS_NUM_THREADS in the environment to match)")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
     p.add_argument("--kernels", action="store_true", help="time the symmetric-product backends instead")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print("error: --threads must be positive", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     if args.kernels:
         krows = run_kernel_bench(repeats=args.repeats)
         if args.json:
@@ -240,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batches=None if args.batches is None else _parse_pairs(args.batches, 3),
             steps=args.steps,
             coefficients=KELLER if args.coefficients == "keller" else "polar_express",
+            stat=args.stat,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
