@@ -45,6 +45,8 @@ METHODS = ("standard", "gram")
 ACCURACY_FLOOR = 1e-3
 # A candidate slower than this is timed once instead of ``repeats`` times.
 SLOW_RUN_S = 0.5
+# Upper bound on timed rounds for cheap candidates.
+MAX_ROUNDS = 15
 
 
 def default_cache_dir() -> Path:
@@ -80,21 +82,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_candidates(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+def time_candidates(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25
+) -> dict[str, float]:
     """Median wall time in seconds of each candidate, timed round-robin.
 
     Every candidate runs once untimed (warm-up), then the candidates alternate for
-    ``repeats`` rounds so that background load drifts affect them alike. If the
-    warm-up of any candidate took longer than :data:`SLOW_RUN_S`, one round is used.
+    at least ``repeats`` rounds so that background load drifts affect them alike.
+    Cheap candidates get more rounds, up to :data:`MAX_ROUNDS`, while the total stays
+    within about ``budget_s``: for millisecond problems a median of 3 is at the
+    mercy of one scheduler hiccup. If a warm-up took longer than :data:`SLOW_RUN_S`,
+    one round is used.
     """
+    warm = 0.0
     slow = False
     for fn in fns.values():
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        slow = slow or time.perf_counter() - t0 > SLOW_RUN_S
-    rounds = 1 if slow else max(1, repeats)
+        dt = time.perf_counter() - t0
+        warm += dt
+        slow = slow or dt > SLOW_RUN_S
+    if slow:
+        rounds = 1
+    else:
+        rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
