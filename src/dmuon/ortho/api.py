@@ -58,8 +58,9 @@ def orthogonalize(
         return run_method(method, G, problem).contiguous()
     tuner = autotuner or get_autotuner()
     problem = tuner.problem(G.shape[-2:], dtype, G.device, schedule, eps)
-    chosen = tuner.method(problem, G.device)
-    if G.ndim == 3 and G.shape[0] > 1 and not tuner.batching(problem, G.shape[0], chosen, G.device):
+    batch = G.shape[0] if G.ndim == 3 else 1
+    chosen, batched = tuner.plan(problem, batch, G.device)
+    if G.ndim == 3 and batch > 1 and not batched:
         return torch.stack(run_looped(chosen, G, problem)).contiguous()
     return run_method(chosen, G, problem).contiguous()
 
@@ -89,8 +90,9 @@ def orthogonalize_many(
 
     Matrices are grouped by (shape, device, dtype). Each group of two or more runs
     either as one batched call or as a loop of 2-D calls, whichever the autotuner
-    measured faster for that group size (``batching="auto"``); the method is fixed by
-    ``method`` or, for ``"auto"``, tuned per shape.
+    measured faster for that group size (``batching="auto"``). With ``method="auto"``
+    the method is tuned jointly with the batching for the group (among the methods
+    that pass the accuracy bar).
 
     Args:
         matrices: 2-D tensors of any shapes; not modified.
@@ -129,11 +131,11 @@ def orthogonalize_many(
             problem = tuner.problem(shape, dtype, device, schedule, eps)
         else:
             problem = _Problem(schedule, eps, dtype)
-        chosen = tuner.method(problem, device) if method == "auto" else method
-        batched = len(idx) > 1 and (
-            batching == "batched"
-            or (batching == "auto" and tuner.batching(problem, len(idx), chosen, device))
-        )
+        if batching == "auto":
+            chosen, batched = tuner.plan(problem, len(idx), device, None if method == "auto" else method)
+        else:
+            chosen = tuner.method(problem, device) if method == "auto" else method
+            batched = batching == "batched" and len(idx) > 1
         if batched:
             results = run_method(chosen, torch.stack([matrices[i] for i in idx]), problem)
         else:

@@ -1,6 +1,7 @@
 """Measure-once choices for orthogonalisation, persisted in a JSON cache.
 
-Two decisions are tuned, each per device, compute dtype, matrix shape and schedule:
+Two decisions are tuned, each per device, compute dtype, matrix shape and schedule
+(:meth:`Autotuner.plan` tunes both jointly for a stack of ``B`` matrices):
 
 * **method** — standard Newton–Schulz or Gram Newton–Schulz. Gram is eligible only
   if it passes an accuracy bar on a probe matrix with a decaying spectrum (its
@@ -185,7 +186,7 @@ class Autotuner:
         self.persist = persist
         self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
         self._files: dict[str, dict] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ storage
 
@@ -274,6 +275,40 @@ class Autotuner:
                 self._write(problem.device)
             return entry["batched"]
 
+    def plan(
+        self, problem: Problem, batch: int, device: torch.device | str, method: str | None = None
+    ) -> tuple[str, bool]:
+        """Method and batching for ``batch`` matrices of ``problem``'s shape.
+
+        With ``method=None`` all eligible (method, batched/looped) combinations are
+        timed on a stack of ``batch`` probes and the fastest wins, so the method can
+        differ from the single-matrix choice (e.g. when one method batches better).
+
+        Returns:
+            ``(method, batched)``; ``batched`` is ``False`` for ``batch <= 1``.
+        """
+        if method is not None and method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+        if batch <= 1:
+            return (method or self.method(problem, device)), False
+        if method is not None:
+            return method, self.batching(problem, batch, method, device)
+        device = torch.device(device)
+        with self._lock:
+            self.method(problem, device)  # accuracy verdict for the shape, cached
+            gram_ok = bool(self.lookup(problem).get("gram_accurate"))
+            key = problem.key(batch) + "|method=auto"
+            entries = self._entries(problem.device)
+            entry = entries.get(key)
+            valid = (isinstance(entry, dict) and entry.get("method") in METHODS
+                     and isinstance(entry.get("batched"), bool) and (gram_ok or entry["method"] != "gram"))
+            if not valid:
+                methods = METHODS if gram_ok else ("standard",)
+                entry = self._measure_plan(problem, batch, methods, device)
+                entries[key] = entry
+                self._write(problem.device)
+            return entry["method"], entry["batched"]
+
     def lookup(self, problem: Problem, batch: int | None = None) -> dict | None:
         """The cached entry for a problem, without measuring."""
         return self._entries(problem.device).get(problem.key(batch))
@@ -309,6 +344,19 @@ class Autotuner:
             device, self.repeats,
         )
         return {"batched": times["batched"] <= times["looped"], "times_s": times}
+
+
+    def _measure_plan(self, problem: Problem, batch: int, methods, device: torch.device) -> dict:
+        self.measurements += 1
+        G = _probe(problem.shape, device, batch)
+        candidates = {}
+        for m in methods:
+            candidates[f"{m}|batched"] = lambda m=m: run_method(m, G, problem)
+            candidates[f"{m}|looped"] = lambda m=m: run_looped(m, G, problem)
+        times = time_candidates(candidates, device, self.repeats)
+        best = min(times, key=times.get)
+        method, mode = best.split("|")
+        return {"method": method, "batched": mode == "batched", "times_s": times}
 
 
 def _triton_tiles(shape: tuple[int, int]) -> list:

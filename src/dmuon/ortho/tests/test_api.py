@@ -25,6 +25,12 @@ class CountingTuner(Autotuner):
         self.asked.append(("batching", problem.shape, batch, method))
         return self.fixed_batched
 
+    def plan(self, problem, batch, device, method=None):
+        self.asked.append(("plan", problem.shape, batch, method))
+        if batch <= 1:
+            return method or self.fixed_method, False
+        return method or self.fixed_method, self.fixed_batched
+
 
 def test_public_api_exports():
     for name in ("orthogonalize", "orthogonalize_many", "newton_schulz", "gram_newton_schulz", "KELLER",
@@ -52,7 +58,7 @@ def test_auto_uses_tuner_decisions():
     G = torch.randn(4, 16, 48)
     tuner = CountingTuner(method="gram", batched=False)
     out = orthogonalize(G, method="auto", dtype=torch.float32, autotuner=tuner)
-    assert ("method", (16, 48)) in tuner.asked and ("batching", (16, 48), 4, "gram") in tuner.asked
+    assert ("plan", (16, 48), 4, None) in tuner.asked
     looped = torch.stack([ortho.gram_newton_schulz(g, KELLER, 5, dtype=torch.float32) for g in G])
     assert torch.equal(out, looped)
 
@@ -89,8 +95,8 @@ def test_many_groups_by_shape_and_follows_batching_decision():
     mats = _mixed_inputs()
     tuner = CountingTuner(method="standard", batched=True)
     orthogonalize_many(mats, autotuner=tuner)
-    batch_questions = sorted(q[1:3] for q in tuner.asked if q[0] == "batching")
-    # (32,128) fp32 x3, (128,32) x2; singletons and the bf16 one are not asked about.
+    batch_questions = sorted(q[1:3] for q in tuner.asked if q[0] == "plan" and q[2] > 1)
+    # (32,128) fp32 x3, (128,32) x2; singletons and the bf16 one run unbatched.
     assert batch_questions == [((32, 128), 3), ((128, 32), 2)]
 
 

@@ -150,3 +150,28 @@ def test_faster_accurate_method_is_chosen(tmp_path, monkeypatch):
 def test_bad_repeats():
     with pytest.raises(ValueError):
         Autotuner(repeats=0)
+
+
+def test_plan_measures_joint_choice_once_and_caches(tmp_path):
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t, shape=(8, 24))
+    method, batched = t.plan(p, 6, "cpu")
+    assert method in at.METHODS and isinstance(batched, bool)
+    n = t.measurements  # the single-matrix method entry plus the joint plan
+    assert n == 2
+    assert t.plan(p, 6, "cpu") == (method, batched) and t.measurements == n
+    entry = t.lookup(p, 6) or t._entries(p.device)[p.key(6) + "|method=auto"]
+    assert set(entry["times_s"]) == {"standard|batched", "standard|looped", "gram|batched", "gram|looped"}
+    assert Autotuner(tmp_path).plan(p, 6, "cpu") == (method, batched)
+    assert t.plan(p, 1, "cpu") == (t.method(p, "cpu"), False)
+    with pytest.raises(ValueError):
+        t.plan(p, 2, "cpu", method="nope")
+
+
+def test_plan_excludes_inaccurate_gram(tmp_path, monkeypatch):
+    monkeypatch.setattr(at, "gram_newton_schulz", lambda G, *a, **k: torch.zeros_like(G, dtype=a[3]))
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t, shape=(8, 24))
+    assert t.plan(p, 4, "cpu")[0] == "standard"
+    entry = t._entries(p.device)[p.key(4) + "|method=auto"]
+    assert set(entry["times_s"]) == {"standard|batched", "standard|looped"}
