@@ -38,6 +38,15 @@ def test_bench_short_mode_writes_every_field(tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_on_an_hsdp_mesh(tmp_path):
+    out = tmp_path / "hsdp.json"
+    assert bench_cli.main(["--model", "tiny", "--world-size", "4", "--hsdp", "2", "--steps", "1",
+                           "--warmup", "0", "--configs", "dmuon_z2", "--json", str(out), "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["mesh"] == [2, 2]
+    assert payload["results"][0]["inter_bytes_per_step"] > 0
+
+
 def test_bench_rejects_unknown_config():
     with pytest.raises(SystemExit, match="nope"):
         bench_cli.main(["--configs", "adamw,nope", "--quiet"])

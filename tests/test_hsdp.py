@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon.plan.traffic import owner_traffic
 from dmuon.testing import run_distributed
 from dmuon.testing.cases import Case
 
@@ -44,5 +45,15 @@ def test_hsdp_matches_single_process_reference(mesh_shape):
         inter = sum(r[k]["stats"][0]["inter_bytes_sent"] for r in results)
         assert inter == (replicate - 1) * active * elem * moves
         assert inter == sum(r[k]["stats"][0]["inter_bytes_received"] for r in results)
+        # Per rank and level, the counters equal the analytical model.
+        names = list(out["owners"])
+        model = owner_traffic([numels[n] for n in names], [out["owners"][n] for n in names],
+                              mesh_shape[0], mesh_shape[1], case.zero)
+        for rank, r in enumerate(results):
+            st = r[k]["stats"][0]
+            counted = (st["intra_bytes_sent"], st["intra_bytes_received"],
+                       st["inter_bytes_sent"], st["inter_bytes_received"])
+            m = model[rank]
+            assert counted == (m.intra_sent, m.intra_received, m.inter_sent, m.inter_received), rank
     owners = set(results[0][0]["owners"].values())
     assert len(owners) > mesh_shape[1], "owners should spread across replicas, not one replica"

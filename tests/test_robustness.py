@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dmuon.plan.offline import traffic_per_rank
+from dmuon.plan.traffic import owner_traffic
 from dmuon.testing import run_distributed
 from dmuon.testing import faults
 
@@ -28,7 +28,8 @@ def test_sparse_gradient_names_the_parameter():
 def test_counted_bytes_match_the_traffic_model(zero):
     world_size = 3
     out = run_distributed(faults.traffic, world_size, zero, timeout_s=120)
-    model = traffic_per_rank(out[0]["numels"], out[0]["owners"], world_size, zero, out[0]["elem"])
+    model = owner_traffic(out[0]["numels"], out[0]["owners"], 1, world_size, zero, out[0]["elem"])
     for rank, o in enumerate(out):
-        assert (o["stats"]["bytes_sent"], o["stats"]["bytes_received"]) == model[rank]
+        assert (o["stats"]["bytes_sent"], o["stats"]["bytes_received"]) == (model[rank].sent, model[rank].received)
+        assert o["stats"]["inter_bytes_sent"] == 0
     assert sum(o["stats"]["orthogonalized"] for o in out) == len(out[0]["numels"])

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2", choices=["qwen2", "vla", "tiny"])
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="run on an R x (N/R) (replicate, shard) HSDP mesh")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
@@ -51,7 +53,7 @@ def _options(args) -> BenchOptions:
         ns_dtype = DTYPES[args.ns_dtype]
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
-        steps=args.steps, warmup=args.warmup, progress=not args.quiet,
+        steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp,
         hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method, balancer=args.balancer),
     )
 
@@ -65,6 +67,8 @@ def run(args) -> dict:
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("dmuon bench: --steps must be >= 1 and --warmup >= 0")
     opts = _options(args)
+    if args.hsdp < 1:
+        raise SystemExit("dmuon bench: --hsdp must be >= 1")
     start = time.perf_counter()
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
     if under_torchrun:
@@ -82,6 +86,8 @@ def run(args) -> dict:
         world_size = args.world_size
         if world_size < 1:
             raise SystemExit("dmuon bench: --world-size must be >= 1")
+        if world_size % args.hsdp:
+            raise SystemExit(f"dmuon bench: --hsdp {args.hsdp} does not divide --world-size {world_size}")
         if not args.quiet:
             print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
                   f"configs {', '.join(configs)}", file=sys.stderr)
@@ -91,6 +97,7 @@ def run(args) -> dict:
     payload = {
         "machine": machine_description(),
         "world_size": world_size,
+        "mesh": [args.hsdp, world_size // args.hsdp] if args.hsdp > 1 else [world_size],
         "model": args.model,
         "size": args.size,
         "tokens_per_rank": results[0]["tokens_per_rank"],

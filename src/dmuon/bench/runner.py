@@ -35,6 +35,8 @@ class BenchOptions:
     """Timed steps."""
     warmup: int = 1
     """Untimed steps first (autotuning and caches settle here)."""
+    hsdp: int = 1
+    """Replicas R: run on an R x (N/R) (replicate, shard) mesh when > 1."""
     hyper: Hyper = field(default_factory=Hyper)
     """Optimizer settings."""
     progress: bool = True
@@ -77,17 +79,22 @@ def _peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _fsdp_bytes_per_step(model, world_size: int) -> int:
+def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1) -> int:
     """Bytes one rank sends plus receives in FSDP2's collectives per step (from shapes).
 
     Each sharded parameter is all-gathered for forward and again for backward
-    (reshard after forward) and its gradient reduce-scattered once; ring
-    collectives move (W-1)/W of the tensor through every rank each way.
+    (reshard after forward) and its gradient reduce-scattered once within the
+    shard group; ring collectives move (S-1)/S of the tensor through every rank
+    each way. HSDP adds a ring all-reduce of the gradient shard across the R
+    replicas (2 (R-1)/R of the shard each way).
     """
+    shard = world_size // replicate
     total = 0
     for p in model.parameters():
         if isinstance(p, DTensor):
-            total += 3 * 2 * p.numel() * p.element_size() * (world_size - 1) // world_size
+            nbytes = p.numel() * p.element_size()
+            total += 3 * 2 * nbytes * (shard - 1) // shard
+            total += 2 * 2 * (nbytes // shard) * (replicate - 1) // replicate
     return total
 
 
@@ -103,7 +110,11 @@ def _progress(config: str, done: int, total: int) -> None:
 def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> dict:
     """Trains ``opts.model`` with ``config`` for warmup+steps and reports timings (rank 0's view)."""
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (world_size,))
+    if opts.hsdp > 1:
+        mesh = init_device_mesh(device, (opts.hsdp, world_size // opts.hsdp),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (world_size,))
     rss_before = _start_peak_rss()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -112,7 +123,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
                                   batch_size=opts.batch_size, seed=0)
     optimizer, plan = build(config, workload, mesh, opts.hyper)
     model = workload.model
-    fwd_bwd, opt_s, losses, sent, received = [], [], [], [], []
+    fwd_bwd, opt_s, losses, sent, received, inter = [], [], [], [], [], []
     total = opts.warmup + opts.steps
     for step in range(total):
         batch = workload.make_batch(step, rank)
@@ -141,6 +152,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
             opt_s.append(times[1].item())
             sent.append(stats.get("bytes_sent", 0))
             received.append(stats.get("bytes_received", 0))
+            inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
         losses.append(mean_loss.item() / world_size)
         if rank == 0 and opts.progress:
             _progress(config, step + 1, total)
@@ -150,7 +162,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         # DTensor gathers each matrix for NS; count it as the gather baseline moves it.
         opt_bytes = sum(2 * p.numel() * p.element_size() * (world_size - 1) // world_size
                         for g in optimizer.opts[0].param_groups for p in g["params"])
-    fsdp_bytes = _fsdp_bytes_per_step(model, world_size)
+    fsdp_bytes = _fsdp_bytes_per_step(model, world_size, opts.hsdp)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss() - rss_before
     peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
@@ -166,6 +178,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         "optimizer_bytes_per_step": int(opt_bytes),
         "peak_mem_bytes": int(peak_t.item()),
         "final_loss": losses[-1],
+        "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
         "losses": losses,
         "tokens_per_rank": workload.tokens_per_rank,
         "imbalance": plan.imbalance() if plan is not None else None,
