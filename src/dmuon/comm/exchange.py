@@ -58,6 +58,27 @@ class PendingGather:
         return self.flat
 
 
+@dataclass
+class PendingReduce:
+    """An in-flight reduce-to-owners; ``wait()`` returns ``{index: averaged grad}`` for owned members."""
+
+    work: object
+    """The first hop's handle (None when nothing is in flight)."""
+    buffer: torch.Tensor | None
+    """What the first hop receives into."""
+    finish: Callable[[torch.Tensor], dict[int, torch.Tensor]] = field(repr=False)
+    """Sums the copies (and runs the HSDP second hop)."""
+    stats: CommStats
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self.work is not None:
+            start = time.perf_counter()
+            self.work.wait()
+            self.stats.wait_seconds += time.perf_counter() - start
+            self.work = None
+        return self.finish(self.buffer)
+
+
 class Exchanger:
     """Runs dmuon's collectives for one plan.
 
@@ -104,7 +125,8 @@ class Exchanger:
         bucket: Bucket,
         members: Sequence[int],
         grads: dict[int, torch.Tensor | None],
-    ) -> dict[int, torch.Tensor]:
+        async_op: bool = False,
+    ):
         """Averages each member's gradient over all ranks, onto its owner only.
 
         Args:
@@ -112,15 +134,22 @@ class Exchanger:
             members: Active members (a gradient exists on some rank), in bucket
                 order; identical on every rank.
             grads: This rank's local gradient per member; None counts as zero.
+                Read (copied into the send buffer) before this returns.
+            async_op: Return a :class:`PendingReduce` while the first hop is in flight.
 
         Returns:
-            The averaged gradient of each member this rank owns, shaped like the parameter.
+            The averaged gradient of each member this rank owns, shaped like the
+            parameter (or a :class:`PendingReduce` whose ``wait()`` returns it).
         """
+        pending = self._start_reduce(bucket, members, grads, async_op)
+        return pending if async_op else pending.wait()
+
+    def _start_reduce(self, bucket, members, grads, async_op) -> "PendingReduce":
         topo = self.topo
         r, s = topo.coords
         owned = [i for i in members if self.infos[i].owner == topo.rank]
         if topo.world_size == 1:
-            return {i: grads[i] for i in owned}
+            return PendingReduce(None, None, lambda _: {i: grads[i] for i in owned}, self.stats)
         chunks = []
         for i in members:
             g = grads.get(i)
@@ -131,27 +160,37 @@ class Exchanger:
                 else g.reshape(-1).to(bucket.dtype)
             )
         partial = torch.cat(chunks)
+        work = None
         if topo.shard > 1:
             in_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
             mine = in_splits[s]
             recv = partial.new_empty(mine * topo.shard)
-            self._all_to_all("intra", topo.shard_group, recv, partial, [mine] * topo.shard, in_splits, False, s)
-            # Sum in rank order so every run reduces identically.
-            partial = recv.view(topo.shard, mine).sum(dim=0)
+            work = self._all_to_all("intra", topo.shard_group, recv, partial, [mine] * topo.shard,
+                                    in_splits, async_op, s)
+            buffer, rows = recv, topo.shard
+        else:
+            buffer, rows = partial, 1
         column = [i for i in members if self._owner_coords(i)[1] == s]
-        if topo.replicate > 1:
-            in_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
-            mine = in_splits[r]
-            recv = partial.new_empty(mine * topo.replicate)
-            self._all_to_all("inter", topo.replicate_group, recv, partial, [mine] * topo.replicate, in_splits, False, r)
-            partial = recv.view(topo.replicate, mine).sum(dim=0)
-        total = partial.div_(topo.world_size)
-        out, pos = {}, 0
-        for i in owned:
-            info = self.infos[i]
-            out[i] = total[pos : pos + info.numel].view(info.shape)
-            pos += info.numel
-        return out
+
+        def finish(buf: torch.Tensor) -> dict[int, torch.Tensor]:
+            # Sum in rank order so every run reduces identically.
+            part = buf.view(rows, -1).sum(dim=0)
+            if topo.replicate > 1:
+                in_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
+                mine = in_splits[r]
+                recv = part.new_empty(mine * topo.replicate)
+                self._all_to_all("inter", topo.replicate_group, recv, part, [mine] * topo.replicate,
+                                 in_splits, False, r)
+                part = recv.view(topo.replicate, mine).sum(dim=0)
+            total = part.div_(topo.world_size)
+            out, pos = {}, 0
+            for i in owned:
+                info = self.infos[i]
+                out[i] = total[pos : pos + info.numel].view(info.shape)
+                pos += info.numel
+            return out
+
+        return PendingReduce(work if async_op else None, buffer, finish, self.stats)
 
     # ----------------------------------------------------- gather from owner
     def gather_from_owners(

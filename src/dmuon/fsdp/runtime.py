@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dmuon.comm import CommStats, Exchanger, PendingGather
+from dmuon.comm import CommStats, Exchanger, PendingGather, PendingReduce
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import Plan
 
@@ -43,6 +43,16 @@ class OwnerRuntime:
         self.resident = [True] * len(plan.infos)
         self.pending: dict[int, list[PendingGather]] = {}
         self._hooks: list[Any] = []
+        # Overlap state (see enable_overlap).
+        self.overlap = False
+        self.defer_reduce = False
+        self.pending_reduce: dict[int, list[PendingReduce]] = {}
+        self.pending_publish: dict[int, list[PendingGather]] = {}
+        self._grad_count: dict[int, int] = {}
+        self._ready: set[int] = set()
+        self._reduce_order: list[int] = []
+        self._next_reduce = 0
+        self.early_blocks: set[int] = set()
 
     def is_owner(self, index: int) -> bool:
         return self.plan.infos[index].owner == self.plan.rank
@@ -122,6 +132,7 @@ class OwnerRuntime:
         Called at the start of each optimizer step, so prefetches of blocks that
         were never used cannot leak into the next iteration.
         """
+        self.flush_publish()
         for block in sorted(self.pending):
             for pending in self.pending.pop(block):
                 pending.wait()
@@ -180,6 +191,100 @@ class OwnerRuntime:
 
         return hook
 
+    # ------------------------------------------------------------------ overlap
+    def enable_overlap(self) -> None:
+        """Reduces each block as soon as its gradients are complete; publishes asynchronously.
+
+        Collective order rule: reductions are launched in one canonical order
+        (reverse forward order of the blocks), a block only after every block
+        before it in that order has launched, whatever order gradients become
+        ready in on each rank. A block that never completes in backward (unused
+        this step) stops the early launches; it and every later block are
+        reduced in ``step()`` instead, where one all-reduce agrees on which
+        matrices have gradients. The requirement, as for FSDP2: a block either
+        produces gradients on every rank or on none.
+        """
+        if self.overlap:
+            return
+        self.overlap = True
+        self._reduce_order = [b.index for b in reversed(self.plan.blocks) if b.index in self.block_buckets]
+        for b in self._reduce_order:
+            for i in self.plan.blocks[b].matrices:
+                self._hooks.append(self.plan.infos[i].param.register_post_accumulate_grad_hook(self._count_grad(i)))
+            if self.plan.zero == 2:
+                self._hooks.append(self.plan.blocks[b].module.register_forward_pre_hook(self._await_publish(b)))
+
+    def _count_grad(self, index: int):
+        block = self.plan.infos[index].block
+
+        def hook(param):
+            if self.defer_reduce:
+                return
+            count = self._grad_count.get(block, 0) + 1
+            self._grad_count[block] = count
+            size = len(self.plan.blocks[block].matrices)
+            if count > size:
+                raise RuntimeError(
+                    f"parameter {self.plan.infos[index].name!r} received a second gradient after its block "
+                    "was reduced: with overlap=True, run the earlier micro-batches of a gradient "
+                    "accumulation inside `with opt.no_sync():`"
+                )
+            if count == size:
+                self._ready.add(block)
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce] in self._ready:
+            block = self._reduce_order[self._next_reduce]
+            infos = self.plan.infos
+            self.pending_reduce[block] = [
+                self.exchanger.reduce_to_owners(
+                    bucket, bucket.members, {i: infos[i].param.grad for i in bucket.members}, async_op=True
+                )
+                for bucket in self.block_buckets[block]
+            ]
+            self._next_reduce += 1
+
+    def collect_reductions(self) -> dict[int, torch.Tensor]:
+        """Waits for the reductions launched during backward; resets for the next step.
+
+        Returns:
+            ``{matrix index: averaged gradient}`` for the owned matrices of
+            every block reduced early (non-owned indices are absent).
+        """
+        reduced: dict[int, torch.Tensor] = {}
+        for block in self._reduce_order[: self._next_reduce]:
+            for pending in self.pending_reduce.pop(block):
+                reduced.update(pending.wait())
+        self.early_blocks = set(self._reduce_order[: self._next_reduce])
+        self._grad_count.clear()
+        self._ready.clear()
+        self._next_reduce = 0
+        return reduced
+
+    def publish_async(self, bucket, members: list[int]) -> None:
+        """Starts publishing ``members``; the block's next forward waits for it."""
+        if not members:
+            return
+        values = {i: self.plan.infos[i].param.detach() for i in members if self.is_owner(i)}
+        pending = self.exchanger.gather_from_owners(bucket, members, values, async_op=True)
+        self.pending_publish.setdefault(bucket.block, []).append(pending)
+
+    def _await_publish(self, block: int):
+        def hook(module, args):
+            for pending in self.pending_publish.pop(block, []):
+                self._scatter_into_params(pending)
+
+        return hook
+
+    def flush_publish(self) -> None:
+        """Lands every outstanding publication (before reading weights outside a forward)."""
+        for block in sorted(self.pending_publish):
+            for pending in self.pending_publish.pop(block):
+                self._scatter_into_params(pending)
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -193,6 +298,7 @@ def full_matrices(runtime: OwnerRuntime) -> dict[str, torch.Tensor]:
     """
     out = {}
     infos = runtime.plan.infos
+    runtime.flush_publish()
     for bucket in runtime.plan.buckets:
         values = {i: infos[i].param.detach() for i in bucket.members if runtime.is_owner(i)}
         flat = runtime.exchanger.gather_from_owners(bucket, bucket.members, values).wait()

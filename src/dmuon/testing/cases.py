@@ -34,6 +34,8 @@ class Case:
     adamw_lr: float = 3e-3
     balancer: str = "greedy"
     ns_method: str = "standard"
+    overlap: bool = True
+    """DMuon's overlap mode."""
     mesh_shape: tuple[int, int] | None = None
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
 
@@ -68,7 +70,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
-    opt = dmuon.DMuon(model, plan, **kw) if plan is not None else GatherThenCompute(model, **kw)
+    opt = dmuon.DMuon(model, plan, overlap=case.overlap, **kw) if plan is not None else GatherThenCompute(model, **kw)
     losses, stats = [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())

@@ -71,3 +71,33 @@ def traffic(rank: int, world_size: int, zero: int) -> dict:
         "owners": [i.owner for i in plan.infos],
         "elem": plan.infos[0].param.element_size(),
     }
+
+
+class Branches(torch.nn.Module):
+    """Three bias-free branches summed; ``order`` sets the order they run in."""
+
+    def __init__(self, dim: int = 23):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.order = [0, 1, 2]
+
+    def forward(self, x):
+        return sum(self.layers[k](x) for k in self.order).square().mean()
+
+
+def rotated_branches(rank: int, world_size: int, overlap: bool) -> dict:
+    """Each rank runs the branches in its own order, so gradients land in different orders."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = Branches()
+    model.order = [(k + rank) % 3 for k in range(3)]
+    plan = dmuon.prepare(model, mesh, zero=2)
+    opt = dmuon.DMuon(model, plan, overlap=overlap, ns_method="standard", ns_dtype=torch.float32)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        model(torch.randn(4, 23, generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    from dmuon.fsdp.runtime import full_matrices
+
+    return full_matrices(plan.runtime)
