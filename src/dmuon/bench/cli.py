@@ -14,7 +14,7 @@ from dmuon.bench.report import (
     format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
 )
 from dmuon.bench.runner import BenchOptions, run_all
-from dmuon.bench.setups import CONFIGS, Hyper
+from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, Hyper
 from dmuon.testing.spawn import run_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="run on an R x (N/R) (replicate, shard) HSDP mesh")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {ALL_CONFIGS} (the *_sync ones run dmuon with overlap=False)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None)
@@ -61,9 +61,9 @@ def _options(args) -> BenchOptions:
 def run(args) -> dict:
     """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
+    bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
-        raise SystemExit(f"dmuon bench: --configs: unknown {bad}; choose from {CONFIGS}")
+        raise SystemExit(f"dmuon bench: --configs: unknown {bad}; choose from {ALL_CONFIGS}")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("dmuon bench: --steps must be >= 1 and --warmup >= 0")
     opts = _options(args)

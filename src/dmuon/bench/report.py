@@ -45,7 +45,7 @@ def ratios(results: list[dict]) -> dict[str, float]:
     """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups)."""
     by = {r["config"]: r for r in results}
     out: dict[str, float] = {}
-    for mine in ("dmuon_z2", "dmuon_z3"):
+    for mine in ("dmuon_z2", "dmuon_z3", "dmuon_z2_sync", "dmuon_z3_sync"):
         if mine not in by:
             continue
         d = by[mine]

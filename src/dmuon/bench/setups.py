@@ -13,7 +13,11 @@ from dmuon.baselines import GatherThenCompute
 from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
-MUON_CONFIGS = ("torch_muon", "gather", "dmuon_z2", "dmuon_z3")
+"""The default side-by-side set."""
+EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync")
+"""dmuon with ``overlap=False``: every collective inside ``step()``."""
+ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
+MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 
 
 @dataclass
@@ -82,9 +86,9 @@ def build(config: str, workload, mesh, hyper: Hyper):
     if config == "gather":
         _shard(workload, mesh)
         return GatherThenCompute(model, **kw), None
-    if config in ("dmuon_z2", "dmuon_z3"):
-        plan = dmuon.prepare(model, mesh, zero=int(config[-1]), balancer=hyper.balancer,
+    if config.startswith("dmuon_z") and config in ALL_CONFIGS:
+        plan = dmuon.prepare(model, mesh, zero=int(config[len("dmuon_z")]), balancer=hyper.balancer,
                              blocks=workload.blocks)
         _shard(workload, mesh, plan.matrices)
-        return dmuon.DMuon(model, plan, **kw), plan
-    raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
+        return dmuon.DMuon(model, plan, overlap=not config.endswith("_sync"), **kw), plan
+    raise ValueError(f"config must be one of {ALL_CONFIGS}, got {config!r}")
