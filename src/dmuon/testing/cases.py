@@ -91,3 +91,32 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         "numels": {i.name: i.numel for i in plan.infos} if plan else None,
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }
+
+
+def run_accumulation(rank: int, world_size: int, zero: int, overlap: bool, micro: int = 2, steps: int = 2) -> dict:
+    """Gradient accumulation: ``micro`` backward passes (earlier ones under no_sync) per step."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = dmuon.prepare(model, mesh, zero=zero)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
+    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    opt = dmuon.DMuon(model, plan, overlap=overlap, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32,
+                      ns_method="standard")
+    for step in range(steps):
+        tokens, targets = odd_batch(step, rank, batch=2 * micro)
+        for m in range(micro):
+            last = m == micro - 1
+            model.set_requires_gradient_sync(last)
+            part = (tokens[2 * m : 2 * m + 2], targets[2 * m : 2 * m + 2])
+            if last:
+                (lm_loss(model, part) / micro).backward()
+            else:
+                with opt.no_sync():
+                    (lm_loss(model, part) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    params = full_params(model, plan)  # a collective: every rank calls it
+    return {"params": params if rank == 0 else None,
+            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
