@@ -81,7 +81,10 @@ def newton_schulz(
 
     Args:
         G: A matrix ``(m, n)`` or a stack ``(B, m, n)``; a stack is processed with batched
-            matmuls and each matrix is normalised by its own norm. ``G`` is not modified.
+            matmuls and each matrix is normalised by its own norm, so the result
+            matches looping over the matrices (bit for bit in bfloat16 on CPU; to
+            float32 rounding otherwise, as batched and single BLAS calls may differ).
+            ``G`` is not modified.
         schedule_or_coeffs: An ``(a, b, c)`` triple, a per-iteration schedule, or a
             schedule name understood by :func:`resolve_schedule`.
         steps: Number of iterations.

@@ -11,18 +11,22 @@ Gram Newton–Schulz spends its inner loop on products whose result is symmetric
 Each comes in a plain reference form (full matmul) and a half-work form that computes
 one triangle and mirrors it. The half-work backends:
 
-``"blas"`` (CPU, float32/float64)
-    ``?syrk`` from ``scipy.linalg.blas`` on zero-copy NumPy views for the first three;
-    a lower block-triangular schedule of NumPy (OpenBLAS) matmuls for ``sym_product``.
+``"blas"`` (CPU, float32/float64; the CPU default)
+    NumPy/OpenBLAS on zero-copy views: ``X @ X.T``, which NumPy itself routes to
+    ``?syrk`` and mirrors, for the Gram matrix and squares; a fused
+    ``?syrk`` (``scipy.linalg.blas``) for ``b A + c A A`` from m = 768; a lower
+    block-triangular schedule of matmuls for ``sym_product`` from m = 384. Below
+    those sizes a plain NumPy product measured faster.
 ``"torch"`` (any device)
-    The same block-triangular schedule with ``torch.matmul`` for all four.
+    The block-triangular schedule with ``torch.matmul`` for everything.
 ``"triton"`` (CUDA)
-    The lower-triangle tile kernel in :mod:`dmuon.ortho.triton_syrk` for the Gram and
-    squares; ``sym_product`` falls back to ``"torch"``.
+    The lower-triangle tile kernel in :mod:`dmuon.ortho.triton_syrk` for the Gram
+    matrix and the polynomial step; ``sym_product`` uses the torch schedule.
 
 Which backend is fastest was measured on the development CPU (see
-:func:`default_backend`). Results from the half-work forms equal the reference up to
-floating-point summation order and are exactly symmetric.
+:func:`default_backend`); :func:`uses_half_work` tells which calls actually halve
+the work. Those results are exactly symmetric and equal the reference up to
+floating-point summation order.
 
 Low-precision inputs (bfloat16/float16) are computed with float32 accumulation and a
 float32 result on every backend: on CPU a bfloat16 matmul is several times slower than
@@ -46,11 +50,11 @@ except ImportError:  # pragma: no cover - exercised only without scipy
 
 BACKENDS = ("reference", "torch", "blas", "triton")
 
-# Block count for the block-triangular schedule: k blocks cost (k+1)/(2k) of a full
-# product in k matmuls. 4 blocks (62.5%) keeps each matmul large enough for BLAS to
-# run near peak on the sizes Muon sees (m >= 256).
+# Block count of the torch block-triangular schedule: k blocks cost (k+1)/(2k) of a
+# full product in k matmuls. 4 blocks (62.5%) keep each matmul large enough to run
+# near peak on the sizes Muon sees (m >= 256).
 _BLOCKS = 4
-# Below this size the extra calls cost more than the halved arithmetic saves.
+# Below this size the torch schedule's extra calls cost more than they save.
 _MIN_HALF = 128
 # Tile edge for mirroring; transposing whole strips at once thrashes the cache.
 _MIRROR_TILE = 256
