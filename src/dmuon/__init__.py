@@ -9,9 +9,10 @@ Typical use::
     opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-4)
 """
 
+from dmuon.optim.clip import clip_grad_norm_
 from dmuon.optim.dmuon import DMuon
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 
-__all__ = ["DMuon", "Plan", "prepare"]
+__all__ = ["DMuon", "Plan", "clip_grad_norm_", "prepare"]
 __version__ = "0.1.0"

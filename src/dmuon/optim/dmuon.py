@@ -123,6 +123,7 @@ class DMuon(torch.optim.Optimizer):
         for g in user_groups:
             groups.extend(self._split_group(g))
         self._last_stats: dict[str, Any] = {}
+        self._reduced: tuple[dict[int, torch.Tensor], dict[int, dict]] | None = None
         super().__init__(groups, defaults=dict(self._muon_defaults))
 
     # -------------------------------------------------------------- param groups
@@ -231,7 +232,20 @@ class DMuon(torch.optim.Optimizer):
         finally:
             self.runtime.defer_reduce = previous
 
-    def _muon_step(self) -> tuple[int, float]:
+    @torch.no_grad()
+    def reduce_gradients(self) -> dict[int, torch.Tensor]:
+        """Finishes reducing every Muon gradient to its owner (a collective call).
+
+        ``step()`` calls it; call it earlier to inspect or modify the reduced
+        gradients (as :func:`dmuon.clip_grad_norm_` does). The result is kept
+        for the coming ``step()``.
+
+        Returns:
+            ``{plan index: averaged gradient}`` for the matrices this rank owns
+            that have a gradient this step.
+        """
+        if self._reduced is not None:
+            return self._reduced[0]
         reduced: dict[int, torch.Tensor] = self.runtime.collect_reductions() if self.overlap else {}
         early = self.runtime.early_blocks if self.overlap else set()
         active = self._active_matrices()
@@ -244,6 +258,13 @@ class DMuon(torch.optim.Optimizer):
             if members:
                 grads = {i: infos[i].param.grad for i in members}
                 reduced.update(self.runtime.exchanger.reduce_to_owners(bucket, members, grads))
+        self._reduced = (reduced, active)
+        return reduced
+
+    def _muon_step(self) -> tuple[int, float]:
+        self.reduce_gradients()
+        (reduced, active), self._reduced = self._reduced, None
+        infos = self.plan.infos
 
         ns_start = time.perf_counter()
         by_group: dict[int, list[int]] = {}

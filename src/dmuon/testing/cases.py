@@ -36,6 +36,8 @@ class Case:
     ns_method: str = "standard"
     overlap: bool = True
     """DMuon's overlap mode."""
+    clip: float | None = None
+    """``dmuon.clip_grad_norm_`` before each step."""
     mesh_shape: tuple[int, int] | None = None
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
 
@@ -71,11 +73,13 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     opt = dmuon.DMuon(model, plan, overlap=case.overlap, **kw) if plan is not None else GatherThenCompute(model, **kw)
-    losses, stats = [], []
+    losses, stats, norms = [], [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())
         loss = lm_loss(model, odd_batch(step, rank))
         loss.backward()
+        if case.clip is not None:
+            norms.append(dmuon.clip_grad_norm_(model, case.clip, opt).item())
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -86,6 +90,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     return {
         "params": params if rank == 0 else None,
         "losses": losses,
+        "norms": norms,
         "stats": stats,
         "owners": {i.name: i.owner for i in plan.infos} if plan else None,
         "numels": {i.name: i.numel for i in plan.infos} if plan else None,

@@ -45,15 +45,20 @@ def reference_training(
     muon_kwargs: dict,
     adamw_kwargs: dict,
     ns_dtype: torch.dtype = torch.bfloat16,
+    clip: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Trains ``model`` in one process on ``batches`` (one global batch per step).
 
     Matrices with more than two dims are optimized through a 2-D view sharing
     their storage, so ``torch.optim.Muon`` sees ``(shape[0], prod(shape[1:]))``.
 
+    ``clip`` applies ``torch.nn.utils.clip_grad_norm_`` to all gradients
+    before each step; the norms are appended to ``reference_training.norms``.
+
     Returns:
         The final parameters by name and the loss of each step.
     """
+    reference_training.norms = []
     matrices = select_matrices(model)
     ids = {id(p) for _, p in matrices}
     views = [(p, nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
@@ -63,6 +68,8 @@ def reference_training(
     for batch in batches:
         loss = loss_fn(model, batch)
         loss.backward()
+        if clip is not None:
+            reference_training.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         for p, v in views:
             if v is not p:
                 v.grad = None if p.grad is None else p.grad.view(v.shape)
