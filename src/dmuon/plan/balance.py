@@ -1,11 +1,48 @@
-"""Owner assignment: map each matrix to exactly one rank."""
+"""Owner assignment: map each matrix to exactly one rank.
+
+Two levels:
+
+* :func:`round_robin`, :func:`lpt` and :func:`assign_owners` take one cost per
+  matrix and return owners (the original interface).
+* :func:`balance` takes matrix *kinds* with per-batch-size costs (measured
+  tables batch same-shape matrices) and returns a :class:`BalanceResult` with
+  owners, the batch sizes each rank should run and batch-aware loads. It is
+  where ``"milp"`` and ``"auto"`` live; every balancer is scored with the same
+  batch-aware loads, so the numbers compare.
+"""
 
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
 
-BALANCERS = ("greedy", "lpt", "round_robin")
+from dmuon.plan import milp as _milp
+from dmuon.plan.milp import Kind, best_partition
+
+BALANCERS = ("greedy", "lpt", "round_robin", "milp", "auto")
+"""Accepted balancer names; ``"greedy"`` is an alias of ``"lpt"``."""
+# Above this many variables even "milp" runs LPT: building the model alone
+# would take longer than the solve budget.
+MILP_MAX_VARIABLES = 200_000
+# "auto" solves the MILP up to this many variables (Qwen2.5-7B on 1024 ranks
+# with the analytical model has 4097) and runs LPT beyond.
+AUTO_MAX_VARIABLES = 20_000
+DEFAULT_TIME_LIMIT_S = 10.0
+DEFAULT_MEMORY_FACTOR = 1.25
+
+
+def canonical(balancer: str) -> str:
+    """The balancer's canonical name (``"greedy"`` -> ``"lpt"``).
+
+    Raises:
+        ValueError: For an unknown name.
+    """
+    if balancer not in BALANCERS:
+        raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
+    return "lpt" if balancer == "greedy" else balancer
 
 
 def round_robin(costs: Sequence[float], world_size: int) -> list[int]:
@@ -13,42 +50,42 @@ def round_robin(costs: Sequence[float], world_size: int) -> list[int]:
     return [i % world_size for i in range(len(costs))]
 
 
-def lpt(costs: Sequence[float], world_size: int) -> list[int]:
+def lpt(
+    costs: Sequence[float],
+    world_size: int,
+    *,
+    sizes: Sequence[float] | None = None,
+    capacity: float | None = None,
+) -> list[int]:
     """Greedy longest-processing-time-first assignment.
 
     Matrices are taken from the most to the least expensive and each goes to
     the rank with the smallest load so far. Ties break on the lower index and
     the lower rank, so every rank computes the identical assignment.
+
+    With ``sizes`` and ``capacity`` (optimizer-state bytes), a matrix goes to
+    the least-loaded rank it still fits on, or to the rank with the fewest
+    bytes if it fits nowhere.
     """
     owners = [0] * len(costs)
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    loads = [(0.0, r) for r in range(world_size)]
-    heapq.heapify(loads)
+    if sizes is None or capacity is None:
+        loads = [(0.0, r) for r in range(world_size)]
+        heapq.heapify(loads)
+        for i in order:
+            load, rank = heapq.heappop(loads)
+            owners[i] = rank
+            heapq.heappush(loads, (load + costs[i], rank))
+        return owners
+    load = [0.0] * world_size
+    used = [0.0] * world_size
     for i in order:
-        load, rank = heapq.heappop(loads)
+        fits = [r for r in range(world_size) if used[r] + sizes[i] <= capacity]
+        rank = min(fits, key=lambda r: (load[r], r)) if fits else min(range(world_size), key=lambda r: (used[r], r))
         owners[i] = rank
-        heapq.heappush(loads, (load + costs[i], rank))
+        load[rank] += costs[i]
+        used[rank] += sizes[i]
     return owners
-
-
-def assign_owners(costs: Sequence[float], world_size: int, balancer: str) -> list[int]:
-    """Assigns an owner rank to every matrix.
-
-    Args:
-        costs: Estimated owner-side cost of each matrix.
-        world_size: Number of ranks that can own matrices.
-        balancer: ``"greedy"`` (alias ``"lpt"``) or ``"round_robin"``.
-
-    Raises:
-        ValueError: For an unknown balancer or a non-positive world size.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if balancer in ("greedy", "lpt"):
-        return lpt(costs, world_size)
-    if balancer == "round_robin":
-        return round_robin(costs, world_size)
-    raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
 
 
 def rank_loads(costs: Sequence[float], owners: Sequence[int], world_size: int) -> list[float]:
@@ -57,3 +94,243 @@ def rank_loads(costs: Sequence[float], owners: Sequence[int], world_size: int) -
     for cost, owner in zip(costs, owners):
         loads[owner] += cost
     return loads
+
+
+@dataclass
+class BalanceResult:
+    """An owner assignment with its batch plan and figures."""
+
+    balancer: str
+    """The name that was asked for (canonical: ``"greedy"`` reads ``"lpt"``)."""
+    method: str
+    """What produced the owners: ``"milp"``, ``"lpt"`` or ``"round_robin"``."""
+    owners: list[int]
+    """Owner rank of each matrix, in plan order."""
+    loads: list[float]
+    """Per-rank cost with each rank's matrices of a kind split into the cheapest batches."""
+    batches: list[dict[Hashable, list[int]]]
+    """Per rank: kind key -> batch sizes to run (largest first); what the runtime should batch."""
+    state_bytes: list[int]
+    """Optimizer-state bytes owned by each rank."""
+    memory_cap: float | None = None
+    """Per-rank state limit the MILP honoured (``None``: unconstrained or not the MILP)."""
+    status: str = "heuristic"
+    """``"optimal"``, ``"time_limit"`` (best found), or ``"heuristic"`` for greedy methods."""
+    lower_bound: float = math.nan
+    """Proven lower bound on the makespan (MILP only; NaN otherwise)."""
+    solve_seconds: float = 0.0
+    """Wall time of the balancer."""
+    notes: list[str] = field(default_factory=list)
+    """Why anything unexpected happened (fallbacks, relaxed memory caps)."""
+
+    @property
+    def makespan(self) -> float:
+        """The slowest rank's load: the optimizer step waits for it."""
+        return max(self.loads) if self.loads else 0.0
+
+    @property
+    def mean(self) -> float:
+        """Mean load over ranks."""
+        return sum(self.loads) / len(self.loads) if self.loads else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Makespan over mean load (1.0 is perfect)."""
+        mean = self.mean
+        return self.makespan / mean if mean > 0 else 1.0
+
+    def unit_costs(self, kinds: Sequence[Kind], items: Sequence[int]) -> list[float]:
+        """Each matrix's share of its rank's batched cost for its kind; sums per rank to ``loads``."""
+        counts = _counts(items, self.owners, len(kinds), len(self.loads))
+        out = []
+        for k, r in zip(items, self.owners):
+            if len(kinds[k].costs) == 1:
+                out.append(kinds[k].costs[1])  # linear cost: exactly the matrix's own
+            else:
+                out.append(best_partition(kinds[k], counts[k][r])[0] / counts[k][r])
+        return out
+
+
+def _counts(items: Sequence[int], owners: Sequence[int], n_kinds: int, world_size: int) -> list[list[int]]:
+    counts = [[0] * world_size for _ in range(n_kinds)]
+    for k, r in zip(items, owners):
+        counts[k][r] += 1
+    return counts
+
+
+def evaluate(
+    kinds: Sequence[Kind], items: Sequence[int], owners: Sequence[int], world_size: int
+) -> tuple[list[float], list[dict[Hashable, list[int]]], list[int]]:
+    """Batch-aware loads, batch plan and state bytes of an owner assignment."""
+    counts = _counts(items, owners, len(kinds), world_size)
+    loads = [0.0] * world_size
+    batches: list[dict[Hashable, list[int]]] = [{} for _ in range(world_size)]
+    state = [0] * world_size
+    for k, kind in enumerate(kinds):
+        for r in range(world_size):
+            n = counts[k][r]
+            if n:
+                cost, sizes = best_partition(kind, n)
+                loads[r] += cost
+                batches[r][kind.key] = sizes
+                state[r] += n * kind.state_bytes
+    return loads, batches, state
+
+
+def _result(balancer, method, kinds, items, owners, world_size, start, **extra) -> BalanceResult:
+    loads, batches, state = evaluate(kinds, items, owners, world_size)
+    return BalanceResult(balancer, method, list(owners), loads, batches, state,
+                         solve_seconds=time.perf_counter() - start, **extra)
+
+
+def balance(
+    kinds: Sequence[Kind],
+    items: Sequence[int],
+    world_size: int,
+    balancer: str = "auto",
+    *,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    memory_factor: float | None = DEFAULT_MEMORY_FACTOR,
+    max_milp_variables: int | None = None,
+) -> BalanceResult:
+    """Assigns an owner to every matrix with any balancer, batch-aware.
+
+    ``"milp"`` solves the program of :mod:`dmuon.plan.milp` and falls back to
+    memory-aware LPT when it has more than ``max_milp_variables`` variables,
+    when HiGHS fails or finds nothing in time, or when LPT turns out better
+    (possible only when the time limit cut the search); ``"auto"`` is
+    ``"milp"`` if small enough, LPT otherwise. ``"lpt"`` and ``"round_robin"``
+    ignore the memory limit, as they always have.
+
+    Args:
+        kinds: Matrix kinds (shape/dtype with costs per batch size).
+        items: Kind index of each matrix, in plan order.
+        world_size: Ranks.
+        balancer: A name from :data:`BALANCERS`.
+        time_limit_s: MILP wall-clock budget (both phases).
+        memory_factor: MILP: per-rank optimizer state at most this times the
+            mean (raised automatically, with a note, when infeasible); ``None``
+            for no limit.
+        max_milp_variables: Above this the MILP is not attempted (default:
+            :data:`AUTO_MAX_VARIABLES` for ``"auto"``, :data:`MILP_MAX_VARIABLES`
+            for ``"milp"``).
+
+    Raises:
+        ValueError: For an unknown balancer, a bad world size or item index.
+    """
+    name = canonical(balancer)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    bad = [i for i, k in enumerate(items) if not 0 <= k < len(kinds)]
+    if bad:
+        raise ValueError(f"items: matrix {bad[0]} has kind {items[bad[0]]}, but there are {len(kinds)} kinds")
+    start = time.perf_counter()
+    unit = [kinds[k].costs[1] for k in items]
+    if name == "round_robin":
+        return _result(name, "round_robin", kinds, items, round_robin(unit, world_size), world_size, start)
+    if name == "lpt":
+        return _result(name, "lpt", kinds, items, lpt(unit, world_size), world_size, start)
+
+    counts = [sum(1 for k in items if k == j) for j in range(len(kinds))]
+    cap, notes = _milp.memory_cap(kinds, counts, world_size, memory_factor)
+    sizes = [kinds[k].state_bytes for k in items]
+    bound = _milp.lower_bound(kinds, counts, world_size)
+
+    def greedy_within(limit: float | None) -> tuple[list[int], list[float], list[int], bool]:
+        owners = lpt(unit, world_size, sizes=sizes, capacity=limit)
+        loads, _, state = evaluate(kinds, items, owners, world_size)
+        return owners, loads, state, limit is None or max(state) <= limit
+
+    greedy, g_loads, g_state, greedy_fits = greedy_within(cap)
+
+    def fallback(why: str) -> BalanceResult:
+        limit = f" (memory cap {cap:.4g} B)" if cap is not None else ""
+        extra_notes = notes + [f"{why}; used LPT{limit}"]
+        if not greedy_fits:
+            extra_notes.append(f"LPT exceeds the memory cap: max state {max(g_state)} B > {cap:.4g} B")
+        return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap,
+                       lower_bound=bound, notes=extra_notes)
+
+    if world_size == 1 or not items:
+        return _result(name, "milp", kinds, items, [0] * len(items), world_size, start, memory_cap=cap,
+                       status="optimal", lower_bound=bound, notes=notes)
+    batching = any(len(_milp.useful_batch_sizes(k, n)) > 1 for k, n in zip(kinds, counts))
+    if greedy_fits and not batching and max(g_loads) <= bound * (1 + _milp.MIP_REL_GAP):
+        # Nothing left to optimize: the makespan is at its lower bound and,
+        # without batching, the total time is the same for every assignment.
+        return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap, status="optimal",
+                       lower_bound=bound, notes=notes + ["LPT meets the makespan lower bound; MILP not needed"])
+    nvars = _milp.variable_count(kinds, counts, world_size)
+    if max_milp_variables is None:
+        max_milp_variables = AUTO_MAX_VARIABLES if name == "auto" else MILP_MAX_VARIABLES
+    if nvars > max_milp_variables:
+        return fallback(f"MILP would have {nvars} variables > {max_milp_variables}")
+    try:
+        sol = _milp.solve(kinds, counts, world_size, time_limit_s=time_limit_s, cap_bytes=cap)
+        if sol.counts is None and sol.status == "infeasible" and cap is not None:
+            # Bin packing can be infeasible at any factor; the greedy packing's
+            # own maximum is a cap that some assignment is known to meet.
+            packed = lpt(sizes, world_size)
+            _, _, p_state = evaluate(kinds, items, packed, world_size)
+            cap = float(max(cap, max(p_state)))
+            notes.append(f"memory cap infeasible; relaxed to {cap:.4g} B (greedy packing of the state bytes)")
+            greedy, g_loads, g_state, greedy_fits = greedy_within(cap)
+            used = time.perf_counter() - start
+            sol = _milp.solve(kinds, counts, world_size, time_limit_s=max(time_limit_s - used, 0.1),
+                              cap_bytes=cap)
+    except Exception as err:  # noqa: BLE001 - any solver failure must not stop training
+        return fallback(f"MILP failed ({type(err).__name__}: {err})")
+    if sol.counts is None:
+        return fallback(f"MILP found no solution ({sol.status})")
+    owners = _milp.owners_from_counts(items, sol.counts)
+    result = _result(name, "milp", kinds, items, owners, world_size, start, memory_cap=cap,
+                     status=sol.status, lower_bound=sol.lower_bound, notes=notes + sol.phases)
+    if greedy_fits and max(g_loads) < result.makespan * (1 - 1e-12):
+        return fallback(f"MILP stopped ({sol.status}) at makespan {result.makespan:.6g} "
+                        f"> LPT's {max(g_loads):.6g}")
+    return result
+
+
+def kinds_from_costs(costs: Sequence[float]) -> tuple[list[Kind], list[int]]:
+    """Groups per-matrix costs into kinds of equal cost (linear in the batch size)."""
+    index: dict[float, int] = {}
+    items = []
+    for c in costs:
+        items.append(index.setdefault(float(c), len(index)))
+    kinds = [Kind(c, {1: c}, 0) for c in index]
+    return kinds, items
+
+
+def assign_owners(
+    costs: Sequence[float],
+    world_size: int,
+    balancer: str,
+    *,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> list[int]:
+    """Assigns an owner rank to every matrix from one cost per matrix.
+
+    ``"milp"``/``"auto"`` treat matrices of equal cost as interchangeable and
+    apply no memory limit (sizes are unknown here); use :func:`balance` for
+    batch tables and memory.
+
+    Args:
+        costs: Estimated owner-side cost of each matrix.
+        world_size: Number of ranks that can own matrices.
+        balancer: A name from :data:`BALANCERS`.
+        time_limit_s: MILP wall-clock budget.
+
+    Raises:
+        ValueError: For an unknown balancer or a non-positive world size.
+    """
+    name = canonical(balancer)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if name == "lpt":
+        return lpt(costs, world_size)
+    if name == "round_robin":
+        return round_robin(costs, world_size)
+    kinds, items = kinds_from_costs(costs)
+    return balance(kinds, items, world_size, name, time_limit_s=time_limit_s, memory_factor=None).owners
