@@ -13,11 +13,11 @@ size each rank runs:
   rarely proven.
 
 Symmetry: the ranks are identical, so every solution has ``W!`` mirror
-images. HiGHS detects this permutation symmetry itself; the explicit
-"loads non-increasing" ordering (``symmetry="loads"``) measured worse with
-the analytical costs: at 64 ranks its
-best plan after 6 s was 3.2x the mean load, where the plain model proves
-LPT's 1.296 optimal in 0.03 s (Qwen2.5-7B). So it is off by default.
+images. HiGHS detects this permutation symmetry itself. The explicit "loads
+non-increasing" ordering (``symmetry="loads"``) measured worse: on
+Qwen2.5-7B at 64 ranks with the analytical costs its best plan after 6 s
+was 3.2x the mean load, where the plain model proves LPT's 1.296 optimal in
+0.03 s. So it is off by default.
 
 Phase 1 minimizes ``T`` (the makespan). Phase 2 keeps ``T <= T*`` and
 minimizes the total time, which can only drop by batching better; it is
