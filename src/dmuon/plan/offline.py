@@ -5,11 +5,13 @@ Lets ``dmuon plan`` answer "how would 256 ranks split Qwen2.5-7B?" on a laptop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from dmuon.plan.balance import assign_owners, rank_loads
-from dmuon.plan.cost import update_cost
+from dmuon.plan.assign import build_kinds
+from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.profile import CostTable, analytical_table
 
 
 @dataclass(frozen=True)
@@ -76,44 +78,65 @@ def gather_traffic_per_rank(numels: Sequence[int], world_size: int, elem_bytes: 
     return moved, moved
 
 
+def _as_table(costs, mats: Sequence[OfflineMatrix], ns_steps: int) -> CostTable:
+    if costs is None:
+        return analytical_table([(m.shape, 1) for m in mats], ns_steps)
+    if isinstance(costs, CostTable):
+        table = costs
+    else:
+        # The original interface: measured seconds per shape, batch 1.
+        table = CostTable({((int(s[0]), int(s[1])), 1): float(v) for s, v in costs.items()}, source="file")
+    missing = table.missing(m.shape for m in mats)
+    if missing:
+        raise ValueError(f"costs: no batch-1 measurement for shapes {missing[:5]}")
+    return table
+
+
 def plan_offline(
     groups: Iterable,
     world_size: int,
     balancer: str = "greedy",
     zero: int = 2,
-    costs: dict[tuple[int, int], float] | None = None,
+    costs: CostTable | dict[tuple[int, int], float] | None = None,
     ns_steps: int = 5,
+    *,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    memory_factor: float | None = DEFAULT_MEMORY_FACTOR,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
     Args:
         groups: Objects with ``name``, ``shape``, ``count`` (and optionally ``muon``).
         world_size: Ranks to plan for.
-        balancer: A balancer name accepted by :func:`dmuon.plan.assign_owners`.
+        balancer: A name from :data:`dmuon.plan.balance.BALANCERS`.
         zero: 2 or 3 (affects traffic only).
-        costs: Optional measured seconds per shape; the analytical model otherwise.
+        costs: A :class:`~dmuon.plan.profile.CostTable` (seconds per shape and
+            batch size), or measured seconds per shape (batch 1); the analytical
+            model when ``None``.
         ns_steps: NS iterations for the analytical model.
+        time_limit_s: MILP wall-clock budget.
+        memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
-        ``imbalance``, ``cost_unit`` and ``ranks`` (each with ``rank``, ``cost``,
-        ``matrices``, ``state_bytes``, ``bytes_sent``, ``bytes_received``).
+        ``imbalance``, ``cost_unit``, ``cost_source``, ``method``, ``status``,
+        ``solve_seconds``, ``lower_bound``, ``memory_cap``, ``notes`` and
+        ``ranks`` (each with ``rank``, ``cost``, ``matrices``, ``batches``,
+        ``state_bytes``, ``bytes_sent``, ``bytes_received``). Rank costs are
+        batch-aware: each rank's matrices of one shape split into the cheapest
+        measured batches.
 
     Raises:
-        ValueError: For a non-positive world size or an unknown balancer.
+        ValueError: For a non-positive world size, an unknown balancer or
+            costs that miss a shape.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     mats = expand(groups)
-    if costs is not None:
-        missing = sorted({m.shape for m in mats if m.shape not in costs})
-        if missing:
-            raise ValueError(f"costs: no measurement for shapes {missing[:5]}")
-        cost = [costs[m.shape] for m in mats]
-    else:
-        cost = [update_cost(m.shape, ns_steps) for m in mats]
-    owners = assign_owners(cost, world_size, balancer)
-    loads = rank_loads(cost, owners, world_size)
+    table = _as_table(costs, mats, ns_steps)
+    kinds, items = build_kinds([m.shape for m in mats], table)
+    result = balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor)
+    owners, loads = result.owners, result.loads
     traffic = traffic_per_rank([m.numel for m in mats], owners, world_size, zero)
     ranks = []
     for r in range(world_size):
@@ -122,22 +145,28 @@ def plan_offline(
             "rank": r,
             "cost": loads[r],
             "matrices": [mats[k].name for k in mine],
-            "state_bytes": sum(mats[k].numel for k in mine) * 4,
+            "batches": [{"shape": list(shape), "sizes": sizes} for shape, sizes in result.batches[r].items()],
+            "state_bytes": result.state_bytes[r],
             "bytes_sent": traffic[r][0],
             "bytes_received": traffic[r][1],
         })
-    mean = sum(loads) / world_size
-    makespan = max(loads)
     g_sent, g_recv = gather_traffic_per_rank([m.numel for m in mats], world_size)
     return {
         "world_size": world_size,
         "balancer": balancer,
+        "method": result.method,
+        "status": result.status,
         "zero": zero,
-        "cost_unit": "seconds" if costs is not None else "flops (analytical)",
+        "cost_unit": "seconds" if table.unit == "seconds" else "flops (analytical)",
+        "cost_source": table.source,
         "matrices": len(mats),
-        "makespan": makespan,
-        "mean": mean,
-        "imbalance": makespan / mean if mean > 0 else 1.0,
+        "makespan": result.makespan,
+        "mean": result.mean,
+        "imbalance": result.imbalance,
+        "lower_bound": None if math.isnan(result.lower_bound) else result.lower_bound,
+        "solve_seconds": result.solve_seconds,
+        "memory_cap": result.memory_cap,
+        "notes": result.notes,
         "gather_bytes_per_rank": {"sent": g_sent, "received": g_recv},
         "ranks": ranks,
     }
