@@ -7,8 +7,34 @@ import json
 import sys
 
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
-from dmuon.plan.balance import BALANCERS
-from dmuon.plan.offline import plan_offline
+from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
+from dmuon.plan.offline import expand, plan_offline
+from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
+
+# What `--balancer all` compares ("greedy" is LPT; "auto" is one of the others).
+COMPARED = ("round_robin", "lpt", "milp")
+
+
+def _memory_factor(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'none', got {text!r}") from None
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 'none'), got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default=None, metavar="FILE",
                    help='JSON list of {"name": str, "shape": [m, n], "count": int}; overrides --model')
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--balancer", default="greedy", choices=BALANCERS)
+    p.add_argument("--balancer", default="greedy", choices=BALANCERS + ("all",),
+                   help="owner balancer; 'all' compares round_robin, lpt and milp side by side")
+    p.add_argument("--costs", default=None, metavar="FILE",
+                   help='JSON list of {"shape": [m, n], "batch": int, "seconds": float} measured elsewhere; '
+                        "default: this machine's profile cache if it covers the shapes, else the analytical model")
+    p.add_argument("--profile", action="store_true",
+                   help="measure the owner update for every shape and batch size on this machine now (cached)")
+    p.add_argument("--profile-budget", type=_positive_float, default=None, metavar="S",
+                   help="with --profile: stop measuring batches > 1 after S seconds")
+    p.add_argument("--analytical", action="store_true", help="use the analytical FLOP model even if a cache exists")
+    p.add_argument("--ns-steps", type=int, default=5, help="NS iterations (analytical model and profile key)")
+    p.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
+                   help="MILP time limit in seconds (best solution found is kept)")
+    p.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
+                   help="MILP: per-rank optimizer state at most F x the mean ('none' for no limit)")
     p.add_argument("--zero", type=int, default=2, choices=[2, 3])
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
@@ -34,7 +74,9 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
     lines = [
         f"world size {plan['world_size']}, balancer {plan['balancer']}, ZeRO-{plan['zero']}, "
         f"{plan['matrices']} Muon matrices, cost unit: {plan['cost_unit']}",
-        f"makespan {plan['makespan']:.4g}  mean {plan['mean']:.4g}  imbalance (max/mean) {plan['imbalance']:.3f}",
+        f"makespan {plan['makespan']:.4g}  mean {plan['mean']:.4g}  imbalance (max/mean) {plan['imbalance']:.3f}"
+        f"  ({plan['method']}, {plan['status']}, {plan['solve_seconds']:.3f}s, costs: {plan['cost_source']})",
+        *[f"note: {n}" for n in plan.get("notes", ())],
         "",
         "rank  matrices  est. cost   state MiB  sent MiB  recv MiB",
     ]
@@ -55,13 +97,63 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
     return "\n".join(lines)
 
 
+def _cost_table(args, groups) -> CostTable | None:
+    if args.costs:
+        return load_costs_json(args.costs)
+    if args.analytical:
+        return None
+    counts: dict[tuple[int, int], int] = {}
+    for m in expand(groups):
+        counts[m.shape] = counts.get(m.shape, 0) + 1
+    if not counts:
+        return None
+    ns = {"steps": args.ns_steps}
+    if args.profile:
+        table = profile_costs(counts, ns_kwargs=ns, budget_s=args.profile_budget)
+        print(f"profiled {table.measured} entries on {table.device} in {table.profile_seconds:.1f}s "
+              f"({len(table)} in the table)")
+        return table
+    return cached_costs(counts, ns_kwargs=ns)
+
+
+def format_comparison(plans: list[dict]) -> str:
+    """The ``--balancer all`` table: one row per balancer."""
+    lines = [f"{'balancer':<12} {'makespan':>11} {'mean':>11} {'imbalance':>9} {'max state MiB':>13} "
+             f"{'solve s':>8}  status"]
+    for p in plans:
+        state = max(r["state_bytes"] for r in p["ranks"])
+        status = p["status"] if p["method"] == p["balancer"] else f"{p['status']} (via {p['method']})"
+        lines.append(f"{p['balancer']:<12} {p['makespan']:>11.4g} {p['mean']:>11.4g} {p['imbalance']:>9.4f} "
+                     f"{_mib(state):>13} {p['solve_seconds']:>8.3f}  {status}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.world_size < 1:
         print("dmuon plan: --world-size must be >= 1", file=sys.stderr)
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
-    plan = plan_offline(groups, args.world_size, args.balancer, args.zero)
+    try:
+        table = _cost_table(args, groups)
+        names = COMPARED if args.balancer == "all" else (args.balancer,)
+        plans = [plan_offline(groups, args.world_size, name, args.zero, costs=table, ns_steps=args.ns_steps,
+                              time_limit_s=args.time_limit, memory_factor=args.memory_factor)
+                 for name in names]
+    except (OSError, ValueError) as err:
+        print(f"dmuon plan: {err}", file=sys.stderr)
+        return 2
+    if args.balancer == "all":
+        # The fastest plan is the one reported in full (ties: the simpler balancer).
+        plan = dict(min(plans, key=lambda p: p["makespan"]))
+        plan["comparison"] = [{k: p[k] for k in ("balancer", "method", "status", "makespan", "mean", "imbalance",
+                                                   "solve_seconds", "lower_bound")}
+                              | {"max_state_bytes": max(r["state_bytes"] for r in p["ranks"])} for p in plans]
+        print(format_comparison(plans))
+        print("")
+        print(f"best: {plan['balancer']}")
+    else:
+        plan = plans[0]
     print(format_plan(plan, args.show_matrices))
     if args.json:
         with open(args.json, "w") as f:
