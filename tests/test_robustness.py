@@ -33,3 +33,14 @@ def test_counted_bytes_match_the_traffic_model(zero):
         assert (o["stats"]["bytes_sent"], o["stats"]["bytes_received"]) == (model[rank].sent, model[rank].received)
         assert o["stats"]["inter_bytes_sent"] == 0
     assert sum(o["stats"]["orthogonalized"] for o in out) == len(out[0]["numels"])
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_nonfinite_gradient_is_handled_on_every_rank(mode):
+    out = run_distributed(faults.nonfinite, 3, mode, timeout_s=60)
+    for o in out:
+        assert o["outcome"][0] == ("stepped", True)
+        if mode == "skip":
+            assert o["outcome"][1] == ("skipped", False)
+        else:
+            assert o["outcome"][1][0] == "raised" and "layers.1.mid.weight" in o["outcome"][1][1]

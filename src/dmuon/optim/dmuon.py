@@ -21,6 +21,7 @@ from dmuon.ortho import orthogonalize_many
 from dmuon.plan.plan import Plan
 
 NS_METHODS = ("auto", "standard", "gram")
+NONFINITE_MODES = (None, "skip", "raise")
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -60,6 +61,11 @@ class DMuon(torch.optim.Optimizer):
             asynchronously so each block's next forward waits only for its own.
             ``False`` runs every collective inside ``step()``. Both give
             bit-identical parameters.
+        nonfinite: What a NaN/Inf in any gradient does. ``None`` (default):
+            nothing is checked, as in torch.optim; ``"skip"``: every rank skips
+            the whole step (parameters and optimizer state unchanged);
+            ``"raise"``: every rank raises ``FloatingPointError`` naming the
+            parameters. Checking costs one small all-reduce per step.
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class DMuon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         param_groups: list[dict[str, Any]] | None = None,
         overlap: bool = True,
+        nonfinite: str | None = None,
     ) -> None:
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
@@ -92,6 +99,8 @@ class DMuon(torch.optim.Optimizer):
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
         if not 0 < ns_steps < 100:
             raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
@@ -102,6 +111,8 @@ class DMuon(torch.optim.Optimizer):
         self.ns_method = ns_method
         self.ns_dtype = ns_dtype
         self.overlap = overlap
+        self.nonfinite = nonfinite
+        self._names = {id(p): n for n, p in model.named_parameters()}
         if overlap:
             plan.runtime.enable_overlap()
         self._index = {id(info.param): info.index for info in plan.infos}
@@ -181,10 +192,15 @@ class DMuon(torch.optim.Optimizer):
                 loss = closure()
         start = time.perf_counter()
         self.runtime.drain()
-        for group in self.param_groups:
-            if group["algorithm"] == "adamw":
-                adamw_group_step(group, self.state)
-        orthogonalized, ns_seconds = self._muon_step()
+        skipped = self.nonfinite is not None and self._nonfinite_check()
+        orthogonalized, ns_seconds = 0, 0.0
+        if skipped:
+            self._reduced = None
+        else:
+            for group in self.param_groups:
+                if group["algorithm"] == "adamw":
+                    adamw_group_step(group, self.state)
+            orthogonalized, ns_seconds = self._muon_step()
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
@@ -192,6 +208,7 @@ class DMuon(torch.optim.Optimizer):
             "exposed_comm_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
             "step_seconds": time.perf_counter() - start,
+            "skipped_nonfinite": skipped,
         }
         stats.reset()
         return loss
@@ -216,6 +233,27 @@ class DMuon(torch.optim.Optimizer):
             # even when a block was unused on some of them.
             dist.all_reduce(has_grad, group=self.runtime.exchanger.group)
         return {i: g for i, g in group_of.items() if has_grad[i] > 0}
+
+    def _nonfinite_check(self) -> bool:
+        """True when some gradient has a NaN/Inf on some rank; raises in ``"raise"`` mode."""
+        reduced = self.reduce_gradients()
+        others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        flags = torch.zeros(len(self.plan.infos) + len(others), dtype=torch.int32)
+        for i, grad in reduced.items():
+            flags[i] = int(not torch.isfinite(grad).all())
+        for k, p in enumerate(others):
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                flags[len(self.plan.infos) + k] = int(not torch.isfinite(local).all())
+        if self.plan.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.runtime.exchanger.group)
+        if not flags.any():
+            return False
+        if self.nonfinite == "raise":
+            names = [self.plan.infos[i].name for i in range(len(self.plan.infos)) if flags[i]]
+            names += [self._names.get(id(p), "?") for k, p in enumerate(others) if flags[len(self.plan.infos) + k]]
+            raise FloatingPointError(f"non-finite gradients in {names}")
+        return True
 
     @contextmanager
     def no_sync(self):

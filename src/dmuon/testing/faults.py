@@ -101,3 +101,39 @@ def rotated_branches(rank: int, world_size: int, overlap: bool) -> dict:
     from dmuon.fsdp.runtime import full_matrices
 
     return full_matrices(plan.runtime)
+
+
+def nonfinite(rank: int, world_size: int, mode: str) -> dict:
+    """Rank 1 gets a NaN gradient in one matrix at step 1; report what every rank did."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = dmuon.prepare(model, mesh, zero=2)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
+    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    opt = dmuon.DMuon(model, plan, nonfinite=mode, ns_method="standard", ns_dtype=torch.float32)
+    outcome = []
+    for step in range(2):
+        handle = None
+        if step == 1 and rank == 1:
+            # Poison the gradient as it is produced, before overlap sends it anywhere.
+            def poison(g):
+                g = g.clone()
+                g[0, 0] = float("nan")
+                return g
+
+            handle = model.layers[1].mid.weight.register_hook(poison)
+        lm_loss(model, odd_batch(step, rank)).backward()
+        if handle is not None:
+            handle.remove()
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p in plan.matrices}
+        try:
+            opt.step()
+            stats = opt.last_step_stats()
+            changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+            outcome.append(("skipped" if stats["skipped_nonfinite"] else "stepped", changed))
+        except FloatingPointError as e:
+            outcome.append(("raised", str(e)))
+        opt.zero_grad()
+    return {"outcome": outcome}
