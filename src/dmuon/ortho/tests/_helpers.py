@@ -44,3 +44,28 @@ def gradient_like(kind: str, m: int, n: int, seed: int = 0) -> torch.Tensor:
         # Cauchy-like tails via the inverse CDF (no global RNG state touched).
         return torch.tan(torch.pi * (u - 0.5)).clamp(-1e4, 1e4).float()
     raise ValueError(kind)
+
+
+def emulated_bf16_newton_schulz(G: torch.Tensor, schedule, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The standard bf16 iteration with float32 matmuls and bf16 rounding after each op.
+
+    Same arithmetic model as torch's CPU bf16 matmul (bf16 operands, float32
+    accumulation, bf16 result), minus its speed problem: on the development CPU a
+    bf16 ``(m, m) @ (m, n)`` product is ~100x slower than float32, which makes the
+    real path impractical for the large accuracy tests. Agreement with the real
+    path is checked in test_accuracy.py.
+    """
+    from dmuon.ortho.coefficients import resolve_schedule
+
+    bf = torch.bfloat16
+    X = G.to(bf)
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = (X.float() / X.norm().clamp(min=eps).float()).to(bf)
+    for a, b, c in resolve_schedule(schedule, steps):
+        Xf = X.float()
+        A = (Xf @ Xf.T).to(bf).float()
+        B = (b * A + c * (A @ A)).to(bf).float()
+        X = (a * Xf + B @ Xf).to(bf)
+    return X.T if tall else X
