@@ -108,3 +108,26 @@ def test_full_size_lists_milp_never_worse(model):
         assert got["lpt"]["makespan"] <= got["round_robin"]["makespan"]
         assert sum(len(r["matrices"]) for r in got["milp"]["ranks"]) == n
         assert got["milp"]["lower_bound"] <= got["milp"]["makespan"] * (1 + 1e-9)
+
+
+def test_profile_save_and_reuse(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "cache"))
+    shapes = _write(tmp_path, "shapes.json", [{"name": "a", "shape": [8, 16], "count": 3},
+                                              {"name": "b", "shape": [16, 4], "count": 1}])
+    saved = tmp_path / "costs.json"
+    args = ["--shapes", shapes, "--world-size", "2", "--ns-dtype", "float32", "--ns-steps", "2"]
+    assert plan_cli.main(args + ["--profile", "--max-batch", "2", "--save-costs", str(saved)]) == 0
+    assert "profiled 3 entries" in capsys.readouterr().out
+    records = json.loads(saved.read_text())
+    assert sorted((tuple(r["shape"]), r["batch"]) for r in records) == [((8, 16), 1), ((8, 16), 2), ((16, 4), 1)]
+    out = tmp_path / "plan.json"
+    # Without --costs the cache written above is found; --analytical and another NS setting skip it.
+    assert plan_cli.main(args + ["--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cost_source"] == "cache"
+    assert plan_cli.main(args + ["--analytical", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cost_source"] == "analytical"
+    assert plan_cli.main(args[:-2] + ["--ns-steps", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cost_source"] == "analytical"
+    assert plan_cli.main(args + ["--costs", str(saved), "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["cost_source"] == "file" and plan["cost_unit"] == "seconds"

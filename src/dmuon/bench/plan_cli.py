@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 
+import torch
+
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
 from dmuon.plan.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
 
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # What `--balancer all` compares ("greedy" is LPT; "auto" is one of the others).
 COMPARED = ("round_robin", "lpt", "milp")
 
@@ -54,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the owner update for every shape and batch size on this machine now (cached)")
     p.add_argument("--profile-budget", type=_positive_float, default=None, metavar="S",
                    help="with --profile: stop measuring batches > 1 after S seconds")
+    p.add_argument("--save-costs", default=None, metavar="FILE",
+                   help="write the cost table used (e.g. just profiled) in the --costs format")
+    p.add_argument("--max-batch", type=int, default=None, metavar="B",
+                   help="with --profile: largest batch size to measure (default: each shape's count)")
     p.add_argument("--analytical", action="store_true", help="use the analytical FLOP model even if a cache exists")
     p.add_argument("--ns-steps", type=int, default=5, help="NS iterations (analytical model and profile key)")
+    p.add_argument("--ns-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
+                   help="NS compute dtype to profile with (profile key); float32 on CPUs without bfloat16 units")
     p.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
                    help="MILP time limit in seconds (best solution found is kept)")
     p.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
@@ -107,9 +116,9 @@ def _cost_table(args, groups) -> CostTable | None:
         counts[m.shape] = counts.get(m.shape, 0) + 1
     if not counts:
         return None
-    ns = {"steps": args.ns_steps}
+    ns = {"steps": args.ns_steps, "dtype": _NS_DTYPES[args.ns_dtype]}
     if args.profile:
-        table = profile_costs(counts, ns_kwargs=ns, budget_s=args.profile_budget)
+        table = profile_costs(counts, ns_kwargs=ns, budget_s=args.profile_budget, max_batch=args.max_batch)
         print(f"profiled {table.measured} entries on {table.device} in {table.profile_seconds:.1f}s "
               f"({len(table)} in the table)")
         return table
@@ -143,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)
         return 2
+    if args.save_costs and table is not None:
+        with open(args.save_costs, "w") as f:
+            json.dump(table.to_records(), f, indent=1)
+        print(f"wrote {args.save_costs} ({len(table)} entries)")
     if args.balancer == "all":
         # The fastest plan is the one reported in full (ties: the simpler balancer).
         plan = dict(min(plans, key=lambda p: p["makespan"]))
