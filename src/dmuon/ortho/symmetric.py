@@ -88,11 +88,11 @@ def _check_backend(backend: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
+def _triton_available(device_type: str = "cuda") -> bool:
     try:
         from . import triton_syrk
 
-        return triton_syrk.is_available()
+        return triton_syrk.is_available(device_type)
     except Exception:  # pragma: no cover - import problems mean "not available"
         return False
 
@@ -125,7 +125,9 @@ def _resolve(backend: str | None, T: torch.Tensor) -> str:
     _check_backend(backend)
     if backend == "blas" and (T.device.type != "cpu" or _blas is None):
         backend = "torch"
-    if backend == "triton" and (T.device.type != "cuda" or not _triton_available()):
+    # The kernel writes float32; float64 stays on the torch schedule. On CPU it only
+    # runs under TRITON_INTERPRET=1 (tests).
+    if backend == "triton" and (T.dtype == torch.float64 or not _triton_available(T.device.type)):
         backend = "torch"
     return backend
 

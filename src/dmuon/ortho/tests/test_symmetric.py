@@ -138,6 +138,20 @@ def test_triton_syrk_under_interpreter():
             Ab = A.bfloat16()
             out = T.syrk(Ab)
             torch.testing.assert_close(out.double(), Ab.double() @ Ab.double().T, rtol=1e-5, atol=1e-4)
+        # The Gram iteration wired to the kernel (all syrk calls go through Triton).
+        from dmuon.ortho import symmetric as sym
+        from dmuon.ortho.gram import gram_newton_schulz
+        from dmuon.ortho.newton_schulz import newton_schulz
+        assert sym._resolve("triton", torch.zeros(2, 2)) == "triton"
+        sym._MIN_HALF = 16  # let the small test matrix take the kernel path
+        calls = []
+        real = T.syrk
+        T.syrk = lambda *a, **k: calls.append(1) or real(*a, **k)
+        G = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+        got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.float32, backend="triton")
+        assert len(calls) >= 8, len(calls)
+        ref = newton_schulz(G.double(), "polar_express", 5, dtype=torch.float64)
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-4
         print("ok")
         """
     )
