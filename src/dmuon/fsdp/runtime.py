@@ -13,6 +13,7 @@ post-accumulate-grad hooks on parameters.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ class OwnerRuntime:
         # Logical residency, identical on every rank (owners never release their
         # storage, but track the state so all ranks make the same collective calls).
         self.resident = [True] * len(plan.infos)
+        # While True (inside full_weights) nothing is freed, even by a step.
+        self.pinned = False
         self.pending: dict[int, list[PendingGather]] = {}
         self._hooks: list[Any] = []
         # Overlap state (see enable_overlap).
@@ -94,7 +97,7 @@ class OwnerRuntime:
 
     def free(self, index: int) -> None:
         """Releases a non-owned matrix's storage (ZeRO-3); owners keep theirs."""
-        if self.plan.zero == 3 and self.resident[index]:
+        if self.plan.zero == 3 and self.resident[index] and not self.pinned:
             if not self.is_owner(index):
                 self.plan.infos[index].param.data.untyped_storage().resize_(0)
             self.resident[index] = False
@@ -268,6 +271,11 @@ class OwnerRuntime:
         """Starts publishing ``members``; the block's next forward waits for it."""
         if not members:
             return
+        if self.pinned:
+            # Inside full_weights, later writes (a checkpoint load) must not be
+            # overwritten by a publication landing afterwards.
+            self.publish(bucket, members)
+            return
         values = {i: self.plan.infos[i].param.detach() for i in members if self.is_owner(i)}
         pending = self.exchanger.gather_from_owners(bucket, members, values, async_op=True)
         self.pending_publish.setdefault(bucket.block, []).append(pending)
@@ -289,6 +297,29 @@ class OwnerRuntime:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+@contextmanager
+def full_weights(plan: Plan):
+    """Every matrix resident with its owner's value on every rank, inside the block.
+
+    Use it around ``get_model_state_dict`` / ``set_model_state_dict`` (or any
+    code that reads or writes the matrices outside forward/backward). On exit
+    under ZeRO-3 non-owners free the matrices again; values written inside on
+    a non-owner are discarded, so load the same checkpoint on every rank.
+    A collective: call it on every rank.
+    """
+    runtime = plan.runtime
+    runtime.drain()
+    for bucket in plan.buckets:
+        runtime.publish(bucket, bucket.members)
+    runtime.pinned = True
+    try:
+        yield
+    finally:
+        runtime.pinned = False
+        runtime.drain()
+        runtime.stats.reset()
 
 
 def full_matrices(runtime: OwnerRuntime) -> dict[str, torch.Tensor]:

@@ -1,0 +1,71 @@
+"""Save on one cluster, resume on another (run inside spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.testing.cases import full_params
+from dmuon.testing.models import OddNet, lm_loss
+
+GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks
+
+
+def global_batch(step: int, vocab: int = 50, seq: int = 7):
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _local(step: int, rank: int, world_size: int):
+    tokens, targets = global_batch(step)
+    per = GLOBAL_BATCH // world_size
+    return tokens[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per]
+
+
+def _build(world_size: int, zero: int, mesh_shape=None):
+    mesh = init_device_mesh("cpu", mesh_shape or (world_size,),
+                            mesh_dim_names=("replicate", "shard") if mesh_shape else None)
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = dmuon.prepare(model, mesh, zero=zero)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
+    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    return model, plan, opt
+
+
+def _train(model, opt, rank, world_size, steps):
+    for step in steps:
+        lm_loss(model, _local(step, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def save_after(rank: int, world_size: int, path: str, steps: int, zero: int, mesh_shape=None) -> None:
+    model, plan, opt = _build(world_size, zero, mesh_shape)
+    _train(model, opt, rank, world_size, range(steps))
+    with dmuon.full_weights(plan):
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=path)
+
+
+def resume_and_train(rank: int, world_size: int, path: str, start: int, steps: int, zero: int,
+                     mesh_shape=None) -> dict:
+    model, plan, opt = _build(world_size, zero, mesh_shape)
+    with dmuon.full_weights(plan):
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        # Momentum lives on owners only, so non-owners legitimately lack it.
+        set_optimizer_state_dict(model, opt, state["optim"], options=StateDictOptions(strict=False))
+    _train(model, opt, rank, world_size, range(start, start + steps))
+    params = full_params(model, plan)
+    return params if rank == 0 else None
