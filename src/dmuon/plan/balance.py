@@ -257,7 +257,8 @@ def balance(
         return _result(name, "milp", kinds, items, [0] * len(items), world_size, start, memory_cap=cap,
                        status="optimal", lower_bound=bound, notes=notes)
     batching = any(len(_milp.useful_batch_sizes(k, n)) > 1 for k, n in zip(kinds, counts))
-    if greedy_fits and not batching and max(g_loads) <= bound * (1 + _milp.MIP_REL_GAP):
+    lpt_optimal = greedy_fits and max(g_loads) <= bound * (1 + _milp.MIP_REL_GAP)
+    if lpt_optimal and not batching:
         # Nothing left to optimize: the makespan is at its lower bound and,
         # without batching, the total time is the same for every assignment.
         return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap, status="optimal",
@@ -268,7 +269,12 @@ def balance(
     if nvars > max_milp_variables:
         return fallback(f"MILP would have {nvars} variables > {max_milp_variables}")
     try:
-        sol = _milp.solve(kinds, counts, world_size, time_limit_s=time_limit_s, cap_bytes=cap)
+        # At the lower bound LPT's makespan is optimal: only the total time is left to the MILP.
+        sol = _milp.solve(kinds, counts, world_size, time_limit_s=time_limit_s, cap_bytes=cap,
+                          known_makespan=max(g_loads) if lpt_optimal else None)
+        if sol.counts is None and lpt_optimal:
+            return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap, status="optimal",
+                           lower_bound=bound, notes=notes + sol.phases + ["LPT meets the makespan lower bound"])
         if sol.counts is None and sol.status == "infeasible" and cap is not None:
             # Bin packing can be infeasible at any factor; the greedy packing's
             # own maximum is a cap that some assignment is known to meet.

@@ -249,6 +249,7 @@ def solve(
     cap_bytes: float | None = None,
     mip_rel_gap: float = MIP_REL_GAP,
     symmetry: str = "none",
+    known_makespan: float | None = None,
 ) -> MilpSolution:
     """Solves the two-phase program above.
 
@@ -263,6 +264,9 @@ def solve(
             relative distance of the optimum.
         symmetry: ``"none"`` or ``"loads"`` (rank loads non-increasing; see
             the module docstring for why it is off by default).
+        known_makespan: A makespan already proven optimal and achievable
+            within ``cap_bytes`` (e.g. LPT's, at :func:`lower_bound`): phase 1
+            is skipped and phase 2 keeps ``T`` at most this.
 
     Returns:
         The :class:`MilpSolution`.
@@ -317,36 +321,50 @@ def solve(
     integrality[nx] = 0
 
     two_phase = any(b > 1 for _, b in cols)
-    # Phase 2 can only shave total time; most of the budget goes to the makespan.
-    budget1 = time_limit_s * (0.75 if two_phase else 1.0)
-    objective = np.zeros(nvar)
-    objective[nx] = 1.0
-    res = _run(objective, integrality, Bounds(lb, ub), constraint, budget1, mip_rel_gap)
-    phases = [f"MILP phase 1 (makespan, {nvar} variables): {res.message.strip()} "
-              f"after {time.perf_counter() - start:.3f}s"]
-    if res.x is None:
-        status = "infeasible" if res.status == 2 else f"failed: {res.message.strip()}"
-        return MilpSolution(None, status, lower_bound=bound, seconds=time.perf_counter() - start, phases=phases)
-    x = res.x
-    status = "optimal" if res.status == 0 else "time_limit"
-    t_star = float(x[nx])
-    dual = getattr(res, "mip_dual_bound", None)
-    proven = max(bound, float(dual) * cref) if dual is not None and math.isfinite(dual) else bound
+    objective2 = np.zeros(nvar)
+    objective2[:nx] = np.repeat(cost, W)
 
-    if two_phase:
-        left = time_limit_s - (time.perf_counter() - start)
-        if left > 0.05:
-            ub2 = ub.copy()
-            ub2[nx] = t_star * (1 + PHASE2_TOLERANCE) + 1e-9
-            objective2 = np.zeros(nvar)
-            objective2[:nx] = np.repeat(cost, W)
-            res2 = _run(objective2, integrality, Bounds(lb, ub2), constraint, left, mip_rel_gap)
-            phases.append(f"MILP phase 2 (total time): {res2.message.strip()} "
-                          f"after {time.perf_counter() - start:.3f}s")
-            if res2.x is not None:
-                x = res2.x
-        else:
-            phases.append("MILP phase 2 skipped: time limit spent")
+    def phase2(t_max: float, budget: float):
+        ub2 = ub.copy()
+        ub2[nx] = t_max * (1 + PHASE2_TOLERANCE) + 1e-9
+        res2 = _run(objective2, integrality, Bounds(lb, ub2), constraint, budget, mip_rel_gap)
+        phases.append(f"MILP phase 2 (total time, {nvar} variables): {res2.message.strip()} "
+                      f"after {time.perf_counter() - start:.3f}s")
+        return res2
+
+    if known_makespan is not None:
+        phases: list[str] = ["MILP phase 1 skipped: the makespan is known to be optimal"]
+        t_star = known_makespan / cref
+        res = phase2(t_star, time_limit_s)
+        if res.x is None:
+            return MilpSolution(None, f"failed: {res.message.strip()}", lower_bound=bound,
+                                seconds=time.perf_counter() - start, phases=phases)
+        x, status, proven = res.x, "optimal", known_makespan
+    else:
+        # Phase 2 can only shave total time; most of the budget goes to the makespan.
+        budget1 = time_limit_s * (0.75 if two_phase else 1.0)
+        objective = np.zeros(nvar)
+        objective[nx] = 1.0
+        res = _run(objective, integrality, Bounds(lb, ub), constraint, budget1, mip_rel_gap)
+        phases = [f"MILP phase 1 (makespan, {nvar} variables): {res.message.strip()} "
+                  f"after {time.perf_counter() - start:.3f}s"]
+        if res.x is None:
+            status = "infeasible" if res.status == 2 else f"failed: {res.message.strip()}"
+            return MilpSolution(None, status, lower_bound=bound, seconds=time.perf_counter() - start,
+                                phases=phases)
+        x = res.x
+        status = "optimal" if res.status == 0 else "time_limit"
+        t_star = float(x[nx])
+        dual = getattr(res, "mip_dual_bound", None)
+        proven = max(bound, float(dual) * cref) if dual is not None and math.isfinite(dual) else bound
+        if two_phase:
+            left = time_limit_s - (time.perf_counter() - start)
+            if left > 0.05:
+                res2 = phase2(t_star, left)
+                if res2.x is not None:
+                    x = res2.x
+            else:
+                phases.append("MILP phase 2 skipped: time limit spent")
 
     n = np.rint(x[:nx]).astype(np.int64).reshape(len(cols), W)
     per_kind = [[0] * W for _ in kinds]

@@ -188,6 +188,16 @@ def test_phase_two_batches_off_the_critical_rank():
     assert any("phase 2" in n for n in res.notes)
 
 
+def test_phase_two_after_a_phase_one_search():
+    # LPT's makespan (24) is above the lower bound (19.3), so phase 1 searches;
+    # of the makespan-24 plans only some batch the second kind well.
+    kinds = [Kind("a", {1: 8.0}, 1), Kind("b", {1: 8.0, 2: 15.0, 3: 20.0, 4: 19.0, 5: 26.0, 6: 24.0}, 1)]
+    items = [0, 0, 0, 0, 1, 1, 1, 1, 1]
+    res = balance(kinds, items, 3, "milp", memory_factor=None)
+    assert any("phase 1 (makespan" in n for n in res.notes) and any("phase 2" in n for n in res.notes)
+    assert (res.makespan, sum(res.loads)) == _brute_force(kinds, items, 3) == (24.0, 59.0)
+
+
 def test_fallbacks_to_lpt(monkeypatch):
     kinds = [Kind("a", {1: 4.0, 2: 5.0}, 1), Kind("b", {1: 3.0, 3: 4.0}, 1)]
     items = [0, 1, 0, 1, 1, 0, 0, 1, 1]
