@@ -44,3 +44,8 @@ def test_nonfinite_gradient_is_handled_on_every_rank(mode):
             assert o["outcome"][1] == ("skipped", False)
         else:
             assert o["outcome"][1][0] == "raised" and "layers.1.mid.weight" in o["outcome"][1][1]
+
+
+def test_milp_plan_is_identical_on_every_rank():
+    out = run_distributed(faults.milp_owners, 3, timeout_s=60)
+    assert all(o == out[0] for o in out) and set(out[0]) == {0, 1, 2}

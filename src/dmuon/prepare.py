@@ -74,6 +74,12 @@ def prepare(
     balancer: str = "greedy",
     blocks: list[nn.Module] | None = None,
     ns_steps: int = 5,
+    profile: bool = False,
+    cost_table=None,
+    ns_kwargs: dict | None = None,
+    time_limit_s: float = 10.0,
+    memory_factor: float | None = 1.25,
+    cache_dir=None,
 ) -> Plan:
     """Selects the Muon matrices, assigns each one owner rank and installs the runtime.
 
@@ -88,10 +94,21 @@ def prepare(
         zero: 2 keeps full matrices resident on every rank; 3 frees them on
             non-owners between uses and re-materializes them before forward/backward.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
-        balancer: ``"greedy"`` (LPT on estimated NS cost) or ``"round_robin"``.
+        balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
+            ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
+            ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
         blocks: Modules that form the packing/prefetch units, in forward order
             (default: the entries of the model's ``nn.ModuleList``s).
         ns_steps: NS iterations, for the cost estimate.
+        profile: Measure the owner update per (shape, batch) on this device
+            (rank 0 measures and broadcasts; cached on disk) instead of using
+            the analytical FLOP model.
+        cost_table: A :class:`~dmuon.plan.profile.CostTable` measured elsewhere.
+        ns_kwargs: NS settings for profiling (method, dtype, steps...).
+        time_limit_s: MILP time limit; the best solution found is kept.
+        memory_factor: Cap on the optimizer state a rank owns, as a multiple of
+            the mean (None: no cap).
+        cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
 
     Returns:
         The :class:`~dmuon.plan.Plan`.
@@ -140,13 +157,18 @@ def prepare(
         info = MatrixInfo(index, name, p, tuple(p.shape), block_of.get(id(p), 0))
         infos.append(info)
         block_infos[info.block].matrices.append(index)
-    assign(infos, world_size, balancer, ns_steps=ns_steps)
+    balance = assign(
+        infos, world_size, balancer, ns_steps=ns_steps, costs=cost_table, profile=profile,
+        ns_kwargs=ns_kwargs, group=group if world_size > 1 else None,
+        time_limit_s=time_limit_s, memory_factor=memory_factor, cache_dir=cache_dir,
+    )
     if zero == 3:
         for info in infos:
             _check_zero3_storage(info)
 
     plan = Plan(infos, block_infos, build_buckets(infos, block_infos, topology.shard),
                 world_size, rank, zero, balancer, topology.replicate, mesh)
+    plan.balance = balance
     plan.runtime = OwnerRuntime(plan, topology)
     if zero == 2:
         # Start from the owners' values so ranks that initialized differently agree.

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NS dtype for dmuon/gather; auto: bfloat16 on CUDA, float32 on CPU "
                         "(CPUs without bf16 matrix units run bf16 matmuls several times slower)")
     p.add_argument("--ns-method", default="auto", choices=["auto", "standard", "gram"])
-    p.add_argument("--balancer", default="greedy", choices=["greedy", "round_robin"])
+    p.add_argument("--balancer", default="greedy", choices=["greedy", "lpt", "milp", "auto", "round_robin"])
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

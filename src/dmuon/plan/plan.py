@@ -118,6 +118,8 @@ class Plan:
     """R, the mesh's replicate dimension (1 for a 1-D mesh)."""
     mesh: object = field(default=None, repr=False)
     """The DeviceMesh given to ``prepare`` (None in a single process)."""
+    balance: object = field(default=None, repr=False)
+    """The balancer's :class:`~dmuon.plan.balance.BalanceResult` (loads, batches, notes)."""
     runtime: object = field(default=None, repr=False)
     """The :class:`dmuon.runtime.OwnerRuntime` that moves matrices for this plan."""
 

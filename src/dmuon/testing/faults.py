@@ -137,3 +137,10 @@ def nonfinite(rank: int, world_size: int, mode: str) -> dict:
             outcome.append(("raised", str(e)))
         opt.zero_grad()
     return {"outcome": outcome}
+
+
+def milp_owners(rank: int, world_size: int) -> list[int]:
+    """Owners ``prepare(balancer="milp")`` picks on this rank."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    plan = dmuon.prepare(OddNet(), mesh, balancer="milp", zero=2)
+    return [i.owner for i in plan.infos]
