@@ -108,11 +108,14 @@ class Exchanger:
             sizes[key(i)] += self.infos[i].numel
         return sizes
 
-    def _all_to_all(self, level: str, group, out, inp, out_splits, in_splits, async_op, me):
-        elem = inp.element_size()
+    def _count(self, level: str, out_splits, in_splits, me: int, elem: int) -> None:
         sent = (sum(in_splits) - in_splits[me]) * elem
         received = (sum(out_splits) - out_splits[me]) * elem
         self.stats.add(level, sent, received)
+
+    def _all_to_all(self, level: str, group, out, inp, out_splits, in_splits, async_op, me, count=True):
+        if count:
+            self._count(level, out_splits, in_splits, me, inp.element_size())
         start = time.perf_counter()
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
         if not async_op:
@@ -224,13 +227,14 @@ class Exchanger:
         if topo.world_size == 1:
             return PendingGather(None, mine, list(members), self.stats)
 
-        def shard_hop(column: torch.Tensor, async_hop: bool):
+        shard_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
+
+        def shard_hop(column: torch.Tensor, async_hop: bool, count: bool = True):
             if topo.shard == 1:
                 return None, column
-            out_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
-            recv = torch.empty(sum(out_splits), dtype=bucket.dtype, device=device)
+            recv = torch.empty(sum(shard_splits), dtype=bucket.dtype, device=device)
             work = self._all_to_all("intra", topo.shard_group, recv, column.repeat(topo.shard),
-                                    out_splits, [column.numel()] * topo.shard, async_hop, s)
+                                    shard_splits, [column.numel()] * topo.shard, async_hop, s, count)
             return work, recv
 
         if topo.replicate == 1:
@@ -243,8 +247,13 @@ class Exchanger:
         work = self._all_to_all("inter", topo.replicate_group, col_buf, mine.repeat(topo.replicate),
                                 out_splits, [mine.numel()] * topo.replicate, async_op, r)
 
+        # Traffic is booked when an operation is issued, so a publication
+        # finished during the next forward still counts for the step that sent it.
+        if topo.shard > 1:
+            self._count("intra", shard_splits, [shard_splits[s]] * topo.shard, s, col_buf.element_size())
+
         def second_hop(col: torch.Tensor) -> torch.Tensor:
-            hop_work, full = shard_hop(col, False)
+            hop_work, full = shard_hop(col, False, count=False)
             return full
 
         pending = PendingGather(work if async_op else None, col_buf, list(members), self.stats, then=second_hop)

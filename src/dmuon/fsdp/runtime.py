@@ -221,6 +221,10 @@ class OwnerRuntime:
         block = self.plan.infos[index].block
 
         def hook(param):
+            if param.grad is not None and param.grad.is_sparse:
+                raise ValueError(
+                    f"parameter {self.plan.infos[index].name!r}: sparse gradients are not supported by Muon"
+                )
             if self.defer_reduce:
                 return
             count = self._grad_count.get(block, 0) + 1

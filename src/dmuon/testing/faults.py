@@ -47,8 +47,12 @@ def sparse_gradient(rank: int, world_size: int) -> str:
     model = SparseNet()
     plan = dmuon.prepare(model, mesh, zero=2, select=lambda n, p: p.ndim == 2)
     opt = dmuon.DMuon(model, plan)
-    model(torch.tensor([1, 2, 3])).backward()
-    return _catch(opt.step)
+
+    def backward_and_step():
+        model(torch.tensor([1, 2, 3])).backward()
+        opt.step()
+
+    return _catch(backward_and_step)
 
 
 def traffic(rank: int, world_size: int, zero: int) -> dict:
