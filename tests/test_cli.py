@@ -76,3 +76,19 @@ def test_plan_cli_json(tmp_path, capsys):
     assert {"world_size", "balancer", "makespan", "mean", "imbalance", "ranks"} <= plan.keys()
     assert sum(len(r["matrices"]) for r in plan["ranks"]) == 7
     assert "imbalance" in capsys.readouterr().out
+
+
+def test_plan_hsdp_traffic_levels(tmp_path):
+    out = tmp_path / "hsdp.json"
+    assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", "1024", "--ranks-per-node", "8",
+                          "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["mesh"] == [128, 8]
+    from dmuon.plan.offline import expand
+    total = sum(m.numel for m in expand(full_size_shapes("qwen2.5-7b"))) * 4
+    # Every matrix crosses the inter-node level times for the reduction
+    # and times for the ZeRO-2 publication, and no more.
+    assert sum(r["inter_sent"] for r in plan["ranks"]) == 2 * 127 * total
+    assert sum(r["inter_sent"] for r in plan["ranks"]) == sum(r["inter_received"] for r in plan["ranks"])
+    assert all(r["bytes_sent"] == r["intra_sent"] + r["inter_sent"] for r in plan["ranks"])
+    assert plan["gather_bytes_per_rank"]["inter_sent"] > 0

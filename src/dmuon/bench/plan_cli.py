@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
                    help="MILP: per-rank optimizer state at most F x the mean ('none' for no limit)")
     p.add_argument("--zero", type=int, default=2, choices=[2, 3])
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                   help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
+                        "reports intra- and inter-node bytes")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
     return p
@@ -87,7 +90,7 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
         f"  ({plan['method']}, {plan['status']}, {plan['solve_seconds']:.3f}s, costs: {plan['cost_source']})",
         *[f"note: {n}" for n in plan.get("notes", ())],
         "",
-        "rank  matrices  est. cost   state MiB  sent MiB  recv MiB",
+        "rank  matrices  est. cost   state MiB  sent MiB  recv MiB  intra MiB  inter MiB",
     ]
     ranks = plan["ranks"]
     shown = ranks if len(ranks) <= max_rows else ranks[: max_rows // 2] + ranks[-max_rows // 2 :]
@@ -95,14 +98,19 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
         if len(ranks) > max_rows and k == max_rows // 2:
             lines.append(f"... {len(ranks) - max_rows} more ranks ...")
         lines.append(f"{r['rank']:<4}  {len(r['matrices']):<8}  {r['cost']:<10.4g}  {_mib(r['state_bytes']):<9}  "
-                     f"{_mib(r['bytes_sent']):<8}  {_mib(r['bytes_received'])}")
+                     f"{_mib(r['bytes_sent']):<8}  {_mib(r['bytes_received']):<8}  "
+                     f"{_mib(r['intra_sent'] + r['intra_received']):<9}  {_mib(r['inter_sent'] + r['inter_received'])}")
         if show_matrices and r["matrices"]:
             lines.append("      " + ", ".join(r["matrices"]))
     g = plan["gather_bytes_per_rank"]
     worst = max(ranks, key=lambda r: r["bytes_sent"] + r["bytes_received"])
     lines.append("")
-    lines.append(f"per-rank traffic per step for these matrices: dmuon max {_mib(worst['bytes_sent'] + worst['bytes_received'])} MiB "
-                 f"vs gather-then-compute on FSDP2 {_mib(g['sent'] + g['received'])} MiB (sent + received)")
+    replicate, shard = plan["mesh"]
+    worst_inter = max(r["inter_sent"] + r["inter_received"] for r in ranks)
+    lines.append(f"mesh {replicate} x {shard} (replicate x shard). Per-rank traffic per step for these matrices "
+                 f"(sent + received): dmuon max {_mib(worst['bytes_sent'] + worst['bytes_received'])} MiB, "
+                 f"of it inter-node max {_mib(worst_inter)} MiB; gather-then-compute on FSDP2/HSDP "
+                 f"{_mib(g['sent'] + g['received'])} MiB, of it inter-node {_mib(g['inter_sent'] + g['inter_received'])} MiB")
     return "\n".join(lines)
 
 
@@ -142,12 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1:
         print("dmuon plan: --world-size must be >= 1", file=sys.stderr)
         return 2
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
+        print("dmuon plan: --ranks-per-node must divide --world-size", file=sys.stderr)
+        return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
     try:
         table = _cost_table(args, groups)
         names = COMPARED if args.balancer == "all" else (args.balancer,)
         plans = [plan_offline(groups, args.world_size, name, args.zero, costs=table, ns_steps=args.ns_steps,
-                              time_limit_s=args.time_limit, memory_factor=args.memory_factor)
+                              time_limit_s=args.time_limit, memory_factor=args.memory_factor,
+                              ranks_per_node=args.ranks_per_node)
                  for name in names]
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.plan.profile import CostTable, analytical_table
+from dmuon.plan.traffic import gather_traffic, owner_traffic
 
 
 @dataclass(frozen=True)
@@ -42,42 +43,6 @@ def expand(groups: Iterable) -> list[OfflineMatrix]:
     return out
 
 
-def traffic_per_rank(
-    numels: Sequence[int], owners: Sequence[int], world_size: int, zero: int, elem_bytes: int = 4
-) -> list[tuple[int, int]]:
-    """``(bytes_sent, bytes_received)`` of dmuon's collectives per rank and step.
-
-    Reduce-to-owner: each rank sends every gradient it does not own to its
-    owner and the owner receives W-1 copies. ZeRO-2 then publishes once
-    (owner sends W-1 copies, others receive); ZeRO-3 instead gathers each
-    matrix for forward and again for backward.
-    """
-    total = sum(numels)
-    owned = [0] * world_size
-    for n, o in zip(numels, owners):
-        owned[o] += n
-    publishes = 1 if zero == 2 else 2
-    out = []
-    for r in range(world_size):
-        others = total - owned[r]
-        fan_out = (world_size - 1) * owned[r]
-        sent = others + publishes * fan_out
-        received = fan_out + publishes * others
-        out.append((sent * elem_bytes, received * elem_bytes))
-    return out
-
-
-def gather_traffic_per_rank(numels: Sequence[int], world_size: int, elem_bytes: int = 4) -> tuple[int, int]:
-    """Gather-then-compute on FSDP2 (ZeRO-3) for the same matrices, per rank and step.
-
-    Four ring collectives of each matrix: the weight all-gathered for forward
-    and for backward, the gradient reduce-scattered, and the update direction
-    all-gathered for NS; each moves (W-1)/W of the matrix through every rank.
-    """
-    moved = 4 * sum(n * (world_size - 1) // world_size for n in numels) * elem_bytes
-    return moved, moved
-
-
 def _as_table(costs, mats: Sequence[OfflineMatrix], ns_steps: int) -> CostTable:
     if costs is None:
         return analytical_table([(m.shape, 1) for m in mats], ns_steps)
@@ -102,6 +67,7 @@ def plan_offline(
     *,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     memory_factor: float | None = DEFAULT_MEMORY_FACTOR,
+    ranks_per_node: int | None = None,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -132,12 +98,17 @@ def plan_offline(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shard = world_size if ranks_per_node is None else ranks_per_node
+    if shard < 1 or world_size % shard:
+        raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size})")
+    replicate = world_size // shard
     mats = expand(groups)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
     result = balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor)
     owners, loads = result.owners, result.loads
-    traffic = traffic_per_rank([m.numel for m in mats], owners, world_size, zero)
+    # HSDP layout: replicate across nodes, shard inside a node.
+    traffic = owner_traffic([m.numel for m in mats], owners, replicate, shard, zero)
     ranks = []
     for r in range(world_size):
         mine = [k for k, o in enumerate(owners) if o == r]
@@ -147,10 +118,11 @@ def plan_offline(
             "matrices": [mats[k].name for k in mine],
             "batches": [{"shape": list(shape), "sizes": sizes} for shape, sizes in result.batches[r].items()],
             "state_bytes": result.state_bytes[r],
-            "bytes_sent": traffic[r][0],
-            "bytes_received": traffic[r][1],
+            "bytes_sent": traffic[r].sent,
+            "bytes_received": traffic[r].received,
+            **traffic[r].as_dict(),
         })
-    g_sent, g_recv = gather_traffic_per_rank([m.numel for m in mats], world_size)
+    gather = gather_traffic([m.numel for m in mats], replicate, shard)
     return {
         "world_size": world_size,
         "balancer": balancer,
@@ -167,6 +139,7 @@ def plan_offline(
         "solve_seconds": result.solve_seconds,
         "memory_cap": result.memory_cap,
         "notes": result.notes,
-        "gather_bytes_per_rank": {"sent": g_sent, "received": g_recv},
+        "mesh": [replicate, shard],
+        "gather_bytes_per_rank": {"sent": gather.sent, "received": gather.received, **gather.as_dict()},
         "ranks": ranks,
     }
