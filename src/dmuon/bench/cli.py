@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--ortho", action="store_true",
+                   help="run the owner-math benchmark instead (see `dmuon bench --ortho --help`)")
     return p
 
 
@@ -116,6 +118,13 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--ortho" in argv:
+        # `dmuon bench --ortho ...`: the owner-math benchmark (standard vs Gram NS, batched vs looped).
+        from dmuon.ortho.bench import main as ortho_main
+
+        argv.remove("--ortho")
+        return ortho_main(argv)
     args = build_parser().parse_args(argv)
     payload = run(args)
     if not payload:
