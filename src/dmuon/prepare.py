@@ -46,7 +46,9 @@ def _fingerprint(model: nn.Module, chosen: list[str], zero: int, balancer: str) 
 
 def _check_same_everywhere(fingerprint: torch.Tensor, group, world_size: int, device) -> None:
     gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
-    dist.all_gather_into_tensor(gathered, fingerprint.to(device), group=group)
+    # torch 2.13 renamed all_gather_into_tensor; keep older releases working.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, fingerprint.to(device), group=group)
     rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
