@@ -37,3 +37,13 @@ def test_resume_on_another_cluster_continues_exactly(checkpoint_on_4_ranks, worl
     ref = _uninterrupted()
     worst = max(ref, key=lambda n: (got[n] - ref[n]).abs().max().item())
     assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, worst
+
+
+def test_model_state_dict_loads_into_a_plain_model():
+    from dmuon.testing.checkpoint import full_model_state
+
+    out = run_distributed(full_model_state, 3, 3, timeout_s=120)[0]
+    plain = OddNet()
+    plain.load_state_dict(out["state"])  # strict: every matrix and shard is there, full-size
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, out["params"][name]), name

@@ -95,3 +95,13 @@ def test_param_groups_override_per_group():
             assert torch.equal(p, before[n]), n
         elif p.grad is not None:
             assert not torch.equal(p, before[n]), n
+
+
+def test_parameter_added_after_prepare_is_named():
+    import pytest
+
+    model = OddNet()
+    plan = dmuon.prepare(model, None)
+    model.extra = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="extra.weight"):
+        dmuon.DMuon(model, plan)

@@ -171,6 +171,7 @@ def prepare(
     plan = Plan(infos, block_infos, build_buckets(infos, block_infos, topology.shard),
                 world_size, rank, zero, balancer, topology.replicate, mesh)
     plan.balance = balance
+    plan.param_names = tuple(n for n, _ in model.named_parameters())
     plan.runtime = OwnerRuntime(plan, topology)
     if zero == 2:
         # Start from the owners' values so ranks that initialized differently agree.

@@ -310,7 +310,8 @@ def full_weights(plan: Plan):
     Use it around ``get_model_state_dict`` / ``set_model_state_dict`` (or any
     code that reads or writes the matrices outside forward/backward). On exit
     under ZeRO-3 non-owners free the matrices again; values written inside on
-    a non-owner are discarded, so load the same checkpoint on every rank.
+    a non-owner are discarded, so load the same checkpoint on every rank. A
+    state dict taken inside aliases the matrices: save or copy it before leaving.
     A collective: call it on every rank.
     """
     runtime = plan.runtime

@@ -124,6 +124,12 @@ class DMuon(torch.optim.Optimizer):
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
             weight_decay=adamw_weight_decay, foreach=None,
         )
+        names = [n for n, _ in model.named_parameters()]
+        added = sorted(set(names) - set(plan.param_names))
+        if added:
+            raise ValueError(
+                f"parameters {added[:5]} were added after dmuon.prepare; call prepare again on the final model"
+            )
         model_params = list(model.parameters())
         known = {id(p) for p in model_params}
         missing = [info.name for info in plan.infos if id(info.param) not in known]

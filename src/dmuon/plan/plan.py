@@ -118,6 +118,8 @@ class Plan:
     """R, the mesh's replicate dimension (1 for a 1-D mesh)."""
     mesh: object = field(default=None, repr=False)
     """The DeviceMesh given to ``prepare`` (None in a single process)."""
+    param_names: tuple[str, ...] = ()
+    """Every parameter name of the model when the plan was made (to catch later changes)."""
     balance: object = field(default=None, repr=False)
     """The balancer's :class:`~dmuon.plan.balance.BalanceResult` (loads, batches, notes)."""
     runtime: object = field(default=None, repr=False)

@@ -69,3 +69,15 @@ def resume_and_train(rank: int, world_size: int, path: str, start: int, steps: i
     _train(model, opt, rank, world_size, range(start, start + steps))
     params = full_params(model, plan)
     return params if rank == 0 else None
+
+
+def full_model_state(rank: int, world_size: int, zero: int) -> dict | None:
+    """A full, CPU model state dict from a sharded dmuon model (rank 0), plus the live values."""
+    model, plan, opt = _build(world_size, zero)
+    _train(model, opt, rank, world_size, range(2))
+    with dmuon.full_weights(plan):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # The matrices' entries alias the live (ZeRO-3: soon freed) storage.
+        state = {k: v.detach().clone() for k, v in state.items()}
+    params = full_params(model, plan)
+    return {"state": state, "params": params} if rank == 0 else None
