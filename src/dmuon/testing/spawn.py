@@ -32,6 +32,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
                             timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
+        # No rank tears its connections down while another still talks to it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
