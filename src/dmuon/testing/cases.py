@@ -45,6 +45,30 @@ class Case:
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
+def make_mesh(world_size: int, mesh_shape: tuple[int, int] | None = None):
+    """A 1-D CPU mesh over every rank, or a ``(replicate, shard)`` HSDP mesh."""
+    if mesh_shape is None:
+        return init_device_mesh("cpu", (world_size,))
+    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+
+def sharded_oddnet(world_size: int, *, zero: int, mesh_shape=None, balancer: str = "greedy", **dmuon_kwargs):
+    """OddNet (seed 0) under dmuon + FSDP2; fp32 standard NS unless ``dmuon_kwargs`` say otherwise.
+
+    Returns:
+        ``(model, plan, optimizer)``.
+    """
+    mesh = make_mesh(world_size, mesh_shape)
+    torch.manual_seed(0)
+    model = OddNet()
+    plan = dmuon.prepare(model, mesh, zero=zero, balancer=balancer)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
+    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
+    return model, plan, dmuon.DMuon(model, plan, **kw)
+
+
 def full_params(model, plan) -> dict[str, torch.Tensor]:
     """Every parameter's full value, on every rank."""
     out = full_matrices(plan.runtime) if plan is not None else {}
@@ -56,23 +80,18 @@ def full_params(model, plan) -> dict[str, torch.Tensor]:
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
     """Trains OddNet under FSDP2 with dmuon (or the gather baseline) and reports everything."""
-    if case.mesh_shape is None:
-        mesh = init_device_mesh("cpu", (world_size,))
-    else:
-        mesh = init_device_mesh("cpu", case.mesh_shape, mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = OddNet()
-    plan = None
-    if case.kind == "dmuon":
-        plan = dmuon.prepare(model, mesh, zero=case.zero, balancer=case.balancer)
-        ignored = plan.matrices
-    else:
-        ignored = None
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
     kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
-    opt = dmuon.DMuon(model, plan, overlap=case.overlap, **kw) if plan is not None else GatherThenCompute(model, **kw)
+    if case.kind == "dmuon":
+        model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
+                                          balancer=case.balancer, overlap=case.overlap, **kw)
+    else:
+        mesh = make_mesh(world_size, case.mesh_shape)
+        torch.manual_seed(0)
+        model, plan = OddNet(), None
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = GatherThenCompute(model, **kw)
     losses, stats, norms = [], [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())
@@ -100,15 +119,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
 
 def run_accumulation(rank: int, world_size: int, zero: int, overlap: bool, micro: int = 2, steps: int = 2) -> dict:
     """Gradient accumulation: ``micro`` backward passes (earlier ones under no_sync) per step."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = OddNet()
-    plan = dmuon.prepare(model, mesh, zero=zero)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
-    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
-    opt = dmuon.DMuon(model, plan, overlap=overlap, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32,
-                      ns_method="standard")
+    model, plan, opt = sharded_oddnet(world_size, zero=zero, overlap=overlap)
     for step in range(steps):
         tokens, targets = odd_batch(step, rank, batch=2 * micro)
         for m in range(micro):

@@ -7,12 +7,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.testing.cases import full_params
-from dmuon.testing.models import OddNet, lm_loss
+from dmuon.testing.cases import full_params, sharded_oddnet
+from dmuon.testing.models import lm_loss
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks
 
@@ -30,16 +28,7 @@ def _local(step: int, rank: int, world_size: int):
 
 
 def _build(world_size: int, zero: int, mesh_shape=None):
-    mesh = init_device_mesh("cpu", mesh_shape or (world_size,),
-                            mesh_dim_names=("replicate", "shard") if mesh_shape else None)
-    torch.manual_seed(0)
-    model = OddNet()
-    plan = dmuon.prepare(model, mesh, zero=zero)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
-    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
-    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
-    return model, plan, opt
+    return sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape)
 
 
 def _train(model, opt, rank, world_size, steps):

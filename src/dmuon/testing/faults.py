@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.testing.cases import sharded_oddnet
 from dmuon.testing.models import OddNet, lm_loss, odd_batch
 
 
@@ -57,14 +58,7 @@ def sparse_gradient(rank: int, world_size: int) -> str:
 
 def traffic(rank: int, world_size: int, zero: int) -> dict:
     """Counted bytes of one steady-state step, to compare with the analytical model."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = OddNet()
-    plan = dmuon.prepare(model, mesh, zero=zero)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
-    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
-    opt = dmuon.DMuon(model, plan, ns_method="standard", ns_dtype=torch.float32)
+    model, plan, opt = sharded_oddnet(world_size, zero=zero)
     for step in range(2):
         lm_loss(model, odd_batch(step, rank)).backward()
         opt.step()
@@ -109,14 +103,7 @@ def rotated_branches(rank: int, world_size: int, overlap: bool) -> dict:
 
 def nonfinite(rank: int, world_size: int, mode: str) -> dict:
     """Rank 1 gets a NaN gradient in one matrix at step 1; report what every rank did."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = OddNet()
-    plan = dmuon.prepare(model, mesh, zero=2)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
-    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
-    opt = dmuon.DMuon(model, plan, nonfinite=mode, ns_method="standard", ns_dtype=torch.float32)
+    model, plan, opt = sharded_oddnet(world_size, zero=2, nonfinite=mode)
     outcome = []
     for step in range(2):
         handle = None
