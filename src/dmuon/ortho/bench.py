@@ -155,7 +155,7 @@ def run_kernel_bench(sizes: Sequence[int] = (256, 512, 1024, 2048), repeats: int
     from . import symmetric as sym
 
     gen = torch.Generator().manual_seed(0)
-    backends = [b for b in ("reference", "torch", "blas") if b != "blas" or sym._blas is not None]
+    backends = [b for b in ("reference", "torch", "blas") if b != "blas" or sym._np is not None]
     rows = []
     for m in sizes:
         X = torch.randn(m, 4 * m, generator=gen)

@@ -13,10 +13,9 @@ one triangle and mirrors it. The half-work backends:
 
 ``"blas"`` (CPU, float32/float64; the CPU default)
     NumPy/OpenBLAS on zero-copy views: ``X @ X.T``, which NumPy itself routes to
-    ``?syrk`` and mirrors, for the Gram matrix and squares; a fused
-    ``?syrk`` (``scipy.linalg.blas``) for ``b A + c A A`` from m = 768; a lower
-    block-triangular schedule of matmuls for ``sym_product`` from m = 384. Below
-    those sizes a plain NumPy product measured faster.
+    ``?syrk`` and mirrors, for the Gram matrix, squares and the polynomial step;
+    a lower block-triangular schedule of matmuls for ``sym_product`` from m = 384
+    (below that one plain product measured faster).
 ``"torch"`` (any device)
     The block-triangular schedule with ``torch.matmul`` for everything.
 ``"triton"`` (CUDA)
@@ -41,12 +40,10 @@ from collections.abc import Callable
 
 import torch
 
-try:  # SciPy is optional: without it the CPU falls back to the torch schedule.
+try:  # NumPy is optional: without it the CPU falls back to the torch schedule.
     import numpy as _np
-    from scipy.linalg import blas as _blas
-except ImportError:  # pragma: no cover - exercised only without scipy
+except ImportError:  # pragma: no cover - exercised only without numpy
     _np = None
-    _blas = None
 
 BACKENDS = ("reference", "torch", "blas", "triton")
 
@@ -60,11 +57,9 @@ _MIN_HALF = 128
 _MIRROR_TILE = 256
 # NumPy's strided copies prefer narrower strips (measured: 128 beat 32/64/256).
 _MIRROR_TILE_NP = 128
-# Crossovers of the NumPy/BLAS path, measured single-threaded on the development CPU
-# (python -m dmuon.ortho.bench --kernels): the fused syrk beats syrk + axpy from
-# m ~ 768; the block-triangular product beats one full gemm from m ~ 384, and 8
-# blocks beat 4 from m ~ 1024.
-_NP_FUSED_POLY_MIN = 768
+# Crossover of the NumPy/BLAS path, measured single-threaded on the development CPU
+# (python -m dmuon.ortho.bench --kernels): the block-triangular product beats one
+# full gemm from m ~ 384, and 8 blocks beat 4 from m ~ 1024.
 _NP_HALF_PRODUCT_MIN = 384
 
 
@@ -100,9 +95,10 @@ def _triton_available(device_type: str = "cuda") -> bool:
 def default_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
     """The fastest half-work backend for a device, as measured during development.
 
-    On the 2-core AMD EPYC development machine (torch 2.13 with MKL, NumPy/SciPy with
-    OpenBLAS 0.3.31) ``ssyrk`` and OpenBLAS ``sgemm`` beat both the torch block
-    schedule and the full torch matmul; see ``python -m dmuon.ortho.bench --kernels``.
+    On the 2-core AMD EPYC development machine (torch 2.13 with MKL, NumPy with
+    OpenBLAS 0.3.31) OpenBLAS ``ssyrk``/``sgemm`` through NumPy beat both the torch
+    block schedule and the full torch matmul; see
+    ``python -m dmuon.ortho.bench --kernels``.
 
     Args:
         device: Where the operands live.
@@ -112,7 +108,7 @@ def default_backend(device: torch.device | str, dtype: torch.dtype = torch.float
         One of ``"blas"``, ``"triton"``, ``"torch"``.
     """
     dev = torch.device(device)
-    if dev.type == "cpu" and _blas is not None:
+    if dev.type == "cpu" and _np is not None:
         return "blas"
     if dev.type == "cuda" and _triton_available():
         return "triton"
@@ -123,7 +119,7 @@ def _resolve(backend: str | None, T: torch.Tensor) -> str:
     if backend is None:
         backend = default_backend(T.device, T.dtype)
     _check_backend(backend)
-    if backend == "blas" and (T.device.type != "cpu" or _blas is None):
+    if backend == "blas" and (T.device.type != "cpu" or _np is None):
         backend = "torch"
     # The kernel writes float32; float64 stays on the torch schedule. On CPU it only
     # runs under TRITON_INTERPRET=1 (tests).
@@ -217,21 +213,6 @@ def _sym_product_torch(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------- BLAS (CPU)
 
 
-def _syrk_np(A, alpha: float = 1.0, beta: float = 0.0, C=None):
-    """``alpha A Aᵀ + beta C`` with ?syrk; returns a C-order array, lower triangle valid.
-
-    ``A`` and ``C`` are C-contiguous NumPy arrays. Passing the transposes hands BLAS
-    Fortran-contiguous views, so nothing is copied.
-    """
-    fn = _blas.ssyrk if A.dtype == _np.float32 else _blas.dsyrk
-    if C is None:
-        res = fn(alpha, A.T, trans=1, lower=0)
-    else:
-        res = fn(alpha, A.T, beta=beta, c=C.T, trans=1, lower=0, overwrite_c=1)
-    # Upper triangle of the Fortran result == lower triangle of its C-order transpose.
-    return res.T
-
-
 def np_mirror_lower_(C):
     """NumPy twin of :func:`mirror_lower_` (keeps the BLAS path free of torch ops).
 
@@ -260,13 +241,17 @@ def np_gram(X):
 
 
 def np_sym_poly2(A, b: float, c: float):
-    """``b A + c A A`` for symmetric ``A``: ?syrk, fused with the axpy when large."""
-    if A.shape[0] < _NP_FUSED_POLY_MIN:
-        S = A @ A.T  # syrk via NumPy
-        S *= c
-        S += b * A
-        return S
-    return np_mirror_lower_(_syrk_np(A, alpha=c, beta=b, C=A.copy()))
+    """``b A + c A A`` for symmetric ``A``: NumPy's ?syrk for ``A Aᵀ``, then the axpy.
+
+    A fused ``scipy.linalg.blas.ssyrk`` (``alpha A Aᵀ + beta C``) was up to ~1.2x
+    faster single-threaded from m ~ 768, but SciPy and NumPy ship separate OpenBLAS
+    builds: alternating between them put two 2-thread pools on two cores and made
+    the multi-threaded loop several times slower. One pool wins.
+    """
+    S = A @ A.T
+    S *= c
+    S += b * A
+    return S
 
 
 def np_sym_product(A, B):

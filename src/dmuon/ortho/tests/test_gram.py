@@ -8,7 +8,7 @@ from dmuon.ortho.newton_schulz import newton_schulz
 
 from ._helpers import gradient_like, rel
 
-BACKENDS = ["reference", "torch"] + (["blas"] if sym._blas is not None else [])
+BACKENDS = ["reference", "torch"] + (["blas"] if sym._np is not None else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,7 @@ import torch
 
 from dmuon.ortho import symmetric as sym
 
-BACKENDS = ["reference", "torch"] + (["blas"] if sym._blas is not None else [])
+BACKENDS = ["reference", "torch"] + (["blas"] if sym._np is not None else [])
 # Sizes below and above the half-work threshold, and ones not divisible by the blocks.
 SIZES = [5, 127, 130, 301, 390, 777]
 
