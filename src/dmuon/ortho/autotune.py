@@ -48,6 +48,8 @@ ACCURACY_FLOOR = 1e-3
 SLOW_RUN_S = 0.5
 # Upper bound on timed rounds for cheap candidates.
 MAX_ROUNDS = 15
+# Pause before timing each candidate on CPU (see time_candidates).
+COOLDOWN_S = 0.2
 
 
 def default_cache_dir() -> Path:
@@ -84,40 +86,48 @@ def _sync(device: torch.device) -> None:
 
 
 def time_candidates(
-    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25,
+    cooldown_s: float | None = None,
 ) -> dict[str, float]:
-    """Median wall time in seconds of each candidate, timed round-robin.
+    """Median wall time in seconds of each candidate, timed block by block.
 
-    Every candidate runs once untimed (warm-up), then the candidates alternate for
-    at least ``repeats`` rounds so that background load drifts affect them alike.
-    Cheap candidates get more rounds, up to :data:`MAX_ROUNDS`, while the total stays
-    within about ``budget_s``: for millisecond problems a median of 3 is at the
-    mercy of one scheduler hiccup. If a warm-up took longer than :data:`SLOW_RUN_S`,
-    one round is used.
+    Each candidate gets a cool-down pause, one untimed warm-up call and then at
+    least ``repeats`` timed calls. Cheap candidates get more calls, up to
+    :data:`MAX_ROUNDS`, within about ``budget_s``: for millisecond problems a median
+    of 3 is at the mercy of one scheduler hiccup. A candidate whose warm-up took
+    longer than :data:`SLOW_RUN_S` is timed once.
+
+    Candidates are not interleaved on purpose: after a NumPy/OpenBLAS call the
+    OpenBLAS worker threads keep spinning for ~0.1 s and slow down torch's own
+    threads (measured: a 2-thread standard Newton–Schulz ran 1.7x slower right after
+    a NumPy matmul). The pause before each block (``cooldown_s``, default
+    :data:`COOLDOWN_S` on CPU, 0 elsewhere) lets them go idle, so one candidate does
+    not bill its successor.
     """
-    warm = 0.0
-    slow = False
-    for fn in fns.values():
+    if cooldown_s is None:
+        cooldown_s = COOLDOWN_S if device.type == "cpu" else 0.0
+    out: dict[str, float] = {}
+    for k, fn in fns.items():
+        if cooldown_s > 0:
+            time.sleep(cooldown_s)
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        dt = time.perf_counter() - t0
-        warm += dt
-        slow = slow or dt > SLOW_RUN_S
-    if slow:
-        rounds = 1
-    else:
-        rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
+        warm = time.perf_counter() - t0
+        if warm > SLOW_RUN_S:
+            rounds = 1
+        else:
+            rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
+        times = []
+        for _ in range(rounds):
             _sync(device)
             t0 = time.perf_counter()
             fn()
             _sync(device)
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            times.append(time.perf_counter() - t0)
+        out[k] = statistics.median(times)
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,7 @@ class Autotuner:
         self.repeats = repeats
         self.persist = persist
         self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
+        self.cooldown_s: float | None = None  # None: COOLDOWN_S on CPU
         self._files: dict[str, dict] = {}
         self._lock = threading.RLock()
 
@@ -328,7 +339,7 @@ class Autotuner:
         candidates = {"standard": lambda: run_method("standard", G, problem)}
         if gram_ok:
             candidates["gram"] = lambda: run_method("gram", G, problem)
-        times = time_candidates(candidates, device, self.repeats)
+        times = time_candidates(candidates, device, self.repeats, cooldown_s=self.cooldown_s)
         method = min(times, key=times.get)
         entry = {"method": method, "times_s": times, "gram_error": gram_err, "standard_error": std_err,
                  "gram_accurate": gram_ok}
@@ -341,7 +352,7 @@ class Autotuner:
         G = _probe(problem.shape, device, batch)
         times = time_candidates(
             {"batched": lambda: run_method(method, G, problem), "looped": lambda: run_looped(method, G, problem)},
-            device, self.repeats,
+            device, self.repeats, cooldown_s=self.cooldown_s,
         )
         return {"batched": times["batched"] <= times["looped"], "times_s": times}
 
@@ -353,7 +364,7 @@ class Autotuner:
         for m in methods:
             candidates[f"{m}|batched"] = lambda m=m: run_method(m, G, problem)
             candidates[f"{m}|looped"] = lambda m=m: run_looped(m, G, problem)
-        times = time_candidates(candidates, device, self.repeats)
+        times = time_candidates(candidates, device, self.repeats, cooldown_s=self.cooldown_s)
         best = min(times, key=times.get)
         method, mode = best.split("|")
         return {"method": method, "batched": mode == "batched", "times_s": times}

@@ -8,8 +8,9 @@
   and the Gram method, plus what a fresh autotuner picks and how close its pick is
   to the better of the two.
 
-All variants of a row are timed in the same process, interleaved round by round, and
-the median per variant is reported, so background load affects them alike.
+All variants of a row are timed in the same process, one block of calls per variant
+after a short pause (see :func:`_timed`); the fastest call (or the median) is
+reported.
 """
 
 from __future__ import annotations
@@ -35,17 +36,26 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
 _STATS = {"min": min, "median": statistics.median}
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, stat: str = "min") -> dict[str, float]:
-    """Seconds per function (``stat`` over rounds), timed round-robin after one warm-up each."""
-    for fn in fns.values():
+def _timed(fns: dict[str, Callable[[], object]], repeats: int, stat: str = "min", cooldown_s: float = 0.25) -> dict[str, float]:
+    """Seconds per function (``stat`` over ``repeats`` calls), one block per function.
+
+    Each block starts with a pause and an untimed warm-up. Blocks rather than
+    round-robin: OpenBLAS threads spin for ~0.1 s after a NumPy call and slow down
+    whatever torch runs next (a 2-thread standard NS measured 1.7x slower right after
+    a NumPy matmul), which would bill the NumPy-based Gram path's cost to the
+    standard path if the two alternated.
+    """
+    out = {}
+    for k, fn in fns.items():
+        time.sleep(cooldown_s)
         fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: _STATS[stat](v) for k, v in times.items()}
+            times.append(time.perf_counter() - t0)
+        out[k] = _STATS[stat](times)
+    return out
 
 
 def run_ortho_bench(
@@ -56,6 +66,7 @@ def run_ortho_bench(
     steps: int = 5,
     coefficients=KELLER,
     stat: str = "min",
+    cooldown_s: float = 0.25,
 ) -> list[dict]:
     """Times the orthogonalisation variants on CPU.
 
@@ -70,6 +81,7 @@ def run_ortho_bench(
         coefficients: Coefficient triple or schedule.
         stat: ``"min"`` (default; on a shared machine the fastest round is the best
             estimate of the uncontended cost) or ``"median"``.
+        cooldown_s: Pause before each variant's block of calls.
 
     Returns:
         One dict per row. Method rows have ``kind="method"``, times in seconds under
@@ -104,13 +116,14 @@ def run_ortho_bench(
             "gram": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, backend="reference"),
             "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype),
         }
-        t = _interleaved(fns, repeats, stat)
+        t = _timed(fns, repeats, stat, cooldown_s)
         rows.append({
             "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
             "standard_s": t["standard"], "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
             "gram_speedup": t["standard"] / t["gram"], "gram_sym_speedup": t["standard"] / t["gram_sym"],
         })
     tuner = Autotuner(repeats=repeats, persist=False)
+    tuner.cooldown_s = cooldown_s
     for triple in batches:
         if len(triple) != 3 or min(triple) < 1:
             raise ValueError(f"bad batch spec {triple!r}")
@@ -120,7 +133,7 @@ def run_ortho_bench(
         for method, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
             fns[f"{method}_batched"] = (lambda fn=fn: fn(G, coefficients, steps, dtype=dtype))
             fns[f"{method}_looped"] = (lambda fn=fn: [fn(g, coefficients, steps, dtype=dtype) for g in G])
-        t = _interleaved(fns, repeats, stat)
+        t = _timed(fns, repeats, stat, cooldown_s)
         row = {"kind": "batch", "batch": B, "shape": (m, n), "dtype": str(dtype).replace("torch.", "")}
         for method in ("standard", "gram"):
             row[f"{method}_batched_s"] = t[f"{method}_batched"]
@@ -167,7 +180,7 @@ def run_kernel_bench(sizes: Sequence[int] = (256, 512, 1024, 2048), repeats: int
             "sym_product": lambda b: sym.sym_product(R, P, b),
         }
         for op, fn in ops.items():
-            t = _interleaved({b: (lambda b=b: fn(b)) for b in backends}, repeats)
+            t = _timed({b: (lambda b=b: fn(b)) for b in backends}, repeats)
             rows.append({"kind": "kernel", "op": op, "m": m, **{f"{b}_s": v for b, v in t.items()}})
     return rows
 

@@ -19,3 +19,12 @@ def _one_intra_op_thread():
     yield
     torch.set_num_threads(before)
 
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune_cooldown(monkeypatch):
+    # The pause that keeps OpenBLAS spin from billing the next candidate matters for
+    # real measurements, not for tests of the cache logic.
+    from dmuon.ortho import autotune
+
+    monkeypatch.setattr(autotune, "COOLDOWN_S", 0.0)

@@ -9,7 +9,7 @@ from dmuon.ortho.bench import format_kernel_table, format_table, main, run_kerne
 
 
 def test_run_ortho_bench_rows():
-    rows = run_ortho_bench(shapes=[(16, 64)], dtype=torch.float32, repeats=1, batches=[(3, 8, 16)])
+    rows = run_ortho_bench(shapes=[(16, 64)], dtype=torch.float32, repeats=1, batches=[(3, 8, 16)], cooldown_s=0.0)
     method, batch = rows
     assert method["kind"] == "method" and method["shape"] == (16, 64)
     for k in ("standard_s", "gram_s", "gram_sym_s"):
