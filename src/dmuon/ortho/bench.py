@@ -25,7 +25,7 @@ import torch
 
 from .autotune import Autotuner
 from .coefficients import KELLER
-from .gram import gram_newton_schulz
+from .gram import default_restart_every, gram_newton_schulz
 from .newton_schulz import newton_schulz
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((256, 1024), (512, 2048), (1024, 1024), (1024, 4096), (1024, 8192))
@@ -67,6 +67,7 @@ def run_ortho_bench(
     coefficients=KELLER,
     stat: str = "min",
     cooldown_s: float = 0.25,
+    restart_every: int | None = None,
 ) -> list[dict]:
     """Times the orthogonalisation variants on CPU.
 
@@ -82,6 +83,8 @@ def run_ortho_bench(
         stat: ``"min"`` (default; on a shared machine the fastest round is the best
             estimate of the uncontended cost) or ``"median"``.
         cooldown_s: Pause before each variant's block of calls.
+        restart_every: Gram restart cadence for the method table (``None``: the
+            default for ``dtype``).
 
     Returns:
         One dict per row. Method rows have ``kind="method"``, times in seconds under
@@ -113,12 +116,14 @@ def run_ortho_bench(
         G = torch.randn(m, n, generator=gen)
         fns = {
             "standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype),
-            "gram": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, backend="reference"),
-            "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype),
+            "gram": lambda: gram_newton_schulz(
+                G, coefficients, steps, dtype=dtype, backend="reference", restart_every=restart_every),
+            "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, restart_every=restart_every),
         }
         t = _timed(fns, repeats, stat, cooldown_s)
         rows.append({
             "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
+            "restart_every": restart_every if restart_every is not None else default_restart_every(dtype),
             "standard_s": t["standard"], "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
             "gram_speedup": t["standard"] / t["gram"], "gram_sym_speedup": t["standard"] / t["gram_sym"],
         })
@@ -201,11 +206,12 @@ def format_table(rows: list[dict]) -> str:
     out = []
     mrows = [r for r in rows if r["kind"] == "method"]
     if mrows:
-        out.append(f"{'shape':>12} {'dtype':>9} {'standard':>10} {'gram':>10} {'gram+sym':>10} "
+        out.append(f"{'shape':>12} {'dtype':>9} {'restart':>7} {'standard':>10} {'gram':>10} {'gram+sym':>10} "
                    f"{'gram x':>7} {'g+sym x':>8}")
         for r in mrows:
             out.append(
-                f"{r['shape'][0]:>5}x{r['shape'][1]:<6} {r['dtype']:>9} {r['standard_s'] * 1e3:>8.1f}ms "
+                f"{r['shape'][0]:>5}x{r['shape'][1]:<6} {r['dtype']:>9} {r['restart_every']:>7} "
+                f"{r['standard_s'] * 1e3:>8.1f}ms "
                 f"{r['gram_s'] * 1e3:>8.1f}ms {r['gram_sym_s'] * 1e3:>8.1f}ms "
                 f"{r['gram_speedup']:>6.2f}x {r['gram_sym_speedup']:>7.2f}x"
             )
@@ -249,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batches", default=None, help="comma-separated BxMxN list for the batching table ('' skips)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per variant (median)")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--restart-every", type=int, default=None, help="Gram restart cadence (default: by dtype)")
     p.add_argument("--coefficients", default="keller", choices=["keller", "polar_express"])
     p.add_argument("--stat", default="min", choices=sorted(_STATS), help="per-variant statistic over rounds")
     p.add_argument("--threads", type=int, default=None,
@@ -279,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             coefficients=KELLER if args.coefficients == "keller" else "polar_express",
             stat=args.stat,
+            restart_every=args.restart_every,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
