@@ -35,10 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--ns-dtype", default="auto", choices=["auto", *DTYPES],
-                   help="NS dtype for dmuon/gather; auto: bfloat16 on CUDA, float32 on CPU "
-                        "(CPUs without bf16 matrix units run bf16 matmuls several times slower)")
-    p.add_argument("--ns-method", default="auto", choices=["auto", "standard", "gram"])
+    p.add_argument("--ns-dtype", default="bfloat16", choices=list(DTYPES),
+                   help="NS dtype for dmuon/gather (default: bfloat16, as torch.optim.Muon; "
+                        "ns-method auto may compute in float32 where that is faster and rounds the result)")
+    p.add_argument("--ns-method", default="auto", choices=["auto", "standard", "standard32", "gram"])
     p.add_argument("--balancer", default="greedy", choices=["greedy", "lpt", "milp", "auto", "round_robin"])
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
@@ -49,10 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args) -> BenchOptions:
-    if args.ns_dtype == "auto":
-        ns_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    else:
-        ns_dtype = DTYPES[args.ns_dtype]
+    ns_dtype = DTYPES[args.ns_dtype]
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
         steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp,

@@ -23,7 +23,7 @@ def machine_description() -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    head = ("config", "step ms (min-max)", "fwd+bwd ms", "optim ms", "MB/step", "peak MB", "final loss")
+    head = ("config", "step ms (min-max)", "fwd+bwd ms", "optim ms", "NS ms", "MB/step", "peak MB", "final loss")
     rows = [head]
     for r in results:
         rows.append((
@@ -31,6 +31,7 @@ def format_table(results: list[dict]) -> str:
             f"{1e3 * r['step_s']:.1f} ({1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f})",
             f"{1e3 * r['fwd_bwd_s']:.1f}",
             f"{1e3 * r['optimizer_s']:.1f}",
+            f"{1e3 * r['ns_s']:.1f}" if r.get("ns_s") else "-",
             f"{r['bytes_per_step'] / 2**20:.2f}",
             f"{r['peak_mem_bytes'] / 2**20:.0f}",
             f"{r['final_loss']:.4f}",

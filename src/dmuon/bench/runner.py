@@ -123,7 +123,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
                                   batch_size=opts.batch_size, seed=0)
     optimizer, plan = build(config, workload, mesh, opts.hyper)
     model = workload.model
-    fwd_bwd, opt_s, losses, sent, received, inter = [], [], [], [], [], []
+    fwd_bwd, opt_s, losses, sent, received, inter, ns = [], [], [], [], [], [], []
     total = opts.warmup + opts.steps
     for step in range(total):
         batch = workload.make_batch(step, rank)
@@ -141,15 +141,16 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         if device == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        times = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64, device=device)
+        stats = optimizer.last_step_stats() if hasattr(optimizer, "last_step_stats") else {}
+        times = torch.tensor([t1 - t0, t2 - t1, stats.get("ns_seconds", 0.0)], dtype=torch.float64, device=device)
         # A step lasts as long as its slowest rank.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        stats = optimizer.last_step_stats() if hasattr(optimizer, "last_step_stats") else {}
         if step >= opts.warmup:
             fwd_bwd.append(times[0].item())
             opt_s.append(times[1].item())
+            ns.append(times[2].item())
             sent.append(stats.get("bytes_sent", 0))
             received.append(stats.get("bytes_received", 0))
             inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
@@ -173,6 +174,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         "step_s_max": max(steps),
         "optimizer_s": statistics.median(opt_s),
         "fwd_bwd_s": statistics.median(fwd_bwd),
+        "ns_s": statistics.median(ns),
         "bytes_per_step": int(fsdp_bytes + opt_bytes),
         "fsdp_bytes_per_step": int(fsdp_bytes),
         "optimizer_bytes_per_step": int(opt_bytes),

@@ -28,7 +28,7 @@ class Hyper:
     """Muon learning rate."""
     adamw_lr: float = 3e-4
     """AdamW learning rate (AdamW-only config uses it for every parameter)."""
-    ns_dtype: torch.dtype = torch.float32
+    ns_dtype: torch.dtype = torch.bfloat16
     """NS dtype for dmuon and gather (torch.optim.Muon always iterates in bf16)."""
     ns_method: str = "auto"
     """dmuon/gather NS method."""

@@ -20,7 +20,7 @@ from dmuon.optim.muon import ADJUST_LR_FNS, apply_update, momentum_update
 from dmuon.ortho import orthogonalize_many
 from dmuon.plan.plan import Plan
 
-NS_METHODS = ("auto", "standard", "gram")
+NS_METHODS = ("auto", "standard", "standard32", "gram")
 NONFINITE_MODES = (None, "skip", "raise")
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -45,8 +45,9 @@ class DMuon(torch.optim.Optimizer):
         eps: Floor of the norm NS divides by.
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: ``None``/``"original"`` (Keller's scaling) or ``"match_rms_adamw"``.
-        ns_method: ``"standard"`` (torch's iteration), ``"gram"`` (Gram NS) or
-            ``"auto"`` (fastest passing the accuracy bar per shape).
+        ns_method: ``"standard"`` (torch's iteration), ``"standard32"`` (the same
+            iteration computed in float32, rounded to ``ns_dtype``), ``"gram"``
+            (Gram NS) or ``"auto"`` (fastest passing the accuracy bar per shape).
         ns_dtype: Dtype of the NS iteration (``torch.bfloat16`` as torch.optim.Muon).
         adamw_lr: AdamW learning rate (None: ``lr``).
         adamw_betas: AdamW betas.

@@ -34,8 +34,9 @@ def orthogonalize(
     Args:
         G: ``(m, n)`` or ``(B, m, n)``; not modified.
         method: ``"standard"`` (Newton–Schulz, bit-identical to ``torch.optim.Muon`` for
-            bfloat16 2-D input), ``"gram"`` (Gram Newton–Schulz), or ``"auto"`` (the
-            faster of the two that passes the accuracy bar, from the autotune cache).
+            bfloat16 2-D input), ``"standard32"`` (the same iteration in float32,
+            rounded to ``dtype``), ``"gram"`` (Gram Newton–Schulz), or ``"auto"`` (the
+            fastest that passes the accuracy bar, from the autotune cache).
         coefficients: An ``(a, b, c)`` triple, a per-iteration schedule, or
             ``"polar_express"``.
         steps: Number of iterations.

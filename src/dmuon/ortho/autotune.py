@@ -3,11 +3,14 @@
 Two decisions are tuned, each per device, compute dtype, matrix shape and schedule
 (:meth:`Autotuner.plan` tunes both jointly for a stack of ``B`` matrices):
 
-* **method** — standard Newton–Schulz or Gram Newton–Schulz. Gram is eligible only
-  if it passes an accuracy bar on a probe matrix with a decaying spectrum (its
-  distance to the float32 standard result may not exceed the standard path's own
-  distance in the requested dtype, nor 1e-3 relative, whichever is larger);
-  the faster eligible method wins.
+* **method** — standard Newton–Schulz, the standard iteration computed in float32
+  and rounded to the requested dtype (``"standard32"``; a candidate only for 16-bit
+  dtypes: on CPUs without 16-bit matrix units it is several times faster than the
+  16-bit iteration and, being the reference itself, more accurate), or Gram
+  Newton–Schulz. Gram is eligible only if it passes an accuracy bar on a probe
+  matrix with a decaying spectrum (its distance to the float32 standard result may
+  not exceed the standard path's own distance in the requested dtype, nor 1e-3
+  relative, whichever is larger); the faster eligible method wins.
 * **batching** — for ``B`` same-shape matrices, one batched call or a loop of 2-D
   calls, for the chosen method. On CPU batching wins when per-call dispatch
   dominates (many small matrices) and can lose for mid-sized ones.
@@ -40,12 +43,15 @@ from .coefficients import Schedule, schedule_key
 from .gram import gram_newton_schulz
 from .newton_schulz import newton_schulz
 
-SCHEMA_VERSION = 1
-METHODS = ("standard", "gram")
+SCHEMA_VERSION = 2  # 2: timings taken with BLAS threads matched to torch
+METHODS = ("standard", "standard32", "gram")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Relative error floor of the accuracy bar (see module docstring).
 ACCURACY_FLOOR = 1e-3
 # A candidate slower than this is timed once instead of ``repeats`` times.
 SLOW_RUN_S = 0.5
+# Stack timings only consider methods within this factor of the best single-matrix time.
+PLAN_SLACK = 3.0
 # Upper bound on timed rounds for cheap candidates.
 MAX_ROUNDS = 15
 # Pause before timing each candidate on CPU (see time_candidates).
@@ -155,6 +161,9 @@ def run_method(method: str, G: torch.Tensor, problem: Problem) -> torch.Tensor:
     sched = [tuple(t) for t in problem.schedule]
     if method == "standard":
         return newton_schulz(G, sched, problem.steps, problem.eps, problem.dtype)
+    if method == "standard32":
+        compute = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        return newton_schulz(G, sched, problem.steps, problem.eps, compute).to(problem.dtype)
     if method == "gram":
         return gram_newton_schulz(G, sched, problem.steps, problem.eps, problem.dtype)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -177,6 +186,13 @@ def _probe(shape: tuple[int, int], device: torch.device, batch: int = 1) -> torc
     low = torch.randn(batch, m, r, generator=gen) @ torch.randn(batch, r, n, generator=gen)
     G = low / math.sqrt(r) + 1e-2 * torch.randn(batch, m, n, generator=gen)
     return G.to(device)
+
+
+def _candidates(problem: Problem) -> tuple[str, ...]:
+    """Methods worth timing for ``problem``: ``standard32`` only differs for 16-bit dtypes."""
+    if problem.dtype in _LOW_PRECISION:
+        return METHODS
+    return tuple(m for m in METHODS if m != "standard32")
 
 
 class Autotuner:
@@ -314,7 +330,13 @@ class Autotuner:
             valid = (isinstance(entry, dict) and entry.get("method") in METHODS
                      and isinstance(entry.get("batched"), bool) and (gram_ok or entry["method"] != "gram"))
             if not valid:
-                methods = METHODS if gram_ok else ("standard",)
+                # Methods already >PLAN_SLACK x slower than the best on one matrix are
+                # not re-timed as stacks (on CPU that skips the 16-bit standard path,
+                # whose timing would dominate the tuning).
+                single = self.lookup(problem).get("times_s") or {}
+                best = min(single.values(), default=0.0)
+                methods = [m for m in _candidates(problem) if (gram_ok or m != "gram")
+                           and (m not in single or single[m] <= PLAN_SLACK * best)]
                 entry = self._measure_plan(problem, batch, methods, device)
                 entries[key] = entry
                 self._write(problem.device)
@@ -336,9 +358,8 @@ class Autotuner:
         gram_err = _rel(run_method("gram", G, problem), reference)
         bar = max(std_err, ACCURACY_FLOOR)
         gram_ok = math.isfinite(gram_err) and gram_err <= bar
-        candidates = {"standard": lambda: run_method("standard", G, problem)}
-        if gram_ok:
-            candidates["gram"] = lambda: run_method("gram", G, problem)
+        candidates = {m: (lambda m=m: run_method(m, G, problem))
+                      for m in _candidates(problem) if gram_ok or m != "gram"}
         times = time_candidates(candidates, device, self.repeats, cooldown_s=self.cooldown_s)
         method = min(times, key=times.get)
         entry = {"method": method, "times_s": times, "gram_error": gram_err, "standard_error": std_err,

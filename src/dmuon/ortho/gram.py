@@ -185,7 +185,8 @@ def gram_newton_schulz(
         # Per matrix: these kernels are per matrix anyway, and one matrix's state stays
         # hot in cache through all steps.
         mats = X.numpy() if X.ndim == 3 else X.numpy()[None]
-        outs = [torch.from_numpy(_gram_ns_core(x, schedule, restart_every, _NumpyOps)) for x in mats]
+        with sym.blas_threads():
+            outs = [torch.from_numpy(_gram_ns_core(x, schedule, restart_every, _NumpyOps)) for x in mats]
         out = torch.stack(outs) if X.ndim == 3 else outs[0]
     elif X.ndim == 3 and backend == "triton":
         ops = _TorchOps(backend)

@@ -175,3 +175,29 @@ def test_plan_excludes_inaccurate_gram(tmp_path, monkeypatch):
     assert t.plan(p, 4, "cpu")[0] == "standard"
     entry = t._entries(p.device)[p.key(4) + "|method=auto"]
     assert set(entry["times_s"]) == {"standard|batched", "standard|looped"}
+
+
+def test_standard32_is_a_candidate_only_for_16bit_dtypes(tmp_path):
+    t = Autotuner(tmp_path, repeats=1)
+    p16, p32 = _problem(t, dtype=torch.bfloat16), _problem(t, dtype=torch.float32)
+    t.method(p16, "cpu")
+    t.method(p32, "cpu")
+    assert "standard32" in t.lookup(p16)["times_s"]
+    assert "standard32" not in t.lookup(p32)["times_s"]
+    G = torch.randn(16, 48)
+    out = at.run_method("standard32", G, p16)
+    ref = at.newton_schulz(G, SCHED, 5, 1e-7, torch.float32).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_plan_does_not_retime_methods_far_slower_on_one_matrix(tmp_path):
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t, shape=(8, 24), dtype=torch.bfloat16)
+    path = t.cache_path(p.device)
+    single = {"method": "standard32", "gram_accurate": True,
+              "times_s": {"standard": 1.0, "standard32": 0.010, "gram": 0.012}}
+    path.write_text(json.dumps({"header": t._header(p.device), "entries": {p.key(): single}}))
+    t = Autotuner(tmp_path, repeats=1)
+    t.plan(p, 3, "cpu")
+    entry = t._entries(p.device)[p.key(3) + "|method=auto"]
+    assert {k.split("|")[0] for k in entry["times_s"]} == {"standard32", "gram"}

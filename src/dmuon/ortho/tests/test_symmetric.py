@@ -168,3 +168,24 @@ def test_triton_module_imports_and_reports_availability():
         assert not triton_syrk.is_available()
         with pytest.raises(RuntimeError):
             triton_syrk.syrk(torch.randn(4, 4))
+
+
+def test_blas_threads_follow_torch_and_are_restored():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import numpy  # noqa: F401  (loads the BLAS threadpoolctl inspects)
+
+    def blas_counts():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    if not blas_counts():
+        pytest.skip("no BLAS library visible to threadpoolctl")
+    before = blas_counts()
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with sym.blas_threads():
+            inside = blas_counts()
+    finally:
+        torch.set_num_threads(old)
+    assert inside and all(n == 1 for n in inside)
+    assert blas_counts() == before
