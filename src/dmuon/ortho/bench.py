@@ -67,7 +67,7 @@ def run_ortho_bench(
     coefficients=KELLER,
     stat: str = "min",
     cooldown_s: float = 0.25,
-    restart_every: int | None = None,
+    restarts: Sequence[int] | None = None,
 ) -> list[dict]:
     """Times the orthogonalisation variants on CPU.
 
@@ -83,8 +83,11 @@ def run_ortho_bench(
         stat: ``"min"`` (default; on a shared machine the fastest round is the best
             estimate of the uncontended cost) or ``"median"``.
         cooldown_s: Pause before each variant's block of calls.
-        restart_every: Gram restart cadence for the method table (``None``: the
-            default for ``dtype``).
+        restarts: Gram restart cadences for the method table, one row each per
+            shape (the standard path is timed once per shape). ``None``: the
+            defaults for 16-bit and for float32 results (every 3 and every 2 steps),
+            i.e. the Gram path as ``DMuon`` runs it with ``ns_dtype=torch.bfloat16``
+            and with ``ns_dtype=torch.float32``.
 
     Returns:
         One dict per row. Method rows have ``kind="method"``, times in seconds under
@@ -107,6 +110,11 @@ def run_ortho_bench(
         raise ValueError(f"stat must be one of {sorted(_STATS)}, got {stat!r}")
     shapes = DEFAULT_SHAPES if shapes is None else shapes
     batches = DEFAULT_BATCHES if batches is None else batches
+    if restarts is None:
+        restarts = (default_restart_every(torch.bfloat16), default_restart_every(torch.float32))
+    cadences = list(dict.fromkeys(restarts))
+    if not cadences or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cadences):
+        raise ValueError(f"restarts must be non-negative ints, got {restarts!r}")
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     for shape in shapes:
@@ -114,19 +122,21 @@ def run_ortho_bench(
             raise ValueError(f"bad shape {shape!r}")
         m, n = shape
         G = torch.randn(m, n, generator=gen)
-        fns = {
-            "standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype),
-            "gram": lambda: gram_newton_schulz(
-                G, coefficients, steps, dtype=dtype, backend="reference", restart_every=restart_every),
-            "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, restart_every=restart_every),
-        }
-        t = _timed(fns, repeats, stat, cooldown_s)
-        rows.append({
-            "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
-            "restart_every": restart_every if restart_every is not None else default_restart_every(dtype),
-            "standard_s": t["standard"], "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
-            "gram_speedup": t["standard"] / t["gram"], "gram_sym_speedup": t["standard"] / t["gram_sym"],
-        })
+        t_std = _timed({"standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype)},
+                       repeats, stat, cooldown_s)["standard"]
+        for every in cadences:
+            fns = {
+                "gram": lambda: gram_newton_schulz(
+                    G, coefficients, steps, dtype=dtype, backend="reference", restart_every=every),
+                "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, restart_every=every),
+            }
+            t = _timed(fns, repeats, stat, cooldown_s)
+            rows.append({
+                "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
+                "restart_every": every,
+                "standard_s": t_std, "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
+                "gram_speedup": t_std / t["gram"], "gram_sym_speedup": t_std / t["gram_sym"],
+            })
     tuner = Autotuner(repeats=repeats, persist=False)
     tuner.cooldown_s = cooldown_s
     for triple in batches:
@@ -255,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batches", default=None, help="comma-separated BxMxN list for the batching table ('' skips)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per variant (median)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--restart-every", type=int, default=None, help="Gram restart cadence (default: by dtype)")
+    p.add_argument("--restarts", default=None,
+                   help="comma-separated Gram restart cadences, a table row each (default: 3,2 — "
+                        "DMuon's cadence for bf16 and for fp32 results; 0 never restarts)")
     p.add_argument("--coefficients", default="keller", choices=["keller", "polar_express"])
     p.add_argument("--stat", default="min", choices=sorted(_STATS), help="per-variant statistic over rounds")
     p.add_argument("--threads", type=int, default=None,
@@ -286,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             coefficients=KELLER if args.coefficients == "keller" else "polar_express",
             stat=args.stat,
-            restart_every=args.restart_every,
+            restarts=None if args.restarts is None else [int(v) for v in args.restarts.split(",") if v.strip()],
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

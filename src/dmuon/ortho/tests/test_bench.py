@@ -10,7 +10,10 @@ from dmuon.ortho.bench import format_kernel_table, format_table, main, run_kerne
 
 def test_run_ortho_bench_rows():
     rows = run_ortho_bench(shapes=[(16, 64)], dtype=torch.float32, repeats=1, batches=[(3, 8, 16)], cooldown_s=0.0)
-    method, batch = rows
+    method, method_fp32, batch = rows
+    # Default cadences: DMuon's for bf16 results, then for fp32 results; one standard timing.
+    assert (method["restart_every"], method_fp32["restart_every"]) == (3, 2)
+    assert method["standard_s"] == method_fp32["standard_s"]
     assert method["kind"] == "method" and method["shape"] == (16, 64)
     for k in ("standard_s", "gram_s", "gram_sym_s"):
         assert method[k] > 0
@@ -19,6 +22,13 @@ def test_run_ortho_bench_rows():
     assert batch["auto_method"] in ("standard", "gram") and batch["auto_vs_best"] >= 1.0
     table = format_table(rows)
     assert "16x64" in table and "pick/best" in table
+
+
+def test_restart_cadences_are_validated_and_deduplicated():
+    rows = run_ortho_bench(shapes=[(8, 24)], repeats=1, batches=[], cooldown_s=0.0, restarts=[0, 0, 1])
+    assert [r["restart_every"] for r in rows] == [0, 1]
+    with pytest.raises(ValueError, match="restarts"):
+        run_ortho_bench(shapes=[(8, 24)], repeats=1, batches=[], restarts=[-1])
 
 
 def test_kernel_bench_rows():
