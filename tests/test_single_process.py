@@ -105,3 +105,73 @@ def test_parameter_added_after_prepare_is_named():
     model.extra = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="extra.weight"):
         dmuon.DMuon(model, plan)
+
+
+class _FiveHeads(torch.nn.Module):
+    """Five same-shape matrices: one kind whose batching the balancer decides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 16, bias=False) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers).square().mean()
+
+
+def _train_recording_batches(monkeypatch, **prepare_kw):
+    import dmuon.optim.dmuon as dmuon_optim
+
+    torch.manual_seed(0)
+    model = _FiveHeads()
+    plan = dmuon.prepare(model, None, **prepare_kw)
+    calls: list[int] = []
+    real = dmuon_optim.orthogonalize_many
+
+    def recording(matrices, **kw):
+        calls.append(len(matrices))
+        return real(matrices, **kw)
+
+    monkeypatch.setattr(dmuon_optim, "orthogonalize_many", recording)
+    opt = dmuon.DMuon(model, plan, lr=0.02, ns_method="standard", ns_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(8, 32, generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+    return plan, calls, [layer.weight.detach().clone() for layer in model.layers]
+
+
+def test_ns_runs_in_the_batches_the_balancer_priced(monkeypatch):
+    from dmuon.plan.profile import table_from_records
+
+    # Batches of 4 are cheap, of 2 not worth it: the cheapest split of 5 is 4 + 1.
+    costs = table_from_records([
+        {"shape": [16, 32], "batch": 1, "seconds": 1.0},
+        {"shape": [16, 32], "batch": 2, "seconds": 1.9},
+        {"shape": [16, 32], "batch": 4, "seconds": 2.0},
+    ])
+    plan, calls, weights = _train_recording_batches(monkeypatch, balancer="milp", cost_table=costs)
+    assert plan.balance.batches[0] == {(16, 32): [4, 1]}
+    assert calls == [4, 1, 4, 1]
+    # Without batch costs (analytical model) the kind runs as one call and the NS
+    # autotuner decides; the update is the same either way.
+    _, calls_default, weights_default = _train_recording_batches(monkeypatch)
+    assert calls_default == [5, 5]
+    for a, b in zip(weights, weights_default):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
+    import dmuon.plan.profile as profile
+
+    torch.manual_seed(0)
+    first = dmuon.prepare(_FiveHeads(), None, profile=True, balancer="milp", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()), "the profile was not cached"
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again despite a cached profile")
+
+    monkeypatch.setattr(profile, "measure_update", no_measuring)
+    second = dmuon.prepare(_FiveHeads(), None, profile=True, balancer="milp", cache_dir=tmp_path)
+    assert [i.cost for i in second.infos] == [i.cost for i in first.infos]
+    assert second.balance.batches == first.balance.batches

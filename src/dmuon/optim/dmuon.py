@@ -317,26 +317,29 @@ class DMuon(torch.optim.Optimizer):
             by_group.setdefault(id(active[i]), []).append(i)
         for indices in by_group.values():
             group = active[indices[0]]
-            directions = []
-            for i in indices:
-                state = self.state[infos[i].param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros(infos[i].shape, dtype=torch.float32, device=reduced[i].device)
-                d = momentum_update(reduced[i], state["momentum_buffer"], group["momentum"], group["nesterov"])
-                directions.append(d.reshape(infos[i].matrix_shape))
-            orthos = orthogonalize_many(
-                directions,
-                method=self.ns_method,
-                coefficients=group["ns_coefficients"],
-                steps=group["ns_steps"],
-                eps=group["eps"],
-                dtype=self.ns_dtype,
-            )
-            for i, ortho in zip(indices, orthos):
-                apply_update(
-                    infos[i].param, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
-                    adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
+            # The batches the balancer priced this rank's load with (see Plan.ns_batches).
+            for batch in self.plan.ns_batches(indices):
+                directions = []
+                for i in batch:
+                    state = self.state[infos[i].param]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros(
+                            infos[i].shape, dtype=torch.float32, device=reduced[i].device)
+                    d = momentum_update(reduced[i], state["momentum_buffer"], group["momentum"], group["nesterov"])
+                    directions.append(d.reshape(infos[i].matrix_shape))
+                orthos = orthogonalize_many(
+                    directions,
+                    method=self.ns_method,
+                    coefficients=group["ns_coefficients"],
+                    steps=group["ns_steps"],
+                    eps=group["eps"],
+                    dtype=self.ns_dtype,
                 )
+                for i, ortho in zip(batch, orthos):
+                    apply_update(
+                        infos[i].param, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
+                        adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
+                    )
         ns_seconds = time.perf_counter() - ns_start
 
         if self.plan.zero == 2:

@@ -122,6 +122,8 @@ class BalanceResult:
     """Wall time of the balancer."""
     notes: list[str] = field(default_factory=list)
     """Why anything unexpected happened (fallbacks, relaxed memory caps)."""
+    kind_keys: list[Hashable] = field(default_factory=list)
+    """Kind key (the keys of ``batches``) of each matrix, in plan order."""
 
     @property
     def makespan(self) -> float:
@@ -180,7 +182,8 @@ def evaluate(
 def _result(balancer, method, kinds, items, owners, world_size, start, **extra) -> BalanceResult:
     loads, batches, state = evaluate(kinds, items, owners, world_size)
     return BalanceResult(balancer, method, list(owners), loads, batches, state,
-                         solve_seconds=time.perf_counter() - start, **extra)
+                         solve_seconds=time.perf_counter() - start, kind_keys=[kinds[k].key for k in items],
+                         **extra)
 
 
 def balance(

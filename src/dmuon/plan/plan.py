@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dmuon.plan.balance import rank_loads
+from dmuon.plan.batches import split_into_batches
 
 
 @dataclass
@@ -152,6 +154,28 @@ class Plan:
         """Matrices owned by ``rank`` (default: this rank), in plan order."""
         rank = self.rank if rank is None else rank
         return [info for info in self.infos if info.owner == rank]
+
+    def ns_batches(self, indices: Sequence[int], rank: int | None = None) -> list[list[int]]:
+        """Splits matrices owned by ``rank`` into the NS batches the balancer costed.
+
+        Args:
+            indices: Matrix indices (plan order) to orthogonalise now.
+            rank: Owner rank (default: this rank).
+
+        Returns:
+            Batches of indices (see :func:`dmuon.plan.batches.split_into_batches`);
+            one batch per kind where the plan has no batches larger than one.
+        """
+        rank = self.rank if rank is None else rank
+        balance = self.balance
+        if balance is None or not getattr(balance, "kind_keys", None):
+            kind_of = [info.matrix_shape for info in self.infos]
+            return split_into_batches(indices, kind_of, {})
+        # All-ones plans come from costs without batch sizes (the analytical model) or
+        # from batching that did not pay; either way one call per kind lets the NS
+        # autotuner choose batched or looped itself.
+        sizes = {k: v for k, v in balance.batches[rank].items() if any(b > 1 for b in v)}
+        return split_into_batches(indices, balance.kind_keys, sizes)
 
     def rank_costs(self) -> list[float]:
         """Estimated owner-side cost per rank."""
