@@ -92,3 +92,19 @@ def test_plan_hsdp_traffic_levels(tmp_path):
     assert sum(r["inter_sent"] for r in plan["ranks"]) == sum(r["inter_received"] for r in plan["ranks"])
     assert all(r["bytes_sent"] == r["intra_sent"] + r["inter_sent"] for r in plan["ranks"])
     assert plan["gather_bytes_per_rank"]["inter_sent"] > 0
+
+
+def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "sweep.json"
+    assert bench_cli.main(["--model", "tiny", "--world-size", "2", "--steps", "1", "--warmup", "0",
+                           "--configs", "adamw,dmuon_z2", "--balancer", "all", "--profile",
+                           "--json", str(out), "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    names = [r["config"] for r in payload["results"]]
+    assert names == ["adamw", "dmuon_z2@round_robin", "dmuon_z2@lpt", "dmuon_z2@milp"]
+    assert "dmuon_z2@milp_overhead_vs_adamw_pct" in payload["ratios"]
+    # Same update rule whatever the owners: the three dmuon runs end at the same loss.
+    assert payload["losses_agree"] is True
+    # The measured table went to the cache directory the later configurations read.
+    assert any(p.name.startswith("plan-profile-") for p in (tmp_path / "cache").iterdir())

@@ -14,7 +14,7 @@ from dmuon.bench.report import (
     format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
 )
 from dmuon.bench.runner import BenchOptions, run_all
-from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, Hyper
+from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, SWEPT_BALANCERS, Hyper
 from dmuon.testing.spawn import run_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NS dtype for dmuon/gather (default: bfloat16, as torch.optim.Muon; "
                         "ns-method auto may compute in float32 where that is faster and rounds the result)")
     p.add_argument("--ns-method", default="auto", choices=["auto", "standard", "standard32", "gram"])
-    p.add_argument("--balancer", default="greedy", choices=["greedy", "lpt", "milp", "auto", "round_robin"])
+    p.add_argument("--balancer", default="greedy", choices=["greedy", "lpt", "milp", "auto", "round_robin", "all"],
+                   help="dmuon owner balancer; all: run each dmuon config once per balancer "
+                        f"({', '.join(SWEPT_BALANCERS)}), named dmuon_z2@lpt etc.")
+    p.add_argument("--profile", action="store_true",
+                   help="dmuon: balance with measured, batch-aware owner-update costs (cached on disk)")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -53,7 +57,8 @@ def _options(args) -> BenchOptions:
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
         steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp,
-        hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method, balancer=args.balancer),
+        hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method,
+                    balancer="greedy" if args.balancer == "all" else args.balancer, profile=args.profile),
     )
 
 
@@ -63,6 +68,9 @@ def run(args) -> dict:
     bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
         raise SystemExit(f"dmuon bench: --configs: unknown {bad}; choose from {ALL_CONFIGS}")
+    if args.balancer == "all":
+        configs = [f"{c}@{b}" if c.startswith("dmuon_") else c for c in configs
+                   for b in (SWEPT_BALANCERS if c.startswith("dmuon_") else ("",))]
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("dmuon bench: --steps must be >= 1 and --warmup >= 0")
     opts = _options(args)

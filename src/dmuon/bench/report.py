@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from dmuon.bench.setups import MUON_CONFIGS
+from dmuon.bench.setups import is_muon_config
 
 LOSS_RTOL = 0.02
 """Muon configurations run the same update rule; final losses within this relative
@@ -46,8 +46,8 @@ def ratios(results: list[dict]) -> dict[str, float]:
     """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups)."""
     by = {r["config"]: r for r in results}
     out: dict[str, float] = {}
-    for mine in ("dmuon_z2", "dmuon_z3", "dmuon_z2_sync", "dmuon_z3_sync"):
-        if mine not in by:
+    for mine in by:
+        if not mine.startswith("dmuon_"):
             continue
         d = by[mine]
         if "adamw" in by:
@@ -60,7 +60,7 @@ def ratios(results: list[dict]) -> dict[str, float]:
 
 
 def loss_agreement(results: list[dict]) -> tuple[bool, str]:
-    muon = [r for r in results if r["config"] in MUON_CONFIGS]
+    muon = [r for r in results if is_muon_config(r["config"])]
     if len(muon) < 2:
         return True, "fewer than two Muon configurations: nothing to compare"
     ref = muon[0]

@@ -18,6 +18,13 @@ EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync")
 """dmuon with ``overlap=False``: every collective inside ``step()``."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
+SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
+"""What ``--balancer all`` runs each dmuon configuration with (as ``dmuon_z2@lpt`` etc.)."""
+
+
+def is_muon_config(config: str) -> bool:
+    """Whether ``config`` (possibly ``dmuon_*@balancer``) runs a Muon update."""
+    return config.partition("@")[0] in MUON_CONFIGS
 
 
 @dataclass
@@ -33,7 +40,9 @@ class Hyper:
     ns_method: str = "auto"
     """dmuon/gather NS method."""
     balancer: str = "greedy"
-    """dmuon owner balancer."""
+    """dmuon owner balancer (a ``dmuon_*@NAME`` config overrides it)."""
+    profile: bool = False
+    """dmuon: assign owners with measured, batch-aware costs (``prepare(profile=True)``)."""
 
 
 class _Pair:
@@ -86,9 +95,10 @@ def build(config: str, workload, mesh, hyper: Hyper):
     if config == "gather":
         _shard(workload, mesh)
         return GatherThenCompute(model, **kw), None
-    if config.startswith("dmuon_z") and config in ALL_CONFIGS:
-        plan = dmuon.prepare(model, mesh, zero=int(config[len("dmuon_z")]), balancer=hyper.balancer,
-                             blocks=workload.blocks)
+    base, _, balancer = config.partition("@")
+    if base.startswith("dmuon_z") and base in ALL_CONFIGS:
+        plan = dmuon.prepare(model, mesh, zero=int(base[len("dmuon_z")]), balancer=balancer or hyper.balancer,
+                             blocks=workload.blocks, profile=hyper.profile)
         _shard(workload, mesh, plan.matrices)
-        return dmuon.DMuon(model, plan, overlap=not config.endswith("_sync"), **kw), plan
+        return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"), **kw), plan
     raise ValueError(f"config must be one of {ALL_CONFIGS}, got {config!r}")
