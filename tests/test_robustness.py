@@ -6,6 +6,7 @@ import pytest
 
 from dmuon.plan.traffic import owner_traffic
 from dmuon.testing import run_distributed
+from dmuon.testing.spawn import run_with_crashes
 from dmuon.testing import faults
 
 
@@ -49,3 +50,17 @@ def test_nonfinite_gradient_is_handled_on_every_rank(mode):
 def test_milp_plan_is_identical_on_every_rank():
     out = run_distributed(faults.milp_owners, 3, timeout_s=60)
     assert all(o == out[0] for o in out) and set(out[0]) == {0, 1, 2}
+
+
+# Process-group timeout of the crash tests: the survivors must fail within it.
+CRASH_TIMEOUT_S = 15.0
+
+
+@pytest.mark.parametrize("where,zero", [("backward", 3), ("step", 2)])
+def test_a_rank_that_raises_makes_the_others_fail_not_hang(where, zero):
+    results = run_with_crashes(faults.rank_crashes, 3, where, zero, timeout_s=CRASH_TIMEOUT_S, deadline_s=90.0)
+    assert results[1] == {"raised": f"RuntimeError: injected failure inside {where}" + ("()" if where == "step" else "")}
+    for rank in (0, 2):
+        r = results[rank]
+        assert "hung" not in r and "finished" not in r, r
+        assert r["failed_after_s"] < CRASH_TIMEOUT_S + 10.0, r

@@ -184,6 +184,9 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         "losses": losses,
         "tokens_per_rank": workload.tokens_per_rank,
         "imbalance": plan.imbalance() if plan is not None else None,
+        # The balancer's own figures: seconds with --profile, FLOPs with the analytical model.
+        "plan_makespan": plan.balance.makespan if plan is not None and plan.balance is not None else None,
+        "plan_mean": plan.balance.mean if plan is not None and plan.balance is not None else None,
     }
 
 

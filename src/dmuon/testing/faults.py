@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -135,3 +137,35 @@ def milp_owners(rank: int, world_size: int) -> list[int]:
     mesh = init_device_mesh("cpu", (world_size,))
     plan = dmuon.prepare(OddNet(), mesh, balancer="milp", zero=2)
     return [i.owner for i in plan.infos]
+
+
+def rank_crashes(rank: int, world_size: int, where: str, zero: int) -> dict:
+    """Rank 1 raises in step 1, inside backward or inside ``step()``; the others carry on.
+
+    Returns (on ranks that do not crash) how long the rank kept going until dmuon's
+    or FSDP2's next collective failed, and with what.
+    """
+    model, plan, opt = sharded_oddnet(world_size, zero=zero)
+    start = None
+    try:
+        for step in range(3):
+            if step == 1:
+                start = time.perf_counter()
+                if rank == 1 and where == "step":
+                    def broken_step(*args, **kwargs):
+                        raise RuntimeError("injected failure inside step()")
+
+                    opt._muon_step = broken_step
+                if rank == 1 and where == "backward":
+                    def broken_hook(grad):
+                        raise RuntimeError("injected failure inside backward")
+
+                    model.layers[1].mid.weight.register_hook(broken_hook)
+            lm_loss(model, odd_batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - the point is to report it
+        if rank == 1:
+            raise
+        return {"failed_after_s": time.perf_counter() - start, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"finished": True}

@@ -9,6 +9,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -66,4 +67,59 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
+    return results
+
+
+def _crashable_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+                      timeout_s: float, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    code = 0
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:  # noqa: BLE001 - report it, then die as a crashed rank does
+        result, code = {"raised": f"{type(exc).__name__}: {exc}"}, 1
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    # No teardown: a crashed process does not say goodbye, and a group whose peer is
+    # gone may block in destroy_process_group.
+    os._exit(code)
+
+
+def run_with_crashes(fn: Callable[..., Any], world_size: int, *args: Any,
+                     timeout_s: float = 20.0, deadline_s: float = 120.0, threads: int = 1) -> list[Any]:
+    """Like :func:`run_distributed`, but a rank that raises just dies, as a crash would.
+
+    The other ranks are left to find out through the process group (a closed
+    connection, or the ``timeout_s`` collective timeout), which is what a test of
+    "no hang" needs to observe.
+
+    Returns:
+        Per rank: what ``fn`` returned, ``{"raised": "Type: message"}`` if it raised,
+        or ``{"hung": True}`` for a rank still running after ``deadline_s`` (killed).
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _crashable_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        end = time.monotonic() + deadline_s
+        for proc in ctx.processes:
+            proc.join(max(0.0, end - time.monotonic()))
+        results = []
+        for rank, proc in enumerate(ctx.processes):
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                results.append({"hung": True})
+                continue
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append({"raised": f"exit code {proc.exitcode} before reporting"})
     return results
