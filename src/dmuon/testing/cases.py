@@ -30,6 +30,8 @@ class Case:
     """Optimizer steps."""
     skip: dict[int, set[int]] = field(default_factory=dict)
     """step -> blocks left out of that step's forward (on every rank)."""
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    """step -> samples per rank that step (default 2; the same on every rank)."""
     lr: float = 0.02
     adamw_lr: float = 3e-3
     balancer: str = "greedy"
@@ -95,7 +97,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     losses, stats, norms = [], [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())
-        loss = lm_loss(model, odd_batch(step, rank))
+        loss = lm_loss(model, odd_batch(step, rank, batch=case.batch_sizes.get(step, 2)))
         loss.backward()
         if case.clip is not None:
             norms.append(dmuon.clip_grad_norm_(model, case.clip, opt).item())
