@@ -64,4 +64,4 @@ def test_stress_short():
 
 @pytest.mark.slow
 def test_stress_200_steps():
-    _check(200, (2, 3), tol=1e-4)
+    _check(200, (2, 3), tol=1e-5)
