@@ -174,4 +174,10 @@ def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(profile, "measure_update", no_measuring)
     second = dmuon.prepare(_FiveHeads(), None, profile=True, balancer="milp", cache_dir=tmp_path)
     assert [i.cost for i in second.infos] == [i.cost for i in first.infos]
+    # The plan says what profiling cost: something measured the first time, nothing the second.
+    first_note = [n for n in first.balance.notes if n.startswith("profile")]
+    second_note = [n for n in second.balance.notes if n.startswith("profile")]
+    assert first_note and " 0 entries measured" not in first_note[0]
+    assert second_note and " 0 entries measured" in second_note[0]
+    assert first_note[0] in str(first)
     assert second.balance.batches == first.balance.batches

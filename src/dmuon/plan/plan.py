@@ -209,4 +209,6 @@ class Plan:
             count = sum(1 for i in self.infos if i.owner == r)
             lines.append(f"{r:<4}  {loads[r]:<9.3g}  {count:<8}  {state[r]}")
         lines.append(f"imbalance (max/mean): {self.imbalance():.3f}")
+        for note in getattr(self.balance, "notes", None) or ():
+            lines.append(f"note: {note}")
         return "\n".join(lines)
