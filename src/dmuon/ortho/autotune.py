@@ -20,11 +20,14 @@ else ``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``). Its header names the device
 torch version and schema version; a file that does not parse, or whose header differs,
 is ignored (and replaced on the next write), never trusted. Writes go to a temporary
 file in the same directory and are moved into place with ``os.replace``, so a reader
-never sees a half-written file.
+never sees a half-written file. Processes sharing the cache (the ranks of one host)
+measure one at a time under a lock file and re-read the cache first, so each problem
+is measured once per host, on otherwise idle tuning slots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,11 +36,16 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:  # POSIX: measuring is serialised per host through a lock file next to the cache.
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: each process measures on its own
+    fcntl = None
 
 from .coefficients import Schedule, schedule_key
 from .gram import gram_newton_schulz
@@ -273,17 +281,56 @@ class Autotuner:
             tuple(tuple(float(v) for v in t) for t in schedule), float(eps),
         )
 
+    @contextlib.contextmanager
+    def _host_lock(self, device_fp: str) -> Iterator[None]:
+        """Serialises measuring across the processes of one host that share the cache.
+
+        Ranks on one machine would otherwise time candidates at the same moment on
+        shared cores (skewing every measurement) and each redo the same work.
+        """
+        if not self.persist or fcntl is None:
+            yield
+            return
+        path = self.cache_path(device_fp).with_suffix(".lock")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+")
+        except OSError:
+            yield
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _cached_or_measured(self, device_fp: str, key: str, valid: Callable[[object], bool],
+                            measure: Callable[[], dict]) -> dict:
+        entry = self._entries(device_fp).get(key)
+        if valid(entry):
+            return entry
+        with self._host_lock(device_fp):
+            # Another process of this host may have measured it while we waited.
+            self._files[device_fp] = {**self._files.get(device_fp, {}), **self._read(device_fp)}
+            entries = self._entries(device_fp)
+            entry = entries.get(key)
+            if not valid(entry):
+                entry = measure()
+                entries[key] = entry
+                self._write(device_fp)
+        return entry
+
     def method(self, problem: Problem, device: torch.device | str) -> str:
         """The method to use for one matrix of ``problem``'s shape."""
         device = torch.device(device)
         with self._lock:
-            entries = self._entries(problem.device)
-            entry = entries.get(problem.key())
-            if not (isinstance(entry, dict) and entry.get("method") in METHODS):
-                entry = self._measure_method(problem, device)
-                entries[problem.key()] = entry
-                self._write(problem.device)
-            elif device.type == "cuda" and entry.get("triton_tiles"):
+            entry = self._cached_or_measured(
+                problem.device, problem.key(),
+                lambda e: isinstance(e, dict) and e.get("method") in METHODS,
+                lambda: self._measure_method(problem, device),
+            )
+            if device.type == "cuda" and entry.get("triton_tiles"):
                 _pin_triton_tiles(entry["triton_tiles"])
             return entry["method"]
 
@@ -294,12 +341,11 @@ class Autotuner:
         device = torch.device(device)
         key = problem.key(batch) + f"|method={method}"
         with self._lock:
-            entries = self._entries(problem.device)
-            entry = entries.get(key)
-            if not (isinstance(entry, dict) and isinstance(entry.get("batched"), bool)):
-                entry = self._measure_batching(problem, batch, method, device)
-                entries[key] = entry
-                self._write(problem.device)
+            entry = self._cached_or_measured(
+                problem.device, key,
+                lambda e: isinstance(e, dict) and isinstance(e.get("batched"), bool),
+                lambda: self._measure_batching(problem, batch, method, device),
+            )
             return entry["batched"]
 
     def plan(
@@ -325,11 +371,12 @@ class Autotuner:
             self.method(problem, device)  # accuracy verdict for the shape, cached
             gram_ok = bool(self.lookup(problem).get("gram_accurate"))
             key = problem.key(batch) + "|method=auto"
-            entries = self._entries(problem.device)
-            entry = entries.get(key)
-            valid = (isinstance(entry, dict) and entry.get("method") in METHODS
-                     and isinstance(entry.get("batched"), bool) and (gram_ok or entry["method"] != "gram"))
-            if not valid:
+
+            def valid(e) -> bool:
+                return (isinstance(e, dict) and e.get("method") in METHODS
+                        and isinstance(e.get("batched"), bool) and (gram_ok or e["method"] != "gram"))
+
+            def measure() -> dict:
                 # Methods already >PLAN_SLACK x slower than the best on one matrix are
                 # not re-timed as stacks (on CPU that skips the 16-bit standard path,
                 # whose timing would dominate the tuning).
@@ -337,9 +384,9 @@ class Autotuner:
                 best = min(single.values(), default=0.0)
                 methods = [m for m in _candidates(problem) if (gram_ok or m != "gram")
                            and (m not in single or single[m] <= PLAN_SLACK * best)]
-                entry = self._measure_plan(problem, batch, methods, device)
-                entries[key] = entry
-                self._write(problem.device)
+                return self._measure_plan(problem, batch, methods, device)
+
+            entry = self._cached_or_measured(problem.device, key, valid, measure)
             return entry["method"], entry["batched"]
 
     def lookup(self, problem: Problem, batch: int | None = None) -> dict | None:

@@ -201,3 +201,24 @@ def test_plan_does_not_retime_methods_far_slower_on_one_matrix(tmp_path):
     t.plan(p, 3, "cpu")
     entry = t._entries(p.device)[p.key(3) + "|method=auto"]
     assert {k.split("|")[0] for k in entry["times_s"]} == {"standard32", "gram"}
+
+
+def _tune_in_a_process(cache_dir: str, barrier) -> int:
+    tuner = Autotuner(cache_dir, repeats=1)
+    p = tuner.problem((24, 72), torch.float32, "cpu", SCHED, 1e-7)
+    barrier.wait()  # both processes ask at the same moment
+    tuner.method(p, "cpu")
+    tuner.plan(p, 3, "cpu")
+    return tuner.measurements
+
+
+def test_processes_sharing_a_cache_measure_each_problem_once(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(2)
+        with ctx.Pool(2) as pool:
+            counts = pool.starmap(_tune_in_a_process, [(str(tmp_path), barrier)] * 2)
+    # Method + joint plan: two measurements in all, by whichever process got the lock first.
+    assert sorted(counts) == [0, 2]
