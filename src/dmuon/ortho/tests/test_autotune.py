@@ -220,5 +220,6 @@ def test_processes_sharing_a_cache_measure_each_problem_once(tmp_path):
         barrier = manager.Barrier(2)
         with ctx.Pool(2) as pool:
             counts = pool.starmap(_tune_in_a_process, [(str(tmp_path), barrier)] * 2)
-    # Method + joint plan: two measurements in all, by whichever process got the lock first.
-    assert sorted(counts) == [0, 2]
+    # Two problems (the method and the joint plan), each measured once on this "host",
+    # by whichever process took the lock first; without the lock each process measures both.
+    assert sum(counts) == 2
