@@ -165,6 +165,7 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
                         for g in optimizer.opts[0].param_groups for p in g["params"])
     fsdp_bytes = _fsdp_bytes_per_step(model, world_size, opts.hsdp)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss() - rss_before
+    balance = plan.balance if plan is not None else None
     peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     return {
@@ -185,8 +186,8 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         "tokens_per_rank": workload.tokens_per_rank,
         "imbalance": plan.imbalance() if plan is not None else None,
         # The balancer's own figures: seconds with --profile, FLOPs with the analytical model.
-        "plan_makespan": plan.balance.makespan if plan is not None and plan.balance is not None else None,
-        "plan_mean": plan.balance.mean if plan is not None and plan.balance is not None else None,
+        "plan_makespan": balance.makespan if balance is not None else None,
+        "plan_mean": balance.mean if balance is not None else None,
     }
 
 

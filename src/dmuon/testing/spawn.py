@@ -24,20 +24,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
-            timeout_s: float, threads: int) -> None:
+def _join_gloo_group(rank: int, world_size: int, port: int, timeout_s: float, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def _result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.pkl")
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+            timeout_s: float, threads: int) -> None:
+    _join_gloo_group(rank, world_size, port, timeout_s, threads)
     try:
         result = fn(rank, world_size, *args)
         # No rank tears its connections down while another still talks to it.
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    with open(_result_path(out_dir, rank), "wb") as f:
         pickle.dump(result, f)
 
 
@@ -65,24 +73,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                  nprocs=world_size, join=True)
         results = []
         for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+            with open(_result_path(out_dir, rank), "rb") as f:
                 results.append(pickle.load(f))
     return results
 
 
 def _crashable_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
                       timeout_s: float, threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    _join_gloo_group(rank, world_size, port, timeout_s, threads)
     code = 0
     try:
         result = fn(rank, world_size, *args)
     except BaseException as exc:  # noqa: BLE001 - report it, then die as a crashed rank does
         result, code = {"raised": f"{type(exc).__name__}: {exc}"}, 1
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    with open(_result_path(out_dir, rank), "wb") as f:
         pickle.dump(result, f)
     # No teardown: a crashed process does not say goodbye, and a group whose peer is
     # gone may block in destroy_process_group.
@@ -116,7 +120,7 @@ def run_with_crashes(fn: Callable[..., Any], world_size: int, *args: Any,
                 proc.join()
                 results.append({"hung": True})
                 continue
-            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            path = _result_path(out_dir, rank)
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     results.append(pickle.load(f))
