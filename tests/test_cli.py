@@ -8,6 +8,7 @@ import pytest
 
 from dmuon.bench import cli as bench_cli
 from dmuon.bench import plan_cli
+from dmuon.bench.runner import round_sizes
 from dmuon.plan.offline import expand, plan_offline
 from dmuon.bench.shapes import full_size_shapes
 
@@ -41,10 +42,45 @@ def test_bench_short_mode_writes_every_field(tmp_path):
 def test_bench_on_an_hsdp_mesh(tmp_path):
     out = tmp_path / "hsdp.json"
     assert bench_cli.main(["--model", "tiny", "--world-size", "4", "--hsdp", "2", "--steps", "1",
-                           "--warmup", "0", "--configs", "dmuon_z2", "--json", str(out), "--quiet"]) == 0
+                           "--warmup", "0", "--configs", "dmuon_z2", "--json", str(out), "--quiet",
+                           "--sequential"]) == 0
     payload = json.loads(out.read_text())
     assert payload["mesh"] == [2, 2]
     assert payload["results"][0]["inter_bytes_per_step"] > 0
+
+
+def test_interleaved_rounds_train_as_sequential_runs(tmp_path):
+    """Interleaving configurations on one process group must not change what each one computes."""
+    args = ["--model", "tiny", "--world-size", "2", "--steps", "3", "--rounds", "2", "--warmup", "1",
+            "--configs", "adamw,dmuon_z2,dmuon_z3", "--quiet"]
+    payloads = {}
+    for mode in ("interleaved", "sequential"):
+        out = tmp_path / f"{mode}.json"
+        assert bench_cli.main(args + ["--json", str(out)] + (["--sequential"] if mode == "sequential" else [])) == 0
+        payloads[mode] = json.loads(out.read_text())
+    inter, seq = payloads["interleaved"], payloads["sequential"]
+    assert inter["schedule"] == "interleaved, 2 rounds" and seq["schedule"] == "sequential"
+    for a, b in zip(inter["results"], seq["results"]):
+        assert a["config"] == b["config"]
+        assert len(a["losses"]) == len(b["losses"]) == 4
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        assert len(a["step_s_all"]) == 3 and len(a["step_s_by_round"]) == 2
+    per_round = inter["ratios"]["dmuon_z2_overhead_vs_adamw_by_round_pct"]
+    assert len(per_round) == 2
+    by = {r["config"]: r for r in inter["results"]}
+    expected = [100 * (a / b - 1) for a, b in zip(by["dmuon_z2"]["step_s_by_round"], by["adamw"]["step_s_by_round"])]
+    assert per_round == pytest.approx(expected)
+
+
+def test_round_sizes_split_steps_evenly():
+    assert round_sizes(4, 2) == [2, 2]
+    assert round_sizes(5, 3) == [2, 2, 1]
+    assert round_sizes(2, 5) == [1, 1]
+
+
+def test_bench_rejects_warmup_zero_when_interleaved():
+    with pytest.raises(SystemExit, match="--warmup"):
+        bench_cli.main(["--warmup", "0", "--quiet"])
 
 
 def test_bench_rejects_unknown_config():
@@ -97,7 +133,7 @@ def test_plan_hsdp_traffic_levels(tmp_path):
 def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):
     monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "sweep.json"
-    assert bench_cli.main(["--model", "tiny", "--world-size", "2", "--steps", "1", "--warmup", "0",
+    assert bench_cli.main(["--model", "tiny", "--world-size", "2", "--steps", "1", "--warmup", "1",
                            "--configs", "adamw,dmuon_z2", "--balancer", "all", "--profile",
                            "--json", str(out), "--quiet"]) == 0
     payload = json.loads(out.read_text())

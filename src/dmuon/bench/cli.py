@@ -31,8 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="run on an R x (N/R) (replicate, shard) HSDP mesh")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {ALL_CONFIGS} (the *_sync ones run dmuon with overlap=False)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="take the timed steps in this many rounds through the configurations, so a "
+                        "drift in machine speed falls on all of them alike (default: 2)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the configurations one after another instead of interleaved "
+                        "(holds one model at a time: for models too big to hold several)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--ns-dtype", default="bfloat16", choices=list(DTYPES),
@@ -57,6 +63,7 @@ def _options(args) -> BenchOptions:
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
         steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp,
+        rounds=args.rounds, interleave=not args.sequential,
         hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method,
                     balancer="greedy" if args.balancer == "all" else args.balancer, profile=args.profile),
     )
@@ -71,8 +78,11 @@ def run(args) -> dict:
     if args.balancer == "all":
         configs = [f"{c}@{b}" if c.startswith("dmuon_") else c for c in configs
                    for b in (SWEPT_BALANCERS if c.startswith("dmuon_") else ("",))]
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit("dmuon bench: --steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("dmuon bench: --steps and --rounds must be >= 1 and --warmup >= 0")
+    if not args.sequential and args.warmup < 1:
+        raise SystemExit("dmuon bench: interleaved runs need --warmup >= 1 (peak memory and "
+                         "autotuning are taken there); use --sequential for --warmup 0")
     opts = _options(args)
     if args.hsdp < 1:
         raise SystemExit("dmuon bench: --hsdp must be >= 1")
@@ -110,6 +120,7 @@ def run(args) -> dict:
         "tokens_per_rank": results[0]["tokens_per_rank"],
         "steps": args.steps,
         "warmup": args.warmup,
+        "schedule": "sequential" if args.sequential else f"interleaved, {args.rounds} rounds",
         "ns_dtype": str(opts.hyper.ns_dtype).replace("torch.", ""),
         "ns_method": opts.hyper.ns_method,
         "wall_seconds": time.perf_counter() - start,
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"\n{payload['machine']}; {payload['world_size']} ranks; model {payload['model']} "
           f"({payload['size']}, {payload['tokens_per_rank']} tokens/rank); NS {payload['ns_dtype']}, "
-          f"{payload['steps']} timed steps")
+          f"{payload['steps']} timed steps ({payload['schedule']})")
     print(format_table(payload["results"]))
     if payload["ratios"]:
         print("\nratios (median step times):")

@@ -42,7 +42,7 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def ratios(results: list[dict]) -> dict[str, float]:
+def ratios(results: list[dict]) -> dict[str, float | list[float]]:
     """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups)."""
     by = {r["config"]: r for r in results}
     out: dict[str, float] = {}
@@ -52,6 +52,11 @@ def ratios(results: list[dict]) -> dict[str, float]:
         d = by[mine]
         if "adamw" in by:
             out[f"{mine}_overhead_vs_adamw_pct"] = 100.0 * (d["step_s"] / by["adamw"]["step_s"] - 1.0)
+            mine_rounds, base_rounds = d.get("step_s_by_round", []), by["adamw"].get("step_s_by_round", [])
+            if len(mine_rounds) > 1 and len(mine_rounds) == len(base_rounds):
+                # Interleaved rounds pair each configuration with AdamW run moments apart.
+                out[f"{mine}_overhead_vs_adamw_by_round_pct"] = [
+                    100.0 * (a / b - 1.0) for a, b in zip(mine_rounds, base_rounds)]
         for base in ("torch_muon", "gather"):
             if base in by:
                 out[f"{mine}_step_speedup_vs_{base}"] = by[base]["step_s"] / d["step_s"]
@@ -71,10 +76,12 @@ def loss_agreement(results: list[dict]) -> tuple[bool, str]:
     return ok, f"final losses of {names} {verdict} (max relative difference {worst:.2e}, tolerance {LOSS_RTOL})"
 
 
-def format_ratios(r: dict[str, float]) -> str:
+def format_ratios(r: dict[str, float | list[float]]) -> str:
     lines = []
     for key, value in r.items():
-        if key.endswith("_pct"):
+        if isinstance(value, list):
+            lines.append(f"    per round: {', '.join(f'{v:+.1f}%' for v in value)}")
+        elif key.endswith("_pct"):
             lines.append(f"  {key[:-4]}: {value:+.1f}%")
         else:
             lines.append(f"  {key}: {value:.2f}x")

@@ -32,7 +32,11 @@ class BenchOptions:
     batch_size: int | None = None
     """Samples per rank override."""
     steps: int = 4
-    """Timed steps."""
+    """Timed steps per configuration."""
+    rounds: int = 2
+    """Interleaved runs: the timed steps are taken in this many rounds through the configurations."""
+    interleave: bool = True
+    """Alternate the configurations' timed steps (see :func:`run_all`); False runs them one after another."""
     warmup: int = 1
     """Untimed steps first (autotuning and caches settle here)."""
     hsdp: int = 1
@@ -107,92 +111,210 @@ def _progress(config: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> dict:
-    """Trains ``opts.model`` with ``config`` for warmup+steps and reports timings (rank 0's view)."""
-    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    if opts.hsdp > 1:
-        mesh = init_device_mesh(device, (opts.hsdp, world_size // opts.hsdp),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device, (world_size,))
-    rss_before = _start_peak_rss()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with torch.device(device):
-        workload = build_workload(opts.model, size=opts.size, seq_len=opts.seq_len,
-                                  batch_size=opts.batch_size, seed=0)
-    optimizer, plan = build(config, workload, mesh, opts.hyper)
-    model = workload.model
-    fwd_bwd, opt_s, losses, sent, received, inter, ns = [], [], [], [], [], [], []
-    total = opts.warmup + opts.steps
-    for step in range(total):
-        batch = workload.make_batch(step, rank)
+class _ConfigRun:
+    """One configuration's model, optimizer and measurements on this rank."""
+
+    def __init__(self, rank: int, world_size: int, config: str, opts: BenchOptions, mesh, device: str):
+        self.rank, self.world_size, self.config, self.opts, self.device = rank, world_size, config, opts, device
+        self.rss_before = _start_peak_rss()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with torch.device(device):
+            self.workload = build_workload(opts.model, size=opts.size, seq_len=opts.seq_len,
+                                           batch_size=opts.batch_size, seed=0)
+        self.optimizer, self.plan = build(config, self.workload, mesh, opts.hyper)
+        self.steps_done = 0
+        self.fwd_bwd: list[float] = []
+        self.opt_s: list[float] = []
+        self.ns: list[float] = []
+        self.sent: list[int] = []
+        self.received: list[int] = []
+        self.inter: list[int] = []
+        self.round_of_step: list[int] = []
+        self.losses: list[float] = []
+        self.peak = 0
+
+    def train_step(self, timed: bool, round_index: int = 0) -> None:
+        """One forward, backward and optimizer step; records its times when ``timed``."""
+        device = self.device
+        batch = self.workload.make_batch(self.steps_done, self.rank)
         if device == "cuda":
             batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         dist.barrier()
         t0 = time.perf_counter()
-        loss = workload.loss_fn(model, batch)
+        loss = self.workload.loss_fn(self.workload.model, batch)
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        stats = optimizer.last_step_stats() if hasattr(optimizer, "last_step_stats") else {}
+        opt = self.optimizer
+        stats = opt.last_step_stats() if hasattr(opt, "last_step_stats") else {}
         times = torch.tensor([t1 - t0, t2 - t1, stats.get("ns_seconds", 0.0)], dtype=torch.float64, device=device)
         # A step lasts as long as its slowest rank.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        if step >= opts.warmup:
-            fwd_bwd.append(times[0].item())
-            opt_s.append(times[1].item())
-            ns.append(times[2].item())
-            sent.append(stats.get("bytes_sent", 0))
-            received.append(stats.get("bytes_received", 0))
-            inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
-        losses.append(mean_loss.item() / world_size)
+        self.steps_done += 1
+        self.losses.append(mean_loss.item() / self.world_size)
+        if timed:
+            self.fwd_bwd.append(times[0].item())
+            self.opt_s.append(times[1].item())
+            self.ns.append(times[2].item())
+            self.sent.append(stats.get("bytes_sent", 0))
+            self.received.append(stats.get("bytes_received", 0))
+            self.inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
+            self.round_of_step.append(round_index)
+
+    def settle(self) -> None:
+        """Lands work still in flight after the last step, charged to that step.
+
+        dmuon's ZeRO-2 publication overlaps the next forward; when another
+        configuration runs next, it is waited for here instead, exposed and
+        timed, so interleaving never hides it.
+        """
+        runtime = getattr(self.optimizer, "runtime", None)
+        if runtime is None or not self.opt_s:
+            return
+        t0 = time.perf_counter()
+        runtime.flush_publish()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        self.opt_s[-1] += elapsed.item()
+
+    def record_peak(self) -> None:
+        peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else _peak_rss() - self.rss_before
+        peak_t = torch.tensor([peak], dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        self.peak = int(peak_t.item())
+
+    def result(self) -> dict:
+        world_size, config, model = self.world_size, self.config, self.workload.model
+        steps = [a + b for a, b in zip(self.fwd_bwd, self.opt_s)]
+        sent, received, inter = self.sent, self.received, self.inter
+        opt_bytes = (statistics.median(sent) + statistics.median(received)) if sent else 0
+        if config == "torch_muon":
+            # DTensor gathers each matrix for NS; count it as the gather baseline moves it.
+            opt_bytes = sum(2 * p.numel() * p.element_size() * (world_size - 1) // world_size
+                            for g in self.optimizer.opts[0].param_groups for p in g["params"])
+        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp)
+        balance = self.plan.balance if self.plan is not None else None
+        rounds = sorted(set(self.round_of_step))
+        return {
+            "config": config,
+            "step_s": statistics.median(steps),
+            "step_s_min": min(steps),
+            "step_s_max": max(steps),
+            "step_s_all": steps,
+            "step_s_by_round": [statistics.median(t for t, r in zip(steps, self.round_of_step) if r == k)
+                                for k in rounds],
+            "optimizer_s": statistics.median(self.opt_s),
+            "fwd_bwd_s": statistics.median(self.fwd_bwd),
+            "ns_s": statistics.median(self.ns),
+            "bytes_per_step": int(fsdp_bytes + opt_bytes),
+            "fsdp_bytes_per_step": int(fsdp_bytes),
+            "optimizer_bytes_per_step": int(opt_bytes),
+            "peak_mem_bytes": self.peak,
+            "final_loss": self.losses[-1],
+            "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
+            "losses": self.losses,
+            "tokens_per_rank": self.workload.tokens_per_rank,
+            "imbalance": self.plan.imbalance() if self.plan is not None else None,
+            # The balancer's own figures: seconds with --profile, FLOPs with the analytical model.
+            "plan_makespan": balance.makespan if balance is not None else None,
+            "plan_mean": balance.mean if balance is not None else None,
+        }
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _mesh(device: str, world_size: int, opts: BenchOptions):
+    if opts.hsdp > 1:
+        return init_device_mesh(device, (opts.hsdp, world_size // opts.hsdp), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device, (world_size,))
+
+
+def round_sizes(steps: int, rounds: int) -> list[int]:
+    """Timed steps per round: ``steps`` split as evenly as possible over ``rounds``."""
+    rounds = max(1, min(rounds, steps))
+    return [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
+
+
+def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> dict:
+    """Trains ``opts.model`` with ``config`` for warmup+steps and reports timings (rank 0's view)."""
+    device = _device()
+    run = _ConfigRun(rank, world_size, config, opts, _mesh(device, world_size, opts), device)
+    total = opts.warmup + opts.steps
+    for step in range(total):
+        run.train_step(timed=step >= opts.warmup)
         if rank == 0 and opts.progress:
             _progress(config, step + 1, total)
-    steps = [a + b for a, b in zip(fwd_bwd, opt_s)]
-    opt_bytes = (statistics.median(sent) + statistics.median(received)) if sent else 0
-    if config == "torch_muon":
-        # DTensor gathers each matrix for NS; count it as the gather baseline moves it.
-        opt_bytes = sum(2 * p.numel() * p.element_size() * (world_size - 1) // world_size
-                        for g in optimizer.opts[0].param_groups for p in g["params"])
-    fsdp_bytes = _fsdp_bytes_per_step(model, world_size, opts.hsdp)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss() - rss_before
-    balance = plan.balance if plan is not None else None
-    peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
-    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-    return {
-        "config": config,
-        "step_s": statistics.median(steps),
-        "step_s_min": min(steps),
-        "step_s_max": max(steps),
-        "optimizer_s": statistics.median(opt_s),
-        "fwd_bwd_s": statistics.median(fwd_bwd),
-        "ns_s": statistics.median(ns),
-        "bytes_per_step": int(fsdp_bytes + opt_bytes),
-        "fsdp_bytes_per_step": int(fsdp_bytes),
-        "optimizer_bytes_per_step": int(opt_bytes),
-        "peak_mem_bytes": int(peak_t.item()),
-        "final_loss": losses[-1],
-        "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
-        "losses": losses,
-        "tokens_per_rank": workload.tokens_per_rank,
-        "imbalance": plan.imbalance() if plan is not None else None,
-        # The balancer's own figures: seconds with --profile, FLOPs with the analytical model.
-        "plan_makespan": balance.makespan if balance is not None else None,
-        "plan_mean": balance.mean if balance is not None else None,
-    }
+    run.settle()
+    run.record_peak()
+    return run.result()
+
+
+def _run_interleaved(rank: int, world_size: int, configs: list[str], opts: BenchOptions) -> list[dict]:
+    device = _device()
+    mesh = _mesh(device, world_size, opts)
+    runs = []
+    # Build and warm up one at a time, so each peak-memory figure is its own.
+    for config in configs:
+        run = _ConfigRun(rank, world_size, config, opts, mesh, device)
+        for step in range(opts.warmup):
+            run.train_step(timed=False)
+            if rank == 0 and opts.progress:
+                _progress(config, step + 1, opts.warmup)
+        run.settle()
+        run.record_peak()
+        runs.append(run)
+        dist.barrier()
+    sizes = round_sizes(opts.steps, opts.rounds)
+    for k, size in enumerate(sizes):
+        for run in runs:
+            for _ in range(size):
+                run.train_step(timed=True, round_index=k)
+            run.settle()
+        if rank == 0 and opts.progress:
+            _progress("timed", k + 1, len(sizes))
+    return [run.result() for run in runs]
+
+
+def _prime(rank: int, world_size: int, opts: BenchOptions) -> None:
+    """One untimed FSDP2 + AdamW step, then freed.
+
+    The first training step in a process pays one-time costs (lazy imports,
+    autograd and gloo buffers, allocator arenas) that would otherwise land in
+    the first measured configuration's peak memory.
+    """
+    device = _device()
+    run = _ConfigRun(rank, world_size, "adamw", opts, _mesh(device, world_size, opts), device)
+    run.train_step(timed=False)
+    del run
+    _start_peak_rss()
+    dist.barrier()
 
 
 def run_all(rank: int, world_size: int, configs: list[str], opts: BenchOptions) -> list[dict]:
-    """Runs every configuration in this process group, one after another."""
+    """Runs every configuration in this process group.
+
+    Interleaved (default): all configurations are built and warmed up first,
+    then the timed steps run in rounds, each round giving every configuration
+    its share in turn, so slow drifts of the machine's speed (other tenants,
+    clocks) fall on all of them alike. Sequential: one configuration after
+    another, each freed before the next (for models too big to hold several).
+    """
+    _prime(rank, world_size, opts)
+    if opts.interleave:
+        return _run_interleaved(rank, world_size, configs, opts)
     out = []
     for config in configs:
         result = run_config(rank, world_size, config, opts)
