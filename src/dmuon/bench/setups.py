@@ -14,8 +14,9 @@ from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
-EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync")
-"""dmuon with ``overlap=False``: every collective inside ``step()``."""
+EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd")
+"""dmuon with ``overlap=False`` (every collective inside ``step()``) and with
+``ns_in_backward=True`` (owners start NS while backward runs)."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
@@ -100,5 +101,6 @@ def build(config: str, workload, mesh, hyper: Hyper):
         plan = dmuon.prepare(model, mesh, zero=int(base[len("dmuon_z")]), balancer=balancer or hyper.balancer,
                              blocks=workload.blocks, profile=hyper.profile)
         _shard(workload, mesh, plan.matrices)
-        return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"), **kw), plan
+        return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"),
+                           ns_in_backward=base.endswith("_nsbwd"), **kw), plan
     raise ValueError(f"config must be one of {ALL_CONFIGS}, got {config!r}")

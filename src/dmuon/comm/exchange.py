@@ -69,14 +69,21 @@ class PendingReduce:
     finish: Callable[[torch.Tensor], dict[int, torch.Tensor]] = field(repr=False)
     """Sums the copies (and runs the HSDP second hop)."""
     stats: CommStats
+    result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    """What ``wait()`` returned, kept so later calls return it again."""
 
-    def wait(self) -> dict[int, torch.Tensor]:
+    def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
+        """Lands the reduction; ``exposed=False`` when a side thread waits (not counted as blocking)."""
+        if self.result is not None:
+            return self.result
         if self.work is not None:
             start = time.perf_counter()
             self.work.wait()
-            self.stats.wait_seconds += time.perf_counter() - start
+            if exposed:
+                self.stats.wait_seconds += time.perf_counter() - start
             self.work = None
-        return self.finish(self.buffer)
+        self.result = self.finish(self.buffer)
+        return self.result
 
 
 class Exchanger:

@@ -14,7 +14,7 @@ post-accumulate-grad hooks on parameters.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -56,6 +56,9 @@ class OwnerRuntime:
         self._reduce_order: list[int] = []
         self._next_reduce = 0
         self.early_blocks: set[int] = set()
+        # Called with (block, pending reductions) right after a block's reduction is
+        # launched in backward (DMuon's ns_in_backward starts the owners' NS from it).
+        self.on_reduce_launched: Callable[[int, list[PendingReduce]], None] | None = None
 
     def is_owner(self, index: int) -> bool:
         return self.plan.infos[index].owner == self.plan.rank
@@ -253,6 +256,8 @@ class OwnerRuntime:
                 for bucket in self.block_buckets[block]
             ]
             self._next_reduce += 1
+            if self.on_reduce_launched is not None:
+                self.on_reduce_launched(block, self.pending_reduce[block])
 
     def collect_reductions(self) -> dict[int, torch.Tensor]:
         """Waits for the reductions launched during backward; resets for the next step.

@@ -8,6 +8,7 @@ and follows ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterable
 
@@ -62,6 +63,15 @@ class DMuon(torch.optim.Optimizer):
             asynchronously so each block's next forward waits only for its own.
             ``False`` runs every collective inside ``step()``. Both give
             bit-identical parameters.
+        ns_in_backward: Start each block's momentum and NS on a worker thread
+            as soon as its gradients have reached their owners, while backward
+            goes on with earlier blocks (needs ``overlap=True``, a 1-D mesh and
+            ``nonfinite=None``). The gradients must then not be changed
+            between backward and ``step()``: :func:`dmuon.clip_grad_norm_` and
+            :meth:`reduce_gradients` raise. NS runs in per-block batches
+            (same math; batched differently from the default, which batches
+            same-shape matrices across blocks), and every backward that
+            reduces must be followed by ``step()``.
         nonfinite: What a NaN/Inf in any gradient does. ``None`` (default):
             nothing is checked, as in torch.optim; ``"skip"``: every rank skips
             the whole step (parameters and optimizer state unchanged);
@@ -91,6 +101,7 @@ class DMuon(torch.optim.Optimizer):
         param_groups: list[dict[str, Any]] | None = None,
         overlap: bool = True,
         nonfinite: str | None = None,
+        ns_in_backward: bool = False,
     ) -> None:
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
@@ -107,8 +118,21 @@ class DMuon(torch.optim.Optimizer):
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
+        if ns_in_backward:
+            if not overlap:
+                raise ValueError("ns_in_backward=True needs overlap=True: gradients reach their owners "
+                                 "during backward only with overlap")
+            if nonfinite is not None:
+                raise ValueError("ns_in_backward=True cannot be combined with nonfinite="
+                                 f"{nonfinite!r}: momentum would advance before the check")
+            if plan.replicate > 1:
+                raise ValueError("ns_in_backward=True supports 1-D meshes only: on HSDP the second "
+                                 "reduction hop is a collective, which must stay on the main thread")
         self.plan = plan
         self.runtime = plan.runtime
+        self.ns_in_backward = ns_in_backward
+        self._ns_worker: ThreadPoolExecutor | None = None
+        self._early: dict[int, Future] = {}
         self.ns_method = ns_method
         self.ns_dtype = ns_dtype
         self.overlap = overlap
@@ -116,6 +140,9 @@ class DMuon(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in model.named_parameters()}
         if overlap:
             plan.runtime.enable_overlap()
+        if ns_in_backward:
+            self._ns_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns")
+            plan.runtime.on_reduce_launched = self._start_block_ns
         self._index = {id(info.param): info.index for info in plan.infos}
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -200,20 +227,21 @@ class DMuon(torch.optim.Optimizer):
         start = time.perf_counter()
         self.runtime.drain()
         skipped = self.nonfinite is not None and self._nonfinite_check()
-        orthogonalized, ns_seconds = 0, 0.0
+        orthogonalized, ns_seconds, in_backward = 0, 0.0, 0
         if skipped:
             self._reduced = None
         else:
             for group in self.param_groups:
                 if group["algorithm"] == "adamw":
                     adamw_group_step(group, self.state)
-            orthogonalized, ns_seconds = self._muon_step()
+            orthogonalized, ns_seconds, in_backward = self._muon_step()
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
             **{k: v for k, v in stats.as_dict().items() if k != "wait_seconds"},
             "exposed_comm_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
+            "orthogonalized_in_backward": in_backward,
             "step_seconds": time.perf_counter() - start,
             "skipped_nonfinite": skipped,
         }
@@ -243,7 +271,7 @@ class DMuon(torch.optim.Optimizer):
 
     def _nonfinite_check(self) -> bool:
         """True when some gradient has a NaN/Inf on some rank; raises in ``"raise"`` mode."""
-        reduced = self.reduce_gradients()
+        reduced = self._reduce_gradients()
         others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
         flags = torch.zeros(len(self.plan.infos) + len(others), dtype=torch.int32)
         for i, grad in reduced.items():
@@ -288,7 +316,18 @@ class DMuon(torch.optim.Optimizer):
         Returns:
             ``{plan index: averaged gradient}`` for the matrices this rank owns
             that have a gradient this step.
+
+        Raises:
+            ValueError: With ``ns_in_backward=True``, where the owners have
+                already used the gradients.
         """
+        if self.ns_in_backward:
+            raise ValueError("reduce_gradients()/clip_grad_norm_ cannot change what Muon uses with "
+                             "ns_in_backward=True: the owners start NS during backward. Construct "
+                             "DMuon with ns_in_backward=False to edit or clip gradients.")
+        return self._reduce_gradients()
+
+    def _reduce_gradients(self) -> dict[int, torch.Tensor]:
         if self._reduced is not None:
             return self._reduced[0]
         reduced: dict[int, torch.Tensor] = self.runtime.collect_reductions() if self.overlap else {}
@@ -306,19 +345,23 @@ class DMuon(torch.optim.Optimizer):
         self._reduced = (reduced, active)
         return reduced
 
-    def _muon_step(self) -> tuple[int, float]:
-        self.reduce_gradients()
-        (reduced, active), self._reduced = self._reduced, None
-        infos = self.plan.infos
+    def _muon_groups(self) -> dict[int, dict]:
+        """Plan index -> param group, for every Muon matrix."""
+        return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
 
-        ns_start = time.perf_counter()
+    def _orthogonalize(
+        self, indices: list[int], reduced: dict[int, torch.Tensor], group_of: dict[int, dict]
+    ) -> dict[int, torch.Tensor]:
+        """Advances the momentum of ``indices`` and orthogonalizes their directions."""
+        infos = self.plan.infos
         by_group: dict[int, list[int]] = {}
-        for i in sorted(reduced):
-            by_group.setdefault(id(active[i]), []).append(i)
-        for indices in by_group.values():
-            group = active[indices[0]]
+        for i in indices:
+            by_group.setdefault(id(group_of[i]), []).append(i)
+        out: dict[int, torch.Tensor] = {}
+        for members in by_group.values():
+            group = group_of[members[0]]
             # The batches the balancer priced this rank's load with (see Plan.ns_batches).
-            for batch in self.plan.ns_batches(indices):
+            for batch in self.plan.ns_batches(members):
                 directions = []
                 for i in batch:
                     state = self.state[infos[i].param]
@@ -335,18 +378,71 @@ class DMuon(torch.optim.Optimizer):
                     eps=group["eps"],
                     dtype=self.ns_dtype,
                 )
-                for i, ortho in zip(batch, orthos):
-                    apply_update(
-                        infos[i].param, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
-                        adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
-                    )
-        ns_seconds = time.perf_counter() - ns_start
+                out.update(zip(batch, orthos))
+        return out
+
+    # ------------------------------------------------------------ NS in backward
+    def _start_block_ns(self, block: int, pending: list) -> None:
+        """Runtime callback: ``block``'s reduction was just launched in backward."""
+        assert self._ns_worker is not None
+        self._early[block] = self._ns_worker.submit(self._block_ns, block, pending, self._muon_groups())
+
+    @torch.no_grad()
+    def _block_ns(self, block: int, pending: list, group_of: dict[int, dict]) -> tuple[dict[int, torch.Tensor], float]:
+        # Worker thread: waits only on handles the main thread launched and issues
+        # no collective itself (1-D mesh: summing the copies is local), so the
+        # collective order every rank sees stays that of the main thread.
+        reduced: dict[int, torch.Tensor] = {}
+        for p in pending:
+            reduced.update(p.wait(exposed=False))
+        start = time.perf_counter()
+        owned = sorted(i for i in reduced if i in group_of)
+        return self._orthogonalize(owned, reduced, group_of), time.perf_counter() - start
+
+    def _join_block_ns(self) -> tuple[dict[int, torch.Tensor], float]:
+        orthos: dict[int, torch.Tensor] = {}
+        seconds = 0.0
+        for block in sorted(self._early):
+            done, spent = self._early[block].result()
+            orthos.update(done)
+            seconds += spent
+        self._early.clear()
+        return orthos, seconds
+
+    def _muon_step(self) -> tuple[int, float, int]:
+        # Joined first: the worker must be done with the reductions before they are collected here.
+        early, ns_seconds = self._join_block_ns() if self.ns_in_backward else ({}, 0.0)
+        self._reduce_gradients()
+        (reduced, active), self._reduced = self._reduced, None
+        infos = self.plan.infos
+
+        ns_start = time.perf_counter()
+        rest = [i for i in sorted(reduced) if i not in early]
+        if self.ns_in_backward:
+            # Blocks the worker did not get to (reduced in step()) run per block too,
+            # so the batches do not depend on how far backward got.
+            units: dict[int, list[int]] = {}
+            for i in rest:
+                units.setdefault(infos[i].block, []).append(i)
+            work = list(units.values())
+        else:
+            work = [rest]
+        orthos = dict(early)
+        for indices in work:
+            orthos.update(self._orthogonalize(indices, reduced, active))
+        for i in sorted(orthos):
+            group = active[i]
+            apply_update(
+                infos[i].param, orthos[i], lr=group["lr"], weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
+            )
+        ns_seconds += time.perf_counter() - ns_start
 
         if self.plan.zero == 2:
             publish = self.runtime.publish_async if self.overlap else self.runtime.publish
             for bucket in self.plan.buckets:
                 publish(bucket, [i for i in bucket.members if i in active])
-        return len(reduced), ns_seconds
+        return len(reduced), ns_seconds, len(early)
 
     def last_step_stats(self) -> dict[str, Any]:
         """This rank's figures for the last step and the forward/backward before it.
@@ -357,6 +453,8 @@ class DMuon(torch.optim.Optimizer):
         HSDP only), ``collectives``,
         ``exposed_comm_seconds`` (time blocked on dmuon collectives, i.e. not hidden
         behind compute), ``ns_seconds`` (momentum, NS and update on the
-        owner) and ``step_seconds``.
+        owner, wherever they ran), ``orthogonalized_in_backward`` (of
+        ``orthogonalized``, those started during backward with
+        ``ns_in_backward=True``) and ``step_seconds``.
         """
         return dict(self._last_stats)

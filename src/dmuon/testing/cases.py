@@ -42,6 +42,8 @@ class Case:
     """``dmuon.clip_grad_norm_`` before each step."""
     mesh_shape: tuple[int, int] | None = None
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
+    ns_in_backward: bool = False
+    """DMuon's ``ns_in_backward``."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -85,7 +87,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     if case.kind == "dmuon":
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
-                                          balancer=case.balancer, overlap=case.overlap, **kw)
+                                          balancer=case.balancer, overlap=case.overlap,
+                                          ns_in_backward=case.ns_in_backward, **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)
