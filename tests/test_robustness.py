@@ -8,6 +8,11 @@ from dmuon.plan.traffic import owner_traffic
 from dmuon.testing import run_distributed
 from dmuon.testing.spawn import run_with_crashes
 from dmuon.testing import faults
+import torch
+
+from dmuon.testing.cases import Case
+
+from test_core_equivalence import SKIP, STEPS, _max_diff, _reference, _run_all
 
 
 def test_ranks_with_different_models_fail_clearly():
@@ -64,3 +69,24 @@ def test_a_rank_that_raises_makes_the_others_fail_not_hang(where, zero):
         r = results[rank]
         assert "hung" not in r and "finished" not in r, r
         assert r["failed_after_s"] < CRASH_TIMEOUT_S + 10.0, r
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_activation_checkpointing_inside_blocks(zero):
+    """Blocks recomputed in backward (their forward hooks fire again) train as without checkpointing."""
+    world_size = 3
+    modes = ("early_stop", "full", "reentrant", None)
+    cases = [Case(zero=zero, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, activation_checkpointing=m)
+             for m in modes]
+    results = run_distributed(_run_all, world_size, cases, timeout_s=180)
+    ref, ref_losses = _reference(world_size, torch.float32)
+    for k, case in enumerate(cases):
+        diff, worst = _max_diff(results[0][k]["params"], ref)
+        assert diff <= 1e-5, (case.activation_checkpointing, worst)
+        assert results[0][k]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        if case.activation_checkpointing != "reentrant":
+            # The recomputation finds its weights resident: not one extra gather. (The
+            # reentrant variant runs the original forward without autograd, so its
+            # recomputation looks like a fresh forward and re-gathers; documented.)
+            for r in results:
+                assert [s["bytes_received"] for s in r[k]["stats"]] == [s["bytes_received"] for s in r[-1]["stats"]]

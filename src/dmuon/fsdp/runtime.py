@@ -45,6 +45,11 @@ class OwnerRuntime:
         # While True (inside full_weights) nothing is freed, even by a step.
         self.pinned = False
         self.pending: dict[int, list[PendingGather]] = {}
+        # ZeRO-3: blocks whose backward has begun and whose gradients have not all
+        # landed. A forward of such a block is activation checkpointing's
+        # recomputation: its weights must stay, and nothing is prefetched.
+        self._in_backward: set[int] = set()
+        self._grads_landed: dict[int, int] = {}
         self._hooks: list[Any] = []
         # Overlap state (see enable_overlap).
         self.overlap = False
@@ -144,6 +149,8 @@ class OwnerRuntime:
                 pending.wait()
         for i in range(len(self.plan.infos)):
             self.free(i)
+        self._in_backward.clear()
+        self._grads_landed.clear()
 
     def install_zero3_hooks(self) -> None:
         """Registers the forward/backward hooks that free and re-materialize blocks."""
@@ -165,13 +172,16 @@ class OwnerRuntime:
     def _pre_forward(self, block: int, next_block: int | None):
         def hook(module, args):
             self.materialize(block)
-            if next_block is not None:
+            if next_block is not None and block not in self._in_backward:
                 self.start_gather(next_block)
 
         return hook
 
     def _post_forward(self, block: int, prev_block: int | None):
         def hook(module, args, output):
+            if block in self._in_backward:
+                # Recomputed in backward: backward is about to use these weights.
+                return output
             self.free_block(block)
             if torch.is_grad_enabled():
                 outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -185,6 +195,7 @@ class OwnerRuntime:
 
     def _pre_backward(self, block: int, prev_block: int | None):
         def hook(grad):
+            self._in_backward.add(block)
             self.materialize(block)
             if prev_block is not None:
                 self.start_gather(prev_block)
@@ -192,8 +203,16 @@ class OwnerRuntime:
         return hook
 
     def _after_grad(self, index: int):
+        block = self.plan.infos[index].block
+        size = len(self.plan.blocks[block].matrices)
+
         def hook(param):
             self.free(index)
+            landed = self._grads_landed.get(block, 0) + 1
+            self._grads_landed[block] = landed
+            if landed == size:
+                self._in_backward.discard(block)
+                del self._grads_landed[block]
 
         return hook
 

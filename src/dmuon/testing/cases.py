@@ -44,6 +44,8 @@ class Case:
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
     ns_in_backward: bool = False
     """DMuon's ``ns_in_backward``."""
+    activation_checkpointing: str | None = None
+    """OddNet's ``checkpoint`` mode (``"early_stop"``, ``"full"``, ``"reentrant"``; None: off)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -97,6 +99,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = GatherThenCompute(model, **kw)
+    model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +25,13 @@ class OddBlock(nn.Module):
 class OddNet(nn.Module):
     """Embedding, a conv, odd-shaped blocks, 1xn and nx1 matrices, a norm and a head.
 
-    ``skip`` holds block indices to leave out of the forward (an unused block).
+    ``skip`` holds block indices to leave out of the forward (an unused block);
+    ``checkpoint`` runs each block under activation checkpointing, called
+    through the module as Hugging Face models do, so its forward hooks fire
+    again when backward recomputes it: ``"early_stop"`` (torch's default
+    non-reentrant checkpoint, which stops the recomputation once it has what
+    backward needs), ``"full"`` (non-reentrant, recomputes the whole block)
+    or ``"reentrant"``; ``None`` for none.
     """
 
     def __init__(self, vocab: int = 50, dim: int = 37, blocks: int = 3) -> None:
@@ -37,13 +44,21 @@ class OddNet(nn.Module):
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.skip: set[int] = set()
+        self.checkpoint: str | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
         for k, layer in enumerate(self.layers):
-            if k not in self.skip:
+            if k in self.skip:
+                continue
+            if self.checkpoint is None or not torch.is_grad_enabled():
                 x = layer(x)
+            elif self.checkpoint == "reentrant":
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+            else:
+                with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint == "early_stop"):
+                    x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
         x = x + self.lift(torch.sigmoid(self.gate(x)))
         return self.head(self.norm(x))
 
