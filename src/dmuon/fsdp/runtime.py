@@ -50,6 +50,10 @@ class OwnerRuntime:
         # recomputation: its weights must stay, and nothing is prefetched.
         self._in_backward: set[int] = set()
         self._grads_landed: dict[int, int] = {}
+        # ZeRO-3: the block whose forward finishes last keeps its weights until its
+        # gradients land: backward starts with it at once (FSDP2 users get this with
+        # reshard_after_forward=False on the last block).
+        self.resident_through_backward: int | None = None
         self._hooks: list[Any] = []
         # Overlap state (see enable_overlap).
         self.overlap = False
@@ -64,6 +68,12 @@ class OwnerRuntime:
         # Called with (block, pending reductions) right after a block's reduction is
         # launched in backward (DMuon's ns_in_backward starts the owners' NS from it).
         self.on_reduce_launched: Callable[[int, list[PendingReduce]], None] | None = None
+
+    def gathers_per_step(self, index: int) -> int:
+        """How often matrix ``index`` is gathered from its owner in a step where it is used."""
+        if self.plan.zero == 2:
+            return 1
+        return 1 if self.plan.infos[index].block == self.resident_through_backward else 2
 
     def is_owner(self, index: int) -> bool:
         return self.plan.infos[index].owner == self.plan.rank
@@ -155,11 +165,16 @@ class OwnerRuntime:
     def install_zero3_hooks(self) -> None:
         """Registers the forward/backward hooks that free and re-materialize blocks."""
         order = [b.index for b in self.plan.blocks if b.index in self.block_buckets]
+        if order:
+            # The root block (0) wraps the others, so its forward ends last.
+            self.resident_through_backward = 0 if order[0] == 0 else order[-1]
         nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
-        # The root block (0) is materialized by its own pre-backward hook, the
-        # first to fire in backward, and stays until its gradients land, so no
-        # block prefetches it on the way back.
+        # The root block (0) stays resident from its forward until its gradients
+        # land, so no block prefetches it on the way back; its pre-backward hook,
+        # the first to fire in backward, prefetches the last block instead.
         prv = {b: order[k - 1] for k, b in enumerate(order) if k > 0 and order[k - 1] != 0}
+        if len(order) > 1 and order[0] == 0:
+            prv[0] = order[-1]
         for b in order:
             module = self.plan.blocks[b].module
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(b, nxt.get(b))))
@@ -182,7 +197,8 @@ class OwnerRuntime:
             if block in self._in_backward:
                 # Recomputed in backward: backward is about to use these weights.
                 return output
-            self.free_block(block)
+            if not (block == self.resident_through_backward and torch.is_grad_enabled()):
+                self.free_block(block)
             if torch.is_grad_enabled():
                 outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outs:

@@ -107,7 +107,9 @@ def plan_offline(
     kinds, items = build_kinds([m.shape for m in mats], table)
     result = balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor)
     owners, loads = result.owners, result.loads
-    # HSDP layout: replicate across nodes, shard inside a node.
+    # HSDP layout: replicate across nodes, shard inside a node. Shape lists carry no
+    # blocks, so ZeRO-3 counts two gathers for every matrix (an upper bound: the
+    # runtime gathers the block whose forward ends last once).
     traffic = owner_traffic([m.numel for m in mats], owners, replicate, shard, zero)
     ranks = []
     for r in range(world_size):

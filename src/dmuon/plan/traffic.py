@@ -42,35 +42,49 @@ def owner_traffic(
     shard: int,
     zero: int,
     elem_bytes: int = 4,
+    gathers: Sequence[int] | None = None,
 ) -> list[RankTraffic]:
     """dmuon's traffic per plan rank ``r * shard + s`` for one step with every matrix active.
 
     Reduce-to-owner runs once. ZeRO-2 then publishes once; ZeRO-3 instead
-    materializes every matrix for forward and again for backward.
+    materializes every matrix for forward and again for backward, except the
+    block kept resident through backward (``OwnerRuntime.resident_through_backward``),
+    whose matrices are gathered once.
+
+    Args:
+        gathers: Per matrix, how often it is gathered from its owner in a step.
+            Default: 1 (ZeRO-2), 2 (ZeRO-3; an upper bound without block information).
     """
-    gathers = 1 if zero == 2 else 2
+    if gathers is None:
+        gathers = [1 if zero == 2 else 2] * len(numels)
     world = replicate * shard
-    by_column = [0] * shard              # elements whose owner sits in shard column s
-    by_owner = [0] * world
-    for n, o in zip(numels, owners):
-        by_column[o % shard] += n
-        by_owner[o] += n
-    total = sum(numels)
+
+    def split(weights: Sequence[int]) -> tuple[list[int], list[int], int]:
+        by_column = [0] * shard          # elements whose owner sits in shard column s
+        by_owner = [0] * world
+        for n, o in zip(weights, owners):
+            by_column[o % shard] += n
+            by_owner[o] += n
+        return by_column, by_owner, sum(weights)
+
+    # Every formula is linear in the elements moved, so a matrix gathered g times
+    # counts as g times its size on the gather side.
+    red_column, red_owner, red_total = split(numels)
+    gat_column, gat_owner, gat_total = split([n * g for n, g in zip(numels, gathers)])
     out = []
     for rank in range(world):
         r, s = divmod(rank, shard)
-        column_elsewhere = by_column[s] - by_owner[rank]   # my column, owned in other replicas
         t = RankTraffic()
         # Reduce hop 1 (shard level) and hop 2 (replicate level).
-        t.intra_sent += total - by_column[s]
-        t.intra_received += (shard - 1) * by_column[s]
-        t.inter_sent += column_elsewhere
-        t.inter_received += (replicate - 1) * by_owner[rank]
-        # Gather hop 1 (replicate level) and hop 2 (shard level), per gather.
-        t.inter_sent += gathers * (replicate - 1) * by_owner[rank]
-        t.inter_received += gathers * column_elsewhere
-        t.intra_sent += gathers * (shard - 1) * by_column[s]
-        t.intra_received += gathers * (total - by_column[s])
+        t.intra_sent += red_total - red_column[s]
+        t.intra_received += (shard - 1) * red_column[s]
+        t.inter_sent += red_column[s] - red_owner[rank]     # my column, owned in other replicas
+        t.inter_received += (replicate - 1) * red_owner[rank]
+        # Gather hop 1 (replicate level) and hop 2 (shard level).
+        t.inter_sent += (replicate - 1) * gat_owner[rank]
+        t.inter_received += gat_column[s] - gat_owner[rank]
+        t.intra_sent += (shard - 1) * gat_column[s]
+        t.intra_received += gat_total - gat_column[s]
         out.append(RankTraffic(*(v * elem_bytes for v in asdict(t).values())))
     return out
 

@@ -121,6 +121,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         "stats": stats,
         "owners": {i.name: i.owner for i in plan.infos} if plan else None,
         "numels": {i.name: i.numel for i in plan.infos} if plan else None,
+        "gathers": {i.name: plan.runtime.gathers_per_step(i.index) for i in plan.infos} if plan else None,
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }
 

@@ -69,6 +69,8 @@ def traffic(rank: int, world_size: int, zero: int) -> dict:
         "stats": opt.last_step_stats(),
         "numels": [i.numel for i in plan.infos],
         "owners": [i.owner for i in plan.infos],
+        "blocks": [i.block for i in plan.infos],
+        "kept_block": plan.runtime.resident_through_backward,
         "elem": plan.infos[0].param.element_size(),
     }
 
