@@ -123,7 +123,6 @@ class _ConfigRun:
             self.workload = build_workload(opts.model, size=opts.size, seq_len=opts.seq_len,
                                            batch_size=opts.batch_size, seed=0)
         self.optimizer, self.plan = build(config, self.workload, mesh, opts.hyper)
-        self.steps_done = 0
         self.fwd_bwd: list[float] = []
         self.opt_s: list[float] = []
         self.ns: list[float] = []
@@ -137,7 +136,7 @@ class _ConfigRun:
     def train_step(self, timed: bool, round_index: int = 0) -> None:
         """One forward, backward and optimizer step; records its times when ``timed``."""
         device = self.device
-        batch = self.workload.make_batch(self.steps_done, self.rank)
+        batch = self.workload.make_batch(len(self.losses), self.rank)
         if device == "cuda":
             batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         dist.barrier()
@@ -159,7 +158,6 @@ class _ConfigRun:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        self.steps_done += 1
         self.losses.append(mean_loss.item() / self.world_size)
         if timed:
             self.fwd_bwd.append(times[0].item())

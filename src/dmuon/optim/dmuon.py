@@ -250,11 +250,7 @@ class DMuon(torch.optim.Optimizer):
 
     def _active_matrices(self) -> dict[int, dict]:
         """Plan index -> param group of every matrix with a gradient on some rank."""
-        group_of: dict[int, dict] = {}
-        for group in self.param_groups:
-            if group["algorithm"] == "muon":
-                for p in group["params"]:
-                    group_of[self._index[id(p)]] = group
+        group_of = self._muon_groups()
         has_grad = torch.zeros(len(self.plan.infos), dtype=torch.int32)
         for i in group_of:
             grad = self.plan.infos[i].param.grad
@@ -385,10 +381,10 @@ class DMuon(torch.optim.Optimizer):
     def _start_block_ns(self, block: int, pending: list) -> None:
         """Runtime callback: ``block``'s reduction was just launched in backward."""
         assert self._ns_worker is not None
-        self._early[block] = self._ns_worker.submit(self._block_ns, block, pending, self._muon_groups())
+        self._early[block] = self._ns_worker.submit(self._block_ns, pending, self._muon_groups())
 
     @torch.no_grad()
-    def _block_ns(self, block: int, pending: list, group_of: dict[int, dict]) -> tuple[dict[int, torch.Tensor], float]:
+    def _block_ns(self, pending: list, group_of: dict[int, dict]) -> tuple[dict[int, torch.Tensor], float]:
         # Worker thread: waits only on handles the main thread launched and issues
         # no collective itself (1-D mesh: summing the copies is local), so the
         # collective order every rank sees stays that of the main thread.
