@@ -8,6 +8,7 @@ import pytest
 
 from dmuon.bench import cli as bench_cli
 from dmuon.bench import plan_cli
+from dmuon.bench.report import format_ratios, ratios
 from dmuon.bench.runner import round_sizes
 from dmuon.plan.offline import expand, plan_offline
 from dmuon.bench.shapes import full_size_shapes
@@ -81,6 +82,25 @@ def test_round_sizes_split_steps_evenly():
 def test_bench_rejects_warmup_zero_when_interleaved():
     with pytest.raises(SystemExit, match="--warmup"):
         bench_cli.main(["--warmup", "0", "--quiet"])
+
+
+def test_bench_rejects_a_size_the_model_lacks():
+    with pytest.raises(SystemExit, match="--size mini does not exist for --model vla"):
+        bench_cli.main(["--model", "vla", "--size", "mini", "--quiet"])
+
+
+def test_calibration_ratio_is_torch_muons_optimizer_over_its_fwd_bwd():
+    results = [
+        {"config": "adamw", "step_s": 1.0, "optimizer_s": 0.1, "fwd_bwd_s": 0.9},
+        {"config": "torch_muon", "step_s": 5.0, "optimizer_s": 4.2, "fwd_bwd_s": 0.8},
+        {"config": "dmuon_z2", "step_s": 1.05, "optimizer_s": 0.15, "fwd_bwd_s": 0.9},
+    ]
+    r = ratios(results)
+    assert r["torch_muon_optimizer_per_fwd_bwd"] == pytest.approx(5.25)
+    assert r["dmuon_z2_overhead_vs_adamw_pct"] == pytest.approx(5.0)
+    assert r["dmuon_z2_optimizer_speedup_vs_torch_muon"] == pytest.approx(28.0)
+    assert "torch_muon_optimizer_per_fwd_bwd" not in ratios(results[::2])
+    assert "torch_muon_optimizer_per_fwd_bwd: 5.25x" in format_ratios(r)
 
 
 def test_bench_rejects_unknown_config():

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dmuon.bench.report import (
     format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
 )
+from dmuon.bench.models import DEFAULT_SIZES, QWEN2_SIZES, SIZE_NAMES, VLA_SIZES
 from dmuon.bench.runner import BenchOptions, run_all
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, SWEPT_BALANCERS, Hyper
 from dmuon.testing.spawn import run_distributed
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time FSDP2+AdamW, FSDP2+torch.optim.Muon, gather-then-compute and dmuon side by side.",
     )
     p.add_argument("--model", default="qwen2", choices=["qwen2", "vla", "tiny"])
-    p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
+    p.add_argument("--size", default=None, choices=SIZE_NAMES,
+                   help="size preset (default: mini for qwen2, small for vla; mini is qwen2 only)")
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="run on an R x (N/R) (replicate, shard) HSDP mesh")
@@ -78,6 +80,11 @@ def run(args) -> dict:
     if args.balancer == "all":
         configs = [f"{c}@{b}" if c.startswith("dmuon_") else c for c in configs
                    for b in (SWEPT_BALANCERS if c.startswith("dmuon_") else ("",))]
+    args.size = args.size or DEFAULT_SIZES[args.model]
+    presets = VLA_SIZES if args.model == "vla" else QWEN2_SIZES
+    if args.model != "tiny" and args.size not in presets:
+        raise SystemExit(f"dmuon bench: --size {args.size} does not exist for --model {args.model}; "
+                         f"choose from {', '.join(presets)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("dmuon bench: --steps and --rounds must be >= 1 and --warmup >= 0")
     if not args.sequential and args.warmup < 1:

@@ -1,7 +1,8 @@
 """Benchmark workloads built from real model definitions, randomly initialised.
 
-Two model families are provided, each in four size presets (``"tiny"``,
-``"small"``, ``"medium"``, ``"large"``):
+Two model families are provided, each in size presets (``"tiny"``,
+``"small"``, ``"medium"``, ``"large"``, and for ``qwen2`` also ``"mini"``, the
+default of ``dmuon bench``):
 
 * ``"qwen2"``: a scaled-down Qwen2.5-style causal decoder built with
   ``transformers``' :class:`~transformers.Qwen2Config` /
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DEFAULT_SIZES",
     "QWEN2_SIZES",
     "VLA_SIZES",
     "WORKLOAD_NAMES",
@@ -63,8 +65,11 @@ Batch = dict[str, torch.Tensor]
 WORKLOAD_NAMES: tuple[str, ...] = ("qwen2", "vla", "tiny")
 """Names accepted by :func:`build_workload`."""
 
-SIZE_NAMES: tuple[str, ...] = ("tiny", "small", "medium", "large")
-"""Size presets accepted by :func:`build_workload`."""
+SIZE_NAMES: tuple[str, ...] = ("tiny", "mini", "small", "medium", "large")
+"""Size presets accepted by :func:`build_workload` (``"mini"``: ``qwen2`` only)."""
+
+DEFAULT_SIZES: dict[str, str] = {"qwen2": "mini", "vla": "small", "tiny": "tiny"}
+"""The size each family is built with when none is given."""
 
 
 @dataclass
@@ -157,9 +162,16 @@ QWEN2_SIZES: dict[str, Qwen2Size] = {
     # Seconds for a couple of steps on 4 CPU processes.
     "tiny": Qwen2Size(hidden=64, intermediate=192, layers=2, heads=8, kv_heads=2,
                       vocab=256, seq_len=32, batch_size=2),
-    # Default bench size for gloo CPU runs: the default `dmuon bench` (5 configs x 10
-    # steps, 4 ranks) took 203 s on 2 busy cores, 115 s of it the torch.optim.Muon
-    # baseline on DTensors; hidden 384 made that baseline alone take ~250 s.
+    # The default of `dmuon bench`: the workload the core-runtime issue specifies, a
+    # small decoder with LLM-like proportions (vocabulary 64x the width, Qwen2.5-7B has
+    # 42x, -0.5B 170x) and a few hundred tokens per rank, on which FSDP2 +
+    # torch.optim.Muon's optimizer step costs about 4x the forward+backward on 4 gloo CPU
+    # ranks (4.5-5.2x measured on the 2-core development machine).
+    "mini": Qwen2Size(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2,
+                      vocab=8192, seq_len=256, batch_size=2),
+    # Twice as wide with a 4x smaller vocabulary and half the tokens: an optimizer-heavy
+    # workload, FSDP2 + torch.optim.Muon's optimizer ~19x its forward+backward on the
+    # same machine; the default `dmuon bench` took ~100 s on it.
     "small": Qwen2Size(hidden=256, intermediate=768, layers=4, heads=8, kv_heads=2,
                        vocab=2048, seq_len=128, batch_size=2),
     # Qwen2.5-0.5B geometry (untied).
@@ -742,7 +754,7 @@ def _check_vla_size(size: VLASize) -> None:
             raise ValueError(f"{name}_head_dim must be even, got {hd}")
 
 
-def build_workload(name: str, *, size: str = "small", seq_len: int | None = None,
+def build_workload(name: str, *, size: str | None = None, seq_len: int | None = None,
                    batch_size: int | None = None, seed: int = 0,
                    dtype: torch.dtype = torch.float32) -> Workload:
     """Builds a benchmark workload with randomly initialised weights.
@@ -756,8 +768,9 @@ def build_workload(name: str, *, size: str = "small", seq_len: int | None = None
     Args:
         name: ``"qwen2"``, ``"vla"`` or ``"tiny"`` (the tiny ``qwen2``; ``size``
             is then ignored).
-        size: ``"tiny"``, ``"small"``, ``"medium"`` or ``"large"``; see
-            :data:`QWEN2_SIZES` and :data:`VLA_SIZES`.
+        size: ``"tiny"``, ``"small"``, ``"medium"`` or ``"large"`` (and
+            ``"mini"`` for ``qwen2``); see :data:`QWEN2_SIZES` and
+            :data:`VLA_SIZES`. ``None``: the family's :data:`DEFAULT_SIZES`.
         seq_len: Overrides the preset's tokens per sample (``qwen2``) or text
             tokens per sample (``vla``).
         batch_size: Overrides the preset's samples per rank per step.
@@ -774,8 +787,11 @@ def build_workload(name: str, *, size: str = "small", seq_len: int | None = None
         raise ValueError(f"name must be one of {WORKLOAD_NAMES}, got {name!r}")
     if name == "tiny":
         size = "tiny"
-    if size not in SIZE_NAMES:
-        raise ValueError(f"size must be one of {SIZE_NAMES}, got {size!r}")
+    if size is None:
+        size = DEFAULT_SIZES[name]
+    presets = VLA_SIZES if name == "vla" else QWEN2_SIZES
+    if size not in presets:
+        raise ValueError(f"size must be one of {tuple(presets)} for {name!r}, got {size!r}")
     for arg, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < low):

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dmuon plan", description=__doc__)
     p.add_argument("--model", default="qwen2.5-7b", choices=FULL_SIZE_NAMES,
                    help="a bench model (built on the meta device) or a full-size shape list")
-    p.add_argument("--size", default="small", help="size preset of the bench models")
+    p.add_argument("--size", default=None, help="size preset of the bench models (default: the bench's, mini for qwen2)")
     p.add_argument("--shapes", default=None, metavar="FILE",
                    help='JSON list of {"name": str, "shape": [m, n], "count": int}; overrides --model')
     p.add_argument("--world-size", type=int, default=8)

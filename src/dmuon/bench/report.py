@@ -43,9 +43,20 @@ def format_table(results: list[dict]) -> str:
 
 
 def ratios(results: list[dict]) -> dict[str, float | list[float]]:
-    """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups)."""
+    """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups).
+
+    With ``torch_muon`` present, also ``torch_muon_optimizer_per_fwd_bwd``: its
+    optimizer step over its forward+backward, which says how optimizer-heavy the
+    workload is on this machine.
+    """
     by = {r["config"]: r for r in results}
     out: dict[str, float] = {}
+    if "torch_muon" in by:
+        # What kind of workload this is: how heavy the optimizer users would run
+        # otherwise is against the model's own compute (the core-runtime issue's
+        # workload has this at about 4x on 4 CPU ranks).
+        tm = by["torch_muon"]
+        out["torch_muon_optimizer_per_fwd_bwd"] = tm["optimizer_s"] / tm["fwd_bwd_s"]
     for mine in by:
         if not mine.startswith("dmuon_"):
             continue

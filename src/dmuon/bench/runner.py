@@ -25,8 +25,9 @@ class BenchOptions:
 
     model: str = "qwen2"
     """Workload name (see :func:`dmuon.bench.models.build_workload`)."""
-    size: str = "small"
-    """Workload size preset."""
+    size: str | None = None
+    """Workload size preset (``None``: the family's default, see
+    :data:`dmuon.bench.models.DEFAULT_SIZES`)."""
     seq_len: int | None = None
     """Tokens per sample override."""
     batch_size: int | None = None

@@ -169,7 +169,7 @@ def _pi0() -> list[MatrixShape]:
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
-def bench_model_shapes(name: str, size: str = "small") -> list[MatrixShape]:
+def bench_model_shapes(name: str, size: str | None = None) -> list[MatrixShape]:
     """Shape list of a benchmark model of :mod:`dmuon.bench.models`.
 
     The model is built on the meta device (no memory, no initialisation cost);
@@ -204,13 +204,14 @@ def bench_model_shapes(name: str, size: str = "small") -> list[MatrixShape]:
     return [MatrixShape(n, s, c, muon=m) for (n, s, m), c in groups.items()]
 
 
-def full_size_shapes(name: str, *, size: str = "small") -> list[MatrixShape]:
+def full_size_shapes(name: str, *, size: str | None = None) -> list[MatrixShape]:
     """Returns the weight-matrix shape list of a model.
 
     Args:
         name: ``"qwen2.5-7b"``, ``"pi0"``, or a benchmark model ``"qwen2"``,
             ``"vla"`` or ``"tiny"``.
-        size: Size preset for the benchmark models; ignored otherwise.
+        size: Size preset for the benchmark models (``None``: the family's
+            default); ignored otherwise.
 
     Returns:
         The list of :class:`MatrixShape`.

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dmuon.bench.models import QWEN2_SIZES, VLA_SIZES, build_workload
+from dmuon.bench.models import DEFAULT_SIZES, QWEN2_SIZES, VLA_SIZES, build_workload
 
 WORKLOADS = [("tiny", "tiny"), ("qwen2", "tiny"), ("vla", "tiny")]
 
@@ -183,6 +183,7 @@ def test_dtype():
 @pytest.mark.parametrize("kwargs,arg", [
     ({"name": "gpt"}, "name"),
     ({"name": "qwen2", "size": "huge"}, "size"),
+    ({"name": "vla", "size": "mini"}, "size"),
     ({"name": "qwen2", "seq_len": 1}, "seq_len"),
     ({"name": "vla", "batch_size": 0}, "batch_size"),
     ({"name": "qwen2", "batch_size": 2.0}, "batch_size"),
@@ -217,3 +218,17 @@ def test_fsdp2_matches_single_process():
         for sharded, ref in losses:
             assert sharded == pytest.approx(ref, rel=1e-5), name
         assert diff < 1e-5, name
+
+
+def test_default_sizes():
+    """Without a size each family gets its default; the bench default is qwen2 "mini"."""
+    with torch.device("meta"):
+        for name, size in DEFAULT_SIZES.items():
+            w = build_workload(name)
+            assert w.size == size
+            assert w.config == (VLA_SIZES if name == "vla" else QWEN2_SIZES)[size]
+        mini = build_workload("qwen2")
+    cfg = QWEN2_SIZES["mini"]
+    assert mini.tokens_per_rank == cfg.seq_len * cfg.batch_size == 512
+    shapes = {tuple(p.shape) for n, p in mini.model.named_parameters() if n in mini.muon_param_names}
+    assert shapes == {(128, 128), (64, 128), (384, 128), (128, 384)}
