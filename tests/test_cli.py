@@ -21,13 +21,14 @@ def test_bench_short_mode_writes_every_field(tmp_path):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     code = bench_cli.main(["--model", "tiny", "--world-size", "2", "--steps", "1", "--warmup", "1",
-                           "--configs", "adamw,gather,dmuon_z3", "--json", str(out), "--plot", str(plot),
+                           "--configs", "adamw,adamw_local,gather,dmuon_z3", "--json", str(out),
+                           "--plot", str(plot),
                            "--quiet"])
     assert code == 0
     payload = json.loads(out.read_text())
     assert {"machine", "world_size", "model", "results", "ratios"} <= payload.keys()
     assert payload["world_size"] == 2 and payload["model"] == "tiny"
-    assert [r["config"] for r in payload["results"]] == ["adamw", "gather", "dmuon_z3"]
+    assert [r["config"] for r in payload["results"]] == ["adamw", "adamw_local", "gather", "dmuon_z3"]
     for r in payload["results"]:
         assert RESULT_FIELDS <= r.keys()
         assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
@@ -35,7 +36,9 @@ def test_bench_short_mode_writes_every_field(tmp_path):
     # gather and dmuon run the same update rule from the same data.
     losses = {r["config"]: r["losses"] for r in payload["results"]}
     assert losses["gather"] == pytest.approx(losses["dmuon_z3"], rel=1e-4)
-    assert "dmuon_z3_overhead_vs_adamw_pct" in payload["ratios"]
+    # adamw_local is torch.optim.AdamW's kernel on the local shards: the same training.
+    assert losses["adamw_local"] == pytest.approx(losses["adamw"], rel=1e-6)
+    assert {"dmuon_z3_overhead_vs_adamw_pct", "dmuon_z3_overhead_vs_adamw_local_pct"} <= payload["ratios"].keys()
     assert payload["losses_agree"] is True
     assert plot.read_bytes()[:4] == b"\x89PNG"
 

@@ -43,7 +43,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def ratios(results: list[dict]) -> dict[str, float | list[float]]:
-    """dmuon vs AdamW (overhead %), vs each Muon baseline (speedups).
+    """dmuon vs AdamW (overhead %; vs ``adamw_local`` too when it ran), vs each Muon baseline (speedups).
 
     With ``torch_muon`` present, also ``torch_muon_optimizer_per_fwd_bwd``: its
     optimizer step over its forward+backward, which says how optimizer-heavy the
@@ -61,12 +61,14 @@ def ratios(results: list[dict]) -> dict[str, float | list[float]]:
         if not mine.startswith("dmuon_"):
             continue
         d = by[mine]
-        if "adamw" in by:
-            out[f"{mine}_overhead_vs_adamw_pct"] = 100.0 * (d["step_s"] / by["adamw"]["step_s"] - 1.0)
-            mine_rounds, base_rounds = d.get("step_s_by_round", []), by["adamw"].get("step_s_by_round", [])
+        for ref in ("adamw", "adamw_local"):
+            if ref not in by:
+                continue
+            out[f"{mine}_overhead_vs_{ref}_pct"] = 100.0 * (d["step_s"] / by[ref]["step_s"] - 1.0)
+            mine_rounds, base_rounds = d.get("step_s_by_round", []), by[ref].get("step_s_by_round", [])
             if len(mine_rounds) > 1 and len(mine_rounds) == len(base_rounds):
                 # Interleaved rounds pair each configuration with AdamW run moments apart.
-                out[f"{mine}_overhead_vs_adamw_by_round_pct"] = [
+                out[f"{mine}_overhead_vs_{ref}_by_round_pct"] = [
                     100.0 * (a / b - 1.0) for a, b in zip(mine_rounds, base_rounds)]
         for base in ("torch_muon", "gather"):
             if base in by:

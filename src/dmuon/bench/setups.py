@@ -14,9 +14,12 @@ from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
-EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd")
+EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local")
 """dmuon with ``overlap=False`` (every collective inside ``step()``) and with
-``ns_in_backward=True`` (owners start NS while backward runs)."""
+``ns_in_backward=True`` (owners start NS while backward runs); ``adamw_local``:
+FSDP2 + AdamW on each rank's local shards, the kernel dmuon runs for its
+non-matrix parameters (``DMuon`` with no Muon matrices), a stricter AdamW
+reference than ``torch.optim.AdamW``'s per-parameter DTensor dispatch."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
@@ -93,6 +96,11 @@ def build(config: str, workload, mesh, hyper: Hyper):
             torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
         ), None
     kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
+    if config == "adamw_local":
+        plan = dmuon.prepare(model, mesh, select=lambda name, param: False, blocks=workload.blocks)
+        _shard(workload, mesh)
+        # DMuon's AdamW defaults are the adamw config's (weight decay 0.01, betas, eps).
+        return dmuon.DMuon(model, plan, **kw), plan
     if config == "gather":
         _shard(workload, mesh)
         return GatherThenCompute(model, **kw), None
