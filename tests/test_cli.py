@@ -88,7 +88,7 @@ def test_bench_rejects_warmup_zero_when_interleaved():
 
 
 def test_bench_rejects_a_size_the_model_lacks():
-    with pytest.raises(SystemExit, match="--size mini does not exist for --model vla"):
+    with pytest.raises(SystemExit, match="--size mini for --model vla: size must be one of"):
         bench_cli.main(["--model", "vla", "--size", "mini", "--quiet"])
 
 

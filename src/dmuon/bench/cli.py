@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dmuon.bench.report import (
     format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
 )
-from dmuon.bench.models import DEFAULT_SIZES, QWEN2_SIZES, SIZE_NAMES, VLA_SIZES
+from dmuon.bench.models import SIZE_NAMES, resolve_size
 from dmuon.bench.runner import BenchOptions, run_all
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, SWEPT_BALANCERS, Hyper
 from dmuon.testing.spawn import run_distributed
@@ -80,11 +80,11 @@ def run(args) -> dict:
     if args.balancer == "all":
         configs = [f"{c}@{b}" if c.startswith("dmuon_") else c for c in configs
                    for b in (SWEPT_BALANCERS if c.startswith("dmuon_") else ("",))]
-    args.size = args.size or DEFAULT_SIZES[args.model]
-    presets = VLA_SIZES if args.model == "vla" else QWEN2_SIZES
-    if args.model != "tiny" and args.size not in presets:
-        raise SystemExit(f"dmuon bench: --size {args.size} does not exist for --model {args.model}; "
-                         f"choose from {', '.join(presets)}")
+    try:
+        # Checked here, before any rank is spawned.
+        args.size = resolve_size(args.model, args.size)
+    except ValueError as exc:
+        raise SystemExit(f"dmuon bench: --size {args.size} for --model {args.model}: {exc}") from None
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("dmuon bench: --steps and --rounds must be >= 1 and --warmup >= 0")
     if not args.sequential and args.warmup < 1:

@@ -57,6 +57,7 @@ __all__ = [
     "VLASize",
     "Workload",
     "build_workload",
+    "resolve_size",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -754,6 +755,27 @@ def _check_vla_size(size: VLASize) -> None:
             raise ValueError(f"{name}_head_dim must be even, got {hd}")
 
 
+def resolve_size(name: str, size: str | None) -> str:
+    """The size preset :func:`build_workload` uses for ``name`` and ``size``.
+
+    ``"tiny"`` is always built tiny; ``None`` means the family's
+    :data:`DEFAULT_SIZES` entry.
+
+    Raises:
+        ValueError: For an unknown workload, or a size the family has no preset for.
+    """
+    if name not in WORKLOAD_NAMES:
+        raise ValueError(f"name must be one of {WORKLOAD_NAMES}, got {name!r}")
+    if name == "tiny":
+        return "tiny"
+    if size is None:
+        return DEFAULT_SIZES[name]
+    presets = VLA_SIZES if name == "vla" else QWEN2_SIZES
+    if size not in presets:
+        raise ValueError(f"size must be one of {tuple(presets)} for {name!r}, got {size!r}")
+    return size
+
+
 def build_workload(name: str, *, size: str | None = None, seq_len: int | None = None,
                    batch_size: int | None = None, seed: int = 0,
                    dtype: torch.dtype = torch.float32) -> Workload:
@@ -783,15 +805,7 @@ def build_workload(name: str, *, size: str | None = None, seq_len: int | None = 
     Raises:
         ValueError: If an argument is invalid.
     """
-    if name not in WORKLOAD_NAMES:
-        raise ValueError(f"name must be one of {WORKLOAD_NAMES}, got {name!r}")
-    if name == "tiny":
-        size = "tiny"
-    if size is None:
-        size = DEFAULT_SIZES[name]
-    presets = VLA_SIZES if name == "vla" else QWEN2_SIZES
-    if size not in presets:
-        raise ValueError(f"size must be one of {tuple(presets)} for {name!r}, got {size!r}")
+    size = resolve_size(name, size)
     for arg, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < low):
