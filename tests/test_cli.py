@@ -11,7 +11,7 @@ from dmuon.bench import plan_cli
 from dmuon.bench.report import format_ratios, ratios
 from dmuon.bench.runner import round_sizes
 from dmuon.plan.offline import expand, plan_offline
-from dmuon.bench.shapes import full_size_shapes
+from dmuon.bench.shapes import full_size_shapes, load_shapes_json
 
 RESULT_FIELDS = {"config", "step_s", "step_s_min", "step_s_max", "optimizer_s", "fwd_bwd_s",
                  "bytes_per_step", "peak_mem_bytes", "final_loss"}
@@ -125,16 +125,43 @@ def test_plan_costs_sum_and_single_owner(model, world_size):
     assert plan["imbalance"] == pytest.approx(plan["makespan"] / plan["mean"])
 
 
-def test_plan_cli_json(tmp_path, capsys):
+def _one_d_bytes(shape, owner, rank, shard, elem):
+    """dmuon's bytes each way on 1-D FSDP: rows to the owner, the update's rows back."""
+    m, n = shape
+    chunk = -(-m // shard)
+    rows = [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
+    return (m - rows[owner]) * n * elem if rank == owner else rows[rank] * n * elem
+
+
+@pytest.mark.parametrize("ns_dtype,elem", [(None, 2), ("fp32", 4), ("float32", 4)])
+def test_plan_cli_json(tmp_path, capsys, ns_dtype, elem):
     shapes = tmp_path / "shapes.json"
+    # 64 and 256 rows over 3 ranks: uneven shards ([22, 22, 20] and [86, 86, 84]).
     shapes.write_text(json.dumps([{"name": "a", "shape": [64, 256], "count": 5},
                                   {"name": "b", "shape": [256, 64], "count": 2}]))
     out = tmp_path / "plan.json"
-    assert plan_cli.main(["--shapes", str(shapes), "--world-size", "3", "--json", str(out)]) == 0
+    dtype = [] if ns_dtype is None else ["--ns-dtype", ns_dtype]
+    assert plan_cli.main(["--shapes", str(shapes), "--world-size", "3", "--analytical", "--json", str(out)]
+                         + dtype) == 0
     plan = json.loads(out.read_text())
     assert {"world_size", "balancer", "makespan", "mean", "imbalance", "ranks"} <= plan.keys()
     assert sum(len(r["matrices"]) for r in plan["ranks"]) == 7
-    assert "imbalance" in capsys.readouterr().out
+    assert plan["mesh"] == [1, 3] and plan["wire_bytes"] == elem
+    owner = {name: r["rank"] for r in plan["ranks"] for name in r["matrices"]}
+    shape = {m.name: m.shape for m in expand(load_shapes_json(str(shapes)))}
+    for r in plan["ranks"]:
+        expected = sum(_one_d_bytes(shape[k], owner[k], r["rank"], 3, elem) for k in shape)
+        assert r["bytes_sent"] == r["bytes_received"] == r["intra_sent"] == expected
+        assert r["inter_sent"] == r["inter_received"] == 0 and r["critical_bytes"] == expected
+    crit = plan["critical_path_bytes"]
+    assert crit["dmuon"] == max(r["bytes_sent"] for r in plan["ranks"])
+    # FSDP2 (ZeRO-2: one all-gather, one reduce-scatter) of 7 * 16384 fp32 elements over 3 ranks.
+    assert crit["fsdp2"] == 2 * 7 * 16384 * 2 // 3 * 4
+    assert crit["gather_then_compute"] == 3 * 7 * 16384 * 2 // 3 * 4
+    text = capsys.readouterr().out
+    assert "imbalance" in text
+    assert (f"critical path (most bytes one rank sends or receives per step): dmuon {crit['dmuon'] / 2**20:.1f} MiB"
+            in text)
 
 
 def test_plan_hsdp_traffic_levels(tmp_path):
@@ -143,14 +170,41 @@ def test_plan_hsdp_traffic_levels(tmp_path):
                           "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["mesh"] == [128, 8]
-    from dmuon.plan.offline import expand
-    total = sum(m.numel for m in expand(full_size_shapes("qwen2.5-7b"))) * 4
-    # Every matrix crosses the inter-node level (R-1) times for the reduction
-    # and (R-1) times for the ZeRO-2 publication, and no more.
-    assert sum(r["inter_sent"] for r in plan["ranks"]) == 2 * 127 * total
-    assert sum(r["inter_sent"] for r in plan["ranks"]) == sum(r["inter_received"] for r in plan["ranks"])
-    assert all(r["bytes_sent"] == r["intra_sent"] + r["inter_sent"] for r in plan["ranks"])
-    assert plan["gather_bytes_per_rank"]["inter_sent"] > 0
+    ranks = plan["ranks"]
+    mats = expand(full_size_shapes("qwen2.5-7b"))
+    numel = sum(m.numel for m in mats)
+    total = numel * 2  # bf16 on dmuon's wire
+    # Only the update crosses the inter-node level: each matrix's rows reach the
+    # other 127 replicas once (FSDP2 already all-reduced the gradient shards).
+    assert sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks) == 127 * total
+    # Shard level: each matrix's rows off the owner go to it and come back once.
+    owner = {name: r["rank"] for r in ranks for name in r["matrices"]}
+    intra = 0
+    for m in mats:
+        chunk = -(-m.shape[0] // 8)
+        own_rows = max(0, min(m.shape[0], (owner[m.name] % 8 + 1) * chunk) - owner[m.name] % 8 * chunk)
+        intra += 2 * (m.shape[0] - own_rows) * m.shape[1] * 2
+    assert sum(r["intra_sent"] for r in ranks) == sum(r["intra_received"] for r in ranks) == intra
+    assert all(r["bytes_sent"] == r["intra_sent"] + r["inter_sent"] for r in ranks)
+    # FSDP2's HSDP gradient all-reduce crosses nodes; so does gather-then-compute's, no more.
+    fsdp2, gather = plan["fsdp2_bytes_per_rank"], plan["gather_bytes_per_rank"]
+    assert fsdp2["inter_sent"] == gather["inter_sent"] == 2 * (numel // 8) * 127 // 128 * 4
+    crit = plan["critical_path_bytes"]
+    assert crit["dmuon"] == max(max(r["bytes_sent"], r["bytes_received"]) for r in ranks)
+    assert crit["dmuon"] < crit["fsdp2"] < crit["gather_then_compute"]
+
+
+def test_plan_zero_changes_only_the_fsdp2_figures():
+    groups = full_size_shapes("pi0")
+    z2, z3 = (plan_offline(groups, 16, "round_robin", zero, ranks_per_node=4) for zero in (2, 3))
+    assert [r["bytes_sent"] for r in z2["ranks"]] == [r["bytes_sent"] for r in z3["ranks"]]
+    assert z2["critical_path_bytes"]["dmuon"] == z3["critical_path_bytes"]["dmuon"]
+    numel = sum(m.numel for m in expand(groups))
+    # ZeRO-3 all-gathers the weights once more, in backward: one more ring pass.
+    assert z3["fsdp2_bytes_per_rank"]["intra_sent"] - z2["fsdp2_bytes_per_rank"]["intra_sent"] == pytest.approx(
+        numel * 3 / 4 * 4, abs=8)
+    with pytest.raises(ValueError, match="zero must be 2 or 3"):
+        plan_offline(groups, 16, zero=1)
 
 
 def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""``dmuon.prepare``: choose the Muon matrices, assign owners, install the runtime."""
+"""``dmuon.prepare``: read the sharded model, choose the Muon matrices, assign owners."""
 
 from __future__ import annotations
 
@@ -7,74 +7,96 @@ import hashlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon.comm.topology import from_mesh, single_process
-from dmuon.fsdp.runtime import OwnerRuntime
+from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
-from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, build_buckets
+from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
 from dmuon.plan.selection import SelectFn, select_matrices
+from dmuon.plan.traffic import shard_rows
 
 
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Default blocks: the entries of every outermost ``nn.ModuleList``, in order.
-
-    These are the transformer layers a training script passes to
-    ``fully_shard`` one by one.
-    """
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, nn.ModuleList):
-                found.extend((f"{path}.{k}", m) for k, m in child.named_children())
-            else:
-                visit(path, child)
-
-    visit("", model)
-    return found
-
-
-def _fingerprint(model: nn.Module, chosen: list[str], zero: int, balancer: str) -> torch.Tensor:
-    h = hashlib.sha256(f"{zero}|{balancer}|{','.join(chosen)}".encode())
+def _fingerprint(model: nn.Module, chosen: list[str], balancer: str) -> torch.Tensor:
+    h = hashlib.sha256(f"{balancer}|{','.join(chosen)}".encode())
     for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(torch.int64)
 
 
-def _check_same_everywhere(fingerprint: torch.Tensor, group, world_size: int, device) -> None:
+def _check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device) -> None:
+    world_size = topology.world_size
     gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
     # torch 2.13 renamed all_gather_into_tensor; keep older releases working.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, fingerprint.to(device), group=group)
+    all_gather(gathered, fingerprint.to(device), group=topology.world_group)
     rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
         raise ValueError(
             "dmuon.prepare: ranks disagree on the model's parameters (names, shapes, dtypes, "
-            f"order) or on prepare's arguments; ranks {differing} differ from rank 0"
+            f"requires_grad, order) or on prepare's arguments; ranks {differing} differ from rank 0"
         )
 
 
-def _check_zero3_storage(info: MatrixInfo) -> None:
-    p = info.param
-    if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
-        raise ValueError(
-            f"parameter {info.name!r}: zero=3 needs each matrix to own a contiguous storage; "
-            "use zero=2 or allocate the weight as its own tensor"
-        )
+def _mesh_of(model: nn.Module):
+    """The one DeviceMesh FSDP2 sharded the model on (None for a model without DTensors).
+
+    Raises:
+        ValueError: For trainable plain parameters in a multi-process run (not
+            under ``fully_shard``), parameters on different meshes, or layouts
+            other than FSDP2's ``Shard(0)`` (HSDP: ``(Replicate(), Shard(0))``).
+    """
+    mesh, first = None, None
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device: materialize weights first")
+        if not isinstance(p, DTensor):
+            if distributed and p.requires_grad:
+                raise ValueError(
+                    f"parameter {name!r} is not managed by any fully_shard: call fully_shard on the model "
+                    "(and its blocks) before dmuon.prepare / dmuon.DMuon"
+                )
+            continue
+        if mesh is None:
+            mesh, first = p.device_mesh, name
+        elif p.device_mesh != mesh:
+            raise ValueError(f"parameter {name!r} lives on another DeviceMesh than {first!r}; "
+                             "dmuon needs every parameter on one FSDP/HSDP mesh")
+        expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        if tuple(p.placements) != expected:
+            raise ValueError(
+                f"parameter {name!r} has placements {tuple(p.placements)}; dmuon supports FSDP2's row "
+                f"sharding {expected} (no shard_placement_fn, no tensor parallelism yet)"
+            )
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got {mesh.ndim}-D")
+    return mesh
+
+
+def _fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Each ``fully_shard``-ed module with the parameters it manages itself (not its FSDP children's)."""
+    blocks = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        nested = {
+            id(p)
+            for child_name, child in module.named_modules()
+            if child is not module and isinstance(child, FSDPModule)
+            for p in child.parameters()
+        }
+        blocks.append((name, module, [p for p in module.parameters() if id(p) not in nested]))
+    return blocks
 
 
 def prepare(
     model: nn.Module,
-    mesh=None,
     *,
-    zero: int = 3,
     select: SelectFn | None = None,
     balancer: str = "greedy",
-    blocks: list[nn.Module] | None = None,
     ns_steps: int = 5,
     profile: bool = False,
     cost_table=None,
@@ -83,24 +105,19 @@ def prepare(
     memory_factor: float | None = 1.25,
     cache_dir=None,
 ) -> Plan:
-    """Selects the Muon matrices, assigns each one owner rank and installs the runtime.
+    """Reads a ``fully_shard``-ed model, selects its Muon matrices and assigns each one owner.
 
-    Call it on every rank, before ``fully_shard``, then pass ``plan.matrices``
-    as ``ignored_params`` to every ``fully_shard`` call.
+    Call it on every rank after ``fully_shard`` (exactly as for AdamW) and pass
+    the plan to :class:`dmuon.DMuon`; ``DMuon(model)`` calls it with the defaults.
 
     Args:
-        model: The model, with real (non-meta) weights on its training device.
-        mesh: A 1-D ``DeviceMesh`` (FSDP), a 2-D one ``(replicate, shard)`` (HSDP:
-            owners are global over all R*S ranks, traffic routed intra-replica
-            first), or None for a single process without a process group.
-        zero: 2 keeps full matrices resident on every rank; 3 frees them on
-            non-owners between uses and re-materializes them before forward/backward.
+        model: The model: every parameter a DTensor of one FSDP2 mesh (1-D, or
+            2-D ``(replicate, shard)`` for HSDP), or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
+            Parameters with ``requires_grad=False`` are never Muon matrices.
         balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
             ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
             ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
-        blocks: Modules that form the packing/prefetch units, in forward order
-            (default: the entries of the model's ``nn.ModuleList``s).
         ns_steps: NS iterations, for the cost estimate.
         profile: Measure the owner update per (shape, batch) on this device
             (rank 0 measures and broadcasts; cached on disk) instead of using
@@ -108,7 +125,7 @@ def prepare(
         cost_table: A :class:`~dmuon.plan.profile.CostTable` measured elsewhere.
         ns_kwargs: NS settings for profiling (method, dtype, steps...).
         time_limit_s: MILP time limit; the best solution found is kept.
-        memory_factor: Cap on the optimizer state a rank owns, as a multiple of
+        memory_factor: Cap on the owner workspace a rank holds, as a multiple of
             the mean (None: no cap).
         cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
 
@@ -116,69 +133,60 @@ def prepare(
         The :class:`~dmuon.plan.Plan`.
 
     Raises:
-        ValueError: For bad arguments, models already sharded, unsupported
-            parameters (named), or ranks whose models differ.
+        ValueError: For bad arguments, parameters outside ``fully_shard``,
+            unsupported layouts (named), or ranks whose models differ; raised
+            on every rank.
     """
-    if zero not in (2, 3):
-        raise ValueError(f"zero must be 2 or 3, got {zero!r}")
     if balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
+    mesh = _mesh_of(model)
+    topology = single_process() if mesh is None else from_mesh(mesh)
+    chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
+    device = torch.device("cpu")
+    if mesh is not None:
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+    if topology.world_size > 1:
+        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], balancer), topology, device)
+
     if mesh is None:
-        topology = single_process()
+        block_list = [("", model, list(model.parameters()))]
     else:
-        if not dist.is_initialized():
-            raise ValueError("mesh was given but torch.distributed is not initialized")
-        topology = from_mesh(mesh)
-    group, rank, world_size = topology.world_group, topology.rank, topology.world_size
-
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter {name!r} is already sharded: call dmuon.prepare before fully_shard")
-        if p.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device: materialize weights before prepare")
-    chosen = select_matrices(model, select)
-    if world_size > 1:
-        device = chosen[0][1].device if chosen else torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], zero, balancer), group, world_size, device)
-
-    block_list = [("", model)] + (
-        [(next((n for n, m in model.named_modules() if m is b), f"block{k}"), b) for k, b in enumerate(blocks)]
-        if blocks is not None
-        else find_blocks(model)
-    )
+        block_list = _fsdp_blocks(model)
     block_of: dict[int, int] = {}
-    for b, (_, module) in enumerate(block_list[1:], start=1):
-        for p in module.parameters():
-            block_of[id(p)] = b  # innermost listed block wins when blocks nest
-    block_infos = [BlockInfo(b, name, module) for b, (name, module) in enumerate(block_list)]
+    for b, (_, _, params) in enumerate(block_list):
+        for p in params:
+            block_of[id(p)] = b
+    blocks = [BlockInfo(b, name, module) for b, (name, module, _) in enumerate(block_list)]
 
     infos = []
+    shard = topology.shard
+    column = topology.coords[1]
     for index, (name, p) in enumerate(chosen):
-        info = MatrixInfo(index, name, p, tuple(p.shape), block_of.get(id(p), 0))
+        if id(p) not in block_of:
+            raise ValueError(f"parameter {name!r} is not managed by any fully_shard module")
+        rows = tuple(shard_rows(p.shape[0], shard))
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if tuple(local.shape) != (rows[column], *p.shape[1:]):
+            raise ValueError(f"parameter {name!r}: local shard {tuple(local.shape)} is not the row split "
+                             f"{rows} dmuon expects for shape {tuple(p.shape)}")
+        info = MatrixInfo(index, name, p, tuple(p.shape), block_of[id(p)], rows=rows)
         infos.append(info)
-        block_infos[info.block].matrices.append(index)
+        blocks[info.block].matrices.append(index)
+    blocks = [b for b in blocks if b.matrices]
+    renumber = {b.index: k for k, b in enumerate(blocks)}
+    for k, b in enumerate(blocks):
+        b.index = k
+    for info in infos:
+        info.block = renumber[info.block]
     balance = assign(
-        infos, world_size, balancer, ns_steps=ns_steps, costs=cost_table, profile=profile,
-        ns_kwargs=ns_kwargs, group=group if world_size > 1 else None,
+        infos, topology.world_size, balancer, ns_steps=ns_steps, costs=cost_table, profile=profile,
+        ns_kwargs=ns_kwargs, group=topology.world_group if topology.world_size > 1 else None,
         time_limit_s=time_limit_s, memory_factor=memory_factor, cache_dir=cache_dir,
     )
-    if zero == 3:
-        for info in infos:
-            _check_zero3_storage(info)
-
-    plan = Plan(infos, block_infos, build_buckets(infos, block_infos, topology.shard),
-                world_size, rank, zero, balancer, topology.replicate, mesh)
+    plan = Plan(infos, blocks, topology.world_size, topology.rank, balancer, topology.replicate, mesh)
     plan.balance = balance
     plan.param_names = tuple(n for n, _ in model.named_parameters())
-    plan.runtime = OwnerRuntime(plan, topology)
-    if zero == 2:
-        # Start from the owners' values so ranks that initialized differently agree.
-        plan.runtime.publish_all()
-    else:
-        plan.runtime.drain()
-        plan.runtime.install_zero3_hooks()
-    # Set-up traffic is not part of any training step.
-    plan.runtime.stats.reset()
+    plan.topology = topology
+    plan.device = device
     return plan

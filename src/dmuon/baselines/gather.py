@@ -88,6 +88,8 @@ class GatherThenCompute(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
                 direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                # NS takes its input in ns_dtype, so the gather moves that.
+                direction = direction.to(self.ns_dtype)
                 if isinstance(direction, DTensor):
                     local = direction.to_local().numel()
                     full = direction.full_tensor()

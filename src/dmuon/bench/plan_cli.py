@@ -13,7 +13,10 @@ from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LI
 from dmuon.plan.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
 
-_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# NS dtype: the profile key, and the element type dmuon sends its row shards in.
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+# FSDP2's parameters and gradients in the comparison figures: fp32, no mixed precision.
+FSDP_ELEM_BYTES = 4
 # What `--balancer all` compares ("greedy" is LPT; "auto" is one of the others).
 COMPARED = ("round_robin", "lpt", "milp")
 
@@ -64,15 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--analytical", action="store_true", help="use the analytical FLOP model even if a cache exists")
     p.add_argument("--ns-steps", type=int, default=5, help="NS iterations (analytical model and profile key)")
     p.add_argument("--ns-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
-                   help="NS compute dtype to profile with (profile key); float32 on CPUs without bfloat16 units")
+                   help="NS dtype: profile key (float32 on CPUs without bfloat16 units) and dmuon's wire "
+                        "element size for the traffic figures (2 or 4 bytes)")
     p.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
                    help="MILP time limit in seconds (best solution found is kept)")
     p.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
                    help="MILP: per-rank optimizer state at most F x the mean ('none' for no limit)")
-    p.add_argument("--zero", type=int, default=2, choices=[2, 3])
+    p.add_argument("--zero", type=int, default=2, choices=[2, 3],
+                   help="FSDP2 resharding for the FSDP2 and gather-then-compute figures only: 3 = "
+                        "reshard_after_forward (weights all-gathered in forward and again in backward), "
+                        "2 = gathered once; dmuon's own traffic is the same for both")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
-                        "reports intra- and inter-node bytes")
+                        "reports intra- and inter-node bytes (default: one node, 1-D FSDP)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
     return p
@@ -82,9 +89,34 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _both(t: dict) -> str:
+    """Sent + received MiB, and the inter-node part of it."""
+    return f"{_mib(t['sent'] + t['received'])} MiB (inter-node {_mib(t['inter_sent'] + t['inter_received'])})"
+
+
+def _traffic_lines(plan: dict) -> list[str]:
+    """The traffic summary: dmuon's exchange next to what FSDP2 and gather-then-compute move."""
+    ranks = plan["ranks"]
+    replicate, shard = plan["mesh"]
+    worst = max(ranks, key=lambda r: r["bytes_sent"] + r["bytes_received"])
+    worst_inter = max(r["inter_sent"] + r["inter_received"] for r in ranks)
+    crit = plan["critical_path_bytes"]
+    resharding = "re-gathered in backward" if plan["zero"] == 3 else "gathered once"
+    return [
+        f"mesh {replicate} x {shard} (replicate x shard); dmuon sends {plan['wire_bytes']}-byte elements, "
+        f"FSDP2 {plan['fsdp_elem_bytes']}-byte parameters and gradients, weights {resharding} (--zero {plan['zero']})",
+        f"per-rank traffic per step for these matrices (sent + received): dmuon's exchange max "
+        f"{_mib(worst['bytes_sent'] + worst['bytes_received'])} MiB (inter-node max {_mib(worst_inter)}), "
+        f"on top of FSDP2's own collectives {_both(plan['fsdp2_bytes_per_rank'])}; "
+        f"gather-then-compute {_both(plan['gather_bytes_per_rank'])} including FSDP2's",
+        f"critical path (most bytes one rank sends or receives per step): dmuon {_mib(crit['dmuon'])} MiB, "
+        f"gather-then-compute {_mib(crit['gather_then_compute'])} MiB, FSDP2 collectives {_mib(crit['fsdp2'])} MiB",
+    ]
+
+
 def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> str:
     lines = [
-        f"world size {plan['world_size']}, balancer {plan['balancer']}, ZeRO-{plan['zero']}, "
+        f"world size {plan['world_size']}, balancer {plan['balancer']}, "
         f"{plan['matrices']} Muon matrices, cost unit: {plan['cost_unit']}",
         f"makespan {plan['makespan']:.4g}  mean {plan['mean']:.4g}  imbalance (max/mean) {plan['imbalance']:.3f}"
         f"  ({plan['method']}, {plan['status']}, {plan['solve_seconds']:.3f}s, costs: {plan['cost_source']})",
@@ -102,15 +134,8 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
                      f"{_mib(r['intra_sent'] + r['intra_received']):<9}  {_mib(r['inter_sent'] + r['inter_received'])}")
         if show_matrices and r["matrices"]:
             lines.append("      " + ", ".join(r["matrices"]))
-    g = plan["gather_bytes_per_rank"]
-    worst = max(ranks, key=lambda r: r["bytes_sent"] + r["bytes_received"])
     lines.append("")
-    replicate, shard = plan["mesh"]
-    worst_inter = max(r["inter_sent"] + r["inter_received"] for r in ranks)
-    lines.append(f"mesh {replicate} x {shard} (replicate x shard). Per-rank traffic per step for these matrices "
-                 f"(sent + received): dmuon max {_mib(worst['bytes_sent'] + worst['bytes_received'])} MiB, "
-                 f"of it inter-node max {_mib(worst_inter)} MiB; gather-then-compute on FSDP2/HSDP "
-                 f"{_mib(g['sent'] + g['received'])} MiB, of it inter-node {_mib(g['inter_sent'] + g['inter_received'])} MiB")
+    lines.extend(_traffic_lines(plan))
     return "\n".join(lines)
 
 
@@ -159,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         names = COMPARED if args.balancer == "all" else (args.balancer,)
         plans = [plan_offline(groups, args.world_size, name, args.zero, costs=table, ns_steps=args.ns_steps,
                               time_limit_s=args.time_limit, memory_factor=args.memory_factor,
-                              ranks_per_node=args.ranks_per_node)
+                              ranks_per_node=args.ranks_per_node,
+                              wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize, fsdp_elem_bytes=FSDP_ELEM_BYTES)
                  for name in names]
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)

@@ -1,7 +1,7 @@
-"""Communication: packed reduce-to-owner and gather-from-owner collectives."""
+"""Communication: dmuon's process groups, its shard-to-owner exchanges and their byte counters."""
 
-from dmuon.comm.exchange import Exchanger, PendingGather, PendingReduce
+from dmuon.comm.exchange import Pending, ShardExchange
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology, from_mesh, single_process
 
-__all__ = ["CommStats", "Exchanger", "PendingGather", "PendingReduce", "Topology", "from_mesh", "single_process"]
+__all__ = ["CommStats", "Pending", "ShardExchange", "Topology", "from_mesh", "single_process"]

@@ -1,22 +1,23 @@
-"""Packed, variable-length collectives between matrix owners and the other ranks.
+"""Shard-level exchanges between FSDP2's row shards and each matrix's owner.
 
-Everything moves in uneven ``all_to_all_single`` calls, one per bucket and
-level, which gloo and NCCL both support. On a (replicate x shard) mesh the
-shard level is the fast intra-node network and the replicate level the slow
-inter-node one; a 1-D mesh is one replica.
+FSDP2 keeps every matrix split by rows (``Shard(0)``) over the shard level of a
+(replicate R x shard S) mesh; after its reduce-scatter (and, on HSDP, its
+all-reduce across replicas) every rank holds its rows of the averaged
+gradient, identical in every replica. dmuon moves only what Newton-Schulz
+consumes and produces, in its wire dtype:
 
-* Reduce-to-owner. Hop 1 (shard level): each rank sends each gradient to the
-  rank of its own replica that sits in the owner's shard column, which sums the
-  S copies. Hop 2 (replicate level): those partial sums go to the owner, which
-  sums the R of them. Only R-1 partial sums of a matrix cross the slow level.
-* Gather-from-owner (publish, ZeRO-3 materialization). Hop 1 (replicate
-  level): the owner sends its matrices to its shard column, one rank per
-  replica. Hop 2 (shard level): every rank forwards what its column holds to
-  its replica. Again R-1 copies cross the slow level.
+* **Directions to the owner** (shard level, inside the owner's replica only):
+  each rank of the owner's replica sends its rows of the direction; the owner
+  concatenates the S pieces. Other replicas send nothing: they hold the same rows.
+* **Updates back, hop 1** (shard level, inside the owner's replica): the owner
+  sends each shard column its rows of the orthogonalized update.
+* **Updates back, hop 2** (replicate level, HSDP only): every rank of the owner's
+  replica forwards its rows to the same column of the other replicas. The
+  matrix crosses the slow network R-1 times in total, spread over S links.
 
-A bucket's members are ordered by the owner's ``(s, r)`` coordinates (see
-:class:`dmuon.plan.Bucket`), so every destination's share is one contiguous
-slice and packing is a single ``cat``.
+Each exchange is one uneven ``all_to_all_single`` per block and level, which
+gloo and NCCL both support; members travel in plan-index order, so every
+destination's share is one contiguous slice.
 """
 
 from __future__ import annotations
@@ -30,240 +31,175 @@ import torch.distributed as dist
 
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
-from dmuon.plan.plan import Bucket, MatrixInfo
+from dmuon.plan.plan import MatrixInfo
 
 
 @dataclass
-class PendingGather:
-    """An in-flight gather-from-owners; ``wait()`` returns the flat bucket."""
+class Pending:
+    """An exchange in flight; ``wait()`` lands it and returns its result (once computed, kept)."""
 
-    work: object
-    """The async collective's handle (None when nothing is in flight)."""
-    flat: torch.Tensor
-    """Receive buffer; after ``wait()`` the members' data in bucket order."""
-    members: list[int]
-    """The matrix indices, in the order they appear in ``flat`` after ``wait()``."""
-    stats: CommStats
-    then: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
-    """Second hop to run once the first has landed (HSDP)."""
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            start = time.perf_counter()
-            self.work.wait()
-            self.stats.wait_seconds += time.perf_counter() - start
-            self.work = None
-        if self.then is not None:
-            self.flat, self.then = self.then(self.flat), None
-        return self.flat
-
-
-@dataclass
-class PendingReduce:
-    """An in-flight reduce-to-owners; ``wait()`` returns ``{index: averaged grad}`` for owned members."""
-
-    work: object
-    """The first hop's handle (None when nothing is in flight)."""
-    buffer: torch.Tensor | None
-    """What the first hop receives into."""
-    finish: Callable[[torch.Tensor], dict[int, torch.Tensor]] = field(repr=False)
-    """Sums the copies (and runs the HSDP second hop)."""
-    stats: CommStats
+    works: list
+    """Handles of the collectives issued so far."""
+    finish: Callable[[], dict[int, torch.Tensor]] = field(repr=False)
+    """Turns the landed buffers into the result (may issue a second hop)."""
+    stats: CommStats = field(repr=False)
     result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
-    """What ``wait()`` returned, kept so later calls return it again."""
 
     def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
-        """Lands the reduction; ``exposed=False`` when a side thread waits (not counted as blocking)."""
-        if self.result is not None:
-            return self.result
-        if self.work is not None:
+        """Lands the exchange; ``exposed=False`` when a side thread waits (not counted as blocking)."""
+        if self.result is None:
             start = time.perf_counter()
-            self.work.wait()
+            for work in self.works:
+                work.wait()
+            self.works = []
             if exposed:
                 self.stats.wait_seconds += time.perf_counter() - start
-            self.work = None
-        self.result = self.finish(self.buffer)
+            self.result = self.finish()
         return self.result
 
 
-class Exchanger:
+class ShardExchange:
     """Runs dmuon's collectives for one plan.
 
     Args:
-        infos: The plan's matrices.
+        infos: The plan's matrices (owners and row splits set).
         topology: Mesh shape, this rank's place in it and dmuon's process groups.
         stats: Counters to update.
+        wire_dtype: Dtype of everything sent (NS's input and output dtype).
+        device: Device of the buffers.
     """
 
-    def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats) -> None:
+    def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats,
+                 wire_dtype: torch.dtype, device: torch.device) -> None:
         self.infos = infos
         self.topo = topology
         self.stats = stats
+        self.wire_dtype = wire_dtype
+        self.device = device
 
-    @property
-    def group(self):
-        """The group spanning every rank (for small agreement collectives)."""
-        return self.topo.world_group
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.wire_dtype, device=self.device)
 
-    # ---------------------------------------------------------------- helpers
-    def _owner_coords(self, i: int) -> tuple[int, int]:
+    def _empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.wire_dtype, device=self.device)
+
+    def _owner(self, i: int) -> tuple[int, int]:
         return self.topo.coords_of(self.infos[i].owner)
 
-    def _sizes_by(self, members: Sequence[int], key: Callable[[int], int], n: int) -> list[int]:
-        sizes = [0] * n
-        for i in members:
-            sizes[key(i)] += self.infos[i].numel
-        return sizes
+    def _piece(self, i: int, s: int) -> int:
+        """Elements of matrix ``i`` on shard column ``s``."""
+        return self.infos[i].rows[s] * self.infos[i].row_width
 
-    def _count(self, level: str, out_splits, in_splits, me: int, elem: int) -> None:
-        sent = (sum(in_splits) - in_splits[me]) * elem
-        received = (sum(out_splits) - out_splits[me]) * elem
-        self.stats.add(level, sent, received)
+    def _all_to_all(self, level: str, group, out: torch.Tensor, inp: torch.Tensor,
+                    out_splits: list[int], in_splits: list[int], me: int):
+        elem = inp.element_size()
+        self.stats.add(level, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem)
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
-    def _all_to_all(self, level: str, group, out, inp, out_splits, in_splits, async_op, me, count=True):
-        if count:
-            self._count(level, out_splits, in_splits, me, inp.element_size())
-        start = time.perf_counter()
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
-        if not async_op:
-            self.stats.wait_seconds += time.perf_counter() - start
-        return work
-
-    # ------------------------------------------------------- reduce to owner
-    def reduce_to_owners(
-        self,
-        bucket: Bucket,
-        members: Sequence[int],
-        grads: dict[int, torch.Tensor | None],
-        async_op: bool = False,
-    ):
-        """Averages each member's gradient over all ranks, onto its owner only.
+    # ----------------------------------------------------------- to the owner
+    def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
+        """Sends this rank's rows of each member's direction to the member's owner.
 
         Args:
-            bucket: The bucket the members belong to.
-            members: Active members (a gradient exists on some rank), in bucket
-                order; identical on every rank.
-            grads: This rank's local gradient per member; None counts as zero.
-                Read (copied into the send buffer) before this returns.
-            async_op: Return a :class:`PendingReduce` while the first hop is in flight.
+            members: Matrix indices, identical and in the same order on every rank.
+            local: This rank's rows of each member, ``(rows, row_width)``, in the wire dtype.
 
         Returns:
-            The averaged gradient of each member this rank owns, shaped like the
-            parameter (or a :class:`PendingReduce` whose ``wait()`` returns it).
+            A :class:`Pending` whose ``wait()`` gives ``{index: full (m, n) direction}``
+            for the members this rank owns.
         """
-        pending = self._start_reduce(bucket, members, grads, async_op)
-        return pending if async_op else pending.wait()
-
-    def _start_reduce(self, bucket, members, grads, async_op) -> "PendingReduce":
         topo = self.topo
         r, s = topo.coords
-        owned = [i for i in members if self.infos[i].owner == topo.rank]
-        if topo.world_size == 1:
-            return PendingReduce(None, None, lambda _: {i: grads[i] for i in owned}, self.stats)
-        chunks = []
-        for i in members:
-            g = grads.get(i)
-            info = self.infos[i]
-            chunks.append(
-                torch.zeros(info.numel, dtype=bucket.dtype, device=info.param.device)
-                if g is None
-                else g.reshape(-1).to(bucket.dtype)
-            )
-        partial = torch.cat(chunks)
-        work = None
-        if topo.shard > 1:
-            in_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
-            mine = in_splits[s]
-            recv = partial.new_empty(mine * topo.shard)
-            work = self._all_to_all("intra", topo.shard_group, recv, partial, [mine] * topo.shard,
-                                    in_splits, async_op, s)
-            buffer, rows = recv, topo.shard
-        else:
-            buffer, rows = partial, 1
-        column = [i for i in members if self._owner_coords(i)[1] == s]
+        mine = [i for i in members if self.infos[i].owner == topo.rank]
+        if topo.shard == 1:
+            return Pending([], lambda: {i: local[i].reshape(self.infos[i].matrix_shape) for i in mine}, self.stats)
+        in_replica = [i for i in members if self._owner(i)[0] == r]
+        if not in_replica:
+            # No matrix of these members is owned in this replica: the whole shard group skips.
+            return Pending([], lambda: {}, self.stats)
+        by_column = sorted(in_replica, key=lambda i: (self._owner(i)[1], i))
+        in_splits = [0] * topo.shard
+        for i in in_replica:
+            in_splits[self._owner(i)[1]] += self._piece(i, s)
+        out_splits = [sum(self._piece(i, src) for i in mine) for src in range(topo.shard)]
+        send = self._cat([local[i].reshape(-1) for i in by_column])
+        recv = self._empty(sum(out_splits))
+        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
 
-        def finish(buf: torch.Tensor) -> dict[int, torch.Tensor]:
-            # Sum in rank order so every run reduces identically.
-            part = buf.view(rows, -1).sum(dim=0)
-            if topo.replicate > 1:
-                in_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
-                mine = in_splits[r]
-                recv = part.new_empty(mine * topo.replicate)
-                self._all_to_all("inter", topo.replicate_group, recv, part, [mine] * topo.replicate,
-                                 in_splits, False, r)
-                part = recv.view(topo.replicate, mine).sum(dim=0)
-            total = part.div_(topo.world_size)
-            out, pos = {}, 0
-            for i in owned:
-                info = self.infos[i]
-                out[i] = total[pos : pos + info.numel].view(info.shape)
-                pos += info.numel
+        def finish() -> dict[int, torch.Tensor]:
+            segments = recv.split(out_splits)
+            pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+            for src, segment in enumerate(segments):
+                for i, piece in zip(mine, segment.split([self._piece(i, src) for i in mine])):
+                    pieces[i].append(piece)
+            return {i: torch.cat(pieces[i]).view(self.infos[i].matrix_shape) for i in mine}
+
+        return Pending([work], finish, self.stats)
+
+    # ------------------------------------------------------------- back again
+    def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
+        """Sends each shard column its rows of the owners' updates (then across replicas).
+
+        Args:
+            members: Matrix indices, identical and in the same order on every rank.
+            owned: The full ``(m, n)`` update of each member this rank owns.
+
+        Returns:
+            A :class:`Pending` whose ``wait()`` gives this rank's rows ``(rows, n)`` of
+            every member's update.
+        """
+        topo = self.topo
+        r, s = topo.coords
+        infos = self.infos
+
+        def rows_of(i: int, column: int, full: torch.Tensor) -> torch.Tensor:
+            start = sum(infos[i].rows[:column])
+            return full[start : start + infos[i].rows[column]]
+
+        if topo.world_size == 1:
+            return Pending([], lambda: dict(owned), self.stats)
+        in_replica = [i for i in members if self._owner(i)[0] == r]
+        works = []
+        hop1: dict[int, torch.Tensor] = {}
+        if topo.shard == 1 or not in_replica:
+            hop1 = {i: owned[i] for i in in_replica}
+            landed_hop1: Callable[[], dict[int, torch.Tensor]] = lambda: hop1  # noqa: E731
+        else:
+            mine = [i for i in members if infos[i].owner == topo.rank]
+            from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
+            in_splits = [sum(self._piece(i, dst) for i in mine) for dst in range(topo.shard)]
+            out_splits = [sum(self._piece(i, s) for i in from_column[c]) for c in range(topo.shard)]
+            send = self._cat([rows_of(i, dst, owned[i]).reshape(-1) for dst in range(topo.shard) for i in mine])
+            recv = self._empty(sum(out_splits))
+            works.append(self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s))
+
+            def landed_hop1() -> dict[int, torch.Tensor]:
+                out = {}
+                for c, segment in enumerate(recv.split(out_splits)):
+                    for i, piece in zip(from_column[c], segment.split([self._piece(i, s) for i in from_column[c]])):
+                        out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
+                return out
+
+        def finish() -> dict[int, torch.Tensor]:
+            rows = landed_hop1()
+            if topo.replicate == 1:
+                return rows
+            # Hop 2: my rows of the matrices owned in my replica go to my column elsewhere.
+            from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
+            out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
+            if sum(out_splits) == 0:
+                return rows
+            own = self._cat([rows[i].reshape(-1) for i in from_replica[r]])
+            recv = self._empty(sum(out_splits))
+            work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
+                                    [own.numel()] * topo.replicate, r)
+            start = time.perf_counter()
+            work.wait()
+            self.stats.wait_seconds += time.perf_counter() - start
+            out = {}
+            for q, segment in enumerate(recv.split(out_splits)):
+                for i, piece in zip(from_replica[q], segment.split([self._piece(i, s) for i in from_replica[q]])):
+                    out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
             return out
 
-        return PendingReduce(work if async_op else None, buffer, finish, self.stats)
-
-    # ----------------------------------------------------- gather from owner
-    def gather_from_owners(
-        self,
-        bucket: Bucket,
-        members: Sequence[int],
-        owned_values: dict[int, torch.Tensor],
-        async_op: bool = False,
-    ) -> PendingGather:
-        """Sends each owned member to every rank and receives the others.
-
-        Args:
-            bucket: The bucket the members belong to.
-            members: Members to move, in bucket order; identical on every rank.
-            owned_values: Current value of each member this rank owns.
-            async_op: Return before the data has arrived (the first hop is in
-                flight; an HSDP second hop runs in ``wait()``).
-
-        Returns:
-            A :class:`PendingGather` whose flat buffer holds every member in order.
-        """
-        topo = self.topo
-        r, s = topo.coords
-        device = self.infos[members[0]].param.device
-        owned = [i for i in members if self.infos[i].owner == topo.rank]
-        mine = (
-            torch.cat([owned_values[i].reshape(-1).to(bucket.dtype) for i in owned])
-            if owned
-            else torch.empty(0, dtype=bucket.dtype, device=device)
-        )
-        if topo.world_size == 1:
-            return PendingGather(None, mine, list(members), self.stats)
-
-        shard_splits = self._sizes_by(members, lambda i: self._owner_coords(i)[1], topo.shard)
-
-        def shard_hop(column: torch.Tensor, async_hop: bool, count: bool = True):
-            if topo.shard == 1:
-                return None, column
-            recv = torch.empty(sum(shard_splits), dtype=bucket.dtype, device=device)
-            work = self._all_to_all("intra", topo.shard_group, recv, column.repeat(topo.shard),
-                                    shard_splits, [column.numel()] * topo.shard, async_hop, s, count)
-            return work, recv
-
-        if topo.replicate == 1:
-            work, recv = shard_hop(mine, async_op)
-            return PendingGather(work, recv, list(members), self.stats)
-
-        column = [i for i in members if self._owner_coords(i)[1] == s]
-        out_splits = self._sizes_by(column, lambda i: self._owner_coords(i)[0], topo.replicate)
-        col_buf = torch.empty(sum(out_splits), dtype=bucket.dtype, device=device)
-        work = self._all_to_all("inter", topo.replicate_group, col_buf, mine.repeat(topo.replicate),
-                                out_splits, [mine.numel()] * topo.replicate, async_op, r)
-
-        # Traffic is booked when an operation is issued, so a publication
-        # finished during the next forward still counts for the step that sent it.
-        if topo.shard > 1:
-            self._count("intra", shard_splits, [shard_splits[s]] * topo.shard, s, col_buf.element_size())
-
-        def second_hop(col: torch.Tensor) -> torch.Tensor:
-            hop_work, full = shard_hop(col, False, count=False)
-            return full
-
-        pending = PendingGather(work if async_op else None, col_buf, list(members), self.stats, then=second_hop)
-        if not async_op:
-            pending.wait()
-        return pending
+        return Pending(works, finish, self.stats)

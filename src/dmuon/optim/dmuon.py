@@ -1,29 +1,32 @@
 """DMuon: the optimizer front door.
 
-One ``torch.optim.Optimizer`` for the whole model. Muon matrices (from the
-plan) are updated owner-centrically; every other parameter stays under FSDP2
-and follows ``torch.optim.AdamW``.
+One ``torch.optim.Optimizer`` for a ``fully_shard``-ed model. Muon matrices
+keep their momentum beside FSDP2's row shards; each matrix's direction goes
+to its one owner, which runs Newton-Schulz, and the update comes back to the
+shards (:mod:`dmuon.runtime`). Every other parameter follows ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon.optim.adamw import adamw_group_step
-from dmuon.optim.muon import ADJUST_LR_FNS, apply_update, momentum_update
+from dmuon.optim.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
 from dmuon.ortho import orthogonalize_many
 from dmuon.plan.plan import Plan
+from dmuon.prepare import prepare
+from dmuon.runtime.runtime import Launch, ShardRuntime
 
 NS_METHODS = ("auto", "standard", "standard32", "gram")
 NONFINITE_MODES = (None, "skip", "raise")
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -31,12 +34,21 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class DMuon(torch.optim.Optimizer):
     """Muon on FSDP2 with one owner per matrix, AdamW for everything else.
 
+    Build the model exactly as for AdamW (``fully_shard`` each block, then the
+    root, any ``reshard_after_forward``, any ``MixedPrecisionPolicy``, a 1-D
+    mesh or a 2-D HSDP mesh), then ``DMuon(model, lr=..., adamw_lr=...)``.
+
     Args:
-        model: The model (after ``fully_shard``).
-        plan: The plan ``dmuon.prepare`` returned for this model.
+        model: The model (after ``fully_shard``; plain in a single process).
+        plan: A plan from :func:`dmuon.prepare` for this model (balancer,
+            profiling and selection options); None builds one with the defaults.
         lr: Muon learning rate.
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
@@ -49,7 +61,8 @@ class DMuon(torch.optim.Optimizer):
         ns_method: ``"standard"`` (torch's iteration), ``"standard32"`` (the same
             iteration computed in float32, rounded to ``ns_dtype``), ``"gram"``
             (Gram NS) or ``"auto"`` (fastest passing the accuracy bar per shape).
-        ns_dtype: Dtype of the NS iteration (``torch.bfloat16`` as torch.optim.Muon).
+        ns_dtype: Dtype NS takes its input in and returns (``torch.bfloat16`` as
+            torch.optim.Muon); directions and updates also travel in it.
         adamw_lr: AdamW learning rate (None: ``lr``).
         adamw_betas: AdamW betas.
         adamw_eps: AdamW epsilon.
@@ -58,31 +71,27 @@ class DMuon(torch.optim.Optimizer):
             the model's parameters) and overrides of the keywords above
             (``lr``, ``momentum``, ..., ``adamw_lr``, ...). Each is split into a
             Muon group and an AdamW group. Default: all parameters.
-        overlap: Reduce each block's gradients to their owners during backward,
-            as soon as the block is done, and publish new weights (ZeRO-2)
-            asynchronously so each block's next forward waits only for its own.
-            ``False`` runs every collective inside ``step()``. Both give
-            bit-identical parameters.
-        ns_in_backward: Start each block's momentum and NS on a worker thread
-            as soon as its gradients have reached their owners, while backward
-            goes on with earlier blocks (needs ``overlap=True``, a 1-D mesh and
-            ``nonfinite=None``). The gradients must then not be changed
-            between backward and ``step()``: :func:`dmuon.clip_grad_norm_` and
-            :meth:`reduce_gradients` raise. NS runs in per-block batches
-            (same math; batched differently from the default, which batches
-            same-shape matrices across blocks), and every backward that
-            reduces must be followed by ``step()``.
+        overlap: Start each block's exchange with the owners in backward, as soon
+            as FSDP2 has written the block's reduced gradients. ``step()`` checks
+            that the gradients still give the directions sent (a clipped or
+            edited gradient does not, and its block is exchanged again), so
+            ``overlap=False`` (every exchange inside ``step()``) gives
+            bit-identical results.
+        ns_in_backward: Also run the owners' NS for each block on a worker thread
+            during backward, as soon as its directions have arrived (needs
+            ``overlap=True``). Blocks whose directions fail ``step()``'s check are
+            recomputed there. NS runs in per-block batches.
         nonfinite: What a NaN/Inf in any gradient does. ``None`` (default):
             nothing is checked, as in torch.optim; ``"skip"``: every rank skips
             the whole step (parameters and optimizer state unchanged);
             ``"raise"``: every rank raises ``FloatingPointError`` naming the
-            parameters. Checking costs one small all-reduce per step.
+            parameters. Checking reads every gradient once.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        plan: Plan,
+        plan: Plan | None = None,
         *,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
@@ -103,12 +112,12 @@ class DMuon(torch.optim.Optimizer):
         nonfinite: str | None = None,
         ns_in_backward: bool = False,
     ) -> None:
-        if not isinstance(plan, Plan):
+        if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
-        if plan.runtime is None:
-            raise ValueError("plan has no runtime: build it with dmuon.prepare(model, mesh, ...)")
         if ns_method not in NS_METHODS:
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         if nonfinite not in NONFINITE_MODES:
@@ -118,31 +127,31 @@ class DMuon(torch.optim.Optimizer):
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
-        if ns_in_backward:
-            if not overlap:
-                raise ValueError("ns_in_backward=True needs overlap=True: gradients reach their owners "
-                                 "during backward only with overlap")
-            if nonfinite is not None:
-                raise ValueError("ns_in_backward=True cannot be combined with nonfinite="
-                                 f"{nonfinite!r}: momentum would advance before the check")
-            if plan.replicate > 1:
-                raise ValueError("ns_in_backward=True supports 1-D meshes only: on HSDP the second "
-                                 "reduction hop is a collective, which must stay on the main thread")
+        if ns_in_backward and not overlap:
+            raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
+                             "during backward only with overlap")
+        if plan is None:
+            plan = prepare(model)
+        names = [n for n, _ in model.named_parameters()]
+        if tuple(names) != plan.param_names:
+            added = sorted(set(names) - set(plan.param_names))
+            raise ValueError(
+                f"the model's parameters differ from the plan's (new: {added[:5]}); "
+                "was the plan made for this model? Call dmuon.prepare again on the final model"
+            )
+        model_params = list(model.parameters())
+        known = {id(p) for p in model_params}
+        missing = [info.name for info in plan.infos if id(info.param) not in known]
+        if missing:
+            raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
         self.plan = plan
-        self.runtime = plan.runtime
-        self.ns_in_backward = ns_in_backward
-        self._ns_worker: ThreadPoolExecutor | None = None
-        self._early: dict[int, Future] = {}
+        self.runtime = ShardRuntime(plan, plan.topology, ns_dtype, plan.device)
         self.ns_method = ns_method
         self.ns_dtype = ns_dtype
         self.overlap = overlap
         self.nonfinite = nonfinite
+        self.ns_in_backward = ns_in_backward
         self._names = {id(p): n for n, p in model.named_parameters()}
-        if overlap:
-            plan.runtime.enable_overlap()
-        if ns_in_backward:
-            self._ns_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns")
-            plan.runtime.on_reduce_launched = self._start_block_ns
         self._index = {id(info.param): info.index for info in plan.infos}
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -152,24 +161,20 @@ class DMuon(torch.optim.Optimizer):
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
             weight_decay=adamw_weight_decay, foreach=None,
         )
-        names = [n for n, _ in model.named_parameters()]
-        added = sorted(set(names) - set(plan.param_names))
-        if added:
-            raise ValueError(
-                f"parameters {added[:5]} were added after dmuon.prepare; call prepare again on the final model"
-            )
-        model_params = list(model.parameters())
-        known = {id(p) for p in model_params}
-        missing = [info.name for info in plan.infos if id(info.param) not in known]
-        if missing:
-            raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
         user_groups = param_groups if param_groups is not None else [{"params": model_params}]
         groups = []
         for g in user_groups:
             groups.extend(self._split_group(g))
         self._last_stats: dict[str, Any] = {}
-        self._reduced: tuple[dict[int, torch.Tensor], dict[int, dict]] | None = None
+        self._ns_worker: ThreadPoolExecutor | None = None
+        self._early: dict[int, Future] = {}
+        self._kept: set[int] = set()
         super().__init__(groups, defaults=dict(self._muon_defaults))
+        if overlap:
+            self.runtime.enable_overlap(self._peek_directions)
+        if ns_in_backward:
+            self._ns_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns")
+            self.runtime.on_launch = self._start_block_ns
 
     # -------------------------------------------------------------- param groups
     def _split_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -217,6 +222,83 @@ class DMuon(torch.optim.Optimizer):
             self.defaults = saved
 
     # --------------------------------------------------------------------- step
+    def _muon_groups(self) -> dict[int, dict]:
+        """Plan index -> param group, for every Muon matrix."""
+        return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+
+    def _wire(self, index: int, direction: torch.Tensor) -> torch.Tensor:
+        info = self.plan.infos[index]
+        return direction.to(self.ns_dtype).reshape(info.rows[self.runtime.topo.coords[1]], info.row_width)
+
+    @torch.no_grad()
+    def _peek_directions(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """Runtime callback in backward: this rank's rows of each member's direction, state untouched."""
+        group_of = self._muon_groups()
+        out = {}
+        for i in members:
+            param, group = self.plan.infos[i].param, group_of[i]
+            buf = self.state[param].get("momentum_buffer")
+            d = peek_direction(_local(param.grad), None if buf is None else _local(buf),
+                               group["momentum"], group["nesterov"])
+            out[i] = self._wire(i, d)
+        return out
+
+    def _commit_directions(self, active: list[int], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """Advances the momentum of every active matrix's local rows; their directions (wire dtype)."""
+        out = {}
+        for i in active:
+            param, group = self.plan.infos[i].param, group_of[i]
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                # Sharded like the parameter (a DTensor under FSDP2), as AdamW's state is.
+                state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32,
+                                                            memory_format=torch.preserve_format)
+            d = momentum_update(_local(param.grad), _local(state["momentum_buffer"]), group["momentum"],
+                                group["nesterov"])
+            out[i] = self._wire(i, d)
+        return out
+
+    def _flags(self, group_of: dict[int, dict]) -> tuple[list[int], bool]:
+        """Agrees on which matrices have a gradient (and, if asked, on non-finite gradients).
+
+        One small all-reduce keeps every rank on the same collective path.
+
+        Returns:
+            The active matrices and whether the step is skipped.
+        """
+        infos = self.plan.infos
+        n = len(infos)
+        others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        check = self.nonfinite is not None
+        flags = torch.zeros(2 * n + (n + len(others) if check else 0), dtype=torch.int32)
+        for i in group_of:
+            grad = infos[i].param.grad
+            flags[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
+            if grad is None:
+                continue
+            if grad.is_sparse or torch.is_complex(grad):
+                raise ValueError(f"parameter {infos[i].name!r}: sparse and complex gradients are not supported by Muon")
+            flags[i], flags[n + i] = 1, 0
+            if check:
+                flags[2 * n + i] = int(not torch.isfinite(_local(grad)).all())
+        if check:
+            for k, p in enumerate(others):
+                if p.grad is not None:
+                    flags[3 * n + k] = int(not torch.isfinite(_local(p.grad)).all())
+        flags = self.runtime.agree(flags)
+        uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
+        if uneven:
+            raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
+                               "gradients on every rank or on none")
+        active = [i for i in sorted(group_of) if flags[i]]
+        if not check or not flags[2 * n:].any():
+            return active, False
+        if self.nonfinite == "raise":
+            names = [infos[i].name for i in range(n) if flags[2 * n + i]]
+            names += [self._names.get(id(p), "?") for k, p in enumerate(others) if flags[3 * n + k]]
+            raise FloatingPointError(f"non-finite gradients in {names}")
+        return active, True
+
     @torch.no_grad()
     def step(self, closure=None):
         """Performs one optimization step on every rank (a collective call)."""
@@ -225,131 +307,92 @@ class DMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
-        self.runtime.drain()
-        skipped = self.nonfinite is not None and self._nonfinite_check()
-        orthogonalized, ns_seconds, in_backward = 0, 0.0, 0
+        launches = self.runtime.take_launches() if self.overlap else {}
+        early = self._join_block_ns()
+        group_of = self._muon_groups()
+        active, skipped = self._flags(group_of)
+        orthogonalized, ns_seconds, kept = 0, 0.0, 0
         if skipped:
-            self._reduced = None
+            for launch in launches.values():
+                launch.pending.wait()
         else:
             for group in self.param_groups:
                 if group["algorithm"] == "adamw":
                     adamw_group_step(group, self.state)
-            orthogonalized, ns_seconds, in_backward = self._muon_step()
+            orthogonalized, ns_seconds, kept = self._muon_step(active, group_of, launches, early)
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
             **{k: v for k, v in stats.as_dict().items() if k != "wait_seconds"},
             "exposed_comm_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
-            "orthogonalized_in_backward": in_backward,
+            "blocks_exchanged_in_backward": kept,
+            "orthogonalized_in_backward": sum(len(o) for b, (o, _) in early.items() if b in self._kept),
             "step_seconds": time.perf_counter() - start,
             "skipped_nonfinite": skipped,
         }
         stats.reset()
         return loss
 
-    def _active_matrices(self) -> dict[int, dict]:
-        """Plan index -> param group of every matrix with a gradient on some rank."""
-        group_of = self._muon_groups()
-        has_grad = torch.zeros(len(self.plan.infos), dtype=torch.int32)
-        for i in group_of:
-            grad = self.plan.infos[i].param.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise ValueError(f"parameter {self.plan.infos[i].name!r}: sparse gradients are not supported by Muon")
-            has_grad[i] = 1
-        if self.plan.world_size > 1:
-            # One tiny collective keeps every rank on the same collective path
-            # even when a block was unused on some of them.
-            dist.all_reduce(has_grad, group=self.runtime.exchanger.group)
-        return {i: g for i, g in group_of.items() if has_grad[i] > 0}
-
-    def _nonfinite_check(self) -> bool:
-        """True when some gradient has a NaN/Inf on some rank; raises in ``"raise"`` mode."""
-        reduced = self._reduce_gradients()
-        others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
-        flags = torch.zeros(len(self.plan.infos) + len(others), dtype=torch.int32)
-        for i, grad in reduced.items():
-            flags[i] = int(not torch.isfinite(grad).all())
-        for k, p in enumerate(others):
-            if p.grad is not None:
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                flags[len(self.plan.infos) + k] = int(not torch.isfinite(local).all())
-        if self.plan.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.runtime.exchanger.group)
-        if not flags.any():
-            return False
-        if self.nonfinite == "raise":
-            names = [self.plan.infos[i].name for i in range(len(self.plan.infos)) if flags[i]]
-            names += [self._names.get(id(p), "?") for k, p in enumerate(others) if flags[len(self.plan.infos) + k]]
-            raise FloatingPointError(f"non-finite gradients in {names}")
-        return True
-
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally without reducing them.
-
-        Use it for all but the last micro-batch of a gradient accumulation (as
-        FSDP2's ``set_requires_gradient_sync(False)``); the last backward, run
-        outside, reduces the accumulated sum once.
-        """
-        previous = self.runtime.defer_reduce
-        self.runtime.defer_reduce = True
-        try:
-            yield
-        finally:
-            self.runtime.defer_reduce = previous
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> dict[int, torch.Tensor]:
-        """Finishes reducing every Muon gradient to its owner (a collective call).
-
-        ``step()`` calls it; call it earlier to inspect or modify the reduced
-        gradients (as :func:`dmuon.clip_grad_norm_` does). The result is kept
-        for the coming ``step()``.
-
-        Returns:
-            ``{plan index: averaged gradient}`` for the matrices this rank owns
-            that have a gradient this step.
-
-        Raises:
-            ValueError: With ``ns_in_backward=True``, where the owners have
-                already used the gradients.
-        """
+    def _muon_step(self, active: list[int], group_of: dict[int, dict], launches: dict[int, Launch],
+                   early: dict[int, tuple[dict[int, torch.Tensor], float]]) -> tuple[int, float, int]:
+        infos, me = self.plan.infos, self.plan.rank
+        directions = self._commit_directions(active, group_of)
+        by_block: dict[int, list[int]] = {}
+        for i in active:
+            by_block.setdefault(infos[i].block, []).append(i)
+        # A launch from backward stands only if it sent exactly what would be sent now.
+        order = sorted(launches)
+        flags = torch.zeros(len(order), dtype=torch.int32)
+        for k, b in enumerate(order):
+            launch = launches[b]
+            same = launch.members == by_block.get(b, []) and all(
+                torch.equal(launch.sent[i], directions[i]) for i in launch.members)
+            flags[k] = int(not same)
+        if order:
+            flags = self.runtime.agree(flags)
+        self._kept = {b for k, b in enumerate(order) if not flags[k]}
+        for b in order:
+            if b not in self._kept:
+                launches[b].pending.wait()  # stale: lands unused
+        pending = {b: launches[b].pending if b in self._kept
+                   else self.runtime.exchange.send_directions(members, directions)
+                   for b, members in sorted(by_block.items())}
+        ns_start = time.perf_counter()
+        ns_seconds = sum(spent for b, (_, spent) in early.items() if b in self._kept)
+        orthos: dict[int, torch.Tensor] = {}
+        full: dict[int, torch.Tensor] = {}
+        for b in sorted(pending):
+            if b in early and b in self._kept:
+                orthos.update(early[b][0])
+            else:
+                full.update(pending[b].wait())
         if self.ns_in_backward:
-            raise ValueError("reduce_gradients()/clip_grad_norm_ cannot change what Muon uses with "
-                             "ns_in_backward=True: the owners start NS during backward. Construct "
-                             "DMuon with ns_in_backward=False to edit or clip gradients.")
-        return self._reduce_gradients()
+            # Per block, as the worker does, so the batches do not depend on how far backward got.
+            for b in sorted(by_block):
+                owned = [i for i in by_block[b] if i in full]
+                if owned:
+                    orthos.update(self._orthogonalize(owned, full, group_of))
+        else:
+            orthos.update(self._orthogonalize(sorted(full), full, group_of))
+        del full
+        returns = {b: self.runtime.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos})
+                   for b, members in sorted(by_block.items())}
+        ns_seconds += time.perf_counter() - ns_start
+        column = self.runtime.topo.coords[1]
+        for b in sorted(returns):
+            for i, rows in returns[b].wait().items():
+                info, group = infos[i], group_of[i]
+                if info.rows[column] == 0:
+                    continue
+                apply_update(_local(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+                             adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
+        owned = sum(1 for i in active if infos[i].owner == me)
+        return owned, ns_seconds, len(self._kept)
 
-    def _reduce_gradients(self) -> dict[int, torch.Tensor]:
-        if self._reduced is not None:
-            return self._reduced[0]
-        reduced: dict[int, torch.Tensor] = self.runtime.collect_reductions() if self.overlap else {}
-        early = self.runtime.early_blocks if self.overlap else set()
-        active = self._active_matrices()
-        reduced = {i: g for i, g in reduced.items() if i in active}
-        infos = self.plan.infos
-        for bucket in self.plan.buckets:
-            if bucket.block in early:
-                continue
-            members = [i for i in bucket.members if i in active]
-            if members:
-                grads = {i: infos[i].param.grad for i in members}
-                reduced.update(self.runtime.exchanger.reduce_to_owners(bucket, members, grads))
-        self._reduced = (reduced, active)
-        return reduced
-
-    def _muon_groups(self) -> dict[int, dict]:
-        """Plan index -> param group, for every Muon matrix."""
-        return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
-
-    def _orthogonalize(
-        self, indices: list[int], reduced: dict[int, torch.Tensor], group_of: dict[int, dict]
-    ) -> dict[int, torch.Tensor]:
-        """Advances the momentum of ``indices`` and orthogonalizes their directions."""
-        infos = self.plan.infos
+    def _orthogonalize(self, indices: list[int], directions: dict[int, torch.Tensor],
+                       group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """Orthogonalizes the owned full ``directions`` of ``indices`` in the plan's NS batches."""
         by_group: dict[int, list[int]] = {}
         for i in indices:
             by_group.setdefault(id(group_of[i]), []).append(i)
@@ -358,99 +401,44 @@ class DMuon(torch.optim.Optimizer):
             group = group_of[members[0]]
             # The batches the balancer priced this rank's load with (see Plan.ns_batches).
             for batch in self.plan.ns_batches(members):
-                directions = []
-                for i in batch:
-                    state = self.state[infos[i].param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros(
-                            infos[i].shape, dtype=torch.float32, device=reduced[i].device)
-                    d = momentum_update(reduced[i], state["momentum_buffer"], group["momentum"], group["nesterov"])
-                    directions.append(d.reshape(infos[i].matrix_shape))
                 orthos = orthogonalize_many(
-                    directions,
-                    method=self.ns_method,
-                    coefficients=group["ns_coefficients"],
-                    steps=group["ns_steps"],
-                    eps=group["eps"],
-                    dtype=self.ns_dtype,
+                    [directions[i] for i in batch], method=self.ns_method, coefficients=group["ns_coefficients"],
+                    steps=group["ns_steps"], eps=group["eps"], dtype=self.ns_dtype,
                 )
                 out.update(zip(batch, orthos))
         return out
 
     # ------------------------------------------------------------ NS in backward
-    def _start_block_ns(self, block: int, pending: list) -> None:
-        """Runtime callback: ``block``'s reduction was just launched in backward."""
+    def _start_block_ns(self, launch: Launch) -> None:
+        """Runtime callback: ``launch`` was just issued in backward."""
         assert self._ns_worker is not None
-        self._early[block] = self._ns_worker.submit(self._block_ns, pending, self._muon_groups())
+        self._early[launch.block] = self._ns_worker.submit(self._block_ns, launch, self._muon_groups())
 
     @torch.no_grad()
-    def _block_ns(self, pending: list, group_of: dict[int, dict]) -> tuple[dict[int, torch.Tensor], float]:
-        # Worker thread: waits only on handles the main thread launched and issues
-        # no collective itself (1-D mesh: summing the copies is local), so the
-        # collective order every rank sees stays that of the main thread.
-        reduced: dict[int, torch.Tensor] = {}
-        for p in pending:
-            reduced.update(p.wait(exposed=False))
+    def _block_ns(self, launch: Launch, group_of: dict[int, dict]) -> tuple[dict[int, torch.Tensor], float]:
+        # Worker thread: waits only on an exchange the main thread launched and issues
+        # no collective itself, so every rank's collective order stays the main thread's.
+        full = launch.pending.wait(exposed=False)
         start = time.perf_counter()
-        owned = sorted(i for i in reduced if i in group_of)
-        return self._orthogonalize(owned, reduced, group_of), time.perf_counter() - start
+        return self._orthogonalize(sorted(full), full, group_of), time.perf_counter() - start
 
-    def _join_block_ns(self) -> tuple[dict[int, torch.Tensor], float]:
-        orthos: dict[int, torch.Tensor] = {}
-        seconds = 0.0
-        for block in sorted(self._early):
-            done, spent = self._early[block].result()
-            orthos.update(done)
-            seconds += spent
+    def _join_block_ns(self) -> dict[int, tuple[dict[int, torch.Tensor], float]]:
+        done = {b: f.result() for b, f in sorted(self._early.items())}
         self._early.clear()
-        return orthos, seconds
-
-    def _muon_step(self) -> tuple[int, float, int]:
-        # Joined first: the worker must be done with the reductions before they are collected here.
-        early, ns_seconds = self._join_block_ns() if self.ns_in_backward else ({}, 0.0)
-        self._reduce_gradients()
-        (reduced, active), self._reduced = self._reduced, None
-        infos = self.plan.infos
-
-        ns_start = time.perf_counter()
-        rest = [i for i in sorted(reduced) if i not in early]
-        if self.ns_in_backward:
-            # Blocks the worker did not get to (reduced in step()) run per block too,
-            # so the batches do not depend on how far backward got.
-            units: dict[int, list[int]] = {}
-            for i in rest:
-                units.setdefault(infos[i].block, []).append(i)
-            work = list(units.values())
-        else:
-            work = [rest]
-        orthos = dict(early)
-        for indices in work:
-            orthos.update(self._orthogonalize(indices, reduced, active))
-        for i in sorted(orthos):
-            group = active[i]
-            apply_update(
-                infos[i].param, orthos[i], lr=group["lr"], weight_decay=group["weight_decay"],
-                adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=infos[i].matrix_shape,
-            )
-        ns_seconds += time.perf_counter() - ns_start
-
-        if self.plan.zero == 2:
-            publish = self.runtime.publish_async if self.overlap else self.runtime.publish
-            for bucket in self.plan.buckets:
-                publish(bucket, [i for i in bucket.members if i in active])
-        return len(reduced), ns_seconds, len(early)
+        return done
 
     def last_step_stats(self) -> dict[str, Any]:
-        """This rank's figures for the last step and the forward/backward before it.
+        """This rank's figures for the last step and the backward before it.
 
         Keys: ``orthogonalized`` (matrices this rank ran NS for), ``bytes_sent``
-        and ``bytes_received`` (dmuon's own collectives), the same split into
-        ``intra_bytes_*`` (shard level) and ``inter_bytes_*`` (replicate level,
-        HSDP only), ``collectives``,
-        ``exposed_comm_seconds`` (time blocked on dmuon collectives, i.e. not hidden
-        behind compute), ``ns_seconds`` (momentum, NS and update on the
-        owner, wherever they ran), ``orthogonalized_in_backward`` (of
-        ``orthogonalized``, those started during backward with
-        ``ns_in_backward=True``) and ``step_seconds``.
+        and ``bytes_received`` (dmuon's own collectives; FSDP2's are not
+        counted), the same split into ``intra_bytes_*`` (shard level) and
+        ``inter_bytes_*`` (replicate level, HSDP only), ``collectives``,
+        ``exposed_comm_seconds`` (time blocked on dmuon collectives, i.e. not
+        hidden behind compute), ``ns_seconds`` (NS and the exchange's
+        bookkeeping on the owner, wherever it ran), ``blocks_exchanged_in_backward``
+        (launches from backward that ``step()`` kept), ``orthogonalized_in_backward``
+        (matrices whose NS ran on the worker with ``ns_in_backward=True`` and was
+        kept), ``step_seconds`` and ``skipped_nonfinite``.
         """
         return dict(self._last_stats)

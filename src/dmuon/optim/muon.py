@@ -31,6 +31,20 @@ def momentum_update(
     return grad.to(buf.dtype).lerp(buf, momentum) if nesterov else buf
 
 
+def peek_direction(
+    grad: torch.Tensor, buf: torch.Tensor | None, momentum: float, nesterov: bool
+) -> torch.Tensor:
+    """The direction :func:`momentum_update` would return, leaving ``buf`` as it is.
+
+    Same kernels on the same numbers, so the result is bit-identical to the
+    committed update's (``buf=None`` stands for a fresh zero buffer).
+    """
+    grad = grad.to(torch.float32 if buf is None else buf.dtype)
+    advanced = torch.zeros_like(grad) if buf is None else buf.clone()
+    advanced.lerp_(grad, 1 - momentum)
+    return grad.lerp(advanced, momentum) if nesterov else advanced
+
+
 def apply_update(
     param: torch.Tensor,
     ortho: torch.Tensor,

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.plan.profile import CostTable, analytical_table
-from dmuon.plan.traffic import gather_traffic, owner_traffic
+from dmuon.plan.traffic import RankTraffic, critical_path, fsdp2_traffic, gather_traffic, owner_traffic
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ def _as_table(costs, mats: Sequence[OfflineMatrix], ns_steps: int) -> CostTable:
     return table
 
 
+def _uniform(t: RankTraffic) -> dict:
+    """A figure that is the same on every rank, with its totals."""
+    return {"sent": t.sent, "received": t.received, **t.as_dict()}
+
+
 def plan_offline(
     groups: Iterable,
     world_size: int,
@@ -68,6 +73,8 @@ def plan_offline(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     memory_factor: float | None = DEFAULT_MEMORY_FACTOR,
     ranks_per_node: int | None = None,
+    wire_bytes: int = 2,
+    fsdp_elem_bytes: int = 4,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -75,22 +82,32 @@ def plan_offline(
         groups: Objects with ``name``, ``shape``, ``count`` (and optionally ``muon``).
         world_size: Ranks to plan for.
         balancer: A name from :data:`dmuon.plan.balance.BALANCERS`.
-        zero: 2 or 3 (affects traffic only).
+        zero: FSDP2's resharding, for the FSDP2 and gather-then-compute figures
+            only: 3 re-gathers the weights in backward (``reshard_after_forward``),
+            2 does not. dmuon's own exchange is the same for both.
         costs: A :class:`~dmuon.plan.profile.CostTable` (seconds per shape and
             batch size), or measured seconds per shape (batch 1); the analytical
             model when ``None``.
         ns_steps: NS iterations for the analytical model.
         time_limit_s: MILP wall-clock budget.
         memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
+        ranks_per_node: HSDP shard size ``S`` (replicate over nodes); all ranks when ``None``.
+        wire_bytes: Bytes per element of dmuon's exchange (the NS dtype: 2 for bf16).
+        fsdp_elem_bytes: Bytes per element of FSDP2's parameters and gradients.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
         ``imbalance``, ``cost_unit``, ``cost_source``, ``method``, ``status``,
         ``solve_seconds``, ``lower_bound``, ``memory_cap``, ``notes`` and
         ``ranks`` (each with ``rank``, ``cost``, ``matrices``, ``batches``,
-        ``state_bytes``, ``bytes_sent``, ``bytes_received``). Rank costs are
-        batch-aware: each rank's matrices of one shape split into the cheapest
-        measured batches.
+        ``state_bytes``, ``bytes_sent``, ``bytes_received``, ``critical_bytes``
+        and the level fields of :class:`~dmuon.plan.traffic.RankTraffic`, all
+        dmuon's exchange alone), ``fsdp2_bytes_per_rank``,
+        ``gather_bytes_per_rank`` (the same on every rank) and
+        ``critical_path_bytes``: the most bytes one rank sends or receives per
+        step, for ``dmuon``, ``fsdp2`` and ``gather_then_compute`` (which
+        includes FSDP2's collectives). Rank costs are batch-aware: each rank's
+        matrices of one shape split into the cheapest measured batches.
 
     Raises:
         ValueError: For a non-positive world size, an unknown balancer or
@@ -98,6 +115,8 @@ def plan_offline(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, got {zero}")
     shard = world_size if ranks_per_node is None else ranks_per_node
     if shard < 1 or world_size % shard:
         raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size})")
@@ -107,10 +126,8 @@ def plan_offline(
     kinds, items = build_kinds([m.shape for m in mats], table)
     result = balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor)
     owners, loads = result.owners, result.loads
-    # HSDP layout: replicate across nodes, shard inside a node. Shape lists carry no
-    # blocks, so ZeRO-3 counts two gathers for every matrix (an upper bound: the
-    # runtime gathers the block whose forward ends last once).
-    traffic = owner_traffic([m.numel for m in mats], owners, replicate, shard, zero)
+    # HSDP layout: replicate across nodes, shard inside a node.
+    traffic = owner_traffic([m.shape for m in mats], owners, replicate, shard, wire_bytes)
     ranks = []
     for r in range(world_size):
         mine = [k for k, o in enumerate(owners) if o == r]
@@ -122,9 +139,12 @@ def plan_offline(
             "state_bytes": result.state_bytes[r],
             "bytes_sent": traffic[r].sent,
             "bytes_received": traffic[r].received,
+            "critical_bytes": traffic[r].busiest,
             **traffic[r].as_dict(),
         })
-    gather = gather_traffic([m.numel for m in mats], replicate, shard)
+    numels = [m.numel for m in mats]
+    fsdp2 = fsdp2_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    gather = gather_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
     return {
         "world_size": world_size,
         "balancer": balancer,
@@ -142,6 +162,11 @@ def plan_offline(
         "memory_cap": result.memory_cap,
         "notes": result.notes,
         "mesh": [replicate, shard],
-        "gather_bytes_per_rank": {"sent": gather.sent, "received": gather.received, **gather.as_dict()},
+        "wire_bytes": wire_bytes,
+        "fsdp_elem_bytes": fsdp_elem_bytes,
+        "fsdp2_bytes_per_rank": _uniform(fsdp2),
+        "gather_bytes_per_rank": _uniform(gather),
+        "critical_path_bytes": {"dmuon": critical_path(traffic), "fsdp2": fsdp2.busiest,
+                                "gather_then_compute": gather.busiest},
         "ranks": ranks,
     }

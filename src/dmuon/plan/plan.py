@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from dmuon.plan.balance import rank_loads
@@ -22,15 +21,17 @@ class MatrixInfo:
     name: str
     """Fully qualified parameter name in the model."""
     param: nn.Parameter = field(repr=False)
-    """The parameter itself (full-size on its owner; possibly freed elsewhere under ZeRO-3)."""
+    """The parameter: FSDP2's sharded DTensor (a plain tensor in a single process)."""
     shape: tuple[int, ...]
-    """Shape of the parameter."""
+    """Global shape of the parameter."""
     block: int
-    """Index of the block (see ``Plan.blocks``) whose forward uses the matrix."""
+    """Index of the block (see ``Plan.blocks``) whose FSDP2 group reduces its gradient."""
     owner: int = -1
-    """Rank that keeps the optimizer state and runs Newton-Schulz for it."""
+    """Rank that gathers the matrix's direction and runs Newton-Schulz for it."""
     cost: float = 0.0
     """Estimated owner-side cost used by the balancer (arbitrary units)."""
+    rows: tuple[int, ...] = ()
+    """Rows each shard column holds (FSDP2's ``Shard(0)`` split; trailing entries may be 0)."""
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
@@ -41,98 +42,69 @@ class MatrixInfo:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def row_width(self) -> int:
+        """Elements per row of the 2-D view."""
+        return math.prod(self.shape[1:])
+
 
 @dataclass
 class BlockInfo:
-    """A group of matrices used by one module's forward; the unit of packing and prefetch."""
+    """The matrices one FSDP2 module reduces together: the unit of exchange."""
 
     index: int
-    """Position in forward order."""
+    """Position in the plan (model order, root first)."""
     name: str
     """Module name (``""`` for the root)."""
     module: nn.Module = field(repr=False)
-    """The module whose forward hooks materialize the block's matrices under ZeRO-3."""
+    """The ``fully_shard``-ed module whose reduce-scatter produces the block's gradients."""
     matrices: list[int] = field(default_factory=list)
     """Indices of the block's matrices in the plan."""
 
 
 @dataclass
-class Bucket:
-    """The matrices of one block with one dtype, laid out for packed collectives.
-
-    Members are ordered by their owner's mesh coordinates ``(s, r)`` and then
-    by index, with owner rank ``r * shard + s``. Every hop of the two-level
-    exchange then sends each destination one contiguous slice (on a 1-D mesh
-    this is simply owner order).
-    """
-
-    block: int
-    """Index of the block the bucket belongs to."""
-    dtype: torch.dtype
-    """Dtype of every member (and of the packed buffers)."""
-    members: list[int]
-    """Matrix indices in transport order."""
-
-
-def build_buckets(infos: list[MatrixInfo], blocks: list[BlockInfo], shard: int) -> list[Bucket]:
-    """Groups each block's matrices by dtype into transport-ordered buckets.
-
-    Args:
-        infos: The matrices, owners assigned.
-        blocks: The blocks.
-        shard: Ranks per replica (the mesh's last dimension; the world size on a 1-D mesh).
-    """
-    buckets = []
-    for block in blocks:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in block.matrices:
-            by_dtype.setdefault(infos[i].param.dtype, []).append(i)
-        for dtype, members in by_dtype.items():
-            members = sorted(members, key=lambda i: (infos[i].owner % shard, infos[i].owner // shard, i))
-            buckets.append(Bucket(block.index, dtype, members))
-    return buckets
-
-
-@dataclass
 class Plan:
-    """Ownership plan returned by :func:`dmuon.prepare`.
+    """Ownership plan returned by :func:`dmuon.prepare` (and built by :class:`dmuon.DMuon`).
 
-    ``plan.matrices`` is the set to pass as ``ignored_params`` to every
-    ``fully_shard`` call; :class:`dmuon.DMuon` takes the plan to run the
-    owner-centric update.
+    Made after ``fully_shard`` from the model's DTensor parameters: which
+    matrices Muon updates, which rank owns each one, and how they group into
+    the FSDP2 modules whose gradients arrive together.
     """
 
     infos: list[MatrixInfo]
     """Every Muon matrix, in plan order."""
     blocks: list[BlockInfo]
-    """Blocks in forward order; the root block (matrices outside any block) comes first."""
-    buckets: list[Bucket]
-    """Packed transport units, in block order."""
+    """FSDP2 modules holding Muon matrices, in model order (the root first)."""
     world_size: int
     """Ranks that own matrices: every rank of the mesh (R*S for HSDP; 1 without a mesh)."""
     rank: int
-    """This process's rank in the mesh."""
-    zero: int
-    """2: full weights resident everywhere; 3: non-owners free them between uses."""
+    """This process's plan rank ``r * shard + s``."""
     balancer: str
     """Name of the balancer that assigned the owners."""
     replicate: int = 1
     """R, the mesh's replicate dimension (1 for a 1-D mesh)."""
     mesh: object = field(default=None, repr=False)
-    """The DeviceMesh given to ``prepare`` (None in a single process)."""
+    """The parameters' DeviceMesh (None in a single process)."""
     param_names: tuple[str, ...] = ()
     """Every parameter name of the model when the plan was made (to catch later changes)."""
     balance: object = field(default=None, repr=False)
     """The balancer's :class:`~dmuon.plan.balance.BalanceResult` (loads, batches, notes)."""
-    runtime: object = field(default=None, repr=False)
-    """The :class:`dmuon.runtime.OwnerRuntime` that moves matrices for this plan."""
+    topology: object = field(default=None, repr=False)
+    """The :class:`~dmuon.comm.topology.Topology` (levels and dmuon's own process groups)."""
+    device: object = field(default=None, repr=False)
+    """Device of the exchange buffers (the mesh's)."""
 
     def __post_init__(self) -> None:
         self._by_name = {info.name: info for info in self.infos}
 
     @property
+    def shard(self) -> int:
+        """S, ranks per replica (the mesh's shard dimension)."""
+        return self.world_size // self.replicate
+
+    @property
     def matrices(self) -> set[nn.Parameter]:
-        """The Muon matrices: FSDP2 must leave these alone (``ignored_params``)."""
+        """The Muon matrices."""
         return {info.param for info in self.infos}
 
     def owner(self, name: str) -> int:
@@ -193,21 +165,21 @@ class Plan:
             rows.append((info.name, "x".join(map(str, info.shape)), str(info.owner), f"{info.cost:.3g}"))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         mesh = f"{self.replicate}x{self.world_size // self.replicate} (replicate x shard)" if self.replicate > 1 else str(self.world_size)
-        lines = [f"dmuon plan: {len(self.infos)} matrices, {mesh} ranks, "
-                 f"ZeRO-{self.zero}, balancer={self.balancer}"]
+        lines = [f"dmuon plan: {len(self.infos)} matrices, {mesh} ranks, balancer={self.balancer}"]
         for k, row in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)))
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         loads = self.rank_costs()
-        state = [0] * self.world_size
+        # What an owner holds while it runs NS: the full fp32 direction of each matrix.
+        workspace = [0] * self.world_size
         for info in self.infos:
-            state[info.owner] += info.numel * 4
+            workspace[info.owner] += info.numel * 4
         lines.append("")
-        lines.append("rank  est. cost  matrices  momentum bytes")
+        lines.append("rank  est. cost  matrices  owner workspace bytes")
         for r in range(self.world_size):
             count = sum(1 for i in self.infos if i.owner == r)
-            lines.append(f"{r:<4}  {loads[r]:<9.3g}  {count:<8}  {state[r]}")
+            lines.append(f"{r:<4}  {loads[r]:<9.3g}  {count:<8}  {workspace[r]}")
         lines.append(f"imbalance (max/mean): {self.imbalance():.3f}")
         for note in getattr(self.balance, "notes", None) or ():
             lines.append(f"note: {note}")

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
-from dmuon.fsdp.runtime import full_matrices
 from dmuon.testing.models import OddNet, lm_loss, odd_batch
 
 
@@ -21,9 +20,9 @@ class Case:
     """One distributed training run on :class:`OddNet`."""
 
     kind: str = "dmuon"
-    """``"dmuon"`` or ``"gather"``."""
+    """``"dmuon"`` or ``"gather"`` (gather-then-compute on the same FSDP2 model: the oracle)."""
     zero: int = 3
-    """ZeRO level for dmuon."""
+    """3: ``reshard_after_forward=True``; 2: ``False`` (every block; FSDP2's own switch)."""
     ns_dtype: torch.dtype = torch.float32
     """NS iteration dtype."""
     steps: int = 3
@@ -39,13 +38,21 @@ class Case:
     overlap: bool = True
     """DMuon's overlap mode."""
     clip: float | None = None
-    """``dmuon.clip_grad_norm_`` before each step."""
+    """``torch.nn.utils.clip_grad_norm_`` on all parameters before each step."""
     mesh_shape: tuple[int, int] | None = None
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
     ns_in_backward: bool = False
     """DMuon's ``ns_in_backward``."""
     activation_checkpointing: str | None = None
     """OddNet's ``checkpoint`` mode (``"early_stop"``, ``"full"``, ``"reentrant"``; None: off)."""
+    bf16: bool = False
+    """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every fully_shard."""
+    frozen: tuple[str, ...] = ()
+    """Parameter-name prefixes with ``requires_grad=False``."""
+    micro_batches: int = 1
+    """Gradient accumulation: earlier micro-batches under ``set_requires_gradient_sync(False)``."""
+    compile: bool = False
+    """``torch.compile`` each block after ``fully_shard`` (backend ``aot_eager``: no C++ toolchain needed)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -58,8 +65,28 @@ def make_mesh(world_size: int, mesh_shape: tuple[int, int] | None = None):
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
 
 
-def sharded_oddnet(world_size: int, *, zero: int, mesh_shape=None, balancer: str = "greedy", **dmuon_kwargs):
-    """OddNet (seed 0) under dmuon + FSDP2; fp32 standard NS unless ``dmuon_kwargs`` say otherwise.
+def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
+    """``requires_grad=False`` on every parameter whose name starts with one of ``prefixes``."""
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+
+
+def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, compile: bool = False) -> None:
+    """``fully_shard`` each block, then the root, as a training script does for AdamW."""
+    kw = {"reshard_after_forward": zero == 3}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, **kw)
+        if compile:
+            layer.compile(backend="aot_eager")
+    fully_shard(model, mesh=mesh, **kw)
+
+
+def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
+                   bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False, **dmuon_kwargs):
+    """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise.
 
     Returns:
         ``(model, plan, optimizer)``.
@@ -67,81 +94,64 @@ def sharded_oddnet(world_size: int, *, zero: int, mesh_shape=None, balancer: str
     mesh = make_mesh(world_size, mesh_shape)
     torch.manual_seed(0)
     model = OddNet()
-    plan = dmuon.prepare(model, mesh, zero=zero, balancer=balancer)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=plan.matrices)
-    fully_shard(model, mesh=mesh, ignored_params=plan.matrices)
+    freeze(model, frozen)
+    shard_oddnet(model, mesh, zero=zero, bf16=bf16, compile=compile)
+    plan = dmuon.prepare(model, balancer=balancer)
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
     return model, plan, dmuon.DMuon(model, plan, **kw)
 
 
-def full_params(model, plan) -> dict[str, torch.Tensor]:
-    """Every parameter's full value, on every rank."""
-    out = full_matrices(plan.runtime) if plan is not None else {}
-    for name, p in model.named_parameters():
-        if name not in out:
-            out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return out
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, on every rank (a collective for DTensors)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
 
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
-    """Trains OddNet under FSDP2 with dmuon (or the gather baseline) and reports everything."""
+    """Trains OddNet under FSDP2 with dmuon (or the gather oracle) and reports everything."""
     kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     if case.kind == "dmuon":
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
-                                          balancer=case.balancer, overlap=case.overlap,
+                                          balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
+                                          compile=case.compile, overlap=case.overlap,
                                           ns_in_backward=case.ns_in_backward, **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)
         model, plan = OddNet(), None
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        freeze(model, case.frozen)
+        shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile)
         opt = GatherThenCompute(model, **kw)
     model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []
     for step in range(case.steps):
         model.skip = case.skip.get(step, set())
-        loss = lm_loss(model, odd_batch(step, rank, batch=case.batch_sizes.get(step, 2)))
-        loss.backward()
+        tokens, targets = odd_batch(step, rank, batch=case.batch_sizes.get(step, 2) * case.micro_batches)
+        per = tokens.shape[0] // case.micro_batches
+        total = torch.zeros(())
+        for m in range(case.micro_batches):
+            model.set_requires_gradient_sync(m == case.micro_batches - 1)
+            part = (tokens[m * per : (m + 1) * per], targets[m * per : (m + 1) * per])
+            loss = lm_loss(model, part) / case.micro_batches
+            loss.backward()
+            total += loss.detach().float()
         if case.clip is not None:
-            norms.append(dmuon.clip_grad_norm_(model, case.clip, opt).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).full_tensor().item())
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
         stats.append(opt.last_step_stats())
-    params = full_params(model, plan)
+    params = full_params(model)
+    state_numel = {n: (opt.state[p]["momentum_buffer"].to_local().numel() if "momentum_buffer" in opt.state[p] else 0)
+                   for n, p in model.named_parameters() if p in opt.state}
     return {
         "params": params if rank == 0 else None,
         "losses": losses,
         "norms": norms,
         "stats": stats,
         "owners": {i.name: i.owner for i in plan.infos} if plan else None,
-        "numels": {i.name: i.numel for i in plan.infos} if plan else None,
-        "gathers": {i.name: plan.runtime.gathers_per_step(i.index) for i in plan.infos} if plan else None,
+        "shapes": {i.name: i.shape for i in plan.infos} if plan else None,
+        "momentum_numel": state_numel,
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }
-
-
-def run_accumulation(rank: int, world_size: int, zero: int, overlap: bool, micro: int = 2, steps: int = 2) -> dict:
-    """Gradient accumulation: ``micro`` backward passes (earlier ones under no_sync) per step."""
-    model, plan, opt = sharded_oddnet(world_size, zero=zero, overlap=overlap)
-    for step in range(steps):
-        tokens, targets = odd_batch(step, rank, batch=2 * micro)
-        for m in range(micro):
-            last = m == micro - 1
-            model.set_requires_gradient_sync(last)
-            part = (tokens[2 * m : 2 * m + 2], targets[2 * m : 2 * m + 2])
-            if last:
-                (lm_loss(model, part) / micro).backward()
-            else:
-                with opt.no_sync():
-                    (lm_loss(model, part) / micro).backward()
-        opt.step()
-        opt.zero_grad()
-    params = full_params(model, plan)  # a collective: every rank calls it
-    return {"params": params if rank == 0 else None,
-            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
