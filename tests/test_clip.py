@@ -1,4 +1,4 @@
-"""dmuon.clip_grad_norm_ equals torch.nn.utils.clip_grad_norm_ on one process."""
+"""torch.nn.utils.clip_grad_norm_ on the FSDP2 model, as is, equals it on one process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ CLIP = 0.3  # below the gradient norms of this model, so clipping acts every ste
 
 
 @pytest.mark.parametrize("world_size,mesh_shape", [(3, None), (4, (2, 2))])
-def test_clip_matches_torch(world_size, mesh_shape):
+def test_torch_clip_matches_one_process(world_size, mesh_shape):
     steps = 2
     cases = [Case(zero=z, ns_dtype=torch.float32, steps=steps, clip=CLIP, mesh_shape=mesh_shape, overlap=o)
              for z, o in ((2, True), (3, False))]
@@ -35,15 +35,8 @@ def test_clip_matches_torch(world_size, mesh_shape):
     for k in range(len(cases)):
         for r in results:
             assert r[k]["norms"] == pytest.approx(ref_norms, rel=1e-5)
+            # The clipped gradients differ from what backward launched: step() exchanged them again.
+            assert all(s["blocks_exchanged_in_backward"] == 0 for s in r[k]["stats"])
         got = results[0][k]["params"]
         worst = max(got, key=lambda n: (got[n] - ref[n]).abs().max().item())
         assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, worst
-
-
-def test_negative_max_norm_is_rejected():
-    import dmuon
-
-    model = OddNet()
-    plan = dmuon.prepare(model)
-    with pytest.raises(ValueError, match="max_norm"):
-        dmuon.clip_grad_norm_(model, -1.0, dmuon.DMuon(model, plan))

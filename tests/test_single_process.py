@@ -22,7 +22,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
 
     torch.manual_seed(0)
     model = OddNet()
-    plan = dmuon.prepare(model, None, zero=2)
+    plan = dmuon.prepare(model)
     opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for batch in _batches(steps):
@@ -66,7 +66,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
     saved = copy.deepcopy(opt.state_dict())
     model2 = OddNet()
     model2.load_state_dict(model.state_dict())
-    plan2 = dmuon.prepare(model2, None, zero=2)
+    plan2 = dmuon.prepare(model2)
     opt2 = dmuon.DMuon(model2, plan2, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
     opt2.load_state_dict(saved)
     for m, o in ((model, opt), (model2, opt2)):
@@ -79,7 +79,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
 def test_param_groups_override_per_group():
     torch.manual_seed(0)
     model = OddNet()
-    plan = dmuon.prepare(model, None, zero=2)
+    plan = dmuon.prepare(model)
     frozen_lr = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("layers.0.")]
     opt = dmuon.DMuon(model, plan, lr=0.02, param_groups=[
@@ -101,7 +101,7 @@ def test_parameter_added_after_prepare_is_named():
     import pytest
 
     model = OddNet()
-    plan = dmuon.prepare(model, None)
+    plan = dmuon.prepare(model)
     model.extra = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="extra.weight"):
         dmuon.DMuon(model, plan)
@@ -123,7 +123,7 @@ def _train_recording_batches(monkeypatch, **prepare_kw):
 
     torch.manual_seed(0)
     model = _FiveHeads()
-    plan = dmuon.prepare(model, None, **prepare_kw)
+    plan = dmuon.prepare(model, **prepare_kw)
     calls: list[int] = []
     real = dmuon_optim.orthogonalize_many
 
@@ -165,14 +165,14 @@ def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
     import dmuon.plan.profile as profile
 
     torch.manual_seed(0)
-    first = dmuon.prepare(_FiveHeads(), None, profile=True, balancer="milp", cache_dir=tmp_path)
+    first = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()), "the profile was not cached"
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again despite a cached profile")
 
     monkeypatch.setattr(profile, "measure_update", no_measuring)
-    second = dmuon.prepare(_FiveHeads(), None, profile=True, balancer="milp", cache_dir=tmp_path)
+    second = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path)
     assert [i.cost for i in second.infos] == [i.cost for i in first.infos]
     # The plan says what profiling cost: something measured the first time, nothing the second.
     first_note = [n for n in first.balance.notes if n.startswith("profile")]

@@ -230,6 +230,12 @@ class DMuon(torch.optim.Optimizer):
         info = self.plan.infos[index]
         return direction.to(self.ns_dtype).reshape(info.rows[self.runtime.topo.coords[1]], info.row_width)
 
+    def _check_grad(self, index: int) -> None:
+        grad = self.plan.infos[index].param.grad
+        if grad.is_sparse or torch.is_complex(grad):
+            raise ValueError(f"parameter {self.plan.infos[index].name!r}: sparse and complex gradients are "
+                             "not supported by Muon")
+
     @torch.no_grad()
     def _peek_directions(self, members: list[int]) -> dict[int, torch.Tensor]:
         """Runtime callback in backward: this rank's rows of each member's direction, state untouched."""
@@ -237,6 +243,7 @@ class DMuon(torch.optim.Optimizer):
         out = {}
         for i in members:
             param, group = self.plan.infos[i].param, group_of[i]
+            self._check_grad(i)
             buf = self.state[param].get("momentum_buffer")
             d = peek_direction(_local(param.grad), None if buf is None else _local(buf),
                                group["momentum"], group["nesterov"])
@@ -276,8 +283,7 @@ class DMuon(torch.optim.Optimizer):
             flags[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
             if grad is None:
                 continue
-            if grad.is_sparse or torch.is_complex(grad):
-                raise ValueError(f"parameter {infos[i].name!r}: sparse and complex gradients are not supported by Muon")
+            self._check_grad(i)
             flags[i], flags[n + i] = 1, 0
             if check:
                 flags[2 * n + i] = int(not torch.isfinite(_local(grad)).all())

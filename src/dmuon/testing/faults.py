@@ -1,4 +1,4 @@
-"""Misuse cases run inside spawned ranks: each must raise a clear error, never hang."""
+"""Misuse and failure cases run inside spawned ranks: each must raise a clear error, never hang."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 import dmuon
-from dmuon.testing.cases import sharded_oddnet
+from dmuon.testing.cases import full_params, sharded_oddnet, shard_oddnet
 from dmuon.testing.models import OddNet, lm_loss, odd_batch
 
 
@@ -25,14 +26,40 @@ def _catch(fn) -> str:
 def mismatched_models(rank: int, world_size: int) -> str:
     mesh = init_device_mesh("cpu", (world_size,))
     model = OddNet(blocks=3 if rank == 0 else 2)
-    return _catch(lambda: dmuon.prepare(model, mesh))
+    shard_oddnet(model, mesh)
+    return _catch(lambda: dmuon.DMuon(model))
 
 
-def prepare_after_fully_shard(rank: int, world_size: int) -> str:
+def root_not_sharded(rank: int, world_size: int) -> str:
+    """Only the blocks are fully_shard-ed: the root's matrices (conv, gate, lift) are plain tensors."""
     mesh = init_device_mesh("cpu", (world_size,))
     model = OddNet()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return _catch(lambda: dmuon.DMuon(model))
+
+
+def columns_sharded(rank: int, world_size: int) -> str:
+    """A shard_placement_fn that shards one matrix by columns: a layout dmuon does not support."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = OddNet()
+
+    def placement(p):
+        return Shard(1) if p.shape == (37, 200) else None
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh)
-    return _catch(lambda: dmuon.prepare(model, mesh))
+    return _catch(lambda: dmuon.DMuon(model))
+
+
+def plan_for_another_model(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, other = OddNet(), OddNet()
+    shard_oddnet(model, mesh)
+    shard_oddnet(other, mesh)
+    plan = dmuon.prepare(other)
+    return _catch(lambda: dmuon.DMuon(model, plan))
 
 
 class SparseNet(nn.Module):
@@ -45,11 +72,10 @@ class SparseNet(nn.Module):
         return self.proj(self.table(idx)).sum()
 
 
-def sparse_gradient(rank: int, world_size: int) -> str:
-    mesh = init_device_mesh("cpu", (world_size,))
+def sparse_gradient() -> str:
+    """One process: a matrix chosen by ``select`` gets a sparse gradient."""
     model = SparseNet()
-    plan = dmuon.prepare(model, mesh, zero=2, select=lambda n, p: p.ndim == 2)
-    opt = dmuon.DMuon(model, plan)
+    opt = dmuon.DMuon(model, dmuon.prepare(model, select=lambda n, p: p.ndim == 2))
 
     def backward_and_step():
         model(torch.tensor([1, 2, 3])).backward()
@@ -58,75 +84,44 @@ def sparse_gradient(rank: int, world_size: int) -> str:
     return _catch(backward_and_step)
 
 
-def traffic(rank: int, world_size: int, zero: int) -> dict:
+def traffic(rank: int, world_size: int, mesh_shape, ns_dtype: torch.dtype) -> dict:
     """Counted bytes of one steady-state step, to compare with the analytical model."""
-    model, plan, opt = sharded_oddnet(world_size, zero=zero)
+    model, plan, opt = sharded_oddnet(world_size, mesh_shape=mesh_shape, ns_dtype=ns_dtype)
     for step in range(2):
         lm_loss(model, odd_batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
     return {
         "stats": opt.last_step_stats(),
-        "numels": [i.numel for i in plan.infos],
+        "shapes": [i.shape for i in plan.infos],
         "owners": [i.owner for i in plan.infos],
-        "blocks": [i.block for i in plan.infos],
-        "kept_block": plan.runtime.resident_through_backward,
-        "elem": plan.infos[0].param.element_size(),
     }
 
 
-class Branches(torch.nn.Module):
-    """Three bias-free branches summed; ``order`` sets the order they run in."""
-
-    def __init__(self, dim: int = 23):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.order = [0, 1, 2]
-
-    def forward(self, x):
-        return sum(self.layers[k](x) for k in self.order).square().mean()
-
-
-def rotated_branches(rank: int, world_size: int, overlap: bool) -> dict:
-    """Each rank runs the branches in its own order, so gradients land in different orders."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = Branches()
-    model.order = [(k + rank) % 3 for k in range(3)]
-    plan = dmuon.prepare(model, mesh, zero=2)
-    opt = dmuon.DMuon(model, plan, overlap=overlap, ns_method="standard", ns_dtype=torch.float32)
-    for step in range(3):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        model(torch.randn(4, 23, generator=g)).backward()
-        opt.step()
-        opt.zero_grad()
-    from dmuon.fsdp.runtime import full_matrices
-
-    return full_matrices(plan.runtime)
-
-
 def nonfinite(rank: int, world_size: int, mode: str) -> dict:
-    """Rank 1 gets a NaN gradient in one matrix at step 1; report what every rank did."""
-    model, plan, opt = sharded_oddnet(world_size, zero=2, nonfinite=mode)
+    """Rank 1 gets a NaN in one matrix's gradient at step 1; report what every rank did."""
+    model, plan, opt = sharded_oddnet(world_size, nonfinite=mode)
     outcome = []
     for step in range(2):
         handle = None
         if step == 1 and rank == 1:
-            # Poison the gradient as it is produced, before overlap sends it anywhere.
             def poison(g):
                 g = g.clone()
-                g[0, 0] = float("nan")
+                g.view(-1)[0] = float("nan")
                 return g
 
-            handle = model.layers[1].mid.weight.register_hook(poison)
+            # A hook on the unsharded parameter: the NaN goes into FSDP2's reduce-scatter.
+            handle = model.layers[1].mid.register_full_backward_pre_hook(
+                lambda module, grad_output: tuple(poison(g) for g in grad_output))
         lm_loss(model, odd_batch(step, rank)).backward()
         if handle is not None:
             handle.remove()
-        before = {n: p.detach().clone() for n, p in model.named_parameters() if p in plan.matrices}
+        before = full_params(model)
         try:
             opt.step()
             stats = opt.last_step_stats()
-            changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+            after = full_params(model)
+            changed = any(not torch.equal(before[n], after[n]) for n in before)
             outcome.append(("skipped" if stats["skipped_nonfinite"] else "stepped", changed))
         except FloatingPointError as e:
             outcome.append(("raised", str(e)))
@@ -137,8 +132,20 @@ def nonfinite(rank: int, world_size: int, mode: str) -> dict:
 def milp_owners(rank: int, world_size: int) -> list[int]:
     """Owners ``prepare(balancer="milp")`` picks on this rank."""
     mesh = init_device_mesh("cpu", (world_size,))
-    plan = dmuon.prepare(OddNet(), mesh, balancer="milp", zero=2)
-    return [i.owner for i in plan.infos]
+    model = OddNet()
+    shard_oddnet(model, mesh)
+    return [i.owner for i in dmuon.prepare(model, balancer="milp").infos]
+
+
+def fsdp_blocks(rank: int, world_size: int) -> dict:
+    """Which FSDP2 module each matrix's gradient comes from, and its row split."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = OddNet()
+    shard_oddnet(model, mesh)
+    plan = dmuon.prepare(model)
+    return {"blocks": [b.name for b in plan.blocks],
+            "block_of": {i.name: i.block for i in plan.infos},
+            "rows": {i.name: i.rows for i in plan.infos}}
 
 
 def rank_crashes(rank: int, world_size: int, where: str, zero: int) -> dict:
@@ -159,10 +166,10 @@ def rank_crashes(rank: int, world_size: int, where: str, zero: int) -> dict:
 
                     opt._muon_step = broken_step
                 if rank == 1 and where == "backward":
-                    def broken_hook(grad):
+                    def broken_hook(module, grad_output):
                         raise RuntimeError("injected failure inside backward")
 
-                    model.layers[1].mid.weight.register_hook(broken_hook)
+                    model.layers[1].mid.register_full_backward_pre_hook(broken_hook)
             lm_loss(model, odd_batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()

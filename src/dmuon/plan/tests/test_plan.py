@@ -42,8 +42,6 @@ def test_select_override_and_errors():
     assert [i.name for i in plan.infos] == ["head.weight"]
     with pytest.raises(ValueError, match="layers.0.up.bias"):
         dmuon.prepare(OddNet(), select=lambda n, p: n == "layers.0.up.bias")
-    with pytest.raises(ValueError, match="zero"):
-        dmuon.prepare(OddNet(), zero=1)
     with pytest.raises(ValueError, match="balancer"):
         dmuon.prepare(OddNet(), balancer="magic")
 
@@ -55,12 +53,17 @@ def test_complex_parameter_is_named():
         dmuon.prepare(model)
 
 
-def test_blocks_follow_module_lists():
+def test_single_process_plan_is_one_block_with_whole_rows():
     plan = dmuon.prepare(OddNet())
-    by_name = {i.name: i.block for i in plan.infos}
-    assert by_name["conv.weight"] == 0 and by_name["gate.weight"] == 0
-    assert [by_name[f"layers.{k}.up.weight"] for k in range(3)] == [1, 2, 3]
-    assert [b.name for b in plan.blocks] == ["", "layers.0", "layers.1", "layers.2"]
+    assert [b.name for b in plan.blocks] == [""] and plan.world_size == 1
+    assert all(i.block == 0 and i.rows == (i.shape[0],) for i in plan.infos)
+
+
+def test_frozen_matrices_are_not_muon_matrices():
+    model = OddNet()
+    model.layers[1].requires_grad_(False)
+    names = [i.name for i in dmuon.prepare(model).infos]
+    assert len(names) == 9 and not any(n.startswith("layers.1.") for n in names)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
