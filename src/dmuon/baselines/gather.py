@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dmuon.optim.adamw import adamw_group_step
+from dmuon.rules.adamw import adamw_group_step
 from dmuon.optim.dmuon import KELLER_COEFFICIENTS
-from dmuon.optim.muon import apply_update, momentum_update
+from dmuon.rules.muon import apply_update, momentum_update
 from dmuon.ortho import orthogonalize_many
 from dmuon.plan.selection import SelectFn, select_matrices
 

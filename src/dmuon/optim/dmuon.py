@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.optim.adamw import adamw_group_step
-from dmuon.optim.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
+from dmuon.rules.adamw import adamw_group_step
+from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
 from dmuon.ortho import orthogonalize_many
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare

@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from dmuon.ortho.autotune import Autotuner, default_cache_dir, device_fingerprint
 from dmuon.ortho.coefficients import KELLER, resolve_schedule, schedule_key
+from dmuon.ortho import orthogonalize_many
 from dmuon.plan.cost import update_cost
+from dmuon.rules.muon import apply_update, momentum_update
 
 SCHEMA_VERSION = 1
 DEFAULT_REPEATS = 3
@@ -299,9 +301,6 @@ def measure_update(
     choices, so they are not timed. Repeats stop early once the timed runs
     add up to ``max_entry_s``.
     """
-    from dmuon.optim.muon import apply_update, momentum_update
-    from dmuon.ortho import orthogonalize_many
-
     gen = torch.Generator(device="cpu").manual_seed(1234 + 7 * batch)
     grads = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(batch)]
     params = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(batch)]
