@@ -22,8 +22,20 @@ def machine_description() -> str:
             f"torch {torch.__version__}, gloo")
 
 
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _live(live: dict | None) -> str:
+    """``total (params+grads+state)`` in MiB, or ``-`` for a result without live figures."""
+    if not live:
+        return "-"
+    return f"{_mb(live['total'])} ({_mb(live['params'])}+{_mb(live['grads'])}+{_mb(live['optimizer_state'])})"
+
+
 def format_table(results: list[dict]) -> str:
-    head = ("config", "step ms (min-max)", "fwd+bwd ms", "optim ms", "NS ms", "MB/step", "peak MB", "final loss")
+    head = ("config", "step ms (min-max)", "fwd+bwd ms", "optim ms", "NS ms", "MB/step", "peak MB",
+            "live MB (params+grads+state)", "final loss")
     rows = [head]
     for r in results:
         rows.append((
@@ -34,6 +46,7 @@ def format_table(results: list[dict]) -> str:
             f"{1e3 * r['ns_s']:.1f}" if r.get("ns_s") else "-",
             f"{r['bytes_per_step'] / 2**20:.2f}",
             f"{r['peak_mem_bytes'] / 2**20:.0f}",
+            _live(r.get("live_mem_bytes")),
             f"{r['final_loss']:.4f}",
         ))
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
@@ -44,6 +57,10 @@ def format_table(results: list[dict]) -> str:
 
 def ratios(results: list[dict]) -> dict[str, float | list[float]]:
     """dmuon vs AdamW (overhead %; vs ``adamw_local`` too when it ran), vs each Muon baseline (speedups).
+
+    ZeRO-2 dmuon configurations (``dmuon_z2*``) are also compared with
+    ``adamw_z2`` when it ran: the same FSDP2 resharding
+    (``reshard_after_forward=False``), so like for like.
 
     With ``torch_muon`` present, also ``torch_muon_optimizer_per_fwd_bwd``: its
     optimizer step over its forward+backward, which says how optimizer-heavy the
@@ -61,7 +78,8 @@ def ratios(results: list[dict]) -> dict[str, float | list[float]]:
         if not mine.startswith("dmuon_"):
             continue
         d = by[mine]
-        for ref in ("adamw", "adamw_local"):
+        refs = ("adamw", "adamw_local") + (("adamw_z2",) if mine.startswith("dmuon_z2") else ())
+        for ref in refs:
             if ref not in by:
                 continue
             out[f"{mine}_overhead_vs_{ref}_pct"] = 100.0 * (d["step_s"] / by[ref]["step_s"] - 1.0)

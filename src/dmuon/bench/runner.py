@@ -16,7 +16,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dmuon.bench.models import build_workload
-from dmuon.bench.setups import Hyper, build
+from dmuon.bench.setups import Hyper, build, reshard_after_forward
+from dmuon.plan.traffic import fsdp2_traffic
+
+LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
+"""The live-memory figures, per rank: unique storages of each kind, and of all three together."""
+LIVE_POINTS = ("after_backward", "after_step")
+"""Where in a training step the live memory is measured (after step: before ``zero_grad``)."""
 
 
 @dataclass
@@ -84,23 +90,69 @@ def _peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1) -> int:
+def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_after_forward: bool = True) -> int:
     """Bytes one rank sends plus receives in FSDP2's collectives per step (from shapes).
 
-    Each sharded parameter is all-gathered for forward and again for backward
-    (reshard after forward) and its gradient reduce-scattered once within the
-    shard group; ring collectives move (S-1)/S of the tensor through every rank
-    each way. HSDP adds a ring all-reduce of the gradient shard across the R
-    replicas (2 (R-1)/R of the shard each way).
+    Each sharded parameter (every one: FSDP2 shards the Muon matrices too) is
+    all-gathered for forward, and again for backward when
+    ``reshard_after_forward`` (ZeRO-3 style; once with False, ZeRO-2 style), and
+    its gradient reduce-scattered once within the shard group; ring collectives
+    move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
+    all-reduce of the gradient shard across the R replicas (2 (R-1)/R of the
+    shard each way). See :func:`dmuon.plan.traffic.fsdp2_traffic`.
     """
     shard = world_size // replicate
-    total = 0
+    numels: dict[int, list[int]] = {}
     for p in model.parameters():
         if isinstance(p, DTensor):
-            nbytes = p.numel() * p.element_size()
-            total += 3 * 2 * nbytes * (shard - 1) // shard
-            total += 2 * 2 * (nbytes // shard) * (replicate - 1) // replicate
+            numels.setdefault(p.element_size(), []).append(p.numel())
+    total = 0
+    for elem_bytes, sizes in numels.items():
+        t = fsdp2_traffic(sizes, replicate, shard, elem_bytes=elem_bytes,
+                          reshard_after_forward=reshard_after_forward)
+        total += t.sent + t.received
     return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _state_tensors(optimizer):
+    """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair)."""
+    for opt in getattr(optimizer, "opts", (optimizer,)):
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+
+def live_state_bytes(model, optimizer) -> dict[str, int]:
+    """This rank's live bytes of the training state, measured from the tensors themselves.
+
+    The unique storages (``untyped_storage().nbytes()``, deduplicated by their
+    ``data_ptr()``) reachable from the model's parameters, their gradients and
+    the optimizer's state tensors, each taken as this rank's local shard
+    (``DTensor.to_local()``): what this rank actually holds, padding and shared
+    buffers included, not what the shapes say. ``total`` deduplicates across
+    the three kinds.
+    """
+    kinds = {
+        "params": [_local(p) for p in model.parameters()],
+        "grads": [_local(p.grad) for p in model.parameters() if p.grad is not None],
+        "optimizer_state": [_local(t) for t in _state_tensors(optimizer)],
+    }
+    out: dict[str, int] = {}
+    everything: dict[int, int] = {}
+    for kind, tensors in kinds.items():
+        seen: dict[int, int] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        out[kind] = sum(seen.values())
+        everything.update(seen)
+    out["total"] = sum(everything.values())
+    return out
 
 
 def _progress(config: str, done: int, total: int) -> None:
@@ -124,6 +176,7 @@ class _ConfigRun:
             self.workload = build_workload(opts.model, size=opts.size, seq_len=opts.seq_len,
                                            batch_size=opts.batch_size, seed=0)
         self.optimizer, self.plan = build(config, self.workload, mesh, opts.hyper)
+        self.reshard_after_forward = reshard_after_forward(config)
         self.fwd_bwd: list[float] = []
         self.opt_s: list[float] = []
         self.ns: list[float] = []
@@ -133,9 +186,22 @@ class _ConfigRun:
         self.round_of_step: list[int] = []
         self.losses: list[float] = []
         self.peak = 0
+        # This rank's largest live bytes seen at each point of a step, per kind.
+        self.live = {point: dict.fromkeys(LIVE_KINDS, 0) for point in LIVE_POINTS}
+
+    def _measure_live(self, point: str) -> None:
+        seen = self.live[point]
+        for kind, nbytes in live_state_bytes(self.workload.model, self.optimizer).items():
+            seen[kind] = max(seen[kind], nbytes)
 
     def train_step(self, timed: bool, round_index: int = 0) -> None:
-        """One forward, backward and optimizer step; records its times when ``timed``."""
+        """One forward, backward and optimizer step; records its times when ``timed``.
+
+        Live memory is measured after backward and after ``step()`` (before
+        ``zero_grad``), outside the timed spans. Nothing is left in flight when
+        ``step()`` returns (dmuon applies its updates inside it), so a step's
+        times are complete when it ends, whichever configuration runs next.
+        """
         device = self.device
         batch = self.workload.make_batch(len(self.losses), self.rank)
         if device == "cuda":
@@ -147,14 +213,22 @@ class _ConfigRun:
         if device == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
+        self._measure_live("after_backward")
+        t2 = time.perf_counter()
         self.optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        self._measure_live("after_step")
+        t4 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        t5 = time.perf_counter()
         opt = self.optimizer
         stats = opt.last_step_stats() if hasattr(opt, "last_step_stats") else {}
-        times = torch.tensor([t1 - t0, t2 - t1, stats.get("ns_seconds", 0.0)], dtype=torch.float64, device=device)
+        times = torch.tensor([t1 - t0, (t3 - t2) + (t5 - t4), stats.get("ns_seconds", 0.0)],
+                             dtype=torch.float64, device=device)
         # A step lasts as long as its slowest rank.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         mean_loss = loss.detach().clone()
@@ -169,29 +243,19 @@ class _ConfigRun:
             self.inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
             self.round_of_step.append(round_index)
 
-    def settle(self) -> None:
-        """Lands work still in flight after the last step, charged to that step.
-
-        dmuon's ZeRO-2 publication overlaps the next forward; when another
-        configuration runs next, it is waited for here instead, exposed and
-        timed, so interleaving never hides it.
-        """
-        runtime = getattr(self.optimizer, "runtime", None)
-        if runtime is None or not self.opt_s:
-            return
-        t0 = time.perf_counter()
-        runtime.flush_publish()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        self.opt_s[-1] += elapsed.item()
-
     def record_peak(self) -> None:
         peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else _peak_rss() - self.rss_before
         peak_t = torch.tensor([peak], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         self.peak = int(peak_t.item())
+
+    def live_bytes(self) -> dict[str, dict[str, int]]:
+        """The live bytes per point and kind, each the maximum over ranks (a collective call)."""
+        values = torch.tensor([self.live[p][k] for p in LIVE_POINTS for k in LIVE_KINDS],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        flat = iter(int(v) for v in values.tolist())
+        return {p: {k: next(flat) for k in LIVE_KINDS} for p in LIVE_POINTS}
 
     def result(self) -> dict:
         world_size, config, model = self.world_size, self.config, self.workload.model
@@ -199,10 +263,12 @@ class _ConfigRun:
         sent, received, inter = self.sent, self.received, self.inter
         opt_bytes = (statistics.median(sent) + statistics.median(received)) if sent else 0
         if config == "torch_muon":
-            # DTensor gathers each matrix for NS; count it as the gather baseline moves it.
-            opt_bytes = sum(2 * p.numel() * p.element_size() * (world_size - 1) // world_size
+            # DTensor gathers each matrix for NS; count it as the gather baseline moves it
+            # (in NS's input dtype: torch.optim.Muon casts to bfloat16 before NS).
+            opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
-        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp)
+        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward)
+        live = self.live_bytes()
         balance = self.plan.balance if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))
         return {
@@ -220,6 +286,10 @@ class _ConfigRun:
             "fsdp_bytes_per_step": int(fsdp_bytes),
             "optimizer_bytes_per_step": int(opt_bytes),
             "peak_mem_bytes": self.peak,
+            # Measured live training state (max over ranks), at its larger point and at both.
+            "live_mem_bytes": max(live.values(), key=lambda v: v["total"]),
+            "live_mem_bytes_by_point": live,
+            "reshard_after_forward": self.reshard_after_forward,
             "final_loss": self.losses[-1],
             "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
             "losses": self.losses,
@@ -256,7 +326,6 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         run.train_step(timed=step >= opts.warmup)
         if rank == 0 and opts.progress:
             _progress(config, step + 1, total)
-    run.settle()
     run.record_peak()
     return run.result()
 
@@ -272,7 +341,6 @@ def _run_interleaved(rank: int, world_size: int, configs: list[str], opts: Bench
             run.train_step(timed=False)
             if rank == 0 and opts.progress:
                 _progress(config, step + 1, opts.warmup)
-        run.settle()
         run.record_peak()
         runs.append(run)
         dist.barrier()
@@ -281,7 +349,6 @@ def _run_interleaved(rank: int, world_size: int, configs: list[str], opts: Bench
         for run in runs:
             for _ in range(size):
                 run.train_step(timed=True, round_index=k)
-            run.settle()
         if rank == 0 and opts.progress:
             _progress("timed", k + 1, len(sizes))
     return [run.result() for run in runs]

@@ -14,12 +14,14 @@ from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
-EXTRA_CONFIGS = ("dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local")
-"""dmuon with ``overlap=False`` (every collective inside ``step()``) and with
-``ns_in_backward=True`` (owners start NS while backward runs); ``adamw_local``:
-FSDP2 + AdamW on each rank's local shards, the kernel dmuon runs for its
-non-matrix parameters (``DMuon`` with no Muon matrices), a stricter AdamW
-reference than ``torch.optim.AdamW``'s per-parameter DTensor dispatch."""
+EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local")
+"""``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
+the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
+(every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
+start NS while backward runs); ``adamw_local``: FSDP2 + AdamW on each rank's
+local shards, the kernel dmuon runs for its non-matrix parameters (``DMuon``
+with no Muon matrices), a stricter AdamW reference than ``torch.optim.AdamW``'s
+per-parameter DTensor dispatch."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
@@ -29,6 +31,22 @@ SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
 def is_muon_config(config: str) -> bool:
     """Whether ``config`` (possibly ``dmuon_*@balancer``) runs a Muon update."""
     return config.partition("@")[0] in MUON_CONFIGS
+
+
+def reshard_after_forward(config: str) -> bool:
+    """The ``reshard_after_forward`` every ``fully_shard`` call of ``config`` uses.
+
+    ZeRO-2 configurations (``adamw_z2``, ``dmuon_z2*``) keep the gathered weights
+    from forward to backward (False); everything else keeps FSDP2's default
+    (True: gathered again in backward, ZeRO-3 style).
+
+    Raises:
+        ValueError: For an unknown configuration name.
+    """
+    base = config.partition("@")[0]
+    if base not in ALL_CONFIGS:
+        raise ValueError(f"config must be one of {ALL_CONFIGS}, got {config!r}")
+    return not (base == "adamw_z2" or base.startswith("dmuon_z2"))
 
 
 @dataclass
@@ -67,26 +85,35 @@ class _Pair:
         return {}
 
 
-def _shard(workload, mesh, ignored=None) -> None:
+def _shard(workload, mesh, reshard: bool) -> None:
+    """``fully_shard`` each block, then the root, as FSDP2 users do (the same for every optimizer)."""
     for block in workload.blocks:
-        fully_shard(block, mesh=mesh, ignored_params=ignored)
-    fully_shard(workload.model, mesh=mesh, ignored_params=ignored)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def build(config: str, workload, mesh, hyper: Hyper):
     """Shards ``workload.model`` for ``config`` and returns ``(optimizer, plan)``.
 
+    Every configuration shards the whole model with FSDP2 (Muon matrices
+    included), with :func:`reshard_after_forward` of the configuration; dmuon
+    plans from the sharded model (``dmuon.prepare`` after ``fully_shard``).
+
     Raises:
         ValueError: For an unknown configuration name.
     """
     model = workload.model
-    if config == "adamw":
-        _shard(workload, mesh)
+    reshard = reshard_after_forward(config)
+    base, _, balancer = config.partition("@")
+    if balancer and not base.startswith("dmuon_z"):
+        raise ValueError(f"only dmuon configurations take a balancer (dmuon_*@NAME), got {config!r}")
+    if config in ("adamw", "adamw_z2"):
+        _shard(workload, mesh, reshard)
         return torch.optim.AdamW(model.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
     if config == "torch_muon":
         # Select before sharding: FSDP2 swaps the parameters for DTensors in place.
         names = {n for n, _ in select_matrices(model)}
-        _shard(workload, mesh)
+        _shard(workload, mesh, reshard)
         # torch.optim.Muon takes 2-D parameters only; conv kernels go to AdamW,
         # which is what its users have to do.
         mats = [p for n, p in model.named_parameters() if n in names and p.ndim == 2]
@@ -96,19 +123,13 @@ def build(config: str, workload, mesh, hyper: Hyper):
             torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
         ), None
     kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
+    _shard(workload, mesh, reshard)
     if config == "adamw_local":
-        plan = dmuon.prepare(model, mesh, select=lambda name, param: False, blocks=workload.blocks)
-        _shard(workload, mesh)
+        plan = dmuon.prepare(model, select=lambda name, param: False)
         # DMuon's AdamW defaults are the adamw config's (weight decay 0.01, betas, eps).
         return dmuon.DMuon(model, plan, **kw), plan
     if config == "gather":
-        _shard(workload, mesh)
         return GatherThenCompute(model, **kw), None
-    base, _, balancer = config.partition("@")
-    if base.startswith("dmuon_z") and base in ALL_CONFIGS:
-        plan = dmuon.prepare(model, mesh, zero=int(base[len("dmuon_z")]), balancer=balancer or hyper.balancer,
-                             blocks=workload.blocks, profile=hyper.profile)
-        _shard(workload, mesh, plan.matrices)
-        return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"),
-                           ns_in_backward=base.endswith("_nsbwd"), **kw), plan
-    raise ValueError(f"config must be one of {ALL_CONFIGS}, got {config!r}")
+    plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile)
+    return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"),
+                       ns_in_backward=base.endswith("_nsbwd"), **kw), plan

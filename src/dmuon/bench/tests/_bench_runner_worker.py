@@ -1,0 +1,49 @@
+"""Worker for the runner test: each bench configuration built and stepped on gloo ranks."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from dmuon.bench.runner import BenchOptions, _ConfigRun
+from dmuon.testing import run_distributed
+
+
+def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    opts = BenchOptions(model="tiny", size="tiny", steps=steps, progress=False)
+    out = {}
+    for config in configs:
+        run = _ConfigRun(rank, world, config, opts, mesh, "cpu")
+        model = run.workload.model
+        all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
+        # What FSDP2 holds for the first block once forward has moved past it:
+        # its sharded DTensors again (resharded after forward) or the gathered weights.
+        seen = []
+        first, second = run.workload.blocks[0], run.workload.blocks[1]
+        hook = second.register_forward_pre_hook(
+            lambda m, args: seen.append(all(isinstance(p, DTensor) for p in first.parameters())))
+        for step in range(steps):
+            run.train_step(timed=True)
+            if step == 0:
+                hook.remove()
+        result = run.result()
+        result["all_dtensors"] = all_dtensors
+        result["sharded_after_forward"] = seen[0]
+        out[config] = result
+        del run
+        dist.barrier()
+    return out
+
+
+def run(world: int, configs: tuple[str, ...], steps: int) -> dict:
+    """Runs ``steps`` bench training steps of each configuration (model "tiny") on ``world`` ranks.
+
+    Returns:
+        Rank 0's ``{config: result}``: the runner's result dict plus
+        ``all_dtensors`` (every parameter sharded by FSDP2 after ``build``) and
+        ``sharded_after_forward`` (the first block's parameters were sharded
+        DTensors again when the second block's forward began).
+    """
+    return run_distributed(_worker, world, configs, steps)[0]
