@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.bench.models import build_workload
 from dmuon.bench.setups import Hyper, build, reshard_after_forward
 from dmuon.plan.traffic import fsdp2_traffic
+from dmuon.testing.memory import live_state_bytes
 
 LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
 """The live-memory figures, per rank: unique storages of each kind, and of all three together."""
@@ -112,47 +113,6 @@ def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_aft
                           reshard_after_forward=reshard_after_forward)
         total += t.sent + t.received
     return total
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _state_tensors(optimizer):
-    """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair)."""
-    for opt in getattr(optimizer, "opts", (optimizer,)):
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield value
-
-
-def live_state_bytes(model, optimizer) -> dict[str, int]:
-    """This rank's live bytes of the training state, measured from the tensors themselves.
-
-    The unique storages (``untyped_storage().nbytes()``, deduplicated by their
-    ``data_ptr()``) reachable from the model's parameters, their gradients and
-    the optimizer's state tensors, each taken as this rank's local shard
-    (``DTensor.to_local()``): what this rank actually holds, padding and shared
-    buffers included, not what the shapes say. ``total`` deduplicates across
-    the three kinds.
-    """
-    kinds = {
-        "params": [_local(p) for p in model.parameters()],
-        "grads": [_local(p.grad) for p in model.parameters() if p.grad is not None],
-        "optimizer_state": [_local(t) for t in _state_tensors(optimizer)],
-    }
-    out: dict[str, int] = {}
-    everything: dict[int, int] = {}
-    for kind, tensors in kinds.items():
-        seen: dict[int, int] = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        out[kind] = sum(seen.values())
-        everything.update(seen)
-    out["total"] = sum(everything.values())
-    return out
 
 
 def _progress(config: str, done: int, total: int) -> None:

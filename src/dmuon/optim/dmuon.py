@@ -221,6 +221,23 @@ class DMuon(torch.optim.Optimizer):
         finally:
             self.defaults = saved
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in float32.
+
+        torch casts floating-point state to its parameter's dtype on load; Muon's
+        momentum is fp32 whatever the parameter's dtype (as torch.optim.Muon's would
+        be for fp32 parameters), so it is taken again from the incoming values.
+        """
+        order = [k for g in state_dict["param_groups"] for k in g["params"]]
+        momenta = {k: v["momentum_buffer"] for k, v in state_dict["state"].items()
+                   if isinstance(v, dict) and "momentum_buffer" in v}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, value in momenta.items():
+            param = params[order.index(key)]
+            if param.dtype != torch.float32:
+                self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
+
     # --------------------------------------------------------------------- step
     def _muon_groups(self) -> dict[int, dict]:
         """Plan index -> param group, for every Muon matrix."""
