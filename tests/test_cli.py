@@ -164,7 +164,7 @@ def test_plan_cli_json(tmp_path, capsys, ns_dtype, elem):
             in text)
 
 
-def test_plan_hsdp_traffic_levels(tmp_path):
+def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     out = tmp_path / "hsdp.json"
     assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", "1024", "--ranks-per-node", "8",
                           "--json", str(out)]) == 0
@@ -192,6 +192,46 @@ def test_plan_hsdp_traffic_levels(tmp_path):
     crit = plan["critical_path_bytes"]
     assert crit["dmuon"] == max(max(r["bytes_sent"], r["bytes_received"]) for r in ranks)
     assert crit["dmuon"] < crit["fsdp2"] < crit["gather_then_compute"]
+    # The replicate-level designs, inter level, Muon matrices: FSDP2's all-reduce on every
+    # rank; (a) adds the update's 127 copies; (b) replaces the all-reduce by 127 fp32 copies.
+    designs = plan["hsdp_designs"]
+    assert designs["fsdp2_adamw"]["inter"] == {"total": 1024 * fsdp2["inter_sent"], "critical": fsdp2["inter_sent"]}
+    assert designs["a"]["inter"]["total"] == 1024 * fsdp2["inter_sent"] + 127 * total
+    assert designs["b"]["inter"]["total"] == 127 * numel * 4 + 127 * total
+    assert designs["a"]["inter"]["critical"] == fsdp2["inter_sent"] + max(
+        max(r["inter_sent"], r["inter_received"]) for r in ranks)
+    assert designs["a"]["intra"] == designs["b"]["intra"]
+    assert designs["a"]["intra"]["total"] == 1024 * fsdp2["intra_sent"] + intra
+    # The embedding and LM head are all-reduced alike under every design.
+    other = sum(g.numel for g in full_size_shapes("qwen2.5-7b") if not g.muon)
+    rest = 2 * (other // 8) * 127 // 128 * 4
+    assert designs["non_muon_all_reduce"] == {"total": 1024 * rest, "critical": rest}
+    for key in ("fsdp2_adamw", "a", "b"):
+        whole = designs[key]["inter_whole_model"]
+        assert whole == {"total": designs[key]["inter"]["total"] + 1024 * rest,
+                         "critical": designs[key]["inter"]["critical"] + rest}
+    text = capsys.readouterr().out
+    for label in ("FSDP2 + AdamW (gradient all-reduce): total", "design (a), dmuon now", "design (b), not implemented"):
+        assert sum(line.lstrip().startswith(label) for line in text.splitlines()) == 1, label
+    assert (f"design (b), not implemented (reduce to the owner's replica + update): total "
+            f"{designs['b']['inter']['total'] / 2**20:.1f} MiB" in text)
+
+
+def test_plan_hsdp_designs_only_with_replicas(capsys):
+    groups = full_size_shapes("pi0")
+    assert "hsdp_designs" not in plan_offline(groups, 4, "round_robin")
+    assert "hsdp_designs" not in plan_offline(groups, 8, "round_robin", ranks_per_node=8)
+    plan = plan_offline(groups, 8, "round_robin", ranks_per_node=4)
+    d = plan["hsdp_designs"]
+    assert set(d) == {"fsdp2_adamw", "a", "b", "non_muon_all_reduce"}
+    # Two replicas: per other replica 8 (FSDP2's fp32 all-reduce), 10 and 6 bytes per
+    # element, up to the all-reduce's rounding of each rank's shard.
+    numel = sum(m.numel for m in expand(groups))
+    assert d["a"]["inter"]["total"] - d["fsdp2_adamw"]["inter"]["total"] == numel * 2
+    assert d["b"]["inter"]["total"] == numel * 6
+    assert d["fsdp2_adamw"]["inter"]["total"] == pytest.approx(numel * 8, abs=8 * 8)
+    assert plan_cli.main(["--model", "pi0", "--world-size", "4", "--balancer", "round_robin"]) == 0
+    assert "design (b)" not in capsys.readouterr().out
 
 
 def test_plan_zero_changes_only_the_fsdp2_figures():

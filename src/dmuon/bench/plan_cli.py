@@ -114,6 +114,33 @@ def _traffic_lines(plan: dict) -> list[str]:
     ]
 
 
+# Design labels of the HSDP comparison, in plan["hsdp_designs"]' order.
+_DESIGN_LABELS = {
+    "fsdp2_adamw": "FSDP2 + AdamW (gradient all-reduce)",
+    "a": "design (a), dmuon now (all-reduce + update to the replicas)",
+    "b": "design (b), not implemented (reduce to the owner's replica + update)",
+}
+
+
+def _design_lines(plan: dict) -> list[str]:
+    """One line per HSDP replicate-level design: inter-node bytes of the Muon matrices per step."""
+    designs = plan.get("hsdp_designs")
+    if not designs:
+        return []
+    base = designs["fsdp2_adamw"]["inter"]["total"]
+    rest = designs["non_muon_all_reduce"]
+    lines = ["HSDP replicate level, inter-node bytes per step for the Muon matrices "
+             "(total over ranks; critical path = most one rank sends or receives):"]
+    for key, label in _DESIGN_LABELS.items():
+        inter = designs[key]["inter"]
+        ratio = f"{inter['total'] / base:.3f}x" if base else "-"
+        lines.append(f"  {label}: total {_mib(inter['total'])} MiB ({ratio} FSDP2 + AdamW), "
+                     f"critical path {_mib(inter['critical'])} MiB")
+    lines.append(f"  non-Muon parameters' all-reduce, the same under every design: total {_mib(rest['total'])} MiB, "
+                 f"critical path {_mib(rest['critical'])} MiB")
+    return lines
+
+
 def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> str:
     lines = [
         f"world size {plan['world_size']}, balancer {plan['balancer']}, "
@@ -136,6 +163,7 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
             lines.append("      " + ", ".join(r["matrices"]))
     lines.append("")
     lines.extend(_traffic_lines(plan))
+    lines.extend(_design_lines(plan))
     return "\n".join(lines)
 
 

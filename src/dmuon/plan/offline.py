@@ -12,7 +12,14 @@ from typing import Iterable, Sequence
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.plan.profile import CostTable, analytical_table
-from dmuon.plan.traffic import RankTraffic, critical_path, fsdp2_traffic, gather_traffic, owner_traffic
+from dmuon.plan.traffic import (
+    RankTraffic,
+    compare_hsdp_designs,
+    critical_path,
+    fsdp2_traffic,
+    gather_traffic,
+    owner_traffic,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,11 @@ def _as_table(costs, mats: Sequence[OfflineMatrix], ns_steps: int) -> CostTable:
     if missing:
         raise ValueError(f"costs: no batch-1 measurement for shapes {missing[:5]}")
     return table
+
+
+def non_muon_numels(groups: Iterable) -> list[int]:
+    """Element counts of the groups Muon does not optimise (``muon=False``), one per group."""
+    return [math.prod(int(d) for d in g.shape) * int(g.count) for g in groups if not getattr(g, "muon", True)]
 
 
 def _uniform(t: RankTraffic) -> dict:
@@ -106,7 +118,13 @@ def plan_offline(
         ``gather_bytes_per_rank`` (the same on every rank) and
         ``critical_path_bytes``: the most bytes one rank sends or receives per
         step, for ``dmuon``, ``fsdp2`` and ``gather_then_compute`` (which
-        includes FSDP2's collectives). Rank costs are batch-aware: each rank's
+        includes FSDP2's collectives). With more than one replica also
+        ``hsdp_designs``: :func:`~dmuon.plan.traffic.compare_hsdp_designs`
+        for these owners (FSDP2 + AdamW, design (a) and design (b), each with
+        ``inter``, ``intra`` and ``inter_whole_model`` ``total``/``critical``
+        bytes, and ``non_muon_all_reduce`` for the groups with ``muon=False``;
+        dmuon's elements in ``wire_bytes``, FSDP2's and (b)'s gradient
+        reduce in ``fsdp_elem_bytes``). Rank costs are batch-aware: each rank's
         matrices of one shape split into the cheapest measured batches.
 
     Raises:
@@ -121,6 +139,7 @@ def plan_offline(
     if shard < 1 or world_size % shard:
         raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size})")
     replicate = world_size // shard
+    groups = list(groups)
     mats = expand(groups)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
@@ -145,7 +164,7 @@ def plan_offline(
     numels = [m.numel for m in mats]
     fsdp2 = fsdp2_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
     gather = gather_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
-    return {
+    plan = {
         "world_size": world_size,
         "balancer": balancer,
         "method": result.method,
@@ -170,3 +189,8 @@ def plan_offline(
                                 "gather_then_compute": gather.busiest},
         "ranks": ranks,
     }
+    if replicate > 1:
+        plan["hsdp_designs"] = compare_hsdp_designs(
+            [m.shape for m in mats], owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
+            reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups))
+    return plan

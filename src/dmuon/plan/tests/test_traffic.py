@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from dmuon.plan.traffic import (
+    HSDP_DESIGNS,
     RankTraffic,
+    compare_hsdp_designs,
     critical_path,
     fsdp2_traffic,
     gather_traffic,
+    hsdp_design_traffic,
+    level_figures,
     owner_traffic,
+    owner_traffic_replicate_reduce,
+    replicate_all_reduce_traffic,
     shard_rows,
 )
 
@@ -141,6 +147,188 @@ def test_fsdp2_and_gather_then_compute_ring_figures():
     assert gather_traffic(numels, 1, 4).inter_sent == 0
 
 
+class _Wire:
+    """Counts a message-level run's bytes per rank and level (a rank's bytes to itself are not traffic)."""
+
+    def __init__(self, replicate: int, shard: int) -> None:
+        self.shard = shard
+        self.out = [RankTraffic() for _ in range(replicate * shard)]
+
+    def send(self, src: tuple[int, int], dst: tuple[int, int], tensor: torch.Tensor, elem_bytes: int):
+        if src != dst:
+            level = "intra" if src[0] == dst[0] else "inter"
+            assert level == "intra" or src[1] == dst[1], "the replicate level links one shard column"
+            size = tensor.numel() * elem_bytes
+            a, b = self.out[src[0] * self.shard + src[1]], self.out[dst[0] * self.shard + dst[1]]
+            setattr(a, f"{level}_sent", getattr(a, f"{level}_sent") + size)
+            setattr(b, f"{level}_received", getattr(b, f"{level}_received") + size)
+        return tensor.clone()
+
+
+def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed=0) -> list[RankTraffic]:
+    """Design (b) with tensors, message by message: checks every rank ends with its rows of
+    the update of the gradient summed over replicas, and returns the bytes it took."""
+    gen = torch.Generator().manual_seed(seed)
+    wire = _Wire(replicate, shard)
+    for shape, owner in zip(shapes, owners):
+        r_o, s_o = divmod(owner, shard)
+        rows = [len(c) for c in torch.arange(shape[0]).chunk(shard)]
+        rows += [0] * (shard - len(rows))
+        starts = [sum(rows[:s]) for s in range(shard)]
+        width = math.prod(shape[1:])
+        # FSDP2 over the shard sub-mesh: replica r's reduce-scatter leaves rows s of G_r on (r, s).
+        grads = [torch.randn(shape[0], width, generator=gen, dtype=torch.float64) for _ in range(replicate)]
+        held = {(r, s): grads[r][starts[s]:starts[s] + rows[s]] for r in range(replicate) for s in range(shard)}
+        # 1: every other replica's rows go to the owner's replica, which sums them.
+        summed = {}
+        for s in range(shard):
+            summed[s] = held[(r_o, s)].clone()
+            for r in range(replicate):
+                if r != r_o:
+                    summed[s] += wire.send((r, s), (r_o, s), held[(r, s)], grad_bytes)
+        # 2: the owner's replica sends its rows of the direction to the owner.
+        full = torch.cat([wire.send((r_o, s), (r_o, s_o), summed[s], elem_bytes) for s in range(shard)])
+        assert torch.allclose(full, sum(grads))
+        update = torch.tanh(full)  # stands in for NS: any map of the whole matrix
+        # 3: the owner sends each column its rows of the update; 4: they go on to the other replicas.
+        back = {s: wire.send((r_o, s_o), (r_o, s), update[starts[s]:starts[s] + rows[s]], elem_bytes)
+                for s in range(shard)}
+        for s in range(shard):
+            for r in range(replicate):
+                got = back[s] if r == r_o else wire.send((r_o, s), (r, s), back[s], elem_bytes)
+                assert torch.equal(got, update[starts[s]:starts[s] + rows[s]])
+    return wire.out
+
+
+def test_design_b_hand_case_on_a_two_by_two_mesh():
+    # Rows [2, 1] of 2 elements, owner (1, 0); bf16 directions, fp32 gradients.
+    t = owner_traffic_replicate_reduce([(3, 2)], [2], 2, 2)
+    got = [(x.intra_sent, x.intra_received, x.inter_sent, x.inter_received) for x in t]
+    # (0, s) send their gradient rows (16 and 8 bytes) and get the update rows (8, 4);
+    # (1, 1) sends its 1-row direction to the owner (1, 0) and gets its update row back.
+    assert got == [(0, 0, 16, 8), (0, 0, 8, 4), (4, 4, 8, 16), (4, 4, 4, 8)]
+    assert _run_design_b([(3, 2)], [2], 2, 2, 2, 4) == t
+
+
+def test_design_b_matches_the_message_level_run_and_conserves_each_level():
+    rng = random.Random(1)
+    for trial in range(120):
+        replicate, shard = rng.randint(1, 4), rng.randint(1, 4)
+        world = replicate * shard
+        shapes = [tuple(rng.randint(1, 7) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(1, 4))]
+        owners = [rng.randrange(world) for _ in shapes]
+        elem, grad = rng.choice([2, 4]), rng.choice([2, 4])
+        model = owner_traffic_replicate_reduce(shapes, owners, replicate, shard, elem, grad)
+        assert model == _run_design_b(shapes, owners, replicate, shard, elem, grad, seed=trial), (
+            shapes, owners, replicate, shard)
+        for level in ("intra", "inter"):
+            assert (sum(getattr(x, f"{level}_sent") for x in model)
+                    == sum(getattr(x, f"{level}_received") for x in model))
+        # The shard level is design (a)'s; the replicate level is one gradient copy and
+        # one update copy of every matrix per other replica.
+        a = owner_traffic(shapes, owners, replicate, shard, elem)
+        assert [(x.intra_sent, x.intra_received) for x in model] == [(x.intra_sent, x.intra_received) for x in a]
+        numel = sum(math.prod(s) for s in shapes)
+        assert sum(x.inter_sent for x in model) == (replicate - 1) * numel * (grad + elem)
+
+
+def _ring_all_reduce(replicate: int, shard: int, numel: int, elem_bytes: int) -> list[RankTraffic]:
+    """A ring all-reduce of each rank's numel / S shard across the R ranks of its column,
+    chunk by chunk: R-1 reduce-scatter steps, then R-1 all-gather steps."""
+    out = [RankTraffic() for _ in range(replicate * shard)]
+    chunk = numel // shard // replicate
+    for s in range(shard):
+        for _ in range(2 * (replicate - 1)):
+            for r in range(replicate):
+                out[r * shard + s].inter_sent += chunk * elem_bytes
+                out[(r + 1) % replicate * shard + s].inter_received += chunk * elem_bytes
+    return out
+
+
+def test_replicate_all_reduce_is_fsdp2s_inter_level_and_a_ring():
+    numels = [64 * 64, 32 * 64]
+    for replicate, shard in [(2, 4), (4, 8), (8, 2), (1, 4)]:
+        ar = replicate_all_reduce_traffic(numels, replicate, shard)
+        f = fsdp2_traffic(numels, replicate, shard)
+        assert (ar.inter_sent, ar.inter_received) == (f.inter_sent, f.inter_received)
+        assert ar.intra_sent == ar.intra_received == 0
+        assert [ar] * (replicate * shard) == _ring_all_reduce(replicate, shard, sum(numels), 4)
+
+
+@pytest.mark.parametrize("replicate,shard", [(4, 8), (2, 4), (8, 8), (3, 2)])
+def test_design_totals_for_one_evenly_divisible_matrix(replicate, shard):
+    # M elements, divisible by S * R: every figure is exact.
+    rows, cols = 8 * 3 * 8, 64
+    m = rows * cols
+    r1 = replicate - 1
+    figs = compare_hsdp_designs([(rows, cols)], [shard + 1], replicate, shard)
+    inter = {k: figs[k]["inter"] for k in HSDP_DESIGNS}
+    # (i) each of the S columns ring-all-reduces M/S fp32 elements over R ranks.
+    assert inter["fsdp2_adamw"]["total"] == 2 * r1 * m * 4
+    # (ii) design (a): that, plus the bf16 update once to every other replica.
+    assert inter["a"]["total"] == 2 * r1 * m * 4 + r1 * m * 2
+    # (iii) design (b): the fp32 gradient reduced to the owner's replica, plus the same update.
+    assert inter["b"]["total"] == r1 * m * 4 + r1 * m * 2
+    # Per element 8, 10 and 6 bytes per other replica.
+    assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10, 6]
+    # Critical paths: the all-reduce is 2 (R-1)/R of a column's M/S each way on every rank;
+    # (a)'s owner replica sends the update R-1 times more; (b)'s receives R-1 gradient copies.
+    ar = 2 * r1 * (m // shard) // replicate * 4
+    assert inter["fsdp2_adamw"]["critical"] == ar
+    assert inter["a"]["critical"] == ar + r1 * (m // shard) * 2
+    assert inter["b"]["critical"] == r1 * (m // shard) * 4
+    # The shard level: (a) and (b) both add dmuon's exchange to FSDP2's within-replica collectives.
+    assert figs["a"]["intra"] == figs["b"]["intra"]
+    assert figs["a"]["intra"]["total"] - figs["fsdp2_adamw"]["intra"]["total"] == 2 * (m - m // shard) * 2
+    # No non-Muon parameters: the whole model is the matrices.
+    assert figs["non_muon_all_reduce"] == {"total": 0, "critical": 0}
+    assert all(figs[k]["inter_whole_model"] == figs[k]["inter"] for k in HSDP_DESIGNS)
+
+
+def test_design_hand_numbers():
+    # One 64 x 64 matrix on a 4 x 8 mesh, owner (1, 1): M = 4096, M / S = 512.
+    figs = compare_hsdp_designs([(64, 64)], [9], 4, 8, other_numels=[1024, 3072])
+    assert figs["fsdp2_adamw"]["inter"] == {"total": 98304, "critical": 3072}
+    assert figs["a"]["inter"] == {"total": 122880, "critical": 6144}
+    assert figs["b"]["inter"] == {"total": 73728, "critical": 6144}
+    # 4096 non-Muon elements all-reduced alike under every design: 2 * 3 * 4096 * 4 in all, 3072 a rank.
+    assert figs["non_muon_all_reduce"] == {"total": 98304, "critical": 3072}
+    assert figs["b"]["inter_whole_model"] == {"total": 73728 + 98304, "critical": 6144 + 3072}
+    # Per rank: (b)'s owner replica receives 3 gradient copies of its 512 rows (3 * 512 * 4)
+    # and sends 3 update copies (3 * 512 * 2); the other replicas send 2048 and receive 1024.
+    b = hsdp_design_traffic([(64, 64)], [9], 4, 8)["b"]
+    assert {(x.inter_sent, x.inter_received) for x in b[8:16]} == {(3072, 6144)}
+    assert {(x.inter_sent, x.inter_received) for x in b[:8] + b[16:]} == {(2048, 1024)}
+
+
+def test_design_traffic_is_fsdp2_plus_the_exchange():
+    rng = random.Random(2)
+    for _ in range(40):
+        replicate, shard = rng.randint(1, 4), rng.randint(1, 4)
+        shapes = [(rng.randint(1, 20), rng.randint(1, 20)) for _ in range(rng.randint(1, 5))]
+        owners = [rng.randrange(replicate * shard) for _ in shapes]
+        reshard = rng.random() < 0.5
+        d = hsdp_design_traffic(shapes, owners, replicate, shard, 2, 4, reshard)
+        f = fsdp2_traffic([math.prod(s) for s in shapes], replicate, shard, 4, reshard)
+        a = owner_traffic(shapes, owners, replicate, shard, 2)
+        b = owner_traffic_replicate_reduce(shapes, owners, replicate, shard, 2, 4)
+        assert d["fsdp2_adamw"] == [f] * (replicate * shard)
+        for k, x in enumerate(d["a"]):
+            assert x == RankTraffic(f.intra_sent + a[k].intra_sent, f.intra_received + a[k].intra_received,
+                                    f.inter_sent + a[k].inter_sent, f.inter_received + a[k].inter_received)
+        for k, x in enumerate(d["b"]):
+            assert x == RankTraffic(f.intra_sent + b[k].intra_sent, f.intra_received + b[k].intra_received,
+                                    b[k].inter_sent, b[k].inter_received)
+        for name in HSDP_DESIGNS:
+            for level in ("intra", "inter"):
+                fig = level_figures(d[name], level)
+                assert fig["total"] == sum(getattr(x, f"{level}_received") for x in d[name])
+        # One replica: nothing crosses nodes under any design, and (a) and (b) coincide.
+        if replicate == 1:
+            assert d["a"] == d["b"]
+            assert all(level_figures(d[n], "inter") == {"total": 0, "critical": 0} for n in HSDP_DESIGNS)
+
+
 def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="owner 4 outside"):
         owner_traffic([(2, 2)], [4], 2, 2)
@@ -150,3 +338,9 @@ def test_bad_input_is_rejected():
         shard_rows(3, 0)
     with pytest.raises(ValueError, match="elem_bytes"):
         owner_traffic([(2, 2)], [0], 1, 2, elem_bytes=0)
+    with pytest.raises(ValueError, match="owner 4 outside"):
+        owner_traffic_replicate_reduce([(2, 2)], [4], 2, 2)
+    with pytest.raises(ValueError, match="grad_bytes"):
+        owner_traffic_replicate_reduce([(2, 2)], [0], 1, 2, grad_bytes=0)
+    with pytest.raises(ValueError, match="level must be"):
+        level_figures([RankTraffic()], "both")
