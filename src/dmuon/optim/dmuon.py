@@ -282,45 +282,63 @@ class DMuon(torch.optim.Optimizer):
             out[i] = self._wire(i, d)
         return out
 
-    def _flags(self, group_of: dict[int, dict]) -> tuple[list[int], bool]:
-        """Agrees on which matrices have a gradient (and, if asked, on non-finite gradients).
+    def _agree(self, group_of: dict[int, dict], here: list[int],
+               stale: torch.Tensor | None) -> tuple[list[int], bool, torch.Tensor | None]:
+        """One small all-reduce puts every rank on the same path for this step.
 
-        One small all-reduce keeps every rank on the same collective path.
+        It agrees on which matrices have a gradient, on non-finite gradients (with
+        ``nonfinite=``) and on ``stale`` (per launch from backward, 1 where this
+        rank's directions differ from those sent).
 
         Returns:
-            The active matrices and whether the step is skipped.
+            The active matrices, whether the step is skipped, and the agreed ``stale``.
         """
         infos = self.plan.infos
         n = len(infos)
         others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
         check = self.nonfinite is not None
-        flags = torch.zeros(2 * n + (n + len(others) if check else 0), dtype=torch.int32)
+        checked = n + len(others) if check else 0
+        stale = torch.zeros(0, dtype=torch.int32) if stale is None else stale
+        flags = torch.zeros(2 * n + checked + stale.numel(), dtype=torch.int32)
         for i in group_of:
-            grad = infos[i].param.grad
             flags[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
-            if grad is None:
-                continue
-            self._check_grad(i)
+        for i in here:
             flags[i], flags[n + i] = 1, 0
             if check:
-                flags[2 * n + i] = int(not torch.isfinite(_local(grad)).all())
+                flags[2 * n + i] = int(not torch.isfinite(_local(infos[i].param.grad)).all())
         if check:
             for k, p in enumerate(others):
                 if p.grad is not None:
                     flags[3 * n + k] = int(not torch.isfinite(_local(p.grad)).all())
+        flags[2 * n + checked:] = stale
         flags = self.runtime.agree(flags)
         uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
         if uneven:
             raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
                                "gradients on every rank or on none")
         active = [i for i in sorted(group_of) if flags[i]]
-        if not check or not flags[2 * n:].any():
-            return active, False
+        agreed_stale = flags[2 * n + checked:]
+        if not check or not flags[2 * n : 2 * n + checked].any():
+            return active, False, agreed_stale
         if self.nonfinite == "raise":
             names = [infos[i].name for i in range(n) if flags[2 * n + i]]
             names += [self._names.get(id(p), "?") for k, p in enumerate(others) if flags[3 * n + k]]
             raise FloatingPointError(f"non-finite gradients in {names}")
-        return active, True
+        return active, True, agreed_stale
+
+    def _stale(self, launches: dict[int, Launch], active: list[int],
+               directions: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per launch (block order), 1 unless it sent exactly these matrices and, bit for bit, these directions."""
+        by_block: dict[int, list[int]] = {}
+        for i in active:
+            by_block.setdefault(self.plan.infos[i].block, []).append(i)
+        flags = torch.zeros(len(launches), dtype=torch.int32)
+        for k, b in enumerate(sorted(launches)):
+            launch = launches[b]
+            same = launch.members == by_block.get(b, []) and all(
+                torch.equal(launch.sent[i], directions[i]) for i in launch.members)
+            flags[k] = int(not same)
+        return flags
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -333,8 +351,21 @@ class DMuon(torch.optim.Optimizer):
         launches = self.runtime.take_launches() if self.overlap else {}
         early = self._join_block_ns()
         group_of = self._muon_groups()
-        active, skipped = self._flags(group_of)
-        orthogonalized, ns_seconds, kept = 0, 0.0, 0
+        here = [i for i in sorted(group_of) if self.plan.infos[i].param.grad is not None]
+        for i in here:
+            self._check_grad(i)
+        if self.nonfinite is None:
+            # Nothing can skip the step, so the momentum advances first and one
+            # all-reduce settles both the active set and the launches' verdicts.
+            directions = self._commit_directions(here, group_of)
+            active, skipped, stale = self._agree(group_of, here, self._stale(launches, here, directions))
+        else:
+            active, skipped, _ = self._agree(group_of, here, None)
+            if not skipped:
+                directions = self._commit_directions(active, group_of)
+                stale = self.runtime.agree(self._stale(launches, active, directions))
+        orthogonalized, ns_seconds = 0, 0.0
+        self._kept = set()
         if skipped:
             for launch in launches.values():
                 launch.pending.wait()
@@ -342,14 +373,15 @@ class DMuon(torch.optim.Optimizer):
             for group in self.param_groups:
                 if group["algorithm"] == "adamw":
                     adamw_group_step(group, self.state)
-            orthogonalized, ns_seconds, kept = self._muon_step(active, group_of, launches, early)
+            self._kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
+            orthogonalized, ns_seconds = self._muon_step(active, group_of, launches, early, directions)
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
             **{k: v for k, v in stats.as_dict().items() if k != "wait_seconds"},
             "exposed_comm_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
-            "blocks_exchanged_in_backward": kept,
+            "blocks_exchanged_in_backward": len(self._kept),
             "orthogonalized_in_backward": sum(len(o) for b, (o, _) in early.items() if b in self._kept),
             "step_seconds": time.perf_counter() - start,
             "skipped_nonfinite": skipped,
@@ -358,60 +390,43 @@ class DMuon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, active: list[int], group_of: dict[int, dict], launches: dict[int, Launch],
-                   early: dict[int, tuple[dict[int, torch.Tensor], float]]) -> tuple[int, float, int]:
-        infos, me = self.plan.infos, self.plan.rank
-        directions = self._commit_directions(active, group_of)
-        by_block: dict[int, list[int]] = {}
-        for i in active:
-            by_block.setdefault(infos[i].block, []).append(i)
-        # A launch from backward stands only if it sent exactly what would be sent now.
-        order = sorted(launches)
-        flags = torch.zeros(len(order), dtype=torch.int32)
-        for k, b in enumerate(order):
-            launch = launches[b]
-            same = launch.members == by_block.get(b, []) and all(
-                torch.equal(launch.sent[i], directions[i]) for i in launch.members)
-            flags[k] = int(not same)
-        if order:
-            flags = self.runtime.agree(flags)
-        self._kept = {b for k, b in enumerate(order) if not flags[k]}
-        for b in order:
-            if b not in self._kept:
+                   early: dict[int, tuple[dict[int, torch.Tensor], float]],
+                   directions: dict[int, torch.Tensor]) -> tuple[int, float]:
+        infos, kept = self.plan.infos, self._kept
+        for b in launches:
+            if b not in kept:
                 launches[b].pending.wait()  # stale: lands unused
-        pending = {b: launches[b].pending if b in self._kept
-                   else self.runtime.exchange.send_directions(members, directions)
-                   for b, members in sorted(by_block.items())}
+        # Everything not kept from backward goes to the owners in one exchange.
+        rest = [i for i in active if infos[i].block not in kept]
+        pending = [launches[b].pending for b in sorted(kept) if b not in early]
+        pending.append(self.runtime.exchange.send_directions(rest, directions))
         ns_start = time.perf_counter()
-        ns_seconds = sum(spent for b, (_, spent) in early.items() if b in self._kept)
+        ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
         orthos: dict[int, torch.Tensor] = {}
+        for b in kept & early.keys():
+            orthos.update(early[b][0])
         full: dict[int, torch.Tensor] = {}
-        for b in sorted(pending):
-            if b in early and b in self._kept:
-                orthos.update(early[b][0])
-            else:
-                full.update(pending[b].wait())
+        for p in pending:
+            full.update(p.wait())
         if self.ns_in_backward:
             # Per block, as the worker does, so the batches do not depend on how far backward got.
-            for b in sorted(by_block):
-                owned = [i for i in by_block[b] if i in full]
-                if owned:
-                    orthos.update(self._orthogonalize(owned, full, group_of))
+            by_block: dict[int, list[int]] = {}
+            for i in sorted(full):
+                by_block.setdefault(infos[i].block, []).append(i)
+            for owned in by_block.values():
+                orthos.update(self._orthogonalize(owned, full, group_of))
         else:
             orthos.update(self._orthogonalize(sorted(full), full, group_of))
         del full
-        returns = {b: self.runtime.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos})
-                   for b, members in sorted(by_block.items())}
+        returned = self.runtime.exchange.return_updates(active, orthos)
         ns_seconds += time.perf_counter() - ns_start
         column = self.runtime.topo.coords[1]
-        for b in sorted(returns):
-            for i, rows in returns[b].wait().items():
-                info, group = infos[i], group_of[i]
-                if info.rows[column] == 0:
-                    continue
+        for i, rows in returned.wait().items():
+            info, group = infos[i], group_of[i]
+            if info.rows[column]:
                 apply_update(_local(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
                              adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
-        owned = sum(1 for i in active if infos[i].owner == me)
-        return owned, ns_seconds, len(self._kept)
+        return len(orthos), ns_seconds
 
     def _orthogonalize(self, indices: list[int], directions: dict[int, torch.Tensor],
                        group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
