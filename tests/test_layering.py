@@ -1,0 +1,46 @@
+"""The library's imports flow one way: each layer imports only itself and the layers below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dmuon
+
+# Lowest first (docs/architecture.md, "Layers"). Tests beside a package may import anything.
+LAYERS = ["ortho", "rules", "plan", "comm", "runtime", "prepare", "optim", "baselines", "testing", "bench", "cli"]
+ROOT = Path(dmuon.__file__).parent
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "dmuon" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_imports_flow_downwards():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if "tests" in rel.parts or rel.name == "__init__.py" and len(rel.parts) == 1:
+            continue
+        own = rel.parts[0].removesuffix(".py")
+        assert own in LAYERS, f"{rel}: package {own!r} is not in the layer list"
+        for module in _imports(path):
+            layer = _layer(module)
+            if module == "dmuon":
+                layer = "optim"  # the package's front door re-exports optim/prepare/plan
+            if layer is not None and LAYERS.index(layer) > LAYERS.index(own):
+                wrong.append(f"{rel} imports {module}")
+    assert not wrong, "imports that run upwards:\n" + "\n".join(wrong)
