@@ -40,8 +40,8 @@ def peek_direction(
     committed update's (``buf=None`` stands for a fresh zero buffer).
     """
     grad = grad.to(torch.float32 if buf is None else buf.dtype)
-    advanced = torch.zeros_like(grad) if buf is None else buf.clone()
-    advanced.lerp_(grad, 1 - momentum)
+    # Out of place, the same elementwise kernel as ``lerp_``: bit-identical, one pass fewer than a clone.
+    advanced = (torch.zeros_like(grad) if buf is None else buf).lerp(grad, 1 - momentum)
     return grad.lerp(advanced, momentum) if nesterov else advanced
 
 
