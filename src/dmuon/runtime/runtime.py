@@ -24,6 +24,7 @@ own (:func:`dmuon.comm.topology.from_mesh`), apart from FSDP2's.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,22 +86,30 @@ class ShardRuntime:
             self._hooks.append(info.param.register_post_accumulate_grad_hook(self._grad_landed(info.index)))
 
     def _grad_landed(self, index: int):
-        block = self.plan.infos[index].block
+        # The hook outlives nothing: once the optimizer (and with it this runtime)
+        # is gone, e.g. replaced by a new one on resume, the hook does nothing.
+        runtime = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
-            if block in self._launches:
-                # A second reduction in one step (accumulation without FSDP2's
-                # no-sync): the launch is stale, and step()'s check will redo it.
-                return
-            if self._current is not None and self._current != block:
-                self._launch(self._current)
-            self._current = block
-            landed = self._landed.setdefault(block, [])
-            landed.append(index)
-            if len(landed) == self._expected[block]:
-                self._launch(block)
+            me = runtime()
+            if me is not None:
+                me._landed_one(index)
 
         return hook
+
+    def _landed_one(self, index: int) -> None:
+        block = self.plan.infos[index].block
+        if block in self._launches:
+            # A second reduction in one step (accumulation without FSDP2's
+            # no-sync): the launch is stale, and step()'s check will redo it.
+            return
+        if self._current is not None and self._current != block:
+            self._launch(self._current)
+        self._current = block
+        landed = self._landed.setdefault(block, [])
+        landed.append(index)
+        if len(landed) == self._expected[block]:
+            self._launch(block)
 
     @torch.no_grad()
     def _launch(self, block: int) -> None:
@@ -130,7 +139,6 @@ class ShardRuntime:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group)
         return flags.cpu()
 
-    def remove_hooks(self) -> None:
+    def __del__(self) -> None:
         for handle in self._hooks:
             handle.remove()
-        self._hooks.clear()

@@ -1,0 +1,61 @@
+"""The runtime in one process: launches from backward, their check in step(), hook lifetime."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import dmuon
+from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+
+
+def _trained(overlap: bool, backwards_per_step: int, clip: float | None = None):
+    torch.manual_seed(0)
+    model = OddNet()
+    opt = dmuon.DMuon(model, overlap=overlap, **KW)
+    kept = []
+    for step in range(2):
+        for k in range(backwards_per_step):
+            lm_loss(model, odd_batch(step, k)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        kept.append(opt.last_step_stats()["blocks_exchanged_in_backward"])
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, kept
+
+
+def test_a_launch_stands_only_for_the_gradients_step_uses():
+    plain, kept = _trained(overlap=True, backwards_per_step=1)
+    assert kept == [1, 1]  # one block in a single process, launched from backward and kept
+    for backwards, clip in ((2, None), (1, 0.1)):
+        # A second backward (accumulating without FSDP2's no-sync) or a clip changes the
+        # gradients after the launch: step() exchanges again, and the result is exact.
+        on, kept = _trained(overlap=True, backwards_per_step=backwards, clip=clip)
+        off, _ = _trained(overlap=False, backwards_per_step=backwards, clip=clip)
+        assert kept == [0, 0]
+        assert all(torch.equal(on[n], off[n]) for n in on)
+        assert any(not torch.equal(on[n], plain[n]) for n in on)
+
+
+def test_a_replaced_optimizer_leaves_no_hooks_behind():
+    torch.manual_seed(0)
+    model = OddNet()
+    first = dmuon.DMuon(model, **KW)
+    lm_loss(model, odd_batch(0, 0)).backward()
+    first.step()
+    first.zero_grad()
+    runtime = weakref.ref(first.runtime)
+    second = dmuon.DMuon(model, **KW)
+    second.load_state_dict(first.state_dict())
+    del first
+    gc.collect()
+    assert runtime() is None
+    assert len(model.layers[0].up.weight._post_accumulate_grad_hooks) == 1
+    lm_loss(model, odd_batch(1, 0)).backward()
+    second.step()
+    assert second.last_step_stats()["blocks_exchanged_in_backward"] == 1
