@@ -16,6 +16,7 @@ from dmuon.plan.balance import BALANCERS
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
 from dmuon.plan.selection import SelectFn, select_matrices
 from dmuon.plan.traffic import shard_rows
+from dmuon.rules.adamw import local_tensor
 
 
 def _fingerprint(model: nn.Module, chosen: list[str], balancer: str) -> torch.Tensor:
@@ -166,7 +167,7 @@ def prepare(
         if id(p) not in block_of:
             raise ValueError(f"parameter {name!r} is not managed by any fully_shard module")
         rows = tuple(shard_rows(p.shape[0], shard))
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         if tuple(local.shape) != (rows[column], *p.shape[1:]):
             raise ValueError(f"parameter {name!r}: local shard {tuple(local.shape)} is not the row split "
                              f"{rows} dmuon expects for shape {tuple(p.shape)}")

@@ -14,28 +14,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from dmuon.rules.adamw import adamw_group_step
+from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
-from dmuon.ortho import orthogonalize_many
+from dmuon.ortho import KELLER, orthogonalize_many
+from dmuon.ortho.autotune import METHODS
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.runtime.runtime import Launch, ShardRuntime
 
-NS_METHODS = ("auto", "standard", "standard32", "gram")
+NS_METHODS = ("auto",) + METHODS
 NONFINITE_MODES = (None, "skip", "raise")
-KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+KELLER_COEFFICIENTS = KELLER
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _check_nonnegative(name: str, value: float) -> None:
     if not value >= 0.0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class DMuon(torch.optim.Optimizer):
@@ -262,7 +258,7 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             self._check_grad(i)
             buf = self.state[param].get("momentum_buffer")
-            d = peek_direction(_local(param.grad), None if buf is None else _local(buf),
+            d = peek_direction(local_tensor(param.grad), None if buf is None else local_tensor(buf),
                                group["momentum"], group["nesterov"])
             out[i] = self._wire(i, d)
         return out
@@ -277,7 +273,7 @@ class DMuon(torch.optim.Optimizer):
                 # Sharded like the parameter (a DTensor under FSDP2), as AdamW's state is.
                 state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32,
                                                             memory_format=torch.preserve_format)
-            d = momentum_update(_local(param.grad), _local(state["momentum_buffer"]), group["momentum"],
+            d = momentum_update(local_tensor(param.grad), local_tensor(state["momentum_buffer"]), group["momentum"],
                                 group["nesterov"])
             out[i] = self._wire(i, d)
         return out
@@ -306,11 +302,11 @@ class DMuon(torch.optim.Optimizer):
         for i in here:
             values[i], values[n + i] = 1, 0
             if check:
-                values[2 * n + i] = int(not torch.isfinite(_local(infos[i].param.grad)).all())
+                values[2 * n + i] = int(not torch.isfinite(local_tensor(infos[i].param.grad)).all())
         if check:
             for k, p in enumerate(others):
                 if p.grad is not None:
-                    values[3 * n + k] = int(not torch.isfinite(_local(p.grad)).all())
+                    values[3 * n + k] = int(not torch.isfinite(local_tensor(p.grad)).all())
         flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale])
         flags = self.runtime.agree(flags).tolist()
         uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
@@ -425,7 +421,7 @@ class DMuon(torch.optim.Optimizer):
         for i, rows in returned.wait().items():
             info, group = infos[i], group_of[i]
             if info.rows[column]:
-                apply_update(_local(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+                apply_update(local_tensor(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
                              adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
         return len(orthos), ns_seconds
 

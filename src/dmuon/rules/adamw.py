@@ -7,7 +7,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -51,7 +52,7 @@ def adamw_group_step(group: dict, state: dict) -> None:
         # the same kernels on the same numbers, without DTensor's per-op dispatch
         # (which costs more than the arithmetic at these sizes).
         params, grads, exp_avgs, exp_avg_sqs = (
-            [_local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs))
+            [local_tensor(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs))
     beta1, beta2 = group["betas"]
     adam(
         params,

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 import dmuon
+from dmuon.rules.adamw import local_tensor
 from dmuon.testing.cases import make_mesh
 
 
@@ -48,10 +48,6 @@ class MatrixStack(nn.Module):
         return self.norm(x)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _state_tensors(optimizer):
     """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair)."""
     for opt in getattr(optimizer, "opts", (optimizer,)):
@@ -63,7 +59,7 @@ def _state_tensors(optimizer):
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """``data_ptr -> nbytes`` of the unique storages under ``tensors`` (their local shards)."""
-    return {_local(t).untyped_storage().data_ptr(): _local(t).untyped_storage().nbytes() for t in tensors}
+    return {local_tensor(t).untyped_storage().data_ptr(): local_tensor(t).untyped_storage().nbytes() for t in tensors}
 
 
 def live_bytes_of(tensors: Iterable[torch.Tensor]) -> int:
@@ -113,7 +109,7 @@ def _measure(model: nn.Module, opt: torch.optim.Optimizer, rank: int, dim: int, 
         grads = [p.grad for p in params if p.grad is not None]
         out["grad_bytes"] = max(out["grad_bytes"], live_bytes_of(grads))
         if step == steps - 1:
-            out["grad_numel"] = {n: (_local(p.grad).numel(), tuple(p.shape))
+            out["grad_numel"] = {n: (local_tensor(p.grad).numel(), tuple(p.shape))
                                  for n, p in model.named_parameters() if p.ndim == 2}
         opt.step()
         opt.zero_grad()
