@@ -18,7 +18,8 @@ def ns_flops(shape: tuple[int, int], steps: int = 5) -> float:
 
 
 def update_cost(shape: tuple[int, int], steps: int = 5) -> float:
-    """Estimated cost of one owner update: NS plus the elementwise momentum/update passes."""
+    """Estimated cost of one owner's work for a matrix: NS plus a few elementwise passes
+    (assembling the direction's pieces, splitting the update)."""
     m, n = shape
     elementwise = 12.0 * m * n
     return ns_flops(shape, steps) + elementwise

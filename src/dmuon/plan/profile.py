@@ -6,10 +6,12 @@ matrices amortize launches, tall and wide shapes differ). This module times
 the real owner update for every shape and every batch size that can occur and
 keeps the table, so balancers see what the optimizer step will see.
 
-One entry is the time of one owner update of ``b`` same-shape matrices, as
-:class:`dmuon.DMuon` runs it: momentum ``lerp`` (Nesterov), Newton-Schulz for
-the ``b`` directions through :func:`dmuon.ortho.orthogonalize_many` (method
-and batching from the autotuner), and the weight update.
+One entry is the time of one owner's work for ``b`` same-shape matrices, as
+:class:`dmuon.DMuon` runs it: Newton-Schulz for the ``b`` full directions,
+already in the NS dtype (they arrive in it), through
+:func:`dmuon.ortho.orthogonalize_many` (method and batching from the
+autotuner). Momentum and the weight update are not the owner's: every rank
+runs them on its own rows of every matrix, whoever owns it.
 
 Cache: one JSON file per header (schema, device fingerprint, torch version,
 parameter dtype, NS settings) under ``cache_dir``, else ``$DMUON_CACHE_DIR``,
@@ -39,15 +41,13 @@ from dmuon.ortho.autotune import Autotuner, default_cache_dir, device_fingerprin
 from dmuon.ortho.coefficients import KELLER, resolve_schedule, schedule_key
 from dmuon.ortho import orthogonalize_many
 from dmuon.plan.cost import update_cost
-from dmuon.rules.muon import apply_update, momentum_update
 
-SCHEMA_VERSION = 1
+# 2: entries time NS alone (momentum and the update run on every rank's shards).
+SCHEMA_VERSION = 2
 DEFAULT_REPEATS = 3
 # Once an entry's timed runs add up to this many seconds, it stops repeating.
 DEFAULT_MAX_ENTRY_S = 0.5
 NS_KEYS = ("method", "coefficients", "steps", "eps", "dtype", "batching")
-# Muon's defaults: the momentum factor changes no timing, only values.
-_MOMENTUM, _NESTEROV, _LR, _WEIGHT_DECAY = 0.95, True, 1e-3, 0.1
 
 Shape = tuple[int, int]
 
@@ -295,22 +295,19 @@ def measure_update(
     max_entry_s: float = DEFAULT_MAX_ENTRY_S,
     autotuner: Autotuner | None = None,
 ) -> float:
-    """Median seconds of one owner update of ``batch`` matrices of ``shape`` (after a warm-up).
+    """Median seconds of an owner's NS for ``batch`` matrices of ``shape`` (after a warm-up).
 
-    The warm-up run also lets the autotuner settle its method and batching
-    choices, so they are not timed. Repeats stop early once the timed runs
-    add up to ``max_entry_s``.
+    The directions come in the NS dtype (``ns_kwargs["dtype"]``, else ``dtype``),
+    as the exchange delivers them. The warm-up run also lets the autotuner
+    settle its method and batching choices, so they are not timed. Repeats
+    stop early once the timed runs add up to ``max_entry_s``.
     """
     gen = torch.Generator(device="cpu").manual_seed(1234 + 7 * batch)
-    grads = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(batch)]
-    params = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(batch)]
-    bufs = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(batch)]
+    wire = ns_kwargs.get("dtype", dtype)
+    directions = [torch.randn(shape, generator=gen).to(device=device, dtype=wire) for _ in range(batch)]
 
     def step() -> None:
-        directions = [momentum_update(g, buf, _MOMENTUM, _NESTEROV) for g, buf in zip(grads, bufs)]
-        orthos = orthogonalize_many(directions, autotuner=autotuner, **ns_kwargs)
-        for p, o in zip(params, orthos):
-            apply_update(p, o, lr=_LR, weight_decay=_WEIGHT_DECAY, adjust_lr_fn=None, matrix_shape=shape)
+        orthogonalize_many(directions, autotuner=autotuner, **ns_kwargs)
 
     step()
     _sync(device)
