@@ -14,7 +14,8 @@ import torch
 
 from dmuon.testing import run_distributed
 from dmuon.testing.cases import MUON_KW
-from dmuon.testing.checkpoint import global_batch, on_4_ranks, resume_and_train
+from dmuon.testing.checkpoint import PlainMuonAdamW, global_batch, on_3_ranks, on_4_ranks_more, resume_and_train
+from dmuon.testing.spawn import run_with_crashes
 from dmuon.testing.models import OddNet, lm_loss
 from dmuon.testing.reference import reference_training
 
@@ -27,7 +28,7 @@ def saved_on_4_ranks(tmp_path_factory):
     """One 4-rank run: an fp32 checkpoint after SAVED_AT steps (ZeRO-3 style) with rank 0's full
     model state, and the bf16 + frozen block save/continue/resume comparison."""
     directory = tmp_path_factory.mktemp("ckpt")
-    out = run_distributed(on_4_ranks, 4, str(directory), SAVED_AT, MORE, FROZEN, timeout_s=120)[0]
+    out = run_distributed(on_4_ranks_more, 4, str(directory), SAVED_AT, MORE, FROZEN, timeout_s=120)[0]
     return str(directory / "fp32"), out
 
 
@@ -92,3 +93,79 @@ def test_bf16_parameters_keep_fp32_momentum_across_a_resume():
     assert opt.state[weight]["momentum_buffer"].dtype == torch.float32
     assert resumed.state[weight]["momentum_buffer"].dtype == torch.float32
     assert torch.equal(resumed.state[weight]["momentum_buffer"], opt.state[weight]["momentum_buffer"])
+
+
+def _worst(got, ref):
+    assert set(got) == set(ref)
+    worst = max(ref, key=lambda n: (got[n] - ref[n]).abs().max().item())
+    return worst, (got[worst] - ref[worst]).abs().max().item()
+
+
+def test_async_save_with_the_combined_api_resumes_under_another_balancer(saved_on_4_ranks):
+    """get_state_dict + dcp.async_save (greedy owners), then get_state_dict + dcp.load + set_state_dict
+    on 4 ranks with round-robin owners: the run continues as if never interrupted."""
+    worst, err = _worst(saved_on_4_ranks[1]["async"], _uninterrupted())
+    assert err <= 1e-5, (worst, err)
+
+
+def test_save_and_load_stay_within_the_training_peak(saved_on_4_ranks):
+    """On every rank: live state + the state-dict bytes that are not aliases of it, right after
+    get_*_state_dict + dcp.save and right after get_state_dict + dcp.load, within 1.1x of the
+    training peak (live bytes after backward)."""
+    for rank, got in enumerate(saved_on_4_ranks[1]["memory"]):
+        peak = got["memory"]["train_peak"]
+        for when in (got["memory"]["save"], got["load_bytes"]):
+            assert when["live"] + when["extra"] <= 1.1 * peak, (rank, when, peak)
+
+
+@pytest.fixture(scope="module")
+def on_3(tmp_path_factory):
+    """A single-process torch.optim.Muon + AdamW run saved after SAVED_AT steps and continued MORE,
+    and one 3-rank run (export, import, bad checkpoints)."""
+    torch.manual_seed(0)
+    model = OddNet()
+    plain = PlainMuonAdamW(model)
+    plain.train(range(SAVED_AT))
+    saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}, "state": plain.full_state()}
+    plain.train(range(SAVED_AT, SAVED_AT + MORE))
+    continued = {n: p.detach().clone() for n, p in model.named_parameters()}
+    directory = tmp_path_factory.mktemp("ckpt3")
+    ranks = run_with_crashes(on_3_ranks, 3, str(directory), SAVED_AT, MORE, saved, timeout_s=60, deadline_s=90)
+    return {"continued": continued, "ranks": ranks}
+
+
+def _rank0(on_3):
+    out = on_3["ranks"][0]
+    assert "export" in out, on_3["ranks"]
+    return out
+
+
+def test_full_state_dicts_continue_in_torch_muon_and_adamw(on_3):
+    """Rank 0's full model + optimizer state dicts of a 3-rank run, mapped by parameter name into a plain
+    OddNet with torch.optim.Muon + AdamW: continuing there equals continuing the distributed run."""
+    out = _rank0(on_3)
+    model = OddNet()
+    model.load_state_dict(out["export_state"]["model"])
+    plain = PlainMuonAdamW(model)
+    names = {n for n, _ in model.named_parameters()}
+    assert set(out["export_state"]["optim"]["state"]) == names
+    plain.load_full_state(out["export_state"]["optim"])
+    plain.train(range(SAVED_AT, SAVED_AT + MORE))
+    worst, err = _worst({n: p.detach() for n, p in model.named_parameters()}, out["export"])
+    assert err <= 1e-5, (worst, err)
+
+
+def test_dmuon_starts_from_a_torch_muon_and_adamw_checkpoint(on_3):
+    """set_model/optimizer_state_dict(full_state_dict=True) from a single-process torch.optim.Muon + AdamW
+    checkpoint: 3-rank DMuon continues as the single-process run does."""
+    worst, err = _worst(_rank0(on_3)["import"], on_3["continued"])
+    assert err <= 1e-5, (worst, err)
+
+
+@pytest.mark.parametrize("label,key", [("blocks=2", "layers.2."), ("dim=40", "embed.weight")])
+def test_a_checkpoint_of_another_model_fails_clearly_on_every_rank(on_3, label, key):
+    for rank, out in enumerate(on_3["ranks"]):
+        assert "hung" not in out and "raised" not in out, (rank, out)
+        message = out["bad"][label]
+        assert message is not None, (rank, label)
+        assert key in message, (rank, message[:500])
