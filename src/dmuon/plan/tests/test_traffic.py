@@ -106,13 +106,17 @@ def test_zero_traffic_on_a_rank_without_rows_or_matrices():
     assert t[0].sent > 0 and t[1].sent > 0
 
 
+def _random_case(rng: random.Random, *, max_shard: int, max_dim: int, ndims: tuple[int, int], most: int):
+    """A random (replicate, shard) mesh, up to ``most`` random shapes and an owner for each."""
+    replicate, shard = rng.randint(1, 4), rng.randint(1, max_shard)
+    shapes = [tuple(rng.randint(1, max_dim) for _ in range(rng.randint(*ndims))) for _ in range(rng.randint(1, most))]
+    return replicate, shard, shapes, [rng.randrange(replicate * shard) for _ in shapes]
+
+
 def test_levels_conserve_bytes_and_match_the_simulation():
     rng = random.Random(0)
     for _ in range(200):
-        replicate, shard = rng.randint(1, 4), rng.randint(1, 5)
-        world = replicate * shard
-        shapes = [tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 6))]
-        owners = [rng.randrange(world) for _ in shapes]
+        replicate, shard, shapes, owners = _random_case(rng, max_shard=5, max_dim=9, ndims=(1, 3), most=6)
         elem = rng.choice([2, 4])
         model = owner_traffic(shapes, owners, replicate, shard, elem)
         assert model == _simulate(shapes, owners, replicate, shard, elem), (shapes, owners, replicate, shard)
@@ -213,10 +217,7 @@ def test_design_b_hand_case_on_a_two_by_two_mesh():
 def test_design_b_matches_the_message_level_run_and_conserves_each_level():
     rng = random.Random(1)
     for trial in range(120):
-        replicate, shard = rng.randint(1, 4), rng.randint(1, 4)
-        world = replicate * shard
-        shapes = [tuple(rng.randint(1, 7) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(1, 4))]
-        owners = [rng.randrange(world) for _ in shapes]
+        replicate, shard, shapes, owners = _random_case(rng, max_shard=4, max_dim=7, ndims=(2, 3), most=4)
         elem, grad = rng.choice([2, 4]), rng.choice([2, 4])
         model = owner_traffic_replicate_reduce(shapes, owners, replicate, shard, elem, grad)
         assert model == _run_design_b(shapes, owners, replicate, shard, elem, grad, seed=trial), (
