@@ -169,3 +169,20 @@ def test_a_checkpoint_of_another_model_fails_clearly_on_every_rank(on_3, label, 
         message = out["bad"][label]
         assert message is not None, (rank, label)
         assert key in message, (rank, message[:500])
+
+
+def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
+    """Momentum is replicated across HSDP replicas in training; DCP writes each element once."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    from dmuon.testing.checkpoint import save_after
+
+    path = str(tmp_path / "hsdp")
+    run_distributed(save_after, 4, path, 1, 3, (2, 2), timeout_s=120)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    momenta = {k: v for k, v in meta.items() if k.endswith("momentum_buffer")}
+    assert len(momenta) == 12  # every Muon matrix of OddNet, none twice
+    for key, m in momenta.items():
+        assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
