@@ -9,7 +9,7 @@ from dmuon.plan.traffic import owner_traffic
 from dmuon.testing import faults, run_distributed
 from dmuon.testing.cases import Case
 
-from test_core_equivalence import BF16_TOL, N_MATRICES, SKIP, STEPS, _check_sharded_state, _max_diff, _reference, _run_all
+from test_core_equivalence import N_MATRICES, SKIP, STEPS, _check_sharded_state, _max_diff, _reference, _run_all
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)])

@@ -9,7 +9,6 @@ import torch
 import dmuon
 from dmuon.testing.cases import MUON_KW
 from dmuon.testing.models import OddNet, lm_loss, odd_batch
-from dmuon.testing.reference import reference_training
 
 
 def _batches(steps):

@@ -9,6 +9,8 @@ shards as DTensors, so DCP reshards it like AdamW's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -374,7 +376,7 @@ def on_3_ranks(rank: int, world_size: int, directory: str, saved_at: int, more: 
         save(other, other_opt, f"{directory}/{label}")
         del other, other_opt
         model, opt = _sharded_model(world_size)
-        bad[label] = _error_of(lambda: load(model, opt, f"{directory}/{label}"))
+        bad[label] = _error_of(functools.partial(load, model, opt, f"{directory}/{label}"))
         del model, opt
     out["bad"] = bad
     return out if rank == 0 else {"bad": bad}
