@@ -261,3 +261,63 @@ def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):
     assert payload["losses_agree"] is True
     # The measured table went to the cache directory the later configurations read.
     assert any(p.name.startswith("plan-profile-") for p in (tmp_path / "cache").iterdir())
+
+
+def test_plan_offline_blocks_are_the_root_and_one_per_layer():
+    from dmuon.plan.offline import offline_blocks
+    groups = load_shapes_json_text([{"name": "head", "shape": [8, 4], "count": 1},
+                                    {"name": "layers.*.up", "shape": [8, 4], "count": 2},
+                                    {"name": "layers.*.down", "shape": [4, 8], "count": 2},
+                                    {"name": "vision.layers.*.fc", "shape": [4, 4], "count": 1}])
+    mats = expand(groups)
+    assert [m.name for m in mats] == ["head", "layers.*.up[0]", "layers.*.up[1]", "layers.*.down[0]",
+                                      "layers.*.down[1]", "vision.layers.*.fc"]
+    assert offline_blocks(mats) == [0, 1, 2, 1, 2, 3]
+
+
+def load_shapes_json_text(records):
+    from dmuon.bench.shapes import MatrixShape
+    return [MatrixShape(r["name"], tuple(r["shape"]), r["count"]) for r in records]
+
+
+def test_plan_cli_step_comm(tmp_path, capsys):
+    from dmuon.plan.offline import offline_blocks
+    from dmuon.plan.traffic import AlphaBeta, step_comm
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"name": "proj", "shape": [64, 32], "count": 1},
+                                  {"name": "layers.*.a", "shape": [64, 256], "count": 3},
+                                  {"name": "layers.*.b", "shape": [256, 64], "count": 3}]))
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--shapes", str(shapes), "--world-size", "4", "--ranks-per-node", "2", "--zero", "3",
+                          "--analytical", "--intra-bandwidth", "100", "--inter-latency", "5",
+                          "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    comm = plan["step_comm"]
+    assert set(comm) == {"dmuon", "fsdp_adamw", "gather"}
+    mats = expand(load_shapes_json(str(shapes)))
+    owner = {name: r["rank"] for r in plan["ranks"] for name in r["matrices"]}
+    model = AlphaBeta(intra_bandwidth=100e9, inter_latency=5e-6)
+    assert plan["step_comm_model"]["intra_bandwidth"] == 100e9 and plan["step_comm_model"]["param_bytes"] == 2
+    expected = step_comm([m.shape for m in mats], [owner[m.name] for m in mats], offline_blocks(mats), 2, 2,
+                         wire_bytes=2, param_bytes=2, reduce_bytes=4, zero=3, model=model)
+    for key in expected:
+        assert comm[key]["critical_bytes"] == expected[key]["critical_bytes"]
+        assert comm[key]["collectives"] == expected[key]["collectives"]
+        assert comm[key]["seconds"] == pytest.approx(expected[key]["seconds"])
+    # FSDP2 + AdamW by hand: the root holds proj (1024 elements per rank), each layer a and b (8192 each).
+    # Forward all-gather (bf16) of 4 blocks, backward all-gather of the 3 layers (not the root),
+    # reduce-scatter (fp32) of 4; each ring over 2 ranks moves one shard; all-reduce over 2 replicas one shard.
+    shard_elems = {0: 1024, 1: 2 * 8192, 2: 2 * 8192, 3: 2 * 8192}
+    intra = sum(2 * e for e in shard_elems.values()) + sum(2 * shard_elems[b] for b in (1, 2, 3)) \
+        + sum(4 * e for e in shard_elems.values())
+    inter = sum(4 * e for e in shard_elems.values())
+    assert comm["fsdp_adamw"]["critical_bytes"] == {"total": intra + inter, "intra": intra, "inter": inter}
+    assert comm["dmuon"]["critical_bytes"]["total"] > comm["fsdp_adamw"]["critical_bytes"]["total"]
+    assert comm["gather"]["critical_bytes"]["inter"] == inter
+    text = capsys.readouterr().out
+    assert "FSDP2 + AdamW: " in text and "gather-then-compute: " in text
+    # --param-dtype fp32 doubles the all-gathers.
+    assert plan_cli.main(["--shapes", str(shapes), "--world-size", "4", "--ranks-per-node", "2", "--zero", "3",
+                          "--analytical", "--param-dtype", "fp32", "--json", str(out)]) == 0
+    again = json.loads(out.read_text())["step_comm"]["fsdp_adamw"]["critical_bytes"]
+    assert again["intra"] == intra + sum(2 * e for e in shard_elems.values()) + sum(2 * shard_elems[b] for b in (1, 2, 3))

@@ -184,6 +184,7 @@ def prepare(
         infos, topology.world_size, balancer, ns_steps=ns_steps, costs=cost_table, profile=profile,
         ns_kwargs=ns_kwargs, group=topology.world_group if topology.world_size > 1 else None,
         time_limit_s=time_limit_s, memory_factor=memory_factor, cache_dir=cache_dir,
+        replicate=topology.replicate,
     )
     plan = Plan(infos, blocks, topology.world_size, topology.rank, balancer, topology.replicate, mesh)
     plan.balance = balance

@@ -12,6 +12,7 @@ from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_js
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
 from dmuon.plan.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
+from dmuon.plan.traffic import STEP_STRATEGIES, AlphaBeta
 
 # NS dtype: the profile key, and the element type dmuon sends its row shards in.
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -30,6 +31,16 @@ def _memory_factor(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'none', got {text!r}") from None
     if not value >= 1.0:
         raise argparse.ArgumentTypeError(f"must be >= 1 (or 'none'), got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 
@@ -80,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
                         "reports intra- and inter-node bytes (default: one node, 1-D FSDP)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
+                   help="step_comm: FSDP2's all-gather dtype (MixedPrecisionPolicy.param_dtype; default bf16)")
+    p.add_argument("--reduce-dtype", default="float32", choices=sorted(_NS_DTYPES),
+                   help="step_comm: FSDP2's reduce-scatter and all-reduce dtype (reduce_dtype; default fp32)")
+    defaults = AlphaBeta()
+    p.add_argument("--intra-bandwidth", type=_positive_float, default=defaults.intra_bandwidth / 1e9, metavar="GB/S",
+                   help="step_comm seconds: per-rank, per-direction bandwidth inside a node in GB/s (default "
+                        "%(default)g: typical H100/H200 NVLink 4, 900 GB/s bidirectional)")
+    p.add_argument("--inter-bandwidth", type=_positive_float, default=defaults.inter_bandwidth / 1e9, metavar="GB/S",
+                   help="step_comm seconds: per-rank, per-direction bandwidth across nodes in GB/s (default "
+                        "%(default)g: one 400 Gb/s NIC per GPU, typical)")
+    p.add_argument("--intra-latency", type=_nonnegative_float, default=defaults.intra_latency * 1e6, metavar="US",
+                   help="step_comm seconds: latency per message inside a node in microseconds (default %(default)g, "
+                        "typical)")
+    p.add_argument("--inter-latency", type=_nonnegative_float, default=defaults.inter_latency * 1e6, metavar="US",
+                   help="step_comm seconds: latency per message across nodes in microseconds (default %(default)g, "
+                        "typical)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
     return p
@@ -120,6 +148,26 @@ _DESIGN_LABELS = {
     "a": "design (a), dmuon now (all-reduce + update to the replicas)",
     "b": "design (b), not implemented (reduce to the owner's replica + update)",
 }
+
+
+_STEP_LABELS = {"dmuon": "dmuon (FSDP2 + exchange)", "fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute"}
+
+
+def _step_lines(plan: dict) -> list[str]:
+    """One step's collectives per strategy: summed per-collective critical bytes and alpha-beta seconds."""
+    comm = plan.get("step_comm")
+    if not comm:
+        return []
+    base = comm["fsdp_adamw"]["critical_bytes"]["total"]
+    lines = ["one training step, Muon matrices (sum over collectives of the most one rank sends or receives; "
+             "alpha-beta seconds, no overlap):"]
+    for key in STEP_STRATEGIES:
+        crit, secs = comm[key]["critical_bytes"], comm[key]["seconds"]
+        ratio = f"{crit['total'] / base:.3f}x" if base else "-"
+        lines.append(f"  {_STEP_LABELS[key]}: {_mib(crit['total'])} MiB ({ratio} FSDP2 + AdamW; intra "
+                     f"{_mib(crit['intra'])}, inter {_mib(crit['inter'])}), {secs['total'] * 1e3:.2f} ms, "
+                     f"{comm[key]['collectives']['total']} collectives")
+    return lines
 
 
 def _design_lines(plan: dict) -> list[str]:
@@ -164,6 +212,7 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
     lines.append("")
     lines.extend(_traffic_lines(plan))
     lines.extend(_design_lines(plan))
+    lines.extend(_step_lines(plan))
     return "\n".join(lines)
 
 
@@ -207,13 +256,17 @@ def main(argv: list[str] | None = None) -> int:
         print("dmuon plan: --ranks-per-node must divide --world-size", file=sys.stderr)
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
+    model = AlphaBeta(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
+                      intra_latency=args.intra_latency / 1e6, inter_latency=args.inter_latency / 1e6)
     try:
         table = _cost_table(args, groups)
         names = COMPARED if args.balancer == "all" else (args.balancer,)
         plans = [plan_offline(groups, args.world_size, name, args.zero, costs=table, ns_steps=args.ns_steps,
                               time_limit_s=args.time_limit, memory_factor=args.memory_factor,
                               ranks_per_node=args.ranks_per_node,
-                              wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize, fsdp_elem_bytes=FSDP_ELEM_BYTES)
+                              wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize, fsdp_elem_bytes=FSDP_ELEM_BYTES,
+                              param_bytes=_NS_DTYPES[args.param_dtype].itemsize,
+                              reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model)
                  for name in names]
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)

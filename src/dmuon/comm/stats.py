@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -25,6 +25,12 @@ class CommStats:
     """Number of collectives issued."""
     wait_seconds: float = 0.0
     """Wall time spent blocked on dmuon collectives (communication not hidden by compute)."""
+    log: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
+    """``(level, sent, received)`` of each collective since the last reset, in issue order
+    (not part of :meth:`as_dict`)."""
+    last_log: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
+    """``log`` as it stood at the last :meth:`reset` (:class:`dmuon.DMuon` resets at the end of
+    each ``step()``, so after a step this is that step's collectives, backward's included)."""
 
     def add(self, level: str, sent: int, received: int) -> None:
         assert level in ("intra", "inter"), level
@@ -33,10 +39,16 @@ class CommStats:
         setattr(self, f"{level}_bytes_sent", getattr(self, f"{level}_bytes_sent") + sent)
         setattr(self, f"{level}_bytes_received", getattr(self, f"{level}_bytes_received") + received)
         self.collectives += 1
+        self.log.append((level, int(sent), int(received)))
 
     def reset(self) -> None:
+        log = self.log
         for f in fields(self):
-            setattr(self, f.name, f.default)
+            if f.name not in ("log", "last_log"):
+                setattr(self, f.name, f.default)
+        self.log = []
+        self.last_log = log
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The counters (not the logs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("log", "last_log")}

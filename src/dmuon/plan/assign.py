@@ -8,7 +8,9 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical
+from dmuon.plan.balance import (
+    DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical, spread_over_replicas,
+)
 from dmuon.plan.milp import Kind
 from dmuon.plan.plan import MatrixInfo
 from dmuon.plan.profile import CostTable, analytical_table, profile_costs
@@ -75,6 +77,7 @@ def assign(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     memory_factor: float | None = DEFAULT_MEMORY_FACTOR,
     cache_dir=None,
+    replicate: int = 1,
 ) -> BalanceResult:
     """Sets ``cost`` and ``owner`` on every matrix; identical on every rank.
 
@@ -101,6 +104,8 @@ def assign(
         time_limit_s: MILP wall-clock budget.
         memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
         cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
+        replicate: Replicas of an HSDP mesh; the owners are spread over them
+            (:func:`~dmuon.plan.balance.spread_over_replicas`).
 
     Returns:
         The :class:`~dmuon.plan.balance.BalanceResult` (owners, loads, the
@@ -149,6 +154,7 @@ def assign(
         result: BalanceResult = value  # type: ignore[assignment]
     else:
         result = balance(kinds, items, world_size, name, time_limit_s=time_limit_s, memory_factor=memory_factor)
+    result = spread_over_replicas(result, replicate)
     if profile and costs is None:
         for label, table in tables.items():
             result.notes.append(f"profile ({label}): {table.measured} entries measured on {table.device} "

@@ -153,6 +153,34 @@ class BalanceResult:
         return out
 
 
+def spread_over_replicas(result: BalanceResult, replicate: int) -> BalanceResult:
+    """Relabels the ranks so that balancer slot ``k`` lands in replica ``k % replicate``.
+
+    Balancers fill low slots first (LPT's heaviest matrices, and every matrix when
+    there are fewer matrices than ranks). On an HSDP mesh, plan rank ``r * S + s``
+    sits in replica ``r``, so without this the owners crowd the first replicas and
+    their ranks forward every update across nodes. A permutation keeps every load,
+    batch plan and state figure as it is, only moved to another rank.
+    """
+    world = len(result.loads)
+    if replicate <= 1 or world % replicate:
+        return result
+    shard = world // replicate
+    rank_of = [(k % replicate) * shard + k // replicate for k in range(world)]
+    moved = [0] * world
+    for k, r in enumerate(rank_of):
+        moved[r] = k
+
+    def permute(per_slot: list) -> list:
+        return [per_slot[moved[r]] for r in range(world)]
+
+    result.owners = [rank_of[o] for o in result.owners]
+    result.loads = permute(result.loads)
+    result.batches = permute(result.batches)
+    result.state_bytes = permute(result.state_bytes)
+    return result
+
+
 def _counts(items: Sequence[int], owners: Sequence[int], n_kinds: int, world_size: int) -> list[list[int]]:
     counts = [[0] * world_size for _ in range(n_kinds)]
     for k, r in zip(items, owners):

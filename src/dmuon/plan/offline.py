@@ -10,15 +10,17 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from dmuon.plan.assign import build_kinds
-from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance, spread_over_replicas
 from dmuon.plan.profile import CostTable, analytical_table
 from dmuon.plan.traffic import (
+    AlphaBeta,
     RankTraffic,
     compare_hsdp_designs,
     critical_path,
     fsdp2_traffic,
     gather_traffic,
     owner_traffic,
+    step_comm,
 )
 
 
@@ -48,6 +50,31 @@ def expand(groups: Iterable) -> list[OfflineMatrix]:
         else:
             out.extend(OfflineMatrix(f"{g.name}[{k}]", shape) for k in range(g.count))
     return out
+
+
+def offline_blocks(mats: Sequence[OfflineMatrix]) -> list[int]:
+    """The FSDP2 block of each matrix of a shape list, which carries no module structure.
+
+    Assumed: each decoder layer is one FSDP2 module and everything else sits in
+    the root. A group whose name has a ``*`` (``layers.*.mlp.up_proj``, one
+    matrix per layer) puts its ``k``-th matrix in layer ``k`` of the stack named
+    by the text before the ``*``; other groups go to the root, block 0. Layer
+    blocks are numbered from 1, stack by stack in order of appearance, then by
+    ``k``: the forward order for a single stack.
+    """
+    keys: list[tuple[str, int] | None] = []
+    stacks: dict[str, int] = {}
+    for m in mats:
+        if "*" not in m.name:
+            keys.append(None)
+            continue
+        prefix = m.name.split("*")[0]
+        k = int(m.name[m.name.rindex("[") + 1 : -1]) if m.name.endswith("]") else 0
+        stacks.setdefault(prefix, len(stacks))
+        keys.append((prefix, k))
+    order = sorted({key for key in keys if key is not None}, key=lambda key: (stacks[key[0]], key[1]))
+    index = {key: b + 1 for b, key in enumerate(order)}
+    return [0 if key is None else index[key] for key in keys]
 
 
 def _as_table(costs, mats: Sequence[OfflineMatrix], ns_steps: int) -> CostTable:
@@ -87,6 +114,9 @@ def plan_offline(
     ranks_per_node: int | None = None,
     wire_bytes: int = 2,
     fsdp_elem_bytes: int = 4,
+    param_bytes: int = 2,
+    reduce_bytes: int = 4,
+    alpha_beta: AlphaBeta | None = None,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -105,7 +135,11 @@ def plan_offline(
         memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
         ranks_per_node: HSDP shard size ``S`` (replicate over nodes); all ranks when ``None``.
         wire_bytes: Bytes per element of dmuon's exchange (the NS dtype: 2 for bf16).
-        fsdp_elem_bytes: Bytes per element of FSDP2's parameters and gradients.
+        fsdp_elem_bytes: Bytes per element of FSDP2's parameters and gradients
+            (the older per-rank figures).
+        param_bytes: FSDP2's all-gather element size in ``step_comm`` (bf16).
+        reduce_bytes: FSDP2's reduce-scatter and all-reduce element size in ``step_comm`` (fp32).
+        alpha_beta: Latencies and bandwidths of ``step_comm``'s seconds (typical H100/H200 by default).
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -124,7 +158,12 @@ def plan_offline(
         ``inter``, ``intra`` and ``inter_whole_model`` ``total``/``critical``
         bytes, and ``non_muon_all_reduce`` for the groups with ``muon=False``;
         dmuon's elements in ``wire_bytes``, FSDP2's and (b)'s gradient
-        reduce in ``fsdp_elem_bytes``). Rank costs are batch-aware: each rank's
+        reduce in ``fsdp_elem_bytes``). ``step_comm``: one step's collectives
+        for ``dmuon``, ``fsdp_adamw`` and ``gather``
+        (:func:`~dmuon.plan.traffic.step_comm`: ``critical_bytes``,
+        ``seconds``, ``collectives``, each ``total``/``intra``/``inter``), with
+        blocks from :func:`offline_blocks`, and ``step_comm_model``, its
+        settings. Rank costs are batch-aware: each rank's
         matrices of one shape split into the cheapest measured batches.
 
     Raises:
@@ -143,7 +182,9 @@ def plan_offline(
     mats = expand(groups)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
-    result = balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor)
+    result = spread_over_replicas(
+        balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
+        replicate)
     owners, loads = result.owners, result.loads
     # HSDP layout: replicate across nodes, shard inside a node.
     traffic = owner_traffic([m.shape for m in mats], owners, replicate, shard, wire_bytes)
@@ -188,6 +229,16 @@ def plan_offline(
         "critical_path_bytes": {"dmuon": critical_path(traffic), "fsdp2": fsdp2.busiest,
                                 "gather_then_compute": gather.busiest},
         "ranks": ranks,
+    }
+    alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
+    plan["step_comm"] = step_comm([m.shape for m in mats], owners, offline_blocks(mats), replicate, shard,
+                                  wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
+                                  zero=zero, root_block=0, model=alpha_beta)
+    plan["step_comm_model"] = {
+        **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
+        "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
+        "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
+                 "all-reduce (HSDP), dmuon's direction all_to_all; step: dmuon's returns or gather's all-gathers",
     }
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(

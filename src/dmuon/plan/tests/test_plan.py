@@ -97,3 +97,20 @@ def test_plan_table_and_owner_lookup():
         plan.owner("embed.weight")
     assert sum(plan.rank_costs()) == pytest.approx(sum(i.cost for i in plan.infos))
     assert plan.matrices == {i.param for i in plan.infos}
+
+
+def test_owners_spread_over_replicas_keep_every_load():
+    from dmuon.plan.balance import balance, kinds_from_costs, spread_over_replicas
+
+    costs = [9.0, 7.0, 6.0, 5.0, 5.0]  # fewer matrices than the 2 x 4 ranks
+    kinds, items = kinds_from_costs(costs)
+    plain = balance(kinds, items, 8, "lpt")
+    spread = spread_over_replicas(balance(kinds, items, 8, "lpt"), replicate=2)
+    assert sorted(spread.loads) == sorted(plain.loads)
+    for before, after in zip(plain.owners, spread.owners):
+        assert spread.loads[after] == plain.loads[before]
+        assert spread.batches[after] == plain.batches[before]
+    # Ranks r * 4 + s: the owners now sit in both replicas, not only in replica 0.
+    assert {o // 4 for o in plain.owners} == {0, 1} or max(plain.owners) < 4
+    assert {o // 4 for o in spread.owners} == {0, 1}
+    assert spread_over_replicas(balance(kinds, items, 8, "lpt"), replicate=1).owners == plain.owners

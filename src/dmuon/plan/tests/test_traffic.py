@@ -10,6 +10,7 @@ import torch
 
 from dmuon.plan.traffic import (
     HSDP_DESIGNS,
+    AlphaBeta,
     RankTraffic,
     compare_hsdp_designs,
     critical_path,
@@ -21,6 +22,9 @@ from dmuon.plan.traffic import (
     owner_traffic_replicate_reduce,
     replicate_all_reduce_traffic,
     shard_rows,
+    step_collectives,
+    step_comm,
+    step_figures,
 )
 
 
@@ -345,3 +349,102 @@ def test_bad_input_is_rejected():
         owner_traffic_replicate_reduce([(2, 2)], [0], 1, 2, grad_bytes=0)
     with pytest.raises(ValueError, match="level must be"):
         level_figures([RankTraffic()], "both")
+
+
+# ------------------------------------------------------------ one step, per collective
+
+def _per_collective(strategy, *args, **kw):
+    return [(c.op, c.level, c.critical) for c in step_collectives(strategy, *args, **kw)]
+
+
+def test_step_collectives_by_hand_on_two_ranks():
+    # A (4x3) owned by rank 0 in block 1, B (3x2) by rank 1 in block 2; rows A [2, 2], B [2, 1].
+    shapes, owners, blocks = [(4, 3), (3, 2)], [0, 1], [1, 2]
+    args = (shapes, owners, blocks, 1, 2)
+    # FSDP2 pads each shard to ceil(m/S) rows: A 6 elements, B 4; a ring over 2 ranks moves one shard each way.
+    fsdp = [("all_gather", "intra", 12), ("all_gather", "intra", 8),        # forward, bf16
+            ("all_gather", "intra", 8), ("reduce_scatter", "intra", 16),    # backward block 2 (fp32 reduce)
+            ("all_gather", "intra", 12), ("reduce_scatter", "intra", 24)]   # backward block 1
+    assert _per_collective("fsdp_adamw", *args, zero=3) == fsdp
+    # dmuon: B's row shard of rank 0 (2 rows x 2 x 2 bytes) after block 2, A's of rank 1 (2 x 3 x 2) after
+    # block 1, then one return of every matrix: the owner of A sends 12 bytes, the owner of B 8; max(12, 8).
+    assert _per_collective("dmuon", *args, zero=3) == [
+        *fsdp[:4], ("all_to_all", "intra", 8), *fsdp[4:], ("all_to_all", "intra", 12), ("all_to_all", "intra", 12)]
+    # Gather-then-compute: one all-gather of each direction in the wire dtype.
+    assert _per_collective("gather", *args, zero=3) == fsdp + [("all_gather", "intra", 12), ("all_gather", "intra", 8)]
+    # ZeRO-2: no backward all-gather.
+    assert _per_collective("fsdp_adamw", *args, zero=2) == [fsdp[k] for k in (0, 1, 3, 5)]
+    # Per rank, the larger of sent and received (not their sum): the return sends 12 and receives 8 on rank 0.
+    ret = step_collectives("dmuon", *args)[-1]
+    assert ret.ranks == [(12, 8), (8, 12)] and ret.critical == 12
+    figures = step_comm(*args, zero=3, model=AlphaBeta(intra_bandwidth=4, intra_latency=1))
+    assert figures["fsdp_adamw"]["critical_bytes"] == {"total": 80, "intra": 80, "inter": 0}
+    assert figures["dmuon"]["critical_bytes"] == {"total": 112, "intra": 112, "inter": 0}
+    assert figures["gather"]["critical_bytes"] == {"total": 100, "intra": 100, "inter": 0}
+    # One message per collective here: seconds = collectives x 1 + bytes / 4.
+    assert figures["fsdp_adamw"]["seconds"]["total"] == pytest.approx(6 + 80 / 4)
+    assert figures["dmuon"]["seconds"]["total"] == pytest.approx(9 + 112 / 4)
+    assert figures["gather"]["seconds"]["total"] == pytest.approx(8 + 100 / 4)
+    assert figures["dmuon"]["collectives"] == {"total": 9, "intra": 9, "inter": 0}
+
+
+def test_step_collectives_by_hand_on_a_two_by_two_mesh():
+    # One 4x3 matrix owned by plan rank 3 = (replica 1, column 1); 2 rows (12 bf16 bytes) per column.
+    args = ([(4, 3)], [3], [1], 2, 2)
+    fsdp = [("all_gather", "intra", 12), ("reduce_scatter", "intra", 24),
+            ("all_reduce", "inter", 24)]  # ring over 2 replicas: 2 (R-1)/R of the 24-byte fp32 shard
+    assert _per_collective("fsdp_adamw", *args, zero=2) == fsdp
+    dm = step_collectives("dmuon", *args, zero=2)
+    assert [(c.op, c.level, c.critical) for c in dm] == [
+        *fsdp, ("all_to_all", "intra", 12), ("all_to_all", "intra", 12), ("all_to_all", "inter", 12)]
+    directions, back, forward = dm[3:]
+    # Only the owner's replica takes part in the shard-level exchanges.
+    assert directions.ranks == [None, None, (12, 0), (0, 12)]
+    assert back.ranks == [None, None, (0, 12), (12, 0)]
+    # Each column of replica 1 forwards its rows to the same column of replica 0.
+    assert forward.ranks == [(0, 12), (0, 12), (12, 0), (12, 0)]
+    assert _per_collective("gather", *args, zero=2) == fsdp + [("all_gather", "intra", 12)]
+    model = AlphaBeta(intra_bandwidth=12, inter_bandwidth=6, intra_latency=0.5, inter_latency=2)
+    figures = step_comm(*args, zero=2, model=model)
+    assert figures["fsdp_adamw"]["critical_bytes"] == {"total": 60, "intra": 36, "inter": 24}
+    assert figures["dmuon"]["critical_bytes"] == {"total": 96, "intra": 60, "inter": 36}
+    assert figures["gather"]["critical_bytes"] == {"total": 72, "intra": 48, "inter": 24}
+    # AG 0.5 + 12/12, RS 0.5 + 24/12, AR 2 (R-1) x 2 + 24/6.
+    assert figures["fsdp_adamw"]["seconds"]["intra"] == pytest.approx(1.5 + 2.5)
+    assert figures["fsdp_adamw"]["seconds"]["inter"] == pytest.approx(4 + 4)
+    # dmuon adds two one-peer intra exchanges (0.5 + 1 each) and one inter (2 + 2).
+    assert figures["dmuon"]["seconds"]["total"] == pytest.approx(12 + 3 + 4)
+
+
+def test_ring_all_gather_counts_n_times_s_minus_one_over_s():
+    (ag,) = step_collectives("fsdp_adamw", [(8, 5)], [0], [1], 1, 4, zero=2)[:1]
+    assert ag.critical == 80 * 3 // 4 and ag.messages == 3
+    # Uneven rows move FSDP2's padded shards: 5 rows over 4 ranks pad to 2 rows each.
+    (ag,) = step_collectives("fsdp_adamw", [(5, 5)], [0], [1], 1, 4, zero=2)[:1]
+    assert ag.critical == 3 * 2 * 5 * 2
+
+
+def test_step_exchange_sums_to_owner_traffic():
+    rng = random.Random(3)
+    for replicate, shard in [(1, 3), (2, 3), (3, 2)]:
+        shapes = [(rng.randint(1, 9), rng.randint(1, 5)) for _ in range(7)]
+        owners = [rng.randrange(replicate * shard) for _ in shapes]
+        blocks = [rng.randrange(3) for _ in shapes]
+        per_rank = owner_traffic(shapes, owners, replicate, shard, 2)
+        collectives = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard)
+                       if c.op == "all_to_all"]
+        for k, t in enumerate(per_rank):
+            for level in ("intra", "inter"):
+                got = [c.ranks[k] for c in collectives if c.level == level and c.ranks[k] is not None]
+                assert sum(x[0] for x in got) == getattr(t, f"{level}_sent")
+                assert sum(x[1] for x in got) == getattr(t, f"{level}_received")
+
+
+def test_step_model_rejects_bad_input():
+    with pytest.raises(ValueError):
+        step_collectives("adam", [(2, 2)], [0], [0], 1, 2)
+    with pytest.raises(ValueError):
+        step_collectives("dmuon", [(2, 2)], [0], [0, 1], 1, 2)
+    with pytest.raises(ValueError):
+        AlphaBeta(intra_bandwidth=0)
+    assert step_figures([])["critical_bytes"]["total"] == 0

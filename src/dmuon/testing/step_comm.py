@@ -1,0 +1,37 @@
+"""Rank function for ``tests/test_step_comm.py``: dmuon's counted collectives of one training step."""
+
+from __future__ import annotations
+
+import torch
+
+from dmuon.testing.cases import sharded_oddnet
+from dmuon.testing.models import lm_loss, odd_batch
+
+
+def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
+                 zero: int = 3, steps: int = 2) -> dict:
+    """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
+
+    Returns:
+        ``{"plan_rank", "log", "infos", "blocks_in_backward"}``: this rank's plan
+        rank, the ``(level, sent, received)`` of every collective dmuon issued in
+        the last step (its backward included), in issue order; each Muon
+        matrix's ``(shape, owner, block, rows)`` from the plan; and how many
+        blocks that step exchanged in backward.
+    """
+    model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype)
+    stats = {}
+    for step in range(steps):
+        loss = lm_loss(model, odd_batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = opt.last_step_stats()
+    return {
+        "plan_rank": opt.runtime.topo.rank,
+        "log": list(opt.runtime.stats.last_log),
+        "collectives": stats["collectives"],
+        "infos": [(tuple(i.shape), i.owner, i.block, tuple(i.rows)) for i in plan.infos],
+        "blocks": len(plan.blocks),
+        "blocks_in_backward": stats["blocks_exchanged_in_backward"],
+    }

@@ -1,0 +1,40 @@
+"""The step model's dmuon collectives against the runtime's counted bytes, collective by collective, per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.plan.traffic import owner_exchange_collectives, shard_rows, step_collectives
+from dmuon.testing import run_distributed
+from dmuon.testing.step_comm import counted_step
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2)], ids=["fsdp", "hsdp2x2"])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype):
+    results = run_distributed(counted_step, 4, mesh_shape, ns_dtype, timeout_s=240)
+    replicate, shard = mesh_shape or (1, 4)
+    infos = results[0]["infos"]
+    assert all(r["infos"] == infos for r in results)
+    shapes = [i[0] for i in infos]
+    owners = [i[1] for i in infos]
+    blocks = [i[2] for i in infos]
+    # The plan's row split is the model's (torch.chunk).
+    assert all(list(i[3]) == shard_rows(i[0][0], shard) for i in infos)
+    # Steady state: every block went to its owners from backward.
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize)
+    modelled = backward + step
+    # The whole step's order, with FSDP2's collectives left out, is the same.
+    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard,
+                                           wire_bytes=ns_dtype.itemsize) if c.label.startswith("dmuon")]
+    assert [c.label for c in in_step] == [c.label for c in modelled]
+    assert len(backward) == len(set(blocks)) and len(step) == (2 if replicate > 1 else 1)
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]
+        assert r["log"] == expected, f"plan rank {k}"
+        assert r["collectives"] == len(expected)
+    # Something was actually exchanged on both levels.
+    assert any(c.critical for c in backward) and all(c.critical for c in step)
