@@ -65,7 +65,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     Args:
         fn: A module-level (picklable) function.
         world_size: Number of processes.
-        *args: Extra picklable arguments.
+        *args: Extra picklable arguments. Tensors among them arrive as one
+            shared-memory storage for every rank: clone them before anything
+            (an optimizer's state, say) updates them in place.
         timeout_s: Process-group timeout, so a mismatched collective fails
             instead of hanging.
         threads: ``torch.set_num_threads`` in each rank.
