@@ -22,36 +22,29 @@ FSDP_ELEM_BYTES = 4
 COMPARED = ("round_robin", "lpt", "milp")
 
 
+def _bounded_float(text: str, minimum: float, inclusive: bool, expected: str, also: str = "") -> float:
+    """``text`` as a float ``>= minimum`` (``> minimum`` unless ``inclusive``), for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not (value >= minimum if inclusive else value > minimum):
+        raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {minimum:g}{also}, got {text!r}")
+    return value
+
+
 def _memory_factor(text: str) -> float | None:
     if text.lower() == "none":
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'none', got {text!r}") from None
-    if not value >= 1.0:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (or 'none'), got {text!r}")
-    return value
+    return _bounded_float(text, 1.0, True, "a number >= 1 or 'none'", also=" (or 'none')")
 
 
 def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+    return _bounded_float(text, 0.0, True, "a number >= 0")
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
+    return _bounded_float(text, 0.0, False, "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
