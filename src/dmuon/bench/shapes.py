@@ -18,12 +18,13 @@ Available lists (see :func:`full_size_shapes`):
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 
 import torch
+
+from dmuon.util.records import check_positive_int, check_shape, iter_records, load_json
 
 __all__ = [
     "FULL_SIZE_NAMES",
@@ -228,10 +229,6 @@ def full_size_shapes(name: str, *, size: str | None = None) -> list[MatrixShape]
     raise ValueError(f"name must be one of {FULL_SIZE_NAMES}, got {name!r}")
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def load_shapes_json(path: str | os.PathLike[str]) -> list[MatrixShape]:
     """Reads a shape list from a JSON file.
 
@@ -249,40 +246,17 @@ def load_shapes_json(path: str | os.PathLike[str]) -> list[MatrixShape]:
         ValueError: If the file is not valid JSON or an entry is malformed; the
             message names the entry index and the field.
     """
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{os.fspath(path)}: invalid JSON: {err}") from err
-    if not isinstance(data, list):
-        raise ValueError(f"{os.fspath(path)}: expected a JSON list of shape entries, "
-                         f"got {type(data).__name__}")
-    allowed = {"name", "shape", "count", "muon"}
     shapes = []
-    for i, entry in enumerate(data):
-        where = f"{os.fspath(path)}: entry {i}"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - allowed)
-        if unknown:
-            raise ValueError(f"{where}: unknown field {unknown[0]!r} "
-                             f"(allowed: name, shape, count, muon)")
-        for key in ("name", "shape", "count"):
-            if key not in entry:
-                raise ValueError(f"{where}: missing field {key!r}")
-        name, shape, count = entry["name"], entry["shape"], entry["count"]
+    fields = ("name", "shape", "count", "muon")
+    for where, entry in iter_records(load_json(path), os.fspath(path), "shape entries", fields, fields[:3]):
+        name = entry["name"]
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
-        if (not isinstance(shape, list) or len(shape) != 2
-                or not all(_positive_int(d) for d in shape)):
-            raise ValueError(f"{where} ({name!r}): field 'shape' must be a list of two "
-                             f"positive integers, got {shape!r}")
-        if not _positive_int(count):
-            raise ValueError(f"{where} ({name!r}): field 'count' must be a positive "
-                             f"integer, got {count!r}")
+        at = f"{where} ({name!r})"
+        shape = check_shape(at, entry["shape"])
+        count = check_positive_int(at, "count", entry["count"])
         muon = entry.get("muon", True)
         if not isinstance(muon, bool):
-            raise ValueError(f"{where} ({name!r}): field 'muon' must be true or false, "
-                             f"got {muon!r}")
-        shapes.append(MatrixShape(name, (shape[0], shape[1]), count, muon=muon))
+            raise ValueError(f"{at}: field 'muon' must be true or false, got {muon!r}")
+        shapes.append(MatrixShape(name, shape, count, muon=muon))
     return shapes

@@ -16,132 +16,48 @@ Two decisions are tuned, each per device, compute dtype, matrix shape and schedu
   dominates (many small matrices) and can lose for mid-sized ones.
 
 The cache is one JSON file per device fingerprint, under ``cache_dir`` (argument,
-else ``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``). Its header names the device,
-torch version and schema version; a file that does not parse, or whose header differs,
-is ignored (and replaced on the next write), never trusted. Writes go to a temporary
-file in the same directory and are moved into place with ``os.replace``, so a reader
-never sees a half-written file. Processes sharing the cache (the ranks of one host)
-measure one at a time under a lock file and re-read the cache first, so each problem
-is measured once per host, on otherwise idle tuning slots.
+else ``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``), kept with
+:mod:`dmuon.util.jsoncache`. Its header names the device, torch version and schema
+version; a file that does not parse, or whose header differs, is ignored (and
+replaced on the next write), never trusted; writes are atomic. Processes sharing the
+cache (the ranks of one host) measure one at a time under a lock file and re-read the
+cache first, so each problem is measured once per host, on otherwise idle tuning
+slots. Timing is :func:`dmuon.ortho.timing.time_candidates`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import platform
-import statistics
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-try:  # POSIX: measuring is serialised per host through a lock file next to the cache.
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: each process measures on its own
-    fcntl = None
+from dmuon.util.jsoncache import (
+    cache_file, default_cache_dir, file_lock, read_entries, resolve_cache_dir, write_entries,
+)
 
 from .coefficients import Schedule, schedule_key
 from .gram import gram_newton_schulz
 from .newton_schulz import newton_schulz
+from .timing import device_fingerprint, time_candidates
+
+__all__ = [
+    "ACCURACY_FLOOR", "METHODS", "PLAN_SLACK", "SCHEMA_VERSION", "Autotuner", "Problem",
+    "default_cache_dir", "device_fingerprint", "get_autotuner", "run_looped", "run_method", "time_candidates",
+]
 
 SCHEMA_VERSION = 2  # 2: timings taken with BLAS threads matched to torch
 METHODS = ("standard", "standard32", "gram")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Relative error floor of the accuracy bar (see module docstring).
 ACCURACY_FLOOR = 1e-3
-# A candidate slower than this is timed once instead of ``repeats`` times.
-SLOW_RUN_S = 0.5
 # Stack timings only consider methods within this factor of the best single-matrix time.
 PLAN_SLACK = 3.0
-# Upper bound on timed rounds for cheap candidates.
-MAX_ROUNDS = 15
-# Pause before timing each candidate on CPU (see time_candidates).
-COOLDOWN_S = 0.2
-
-
-def default_cache_dir() -> Path:
-    """``$DMUON_CACHE_DIR`` if set, else ``~/.cache/dmuon``."""
-    env = os.environ.get("DMUON_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dmuon"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def device_fingerprint(device: torch.device | str) -> str:
-    """A string naming the device type and model (and CPU thread count)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        return f"cuda:{torch.cuda.get_device_name(idx)}"
-    if dev.type == "cpu":
-        return f"cpu:{_cpu_name()}:threads={torch.get_num_threads()}"
-    return dev.type
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_candidates(
-    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25,
-    cooldown_s: float | None = None,
-) -> dict[str, float]:
-    """Median wall time in seconds of each candidate, timed block by block.
-
-    Each candidate gets a cool-down pause, one untimed warm-up call and then at
-    least ``repeats`` timed calls. Cheap candidates get more calls, up to
-    :data:`MAX_ROUNDS`, within about ``budget_s``: for millisecond problems a median
-    of 3 is at the mercy of one scheduler hiccup. A candidate whose warm-up took
-    longer than :data:`SLOW_RUN_S` is timed once.
-
-    Candidates are not interleaved on purpose: after a NumPy/OpenBLAS call the
-    OpenBLAS worker threads keep spinning for ~0.1 s and slow down torch's own
-    threads (measured: a 2-thread standard Newton–Schulz ran 1.7x slower right after
-    a NumPy matmul). The pause before each block (``cooldown_s``, default
-    :data:`COOLDOWN_S` on CPU, 0 elsewhere) lets them go idle, so one candidate does
-    not bill its successor.
-    """
-    if cooldown_s is None:
-        cooldown_s = COOLDOWN_S if device.type == "cpu" else 0.0
-    out: dict[str, float] = {}
-    for k, fn in fns.items():
-        if cooldown_s > 0:
-            time.sleep(cooldown_s)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        warm = time.perf_counter() - t0
-        if warm > SLOW_RUN_S:
-            rounds = 1
-        else:
-            rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
-        times = []
-        for _ in range(rounds):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        out[k] = statistics.median(times)
-    return out
 
 
 @dataclass(frozen=True)
@@ -215,7 +131,7 @@ class Autotuner:
     def __init__(self, cache_dir: str | os.PathLike | None = None, repeats: int = 3, persist: bool = True):
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.cache_dir = resolve_cache_dir(cache_dir)
         self.repeats = repeats
         self.persist = persist
         self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
@@ -226,10 +142,7 @@ class Autotuner:
     # ------------------------------------------------------------------ storage
 
     def cache_path(self, device_fp: str) -> Path:
-        import hashlib
-
-        tag = hashlib.sha1(device_fp.encode()).hexdigest()[:10]
-        return self.cache_dir / f"ortho-autotune-{tag}.json"
+        return cache_file(self.cache_dir, "ortho-autotune", device_fp, 10)
 
     def _header(self, device_fp: str) -> dict:
         return {"schema": SCHEMA_VERSION, "torch": torch.__version__, "device": device_fp}
@@ -240,38 +153,14 @@ class Autotuner:
         return self._files[device_fp]
 
     def _read(self, device_fp: str) -> dict:
-        path = self.cache_path(device_fp)
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("header") != self._header(device_fp):
-            return {}
-        entries = data.get("entries")
-        if not isinstance(entries, dict):
-            return {}
+        entries = read_entries(self.cache_path(device_fp), self._header(device_fp))
         return {k: v for k, v in entries.items() if isinstance(v, dict)}
 
     def _write(self, device_fp: str) -> None:
-        if not self.persist:
-            return
-        path = self.cache_path(device_fp)
-        payload = {"header": self._header(device_fp), "entries": self._files.get(device_fp, {})}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(payload, f, indent=1, sort_keys=True)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-        except OSError:
-            # A read-only or full cache directory must not break training; the
-            # decisions stay valid in memory for this process.
-            pass
+        # An unwritable cache directory is not an error: the decisions stay valid
+        # in memory for this process.
+        if self.persist:
+            write_entries(self.cache_path(device_fp), self._header(device_fp), self._files.get(device_fp, {}))
 
     # ---------------------------------------------------------------- decisions
 
@@ -288,22 +177,11 @@ class Autotuner:
         Ranks on one machine would otherwise time candidates at the same moment on
         shared cores (skewing every measurement) and each redo the same work.
         """
-        if not self.persist or fcntl is None:
+        if not self.persist:
             yield
             return
-        path = self.cache_path(device_fp).with_suffix(".lock")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(path, "a+")
-        except OSError:
+        with file_lock(self.cache_path(device_fp).with_suffix(".lock")):
             yield
-            return
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _cached_or_measured(self, device_fp: str, key: str, valid: Callable[[object], bool],
                             measure: Callable[[], dict]) -> dict:
@@ -423,7 +301,6 @@ class Autotuner:
             device, self.repeats, cooldown_s=self.cooldown_s,
         )
         return {"batched": times["batched"] <= times["looped"], "times_s": times}
-
 
     def _measure_plan(self, problem: Problem, batch: int, methods, device: torch.device) -> dict:
         self.measurements += 1

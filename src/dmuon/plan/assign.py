@@ -6,14 +6,15 @@ import math
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from dmuon.plan.balance import (
     DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical, spread_over_replicas,
 )
 from dmuon.plan.milp import Kind
 from dmuon.plan.plan import MatrixInfo
-from dmuon.plan.profile import CostTable, analytical_table, profile_costs
+from dmuon.plan.cost_table import CostTable, analytical_table
+from dmuon.plan.profile import profile_costs
+from dmuon.util.rank0 import broadcast_from_rank0
 
 # Muon keeps one float32 momentum buffer per matrix on its owner.
 STATE_BYTES_PER_ELEMENT = 4
@@ -138,22 +139,11 @@ def assign(
         labels = None
     kinds, items = build_kinds(shapes, tables, labels)
 
-    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    if distributed and name in ("milp", "auto"):
-        payload: list[object] = [None]
-        if dist.get_rank(group) == 0:
-            try:
-                payload[0] = ("ok", balance(kinds, items, world_size, name, time_limit_s=time_limit_s,
-                                            memory_factor=memory_factor))
-            except Exception as err:  # noqa: BLE001 - the other ranks must not wait forever
-                payload[0] = ("error", f"{type(err).__name__}: {err}")
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-        kind, value = payload[0]  # type: ignore[misc]
-        if kind != "ok":
-            raise RuntimeError(f"assign: balancing failed on rank 0 of the group: {value}")
-        result: BalanceResult = value  # type: ignore[assignment]
-    else:
-        result = balance(kinds, items, world_size, name, time_limit_s=time_limit_s, memory_factor=memory_factor)
+    def solve() -> BalanceResult:
+        return balance(kinds, items, world_size, name, time_limit_s=time_limit_s, memory_factor=memory_factor)
+
+    # The MILP stops on a wall-clock limit, so with a group one rank solves and all follow.
+    result = broadcast_from_rank0(solve, group, "assign: balancing") if name in ("milp", "auto") else solve()
     result = spread_over_replicas(result, replicate)
     if profile and costs is None:
         for label, table in tables.items():

@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance, spread_over_replicas
-from dmuon.plan.profile import CostTable, analytical_table
+from dmuon.plan.cost_table import CostTable, analytical_table
 from dmuon.plan.traffic import (
     AlphaBeta,
     RankTraffic,

@@ -4,7 +4,8 @@ The analytical model (:mod:`dmuon.plan.cost`) counts FLOPs; a device does not
 run them at one rate (small matrices are launch-bound, batches of same-shape
 matrices amortize launches, tall and wide shapes differ). This module times
 the real owner update for every shape and every batch size that can occur and
-keeps the table, so balancers see what the optimizer step will see.
+keeps the table (a :class:`~dmuon.plan.cost_table.CostTable`), so balancers
+see what the optimizer step will see.
 
 One entry is the time of one owner's work for ``b`` same-shape matrices, as
 :class:`dmuon.DMuon` runs it: Newton-Schulz for the ``b`` full directions,
@@ -13,177 +14,41 @@ already in the NS dtype (they arrive in it), through
 autotuner). Momentum and the weight update are not the owner's: every rank
 runs them on its own rows of every matrix, whoever owns it.
 
-Cache: one JSON file per header (schema, device fingerprint, torch version,
-parameter dtype, NS settings) under ``cache_dir``, else ``$DMUON_CACHE_DIR``,
-else ``~/.cache/dmuon`` (the autotuner's conventions). A file that does not
-parse or whose header differs is ignored and replaced on the next write;
-entries that are not finite positive numbers are dropped. Writes go through a
-temporary file and ``os.replace``.
+The cache file (one per device, dtype and NS settings) is
+:mod:`dmuon.plan.profile_cache`. With a process group, rank 0 measures and
+broadcasts (:func:`dmuon.util.rank0.broadcast_from_rank0`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import statistics
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
-from dmuon.ortho.autotune import Autotuner, default_cache_dir, device_fingerprint
-from dmuon.ortho.coefficients import KELLER, resolve_schedule, schedule_key
 from dmuon.ortho import orthogonalize_many
-from dmuon.plan.cost import update_cost
+from dmuon.ortho.autotune import Autotuner
+from dmuon.ortho.coefficients import KELLER, resolve_schedule, schedule_key
+from dmuon.ortho.timing import device_fingerprint, sync
+from dmuon.plan.cost_table import CostTable, analytical_table, load_costs_json, normalize_shapes, table_from_records
+from dmuon.plan.profile_cache import SCHEMA_VERSION, cache_header, cache_path, read_cache, write_cache
+from dmuon.util.rank0 import broadcast_from_rank0
+from dmuon.util.records import positive_int
 
-# 2: entries time NS alone (momentum and the update run on every rank's shards).
-SCHEMA_VERSION = 2
+__all__ = [
+    "DEFAULT_MAX_ENTRY_S", "DEFAULT_REPEATS", "NS_KEYS", "SCHEMA_VERSION", "CostTable", "analytical_table",
+    "cache_path", "cached_costs", "load_costs_json", "measure_update", "normalize_shapes", "ns_settings",
+    "profile_costs", "read_cache", "table_from_records", "write_cache",
+]
+
 DEFAULT_REPEATS = 3
 # Once an entry's timed runs add up to this many seconds, it stops repeating.
 DEFAULT_MAX_ENTRY_S = 0.5
 NS_KEYS = ("method", "coefficients", "steps", "eps", "dtype", "batching")
 
 Shape = tuple[int, int]
-
-
-@dataclass
-class CostTable:
-    """Cost of one owner update of ``batch`` matrices of ``shape``: ``table[(shape, batch)]``."""
-
-    entries: dict[tuple[Shape, int], float]
-    """``(shape, batch) -> cost``; ``shape`` is the 2-D ``(rows, cols)`` view NS runs on."""
-    unit: str = "seconds"
-    """``"seconds"`` for measurements, ``"flops"`` for the analytical model."""
-    source: str = "measured"
-    """Where the numbers came from: ``"measured"``, ``"cache"``, ``"file"`` or ``"analytical"``."""
-    device: str = ""
-    """Device fingerprint of a measurement (empty otherwise)."""
-    profile_seconds: float = 0.0
-    """Wall time rank 0 spent measuring and reading/writing the cache (same on every rank)."""
-    measured: int = 0
-    """Entries measured by this call (0 when everything came from the cache)."""
-
-    def __getitem__(self, key: tuple[Shape, int]) -> float:
-        shape, batch = key
-        return self.entries[((int(shape[0]), int(shape[1])), int(batch))]
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            shape, batch = key  # type: ignore[misc]
-            return ((int(shape[0]), int(shape[1])), int(batch)) in self.entries
-        except (TypeError, ValueError):
-            return False
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def shapes(self) -> list[Shape]:
-        """Shapes with at least one entry, sorted."""
-        return sorted({s for s, _ in self.entries})
-
-    def batch_costs(self, shape: Shape) -> dict[int, float]:
-        """``batch -> cost`` for one shape (empty if unknown)."""
-        shape = (int(shape[0]), int(shape[1]))
-        return {b: c for (s, b), c in sorted(self.entries.items()) if s == shape}
-
-    def missing(self, shapes: Iterable[Shape]) -> list[Shape]:
-        """Shapes among ``shapes`` without a batch-1 entry (balancers need one)."""
-        return sorted({(int(s[0]), int(s[1])) for s in shapes} - {s for s, b in self.entries if b == 1})
-
-    def to_records(self) -> list[dict]:
-        """The ``--costs`` file format: ``[{"shape": [m, n], "batch": b, "seconds": t}, ...]``."""
-        return [{"shape": [s[0], s[1]], "batch": b, "seconds": c} for (s, b), c in sorted(self.entries.items())]
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def table_from_records(records: object, where: str = "costs") -> CostTable:
-    """Builds a table from ``[{"shape": [m, n], "batch": int, "seconds": float}, ...]``.
-
-    Args:
-        records: The parsed JSON.
-        where: Prefix of error messages (e.g. the file name).
-
-    Raises:
-        ValueError: Naming the entry index and field that is malformed or duplicated.
-    """
-    if not isinstance(records, list):
-        raise ValueError(f"{where}: expected a JSON list of cost entries, got {type(records).__name__}")
-    allowed = {"shape", "batch", "seconds"}
-    entries: dict[tuple[Shape, int], float] = {}
-    for i, entry in enumerate(records):
-        at = f"{where}: entry {i}"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{at}: expected an object, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - allowed)
-        if unknown:
-            raise ValueError(f"{at}: unknown field {unknown[0]!r} (allowed: shape, batch, seconds)")
-        for key in ("shape", "batch", "seconds"):
-            if key not in entry:
-                raise ValueError(f"{at}: missing field {key!r}")
-        shape, batch, seconds = entry["shape"], entry["batch"], entry["seconds"]
-        if not isinstance(shape, list) or len(shape) != 2 or not all(_positive_int(d) for d in shape):
-            raise ValueError(f"{at}: field 'shape' must be a list of two positive integers, got {shape!r}")
-        if not _positive_int(batch):
-            raise ValueError(f"{at}: field 'batch' must be a positive integer, got {batch!r}")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
-            math.isfinite(seconds) and seconds > 0
-        ):
-            raise ValueError(f"{at}: field 'seconds' must be a finite number > 0, got {seconds!r}")
-        key = ((shape[0], shape[1]), batch)
-        if key in entries:
-            raise ValueError(f"{at}: duplicate entry for shape {shape} batch {batch}")
-        entries[key] = float(seconds)
-    return CostTable(entries, unit="seconds", source="file")
-
-
-def load_costs_json(path: str | os.PathLike) -> CostTable:
-    """Reads a ``--costs`` file (see :func:`table_from_records`).
-
-    Raises:
-        FileNotFoundError: If ``path`` does not exist.
-        ValueError: For invalid JSON or a malformed entry (index and field named).
-    """
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{os.fspath(path)}: invalid JSON: {err}") from err
-    return table_from_records(data, os.fspath(path))
-
-
-def normalize_shapes(shapes_with_counts) -> dict[Shape, int]:
-    """``{(m, n): count}`` from a mapping or an iterable of ``(shape, count)``; repeats add up.
-
-    Raises:
-        ValueError: Naming ``shapes_with_counts`` for a malformed shape or count.
-    """
-    pairs = shapes_with_counts.items() if isinstance(shapes_with_counts, Mapping) else shapes_with_counts
-    out: dict[Shape, int] = {}
-    for item in pairs:
-        try:
-            shape, count = item
-            m, n = (int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise ValueError(f"shapes_with_counts: expected ((rows, cols), count) pairs, got {item!r}") from None
-        if m < 1 or n < 1 or not _positive_int(count):
-            raise ValueError(f"shapes_with_counts: need positive dims and count, got {item!r}")
-        out[(m, n)] = out.get((m, n), 0) + count
-    return dict(sorted(out.items()))
-
-
-def analytical_table(shapes_with_counts, ns_steps: int = 5) -> CostTable:
-    """Batch-1 FLOP estimates from :func:`dmuon.plan.cost.update_cost` (linear in the batch)."""
-    shapes = normalize_shapes(shapes_with_counts)
-    return CostTable({(s, 1): update_cost(s, ns_steps) for s in shapes}, unit="flops", source="analytical")
 
 
 def ns_settings(ns_kwargs: Mapping | None) -> tuple[dict, dict]:
@@ -215,75 +80,6 @@ def ns_settings(ns_kwargs: Mapping | None) -> tuple[dict, dict]:
     return kwargs, key
 
 
-def _header(device_fp: str, dtype: torch.dtype, ns_key: dict) -> dict:
-    return {"schema": SCHEMA_VERSION, "kind": "dmuon-owner-update-profile", "device": device_fp,
-            "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "ns": ns_key}
-
-
-def cache_path(cache_dir: str | os.PathLike | None, header: dict) -> Path:
-    """The file that holds the table for ``header``."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    tag = hashlib.sha1(json.dumps(header, sort_keys=True).encode()).hexdigest()[:12]
-    return root / f"plan-profile-{tag}.json"
-
-
-def _entry_key(shape: Shape, batch: int) -> str:
-    return f"{shape[0]}x{shape[1]}|{batch}"
-
-
-def _parse_key(key: str) -> tuple[Shape, int] | None:
-    try:
-        dims, batch = key.split("|")
-        m, n = dims.split("x")
-        out = ((int(m), int(n)), int(batch))
-    except ValueError:
-        return None
-    return out if min(out[0]) > 0 and out[1] > 0 else None
-
-
-def read_cache(path: Path, header: dict) -> dict[tuple[Shape, int], float]:
-    """Entries of a cache file; empty when missing, unreadable or written for another header."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("header") != header or not isinstance(data.get("entries"), dict):
-        return {}
-    out = {}
-    for key, value in data["entries"].items():
-        parsed = _parse_key(key)
-        if parsed and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and value > 0:
-            out[parsed] = float(value)
-    return out
-
-
-def write_cache(path: Path, header: dict, entries: Mapping[tuple[Shape, int], float]) -> bool:
-    """Atomically replaces ``path``; returns False (and keeps going) if the directory is not writable."""
-    payload = {"header": header, "entries": {_entry_key(s, b): v for (s, b), v in sorted(entries.items())}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        # A read-only or full cache directory must not stop training: the
-        # table is still returned, just measured again next time.
-        return False
-    return True
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_update(
     shape: Shape,
     batch: int,
@@ -310,12 +106,12 @@ def measure_update(
         orthogonalize_many(directions, autotuner=autotuner, **ns_kwargs)
 
     step()
-    _sync(device)
+    sync(device)
     times: list[float] = []
     while len(times) < repeats and sum(times) < max_entry_s:
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -340,7 +136,7 @@ def _profile_local(shapes, dtype, ns_kwargs, cache_dir, device, repeats, max_ent
     start = time.perf_counter()
     kwargs, ns_key = ns_settings(ns_kwargs)
     device_fp = device_fingerprint(device)
-    header = _header(device_fp, dtype, ns_key)
+    header = cache_header(device_fp, dtype, ns_key)
     path = cache_path(cache_dir, header)
     cached = read_cache(path, header)
     wanted = _plan_entries(shapes, max_batch)
@@ -408,31 +204,18 @@ def profile_costs(
     shapes = normalize_shapes(shapes_with_counts)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    if not _positive_int(repeats):
+    if not positive_int(repeats):
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     if not (isinstance(max_entry_s, (int, float)) and max_entry_s > 0):
         raise ValueError(f"max_entry_s must be > 0, got {max_entry_s!r}")
-    if max_batch is not None and not _positive_int(max_batch):
+    if max_batch is not None and not positive_int(max_batch):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
     if budget_s is not None and not (isinstance(budget_s, (int, float)) and budget_s >= 0):
         raise ValueError(f"budget_s must be >= 0 or None, got {budget_s!r}")
     ns_settings(ns_kwargs)  # validate on every rank before any collective
     device = torch.device(device) if device is not None else _default_device()
     args = (shapes, dtype, ns_kwargs, cache_dir, device, repeats, max_entry_s, max_batch, budget_s)
-
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return _profile_local(*args)
-    payload: list[object] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            payload[0] = ("ok", _profile_local(*args))
-        except Exception as err:  # noqa: BLE001 - the others must not wait forever
-            payload[0] = ("error", f"{type(err).__name__}: {err}")
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-    kind, value = payload[0]  # type: ignore[misc]
-    if kind != "ok":
-        raise RuntimeError(f"profile_costs: profiling failed on rank 0 of the group: {value}")
-    return value  # type: ignore[return-value]
+    return broadcast_from_rank0(lambda: _profile_local(*args), group, "profile_costs: profiling")
 
 
 def cached_costs(
@@ -447,7 +230,7 @@ def cached_costs(
     shapes = normalize_shapes(shapes_with_counts)
     _, ns_key = ns_settings(ns_kwargs)
     device = torch.device(device) if device is not None else _default_device()
-    header = _header(device_fingerprint(device), dtype, ns_key)
+    header = cache_header(device_fingerprint(device), dtype, ns_key)
     cached = read_cache(cache_path(cache_dir, header), header)
     entries = {(s, b): v for (s, b), v in cached.items() if s in shapes and b <= shapes[s]}
     table = CostTable(entries, unit="seconds", source="cache", device=header["device"])

@@ -25,6 +25,6 @@ def _one_intra_op_thread():
 def _no_autotune_cooldown(monkeypatch):
     # The pause that keeps OpenBLAS spin from billing the next candidate matters for
     # real measurements, not for tests of the cache logic.
-    from dmuon.ortho import autotune
+    from dmuon.ortho import timing
 
-    monkeypatch.setattr(autotune, "COOLDOWN_S", 0.0)
+    monkeypatch.setattr(timing, "COOLDOWN_S", 0.0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dmuon.plan import profile
+from dmuon.plan.profile_cache import cache_header
 from dmuon.plan.profile import (
     CostTable,
     analytical_table,
@@ -71,7 +72,7 @@ def test_cache_key_separates_settings_and_ignores_bad_files(tmp_path, counted):
     assert len(counted) == 6 and len(list(tmp_path.glob("plan-profile-*.json"))) == 3
 
     _, key = ns_settings(NS)
-    path = cache_path(tmp_path, profile._header(base.device, torch.float32, key))
+    path = cache_path(tmp_path, cache_header(base.device, torch.float32, key))
     assert path.exists()
     path.write_text("{not json")
     again = _profile(tmp_path, max_batch=1)
