@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--ortho", action="store_true",
                    help="run the owner-math benchmark instead (see `dmuon bench --ortho --help`)")
+    p.add_argument("--gpu-check", action="store_true",
+                   help="run the prepared one-GPU check instead (see `dmuon bench --gpu-check --help`)")
     return p
 
 
@@ -153,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--ortho")
         return ortho_main(argv)
+    if "--gpu-check" in argv:
+        # `dmuon bench --gpu-check [--dry-run]`: the prepared one-GPU check (see dmuon.bench.gpu_check).
+        from dmuon.bench.gpu_check import main as gpu_check_main
+
+        argv.remove("--gpu-check")
+        return gpu_check_main(argv)
     args = build_parser().parse_args(argv)
     payload = run(args)
     if not payload:
