@@ -1,6 +1,6 @@
 """Side-by-side speed of the orthogonalisation variants.
 
-``python -m dmuon.ortho.bench`` (or ``dmuon bench --ortho``) prints two tables:
+``python -m dmuon.bench.ortho_bench`` (or ``dmuon bench --ortho``) prints two tables:
 
 * per matrix shape: standard Newton–Schulz, Gram NS with plain matmuls, and Gram NS
   with the half-work symmetric kernels, as times and speed-ups over standard;
@@ -9,8 +9,8 @@
   to the better of the two.
 
 All variants of a row are timed in the same process, one block of calls per variant
-after a short pause (see :func:`_timed`); the fastest call (or the median) is
-reported.
+after a short pause (:func:`dmuon.ortho.timing.time_candidates` with a fixed number
+of rounds); the fastest call (or the median) is reported.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .autotune import Autotuner
-from .coefficients import KELLER
-from .gram import default_restart_every, gram_newton_schulz
-from .newton_schulz import newton_schulz
+from dmuon.ortho import symmetric as sym
+from dmuon.ortho.autotune import Autotuner
+from dmuon.ortho.coefficients import KELLER, resolve_schedule
+from dmuon.ortho.gram import default_restart_every, gram_newton_schulz
+from dmuon.ortho.newton_schulz import newton_schulz
+from dmuon.ortho.timing import time_candidates
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((256, 1024), (512, 2048), (1024, 1024), (1024, 4096), (1024, 8192))
 DEFAULT_BATCHES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (16, 128, 512), (8, 256, 1024), (4, 512, 512))
@@ -37,25 +38,14 @@ _STATS = {"min": min, "median": statistics.median}
 
 
 def _timed(fns: dict[str, Callable[[], object]], repeats: int, stat: str = "min", cooldown_s: float = 0.25) -> dict[str, float]:
-    """Seconds per function (``stat`` over ``repeats`` calls), one block per function.
+    """Seconds per function on CPU (``stat`` over exactly ``repeats`` calls), one block per function.
 
-    Each block starts with a pause and an untimed warm-up. Blocks rather than
-    round-robin: OpenBLAS threads spin for ~0.1 s after a NumPy call and slow down
-    whatever torch runs next (a 2-thread standard NS measured 1.7x slower right after
-    a NumPy matmul), which would bill the NumPy-based Gram path's cost to the
-    standard path if the two alternated.
+    Each block starts with a pause and an untimed warm-up; blocks rather than
+    round-robin, so one variant's OpenBLAS spin does not bill the next (see
+    :func:`~dmuon.ortho.timing.time_candidates`).
     """
-    out = {}
-    for k, fn in fns.items():
-        time.sleep(cooldown_s)
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[k] = _STATS[stat](times)
-    return out
+    return time_candidates(fns, torch.device("cpu"), repeats, cooldown_s=cooldown_s, stat=_STATS[stat],
+                           adaptive=False)
 
 
 def run_ortho_bench(
@@ -154,8 +144,6 @@ def run_ortho_bench(
             row[f"{method}_batched_s"] = t[f"{method}_batched"]
             row[f"{method}_looped_s"] = t[f"{method}_looped"]
             row[f"{method}_batched_speedup"] = t[f"{method}_looped"] / t[f"{method}_batched"]
-        from .coefficients import resolve_schedule
-
         problem = tuner.problem((m, n), dtype, "cpu", resolve_schedule(coefficients, steps), 1e-7)
         method, batched = tuner.plan(problem, B, "cpu")
         picked = row[f"{method}_{'batched' if batched else 'looped'}_s"]
@@ -180,8 +168,6 @@ def run_kernel_bench(sizes: Sequence[int] = (256, 512, 1024, 2048), repeats: int
     Returns:
         One dict per (op, m) with ``{backend}_s`` times in seconds.
     """
-    from . import symmetric as sym
-
     gen = torch.Generator().manual_seed(0)
     backends = [b for b in ("reference", "torch", "blas") if b != "blas" or sym._np is not None]
     rows = []
@@ -259,7 +245,7 @@ def _parse_pairs(text: str, arity: int) -> list[tuple[int, ...]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m dmuon.ortho.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dmuon.bench.ortho_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="compute dtype (default fp32)")
     p.add_argument("--shapes", default=None, help="comma-separated MxN list for the method table ('' skips)")
     p.add_argument("--batches", default=None, help="comma-separated BxMxN list for the batching table ('' skips)")

@@ -60,7 +60,7 @@ _MIRROR_TILE = 256
 # NumPy's strided copies prefer narrower strips (measured: 128 beat 32/64/256).
 _MIRROR_TILE_NP = 128
 # Crossover of the NumPy/BLAS path, measured single-threaded on the development CPU
-# (python -m dmuon.ortho.bench --kernels): the block-triangular product beats one
+# (python -m dmuon.bench.ortho_bench --kernels): the block-triangular product beats one
 # full gemm from m ~ 384, and 8 blocks beat 4 from m ~ 1024.
 _NP_HALF_PRODUCT_MIN = 384
 
@@ -100,7 +100,7 @@ def default_backend(device: torch.device | str, dtype: torch.dtype = torch.float
     On the 2-core AMD EPYC development machine (torch 2.13 with MKL, NumPy with
     OpenBLAS 0.3.31) OpenBLAS ``ssyrk``/``sgemm`` through NumPy beat both the torch
     block schedule and the full torch matmul; see
-    ``python -m dmuon.ortho.bench --kernels``.
+    ``python -m dmuon.bench.ortho_bench --kernels``.
 
     Args:
         device: Where the operands live.

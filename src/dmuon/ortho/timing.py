@@ -47,15 +47,18 @@ def sync(device: torch.device) -> None:
 
 def time_candidates(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25,
-    cooldown_s: float | None = None,
+    cooldown_s: float | None = None, stat: Callable[[list[float]], float] = statistics.median,
+    adaptive: bool = True,
 ) -> dict[str, float]:
-    """Median wall time in seconds of each candidate, timed block by block.
+    """Wall time in seconds of each candidate (``stat`` of its timed calls), timed block by block.
 
     Each candidate gets a cool-down pause, one untimed warm-up call and then at
-    least ``repeats`` timed calls. Cheap candidates get more calls, up to
-    :data:`MAX_ROUNDS`, within about ``budget_s``: for millisecond problems a median
-    of 3 is at the mercy of one scheduler hiccup. A candidate whose warm-up took
-    longer than :data:`SLOW_RUN_S` is timed once.
+    least ``repeats`` timed calls. With ``adaptive`` (the autotuner's setting),
+    cheap candidates get more calls, up to :data:`MAX_ROUNDS`, within about
+    ``budget_s``: for millisecond problems a median of 3 is at the mercy of one
+    scheduler hiccup; and a candidate whose warm-up took longer than
+    :data:`SLOW_RUN_S` is timed once. Without it every candidate gets exactly
+    ``repeats`` timed calls.
 
     Candidates are not interleaved on purpose: after a NumPy/OpenBLAS call the
     OpenBLAS worker threads keep spinning for ~0.1 s and slow down torch's own
@@ -75,7 +78,9 @@ def time_candidates(
         fn()
         sync(device)
         warm = time.perf_counter() - t0
-        if warm > SLOW_RUN_S:
+        if not adaptive:
+            rounds = repeats
+        elif warm > SLOW_RUN_S:
             rounds = 1
         else:
             rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
@@ -86,5 +91,5 @@ def time_candidates(
             fn()
             sync(device)
             times.append(time.perf_counter() - t0)
-        out[k] = statistics.median(times)
+        out[k] = stat(times)
     return out

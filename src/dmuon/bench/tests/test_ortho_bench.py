@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dmuon.ortho.bench import format_kernel_table, format_table, main, run_kernel_bench, run_ortho_bench
+from dmuon.bench.ortho_bench import format_kernel_table, format_table, main, run_kernel_bench, run_ortho_bench
 
 
 def test_run_ortho_bench_rows():
@@ -43,7 +43,7 @@ def test_main_and_module_entry(capsys):
     assert main(["--shapes", "8x", "--repeats", "1"]) == 2
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run(
-        [sys.executable, "-m", "dmuon.ortho.bench", "--shapes", "8x16", "--batches", "2x4x8", "--repeats", "1", "--json"],
+        [sys.executable, "-m", "dmuon.bench.ortho_bench", "--shapes", "8x16", "--batches", "2x4x8", "--repeats", "1", "--json"],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert res.returncode == 0, res.stderr
