@@ -172,7 +172,7 @@ def test_a_checkpoint_of_another_model_fails_clearly_on_every_rank(on_3, label, 
 
 
 def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
-    """Momentum is replicated across HSDP replicas in training; DCP writes each element once."""
+    """On HSDP every momentum element lives on one rank (Shard(1) over the replicas); DCP writes it once."""
     import math
 
     import torch.distributed.checkpoint as dcp

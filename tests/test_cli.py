@@ -11,6 +11,7 @@ from dmuon.bench import plan_cli
 from dmuon.bench.report import format_ratios, ratios
 from dmuon.bench.runner import round_sizes
 from dmuon.plan.offline import expand, plan_offline
+from dmuon.plan.traffic import shard_rows
 from dmuon.bench.shapes import full_size_shapes, load_shapes_json
 
 RESULT_FIELDS = {"config", "step_s", "step_s_min", "step_s_max", "optimizer_s", "fwd_bwd_s",
@@ -174,11 +175,13 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     mats = expand(full_size_shapes("qwen2.5-7b"))
     numel = sum(m.numel for m in mats)
     total = numel * 2  # bf16 on dmuon's wire
-    # Only the update crosses the inter-node level: each matrix's rows reach the
-    # other 127 replicas once (FSDP2 already all-reduced the gradient shards).
-    assert sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks) == 127 * total
-    # Shard level: each matrix's rows off the owner go to it and come back once.
+    # Across nodes: each matrix's update reaches the other 127 replicas once, and the
+    # direction's column slices kept by the other replicas (the momentum's Shard(1) over
+    # the replicas) reach the owner's replica once (FSDP2 already all-reduced the gradients).
     owner = {name: r["rank"] for r in ranks for name in r["matrices"]}
+    slices = sum((m.numel - m.shape[0] * shard_rows(m.shape[1], 128)[owner[m.name] // 8]) * 2 for m in mats)
+    assert sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks) == 127 * total + slices
+    # Shard level: each matrix's rows off the owner go to it and come back once.
     intra = 0
     for m in mats:
         chunk = -(-m.shape[0] // 8)
@@ -196,7 +199,7 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     # rank; (a) adds the update's 127 copies; (b) replaces the all-reduce by 127 fp32 copies.
     designs = plan["hsdp_designs"]
     assert designs["fsdp2_adamw"]["inter"] == {"total": 1024 * fsdp2["inter_sent"], "critical": fsdp2["inter_sent"]}
-    assert designs["a"]["inter"]["total"] == 1024 * fsdp2["inter_sent"] + 127 * total
+    assert designs["a"]["inter"]["total"] == 1024 * fsdp2["inter_sent"] + 127 * total + slices
     assert designs["b"]["inter"]["total"] == 127 * numel * 4 + 127 * total
     assert designs["a"]["inter"]["critical"] == fsdp2["inter_sent"] + max(
         max(r["inter_sent"], r["inter_received"]) for r in ranks)
@@ -224,10 +227,14 @@ def test_plan_hsdp_designs_only_with_replicas(capsys):
     plan = plan_offline(groups, 8, "round_robin", ranks_per_node=4)
     d = plan["hsdp_designs"]
     assert set(d) == {"fsdp2_adamw", "a", "b", "non_muon_all_reduce"}
-    # Two replicas: per other replica 8 (FSDP2's fp32 all-reduce), 10 and 6 bytes per
-    # element, up to the all-reduce's rounding of each rank's shard.
-    numel = sum(m.numel for m in expand(groups))
-    assert d["a"]["inter"]["total"] - d["fsdp2_adamw"]["inter"]["total"] == numel * 2
+    # Two replicas: per other replica 8 (FSDP2's fp32 all-reduce), 10 + 2/R and 6 bytes per
+    # element, up to the all-reduce's rounding of each rank's shard and the column split.
+    mats = expand(groups)
+    numel = sum(m.numel for m in mats)
+    owner = {name: r["rank"] for r in plan["ranks"] for name in r["matrices"]}
+    slices = sum((m.numel - m.numel // m.shape[1] * shard_rows(m.shape[1], 2)[owner[m.name] // 4]) * 2 for m in mats)
+    assert slices == pytest.approx(numel, rel=0.01)
+    assert d["a"]["inter"]["total"] - d["fsdp2_adamw"]["inter"]["total"] == numel * 2 + slices
     assert d["b"]["inter"]["total"] == numel * 6
     assert d["fsdp2_adamw"]["inter"]["total"] == pytest.approx(numel * 8, abs=8 * 8)
     assert plan_cli.main(["--model", "pi0", "--world-size", "4", "--balancer", "round_robin"]) == 0

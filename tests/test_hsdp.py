@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.plan.traffic import owner_traffic
+from dmuon.plan.traffic import owner_traffic, shard_rows
 from dmuon.testing import faults, run_distributed
 from dmuon.testing.cases import Case
 
@@ -37,9 +37,16 @@ def test_hsdp_matches_single_process_reference(mesh_shape):
     # Under bf16 mixed precision and bf16 NS, the same as gather-then-compute on the same HSDP model.
     diff, worst = _max_diff(results[0][2]["params"], results[0][3]["params"])
     assert diff <= 1e-5, worst
-    # Momentum is sharded like the parameter: each replica keeps its shard column's rows.
-    sub = [results[r] for r in range(mesh_shape[1])]  # the ranks of replica 0
-    _check_sharded_state(sub, 0, results[0][0]["shapes"])
+    # No Muon state is duplicated across replicas: rank (r, s) keeps the momentum of its rows
+    # (FSDP2's row shard s) x its replica's columns, so over the mesh every element is held once.
+    _check_sharded_state(results, 0, results[0][0]["shapes"])
+    replicate, shard = mesh_shape
+    for name, shape in results[0][0]["shapes"].items():
+        inner = torch.Size(shape[2:]).numel()
+        for rank, out in enumerate(results):
+            r, s = divmod(rank, shard)
+            expected = shard_rows(shape[0], shard)[s] * shard_rows(shape[1], replicate)[r] * inner
+            assert out[0]["momentum_numel"][name] == expected, (name, rank)
 
 
 @pytest.mark.parametrize("mesh_shape,ns_dtype", [(None, torch.float32), (None, torch.bfloat16),
@@ -55,7 +62,11 @@ def test_counted_bytes_match_the_traffic_model(mesh_shape, ns_dtype):
         counted = (st["intra_bytes_sent"], st["intra_bytes_received"], st["inter_bytes_sent"], st["inter_bytes_received"])
         assert counted == (m.intra_sent, m.intra_received, m.inter_sent, m.inter_received), rank
     if replicate > 1:
-        # Each matrix's update crosses the slow level R-1 times in all, nothing else does.
-        numel = sum(torch.Size(s).numel() for s in out[0]["shapes"])
-        assert sum(o["stats"]["inter_bytes_sent"] for o in out) == (replicate - 1) * numel * elem
+        # Each matrix's update crosses the slow level R-1 times in all; its direction's
+        # column slices reach the owner's replica from the R-1 others, (R-1)/R of it.
+        inter = 0
+        for shape, owner in zip(out[0]["shapes"], out[0]["owners"]):
+            numel, kept = torch.Size(shape).numel(), shard_rows(shape[1], replicate)[owner // shard]
+            inter += (replicate - 1) * numel + numel - numel // shape[1] * kept
+        assert sum(o["stats"]["inter_bytes_sent"] for o in out) == inter * elem
     assert sum(o["stats"]["orthogonalized"] for o in out) == N_MATRICES

@@ -171,7 +171,8 @@ def prepare(
         if tuple(local.shape) != (rows[column], *p.shape[1:]):
             raise ValueError(f"parameter {name!r}: local shard {tuple(local.shape)} is not the row split "
                              f"{rows} dmuon expects for shape {tuple(p.shape)}")
-        info = MatrixInfo(index, name, p, tuple(p.shape), block_of[id(p)], rows=rows)
+        columns = tuple(shard_rows(p.shape[1], topology.replicate))
+        info = MatrixInfo(index, name, p, tuple(p.shape), block_of[id(p)], rows=rows, columns=columns)
         infos.append(info)
         blocks[info.block].matrices.append(index)
     blocks = [b for b in blocks if b.matrices]

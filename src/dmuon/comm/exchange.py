@@ -1,27 +1,35 @@
-"""Shard-level exchanges between FSDP2's row shards and each matrix's owner.
+"""Exchanges between FSDP2's row shards and each matrix's owner.
 
 FSDP2 keeps every matrix split by rows (``Shard(0)``) over the shard level of a
 (replicate R x shard S) mesh; after its reduce-scatter (and, on HSDP, its
 all-reduce across replicas) every rank holds its rows of the averaged
-gradient, identical in every replica. dmuon moves only what Newton-Schulz
-consumes and produces, in its wire dtype:
+gradient, identical in every replica. Muon's momentum is kept once in the
+whole mesh: rank ``(r, s)`` keeps rows ``s`` x column slice ``r``
+(``MatrixInfo.columns``). dmuon moves only what Newton-Schulz consumes and
+produces, in its wire dtype:
 
-* **Directions to the owner** (shard level, inside the owner's replica only):
-  each rank of the owner's replica sends its rows of the direction; the owner
-  concatenates the S pieces. Other replicas send nothing: they hold the same rows.
+* **Directions, hop A** (replicate level, HSDP only): every rank sends its
+  column slice of each matrix's direction to the same shard column of the
+  owner's replica, which joins the R slices into its rows. Per matrix 1/R of
+  the rows crosses the slow network once from each other replica, spread over
+  the S columns.
+* **Directions, hop B** (shard level, inside the owner's replica only): each
+  rank of the owner's replica sends its rows of the direction; the owner
+  concatenates the S pieces.
 * **Updates back, hop 1** (shard level, inside the owner's replica): the owner
   sends each shard column its rows of the orthogonalized update.
 * **Updates back, hop 2** (replicate level, HSDP only): every rank of the owner's
   replica forwards its rows to the same column of the other replicas. The
   matrix crosses the slow network R-1 times in total, spread over S links.
 
-Each exchange is one uneven ``all_to_all_single`` per block and level, which
-gloo and NCCL both support; members travel in plan-index order, so every
+Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
+and NCCL both support; members travel in plan-index order, so every
 destination's share is one contiguous slice.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -36,26 +44,64 @@ from dmuon.plan.plan import MatrixInfo
 
 @dataclass
 class Pending:
-    """An exchange in flight; ``wait()`` lands it and returns its result (once computed, kept)."""
+    """An exchange in flight; ``wait()`` lands it and returns its result (once computed, kept).
+
+    A two-hop exchange issued in backward has ``then``: the second hop can only
+    start once the first has landed, and only the main thread issues
+    collectives (every rank must issue them in the same order), so the runtime
+    calls :meth:`forward` when it launches the next block or enters ``step()``.
+    """
 
     works: list
     """Handles of the collectives issued so far."""
     finish: Callable[[], dict[int, torch.Tensor]] = field(repr=False)
     """Turns the landed buffers into the result (may issue a second hop)."""
     stats: CommStats = field(repr=False)
+    then: Callable[[], "Pending"] | None = field(default=None, repr=False)
+    """Issues the next hop from the landed buffers; its result is this exchange's."""
     result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    _next: "Pending | None" = field(default=None, repr=False)
+    _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def _land(self, exposed: bool) -> None:
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if exposed:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def forward(self) -> None:
+        """Main thread: lands the first hop and issues the next (nothing for one hop; idempotent)."""
+        if self.then is not None and self._next is None:
+            self._land(exposed=True)
+            self._next = self.then()
+            self._forwarded.set()
 
     def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
-        """Lands the exchange; ``exposed=False`` when a side thread waits (not counted as blocking)."""
+        """Lands the exchange.
+
+        Args:
+            exposed: False when a side thread waits: its time is not counted as
+                blocking, and it issues nothing (it waits for the main thread's
+                :meth:`forward` instead).
+        """
         if self.result is None:
-            start = time.perf_counter()
-            for work in self.works:
-                work.wait()
-            self.works = []
-            if exposed:
-                self.stats.wait_seconds += time.perf_counter() - start
-            self.result = self.finish()
+            if self.then is not None:
+                if exposed:
+                    self.forward()
+                else:
+                    self._forwarded.wait()
+                assert self._next is not None
+                self.result = self._next.wait(exposed)
+            else:
+                self._land(exposed)
+                self.result = self.finish()
         return self.result
+
+
+def _no_result() -> dict[int, torch.Tensor]:
+    return {}
 
 
 class ShardExchange:
@@ -98,15 +144,53 @@ class ShardExchange:
 
     # ----------------------------------------------------------- to the owner
     def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
-        """Sends this rank's rows of each member's direction to the member's owner.
+        """Sends this rank's piece of each member's direction to the member's owner.
 
         Args:
             members: Matrix indices, identical and in the same order on every rank.
-            local: This rank's rows of each member, ``(rows, row_width)``, in the wire dtype.
+            local: This rank's piece of each member (rows ``rows[s]`` x columns
+                ``columns[r]`` of the parameter's shape, any view of it), in the wire dtype.
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives ``{index: full (m, n) direction}``
             for the members this rank owns.
+        """
+        if self.topo.replicate == 1:
+            return self._rows_to_owners(members, local)
+        return self._columns_to_owner_replica(members, local)
+
+    def _columns_to_owner_replica(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
+        """Hop A: column slices to the owner's replica; then hop B (:meth:`_rows_to_owners`) from there."""
+        topo, infos = self.topo, self.infos
+        r, s = topo.coords
+        ours = [i for i in members if self._owner(i)[0] == r]
+        if sum(infos[i].rows[s] * infos[i].row_width for i in members) == 0:
+            # This shard column holds no rows of these members: nothing crosses its replicate group.
+            nothing = {i: self._empty(0) for i in ours}
+            return Pending([], _no_result, self.stats, then=lambda: self._rows_to_owners(members, nothing))
+        to_replica = sorted(members, key=lambda i: (self._owner(i)[0], i))
+        in_splits = [0] * topo.replicate
+        for i in members:
+            in_splits[self._owner(i)[0]] += infos[i].momentum_piece(r, s)
+        out_splits = [sum(infos[i].momentum_piece(q, s) for i in ours) for q in range(topo.replicate)]
+        send = self._cat([local[i].reshape(-1) for i in to_replica])
+        recv = self._empty(sum(out_splits))
+        work = self._all_to_all("inter", topo.replicate_group, recv, send, out_splits, in_splits, r)
+
+        def then() -> Pending:
+            slices: dict[int, list[torch.Tensor]] = {i: [] for i in ours}
+            for q, segment in enumerate(recv.split(out_splits)):
+                for i, piece in zip(ours, segment.split([infos[i].momentum_piece(q, s) for i in ours])):
+                    slices[i].append(piece.view(infos[i].rows[s], infos[i].columns[q], *infos[i].shape[2:]))
+            rows = {i: torch.cat(slices[i], dim=1).reshape(infos[i].rows[s], infos[i].row_width) for i in ours}
+            return self._rows_to_owners(members, rows)
+
+        return Pending([work], _no_result, self.stats, then=then)
+
+    def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
+        """Hop B: inside each replica, its ranks' rows of the members it owns go to their owners.
+
+        ``local`` needs only the members owned in this rank's replica.
         """
         topo = self.topo
         r, s = topo.coords
@@ -116,7 +200,7 @@ class ShardExchange:
         in_replica = [i for i in members if self._owner(i)[0] == r]
         if not in_replica:
             # No matrix of these members is owned in this replica: the whole shard group skips.
-            return Pending([], lambda: {}, self.stats)
+            return Pending([], _no_result, self.stats)
         by_column = sorted(in_replica, key=lambda i: (self._owner(i)[1], i))
         in_splits = [0] * topo.shard
         for i in in_replica:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
@@ -218,30 +219,59 @@ class DMuon(torch.optim.Optimizer):
             self.defaults = saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in float32.
+        """As ``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in float32 and in its layout.
 
         torch casts floating-point state to its parameter's dtype on load; Muon's
         momentum is fp32 whatever the parameter's dtype (as torch.optim.Muon's would
-        be for fp32 parameters), so it is taken again from the incoming values.
+        be for fp32 parameters), so it is taken again from the incoming values. A
+        momentum DTensor laid out otherwise (a state dict built by hand for
+        another mesh) is redistributed to the runtime's layout, on every rank in
+        the same order.
         """
         order = [k for g in state_dict["param_groups"] for k in g["params"]]
         momenta = {k: v["momentum_buffer"] for k, v in state_dict["state"].items()
                    if isinstance(v, dict) and "momentum_buffer" in v}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        for key, value in momenta.items():
+        placements = self._momentum_placements()
+        for key, value in sorted(momenta.items(), key=lambda kv: order.index(kv[0])):
             param = params[order.index(key)]
-            if param.dtype != torch.float32:
-                self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
+            if isinstance(value, DTensor) and tuple(value.placements) != placements:
+                value = value.redistribute(value.device_mesh, placements)
+            self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
 
     # --------------------------------------------------------------------- step
     def _muon_groups(self) -> dict[int, dict]:
         """Plan index -> param group, for every Muon matrix."""
         return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
 
-    def _wire(self, index: int, direction: torch.Tensor) -> torch.Tensor:
-        info = self.plan.infos[index]
-        return direction.to(self.ns_dtype).reshape(info.rows[self.runtime.topo.coords[1]], info.row_width)
+    def _wire(self, direction: torch.Tensor) -> torch.Tensor:
+        return direction.to(self.ns_dtype).reshape(-1)
+
+    def _kept_slice(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """The part of a local row shard whose momentum this rank keeps (HSDP: its replica's columns)."""
+        if self.runtime.topo.replicate == 1:
+            return local
+        info, r = self.plan.infos[index], self.runtime.topo.coords[0]
+        return local.narrow(1, info.column_start(r), info.columns[r])
+
+    def _new_momentum(self, index: int) -> torch.Tensor:
+        """A zero momentum buffer, float32, laid out as the runtime keeps it.
+
+        FSDP: sharded like the parameter (a DTensor, as AdamW's state). HSDP: the
+        parameter's rows ``Shard(0)`` over the shard level and its columns
+        ``Shard(1)`` over the replicas, so each element lives on one rank only.
+        """
+        param = self.plan.infos[index].param
+        if self.runtime.topo.replicate == 1 or not isinstance(param, DTensor):
+            return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+        kept = self._kept_slice(index, param.to_local())
+        local = torch.zeros(kept.shape, dtype=torch.float32, device=kept.device)
+        return DTensor.from_local(local, param.device_mesh, self._momentum_placements(), run_check=False,
+                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
+
+    def _momentum_placements(self) -> tuple:
+        return (Shard(1), Shard(0)) if self.runtime.topo.replicate > 1 else (Shard(0),)
 
     def _check_grad(self, index: int) -> None:
         grad = self.plan.infos[index].param.grad
@@ -258,9 +288,9 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             self._check_grad(i)
             buf = self.state[param].get("momentum_buffer")
-            d = peek_direction(local_tensor(param.grad), None if buf is None else local_tensor(buf),
-                               group["momentum"], group["nesterov"])
-            out[i] = self._wire(i, d)
+            d = peek_direction(self._kept_slice(i, local_tensor(param.grad)),
+                               None if buf is None else local_tensor(buf), group["momentum"], group["nesterov"])
+            out[i] = self._wire(d)
         return out
 
     def _commit_directions(self, active: list[int], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
@@ -270,12 +300,10 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             state = self.state[param]
             if "momentum_buffer" not in state:
-                # Sharded like the parameter (a DTensor under FSDP2), as AdamW's state is.
-                state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32,
-                                                            memory_format=torch.preserve_format)
-            d = momentum_update(local_tensor(param.grad), local_tensor(state["momentum_buffer"]), group["momentum"],
-                                group["nesterov"])
-            out[i] = self._wire(i, d)
+                state["momentum_buffer"] = self._new_momentum(i)
+            d = momentum_update(self._kept_slice(i, local_tensor(param.grad)), local_tensor(state["momentum_buffer"]),
+                                group["momentum"], group["nesterov"])
+            out[i] = self._wire(d)
         return out
 
     def _agree(self, group_of: dict[int, dict], here: list[int],

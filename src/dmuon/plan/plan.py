@@ -32,6 +32,10 @@ class MatrixInfo:
     """Estimated owner-side cost used by the balancer (arbitrary units)."""
     rows: tuple[int, ...] = ()
     """Rows each shard column holds (FSDP2's ``Shard(0)`` split; trailing entries may be 0)."""
+    columns: tuple[int, ...] = ()
+    """Slices of ``shape[1]`` each replica keeps Muon's momentum for (``Shard(1)`` over the R
+    replicas, torch.chunk's rule; ``(shape[1],)`` without replicas), so on HSDP no state is
+    duplicated across replicas: rank ``(r, s)`` holds rows ``rows[s]`` x columns ``columns[r]``."""
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
@@ -46,6 +50,14 @@ class MatrixInfo:
     def row_width(self) -> int:
         """Elements per row of the 2-D view."""
         return math.prod(self.shape[1:])
+
+    def momentum_piece(self, r: int, s: int) -> int:
+        """Elements of the momentum (and of the direction formed from it) on rank ``(r, s)``."""
+        return self.rows[s] * self.columns[r] * math.prod(self.shape[2:])
+
+    def column_start(self, r: int) -> int:
+        """First column (of ``shape[1]``) of replica ``r``'s momentum slice."""
+        return sum(self.columns[:r])
 
 
 @dataclass

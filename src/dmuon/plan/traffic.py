@@ -97,12 +97,28 @@ def _check_mesh(replicate: int, shard: int, elem_bytes: int) -> None:
         raise ValueError(f"elem_bytes must be >= 1, got {elem_bytes}")
 
 
-def _add_owner_exchange(out: list[RankTraffic], rows: list[int], width: int, owner: int,
-                        replicate: int, shard: int, elem_bytes: int) -> None:
-    """Adds one matrix's three steps of :func:`owner_traffic`, in bytes, to ``out``."""
+def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int, replicate: int, shard: int,
+                        elem_bytes: int, column_slices: bool = True) -> None:
+    """Adds one matrix's steps of :func:`owner_traffic`, in bytes, to ``out``.
+
+    ``column_slices=False`` leaves out step 0 (design (b) reduces whole rows to
+    the owner's replica instead).
+    """
     r_o, s_o = divmod(owner, shard)
     base = r_o * shard
+    rows, width = shard_rows(int(shape[0]), shard), row_width(shape)
+    cols = int(shape[1]) if len(shape) > 1 else 1
+    inner = width // cols if cols else 0
+    columns = shard_rows(cols, replicate)
     for s, count in enumerate(rows):
+        if column_slices:
+            # 0: every other replica's rank (r, s) sends its column slice of the
+            # direction to (r_o, s), which joins the R slices into its rows.
+            for r in range(replicate):
+                if r != r_o:
+                    moved = count * columns[r] * inner * elem_bytes
+                    out[r * shard + s].inter_sent += moved
+                    out[base + s].inter_received += moved
         moved = count * width * elem_bytes
         if s != s_o:
             # 1: the owner's replica sends its row shards to the owner;
@@ -137,14 +153,17 @@ def owner_traffic(
 ) -> list[RankTraffic]:
     """dmuon's traffic per plan rank ``r * shard + s`` for one step with every matrix active.
 
-    Per matrix with owner ``o = r_o * shard + s_o``: the ranks ``(r_o, s)``,
-    ``s != s_o``, send their rows to the owner; the owner sends each of them its
-    rows of the update; with ``replicate > 1`` every ``(r_o, s)`` then sends its
-    rows of the update to ``(r, s)`` for each ``r != r_o``. Other replicas send
-    nothing: FSDP2 has already all-reduced the gradient shards across them.
-    Steps 1-2 are counted on the intra (shard) level, step 3 on the inter
-    (replicate) level; a rank's bytes to itself are not traffic. This is HSDP
-    design (a), the runtime's.
+    Per matrix with owner ``o = r_o * shard + s_o``: with ``replicate > 1``
+    every ``(r, s)``, ``r != r_o``, first sends the column slice of its rows
+    that it keeps the momentum of (``shape[1]`` split over the R replicas) to
+    ``(r_o, s)`` (step 0; FSDP2 has already all-reduced the gradient shards
+    across replicas, and the momentum is held once in the mesh); the ranks
+    ``(r_o, s)``, ``s != s_o``, send their rows to the owner; the owner sends
+    each of them its rows of the update; with ``replicate > 1`` every
+    ``(r_o, s)`` then sends its rows of the update to ``(r, s)`` for each
+    ``r != r_o``. Steps 1-2 are counted on the intra (shard) level, steps 0 and
+    3 on the inter (replicate) level; a rank's bytes to itself are not
+    traffic. This is HSDP design (a), the runtime's.
 
     Args:
         shapes: Full parameter shapes; rows are ``shape[0]``, a row is
@@ -161,8 +180,7 @@ def owner_traffic(
     _check_owners(shapes, owners, replicate, shard)
     out = [RankTraffic() for _ in range(replicate * shard)]
     for shape, owner in zip(shapes, owners):
-        _add_owner_exchange(out, shard_rows(int(shape[0]), shard), row_width(shape), owner, replicate, shard,
-                            elem_bytes)
+        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes)
     return out
 
 
@@ -214,7 +232,7 @@ def owner_traffic_replicate_reduce(
             for r in range(replicate):
                 if r != r_o:
                     out[r * shard + s].inter_sent += moved
-        _add_owner_exchange(out, rows, width, owner, replicate, shard, elem_bytes)
+        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes, column_slices=False)
     return out
 
 
@@ -454,9 +472,12 @@ def owner_exchange_collectives(
 
     Per block (in ``block_order``; default: descending block index, FSDP2's
     post-backward order when blocks are numbered in model order, root first)
-    one uneven ``all_to_all`` on each replica's shard group sends the
+    with ``R > 1`` first one uneven ``all_to_all`` on each shard column's
+    replicate group sends the direction's column slices to the owners'
+    replicas (:func:`owner_traffic` step 0; a column with no rows of the
+    block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
     directions of the block's matrices owned in that replica to their owners
-    (:func:`owner_traffic` step 1); a replica owning none of them issues
+    (step 1); a replica owning none of them issues
     nothing. Then, in ``step()``, one ``all_to_all`` on each replica's shard
     group returns every matrix's update rows (step 2; replicas owning nothing
     skip it) and, with ``R > 1``, one on each shard column's replicate group
@@ -483,12 +504,34 @@ def owner_exchange_collectives(
         return [0] * world, [0] * world, [set() for _ in range(world)], [set() for _ in range(world)]
 
     order = sorted(set(blocks), reverse=True) if block_order is None else list(block_order)
+    cols = [int(s[1]) if len(s) > 1 else 1 for s in shapes]
+    columns = [shard_rows(c, replicate) for c in cols]
+
+    def column_piece(i: int, r: int, s: int) -> int:
+        return rows[i][s] * columns[i][r] * (widths[i] // cols[i]) * elem_bytes if cols[i] else 0
+
     backward: list[Collective] = []
-    if shard > 1:
-        for b in order:
-            members = [i for i in range(len(shapes)) if blocks[i] == b]
-            if not members:
-                continue
+    for b in order:
+        members = [i for i in range(len(shapes)) if blocks[i] == b]
+        if not members:
+            continue
+        if replicate > 1:
+            sent, received, out, inn = fresh()
+            for i in members:
+                r_o = owners[i] // shard
+                for s in range(shard):
+                    for r in range(replicate):
+                        moved = column_piece(i, r, s)
+                        if r != r_o and moved:
+                            src, dst = r * shard + s, r_o * shard + s
+                            sent[src] += moved
+                            received[dst] += moved
+                            out[src].add(dst)
+                            inn[dst].add(src)
+            part = [any(rows[i][k % shard] * widths[i] for i in members) for k in range(world)]
+            backward.append(_a2a("inter", "backward", b, world, sent, received, out, inn, part,
+                                 f"dmuon direction slices block {b}"))
+        if shard > 1:
             sent, received, out, inn = fresh()
             owning = {owners[i] // shard for i in members}
             for i in members:
@@ -566,7 +609,8 @@ def step_collectives(
     the all-gather again (not for ``root_block``: FSDP2 keeps the root
     unsharded after forward), then the reduce-scatter (``reduce_bytes``), then
     on HSDP the replicate-level all-reduce of the reduced shard; under
-    ``"dmuon"`` then the block's direction exchange. Step: ``"dmuon"``'s two
+    ``"dmuon"`` then the block's direction exchange (on HSDP two: the column
+    slices across replicas, then the rows inside the owner's replica). Step: ``"dmuon"``'s two
     return exchanges (:func:`owner_exchange_collectives`), or ``"gather"``'s
     all-gather of every matrix's direction over the shard group
     (``wire_bytes``, one per matrix in plan order, as
@@ -599,7 +643,9 @@ def step_collectives(
     if strategy == "dmuon":
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
                                                        block_order=order[::-1])
-    by_block = {c.block: c for c in exchange}
+    by_block: dict[int | None, list[Collective]] = {}
+    for c in exchange:
+        by_block.setdefault(c.block, []).append(c)
     out: list[Collective] = []
     for b in order:
         out += fsdp2_block_collectives(of[b], replicate, shard, phase="forward", block=b, op="all_gather",
@@ -612,8 +658,7 @@ def step_collectives(
                                        elem_bytes=reduce_bytes)
         out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_reduce",
                                        elem_bytes=reduce_bytes)
-        if b in by_block:
-            out.append(by_block[b])
+        out += by_block.get(b, [])
     out += returns
     if strategy == "gather" and shard > 1:
         world = replicate * shard

@@ -18,7 +18,10 @@ block is exchanged again in ``step()``), so the result never depends on it.
 
 Collective order: hooks fire in FSDP2's post-backward order, which FSDP2
 itself requires to be the same on every rank; ``step()`` goes through the
-blocks in one fixed order. dmuon's collectives run on process groups of their
+blocks in one fixed order. On HSDP a block's directions take two hops (across
+replicas, then inside the owner's replica); the second is issued from the
+main thread when the next block launches (or ``step()`` takes the launches),
+so the order is block by block ``A(b), B(b), A(b+1), ...`` on every rank. dmuon's collectives run on process groups of their
 own (:func:`dmuon.comm.topology.from_mesh`), apart from FSDP2's.
 """
 
@@ -117,6 +120,10 @@ class ShardRuntime:
         members = sorted(self._landed.pop(block))
         if self._current == block:
             self._current = None
+        # A block's second hop (HSDP: inside the owner's replica) starts once its first has
+        # landed, typically while the next block's gradients were computed.
+        for earlier in self._launches.values():
+            earlier.pending.forward()
         sent = self._directions(members)
         launch = Launch(block, members, sent, self.exchange.send_directions(members, sent))
         self._launches[block] = launch
@@ -129,6 +136,8 @@ class ShardRuntime:
             self._launch(self._current)
         launches, self._launches = self._launches, {}
         self._landed.clear()
+        for launch in launches.values():
+            launch.pending.forward()
         return launches
 
     # ---------------------------------------------------------------- agreement

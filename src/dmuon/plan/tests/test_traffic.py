@@ -35,11 +35,16 @@ def _torch_rows(m: int, shard: int) -> list[int]:
 
 
 def _messages(shapes, owners, replicate, shard, elem_bytes):
-    """Every (sender, receiver, bytes, level) message of the three steps, self-sends included."""
+    """Every (sender, receiver, bytes, level) message of the four steps, self-sends included."""
     for shape, owner in zip(shapes, owners):
         r_o, s_o = divmod(owner, shard)
         width = math.prod(shape[1:])
         rows = _torch_rows(shape[0], shard)
+        cols = shape[1] if len(shape) > 1 else 1
+        columns = _torch_rows(cols, replicate)  # the momentum's Shard(1) over the replicas
+        for s in range(shard):
+            for r in range(replicate):                                               # 0: direction slices
+                yield (r * shard + s, r_o * shard + s, rows[s] * columns[r] * (width // cols) * elem_bytes, "inter")
         for s in range(shard):
             if s != s_o:
                 yield (r_o * shard + s, owner, rows[s] * width * elem_bytes, "intra")   # 1: to the owner
@@ -92,15 +97,23 @@ def test_a_one_row_matrix_moves_only_between_its_row_holder_and_owner():
 
 
 def test_two_by_two_mesh_with_owners_in_both_replicas():
-    # A: rows [2, 2] of 3, owner (0, 1). B: rows [2, 1] of 2, owner (1, 0).
+    # A: rows [2, 2] of 3, columns [2, 1], owner (0, 1). B: rows [2, 1] of 2, columns [1, 1], owner (1, 0).
+    # Step 0 (direction slices to the owner's replica, inter): A's column 2 from (1, s) to (0, s),
+    # 4 and 4 bytes; B's column 0 from (0, s) to (1, s), 4 and 2 bytes.
+    # Steps 1-3 (rows to the owner, updates back, updates to the other replica) as on one replica.
     t = owner_traffic([(4, 3), (3, 2)], [1, 2], 2, 2)
     got = [(x.intra_sent, x.intra_received, x.inter_sent, x.inter_received) for x in t]
-    assert got == [(12, 12, 12, 8), (12, 12, 12, 4), (4, 4, 8, 12), (4, 4, 4, 12)]
+    assert got == [(12, 12, 12 + 4, 8 + 4), (12, 12, 12 + 2, 4 + 4), (4, 4, 8 + 4, 12 + 4), (4, 4, 4 + 4, 12 + 2)]
 
 
 def test_rows_are_flattened_over_trailing_dimensions():
-    # A (5, 2, 3) conv kernel moves like a 5 x 6 matrix.
-    assert owner_traffic([(5, 2, 3)], [1], 2, 3) == owner_traffic([(5, 6)], [1], 2, 3)
+    # A (5, 2, 3) conv kernel moves like a 5 x 6 matrix on one replica...
+    assert owner_traffic([(5, 2, 3)], [1], 1, 3) == owner_traffic([(5, 6)], [1], 1, 3)
+    # ... but its momentum is split over replicas by input channel (dim 1): 2 + 1 of 3
+    # channels of 2 elements, 4 + 2 elements per row, where a 5 x 6 matrix splits 3 + 3.
+    conv, flat = owner_traffic([(5, 3, 2)], [0], 2, 1), owner_traffic([(5, 6)], [0], 2, 1)
+    assert conv[1].inter_sent == 5 * 2 * 2 + 5 * 6 * 0 and flat[1].inter_sent == 5 * 3 * 2
+    assert conv[0].inter_sent == flat[0].inter_sent == 5 * 6 * 2  # the update, to replica 1
 
 
 def test_zero_traffic_on_a_rank_without_rows_or_matrices():
@@ -126,14 +139,17 @@ def test_levels_conserve_bytes_and_match_the_simulation():
         assert model == _simulate(shapes, owners, replicate, shard, elem), (shapes, owners, replicate, shard)
         assert sum(x.intra_sent for x in model) == sum(x.intra_received for x in model)
         assert sum(x.inter_sent for x in model) == sum(x.inter_received for x in model)
-        # Every row reaches each other replica exactly once.
+        # Every row of the update reaches each other replica exactly once, and every
+        # column slice of the direction held outside the owner's replica reaches it once.
         numel = sum(math.prod(s) for s in shapes)
-        assert sum(x.inter_sent for x in model) == (replicate - 1) * numel * elem
+        kept = sum(math.prod(s) // (s[1] if len(s) > 1 else 1) * _torch_rows(s[1] if len(s) > 1 else 1, replicate)[o // shard]
+                   for s, o in zip(shapes, owners))
+        assert sum(x.inter_sent for x in model) == ((replicate - 1) * numel + numel - kept) * elem
 
 
 def test_critical_path_is_the_busiest_direction_of_any_rank():
     t = owner_traffic([(4, 3), (3, 2)], [1, 2], 2, 2)
-    assert critical_path(t) == max(max(x.sent for x in t), max(x.received for x in t)) == 24
+    assert critical_path(t) == max(max(x.sent for x in t), max(x.received for x in t)) == 12 + 16  # rank 0 sends
     assert critical_path([]) == 0
 
 
@@ -263,19 +279,20 @@ def test_replicate_all_reduce_is_fsdp2s_inter_level_and_a_ring():
 @pytest.mark.parametrize("replicate,shard", [(4, 8), (2, 4), (8, 8), (3, 2)])
 def test_design_totals_for_one_evenly_divisible_matrix(replicate, shard):
     # M elements, divisible by S * R: every figure is exact.
-    rows, cols = 8 * 3 * 8, 64
+    rows, cols = 8 * 3 * 8, 8 * 3 * 8
     m = rows * cols
     r1 = replicate - 1
     figs = compare_hsdp_designs([(rows, cols)], [shard + 1], replicate, shard)
     inter = {k: figs[k]["inter"] for k in HSDP_DESIGNS}
     # (i) each of the S columns ring-all-reduces M/S fp32 elements over R ranks.
     assert inter["fsdp2_adamw"]["total"] == 2 * r1 * m * 4
-    # (ii) design (a): that, plus the bf16 update once to every other replica.
-    assert inter["a"]["total"] == 2 * r1 * m * 4 + r1 * m * 2
+    # (ii) design (a): that, plus the bf16 update once to every other replica, plus the
+    # direction's column slices (1/R of it per other replica) to the owner's replica.
+    assert inter["a"]["total"] == 2 * r1 * m * 4 + r1 * m * 2 + r1 * (m // replicate) * 2
     # (iii) design (b): the fp32 gradient reduced to the owner's replica, plus the same update.
     assert inter["b"]["total"] == r1 * m * 4 + r1 * m * 2
-    # Per element 8, 10 and 6 bytes per other replica.
-    assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10, 6]
+    # Per element 8, 10 + 2/R and 6 bytes per other replica.
+    assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10 + 2 / replicate, 6]
     # Critical paths: the all-reduce is 2 (R-1)/R of a column's M/S each way on every rank;
     # (a)'s owner replica sends the update R-1 times more; (b)'s receives R-1 gradient copies.
     ar = 2 * r1 * (m // shard) // replicate * 4
@@ -294,7 +311,9 @@ def test_design_hand_numbers():
     # One 64 x 64 matrix on a 4 x 8 mesh, owner (1, 1): M = 4096, M / S = 512.
     figs = compare_hsdp_designs([(64, 64)], [9], 4, 8, other_numels=[1024, 3072])
     assert figs["fsdp2_adamw"]["inter"] == {"total": 98304, "critical": 3072}
-    assert figs["a"]["inter"] == {"total": 122880, "critical": 6144}
+    # (a): FSDP2's 98304, the update to 3 replicas (3 * 4096 * 2) and the 3 other replicas'
+    # column slices of the direction (3 * 1024 * 2).
+    assert figs["a"]["inter"] == {"total": 98304 + 24576 + 6144, "critical": 6144}
     assert figs["b"]["inter"] == {"total": 73728, "critical": 6144}
     # 4096 non-Muon elements all-reduced alike under every design: 2 * 3 * 4096 * 4 in all, 3072 a rank.
     assert figs["non_muon_all_reduce"] == {"total": 98304, "critical": 3072}
@@ -396,8 +415,12 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     assert _per_collective("fsdp_adamw", *args, zero=2) == fsdp
     dm = step_collectives("dmuon", *args, zero=2)
     assert [(c.op, c.level, c.critical) for c in dm] == [
-        *fsdp, ("all_to_all", "intra", 12), ("all_to_all", "intra", 12), ("all_to_all", "inter", 12)]
-    directions, back, forward = dm[3:]
+        *fsdp, ("all_to_all", "inter", 8), ("all_to_all", "intra", 12), ("all_to_all", "intra", 12),
+        ("all_to_all", "inter", 12)]
+    slices, directions, back, forward = dm[3:]
+    # Replica 0 keeps the momentum of columns [0, 2) of its rows: 2 rows x 2 columns, 8 bytes
+    # per rank, go to the same column of replica 1; replica 1 keeps column 2 and sends nothing.
+    assert slices.ranks == [(8, 0), (8, 0), (0, 8), (0, 8)]
     # Only the owner's replica takes part in the shard-level exchanges.
     assert directions.ranks == [None, None, (12, 0), (0, 12)]
     assert back.ranks == [None, None, (0, 12), (12, 0)]
@@ -407,13 +430,13 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     model = AlphaBeta(intra_bandwidth=12, inter_bandwidth=6, intra_latency=0.5, inter_latency=2)
     figures = step_comm(*args, zero=2, model=model)
     assert figures["fsdp_adamw"]["critical_bytes"] == {"total": 60, "intra": 36, "inter": 24}
-    assert figures["dmuon"]["critical_bytes"] == {"total": 96, "intra": 60, "inter": 36}
+    assert figures["dmuon"]["critical_bytes"] == {"total": 104, "intra": 60, "inter": 44}
     assert figures["gather"]["critical_bytes"] == {"total": 72, "intra": 48, "inter": 24}
     # AG 0.5 + 12/12, RS 0.5 + 24/12, AR 2 (R-1) x 2 + 24/6.
     assert figures["fsdp_adamw"]["seconds"]["intra"] == pytest.approx(1.5 + 2.5)
     assert figures["fsdp_adamw"]["seconds"]["inter"] == pytest.approx(4 + 4)
-    # dmuon adds two one-peer intra exchanges (0.5 + 1 each) and one inter (2 + 2).
-    assert figures["dmuon"]["seconds"]["total"] == pytest.approx(12 + 3 + 4)
+    # dmuon adds two one-peer intra exchanges (0.5 + 1 each) and two inter (2 + 8/6, 2 + 2).
+    assert figures["dmuon"]["seconds"]["total"] == pytest.approx(12 + 3 + (2 + 8 / 6) + 4)
 
 
 def test_ring_all_gather_counts_n_times_s_minus_one_over_s():
