@@ -172,7 +172,8 @@ def test_a_checkpoint_of_another_model_fails_clearly_on_every_rank(on_3, label, 
 
 
 def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
-    """On HSDP every momentum element lives on one rank (Shard(1) over the replicas); DCP writes it once."""
+    """On HSDP every momentum element lives on one rank (Shard(1) over the replicas); DCP writes it
+    once, torch's full optimizer state dict assembles it, and a 3-rank FSDP run resumes from it exactly."""
     import math
 
     import torch.distributed.checkpoint as dcp
@@ -180,9 +181,21 @@ def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
     from dmuon.testing.checkpoint import save_after
 
     path = str(tmp_path / "hsdp")
-    run_distributed(save_after, 4, path, 1, 3, (2, 2), timeout_s=120)
+    saved = run_distributed(save_after, 4, path, SAVED_AT, 3, (2, 2), timeout_s=120)[0]
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     momenta = {k: v for k, v in meta.items() if k.endswith("momentum_buffer")}
     assert len(momenta) == 12  # every Muon matrix of OddNet, none twice
     for key, m in momenta.items():
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
+    # The full state dict's momenta are torch.optim.Muon's after the same steps.
+    torch.manual_seed(0)
+    reference_training(OddNet(), [global_batch(s) for s in range(SAVED_AT)], lm_loss, muon_kwargs=MUON_KW,
+                       adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=torch.float32)
+    ref = reference_training.momenta
+    assert set(saved["momenta"]) == set(ref) and len(ref) == 12
+    for name, value in ref.items():
+        assert saved["momenta"][name].shape == value.shape, name
+        assert (saved["momenta"][name] - value).abs().max().item() <= 1e-5, name
+    got = run_distributed(resume_and_train, 3, path, SAVED_AT, MORE, 2, None, timeout_s=120)[0]
+    worst, err = _worst(_uninterrupted(), got)
+    assert err <= 1e-5, (worst, err)

@@ -68,15 +68,19 @@ def _full_model_state(model) -> dict[str, torch.Tensor]:
 def save_after(rank: int, world_size: int, path: str, steps: int, zero: int, mesh_shape=None) -> dict | None:
     """Trains ``steps`` steps, saves a DCP checkpoint at ``path``.
 
-    Returns (rank 0): the full CPU model state dict taken after the save and
-    the live full parameters, for the plain-model check.
+    Returns (rank 0): the full CPU model state dict taken after the save, the
+    live full parameters, for the plain-model check, and Muon's momenta by
+    name from torch's full optimizer state dict.
     """
     model, _, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape)
     _train(model, opt, rank, world_size, range(steps))
     save(model, opt, path)
     state = _full_model_state(model)
     params = full_params(model)
-    return {"state": state, "params": params} if rank == 0 else None
+    optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # With cpu_offload only rank 0 gets the tensors, as torch documents.
+    momenta = {k: v["momentum_buffer"].clone() for k, v in optim.get("state", {}).items() if "momentum_buffer" in v}
+    return {"state": state, "params": params, "momenta": momenta} if rank == 0 else None
 
 
 def resume_and_train(rank: int, world_size: int, path: str, start: int, steps: int, zero: int,

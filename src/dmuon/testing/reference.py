@@ -54,6 +54,8 @@ def reference_training(
 
     ``clip`` applies ``torch.nn.utils.clip_grad_norm_`` to all gradients
     before each step; the norms are appended to ``reference_training.norms``.
+    Muon's final momentum buffers, by matrix name in the parameter's shape, are
+    left in ``reference_training.momenta``.
 
     Returns:
         The final parameters by name and the loss of each step.
@@ -81,4 +83,8 @@ def reference_training(
             v.grad = None
         model.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    reference_training.momenta = {
+        name: muon.state[v]["momentum_buffer"].detach().clone().view(p.shape)
+        for (name, _), (p, v) in zip(matrices, views) if "momentum_buffer" in muon.state[v]
+    }
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
