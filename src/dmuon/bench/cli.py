@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--ortho" in argv:
         # `dmuon bench --ortho ...`: the owner-math benchmark (standard vs Gram NS, batched vs looped).
-        from dmuon.ortho.bench import main as ortho_main
+        from dmuon.bench.ortho_bench import main as ortho_main
 
         argv.remove("--ortho")
         return ortho_main(argv)
