@@ -328,3 +328,27 @@ def test_plan_cli_step_comm(tmp_path, capsys):
                           "--analytical", "--param-dtype", "fp32", "--json", str(out)]) == 0
     again = json.loads(out.read_text())["step_comm"]["fsdp_adamw"]["critical_bytes"]
     assert again["intra"] == intra + sum(2 * e for e in shard_elems.values()) + sum(2 * shard_elems[b] for b in (1, 2, 3))
+
+
+def test_plan_scale_table_rows_are_the_plans_step_comm(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert plan_cli.main(["--scale-table", "pi0", "--world-sizes", "8,16", "--zero", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["world_size"], r["mesh"]) for r in rows] == [("pi0", 8, [1, 8]), ("pi0", 16, [2, 8])]
+    single = plan_offline(full_size_shapes("pi0"), 16, "greedy", 3, ranks_per_node=8)
+    assert rows[1]["dmuon_critical_bytes"] == single["step_comm"]["dmuon"]["critical_bytes"]["total"]
+    assert rows[1]["makespan"] == single["makespan"]
+    text = capsys.readouterr().out
+    ratio = rows[1]["dmuon_critical_bytes"] / rows[1]["fsdp_adamw_critical_bytes"]
+    assert f"| pi0 | 16 | {rows[1]['dmuon_critical_bytes'] / 2**30:.1f} ({ratio:.2f}x) /" in text
+    assert plan_cli.main(["--scale-table", "nope"]) == 2
+    assert plan_cli.main(["--scale-table", "pi0", "--world-sizes", "12"]) == 2  # not a multiple of 8
+    assert "multiples of --ranks-per-node" in capsys.readouterr().err
+
+
+def test_block_spreading_meets_the_cluster_scale_target():
+    """Issue 16's target: dmuon's critical bytes at most 1.15x FSDP2 + AdamW's, qwen2.5-7b, ZeRO-3."""
+    groups = full_size_shapes("qwen2.5-7b")
+    for world in (8, 64):
+        comm = plan_offline(groups, world, "greedy", 3, ranks_per_node=8)["step_comm"]
+        assert comm["dmuon"]["critical_bytes"]["total"] <= 1.15 * comm["fsdp_adamw"]["critical_bytes"]["total"], world

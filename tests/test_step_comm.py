@@ -10,10 +10,13 @@ from dmuon.testing import run_distributed
 from dmuon.testing.step_comm import counted_step
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2)], ids=["fsdp", "hsdp2x2"])
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype):
-    results = run_distributed(counted_step, 4, mesh_shape, ns_dtype, timeout_s=240)
+@pytest.mark.parametrize("mesh_shape,ns_dtype,zero", [
+    (None, torch.float32, 3), (None, torch.bfloat16, 3), ((2, 2), torch.float32, 3), ((2, 2), torch.bfloat16, 3),
+    ((2, 2), torch.bfloat16, 2),
+], ids=["fsdp-fp32", "fsdp-bf16", "hsdp2x2-fp32", "hsdp2x2-bf16", "hsdp2x2-bf16-zero2"])
+def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero):
+    # dmuon's exchange is the same under ZeRO-2 and ZeRO-3 (reshard_after_forward changes FSDP2's gathers only).
+    results = run_distributed(counted_step, 4, mesh_shape, ns_dtype, zero, timeout_s=240)
     replicate, shard = mesh_shape or (1, 4)
     infos = results[0]["infos"]
     assert all(r["infos"] == infos for r in results)

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from dmuon.bench.scale_table import format_scale_table, scale_rows
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
 from dmuon.plan.offline import expand, plan_offline
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step_comm seconds: latency per message across nodes in microseconds (default %(default)g, "
                         "typical)")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--scale-table", default=None, metavar="MODELS",
+                   help="instead of one plan, print the README's cluster-scale table (Markdown) for these "
+                        "comma-separated models over --world-sizes (--ranks-per-node default 8; the other "
+                        "options apply as usual)")
+    p.add_argument("--world-sizes", default="8,64,256,1024", metavar="W,W,...",
+                   help="world sizes of --scale-table (default: 8,64,256,1024)")
     p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
     return p
 
@@ -240,8 +247,52 @@ def format_comparison(plans: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta) -> dict:
+    return plan_offline(groups, world_size, balancer, args.zero, costs=table, ns_steps=args.ns_steps,
+                        time_limit_s=args.time_limit, memory_factor=args.memory_factor,
+                        ranks_per_node=args.ranks_per_node, wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize,
+                        fsdp_elem_bytes=FSDP_ELEM_BYTES, param_bytes=_NS_DTYPES[args.param_dtype].itemsize,
+                        reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model)
+
+
+def _scale_table(args, model: AlphaBeta) -> int:
+    names = [m for m in args.scale_table.split(",") if m]
+    unknown = [m for m in names if m not in FULL_SIZE_NAMES]
+    try:
+        sizes = [int(w) for w in args.world_sizes.split(",") if w]
+    except ValueError:
+        sizes = []
+    if unknown or not names:
+        print(f"dmuon plan: --scale-table takes models from {FULL_SIZE_NAMES}, got {args.scale_table!r}",
+              file=sys.stderr)
+        return 2
+    if args.ranks_per_node is None:
+        args.ranks_per_node = 8
+    if not sizes or any(w < 1 or w % args.ranks_per_node for w in sizes):
+        print(f"dmuon plan: --world-sizes must be positive multiples of --ranks-per-node ({args.ranks_per_node}), "
+              f"got {args.world_sizes!r}", file=sys.stderr)
+        return 2
+    groups = {m: full_size_shapes(m) for m in names}
+    try:
+        rows = scale_rows(names, sizes, lambda m, w: _plan(args, groups[m], w, args.balancer,
+                                                           _cost_table(args, groups[m]), model))
+    except (OSError, ValueError) as err:
+        print(f"dmuon plan: {err}", file=sys.stderr)
+        return 2
+    print(format_scale_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    model = AlphaBeta(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
+                      intra_latency=args.intra_latency / 1e6, inter_latency=args.inter_latency / 1e6)
+    if args.scale_table is not None:
+        return _scale_table(args, model)
     if args.world_size < 1:
         print("dmuon plan: --world-size must be >= 1", file=sys.stderr)
         return 2
@@ -249,18 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print("dmuon plan: --ranks-per-node must divide --world-size", file=sys.stderr)
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
-    model = AlphaBeta(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
-                      intra_latency=args.intra_latency / 1e6, inter_latency=args.inter_latency / 1e6)
     try:
         table = _cost_table(args, groups)
         names = COMPARED if args.balancer == "all" else (args.balancer,)
-        plans = [plan_offline(groups, args.world_size, name, args.zero, costs=table, ns_steps=args.ns_steps,
-                              time_limit_s=args.time_limit, memory_factor=args.memory_factor,
-                              ranks_per_node=args.ranks_per_node,
-                              wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize, fsdp_elem_bytes=FSDP_ELEM_BYTES,
-                              param_bytes=_NS_DTYPES[args.param_dtype].itemsize,
-                              reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model)
-                 for name in names]
+        plans = [_plan(args, groups, args.world_size, name, table, model) for name in names]
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)
         return 2

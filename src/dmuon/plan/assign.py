@@ -8,10 +8,11 @@ from typing import Mapping, Sequence
 import torch
 
 from dmuon.plan.balance import (
-    DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical, spread_over_replicas,
+    DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical,
 )
 from dmuon.plan.milp import Kind
 from dmuon.plan.plan import MatrixInfo
+from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
 from dmuon.plan.profile import profile_costs
 from dmuon.util.rank0 import broadcast_from_rank0
@@ -105,8 +106,8 @@ def assign(
         time_limit_s: MILP wall-clock budget.
         memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
         cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
-        replicate: Replicas of an HSDP mesh; the owners are spread over them
-            (:func:`~dmuon.plan.balance.spread_over_replicas`).
+        replicate: Replicas of an HSDP mesh; the owners are spread over them and
+            each block's matrices over different owners (:func:`~dmuon.plan.spread.place_owners`).
 
     Returns:
         The :class:`~dmuon.plan.balance.BalanceResult` (owners, loads, the
@@ -144,7 +145,7 @@ def assign(
 
     # The MILP stops on a wall-clock limit, so with a group one rank solves and all follow.
     result = broadcast_from_rank0(solve, group, "assign: balancing") if name in ("milp", "auto") else solve()
-    result = spread_over_replicas(result, replicate)
+    result = place_owners(result, items, [info.block for info in infos], [info.numel for info in infos], replicate)
     if profile and costs is None:
         for label, table in tables.items():
             result.notes.append(f"profile ({label}): {table.measured} entries measured on {table.device} "

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from dmuon.plan.assign import build_kinds
-from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance, spread_over_replicas
+from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
 from dmuon.plan.traffic import (
     AlphaBeta,
@@ -182,9 +183,9 @@ def plan_offline(
     mats = expand(groups)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
-    result = spread_over_replicas(
+    result = place_owners(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
-        replicate)
+        items, offline_blocks(mats), [m.numel for m in mats], replicate)
     owners, loads = result.owners, result.loads
     # HSDP layout: replicate across nodes, shard inside a node.
     traffic = owner_traffic([m.shape for m in mats], owners, replicate, shard, wire_bytes)

@@ -1,0 +1,58 @@
+"""``dmuon plan --scale-table``: one step's communication and NS makespan across cluster sizes, as Markdown.
+
+The README's cluster-scale table is this module's output: per model and world
+size, the critical bytes and alpha-beta seconds of one step (``step_comm``)
+for dmuon, FSDP2 + AdamW and gather-then-compute, and the balancer's NS
+makespan per rank. Everything is modelled from shape lists; the per-collective
+bytes are checked against counted runs on 4 gloo ranks by ``tests/test_step_comm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+GIB = 2**30
+
+
+def scale_rows(models: Sequence[str], world_sizes: Sequence[int], plan_for: Callable[[str, int], dict]) -> list[dict]:
+    """One row per (model, world size) from ``plan_for(model, world_size)``, a :func:`plan_offline` dict."""
+    rows = []
+    for model in models:
+        for world in world_sizes:
+            plan = plan_for(model, world)
+            comm = plan["step_comm"]
+            rows.append({
+                "model": model,
+                "world_size": world,
+                "mesh": plan["mesh"],
+                "balancer": plan["method"],
+                "cost_unit": plan["cost_unit"],
+                "makespan": plan["makespan"],
+                "imbalance": plan["imbalance"],
+                **{f"{k}_critical_bytes": comm[k]["critical_bytes"]["total"] for k in comm},
+                **{f"{k}_seconds": comm[k]["seconds"]["total"] for k in comm},
+            })
+    return rows
+
+
+def _makespan(row: dict) -> str:
+    if row["cost_unit"].startswith("flops"):
+        return f"{row['makespan'] / 1e12:.1f} TFLOP ({row['imbalance']:.3f})"
+    return f"{row['makespan'] * 1e3:.1f} ms ({row['imbalance']:.3f})"
+
+
+def format_scale_table(rows: Sequence[dict]) -> str:
+    """The rows as a Markdown table: GiB (ratio to FSDP2 + AdamW) / ms, and the NS makespan (max/mean)."""
+    lines = ["| model | ranks | dmuon | FSDP2 + AdamW | gather-then-compute | NS makespan per rank (max/mean) |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        base = row["fsdp_adamw_critical_bytes"]
+
+        def cell(key: str, ratio: bool = True) -> str:
+            gib = row[f"{key}_critical_bytes"] / GIB
+            text = f"{gib:.1f} ({row[f'{key}_critical_bytes'] / base:.2f}x)" if ratio else f"{gib:.1f}"
+            return f"{text} / {row[f'{key}_seconds'] * 1e3:.0f} ms"
+
+        lines.append(f"| {row['model']} | {row['world_size']} | {cell('dmuon')} | {cell('fsdp_adamw', False)} | "
+                     f"{cell('gather')} | {_makespan(row)} |")
+    return "\n".join(lines)
