@@ -60,3 +60,20 @@ def test_resume_reproduces_losses_and_json_fields(tmp_path):
     assert a["runs"]["adamw"]["train_loss"][0] == a["runs"]["dmuon"]["train_loss"][0]
     assert a["runs"]["adamw"]["train_loss"][1] != a["runs"]["dmuon"]["train_loss"][1]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_lr_sweep_runs_each_rate_and_marks_the_best(tmp_path):
+    sweep = os.path.join(os.path.dirname(SCRIPT), "lr_sweep.py")
+    tiny = [a for a in TINY if a not in ("--optimizer", "both", "--quiet", "--activation-checkpointing")]
+    tiny[tiny.index("--steps") + 1] = "2"
+    tiny[tiny.index("--val-every") + 1] = "2"
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, sweep, "--adamw-lrs", "1e-3,1e-1", "--muon-lrs", "0.02", "--json",
+                           str(out), *tiny], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["optimizer"], r["lr"]) for r in runs] == [("adamw", 1e-3), ("adamw", 1e-1), ("dmuon", 0.02)]
+    adamw = [r for r in runs if r["optimizer"] == "adamw"]
+    assert adamw[0]["val_loss"] != adamw[1]["val_loss"]  # the rate reached the run
+    best = min(adamw, key=lambda r: r["val_loss"])
+    assert f"**{best['val_loss']:.4f}**" in proc.stdout and f"**{best['lr']:g}**" in proc.stdout
