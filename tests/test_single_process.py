@@ -15,14 +15,17 @@ def _batches(steps):
     return [odd_batch(s, 0, batch=4) for s in range(steps)]
 
 
+FP32_STANDARD = dmuon.NSConfig(method="standard", dtype=torch.float32)
+
+
 def test_lr_scheduler_and_state_dict_round_trip():
     steps = 4
     schedule = lambda step: 1.0 / (1 + step)  # noqa: E731
 
     torch.manual_seed(0)
     model = OddNet()
-    plan = dmuon.prepare(model)
-    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    plan = dmuon.prepare(model, ns=FP32_STANDARD)
+    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for batch in _batches(steps):
         lm_loss(model, batch).backward()
@@ -65,8 +68,8 @@ def test_lr_scheduler_and_state_dict_round_trip():
     saved = copy.deepcopy(opt.state_dict())
     model2 = OddNet()
     model2.load_state_dict(model.state_dict())
-    plan2 = dmuon.prepare(model2)
-    opt2 = dmuon.DMuon(model2, plan2, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    plan2 = dmuon.prepare(model2, ns=FP32_STANDARD)
+    opt2 = dmuon.DMuon(model2, plan2, lr=0.02, adamw_lr=3e-3)
     opt2.load_state_dict(saved)
     for m, o in ((model, opt), (model2, opt2)):
         lm_loss(m, odd_batch(9, 0, batch=4)).backward()
@@ -122,7 +125,7 @@ def _train_recording_batches(monkeypatch, **prepare_kw):
 
     torch.manual_seed(0)
     model = _FiveHeads()
-    plan = dmuon.prepare(model, **prepare_kw)
+    plan = dmuon.prepare(model, ns=FP32_STANDARD, **prepare_kw)
     calls: list[int] = []
     real = dmuon_optim.orthogonalize_many
 
@@ -131,7 +134,7 @@ def _train_recording_batches(monkeypatch, **prepare_kw):
         return real(matrices, **kw)
 
     monkeypatch.setattr(dmuon_optim, "orthogonalize_many", recording)
-    opt = dmuon.DMuon(model, plan, lr=0.02, ns_method="standard", ns_dtype=torch.float32)
+    opt = dmuon.DMuon(model, plan, lr=0.02)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         model(torch.randn(8, 32, generator=gen)).backward()
@@ -180,3 +183,26 @@ def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
     assert second_note and " 0 entries measured" in second_note[0]
     assert first_note[0] in str(first)
     assert second.balance.batches == first.balance.batches
+
+
+def test_ns_keywords_come_from_the_plan_and_must_agree_with_it():
+    import pytest
+
+    model = OddNet()
+    plan = dmuon.prepare(model, ns=dmuon.NSConfig(steps=3, dtype=torch.float32))
+    opt = dmuon.DMuon(model, plan)
+    assert opt.ns == plan.ns and opt.runtime.exchange.wire_dtype == torch.float32
+    assert {g["ns_steps"] for g in opt.param_groups if g["algorithm"] == "muon"} == {3}
+    # Saying the same again is fine; saying something else names what differs.
+    dmuon.DMuon(model, plan, ns_steps=3)
+    with pytest.raises(ValueError, match=r"steps: 4 != 3.*dmuon.prepare"):
+        dmuon.DMuon(model, plan, ns_steps=4)
+    # Without a plan the keywords build the one DMuon prepares.
+    assert dmuon.DMuon(OddNet(), ns_method="standard").plan.ns == dmuon.NSConfig(method="standard")
+    for kwargs, name in ((dict(ns_method="magic"), "ns_method"), (dict(ns_steps=0), "ns_steps"),
+                         (dict(ns_dtype=torch.int8), "ns_dtype"), (dict(ns_coefficients="x"), "ns_coefficients"),
+                         (dict(eps=-1.0), "eps")):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            dmuon.DMuon(OddNet(), **kwargs)
+    with pytest.raises(ValueError, match="ns must be a dmuon.NSConfig"):
+        dmuon.prepare(OddNet(), ns={"steps": 3})

@@ -7,13 +7,15 @@ Typical use, exactly as for AdamW plus one line::
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = dmuon.DMuon(model, lr=0.02, adamw_lr=3e-4)
 
-``dmuon.prepare(model, balancer=..., profile=...)`` (after ``fully_shard``)
-makes a plan with non-default options to pass as ``DMuon(model, plan)``.
+``dmuon.prepare(model, balancer=..., profile=..., ns=dmuon.NSConfig(...))``
+(after ``fully_shard``) makes a plan with non-default options to pass as
+``DMuon(model, plan)``.
 """
 
 from dmuon.optim.dmuon import DMuon
+from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 
-__all__ = ["DMuon", "Plan", "prepare"]
+__all__ = ["DMuon", "NSConfig", "Plan", "prepare"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.comm.topology import Topology, from_mesh, single_process
+from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
@@ -19,8 +20,8 @@ from dmuon.plan.traffic import shard_rows
 from dmuon.rules.adamw import local_tensor
 
 
-def _fingerprint(model: nn.Module, chosen: list[str], balancer: str) -> torch.Tensor:
-    h = hashlib.sha256(f"{balancer}|{','.join(chosen)}".encode())
+def _fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig) -> torch.Tensor:
+    h = hashlib.sha256(f"{balancer}|{sorted(ns.cache_key().items())}|{','.join(chosen)}".encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(torch.int64)
@@ -98,10 +99,9 @@ def prepare(
     *,
     select: SelectFn | None = None,
     balancer: str = "greedy",
-    ns_steps: int = 5,
+    ns: NSConfig | None = None,
     profile: bool = False,
     cost_table=None,
-    ns_kwargs: dict | None = None,
     time_limit_s: float = 10.0,
     memory_factor: float | None = 1.25,
     cache_dir=None,
@@ -119,12 +119,13 @@ def prepare(
         balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
             ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
             ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
-        ns_steps: NS iterations, for the cost estimate.
+        ns: How the owners will run Newton-Schulz (default: ``NSConfig()``, DMuon's
+            defaults): the costs are priced, or with ``profile=True`` measured,
+            with it, and :class:`dmuon.DMuon` given this plan runs it.
         profile: Measure the owner update per (shape, batch) on this device
             (rank 0 measures and broadcasts; cached on disk) instead of using
             the analytical FLOP model.
         cost_table: A :class:`~dmuon.plan.profile.CostTable` measured elsewhere.
-        ns_kwargs: NS settings for profiling (method, dtype, steps...).
         time_limit_s: MILP time limit; the best solution found is kept.
         memory_factor: Cap on the owner workspace a rank holds, as a multiple of
             the mean (None: no cap).
@@ -140,6 +141,10 @@ def prepare(
     """
     if balancer not in BALANCERS:
         raise ValueError(f"balancer must be one of {BALANCERS}, got {balancer!r}")
+    if ns is None:
+        ns = NSConfig()
+    elif not isinstance(ns, NSConfig):
+        raise ValueError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
     mesh = _mesh_of(model)
     topology = single_process() if mesh is None else from_mesh(mesh)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
@@ -148,7 +153,7 @@ def prepare(
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
     if topology.world_size > 1:
-        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], balancer), topology, device)
+        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], balancer, ns), topology, device)
 
     if mesh is None:
         block_list = [("", model, list(model.parameters()))]
@@ -182,8 +187,8 @@ def prepare(
     for info in infos:
         info.block = renumber[info.block]
     balance = assign(
-        infos, topology.world_size, balancer, ns_steps=ns_steps, costs=cost_table, profile=profile,
-        ns_kwargs=ns_kwargs, group=topology.world_group if topology.world_size > 1 else None,
+        infos, topology.world_size, balancer, ns_steps=ns.steps, costs=cost_table, profile=profile,
+        ns_kwargs=ns.kwargs(), group=topology.world_group if topology.world_size > 1 else None,
         time_limit_s=time_limit_s, memory_factor=memory_factor, cache_dir=cache_dir,
         replicate=topology.replicate,
     )
@@ -192,4 +197,5 @@ def prepare(
     plan.param_names = tuple(n for n, _ in model.named_parameters())
     plan.topology = topology
     plan.device = device
+    plan.ns = ns
     return plan

@@ -15,9 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon.rules.adamw import adamw_group_step
-from dmuon.optim.dmuon import KELLER_COEFFICIENTS
 from dmuon.rules.muon import apply_update, momentum_update
-from dmuon.ortho import orthogonalize_many
+from dmuon.ortho import KELLER, NSConfig, orthogonalize_many
 from dmuon.plan.selection import SelectFn, select_matrices
 
 
@@ -40,7 +39,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients=KELLER_COEFFICIENTS,
+        ns_coefficients=KELLER,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -55,8 +54,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         matrices = [p for _, p in select_matrices(model, select)]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
-        self.ns_method = ns_method
-        self.ns_dtype = ns_dtype
+        self.ns = NSConfig(method=ns_method, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=ns_dtype)
         groups = [
             dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                  nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
@@ -89,7 +87,7 @@ class GatherThenCompute(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
                 direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 # NS takes its input in ns_dtype, so the gather moves that.
-                direction = direction.to(self.ns_dtype)
+                direction = direction.to(self.ns.dtype)
                 if isinstance(direction, DTensor):
                     local = direction.to_local().numel()
                     full = direction.full_tensor()
@@ -101,9 +99,8 @@ class GatherThenCompute(torch.optim.Optimizer):
                 mshape = _matrix_shape(p.shape)
                 t0 = time.perf_counter()
                 (ortho,) = orthogonalize_many(
-                    [full.reshape(mshape)], method=self.ns_method, coefficients=group["ns_coefficients"],
-                    steps=group["ns_steps"], eps=group["eps"], dtype=self.ns_dtype,
-                )
+                    [full.reshape(mshape)], **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
+                                               "steps": group["ns_steps"], "eps": group["eps"]})
                 ns_seconds += time.perf_counter() - t0
                 ortho = ortho.reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):

@@ -130,6 +130,8 @@ def build(config: str, workload, mesh, hyper: Hyper):
         return dmuon.DMuon(model, plan, **kw), plan
     if config == "gather":
         return GatherThenCompute(model, **kw), None
-    plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile)
+    # Planned (and with --profile measured) with the NS the optimizer runs.
+    ns = dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype"))
+    plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns)
     return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"),
                        ns_in_backward=base.endswith("_nsbwd"), **kw), plan

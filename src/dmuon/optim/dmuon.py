@@ -18,16 +18,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
-from dmuon.ortho import KELLER, orthogonalize_many
-from dmuon.ortho.autotune import METHODS
+from dmuon.ortho import orthogonalize_many
+from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.runtime.runtime import Launch, ShardRuntime
 
-NS_METHODS = ("auto",) + METHODS
 NONFINITE_MODES = (None, "skip", "raise")
-KELLER_COEFFICIENTS = KELLER
-NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# DMuon's torch.optim-style NS keywords and the NSConfig field each one sets.
+NS_KEYWORDS = {"ns_method": "method", "ns_coefficients": "coefficients", "ns_steps": "steps", "eps": "eps",
+               "ns_dtype": "dtype"}
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -50,16 +50,22 @@ class DMuon(torch.optim.Optimizer):
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
         nesterov: Nesterov momentum for Muon.
-        ns_coefficients: Quintic Newton-Schulz coefficients ``(a, b, c)``, or
-            ``"polar_express"`` for per-iteration Polar Express coefficients.
-        eps: Floor of the norm NS divides by.
-        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: Quintic Newton-Schulz coefficients ``(a, b, c)`` (default:
+            Keller Jordan's), or ``"polar_express"`` for per-iteration Polar Express
+            coefficients.
+        eps: Floor of the norm NS divides by (default 1e-7).
+        ns_steps: Newton-Schulz iterations (default 5).
         adjust_lr_fn: ``None``/``"original"`` (Keller's scaling) or ``"match_rms_adamw"``.
         ns_method: ``"standard"`` (torch's iteration), ``"standard32"`` (the same
             iteration computed in float32, rounded to ``ns_dtype``), ``"gram"``
-            (Gram NS) or ``"auto"`` (fastest passing the accuracy bar per shape).
-        ns_dtype: Dtype NS takes its input in and returns (``torch.bfloat16`` as
-            torch.optim.Muon); directions and updates also travel in it.
+            (Gram NS) or ``"auto"`` (default: fastest passing the accuracy bar per shape).
+        ns_dtype: Dtype NS takes its input in and returns (default ``torch.bfloat16``,
+            as torch.optim.Muon); directions and updates also travel in it.
+
+            The five NS keywords build one :class:`~dmuon.ortho.config.NSConfig`
+            (``self.ns``). Left as None they take the plan's (``prepare(ns=...)``),
+            else the defaults above; given with a plan they must agree with
+            the plan's, which was priced with it.
         adamw_lr: AdamW learning rate (None: ``lr``).
         adamw_betas: AdamW betas.
         adamw_eps: AdamW epsilon.
@@ -94,12 +100,12 @@ class DMuon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] | str = KELLER_COEFFICIENTS,
-        eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] | str | None = None,
+        eps: float | None = None,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
-        ns_method: str = "auto",
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str | None = None,
+        ns_dtype: torch.dtype | None = None,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -111,16 +117,14 @@ class DMuon(torch.optim.Optimizer):
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
-        if ns_method not in NS_METHODS:
-            raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
+        given = {key: value for key, value in (("ns_method", ns_method), ("ns_coefficients", ns_coefficients),
+                                               ("ns_steps", ns_steps), ("eps", eps), ("ns_dtype", ns_dtype))
+                 if value is not None}
+        ns = self._ns_config(plan, given)
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-        if not 0 < ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
@@ -128,7 +132,7 @@ class DMuon(torch.optim.Optimizer):
             raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
                              "during backward only with overlap")
         if plan is None:
-            plan = prepare(model)
+            plan = prepare(model, ns=ns)
         names = [n for n, _ in model.named_parameters()]
         if tuple(names) != plan.param_names:
             added = sorted(set(names) - set(plan.param_names))
@@ -142,9 +146,9 @@ class DMuon(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
         self.plan = plan
-        self.runtime = ShardRuntime(plan, plan.topology, ns_dtype, plan.device)
-        self.ns_method = ns_method
-        self.ns_dtype = ns_dtype
+        self.ns = ns
+        """The Newton-Schulz configuration the owners run (the plan's)."""
+        self.runtime = ShardRuntime(plan, plan.topology, ns.dtype, plan.device)
         self.overlap = overlap
         self.nonfinite = nonfinite
         self.ns_in_backward = ns_in_backward
@@ -152,7 +156,7 @@ class DMuon(torch.optim.Optimizer):
         self._index = {id(info.param): info.index for info in plan.infos}
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
         )
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
@@ -172,6 +176,23 @@ class DMuon(torch.optim.Optimizer):
         if ns_in_backward:
             self._ns_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns")
             self.runtime.on_launch = self._start_block_ns
+
+    @staticmethod
+    def _ns_config(plan: Plan | None, given: dict[str, Any]) -> NSConfig:
+        """The NSConfig from the NS keywords given, on top of the plan's (or the defaults)."""
+        fields = {NS_KEYWORDS[key]: value for key, value in given.items()}
+        try:
+            ns = NSConfig.from_mapping({**(plan.ns.kwargs() if plan is not None else {}), **fields})
+        except ValueError as err:
+            # NSConfig names its field; say which keyword of DMuon's set it.
+            names = {v: k for k, v in NS_KEYWORDS.items()}
+            word = str(err).split(" ")[1].rstrip(":") if str(err).startswith("ns ") else ""
+            raise ValueError(f"{names.get(word, 'ns')}: {err}") from None
+        if plan is not None and ns != plan.ns:
+            raise ValueError(
+                "the NS keywords differ from the plan's NS configuration, which its costs were priced with ("
+                + "; ".join(ns.differences(plan.ns)) + "); pass ns=dmuon.NSConfig(...) to dmuon.prepare instead")
+        return ns
 
     # -------------------------------------------------------------- param groups
     def _split_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -246,7 +267,7 @@ class DMuon(torch.optim.Optimizer):
         return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
 
     def _wire(self, direction: torch.Tensor) -> torch.Tensor:
-        return direction.to(self.ns_dtype).reshape(-1)
+        return direction.to(self.ns.dtype).reshape(-1)
 
     def _kept_slice(self, index: int, local: torch.Tensor) -> torch.Tensor:
         """The part of a local row shard whose momentum this rank keeps (HSDP: its replica's columns)."""
@@ -465,9 +486,8 @@ class DMuon(torch.optim.Optimizer):
             # The batches the balancer priced this rank's load with (see Plan.ns_batches).
             for batch in self.plan.ns_batches(members):
                 orthos = orthogonalize_many(
-                    [directions[i] for i in batch], method=self.ns_method, coefficients=group["ns_coefficients"],
-                    steps=group["ns_steps"], eps=group["eps"], dtype=self.ns_dtype,
-                )
+                    [directions[i] for i in batch], **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
+                                                       "steps": group["ns_steps"], "eps": group["eps"]})
                 out.update(zip(batch, orthos))
         return out
 

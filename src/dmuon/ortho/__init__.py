@@ -9,17 +9,20 @@ Public API:
 * Coefficient schedules: :data:`KELLER`, :func:`fixed_schedule`,
   :func:`polar_express_schedule`.
 * :class:`Autotuner` — measured, cached method/batching choices.
+* :class:`NSConfig` — one validated NS configuration for planning, profiling and running.
 """
 
 from .api import orthogonalize, orthogonalize_many
 from .autotune import Autotuner, get_autotuner
 from .coefficients import KELLER, fixed_schedule, polar_express_schedule, resolve_schedule
+from .config import NSConfig
 from .gram import gram_newton_schulz
 from .newton_schulz import newton_schulz
 
 __all__ = [
     "KELLER",
     "Autotuner",
+    "NSConfig",
     "fixed_schedule",
     "get_autotuner",
     "gram_newton_schulz",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from dmuon.ortho.config import NSConfig
 from dmuon.plan.balance import rank_loads
 from dmuon.plan.batches import split_into_batches
 
@@ -105,6 +106,9 @@ class Plan:
     """The :class:`~dmuon.comm.topology.Topology` (levels and dmuon's own process groups)."""
     device: object = field(default=None, repr=False)
     """Device of the exchange buffers (the mesh's)."""
+    ns: NSConfig = field(default_factory=NSConfig)
+    """The Newton-Schulz configuration the owners' costs were priced (or measured) with, and
+    the one :class:`dmuon.DMuon` runs."""
 
     def __post_init__(self) -> None:
         self._by_name = {info.name: info for info in self.infos}

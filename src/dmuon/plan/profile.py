@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import fields
 from typing import Mapping
 
 import torch
 
 from dmuon.ortho import orthogonalize_many
 from dmuon.ortho.autotune import Autotuner
-from dmuon.ortho.coefficients import KELLER, resolve_schedule, schedule_key
+from dmuon.ortho.config import NSConfig
 from dmuon.ortho.timing import device_fingerprint, sync
 from dmuon.plan.cost_table import CostTable, analytical_table, load_costs_json, normalize_shapes, table_from_records
 from dmuon.plan.profile_cache import SCHEMA_VERSION, cache_header, cache_path, read_cache, write_cache
@@ -46,38 +47,28 @@ __all__ = [
 DEFAULT_REPEATS = 3
 # Once an entry's timed runs add up to this many seconds, it stops repeating.
 DEFAULT_MAX_ENTRY_S = 0.5
-NS_KEYS = ("method", "coefficients", "steps", "eps", "dtype", "batching")
+NS_KEYS = tuple(f.name for f in fields(NSConfig))
 
 Shape = tuple[int, int]
 
 
-def ns_settings(ns_kwargs: Mapping | None) -> tuple[dict, dict]:
+def ns_settings(ns_kwargs: Mapping | NSConfig | None) -> tuple[dict, dict]:
     """Validated ``orthogonalize_many`` keywords and their canonical (cache-key) form.
 
     Args:
-        ns_kwargs: Any of ``method``, ``coefficients``, ``steps``, ``eps``,
-            ``dtype``, ``batching``; defaults are DMuon's (``"auto"``, Keller
-            coefficients, 5 steps, 1e-7, bfloat16, ``"auto"``).
+        ns_kwargs: An :class:`~dmuon.ortho.config.NSConfig`, or a dict of its
+            fields (``method``, ``coefficients``, ``steps``, ``eps``, ``dtype``,
+            ``batching``); defaults are DMuon's.
 
     Raises:
         ValueError: Naming ``ns_kwargs`` for an unknown key or bad value.
     """
-    given = dict(ns_kwargs or {})
-    unknown = sorted(set(given) - set(NS_KEYS))
-    if unknown:
-        raise ValueError(f"ns_kwargs: unknown key {unknown[0]!r} (allowed: {', '.join(NS_KEYS)})")
-    kwargs = {"method": "auto", "coefficients": KELLER, "steps": 5, "eps": 1e-7, "dtype": torch.bfloat16,
-              "batching": "auto", **given}
-    if not isinstance(kwargs["dtype"], torch.dtype):
-        raise ValueError(f"ns_kwargs: 'dtype' must be a torch.dtype, got {kwargs['dtype']!r}")
     try:
-        schedule = resolve_schedule(kwargs["coefficients"], kwargs["steps"])
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"ns_kwargs: {err}") from err
-    key = {"method": str(kwargs["method"]), "schedule": schedule_key(schedule), "steps": len(schedule),
-           "eps": float(kwargs["eps"]), "dtype": str(kwargs["dtype"]).replace("torch.", ""),
-           "batching": str(kwargs["batching"])}
-    return kwargs, key
+        config = NSConfig.from_mapping(ns_kwargs, "ns_kwargs")
+    except ValueError as err:
+        message = str(err)
+        raise ValueError(message if message.startswith("ns_kwargs") else f"ns_kwargs: {message}") from None
+    return config.kwargs(), config.cache_key()
 
 
 def measure_update(

@@ -96,8 +96,9 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     model = OddNet()
     freeze(model, frozen)
     shard_oddnet(model, mesh, zero=zero, bf16=bf16, compile=compile)
-    plan = dmuon.prepare(model, balancer=balancer)
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
+    plan = dmuon.prepare(model, balancer=balancer,
+                         ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
     return model, plan, dmuon.DMuon(model, plan, **kw)
 
 

@@ -173,8 +173,8 @@ def _round_robin_oddnet(world_size: int):
     torch.manual_seed(0)
     model = OddNet()
     shard_oddnet(model, mesh, zero=3)
-    plan = dmuon.prepare(model, balancer="round_robin")
-    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    plan = dmuon.prepare(model, balancer="round_robin", ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3)
     return model, plan, opt
 
 
