@@ -12,12 +12,12 @@ import functools
 import pytest
 import torch
 
-from dmuon.testing import run_distributed
-from dmuon.testing.cases import MUON_KW
-from dmuon.testing.checkpoint import PlainMuonAdamW, global_batch, on_3_ranks, on_4_ranks_more, resume_and_train
-from dmuon.testing.spawn import run_with_crashes
-from dmuon.testing.models import OddNet, lm_loss
-from dmuon.testing.reference import reference_training
+from dmuon.util.spawn import run_distributed, run_with_crashes
+
+from support.cases import MUON_KW
+from support.checkpoint import PlainMuonAdamW, global_batch, on_3_ranks, on_4_ranks_more, resume_and_train
+from support.models import OddNet, lm_loss
+from support.reference import reference_training
 
 SAVED_AT, MORE = 2, 2
 FROZEN = ("layers.1.",)
@@ -79,7 +79,7 @@ def test_bf16_frozen_block_resumes_as_if_never_saved(saved_on_4_ranks):
 
 def test_bf16_parameters_keep_fp32_momentum_across_a_resume():
     import dmuon
-    from dmuon.testing.models import odd_batch
+    from support.models import odd_batch
 
     torch.manual_seed(0)
     model = OddNet().to(torch.bfloat16)
@@ -178,7 +178,7 @@ def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from dmuon.testing.checkpoint import save_after
+    from support.checkpoint import save_after
 
     path = str(tmp_path / "hsdp")
     saved = run_distributed(save_after, 4, path, SAVED_AT, 3, (2, 2), timeout_s=120)[0]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.testing import run_distributed
-from dmuon.testing.cases import MUON_KW, Case
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
-from dmuon.testing.reference import reference_training
+from dmuon.util.spawn import run_distributed
+
+from support.cases import MUON_KW, Case
+from support.models import OddNet, lm_loss, odd_batch
+from support.reference import reference_training
 
 from test_core_equivalence import _run_all
 

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from dmuon.testing import run_distributed
-from dmuon.testing.cases import MUON_KW, Case, run_case
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
-from dmuon.testing.reference import reference_training
+from dmuon.util.spawn import run_distributed
+
+from support.cases import MUON_KW, Case, run_case
+from support.models import OddNet, lm_loss, odd_batch
+from support.reference import reference_training
 
 STEPS = 3
 SKIP = {1: {1}}  # block 1 is unused at step 1 on every rank

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from dmuon.plan.traffic import owner_traffic, shard_rows
-from dmuon.testing import faults, run_distributed
-from dmuon.testing.cases import Case
+from dmuon.util.spawn import run_distributed
+
+from support import faults
+from support.cases import Case
 
 from test_core_equivalence import N_MATRICES, SKIP, STEPS, _check_sharded_state, _max_diff, _reference, _run_all
 

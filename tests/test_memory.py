@@ -10,8 +10,9 @@ import math
 
 import pytest
 
-from dmuon.testing import run_distributed
-from dmuon.testing.memory import adamw_vs_dmuon
+from dmuon.util.spawn import run_distributed
+
+from support.memory import adamw_vs_dmuon
 
 WORLD = 4
 DIM, HIDDEN, BLOCKS = 256, 1024, 6

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.testing import run_distributed
-from dmuon.testing.cases import Case
+from dmuon.util.spawn import run_distributed
+
+from support.cases import Case
 
 from test_core_equivalence import SKIP, STEPS, _max_diff, _reference, _run_all
 
@@ -63,7 +64,7 @@ def test_ns_in_backward_matches_the_reference(mesh_shape):
 
 def test_ns_in_backward_needs_overlap():
     import dmuon
-    from dmuon.testing.models import OddNet
+    from support.models import OddNet
 
     model = OddNet()
     with pytest.raises(ValueError, match="overlap=True"):

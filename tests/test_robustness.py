@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.testing import faults, run_distributed
-from dmuon.testing.cases import Case
-from dmuon.testing.spawn import run_with_crashes
+from dmuon.util.spawn import run_distributed, run_with_crashes
+
+from support import faults
+from support.cases import Case
 
 from test_core_equivalence import SKIP, STEPS, _max_diff, _reference, _run_all
 

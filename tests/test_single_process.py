@@ -7,8 +7,9 @@ import copy
 import torch
 
 import dmuon
-from dmuon.testing.cases import MUON_KW
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+from support.cases import MUON_KW
+from support.models import OddNet, lm_loss, odd_batch
 
 
 def _batches(steps):
@@ -44,7 +45,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
     adamw = torch.optim.AdamW([p for n, p in ref_model.named_parameters() if n not in names], lr=3e-3,
                               weight_decay=0.01)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (muon, adamw)]
-    from dmuon.testing.reference import ns_precision
+    from support.reference import ns_precision
 
     for batch in _batches(steps):
         lm_loss(ref_model, batch).backward()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dmuon.plan.traffic import owner_exchange_collectives, shard_rows, step_collectives
-from dmuon.testing import run_distributed
-from dmuon.testing.step_comm import counted_step
+from dmuon.util.spawn import run_distributed
+
+from support.step_comm import counted_step
 
 
 @pytest.mark.parametrize("mesh_shape,ns_dtype,zero", [

@@ -16,7 +16,7 @@ from dmuon.bench.report import (
 from dmuon.bench.models import SIZE_NAMES, resolve_size
 from dmuon.bench.runner import BenchOptions, run_all
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, SWEPT_BALANCERS, Hyper
-from dmuon.testing.spawn import run_distributed
+from dmuon.util.spawn import run_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -229,7 +229,7 @@ def bench_section(sizes: Sizes, device: torch.device) -> dict:
     from dmuon.bench.runner import BenchOptions, run_all
     from dmuon.bench.setups import CONFIGS
     from dmuon.ortho.autotune import get_autotuner
-    from dmuon.testing.spawn import free_port
+    from dmuon.util.spawn import free_port
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -275,7 +275,7 @@ def _run_section(name: str, dry_run: bool, sizes: Sizes, recipe: Path, workdir: 
         if name == "kernel":
             env["TRITON_INTERPRET"] = "1"  # read when Triton is imported, hence the subprocess
     if name == "recipe":
-        from dmuon.testing.spawn import free_port
+        from dmuon.util.spawn import free_port
 
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         cmd = [sys.executable, str(recipe), "--optimizer", "both", *sizes.recipe_args, "--quiet", "--json", out]

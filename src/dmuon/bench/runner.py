@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
 from dmuon.bench.setups import Hyper, build, reshard_after_forward
 from dmuon.plan.traffic import fsdp2_traffic
-from dmuon.testing.memory import live_state_bytes
 
 LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
 """The live-memory figures, per rank: unique storages of each kind, and of all three together."""

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
 from dmuon.bench.report import format_table, ratios
-from dmuon.testing.memory import live_state_bytes
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, Hyper, _Pair, build, reshard_after_forward
 from dmuon.plan.selection import select_matrices
 

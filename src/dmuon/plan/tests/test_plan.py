@@ -11,7 +11,8 @@ from torch import nn
 import dmuon
 from dmuon.plan.balance import assign_owners, lpt, rank_loads, round_robin
 from dmuon.plan.cost import ns_flops
-from dmuon.testing.models import OddNet
+
+from support.models import OddNet
 
 
 class TiedLM(nn.Module):

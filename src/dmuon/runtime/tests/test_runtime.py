@@ -8,7 +8,8 @@ import weakref
 import torch
 
 import dmuon
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+from support.models import OddNet, lm_loss, odd_batch
 
 KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
 

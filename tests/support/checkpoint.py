@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from dmuon.testing.cases import full_params, sharded_oddnet
-from dmuon.testing.models import lm_loss
+from support.cases import full_params, sharded_oddnet
+from support.models import lm_loss
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks
 
@@ -166,8 +166,8 @@ def async_save_then_resume(rank: int, world_size: int, path: str, saved_at: int,
 
 def _round_robin_oddnet(world_size: int):
     import dmuon
-    from dmuon.testing.cases import make_mesh, shard_oddnet
-    from dmuon.testing.models import OddNet
+    from support.cases import make_mesh, shard_oddnet
+    from support.models import OddNet
 
     mesh = make_mesh(world_size)
     torch.manual_seed(0)
@@ -205,18 +205,18 @@ def _tensors_in(obj):
 def _checkpoint_bytes(model, opt, state) -> dict:
     """This rank's live training-state bytes, and the bytes of ``state``'s tensors that are not
     aliases of them (unique storages, deduplicated by data_ptr)."""
-    from dmuon.testing.memory import _state_tensors, _storages, live_state_bytes
+    from dmuon.bench.memory import live_state_bytes, state_tensors, storages
 
-    live = _storages(list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
-                     + list(_state_tensors(opt)))
-    extra = {k: v for k, v in _storages(_tensors_in(state)).items() if k not in live}
+    live = storages(list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+                    + list(state_tensors(opt)))
+    extra = {k: v for k, v in storages(_tensors_in(state)).items() if k not in live}
     return {"live": live_state_bytes(model, opt)["total"], "extra": sum(extra.values())}
 
 
 def save_measuring_memory(rank: int, world_size: int, path: str, steps: int) -> dict:
     """Trains ``steps`` steps (ZeRO-3, fp32) and saves as :func:`save` does, measuring this rank's bytes:
     the training peak (after the last backward) and right after get_*_state_dict + dcp.save."""
-    from dmuon.testing.memory import live_state_bytes
+    from dmuon.bench.memory import live_state_bytes
 
     model, _, opt = sharded_oddnet(world_size, zero=3)
     peak = 0
@@ -248,12 +248,12 @@ def on_4_ranks_more(rank: int, world_size: int, directory: str, saved_at: int, m
 
 class PlainMuonAdamW:
     """``torch.optim.Muon`` on the matrices (conv kernels through 2-D views sharing their storage,
-    as :func:`dmuon.testing.reference.reference_training` does) + ``torch.optim.AdamW`` on the rest,
+    as :func:`support.reference.reference_training` does) + ``torch.optim.AdamW`` on the rest,
     with DMuon's hyperparameters of :func:`sharded_oddnet`."""
 
     def __init__(self, model) -> None:
         from dmuon.plan.selection import select_matrices
-        from dmuon.testing.cases import MUON_KW
+        from support.cases import MUON_KW
         from torch import nn
 
         self.model = model
@@ -265,7 +265,7 @@ class PlainMuonAdamW:
         self.adamw = torch.optim.AdamW(list(self.adam_params.values()), lr=3e-3, weight_decay=0.01)
 
     def train(self, steps) -> None:
-        from dmuon.testing.reference import ns_precision
+        from support.reference import ns_precision
 
         for step in steps:
             lm_loss(self.model, global_batch(step)).backward()
@@ -311,8 +311,8 @@ def _full_options(**kw):
 
 def _sharded_model(world_size: int, **oddnet_kw):
     import dmuon
-    from dmuon.testing.cases import make_mesh, shard_oddnet
-    from dmuon.testing.models import OddNet
+    from support.cases import make_mesh, shard_oddnet
+    from support.models import OddNet
 
     mesh = make_mesh(world_size)
     torch.manual_seed(0)
@@ -339,7 +339,7 @@ def _error_of(fn) -> str | None:
 
 def on_3_ranks(rank: int, world_size: int, directory: str, saved_at: int, more: int,
                plain: dict) -> dict:
-    """The 3-rank work (meant for :func:`dmuon.testing.spawn.run_with_crashes`).
+    """The 3-rank work (meant for :func:`dmuon.util.spawn.run_with_crashes`).
 
     * ``export``: trains ``saved_at`` steps; rank 0's full CPU model and optimizer state
       dicts; then ``more`` steps on (the parameters).

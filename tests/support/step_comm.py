@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dmuon.testing.cases import sharded_oddnet
-from dmuon.testing.models import lm_loss, odd_batch
+from support.cases import sharded_oddnet
+from support.models import lm_loss, odd_batch
 
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,

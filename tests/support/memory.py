@@ -1,15 +1,14 @@
 """Measured per-rank memory of FSDP2 + AdamW against FSDP2 + DMuon (run inside spawned ranks).
 
-Everything is measured from the live tensors, not computed from shapes:
-parameters as the unique storages under the local shards, gradients the same
-right after backward (before ``step()``), optimizer state as the storages of
-every tensor in ``opt.state`` (local shards of DTensors).
+Everything is measured from the live tensors (:mod:`dmuon.bench.memory`), not
+computed from shapes: parameters as the unique storages under the local shards,
+gradients the same right after backward (before ``step()``), optimizer state as
+the storages of every tensor in ``opt.state`` (local shards of DTensors).
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +16,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
+from dmuon.bench.memory import live_bytes_of, state_tensors
 from dmuon.rules.adamw import local_tensor
-from dmuon.testing.cases import make_mesh
+
+from support.cases import make_mesh
 
 
 class MatrixBlock(nn.Module):
@@ -48,45 +49,6 @@ class MatrixStack(nn.Module):
         return self.norm(x)
 
 
-def _state_tensors(optimizer):
-    """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair)."""
-    for opt in getattr(optimizer, "opts", (optimizer,)):
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield value
-
-
-def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """``data_ptr -> nbytes`` of the unique storages under ``tensors`` (their local shards)."""
-    return {local_tensor(t).untyped_storage().data_ptr(): local_tensor(t).untyped_storage().nbytes() for t in tensors}
-
-
-def live_bytes_of(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the unique storages under ``tensors`` (local shards; deduplicated by data_ptr)."""
-    return sum(_storages(tensors).values())
-
-
-def live_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
-    """This rank's live bytes of the training state, measured from the tensors themselves.
-
-    The unique storages (``untyped_storage().nbytes()``, deduplicated by their
-    ``data_ptr()``) reachable from the model's parameters, their gradients and
-    the optimizer's state tensors, each taken as this rank's local shard
-    (``DTensor.to_local()``): what this rank actually holds, padding and shared
-    buffers included, not what the shapes say. ``total`` deduplicates across
-    the three kinds.
-    """
-    kinds = {
-        "params": _storages(model.parameters()),
-        "grads": _storages(p.grad for p in model.parameters() if p.grad is not None),
-        "optimizer_state": _storages(_state_tensors(optimizer)),
-    }
-    out = {kind: sum(found.values()) for kind, found in kinds.items()}
-    out["total"] = sum({k: v for found in kinds.values() for k, v in found.items()}.values())
-    return out
-
-
 def _build(world_size: int, dim: int, hidden: int, blocks: int) -> nn.Module:
     mesh = make_mesh(world_size)
     torch.manual_seed(0)
@@ -114,7 +76,7 @@ def _measure(model: nn.Module, opt: torch.optim.Optimizer, rank: int, dim: int, 
         opt.step()
         opt.zero_grad()
         out["param_bytes"] = max(out["param_bytes"], live_bytes_of(params))
-        out["state_bytes"] = max(out["state_bytes"], live_bytes_of(_state_tensors(opt)))
+        out["state_bytes"] = max(out["state_bytes"], live_bytes_of(state_tensors(opt)))
     return out
 
 

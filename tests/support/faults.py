@@ -11,8 +11,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 import dmuon
-from dmuon.testing.cases import full_params, sharded_oddnet, shard_oddnet
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+from support.cases import full_params, sharded_oddnet, shard_oddnet
+from support.models import OddNet, lm_loss, odd_batch
 
 
 def _catch(fn) -> str:

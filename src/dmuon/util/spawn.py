@@ -1,6 +1,6 @@
 """Run a function on N local gloo ranks and collect what each returns.
 
-Used by dmuon's own tests and benchmarks; handy for users' tests too.
+Used by ``dmuon bench``, ``examples/train_lm.py`` and dmuon's own tests; handy for users' tests too.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
-from dmuon.testing.models import OddNet, lm_loss, odd_batch
+
+from support.models import OddNet, lm_loss, odd_batch
 
 
 @dataclass
