@@ -305,8 +305,11 @@ def test_plan_cli_step_comm(tmp_path, capsys):
     owner = {name: r["rank"] for r in plan["ranks"] for name in r["matrices"]}
     model = AlphaBeta(intra_bandwidth=100e9, inter_latency=5e-6)
     assert plan["step_comm_model"]["intra_bandwidth"] == 100e9 and plan["step_comm_model"]["param_bytes"] == 2
+    # The returns go in waves, one per owner batch (analytical costs: one batch per kind and owner).
+    waves = plan["step_comm_model"]["return_waves"]
+    assert sorted(sum(waves, [])) == list(range(len(mats))) and 1 < len(waves) <= 4
     expected = step_comm([m.shape for m in mats], [owner[m.name] for m in mats], offline_blocks(mats), 2, 2,
-                         wire_bytes=2, param_bytes=2, reduce_bytes=4, zero=3, model=model)
+                         wire_bytes=2, param_bytes=2, reduce_bytes=4, zero=3, model=model, waves=waves)
     for key in expected:
         assert comm[key]["critical_bytes"] == expected[key]["critical_bytes"]
         assert comm[key]["collectives"] == expected[key]["collectives"]

@@ -28,15 +28,19 @@ def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero
     assert all(list(i[3]) == shard_rows(i[0][0], shard) for i in infos)
     # Steady state: every block went to its owners from backward.
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
-    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize)
+    # The update returns are pipelined with the owners' NS batches, in waves every rank agrees on.
+    waves = results[0]["waves"]
+    assert all(r["waves"] == waves for r in results) and sorted(sum(waves, [])) == list(range(len(infos)))
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
+                                                waves=waves)
     modelled = backward + step
     # The whole step's order, with FSDP2's collectives left out, is the same.
     in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard,
-                                           wire_bytes=ns_dtype.itemsize) if c.label.startswith("dmuon")]
+                                           wire_bytes=ns_dtype.itemsize, waves=waves) if c.label.startswith("dmuon")]
     assert [c.label for c in in_step] == [c.label for c in modelled]
     # Per block one exchange, two on HSDP (column slices across replicas, then rows to the owner).
     hops = 2 if replicate > 1 else 1
-    assert len(backward) == hops * len(set(blocks)) and len(step) == hops
+    assert len(backward) == hops * len(set(blocks)) and len(step) == hops * len(waves)
     for r in results:
         k = r["plan_rank"]
         expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]

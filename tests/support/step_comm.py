@@ -34,4 +34,5 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         "infos": [(tuple(i.shape), i.owner, i.block, tuple(i.rows)) for i in plan.infos],
         "blocks": len(plan.blocks),
         "blocks_in_backward": stats["blocks_exchanged_in_backward"],
+        "waves": stats["return_waves"],
     }

@@ -230,60 +230,66 @@ class ShardExchange:
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives this rank's rows ``(rows, n)`` of
-            every member's update.
+            every member's update. On HSDP it has two hops: :meth:`Pending.forward`
+            (main thread) issues the second once the first has landed.
         """
         topo = self.topo
         r, s = topo.coords
-        infos = self.infos
+        if topo.world_size == 1:
+            return Pending([], lambda: dict(owned), self.stats)
+        hop1 = self._updates_to_columns(members, owned)
+        if topo.replicate == 1:
+            return hop1
+        return Pending([], _no_result, self.stats, then=lambda: self._rows_to_replicas(members, hop1.wait()))
+
+    def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
+        """Hop 1: inside each replica, the owners send every shard column its rows of the members
+        the replica owns; ``wait()`` gives this rank's rows of those."""
+        topo, infos = self.topo, self.infos
+        r, s = topo.coords
+        in_replica = [i for i in members if self._owner(i)[0] == r]
+        if topo.shard == 1 or not in_replica:
+            return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats)
 
         def rows_of(i: int, column: int, full: torch.Tensor) -> torch.Tensor:
             start = sum(infos[i].rows[:column])
             return full[start : start + infos[i].rows[column]]
 
-        if topo.world_size == 1:
-            return Pending([], lambda: dict(owned), self.stats)
-        in_replica = [i for i in members if self._owner(i)[0] == r]
-        works = []
-        hop1: dict[int, torch.Tensor] = {}
-        if topo.shard == 1 or not in_replica:
-            hop1 = {i: owned[i] for i in in_replica}
-            landed_hop1: Callable[[], dict[int, torch.Tensor]] = lambda: hop1  # noqa: E731
-        else:
-            mine = [i for i in members if infos[i].owner == topo.rank]
-            from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
-            in_splits = [sum(self._piece(i, dst) for i in mine) for dst in range(topo.shard)]
-            out_splits = [sum(self._piece(i, s) for i in from_column[c]) for c in range(topo.shard)]
-            send = self._cat([rows_of(i, dst, owned[i]).reshape(-1) for dst in range(topo.shard) for i in mine])
-            recv = self._empty(sum(out_splits))
-            works.append(self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s))
-
-            def landed_hop1() -> dict[int, torch.Tensor]:
-                out = {}
-                for c, segment in enumerate(recv.split(out_splits)):
-                    for i, piece in zip(from_column[c], segment.split([self._piece(i, s) for i in from_column[c]])):
-                        out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
-                return out
+        mine = [i for i in members if infos[i].owner == topo.rank]
+        from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
+        in_splits = [sum(self._piece(i, dst) for i in mine) for dst in range(topo.shard)]
+        out_splits = [sum(self._piece(i, s) for i in from_column[c]) for c in range(topo.shard)]
+        send = self._cat([rows_of(i, dst, owned[i]).reshape(-1) for dst in range(topo.shard) for i in mine])
+        recv = self._empty(sum(out_splits))
+        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
 
         def finish() -> dict[int, torch.Tensor]:
-            rows = landed_hop1()
-            if topo.replicate == 1:
-                return rows
-            # Hop 2: my rows of the matrices owned in my replica go to my column elsewhere.
-            from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
-            out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
-            if sum(out_splits) == 0:
-                return rows
-            own = self._cat([rows[i].reshape(-1) for i in from_replica[r]])
-            recv = self._empty(sum(out_splits))
-            work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
-                                    [own.numel()] * topo.replicate, r)
-            start = time.perf_counter()
-            work.wait()
-            self.stats.wait_seconds += time.perf_counter() - start
+            out = {}
+            for c, segment in enumerate(recv.split(out_splits)):
+                for i, piece in zip(from_column[c], segment.split([self._piece(i, s) for i in from_column[c]])):
+                    out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
+            return out
+
+        return Pending([work], finish, self.stats)
+
+    def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor]) -> Pending:
+        """Hop 2: my rows of the members owned in my replica go to my column of every other replica."""
+        topo, infos = self.topo, self.infos
+        r, s = topo.coords
+        from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
+        out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
+        if sum(out_splits) == 0:
+            return Pending([], lambda: rows, self.stats)
+        own = self._cat([rows[i].reshape(-1) for i in from_replica[r]])
+        recv = self._empty(sum(out_splits))
+        work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
+                                [own.numel()] * topo.replicate, r)
+
+        def finish() -> dict[int, torch.Tensor]:
             out = {}
             for q, segment in enumerate(recv.split(out_splits)):
                 for i, piece in zip(from_replica[q], segment.split([self._piece(i, s) for i in from_replica[q]])):
                     out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
             return out
 
-        return Pending(works, finish, self.stats)
+        return Pending([work], finish, self.stats)

@@ -20,11 +20,13 @@ from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
 from dmuon.ortho import orthogonalize_many
 from dmuon.ortho.config import NSConfig
+from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.runtime.runtime import Launch, ShardRuntime
 
 NONFINITE_MODES = (None, "skip", "raise")
+
 # DMuon's torch.optim-style NS keywords and the NSConfig field each one sets.
 NS_KEYWORDS = {"ns_method": "method", "ns_coefficients": "coefficients", "ns_steps": "steps", "eps": "eps",
                "ns_dtype": "dtype"}
@@ -170,6 +172,7 @@ class DMuon(torch.optim.Optimizer):
         self._ns_worker: ThreadPoolExecutor | None = None
         self._early: dict[int, Future] = {}
         self._kept: set[int] = set()
+        self._waves: list[list[int]] = []
         super().__init__(groups, defaults=dict(self._muon_defaults))
         if overlap:
             self.runtime.enable_overlap(self._peek_directions)
@@ -412,6 +415,7 @@ class DMuon(torch.optim.Optimizer):
                 stale = self.runtime.agree(self._stale(launches, active, directions)).tolist()
         orthogonalized, ns_seconds = 0, 0.0
         self._kept = set()
+        self._waves = []
         if skipped:
             for launch in launches.values():
                 launch.pending.wait()
@@ -431,6 +435,7 @@ class DMuon(torch.optim.Optimizer):
             "orthogonalized_in_backward": sum(len(o) for b, (o, _) in early.items() if b in self._kept),
             "step_seconds": time.perf_counter() - start,
             "skipped_nonfinite": skipped,
+            "return_waves": [list(w) for w in self._waves],
         }
         stats.reset()
         return loss
@@ -450,45 +455,88 @@ class DMuon(torch.optim.Optimizer):
         ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
         orthos: dict[int, torch.Tensor] = {}
         for b in kept & early.keys():
-            orthos.update(early[b][0])
+            orthos.update(early[b][0])  # this rank's own
         full: dict[int, torch.Tensor] = {}
         for p in pending:
             full.update(p.wait())
-        if self.ns_in_backward:
-            # Per block, as the worker does, so the batches do not depend on how far backward got.
-            by_block: dict[int, list[int]] = {}
-            for i in sorted(full):
-                by_block.setdefault(infos[i].block, []).append(i)
-            for owned in by_block.values():
-                orthos.update(self._orthogonalize(owned, full, group_of))
-        else:
-            orthos.update(self._orthogonalize(sorted(full), full, group_of))
-        del full
-        returned = self.runtime.exchange.return_updates(active, orthos)
+        # Every rank's matrices whose NS ran in backward (not only this rank's): the waves must agree.
+        done = kept & early.keys()
+        returns = []
+        for members, batches in self._return_waves(active, {i for i in active if infos[i].block in done}, group_of):
+            for batch in batches:
+                orthos.update(self._orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
+            for earlier in returns:
+                earlier[1].forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
+            returns.append((members, self.runtime.exchange.return_updates(
+                members, {i: orthos[i] for i in members if i in orthos})))
         ns_seconds += time.perf_counter() - ns_start
         column = self.runtime.topo.coords[1]
-        for i, rows in returned.wait().items():
-            info, group = infos[i], group_of[i]
-            if info.rows[column]:
-                apply_update(local_tensor(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
-                             adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
+        for _, returned in returns:
+            for i, rows in returned.wait().items():
+                info, group = infos[i], group_of[i]
+                if info.rows[column]:
+                    apply_update(local_tensor(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+                                 adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
         return len(orthos), ns_seconds
+
+    def _batches(self, indices: list[int], rank: int, group_of: dict[int, dict]) -> list[list[int]]:
+        """The NS batches ``rank`` runs for its ``indices``, in the order it runs them.
+
+        Per param group (NS settings may differ), the batches the balancer priced
+        the rank's load with (:meth:`Plan.ns_batches`); with ``ns_in_backward``
+        per block, as the worker batches, so they do not depend on how far
+        backward got. A pure function of the plan: every rank can compute any
+        rank's batches.
+        """
+        units: dict[int, list[int]] = {}
+        for i in sorted(indices):
+            units.setdefault(self.plan.infos[i].block if self.ns_in_backward else 0, []).append(i)
+        out = []
+        for unit in units.values():
+            by_group: dict[int, list[int]] = {}
+            for i in unit:
+                by_group.setdefault(id(group_of[i]), []).append(i)
+            for members in by_group.values():
+                out.extend(self.plan.ns_batches(members, rank))
+        return out
+
+    def _return_waves(self, active: list[int], ready: set[int],
+                      group_of: dict[int, dict]) -> list[tuple[list[int], list[list[int]]]]:
+        """The step's update returns, pipelined with the owners' NS batches.
+
+        :func:`dmuon.plan.batches.return_waves` over every owner's batches
+        (:meth:`_batches`), so every rank issues the same collectives; ``ready``
+        (every rank's matrices whose NS ran in backward) go in wave 0.
+
+        Returns:
+            Per non-empty wave: its members (plan order) and this rank's batches in it.
+        """
+        owned: dict[int, list[int]] = {}
+        for i in active:
+            if i not in ready:
+                owned.setdefault(self.plan.infos[i].owner, []).append(i)
+        batches = {rank: self._batches(indices, rank, group_of) for rank, indices in sorted(owned.items())}
+        waves = return_waves(batches, ready, RETURN_WAVES)
+        mine: list[list[list[int]]] = [[] for _ in waves]
+        for k, batch in enumerate(batches.get(self.plan.rank, [])):
+            mine[min(k, RETURN_WAVES - 1)].append(batch)
+        self._waves = [w for w in waves if w]
+        return [(w, b) for w, b in zip(waves, mine) if w]
+
+    def _orthogonalize_batch(self, batch: list[int], directions: list[torch.Tensor],
+                             group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """One NS call for a batch of one param group's matrices."""
+        group = group_of[batch[0]]
+        orthos = orthogonalize_many(directions, **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
+                                                   "steps": group["ns_steps"], "eps": group["eps"]})
+        return dict(zip(batch, orthos))
 
     def _orthogonalize(self, indices: list[int], directions: dict[int, torch.Tensor],
                        group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
-        """Orthogonalizes the owned full ``directions`` of ``indices`` in the plan's NS batches."""
-        by_group: dict[int, list[int]] = {}
-        for i in indices:
-            by_group.setdefault(id(group_of[i]), []).append(i)
+        """Orthogonalizes this rank's full ``directions`` of ``indices`` in the plan's NS batches."""
         out: dict[int, torch.Tensor] = {}
-        for members in by_group.values():
-            group = group_of[members[0]]
-            # The batches the balancer priced this rank's load with (see Plan.ns_batches).
-            for batch in self.plan.ns_batches(members):
-                orthos = orthogonalize_many(
-                    [directions[i] for i in batch], **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
-                                                       "steps": group["ns_steps"], "eps": group["eps"]})
-                out.update(zip(batch, orthos))
+        for batch in self._batches(indices, self.plan.rank, group_of):
+            out.update(self._orthogonalize_batch(batch, [directions[i] for i in batch], group_of))
         return out
 
     # ------------------------------------------------------------ NS in backward
@@ -522,6 +570,7 @@ class DMuon(torch.optim.Optimizer):
         bookkeeping on the owner, wherever it ran), ``blocks_exchanged_in_backward``
         (launches from backward that ``step()`` kept), ``orthogonalized_in_backward``
         (matrices whose NS ran on the worker with ``ns_in_backward=True`` and was
-        kept), ``step_seconds`` and ``skipped_nonfinite``.
+        kept), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
+        matrices of each pipelined update return, in order; see ``_return_waves``).
         """
         return dict(self._last_stats)

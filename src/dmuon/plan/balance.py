@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from dmuon.plan import milp as _milp
+from dmuon.plan.batches import split_into_batches
 from dmuon.plan.milp import Kind, best_partition
 
 BALANCERS = ("greedy", "lpt", "round_robin", "milp", "auto")
@@ -124,6 +125,17 @@ class BalanceResult:
     """Why anything unexpected happened (fallbacks, relaxed memory caps)."""
     kind_keys: list[Hashable] = field(default_factory=list)
     """Kind key (the keys of ``batches``) of each matrix, in plan order."""
+
+    def ns_batches(self, indices: Sequence[int], rank: int) -> list[list[int]]:
+        """Splits matrices owned by ``rank`` into the NS batches this result costed it with.
+
+        One batch per kind where the plan has no batches larger than one: all-ones
+        plans come from costs without batch sizes (the analytical model) or from
+        batching that did not pay, and either way one call per kind lets the NS
+        autotuner choose batched or looped itself.
+        """
+        sizes = {k: v for k, v in self.batches[rank].items() if any(b > 1 for b in v)}
+        return split_into_batches(indices, self.kind_keys, sizes)
 
     @property
     def makespan(self) -> float:

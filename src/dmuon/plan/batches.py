@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+RETURN_WAVES = 4
+"""At most this many update returns per step, each behind one NS batch of every owner
+(:func:`return_waves`): enough to overlap the transfers with NS, few enough that the
+per-collective latency stays small."""
 
 
 def split_into_batches(
@@ -46,3 +51,30 @@ def split_into_batches(
         if pos < len(members):
             out.append(members[pos:])
     return out
+
+
+def return_waves(batches_by_rank: Mapping[int, Sequence[Sequence[int]]], ready: Iterable[int],
+                 max_waves: int) -> list[list[int]]:
+    """The matrices of each update return of a step, pipelined with the owners' NS batches.
+
+    Wave ``k`` holds every owner's ``k``-th batch (the last wave also every later
+    batch, so there are at most ``max_waves``); wave 0 also ``ready`` (matrices
+    already orthogonalized). Each owner runs its batches of a wave and then
+    joins the wave's return, so one wave's transfer overlaps the next wave's NS.
+
+    Args:
+        batches_by_rank: Owner rank -> its NS batches in the order it runs them.
+        ready: Matrices needing no NS now.
+        max_waves: At least 1.
+
+    Returns:
+        ``max_waves`` lists of matrix indices (plan order), some possibly empty.
+    """
+    if max_waves < 1:
+        raise ValueError(f"max_waves must be >= 1, got {max_waves}")
+    waves: list[set[int]] = [set() for _ in range(max_waves)]
+    waves[0].update(ready)
+    for batches in batches_by_rank.values():
+        for k, batch in enumerate(batches):
+            waves[min(k, max_waves - 1)].update(batch)
+    return [sorted(w) for w in waves]

@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
 from dmuon.plan.traffic import (
@@ -232,14 +233,20 @@ def plan_offline(
         "ranks": ranks,
     }
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
+    # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
+    owned: dict[int, list[int]] = {}
+    for k, o in enumerate(owners):
+        owned.setdefault(o, []).append(k)
+    waves = return_waves({r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}, [], RETURN_WAVES)
     plan["step_comm"] = step_comm([m.shape for m in mats], owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
-                                  zero=zero, root_block=0, model=alpha_beta)
+                                  zero=zero, root_block=0, model=alpha_beta, waves=waves)
     plan["step_comm_model"] = {
         **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
         "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
         "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
                  "all-reduce (HSDP), dmuon's direction all_to_all; step: dmuon's returns or gather's all-gathers",
+        "return_waves": [w for w in waves if w],
     }
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(

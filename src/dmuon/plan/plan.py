@@ -159,11 +159,7 @@ class Plan:
         if balance is None or not getattr(balance, "kind_keys", None):
             kind_of = [info.matrix_shape for info in self.infos]
             return split_into_batches(indices, kind_of, {})
-        # All-ones plans come from costs without batch sizes (the analytical model) or
-        # from batching that did not pay; either way one call per kind lets the NS
-        # autotuner choose batched or looped itself.
-        sizes = {k: v for k, v in balance.batches[rank].items() if any(b > 1 for b in v)}
-        return split_into_batches(indices, balance.kind_keys, sizes)
+        return balance.ns_batches(indices, rank)
 
     def rank_costs(self) -> list[float]:
         """Estimated owner-side cost per rank."""

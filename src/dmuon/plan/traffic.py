@@ -467,6 +467,7 @@ def owner_exchange_collectives(
     shard: int,
     elem_bytes: int = 2,
     block_order: Sequence[int] | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -478,16 +479,18 @@ def owner_exchange_collectives(
     block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
     directions of the block's matrices owned in that replica to their owners
     (step 1); a replica owning none of them issues
-    nothing. Then, in ``step()``, one ``all_to_all`` on each replica's shard
-    group returns every matrix's update rows (step 2; replicas owning nothing
-    skip it) and, with ``R > 1``, one on each shard column's replicate group
-    forwards them to the other replicas (step 3; a column with no rows of any
-    matrix skips it). Nothing when the group has one rank. The concurrent
-    per-replica (or per-column) collectives are one entry: they run at once.
+    nothing. Then, in ``step()``, per return wave (``waves``: the matrices of
+    each, in order, as ``DMuon.last_step_stats()["return_waves"]``; default:
+    all in one) one ``all_to_all`` on each replica's shard group returns the
+    wave's update rows (step 2; replicas owning none of them skip it) and, with
+    ``R > 1``, one on each shard column's replicate group forwards them to the
+    other replicas (step 3; a column with no rows of them skips it). Nothing
+    when the group has one rank. The concurrent per-replica (or per-column)
+    collectives are one entry: they run at once.
 
     Returns:
         ``(backward, step)``: the per-block direction exchanges, in order, and
-        the step's one or two return exchanges.
+        the step's return exchanges, wave by wave.
     """
     _check_mesh(replicate, shard, elem_bytes)
     _check_owners(shapes, owners, replicate, shard)
@@ -550,41 +553,44 @@ def owner_exchange_collectives(
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
-    if shard > 1:
-        sent, received, out, inn = fresh()
-        for i in range(len(shapes)):
-            r_o, s_o = divmod(owners[i], shard)
-            for s in range(shard):
-                moved = piece(i, s)
-                if s != s_o and moved:
-                    dst = r_o * shard + s
-                    sent[owners[i]] += moved
-                    received[dst] += moved
-                    out[owners[i]].add(dst)
-                    inn[dst].add(owners[i])
-        owning = {o // shard for o in owners}
-        step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
-                         [k // shard in owning for k in range(world)], "dmuon updates to the shard columns"))
-    if replicate > 1:
-        sent, received, out, inn = fresh()
-        column_rows = [0] * shard
-        for i in range(len(shapes)):
-            r_o = owners[i] // shard
-            for s in range(shard):
-                moved = piece(i, s)
-                column_rows[s] += moved
-                if not moved:
-                    continue
-                src = r_o * shard + s
-                for r in range(replicate):
-                    if r != r_o:
-                        dst = r * shard + s
-                        sent[src] += moved
+    chosen = [list(range(len(shapes)))] if waves is None else [list(w) for w in waves if w]
+    for k, wave in enumerate(chosen):
+        label = "" if waves is None else f" wave {k}"
+        if shard > 1:
+            sent, received, out, inn = fresh()
+            for i in wave:
+                r_o, s_o = divmod(owners[i], shard)
+                for s in range(shard):
+                    moved = piece(i, s)
+                    if s != s_o and moved:
+                        dst = r_o * shard + s
+                        sent[owners[i]] += moved
                         received[dst] += moved
-                        out[src].add(dst)
-                        inn[dst].add(src)
-        step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
-                         [column_rows[k % shard] > 0 for k in range(world)], "dmuon updates to the replicas"))
+                        out[owners[i]].add(dst)
+                        inn[dst].add(owners[i])
+            owning = {owners[i] // shard for i in wave}
+            step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
+                             [k // shard in owning for k in range(world)], "dmuon updates to the shard columns" + label))
+        if replicate > 1:
+            sent, received, out, inn = fresh()
+            column_rows = [0] * shard
+            for i in wave:
+                r_o = owners[i] // shard
+                for s in range(shard):
+                    moved = piece(i, s)
+                    column_rows[s] += moved
+                    if not moved:
+                        continue
+                    src = r_o * shard + s
+                    for r in range(replicate):
+                        if r != r_o:
+                            dst = r * shard + s
+                            sent[src] += moved
+                            received[dst] += moved
+                            out[src].add(dst)
+                            inn[dst].add(src)
+            step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
+                             [column_rows[k % shard] > 0 for k in range(world)], "dmuon updates to the replicas" + label))
     return backward, step
 
 
@@ -601,6 +607,7 @@ def step_collectives(
     reduce_bytes: int = 4,
     zero: int = 3,
     root_block: int | None = 0,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -629,6 +636,7 @@ def step_collectives(
         reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``).
         zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
         root_block: The root module's block (no backward all-gather), or None.
+        waves: dmuon's return waves (:func:`owner_exchange_collectives`); None: one.
     """
     if strategy not in STEP_STRATEGIES:
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES}, got {strategy!r}")
@@ -642,7 +650,7 @@ def step_collectives(
     exchange, returns = ([], [])
     if strategy == "dmuon":
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
-                                                       block_order=order[::-1])
+                                                       block_order=order[::-1], waves=waves)
     by_block: dict[int | None, list[Collective]] = {}
     for c in exchange:
         by_block.setdefault(c.block, []).append(c)
@@ -731,9 +739,10 @@ def step_comm(
     zero: int = 3,
     root_block: int | None = 0,
     model: AlphaBeta | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> dict:
     """:func:`step_figures` of :func:`step_collectives` for each of :data:`STEP_STRATEGIES`, JSON-ready."""
     return {s: step_figures(step_collectives(s, shapes, owners, blocks, replicate, shard, wire_bytes=wire_bytes,
                                              param_bytes=param_bytes, reduce_bytes=reduce_bytes, zero=zero,
-                                             root_block=root_block), model)
+                                             root_block=root_block, waves=waves), model)
             for s in STEP_STRATEGIES}
