@@ -7,17 +7,15 @@ import torch
 
 from dmuon.util.spawn import run_distributed
 
-from support.cases import MUON_KW, Case
+from support.cases import MUON_KW, Case, run_cases
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
-
-from test_core_equivalence import _run_all
 
 
 def test_accumulation_matches_one_large_batch():
     world_size, steps, micro = 2, 2, 2
     cases = [Case(zero=z, overlap=o, steps=steps, micro_batches=micro) for z, o in ((2, True), (3, False))]
-    out = run_distributed(_run_all, world_size, cases, timeout_s=120)
+    out = run_distributed(run_cases, world_size, cases, timeout_s=120)
     torch.manual_seed(0)
     model = OddNet()
     batches = []

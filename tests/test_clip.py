@@ -7,11 +7,10 @@ import torch
 
 from dmuon.util.spawn import run_distributed
 
-from support.cases import MUON_KW, Case
+from support.cases import MUON_KW, Case, run_cases
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
-from test_core_equivalence import _run_all
 
 CLIP = 0.3  # below the gradient norms of this model, so clipping acts every step
 
@@ -21,7 +20,7 @@ def test_torch_clip_matches_one_process(world_size, mesh_shape):
     steps = 2
     cases = [Case(zero=z, ns_dtype=torch.float32, steps=steps, clip=CLIP, mesh_shape=mesh_shape, overlap=o)
              for z, o in ((2, True), (3, False))]
-    results = run_distributed(_run_all, world_size, cases, timeout_s=180)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=180)
     torch.manual_seed(0)
     model = OddNet()
     batches = []

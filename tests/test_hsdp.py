@@ -9,9 +9,8 @@ from dmuon.plan.traffic import owner_traffic, shard_rows
 from dmuon.util.spawn import run_distributed
 
 from support import faults
-from support.cases import Case
-
-from test_core_equivalence import N_MATRICES, SKIP, STEPS, _check_sharded_state, _max_diff, _reference, _run_all
+from support.cases import Case, run_cases
+from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)])
@@ -23,11 +22,11 @@ def test_hsdp_matches_single_process_reference(mesh_shape):
         Case(zero=3, ns_dtype=torch.bfloat16, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape, bf16=True),
         Case(kind="gather", zero=3, ns_dtype=torch.bfloat16, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape, bf16=True),
     ]
-    results = run_distributed(_run_all, world_size, cases, timeout_s=240)
-    ref = _reference(world_size, torch.float32)[0]
+    results = run_distributed(run_cases, world_size, cases, timeout_s=240)
+    ref = reference(world_size, torch.float32)[0]
     for k, case in enumerate(cases[:2]):
         out = results[0][k]
-        diff, worst = _max_diff(out["params"], ref)
+        diff, worst = max_diff(out["params"], ref)
         assert diff <= 1e-5, f"{case}: {worst} differs by {diff:.3g}"
         for step in range(STEPS):
             # NS once per matrix in the whole cluster, not once per replica.
@@ -37,11 +36,11 @@ def test_hsdp_matches_single_process_reference(mesh_shape):
         owners = set(out["owners"].values())
         assert len(owners) > mesh_shape[1] and owners <= set(range(world_size))
     # Under bf16 mixed precision and bf16 NS, the same as gather-then-compute on the same HSDP model.
-    diff, worst = _max_diff(results[0][2]["params"], results[0][3]["params"])
+    diff, worst = max_diff(results[0][2]["params"], results[0][3]["params"])
     assert diff <= 1e-5, worst
     # No Muon state is duplicated across replicas: rank (r, s) keeps the momentum of its rows
     # (FSDP2's row shard s) x its replica's columns, so over the mesh every element is held once.
-    _check_sharded_state(results, 0, results[0][0]["shapes"])
+    check_sharded_state(results, 0, results[0][0]["shapes"])
     replicate, shard = mesh_shape
     for name, shape in results[0][0]["shapes"].items():
         inner = torch.Size(shape[2:]).numel()

@@ -7,9 +7,8 @@ import torch
 
 from dmuon.util.spawn import run_distributed
 
-from support.cases import Case
-
-from test_core_equivalence import SKIP, STEPS, _max_diff, _reference, _run_all
+from support.cases import Case, run_cases
+from support.equivalence import SKIP, STEPS, max_diff, reference
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
@@ -19,13 +18,13 @@ def test_overlap_is_bit_identical_to_sync(mesh_shape):
         Case(zero=zero, overlap=overlap, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape)
         for zero in (2, 3) for overlap in (True, False)
     ]
-    results = run_distributed(_run_all, world_size, cases, timeout_s=180)
-    ref, _ = _reference(world_size, torch.float32)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=180)
+    ref, _ = reference(world_size, torch.float32)
     for k in (0, 2):
         on, off = results[0][k]["params"], results[0][k + 1]["params"]
         for name in on:
             assert torch.equal(on[name], off[name]), f"zero={cases[k].zero}: {name} differs"
-        diff, worst = _max_diff(on, ref)
+        diff, worst = max_diff(on, ref)
         assert diff <= 1e-5, worst
         for step in range(STEPS):
             assert [r[k]["stats"][step]["orthogonalized"] for r in results] == \
@@ -42,13 +41,13 @@ def test_ns_in_backward_matches_the_reference(mesh_shape):
         for eager in (True, False)
     ] + [Case(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, clip=0.3, mesh_shape=mesh_shape),
          Case(kind="gather", zero=3, ns_dtype=torch.float32, steps=STEPS, clip=0.3, mesh_shape=mesh_shape)]
-    results = run_distributed(_run_all, world_size, cases, timeout_s=180)
-    ref, _ = _reference(world_size, torch.float32)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=180)
+    ref, _ = reference(world_size, torch.float32)
     eager, late = results[0][0]["params"], results[0][1]["params"]
-    diff, worst = _max_diff(eager, ref)
+    diff, worst = max_diff(eager, ref)
     assert diff <= 1e-5, worst
     # Same math; only the NS batches differ (per block instead of across blocks).
-    diff, worst = _max_diff(eager, late)
+    diff, worst = max_diff(eager, late)
     assert diff <= 1e-6, worst
     for step in range(STEPS):
         done = sum(r[0]["stats"][step]["orthogonalized"] for r in results)
@@ -56,7 +55,7 @@ def test_ns_in_backward_matches_the_reference(mesh_shape):
         assert early == done > 0
         assert all(r[1]["stats"][step]["orthogonalized_in_backward"] == 0 for r in results)
     # Clipped gradients fail the check: the worker's NS is redone in step(), so the result is exact.
-    diff, worst = _max_diff(results[0][2]["params"], results[0][3]["params"])
+    diff, worst = max_diff(results[0][2]["params"], results[0][3]["params"])
     assert diff <= 1e-6, worst
     assert all(s["orthogonalized_in_backward"] == 0 and s["blocks_exchanged_in_backward"] == 0
                for r in results for s in r[2]["stats"])

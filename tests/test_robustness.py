@@ -8,9 +8,8 @@ import torch
 from dmuon.util.spawn import run_distributed, run_with_crashes
 
 from support import faults
-from support.cases import Case
-
-from test_core_equivalence import SKIP, STEPS, _max_diff, _reference, _run_all
+from support.cases import Case, run_cases
+from support.equivalence import SKIP, STEPS, max_diff, reference
 
 
 def test_ranks_with_different_models_fail_clearly():
@@ -83,9 +82,9 @@ def test_activation_checkpointing_inside_blocks():
     modes = ("early_stop", "full", "reentrant")
     cases = [Case(zero=z, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, activation_checkpointing=m)
              for m in modes for z in (2, 3)]
-    results = run_distributed(_run_all, world_size, cases, timeout_s=180)
-    ref, ref_losses = _reference(world_size, torch.float32)
+    results = run_distributed(run_cases, world_size, cases, timeout_s=180)
+    ref, ref_losses = reference(world_size, torch.float32)
     for k, case in enumerate(cases):
-        diff, worst = _max_diff(results[0][k]["params"], ref)
+        diff, worst = max_diff(results[0][k]["params"], ref)
         assert diff <= 1e-5, (case.activation_checkpointing, case.zero, worst)
         assert results[0][k]["losses"] == pytest.approx(ref_losses, rel=1e-5)

@@ -157,3 +157,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         "momentum_numel": state_numel,
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    """:func:`run_case` for each of ``cases`` in turn, in one spawned run."""
+    return [run_case(rank, world_size, c) for c in cases]
