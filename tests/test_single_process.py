@@ -207,3 +207,11 @@ def test_ns_keywords_come_from_the_plan_and_must_agree_with_it():
             dmuon.DMuon(OddNet(), **kwargs)
     with pytest.raises(ValueError, match="ns must be a dmuon.NSConfig"):
         dmuon.prepare(OddNet(), ns={"steps": 3})
+
+
+def test_post_optim_event_needs_a_device_with_events():
+    import pytest
+
+    with pytest.raises(ValueError, match="post_optim_event=True needs a device with events"):
+        dmuon.DMuon(OddNet(), post_optim_event=True)
+    assert dmuon.DMuon(OddNet())._root is None  # off by default: nothing handed to FSDP2

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
@@ -91,6 +92,13 @@ class DMuon(torch.optim.Optimizer):
             the whole step (parameters and optimizer state unchanged);
             ``"raise"``: every rank raises ``FloatingPointError`` naming the
             parameters. Checking reads every gradient once.
+        post_optim_event: On an accelerator (CUDA), record an event after the
+            step's last update and hand it to FSDP2's root
+            (``FSDPModule.set_post_optim_event``), so the next forward's
+            all-gathers wait for the updates only, not for work queued on the
+            stream after ``step()``. Leave it False if you change parameters
+            after ``step()`` (their all-gather would not wait for that). The CPU
+            backend has no events: True there is an error.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class DMuon(torch.optim.Optimizer):
         overlap: bool = True,
         nonfinite: str | None = None,
         ns_in_backward: bool = False,
+        post_optim_event: bool = False,
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
@@ -135,6 +144,9 @@ class DMuon(torch.optim.Optimizer):
                              "during backward only with overlap")
         if plan is None:
             plan = prepare(model, ns=ns)
+        if post_optim_event and plan.device.type == "cpu":
+            raise ValueError("post_optim_event=True needs a device with events (CUDA); the CPU backend has none")
+        self._root = model if post_optim_event and isinstance(model, FSDPModule) else None
         names = [n for n, _ in model.named_parameters()]
         if tuple(names) != plan.param_names:
             added = sorted(set(names) - set(plan.param_names))
@@ -425,6 +437,10 @@ class DMuon(torch.optim.Optimizer):
                     adamw_group_step(group, self.state)
             self._kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
             orthogonalized, ns_seconds = self._muon_step(active, group_of, launches, early, directions)
+            if self._root is not None:
+                event = torch.Event(device=self.plan.device)
+                event.record()  # after every update of this step, on the current stream
+                self._root.set_post_optim_event(event)
         stats = self.runtime.stats
         self._last_stats = {
             "orthogonalized": orthogonalized,
