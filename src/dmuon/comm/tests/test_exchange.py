@@ -1,0 +1,260 @@
+"""ShardExchange on its own, no model: 4 gloo ranks, a 1-D mesh and a 2x2 (replicate x shard) one.
+
+Every rank holds its piece of known full tensors (rows ``rows[s]`` of shard column
+``s`` and, on HSDP, columns ``columns[r]`` of replica ``r``), as FSDP2 and dmuon's
+column-sliced momentum leave them. The owners must get exactly the full
+directions, every rank exactly its rows of every update, and the bytes counted
+for each collective must be :func:`dmuon.plan.traffic.owner_exchange_collectives`'.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dmuon.comm.exchange import ShardExchange
+from dmuon.comm.stats import CommStats
+from dmuon.comm.topology import from_mesh
+from dmuon.plan.plan import MatrixInfo
+from dmuon.plan.traffic import owner_exchange_collectives, shard_rows
+from dmuon.util.spawn import run_distributed
+
+WORLD = 4
+# Uneven rows (37 over 4 or 2 columns), a 1xn and an nx1 matrix (on 2x2 the nx1 one's
+# second replica keeps no column), a conv kernel, shapes leaving trailing columns empty.
+SHAPES = [(37, 91), (1, 50), (50, 1), (6, 3, 3, 3), (5, 7), (8, 16), (3, 5), (1, 50)]
+BLOCKS = [0, 0, 0, 1, 1, 2, 2, 3]
+# Block 0: the 1xn matrix's owner (rank 1: column 1 on 2x2) holds none of its rows.
+# Block 2: owned by ranks 0 and 1 only, so on 2x2 replica 1 owns none of it.
+# Block 3: one 1xn matrix, owned in replica 1 on 2x2; shard column 1 holds none of its rows.
+OWNERS = [3, 1, 2, 0, 3, 0, 1, 2]
+MESHES = {"1-D": None, "2x2": (2, 2)}
+WIRE = torch.float32
+ELEM = 4
+
+
+def _grid(mesh_shape) -> tuple[int, int]:
+    return (1, WORLD) if mesh_shape is None else mesh_shape
+
+
+def _infos(replicate: int, shard: int) -> list[MatrixInfo]:
+    return [MatrixInfo(index=k, name=f"m{k}", param=nn.Parameter(torch.zeros(0)), shape=shape, block=BLOCKS[k],
+                       owner=OWNERS[k], rows=tuple(shard_rows(shape[0], shard)),
+                       columns=tuple(shard_rows(shape[1], replicate)))
+            for k, shape in enumerate(SHAPES)]
+
+
+def _full(k: int, seed: int) -> torch.Tensor:
+    return torch.randn(SHAPES[k], generator=torch.Generator().manual_seed(seed + k), dtype=WIRE)
+
+
+def _direction(k: int) -> torch.Tensor:
+    """Matrix ``k``'s full direction, in its parameter shape."""
+    return _full(k, 0)
+
+
+def _update(info: MatrixInfo) -> torch.Tensor:
+    """The matrix's full update, as its owner holds it: ``(shape[0], prod(shape[1:]))``."""
+    return _full(info.index, 1000).reshape(info.matrix_shape)
+
+
+def _rows(info: MatrixInfo, s: int, full: torch.Tensor) -> torch.Tensor:
+    start = sum(info.rows[:s])
+    return full[start : start + info.rows[s]]
+
+
+def _piece(info: MatrixInfo, r: int, s: int) -> torch.Tensor:
+    """Rank ``(r, s)``'s piece of the direction: rows ``rows[s]`` x columns ``columns[r]``."""
+    start = info.column_start(r)
+    return _rows(info, s, _direction(info.index))[:, start : start + info.columns[r]]
+
+
+def _members(block: int) -> list[int]:
+    return [k for k in range(len(SHAPES)) if BLOCKS[k] == block]
+
+
+def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
+    """Issues a two-hop exchange, has a side thread ``wait(exposed=False)`` on it, and only then
+    (after giving that thread time to misbehave) calls ``forward()`` on the main thread."""
+    start = len(stats.log)
+    pending = issue()
+    events, landed = [], {}
+
+    def side() -> None:
+        landed["result"] = pending.wait(exposed=False)
+        events.append("returned")
+
+    thread = threading.Thread(target=side)
+    thread.start()
+    time.sleep(0.3)  # room for a side thread that does not wait for forward() to return early
+    out = {"alive_before_forward": thread.is_alive(), "log_before_forward": stats.log[start:]}
+    events.append("forward")
+    pending.forward()
+    thread.join(timeout=60)
+    out.update(alive_after_join=thread.is_alive(), events=events, result=landed.get("result"),
+               log_after_forward=stats.log[start:])
+    return out
+
+
+def exchange_on_ranks(rank: int, world_size: int, mesh_shape) -> dict:
+    """Worker: every block's directions to the owners and updates back, then all updates at once,
+    then (HSDP) a two-hop exchange of each kind landed by a side thread; what arrived and the logs."""
+    if mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    topo = from_mesh(mesh)
+    r, s = topo.coords
+    infos = _infos(topo.replicate, topo.shard)
+    stats = CommStats()
+    exchange = ShardExchange(infos, topo, stats, WIRE, torch.device("cpu"))
+    out: dict = {"plan_rank": topo.rank, "coords": (r, s), "blocks": {}}
+
+    def owned(members):
+        return {k: _update(infos[k]) for k in members if infos[k].owner == topo.rank}
+
+    for block in sorted(set(BLOCKS)):
+        members = _members(block)
+        start = len(stats.log)
+        pending = exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})
+        pending.forward()
+        directions = pending.wait()
+        middle = len(stats.log)
+        pending = exchange.return_updates(members, owned(members))
+        pending.forward()
+        rows = pending.wait()
+        out["blocks"][block] = {"directions": directions, "rows": rows,
+                                "send_log": stats.log[start:middle], "return_log": stats.log[middle:]}
+    everything = list(range(len(SHAPES)))
+    start = len(stats.log)
+    out["all_rows"] = exchange.return_updates(everything, owned(everything)).wait()  # no forward(): wait() does it
+    out["all_return_log"] = stats.log[start:]
+
+    if topo.replicate > 1:
+        members = _members(0)
+        out["two_hop"] = {
+            "directions": _landed_by_a_side_thread(
+                stats, lambda: exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})),
+            "updates": _landed_by_a_side_thread(stats, lambda: exchange.return_updates(members, owned(members))),
+        }
+    return out
+
+
+@functools.cache
+def _results(mesh: str) -> list[dict]:
+    return run_distributed(exchange_on_ranks, WORLD, MESHES[mesh], timeout_s=60)
+
+
+def _expected_log(members: list[int], rank: int, replicate: int, shard: int) -> tuple[list, list]:
+    """This rank's ``(level, sent, received)`` of each collective the traffic model has it take part in."""
+    backward, step = owner_exchange_collectives([SHAPES[k] for k in members], [OWNERS[k] for k in members],
+                                                [BLOCKS[k] for k in members], replicate, shard, elem_bytes=ELEM)
+
+    def mine(collectives):
+        return [(c.level, *c.ranks[rank]) for c in collectives if c.ranks[rank] is not None]
+
+    return mine(backward), mine(step)
+
+
+def _check_rows(got: dict, members: list[int], infos: list[MatrixInfo], s: int, where: str) -> None:
+    """``got`` has this column's rows of every member's update (a member of which this column
+    holds no rows may be left out or be empty), and nothing else."""
+    assert set(got) <= set(members), f"{where}: unexpected matrices {sorted(set(got) - set(members))}"
+    for k in members:
+        info = infos[k]
+        expected = _rows(info, s, _update(info))
+        if info.rows[s] == 0 and k not in got:
+            continue
+        assert k in got, f"{where}: no rows of matrix {k} {info.shape}"
+        assert got[k].shape == expected.shape, f"{where}: matrix {k} rows {tuple(got[k].shape)}"
+        assert torch.equal(got[k], expected), f"{where}: matrix {k} {info.shape} rows differ"
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_owners_get_full_directions_and_every_rank_its_rows(mesh):
+    replicate, shard = _grid(MESHES[mesh])
+    infos = _infos(replicate, shard)
+    for res in _results(mesh):
+        rank, s = res["plan_rank"], res["coords"][1]
+        for block, got in res["blocks"].items():
+            members = _members(block)
+            where = f"{mesh} rank {rank} block {block}"
+            mine = [k for k in members if OWNERS[k] == rank]
+            assert sorted(got["directions"]) == mine, where
+            for k in mine:
+                full = got["directions"][k]
+                assert full.shape == infos[k].matrix_shape == (SHAPES[k][0], math.prod(SHAPES[k][1:])), where
+                assert torch.equal(full, _direction(k).reshape(infos[k].matrix_shape)), f"{where}: matrix {k}"
+            _check_rows(got["rows"], members, infos, s, where)
+        _check_rows(res["all_rows"], list(range(len(SHAPES))), infos, s, f"{mesh} rank {rank}, all at once")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_counted_bytes_are_the_traffic_models(mesh):
+    replicate, shard = _grid(MESHES[mesh])
+    for res in _results(mesh):
+        rank = res["plan_rank"]
+        for block, got in res["blocks"].items():
+            send, back = _expected_log(_members(block), rank, replicate, shard)
+            assert got["send_log"] == send, f"{mesh} rank {rank} block {block}: directions"
+            assert got["return_log"] == back, f"{mesh} rank {rank} block {block}: updates"
+        _, back = _expected_log(list(range(len(SHAPES))), rank, replicate, shard)
+        assert res["all_return_log"] == back, f"{mesh} rank {rank}: all updates at once"
+        assert any(sent or received for _, sent, received in res["all_return_log"]), f"{mesh} rank {rank}"
+
+
+def test_a_replica_owning_none_of_a_block_skips_its_collectives():
+    for res in _results("2x2"):
+        r, s = res["coords"]
+        got = res["blocks"][2]  # owned by ranks 0 and 1, replica 0
+        levels = [level for level, _, _ in got["send_log"]]
+        # The column slices still cross to replica 0; only replica 0's ranks gather the rows.
+        assert levels == (["inter", "intra"] if r == 0 else ["inter"]), (r, s, got["send_log"])
+        assert got["directions"].keys() == {k for k in _members(2) if OWNERS[k] == res["plan_rank"]}
+        # Back: replica 1 issues no shard-level collective, but gets its rows from replica 0.
+        levels = [level for level, _, _ in got["return_log"]]
+        assert levels == (["intra", "inter"] if r == 0 else ["inter"]), (r, s, got["return_log"])
+        got = res["blocks"][3]  # one 1xn matrix owned by rank 2 = (1, 0); column 1 holds none of its rows
+        levels = [level for level, _, _ in got["send_log"]]
+        # Column 1 skips the slices across replicas; replica 0 skips the rows to the owner.
+        expected = {(0, 0): ["inter"], (0, 1): [], (1, 0): ["inter", "intra"], (1, 1): ["intra"]}[(r, s)]
+        assert levels == expected, (r, s, got["send_log"])
+    # The same block on the 1-D mesh: ranks 2 and 3 own none of block 2 but are in the owners' replica.
+    for res in _results("1-D"):
+        assert [level for level, _, _ in res["blocks"][2]["send_log"]] == ["intra"]
+
+
+@pytest.mark.parametrize("what", ["directions", "updates"])
+def test_two_hop_exchange_waits_for_the_main_threads_forward(what):
+    """On HSDP the second hop (directions: rows to the owner; updates: rows to the other replicas)
+    is issued only by the main thread's ``forward()``: a side thread's ``wait(exposed=False)``
+    issues nothing and returns only after it."""
+    replicate, shard = _grid(MESHES["2x2"])
+    infos = _infos(replicate, shard)
+    members = _members(0)
+    for res in _results("2x2"):
+        rank, s = res["plan_rank"], res["coords"][1]
+        got = res["two_hop"][what]
+        send, back = _expected_log(members, rank, replicate, shard)
+        expected = send if what == "directions" else back
+        assert [level for level, _, _ in expected] == (["inter", "intra"] if what == "directions"
+                                                       else ["intra", "inter"]), expected
+        assert got["alive_before_forward"], f"rank {rank}: the side thread returned before forward()"
+        assert got["log_before_forward"] == expected[:1], f"rank {rank}: only the first hop before forward()"
+        assert not got["alive_after_join"], f"rank {rank}: the side thread never returned"
+        assert got["events"] == ["forward", "returned"], rank
+        assert got["log_after_forward"] == expected, rank
+        if what == "updates":
+            _check_rows(got["result"], members, infos, s, f"rank {rank}, side thread")
+            continue
+        mine = [k for k in members if OWNERS[k] == rank]
+        assert sorted(got["result"]) == mine
+        for k in mine:
+            assert torch.equal(got["result"][k], _direction(k).reshape(infos[k].matrix_shape))
