@@ -154,7 +154,7 @@ def test_ns_runs_in_the_batches_the_balancer_priced(monkeypatch):
         {"shape": [16, 32], "batch": 4, "seconds": 2.0},
     ])
     plan, calls, weights = _train_recording_batches(monkeypatch, balancer="milp", cost_table=costs)
-    assert plan.balance.batches[0] == {(16, 32): [4, 1]}
+    assert plan.balance_result.batches[0] == {(16, 32): [4, 1]}
     assert calls == [4, 1, 4, 1]
     # Without batch costs (analytical model) the kind runs as one call and the NS
     # autotuner decides; the update is the same either way.
@@ -178,12 +178,12 @@ def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
     second = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path)
     assert [i.cost for i in second.infos] == [i.cost for i in first.infos]
     # The plan says what profiling cost: something measured the first time, nothing the second.
-    first_note = [n for n in first.balance.notes if n.startswith("profile")]
-    second_note = [n for n in second.balance.notes if n.startswith("profile")]
+    first_note = [n for n in first.balance_result.notes if n.startswith("profile")]
+    second_note = [n for n in second.balance_result.notes if n.startswith("profile")]
     assert first_note and " 0 entries measured" not in first_note[0]
     assert second_note and " 0 entries measured" in second_note[0]
     assert first_note[0] in str(first)
-    assert second.balance.batches == first.balance.batches
+    assert second.balance_result.batches == first.balance_result.batches
 
 
 def test_ns_keywords_come_from_the_plan_and_must_agree_with_it():

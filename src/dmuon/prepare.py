@@ -179,8 +179,8 @@ def prepare(
         columns = tuple(shard_rows(p.shape[1], topology.replicate))
         info = MatrixInfo(index, name, p, tuple(p.shape), block_of[id(p)], rows=rows, columns=columns)
         infos.append(info)
-        blocks[info.block].matrices.append(index)
-    blocks = [b for b in blocks if b.matrices]
+        blocks[info.block].members.append(index)
+    blocks = [b for b in blocks if b.members]
     renumber = {b.index: k for k, b in enumerate(blocks)}
     for k, b in enumerate(blocks):
         b.index = k
@@ -193,7 +193,7 @@ def prepare(
         replicate=topology.replicate,
     )
     plan = Plan(infos, blocks, topology.world_size, topology.rank, balancer, topology.replicate, mesh)
-    plan.balance = balance
+    plan.balance_result = balance
     plan.param_names = tuple(n for n, _ in model.named_parameters())
     plan.topology = topology
     plan.device = device

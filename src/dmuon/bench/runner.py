@@ -229,7 +229,7 @@ class _ConfigRun:
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
         fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward)
         live = self.live_bytes()
-        balance = self.plan.balance if self.plan is not None else None
+        balance = self.plan.balance_result if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))
         return {
             "config": config,

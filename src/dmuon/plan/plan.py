@@ -71,8 +71,8 @@ class BlockInfo:
     """Module name (``""`` for the root)."""
     module: nn.Module = field(repr=False)
     """The ``fully_shard``-ed module whose reduce-scatter produces the block's gradients."""
-    matrices: list[int] = field(default_factory=list)
-    """Indices of the block's matrices in the plan."""
+    members: list[int] = field(default_factory=list)
+    """Plan indices of the block's Muon matrices."""
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Plan:
     """The parameters' DeviceMesh (None in a single process)."""
     param_names: tuple[str, ...] = ()
     """Every parameter name of the model when the plan was made (to catch later changes)."""
-    balance: object = field(default=None, repr=False)
+    balance_result: object = field(default=None, repr=False)
     """The balancer's :class:`~dmuon.plan.balance.BalanceResult` (loads, batches, notes)."""
     topology: object = field(default=None, repr=False)
     """The :class:`~dmuon.comm.topology.Topology` (levels and dmuon's own process groups)."""
@@ -119,8 +119,8 @@ class Plan:
         return self.world_size // self.replicate
 
     @property
-    def matrices(self) -> set[nn.Parameter]:
-        """The Muon matrices."""
+    def params(self) -> set[nn.Parameter]:
+        """The Muon matrices' parameters."""
         return {info.param for info in self.infos}
 
     def owner(self, name: str) -> int:
@@ -155,7 +155,7 @@ class Plan:
             one batch per kind where the plan has no batches larger than one.
         """
         rank = self.rank if rank is None else rank
-        balance = self.balance
+        balance = self.balance_result
         if balance is None or not getattr(balance, "kind_keys", None):
             kind_of = [info.matrix_shape for info in self.infos]
             return split_into_batches(indices, kind_of, {})
@@ -193,6 +193,6 @@ class Plan:
             count = sum(1 for i in self.infos if i.owner == r)
             lines.append(f"{r:<4}  {loads[r]:<9.3g}  {count:<8}  {workspace[r]}")
         lines.append(f"imbalance (max/mean): {self.imbalance():.3f}")
-        for note in getattr(self.balance, "notes", None) or ():
+        for note in getattr(self.balance_result, "notes", None) or ():
             lines.append(f"note: {note}")
         return "\n".join(lines)

@@ -78,7 +78,7 @@ class ShardRuntime:
         self._current: int | None = None
         self._launches: dict[int, Launch] = {}
         self._expected = {
-            b.index: sum(1 for i in b.matrices if plan.infos[i].param.requires_grad) for b in plan.blocks
+            b.index: sum(1 for i in b.members if plan.infos[i].param.requires_grad) for b in plan.blocks
         }
 
     # ------------------------------------------------------------------ backward

@@ -97,7 +97,7 @@ def test_plan_table_and_owner_lookup():
     with pytest.raises(ValueError, match="embed.weight"):
         plan.owner("embed.weight")
     assert sum(plan.rank_costs()) == pytest.approx(sum(i.cost for i in plan.infos))
-    assert plan.matrices == {i.param for i in plan.infos}
+    assert plan.params == {i.param for i in plan.infos}
 
 
 def test_owners_spread_over_replicas_keep_every_load():
