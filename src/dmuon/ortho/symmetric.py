@@ -164,13 +164,6 @@ def gram_reference(X: torch.Tensor) -> torch.Tensor:
     return X @ X.mT
 
 
-def sym_square_reference(A: torch.Tensor) -> torch.Tensor:
-    """``A A`` by a plain matmul."""
-    _check_square(A, "A")
-    A = A.to(_acc_dtype(A.dtype))
-    return A @ A
-
-
 def sym_poly2_reference(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
     """``b A + c A A`` by a fused plain matmul."""
     _check_square(A, "A")
