@@ -1,0 +1,378 @@
+"""One training step, collective by collective: FSDP2's and dmuon's, in issue order.
+
+Each strategy's step (:data:`STEP_STRATEGIES`: dmuon, FSDP2 + AdamW,
+gather-then-compute) is a list of :class:`Collective` in the order they are
+issued, each with every plan rank's (sent, received) bytes in it
+(:func:`step_collectives`; dmuon's own exchange alone is
+:func:`owner_exchange_collectives`). A collective's critical bytes are the most
+any one rank sends or receives in it (the larger direction, not the sum); the
+step's are their sum. Under the alpha-beta model (:class:`AlphaBeta`) a
+collective takes ``messages`` latencies plus its critical bytes over the level's
+per-rank bandwidth; the step's seconds are the sum over its collectives
+(serialised: no overlap with compute or with each other, so an upper bound on
+exposed communication). :func:`step_comm` gives those figures per strategy.
+
+The per-rank whole-step totals are :mod:`dmuon.plan.rank_traffic`'s; both are
+importable from :mod:`dmuon.plan.traffic`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from dmuon.plan.rank_traffic import check_mesh, check_owners, row_width, shard_rows
+
+STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "fsdp_adamw", "gather")
+"""Keys of :func:`step_comm`."""
+
+
+@dataclass
+class Collective:
+    """One collective of a training step, as every plan rank sees it."""
+
+    op: str
+    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``."""
+    level: str
+    """``"intra"`` (the shard group, inside a node) or ``"inter"`` (the replicate group)."""
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"step"``."""
+    block: int | None
+    """The block it belongs to (None for the step's all-matrix exchanges)."""
+    ranks: list[tuple[int, int] | None]
+    """Per plan rank ``r * S + s``: ``(sent, received)`` bytes, or None where the rank issues nothing."""
+    messages: int
+    """Latency terms of the alpha-beta model: ring steps, or the most peers one rank exchanges with."""
+    label: str = ""
+
+    @property
+    def critical(self) -> int:
+        """The most bytes one rank sends or receives in this collective."""
+        return max((max(t) for t in self.ranks if t is not None), default=0)
+
+
+def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
+    """Bytes of one rank's FSDP2 shard of ``shapes``: ``ceil(m / S)`` rows each (FSDP2 pads to that)."""
+    return sum(-(-int(s[0]) // shard) * row_width(s) for s in shapes) * elem_bytes
+
+
+def _uniform_collective(op: str, level: str, phase: str, block, world: int, each: int, messages: int,
+                        label: str) -> Collective:
+    return Collective(op, level, phase, block, [(each, each)] * world, messages, label)
+
+
+def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, shard: int, *, phase: str,
+                            block: int | None, op: str, elem_bytes: int) -> list[Collective]:
+    """FSDP2's collective(s) of one block: a ring ``all_gather`` or ``reduce_scatter`` over each
+    replica's shard group (``S-1`` steps of one padded shard each way), or the HSDP ``all_reduce``
+    of the reduce-scattered shard over each shard column's replicate group (a ring: ``2 (R-1)/R``
+    of the shard each way, ``2 (R-1)`` steps). Empty where the group has one rank."""
+    world = replicate * shard
+    piece = _padded_shard_bytes(shapes, shard, elem_bytes)
+    if op in ("all_gather", "reduce_scatter"):
+        if shard == 1 or not shapes:
+            return []
+        return [_uniform_collective(op, "intra", phase, block, world, (shard - 1) * piece, shard - 1,
+                                    f"fsdp2 {op} block {block}")]
+    if op == "all_reduce":
+        if replicate == 1 or not shapes:
+            return []
+        return [_uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
+                                    2 * (replicate - 1), f"fsdp2 all_reduce block {block}")]
+    raise ValueError(f"unknown FSDP2 collective {op!r}")
+
+
+def _a2a(level: str, phase: str, block, world: int, sent: list[int], received: list[int],
+         peers_out: list[set], peers_in: list[set], taking_part: list[bool], label: str) -> Collective:
+    ranks = [(sent[k], received[k]) if taking_part[k] else None for k in range(world)]
+    messages = max((max(len(peers_out[k]), len(peers_in[k])) for k in range(world) if taking_part[k]), default=0)
+    return Collective("all_to_all", level, phase, block, ranks, messages, label)
+
+
+def owner_exchange_collectives(
+    shapes: Sequence[Sequence[int]],
+    owners: Sequence[int],
+    blocks: Sequence[int],
+    replicate: int,
+    shard: int,
+    elem_bytes: int = 2,
+    block_order: Sequence[int] | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[Collective], list[Collective]]:
+    """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
+
+    Per block (in ``block_order``; default: descending block index, FSDP2's
+    post-backward order when blocks are numbered in model order, root first)
+    with ``R > 1`` first one uneven ``all_to_all`` on each shard column's
+    replicate group sends the direction's column slices to the owners'
+    replicas (:func:`owner_traffic` step 0; a column with no rows of the
+    block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
+    directions of the block's matrices owned in that replica to their owners
+    (step 1); a replica owning none of them issues
+    nothing. Then, in ``step()``, per return wave (``waves``: the matrices of
+    each, in order, as ``DMuon.last_step_stats()["return_waves"]``; default:
+    all in one) one ``all_to_all`` on each replica's shard group returns the
+    wave's update rows (step 2; replicas owning none of them skip it) and, with
+    ``R > 1``, one on each shard column's replicate group forwards them to the
+    other replicas (step 3; a column with no rows of them skips it). Nothing
+    when the group has one rank. The concurrent per-replica (or per-column)
+    collectives are one entry: they run at once.
+
+    Returns:
+        ``(backward, step)``: the per-block direction exchanges, in order, and
+        the step's return exchanges, wave by wave.
+    """
+    check_mesh(replicate, shard, elem_bytes)
+    check_owners(shapes, owners, replicate, shard)
+    if len(blocks) != len(shapes):
+        raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
+    world = replicate * shard
+    rows = [shard_rows(int(s[0]), shard) for s in shapes]
+    widths = [row_width(s) for s in shapes]
+
+    def piece(i: int, s: int) -> int:
+        return rows[i][s] * widths[i] * elem_bytes
+
+    def fresh():
+        return [0] * world, [0] * world, [set() for _ in range(world)], [set() for _ in range(world)]
+
+    order = sorted(set(blocks), reverse=True) if block_order is None else list(block_order)
+    cols = [int(s[1]) if len(s) > 1 else 1 for s in shapes]
+    columns = [shard_rows(c, replicate) for c in cols]
+
+    def column_piece(i: int, r: int, s: int) -> int:
+        return rows[i][s] * columns[i][r] * (widths[i] // cols[i]) * elem_bytes if cols[i] else 0
+
+    backward: list[Collective] = []
+    for b in order:
+        members = [i for i in range(len(shapes)) if blocks[i] == b]
+        if not members:
+            continue
+        if replicate > 1:
+            sent, received, out, inn = fresh()
+            for i in members:
+                r_o = owners[i] // shard
+                for s in range(shard):
+                    for r in range(replicate):
+                        moved = column_piece(i, r, s)
+                        if r != r_o and moved:
+                            src, dst = r * shard + s, r_o * shard + s
+                            sent[src] += moved
+                            received[dst] += moved
+                            out[src].add(dst)
+                            inn[dst].add(src)
+            part = [any(rows[i][k % shard] * widths[i] for i in members) for k in range(world)]
+            backward.append(_a2a("inter", "backward", b, world, sent, received, out, inn, part,
+                                 f"dmuon direction slices block {b}"))
+        if shard > 1:
+            sent, received, out, inn = fresh()
+            owning = {owners[i] // shard for i in members}
+            for i in members:
+                r_o, s_o = divmod(owners[i], shard)
+                for s in range(shard):
+                    moved = piece(i, s)
+                    if s != s_o and moved:
+                        src = r_o * shard + s
+                        sent[src] += moved
+                        received[owners[i]] += moved
+                        out[src].add(owners[i])
+                        inn[owners[i]].add(src)
+            part = [k // shard in owning for k in range(world)]
+            backward.append(_a2a("intra", "backward", b, world, sent, received, out, inn, part,
+                                 f"dmuon directions block {b}"))
+    step: list[Collective] = []
+    if world == 1 or not shapes:
+        return backward, step
+    chosen = [list(range(len(shapes)))] if waves is None else [list(w) for w in waves if w]
+    for k, wave in enumerate(chosen):
+        label = "" if waves is None else f" wave {k}"
+        if shard > 1:
+            sent, received, out, inn = fresh()
+            for i in wave:
+                r_o, s_o = divmod(owners[i], shard)
+                for s in range(shard):
+                    moved = piece(i, s)
+                    if s != s_o and moved:
+                        dst = r_o * shard + s
+                        sent[owners[i]] += moved
+                        received[dst] += moved
+                        out[owners[i]].add(dst)
+                        inn[dst].add(owners[i])
+            owning = {owners[i] // shard for i in wave}
+            step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
+                             [k // shard in owning for k in range(world)], "dmuon updates to the shard columns" + label))
+        if replicate > 1:
+            sent, received, out, inn = fresh()
+            column_rows = [0] * shard
+            for i in wave:
+                r_o = owners[i] // shard
+                for s in range(shard):
+                    moved = piece(i, s)
+                    column_rows[s] += moved
+                    if not moved:
+                        continue
+                    src = r_o * shard + s
+                    for r in range(replicate):
+                        if r != r_o:
+                            dst = r * shard + s
+                            sent[src] += moved
+                            received[dst] += moved
+                            out[src].add(dst)
+                            inn[dst].add(src)
+            step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
+                             [column_rows[k % shard] > 0 for k in range(world)], "dmuon updates to the replicas" + label))
+    return backward, step
+
+
+def step_collectives(
+    strategy: str,
+    shapes: Sequence[Sequence[int]],
+    owners: Sequence[int],
+    blocks: Sequence[int],
+    replicate: int,
+    shard: int,
+    *,
+    wire_bytes: int = 2,
+    param_bytes: int = 2,
+    reduce_bytes: int = 4,
+    zero: int = 3,
+    root_block: int | None = 0,
+    waves: Sequence[Sequence[int]] | None = None,
+) -> list[Collective]:
+    """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
+
+    Forward: FSDP2 all-gathers each block's weights (``param_bytes``), blocks
+    in ascending index. Backward, blocks in descending index: with ``zero=3``
+    the all-gather again (not for ``root_block``: FSDP2 keeps the root
+    unsharded after forward), then the reduce-scatter (``reduce_bytes``), then
+    on HSDP the replicate-level all-reduce of the reduced shard; under
+    ``"dmuon"`` then the block's direction exchange (on HSDP two: the column
+    slices across replicas, then the rows inside the owner's replica). Step: ``"dmuon"``'s two
+    return exchanges (:func:`owner_exchange_collectives`), or ``"gather"``'s
+    all-gather of every matrix's direction over the shard group
+    (``wire_bytes``, one per matrix in plan order, as
+    :class:`dmuon.baselines.GatherThenCompute` calls ``full_tensor()``).
+    ``"fsdp_adamw"`` is FSDP2's collectives alone. The real order interleaves
+    (FSDP2 prefetches the next all-gather; dmuon's exchanges run on their own
+    groups), which changes no sum.
+
+    Args:
+        strategy: One of :data:`STEP_STRATEGIES`.
+        shapes, owners: As :func:`owner_traffic`.
+        blocks: Block index of each matrix (its FSDP2 module).
+        replicate, shard: The mesh.
+        wire_bytes: dmuon's (and gather's) element size, the NS dtype.
+        param_bytes: FSDP2's all-gather element size (its ``param_dtype``).
+        reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``).
+        zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
+        root_block: The root module's block (no backward all-gather), or None.
+        waves: dmuon's return waves (:func:`owner_exchange_collectives`); None: one.
+    """
+    if strategy not in STEP_STRATEGIES:
+        raise ValueError(f"strategy must be one of {STEP_STRATEGIES}, got {strategy!r}")
+    if zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, got {zero}")
+    check_mesh(replicate, shard, wire_bytes)
+    if len(blocks) != len(shapes):
+        raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
+    order = sorted(set(blocks))
+    of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b] for b in order}
+    exchange, returns = ([], [])
+    if strategy == "dmuon":
+        exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
+                                                       block_order=order[::-1], waves=waves)
+    by_block: dict[int | None, list[Collective]] = {}
+    for c in exchange:
+        by_block.setdefault(c.block, []).append(c)
+    out: list[Collective] = []
+    for b in order:
+        out += fsdp2_block_collectives(of[b], replicate, shard, phase="forward", block=b, op="all_gather",
+                                       elem_bytes=param_bytes)
+    for b in order[::-1]:
+        if zero == 3 and b != root_block:
+            out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_gather",
+                                           elem_bytes=param_bytes)
+        out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="reduce_scatter",
+                                       elem_bytes=reduce_bytes)
+        out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_reduce",
+                                       elem_bytes=reduce_bytes)
+        out += by_block.get(b, [])
+    out += returns
+    if strategy == "gather" and shard > 1:
+        world = replicate * shard
+        for i, shape in enumerate(shapes):
+            out.append(_uniform_collective("all_gather", "intra", "step", blocks[i], world,
+                                           (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
+                                           shard - 1, f"gather direction {i}"))
+    return out
+
+
+@dataclass
+class AlphaBeta:
+    """The alpha-beta model: per-message latency and per-rank, per-direction bandwidth per level.
+
+    Defaults are typical H100/H200 HGX figures (not measured here): NVLink 4
+    gives each GPU 900 GB/s bidirectional, i.e. 450 GB/s each way (the figure
+    that matters for the larger of sent and received); one 400 Gb/s
+    InfiniBand/RoCE NIC per GPU gives 50 GB/s each way; NCCL-like latencies
+    of about 10 us per message inside a node and 20 us across nodes.
+    """
+
+    intra_bandwidth: float = 450e9
+    """Bytes per second one rank sends (or receives) inside a node."""
+    inter_bandwidth: float = 50e9
+    """Bytes per second one rank sends (or receives) across nodes."""
+    intra_latency: float = 10e-6
+    """Seconds per message inside a node."""
+    inter_latency: float = 20e-6
+    """Seconds per message across nodes."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("intra_latency", "inter_latency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def seconds(self, c: Collective) -> float:
+        """``messages * latency + critical bytes / bandwidth`` on the collective's level."""
+        if c.level == "intra":
+            return c.messages * self.intra_latency + c.critical / self.intra_bandwidth
+        return c.messages * self.inter_latency + c.critical / self.inter_bandwidth
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_figures(collectives: Sequence[Collective], model: AlphaBeta | None = None) -> dict:
+    """``critical_bytes``, ``seconds`` and ``collectives`` of a step, each ``{"total", "intra", "inter"}``."""
+    model = AlphaBeta() if model is None else model
+    out = {key: {"total": 0, "intra": 0, "inter": 0} for key in ("critical_bytes", "seconds", "collectives")}
+    for c in collectives:
+        for key, value in (("critical_bytes", c.critical), ("seconds", model.seconds(c)), ("collectives", 1)):
+            out[key]["total"] += value
+            out[key][c.level] += value
+    return out
+
+
+def step_comm(
+    shapes: Sequence[Sequence[int]],
+    owners: Sequence[int],
+    blocks: Sequence[int],
+    replicate: int,
+    shard: int,
+    *,
+    wire_bytes: int = 2,
+    param_bytes: int = 2,
+    reduce_bytes: int = 4,
+    zero: int = 3,
+    root_block: int | None = 0,
+    model: AlphaBeta | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
+) -> dict:
+    """:func:`step_figures` of :func:`step_collectives` for each of :data:`STEP_STRATEGIES`, JSON-ready."""
+    return {s: step_figures(step_collectives(s, shapes, owners, blocks, replicate, shard, wire_bytes=wire_bytes,
+                                             param_bytes=param_bytes, reduce_bytes=reduce_bytes, zero=zero,
+                                             root_block=root_block, waves=waves), model)
+            for s in STEP_STRATEGIES}
