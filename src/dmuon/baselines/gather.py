@@ -54,7 +54,8 @@ class GatherThenCompute(torch.optim.Optimizer):
         matrices = [p for _, p in select_matrices(model, select)]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
-        self.ns = NSConfig(method=ns_method, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=ns_dtype)
+        self.ns = NSConfig.from_keywords(ns_method=ns_method, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
+                                         eps=eps, ns_dtype=ns_dtype)
         groups = [
             dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                  nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,

@@ -15,22 +15,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
-from dmuon.ortho import orthogonalize_many
+from dmuon.optim.momentum import MomentumLayout
+from dmuon.optim.owner_work import OwnerWork
 from dmuon.ortho.config import NSConfig
-from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.runtime.runtime import Launch, ShardRuntime
 
 NONFINITE_MODES = (None, "skip", "raise")
-
-# DMuon's torch.optim-style NS keywords and the NSConfig field each one sets.
-NS_KEYWORDS = {"ns_method": "method", "ns_coefficients": "coefficients", "ns_steps": "steps", "eps": "eps",
-               "ns_dtype": "dtype"}
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -128,10 +124,12 @@ class DMuon(torch.optim.Optimizer):
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
-        given = {key: value for key, value in (("ns_method", ns_method), ("ns_coefficients", ns_coefficients),
-                                               ("ns_steps", ns_steps), ("eps", eps), ("ns_dtype", ns_dtype))
-                 if value is not None}
-        ns = self._ns_config(plan, given)
+        ns = NSConfig.from_keywords(None if plan is None else plan.ns, ns_method=ns_method, eps=eps,
+                                    ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_dtype=ns_dtype)
+        if plan is not None and ns != plan.ns:
+            raise ValueError(
+                "the NS keywords differ from the plan's NS configuration, which its costs were priced with ("
+                + "; ".join(ns.differences(plan.ns)) + "); pass ns=dmuon.NSConfig(...) to dmuon.prepare instead")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         if nonfinite not in NONFINITE_MODES:
@@ -163,6 +161,8 @@ class DMuon(torch.optim.Optimizer):
         self.ns = ns
         """The Newton-Schulz configuration the owners run (the plan's)."""
         self.runtime = ShardRuntime(plan, plan.topology, ns.dtype, plan.device)
+        self.momentum = MomentumLayout(plan.topology)
+        self.work = OwnerWork(plan, ns, per_block=ns_in_backward)
         self.overlap = overlap
         self.nonfinite = nonfinite
         self.ns_in_backward = ns_in_backward
@@ -191,23 +191,6 @@ class DMuon(torch.optim.Optimizer):
         if ns_in_backward:
             self._ns_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns")
             self.runtime.on_launch = self._start_block_ns
-
-    @staticmethod
-    def _ns_config(plan: Plan | None, given: dict[str, Any]) -> NSConfig:
-        """The NSConfig from the NS keywords given, on top of the plan's (or the defaults)."""
-        fields = {NS_KEYWORDS[key]: value for key, value in given.items()}
-        try:
-            ns = NSConfig.from_mapping({**(plan.ns.kwargs() if plan is not None else {}), **fields})
-        except ValueError as err:
-            # NSConfig names its field; say which keyword of DMuon's set it.
-            names = {v: k for k, v in NS_KEYWORDS.items()}
-            word = str(err).split(" ")[1].rstrip(":") if str(err).startswith("ns ") else ""
-            raise ValueError(f"{names.get(word, 'ns')}: {err}") from None
-        if plan is not None and ns != plan.ns:
-            raise ValueError(
-                "the NS keywords differ from the plan's NS configuration, which its costs were priced with ("
-                + "; ".join(ns.differences(plan.ns)) + "); pass ns=dmuon.NSConfig(...) to dmuon.prepare instead")
-        return ns
 
     # -------------------------------------------------------------- param groups
     def _split_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -269,7 +252,7 @@ class DMuon(torch.optim.Optimizer):
                    if isinstance(v, dict) and "momentum_buffer" in v}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        placements = self._momentum_placements()
+        placements = self.momentum.placements
         for key, value in sorted(momenta.items(), key=lambda kv: order.index(kv[0])):
             param = params[order.index(key)]
             if isinstance(value, DTensor) and tuple(value.placements) != placements:
@@ -283,31 +266,6 @@ class DMuon(torch.optim.Optimizer):
 
     def _wire(self, direction: torch.Tensor) -> torch.Tensor:
         return direction.to(self.ns.dtype).reshape(-1)
-
-    def _kept_slice(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """The part of a local row shard whose momentum this rank keeps (HSDP: its replica's columns)."""
-        if self.runtime.topo.replicate == 1:
-            return local
-        info, r = self.plan.infos[index], self.runtime.topo.coords[0]
-        return local.narrow(1, info.column_start(r), info.columns[r])
-
-    def _new_momentum(self, index: int) -> torch.Tensor:
-        """A zero momentum buffer, float32, laid out as the runtime keeps it.
-
-        FSDP: sharded like the parameter (a DTensor, as AdamW's state). HSDP: the
-        parameter's rows ``Shard(0)`` over the shard level and its columns
-        ``Shard(1)`` over the replicas, so each element lives on one rank only.
-        """
-        param = self.plan.infos[index].param
-        if self.runtime.topo.replicate == 1 or not isinstance(param, DTensor):
-            return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-        kept = self._kept_slice(index, param.to_local())
-        local = torch.zeros(kept.shape, dtype=torch.float32, device=kept.device)
-        return DTensor.from_local(local, param.device_mesh, self._momentum_placements(), run_check=False,
-                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
-
-    def _momentum_placements(self) -> tuple:
-        return (Shard(1), Shard(0)) if self.runtime.topo.replicate > 1 else (Shard(0),)
 
     def _check_grad(self, index: int) -> None:
         grad = self.plan.infos[index].param.grad
@@ -324,7 +282,7 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             self._check_grad(i)
             buf = self.state[param].get("momentum_buffer")
-            d = peek_direction(self._kept_slice(i, local_tensor(param.grad)),
+            d = peek_direction(self.momentum.kept_slice(self.plan.infos[i], local_tensor(param.grad)),
                                None if buf is None else local_tensor(buf), group["momentum"], group["nesterov"])
             out[i] = self._wire(d)
         return out
@@ -336,8 +294,8 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             state = self.state[param]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = self._new_momentum(i)
-            d = momentum_update(self._kept_slice(i, local_tensor(param.grad)), local_tensor(state["momentum_buffer"]),
+                state["momentum_buffer"] = self.momentum.new_buffer(self.plan.infos[i])
+            d = momentum_update(self.momentum.kept_slice(self.plan.infos[i], local_tensor(param.grad)), local_tensor(state["momentum_buffer"]),
                                 group["momentum"], group["nesterov"])
             out[i] = self._wire(d)
         return out
@@ -478,9 +436,11 @@ class DMuon(torch.optim.Optimizer):
         # Every rank's matrices whose NS ran in backward (not only this rank's): the waves must agree.
         done = kept & early.keys()
         returns = []
-        for members, batches in self._return_waves(active, {i for i in active if infos[i].block in done}, group_of):
+        waves = self.work.return_waves(active, {i for i in active if infos[i].block in done}, group_of)
+        self._waves = [members for members, _ in waves]
+        for members, batches in waves:
             for batch in batches:
-                orthos.update(self._orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
+                orthos.update(self.work.orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
             for earlier in returns:
                 earlier[1].forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
             returns.append((members, self.runtime.exchange.return_updates(
@@ -495,66 +455,6 @@ class DMuon(torch.optim.Optimizer):
                                  adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
         return len(orthos), ns_seconds
 
-    def _batches(self, indices: list[int], rank: int, group_of: dict[int, dict]) -> list[list[int]]:
-        """The NS batches ``rank`` runs for its ``indices``, in the order it runs them.
-
-        Per param group (NS settings may differ), the batches the balancer priced
-        the rank's load with (:meth:`Plan.ns_batches`); with ``ns_in_backward``
-        per block, as the worker batches, so they do not depend on how far
-        backward got. A pure function of the plan: every rank can compute any
-        rank's batches.
-        """
-        units: dict[int, list[int]] = {}
-        for i in sorted(indices):
-            units.setdefault(self.plan.infos[i].block if self.ns_in_backward else 0, []).append(i)
-        out = []
-        for unit in units.values():
-            by_group: dict[int, list[int]] = {}
-            for i in unit:
-                by_group.setdefault(id(group_of[i]), []).append(i)
-            for members in by_group.values():
-                out.extend(self.plan.ns_batches(members, rank))
-        return out
-
-    def _return_waves(self, active: list[int], ready: set[int],
-                      group_of: dict[int, dict]) -> list[tuple[list[int], list[list[int]]]]:
-        """The step's update returns, pipelined with the owners' NS batches.
-
-        :func:`dmuon.plan.batches.return_waves` over every owner's batches
-        (:meth:`_batches`), so every rank issues the same collectives; ``ready``
-        (every rank's matrices whose NS ran in backward) go in wave 0.
-
-        Returns:
-            Per non-empty wave: its members (plan order) and this rank's batches in it.
-        """
-        owned: dict[int, list[int]] = {}
-        for i in active:
-            if i not in ready:
-                owned.setdefault(self.plan.infos[i].owner, []).append(i)
-        batches = {rank: self._batches(indices, rank, group_of) for rank, indices in sorted(owned.items())}
-        waves = return_waves(batches, ready, RETURN_WAVES)
-        mine: list[list[list[int]]] = [[] for _ in waves]
-        for k, batch in enumerate(batches.get(self.plan.rank, [])):
-            mine[min(k, RETURN_WAVES - 1)].append(batch)
-        self._waves = [w for w in waves if w]
-        return [(w, b) for w, b in zip(waves, mine) if w]
-
-    def _orthogonalize_batch(self, batch: list[int], directions: list[torch.Tensor],
-                             group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
-        """One NS call for a batch of one param group's matrices."""
-        group = group_of[batch[0]]
-        orthos = orthogonalize_many(directions, **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
-                                                   "steps": group["ns_steps"], "eps": group["eps"]})
-        return dict(zip(batch, orthos))
-
-    def _orthogonalize(self, indices: list[int], directions: dict[int, torch.Tensor],
-                       group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
-        """Orthogonalizes this rank's full ``directions`` of ``indices`` in the plan's NS batches."""
-        out: dict[int, torch.Tensor] = {}
-        for batch in self._batches(indices, self.plan.rank, group_of):
-            out.update(self._orthogonalize_batch(batch, [directions[i] for i in batch], group_of))
-        return out
-
     # ------------------------------------------------------------ NS in backward
     def _start_block_ns(self, launch: Launch) -> None:
         """Runtime callback: ``launch`` was just issued in backward."""
@@ -567,7 +467,7 @@ class DMuon(torch.optim.Optimizer):
         # no collective itself, so every rank's collective order stays the main thread's.
         full = launch.pending.wait(exposed=False)
         start = time.perf_counter()
-        return self._orthogonalize(sorted(full), full, group_of), time.perf_counter() - start
+        return self.work.orthogonalize(sorted(full), full, group_of), time.perf_counter() - start
 
     def _join_block_ns(self) -> dict[int, tuple[dict[int, torch.Tensor], float]]:
         done = {b: f.result() for b, f in sorted(self._early.items())}
@@ -587,6 +487,7 @@ class DMuon(torch.optim.Optimizer):
         (launches from backward that ``step()`` kept), ``orthogonalized_in_backward``
         (matrices whose NS ran on the worker with ``ns_in_backward=True`` and was
         kept), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
-        matrices of each pipelined update return, in order; see ``_return_waves``).
+        matrices of each pipelined update return, in order; see
+        :meth:`dmuon.optim.owner_work.OwnerWork.return_waves`).
         """
         return dict(self._last_stats)

@@ -17,6 +17,9 @@ NS_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float
 """Accepted ``dtype`` values."""
 BATCHINGS: tuple[str, ...] = ("auto", "batched", "looped")
 """Accepted ``batching`` values."""
+OPTIMIZER_KEYWORDS: dict[str, str] = {"ns_method": "method", "ns_coefficients": "coefficients",
+                                      "ns_steps": "steps", "eps": "eps", "ns_dtype": "dtype"}
+"""The torch.optim-style NS keywords of ``DMuon`` and the gather baseline, and the field each sets."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,25 @@ class NSConfig:
         if unknown:
             raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(names)})")
         return cls(**given)
+
+    @classmethod
+    def from_keywords(cls, base: NSConfig | None = None, **keywords: Any) -> NSConfig:
+        """``base`` (default: the defaults) with the torch.optim-style keywords given (None: unset).
+
+        Raises:
+            ValueError: Naming the keyword (``ns_steps: ...``) for a bad value.
+        """
+        unknown = sorted(set(keywords) - set(OPTIMIZER_KEYWORDS))
+        if unknown:
+            raise ValueError(f"unknown NS keyword {unknown[0]!r} (allowed: {', '.join(OPTIMIZER_KEYWORDS)})")
+        fields_given = {OPTIMIZER_KEYWORDS[k]: v for k, v in keywords.items() if v is not None}
+        try:
+            return cls.from_mapping({**(base.kwargs() if base is not None else {}), **fields_given})
+        except ValueError as err:
+            # The message names the field ("ns steps must ..."); say which keyword set it.
+            field = str(err).split(" ")[1].rstrip(":") if str(err).startswith("ns ") else ""
+            keyword = {v: k for k, v in OPTIMIZER_KEYWORDS.items()}.get(field, "ns")
+            raise ValueError(f"{keyword}: {err}") from None
 
     def kwargs(self) -> dict[str, Any]:
         """The keywords of :func:`dmuon.ortho.orthogonalize_many`."""
