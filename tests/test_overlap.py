@@ -39,7 +39,8 @@ def test_ns_in_backward_matches_the_reference(mesh_shape):
     cases = [
         Case(zero=3, ns_in_backward=eager, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape)
         for eager in (True, False)
-    ] + [Case(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, clip=0.3, mesh_shape=mesh_shape),
+    ] + [Case(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, clip=0.3, mesh_shape=mesh_shape,
+              return_waves=4),  # recomputed in step(), returned in waves
          Case(kind="gather", zero=3, ns_dtype=torch.float32, steps=STEPS, clip=0.3, mesh_shape=mesh_shape)]
     results = run_distributed(run_cases, world_size, cases, timeout_s=180)
     ref, _ = reference(world_size, torch.float32)

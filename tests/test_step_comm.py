@@ -11,13 +11,13 @@ from dmuon.util.spawn import run_distributed
 from support.step_comm import counted_step
 
 
-@pytest.mark.parametrize("mesh_shape,ns_dtype,zero", [
-    (None, torch.float32, 3), (None, torch.bfloat16, 3), ((2, 2), torch.float32, 3), ((2, 2), torch.bfloat16, 3),
-    ((2, 2), torch.bfloat16, 2),
-], ids=["fsdp-fp32", "fsdp-bf16", "hsdp2x2-fp32", "hsdp2x2-bf16", "hsdp2x2-bf16-zero2"])
-def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero):
+@pytest.mark.parametrize("mesh_shape,ns_dtype,zero,waves", [
+    (None, torch.float32, 3, None), (None, torch.bfloat16, 3, 4), ((2, 2), torch.float32, 3, None),
+    ((2, 2), torch.bfloat16, 3, 4), ((2, 2), torch.bfloat16, 2, 4),
+], ids=["fsdp-fp32", "fsdp-bf16-waves", "hsdp2x2-fp32", "hsdp2x2-bf16-waves", "hsdp2x2-bf16-zero2-waves"])
+def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero, waves):
     # dmuon's exchange is the same under ZeRO-2 and ZeRO-3 (reshard_after_forward changes FSDP2's gathers only).
-    results = run_distributed(counted_step, 4, mesh_shape, ns_dtype, zero, timeout_s=240)
+    results = run_distributed(counted_step, 4, mesh_shape, ns_dtype, zero, 2, waves, timeout_s=240)
     replicate, shard = mesh_shape or (1, 4)
     infos = results[0]["infos"]
     assert all(r["infos"] == infos for r in results)
@@ -29,8 +29,10 @@ def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero
     # Steady state: every block went to its owners from backward.
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
     # The update returns are pipelined with the owners' NS batches, in waves every rank agrees on.
+    expected_waves = waves
     waves = results[0]["waves"]
     assert all(r["waves"] == waves for r in results) and sorted(sum(waves, [])) == list(range(len(infos)))
+    assert len(waves) == 1 if expected_waves is None else 1 < len(waves) <= expected_waves
     backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
                                                 waves=waves)
     modelled = backward + step

@@ -44,6 +44,8 @@ class Case:
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
     ns_in_backward: bool = False
     """DMuon's ``ns_in_backward``."""
+    return_waves: int | None = None
+    """DMuon's ``return_waves`` (None: its default, 1 on CPU)."""
     activation_checkpointing: str | None = None
     """OddNet's ``checkpoint`` mode (``"early_stop"``, ``"full"``, ``"reentrant"``; None: off)."""
     bf16: bool = False
@@ -116,7 +118,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
                                           balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
                                           compile=case.compile, overlap=case.overlap,
-                                          ns_in_backward=case.ns_in_backward, **kw)
+                                          ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
+                                          **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)

@@ -9,7 +9,7 @@ from support.models import lm_loss, odd_batch
 
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
-                 zero: int = 3, steps: int = 2) -> dict:
+                 zero: int = 3, steps: int = 2, return_waves: int | None = None) -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
     Returns:
@@ -19,7 +19,8 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         matrix's ``(shape, owner, block, rows)`` from the plan; and how many
         blocks that step exchanged in backward.
     """
-    model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype)
+    model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype,
+                                      return_waves=return_waves)
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))

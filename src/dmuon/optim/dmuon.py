@@ -21,6 +21,7 @@ from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.owner_work import OwnerWork
+from dmuon.plan.batches import default_return_waves
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
@@ -95,6 +96,10 @@ class DMuon(torch.optim.Optimizer):
             stream after ``step()``. Leave it False if you change parameters
             after ``step()`` (their all-gather would not wait for that). The CPU
             backend has no events: True there is an error.
+        return_waves: The step's update returns go in up to this many waves,
+            wave ``k`` right after every owner's ``k``-th NS batch, so the
+            transfers overlap the owners' NS. None: 4 on an accelerator, 1 on
+            CPU, where transfers and NS share the cores. Results do not depend on it.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class DMuon(torch.optim.Optimizer):
         nonfinite: str | None = None,
         ns_in_backward: bool = False,
         post_optim_event: bool = False,
+        return_waves: int | None = None,
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
@@ -162,7 +168,11 @@ class DMuon(torch.optim.Optimizer):
         """The Newton-Schulz configuration the owners run (the plan's)."""
         self.runtime = ShardRuntime(plan, plan.topology, ns.dtype, plan.device)
         self.momentum = MomentumLayout(plan.topology)
-        self.work = OwnerWork(plan, ns, per_block=ns_in_backward)
+        if return_waves is None:
+            return_waves = default_return_waves(plan.device.type)
+        if isinstance(return_waves, bool) or not isinstance(return_waves, int) or return_waves < 1:
+            raise ValueError(f"return_waves must be an int >= 1 or None, got {return_waves!r}")
+        self.work = OwnerWork(plan, ns, per_block=ns_in_backward, max_waves=return_waves)
         self.overlap = overlap
         self.nonfinite = nonfinite
         self.ns_in_backward = ns_in_backward

@@ -10,7 +10,7 @@ import torch
 
 from dmuon.ortho import orthogonalize_many
 from dmuon.ortho.config import NSConfig
-from dmuon.plan.batches import RETURN_WAVES, return_waves
+from dmuon.plan.batches import return_waves
 from dmuon.plan.plan import Plan
 
 
@@ -23,12 +23,14 @@ class OwnerWork:
             and ``eps`` override its fields).
         per_block: Batch per block (``ns_in_backward``: as the worker batches,
             so the batches do not depend on how far backward got).
+        max_waves: Update returns per step (see :meth:`return_waves`).
     """
 
-    def __init__(self, plan: Plan, ns: NSConfig, per_block: bool) -> None:
+    def __init__(self, plan: Plan, ns: NSConfig, per_block: bool, max_waves: int) -> None:
         self.plan = plan
         self.ns = ns
         self.per_block = per_block
+        self.max_waves = max_waves
 
     def batches(self, indices: list[int], rank: int, group_of: dict[int, dict]) -> list[list[int]]:
         """The NS batches ``rank`` runs for its ``indices``, in the order it runs them.
@@ -66,10 +68,10 @@ class OwnerWork:
             if i not in ready:
                 owned.setdefault(self.plan.infos[i].owner, []).append(i)
         batches = {rank: self.batches(indices, rank, group_of) for rank, indices in sorted(owned.items())}
-        waves = return_waves(batches, ready, RETURN_WAVES)
+        waves = return_waves(batches, ready, self.max_waves)
         mine: list[list[list[int]]] = [[] for _ in waves]
         for k, batch in enumerate(batches.get(self.plan.rank, [])):
-            mine[min(k, RETURN_WAVES - 1)].append(batch)
+            mine[min(k, self.max_waves - 1)].append(batch)
         return [(w, b) for w, b in zip(waves, mine) if w]
 
     def orthogonalize_batch(self, batch: list[int], directions: list[torch.Tensor],
