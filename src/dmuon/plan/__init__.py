@@ -1,6 +1,6 @@
 """Ownership planning: matrix selection, cost model, balancing and the plan itself."""
 
-from dmuon.plan.balance import BALANCERS, assign_owners, lpt, round_robin
+from dmuon.plan.balance import BALANCERS, lpt, round_robin
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
 from dmuon.plan.selection import default_is_matrix, select_matrices
 
@@ -9,7 +9,6 @@ __all__ = [
     "BlockInfo",
     "MatrixInfo",
     "Plan",
-    "assign_owners",
     "default_is_matrix",
     "lpt",
     "round_robin",

@@ -2,8 +2,7 @@
 
 Two levels:
 
-* :func:`round_robin`, :func:`lpt` and :func:`assign_owners` take one cost per
-  matrix and return owners (the original interface).
+* :func:`round_robin` and :func:`lpt` take one cost per matrix and return owners.
 * :func:`balance` takes matrix *kinds* with per-batch-size costs (measured
   tables batch same-shape matrices) and returns a :class:`BalanceResult` with
   owners, the batch sizes each rank should run and batch-aware loads. It is
@@ -340,46 +339,3 @@ def balance(
         return fallback(f"MILP stopped ({sol.status}) at makespan {result.makespan:.6g} "
                         f"> LPT's {max(g_loads):.6g}")
     return result
-
-
-def kinds_from_costs(costs: Sequence[float]) -> tuple[list[Kind], list[int]]:
-    """Groups per-matrix costs into kinds of equal cost (linear in the batch size)."""
-    index: dict[float, int] = {}
-    items = []
-    for c in costs:
-        items.append(index.setdefault(float(c), len(index)))
-    kinds = [Kind(c, {1: c}, 0) for c in index]
-    return kinds, items
-
-
-def assign_owners(
-    costs: Sequence[float],
-    world_size: int,
-    balancer: str,
-    *,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-) -> list[int]:
-    """Assigns an owner rank to every matrix from one cost per matrix.
-
-    ``"milp"``/``"auto"`` treat matrices of equal cost as interchangeable and
-    apply no memory limit (sizes are unknown here); use :func:`balance` for
-    batch tables and memory.
-
-    Args:
-        costs: Estimated owner-side cost of each matrix.
-        world_size: Number of ranks that can own matrices.
-        balancer: A name from :data:`BALANCERS`.
-        time_limit_s: MILP wall-clock budget.
-
-    Raises:
-        ValueError: For an unknown balancer or a non-positive world size.
-    """
-    name = canonical(balancer)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if name == "lpt":
-        return lpt(costs, world_size)
-    if name == "round_robin":
-        return round_robin(costs, world_size)
-    kinds, items = kinds_from_costs(costs)
-    return balance(kinds, items, world_size, name, time_limit_s=time_limit_s, memory_factor=None).owners

@@ -11,7 +11,8 @@ import pytest
 
 from dmuon.plan import balance as balance_mod
 from dmuon.plan import milp
-from dmuon.plan.balance import BALANCERS, assign_owners, balance, evaluate, lpt
+from dmuon.plan.balance import BALANCERS, balance, evaluate, lpt
+from support.balancing import assign_owners
 from dmuon.plan.milp import Kind, best_partition, owners_from_counts, useful_batch_sizes
 
 

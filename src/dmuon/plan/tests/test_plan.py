@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.plan.balance import assign_owners, lpt, rank_loads, round_robin
+from dmuon.plan.balance import lpt, rank_loads, round_robin
+from support.balancing import assign_owners, kinds_from_costs
 from dmuon.plan.cost import ns_flops
 
 from support.models import OddNet
@@ -101,7 +102,7 @@ def test_plan_table_and_owner_lookup():
 
 
 def test_owners_spread_over_replicas_keep_every_load():
-    from dmuon.plan.balance import balance, kinds_from_costs, spread_over_replicas
+    from dmuon.plan.balance import balance, spread_over_replicas
 
     costs = [9.0, 7.0, 6.0, 5.0, 5.0]  # fewer matrices than the 2 x 4 ranks
     kinds, items = kinds_from_costs(costs)
