@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
+from dmuon.optim.agreement import Agreement, agree
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.owner_work import OwnerWork
 from dmuon.plan.batches import default_return_waves
@@ -310,50 +311,11 @@ class DMuon(torch.optim.Optimizer):
             out[i] = self._wire(d)
         return out
 
-    def _agree(self, group_of: dict[int, dict], here: list[int],
-               stale: torch.Tensor | None) -> tuple[list[int], bool, list[int]]:
-        """One small all-reduce puts every rank on the same path for this step.
-
-        It agrees on which matrices have a gradient, on non-finite gradients (with
-        ``nonfinite=``) and on ``stale`` (per launch from backward, 1 where this
-        rank's directions differ from those sent).
-
-        Returns:
-            The active matrices, whether the step is skipped, and the agreed ``stale``.
-        """
-        infos = self.plan.infos
-        n = len(infos)
+    def _agree(self, group_of: dict[int, dict], here: list[int], stale: torch.Tensor | None) -> Agreement:
+        """One small all-reduce puts every rank on the same path for this step (see :func:`agree`)."""
         others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
-        check = self.nonfinite is not None
-        checked = n + len(others) if check else 0
-        stale = torch.zeros(0, dtype=torch.int32) if stale is None else stale
-        # Built as a list: element-wise writes into a tensor cost microseconds each.
-        values = [0] * (2 * n + checked)
-        for i in group_of:
-            values[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
-        for i in here:
-            values[i], values[n + i] = 1, 0
-            if check:
-                values[2 * n + i] = int(not torch.isfinite(local_tensor(infos[i].param.grad)).all())
-        if check:
-            for k, p in enumerate(others):
-                if p.grad is not None:
-                    values[3 * n + k] = int(not torch.isfinite(local_tensor(p.grad)).all())
-        flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale])
-        flags = self.runtime.agree(flags).tolist()
-        uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
-        if uneven:
-            raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
-                               "gradients on every rank or on none")
-        active = [i for i in sorted(group_of) if flags[i]]
-        agreed_stale = flags[2 * n + checked:]
-        if not check or not any(flags[2 * n : 2 * n + checked]):
-            return active, False, agreed_stale
-        if self.nonfinite == "raise":
-            names = [infos[i].name for i in range(n) if flags[2 * n + i]]
-            names += [self._names.get(id(p), "?") for k, p in enumerate(others) if flags[3 * n + k]]
-            raise FloatingPointError(f"non-finite gradients in {names}")
-        return active, True, agreed_stale
+        return agree(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
+                     [self._names.get(id(p), "?") for p in others])
 
     def _stale(self, launches: dict[int, Launch], active: list[int],
                directions: dict[int, torch.Tensor]) -> torch.Tensor:

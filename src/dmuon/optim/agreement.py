@@ -1,0 +1,78 @@
+"""The step's one agreement: every rank takes the same collective path.
+
+Which matrices have a gradient, whether a gradient is non-finite (with
+``nonfinite=``), and which launches from backward went stale are settled by
+one small MAX all-reduce before any collective that depends on them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from dmuon.plan.plan import MatrixInfo
+from dmuon.rules.adamw import local_tensor
+from dmuon.runtime.runtime import ShardRuntime
+
+
+class Agreement(NamedTuple):
+    """What every rank settled on."""
+
+    active: list[int]
+    """Matrices with a gradient (on every rank), plan order."""
+    skipped: bool
+    """The whole step is skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
+    stale: list[int]
+    """Per launch from backward (block order): 1 where some rank's directions differ from those sent."""
+
+
+def agree(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
+          others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
+          other_names: list[str]) -> Agreement:
+    """One small all-reduce of 0/1 flags, then the same decision on every rank.
+
+    Args:
+        runtime: Whose ``agree`` (MAX over every rank) to use.
+        infos: The plan's matrices.
+        group_of: Plan index -> param group, for every Muon matrix.
+        here: Matrices with a gradient on this rank.
+        others: The AdamW parameters (checked with ``nonfinite``).
+        nonfinite: ``None``, ``"skip"`` or ``"raise"``.
+        stale: Per launch, 1 where this rank's directions differ from those sent.
+        other_names: Names of ``others``, for the error.
+
+    Raises:
+        RuntimeError: A matrix has a gradient on some ranks only.
+        FloatingPointError: ``nonfinite="raise"`` and a gradient is non-finite (on any rank).
+    """
+    n = len(infos)
+    check = nonfinite is not None
+    checked = n + len(others) if check else 0
+    stale = torch.zeros(0, dtype=torch.int32) if stale is None else stale
+    # Built as a list: element-wise writes into a tensor cost microseconds each.
+    values = [0] * (2 * n + checked)
+    for i in group_of:
+        values[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
+    for i in here:
+        values[i], values[n + i] = 1, 0
+        if check:
+            values[2 * n + i] = int(not torch.isfinite(local_tensor(infos[i].param.grad)).all())
+    if check:
+        for k, p in enumerate(others):
+            if p.grad is not None:
+                values[3 * n + k] = int(not torch.isfinite(local_tensor(p.grad)).all())
+    flags = runtime.agree(torch.cat([torch.tensor(values, dtype=torch.int32), stale])).tolist()
+    uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
+    if uneven:
+        raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
+                           "gradients on every rank or on none")
+    active = [i for i in sorted(group_of) if flags[i]]
+    agreed_stale = flags[2 * n + checked:]
+    if not check or not any(flags[2 * n : 2 * n + checked]):
+        return Agreement(active, False, agreed_stale)
+    if nonfinite == "raise":
+        names = [infos[i].name for i in range(n) if flags[2 * n + i]]
+        names += [other_names[k] for k in range(len(others)) if flags[3 * n + k]]
+        raise FloatingPointError(f"non-finite gradients in {names}")
+    return Agreement(active, True, agreed_stale)
