@@ -15,7 +15,7 @@ from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
-from dmuon.plan.selection import SelectFn, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
 from dmuon.plan.traffic import shard_rows
 from dmuon.rules.adamw import local_tensor
 
@@ -98,6 +98,7 @@ def prepare(
     model: nn.Module,
     *,
     select: SelectFn | None = None,
+    matrix_view: ViewFn | dict[str, str] | None = None,
     balancer: str = "greedy",
     ns: NSConfig | None = None,
     profile: bool = False,
@@ -116,6 +117,12 @@ def prepare(
             2-D ``(replicate, shard)`` for HSDP), or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
+        matrix_view: How each chosen parameter of 3 or more dims is seen:
+            ``"flatten"`` (one ``(shape[0], prod(shape[1:]))`` matrix, the default
+            for ``nn.Conv*`` weights) or ``"stack"`` (``shape[0]`` experts, each
+            its own ``shape[1:]`` matrix with its own owner, the default for other
+            parameters of three or more dims). A function ``(name, param) -> view``
+            or a dict by parameter name (others keep the default).
         balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
             ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
             ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
@@ -148,12 +155,13 @@ def prepare(
     mesh = _mesh_of(model)
     topology = single_process() if mesh is None else from_mesh(mesh)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
+    views = matrix_views(model, chosen, matrix_view)
     device = torch.device("cpu")
     if mesh is not None:
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
     if topology.world_size > 1:
-        _check_same_everywhere(_fingerprint(model, [n for n, _ in chosen], balancer, ns), topology, device)
+        _check_same_everywhere(_fingerprint(model, [f"{n}:{views[n]}" for n, _ in chosen], balancer, ns), topology, device)
 
     if mesh is None:
         block_list = [("", model, list(model.parameters()))]
@@ -168,18 +176,30 @@ def prepare(
     infos = []
     shard = topology.shard
     column = topology.coords[1]
-    for index, (name, p) in enumerate(chosen):
+    for name, p in chosen:
         if id(p) not in block_of:
             raise ValueError(f"parameter {name!r} is not managed by any fully_shard module")
-        rows = tuple(shard_rows(p.shape[0], shard))
+        split = tuple(shard_rows(p.shape[0], shard))
         local = local_tensor(p)
-        if tuple(local.shape) != (rows[column], *p.shape[1:]):
+        if tuple(local.shape) != (split[column], *p.shape[1:]):
             raise ValueError(f"parameter {name!r}: local shard {tuple(local.shape)} is not the row split "
-                             f"{rows} dmuon expects for shape {tuple(p.shape)}")
-        columns = tuple(shard_rows(p.shape[1], topology.replicate))
-        info = MatrixInfo(index, name, p, tuple(p.shape), block_of[id(p)], rows=rows, columns=columns)
-        infos.append(info)
-        blocks[info.block].members.append(index)
+                             f"{split} dmuon expects for shape {tuple(p.shape)}")
+        if views[name] == "flatten":
+            columns = tuple(shard_rows(p.shape[1], topology.replicate))
+            matrices = [MatrixInfo(len(infos), name, p, tuple(p.shape), block_of[id(p)], rows=split,
+                                   columns=columns)]
+        else:
+            # A stack of experts: FSDP2's Shard(0) puts each expert whole on one shard column.
+            starts = [sum(split[:s]) for s in range(shard)]
+            columns = tuple(shard_rows(p.shape[2], topology.replicate))
+            matrices = []
+            for e in range(p.shape[0]):
+                rows = tuple(p.shape[1] if starts[s] <= e < starts[s] + split[s] else 0 for s in range(shard))
+                matrices.append(MatrixInfo(len(infos) + e, f"{name}[{e}]", p, tuple(p.shape[1:]), block_of[id(p)],
+                                           rows=rows, columns=columns, expert=e, experts=split))
+        for info in matrices:
+            infos.append(info)
+            blocks[info.block].members.append(info.index)
     blocks = [b for b in blocks if b.members]
     renumber = {b.index: k for k, b in enumerate(blocks)}
     for k, b in enumerate(blocks):

@@ -57,7 +57,8 @@ def agree(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int
     for i in here:
         values[i], values[n + i] = 1, 0
         if check:
-            values[2 * n + i] = int(not torch.isfinite(local_tensor(infos[i].param.grad)).all())
+            part = infos[i].local_view(local_tensor(infos[i].param.grad), runtime.topo.coords[1])
+            values[2 * n + i] = int(not torch.isfinite(part).all())
     if check:
         for k, p in enumerate(others):
             if p.grad is not None:

@@ -178,7 +178,9 @@ class DMuon(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.ns_in_backward = ns_in_backward
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._index = {id(info.param): info.index for info in plan.infos}
+        self._index: dict[int, list[int]] = {}  # parameter -> its matrices (several for a stack of experts)
+        for info in plan.infos:
+            self._index.setdefault(id(info.param), []).append(info.index)
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
@@ -263,9 +265,9 @@ class DMuon(torch.optim.Optimizer):
                    if isinstance(v, dict) and "momentum_buffer" in v}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        placements = self.momentum.placements
         for key, value in sorted(momenta.items(), key=lambda kv: order.index(kv[0])):
             param = params[order.index(key)]
+            placements = self.momentum.placements_for(self.plan.infos[self._index[id(param)][0]])
             if isinstance(value, DTensor) and tuple(value.placements) != placements:
                 value = value.redistribute(value.device_mesh, placements)
             self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
@@ -273,10 +275,15 @@ class DMuon(torch.optim.Optimizer):
     # --------------------------------------------------------------------- step
     def _muon_groups(self) -> dict[int, dict]:
         """Plan index -> param group, for every Muon matrix."""
-        return {self._index[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+        return {i: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]
+                for i in self._index[id(p)]}
 
     def _wire(self, direction: torch.Tensor) -> torch.Tensor:
         return direction.to(self.ns.dtype).reshape(-1)
+
+    def _local(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Matrix ``index``'s part of this rank's shard of ``tensor`` (its parameter, gradient or momentum)."""
+        return self.plan.infos[index].local_view(local_tensor(tensor), self.runtime.topo.coords[1])
 
     def _check_grad(self, index: int) -> None:
         grad = self.plan.infos[index].param.grad
@@ -293,8 +300,8 @@ class DMuon(torch.optim.Optimizer):
             param, group = self.plan.infos[i].param, group_of[i]
             self._check_grad(i)
             buf = self.state[param].get("momentum_buffer")
-            d = peek_direction(self.momentum.kept_slice(self.plan.infos[i], local_tensor(param.grad)),
-                               None if buf is None else local_tensor(buf), group["momentum"], group["nesterov"])
+            d = peek_direction(self.momentum.kept_slice(self.plan.infos[i], self._local(i, param.grad)),
+                               None if buf is None else self._local(i, buf), group["momentum"], group["nesterov"])
             out[i] = self._wire(d)
         return out
 
@@ -306,8 +313,8 @@ class DMuon(torch.optim.Optimizer):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.momentum.new_buffer(self.plan.infos[i])
-            d = momentum_update(self.momentum.kept_slice(self.plan.infos[i], local_tensor(param.grad)), local_tensor(state["momentum_buffer"]),
-                                group["momentum"], group["nesterov"])
+            d = momentum_update(self.momentum.kept_slice(self.plan.infos[i], self._local(i, param.grad)),
+                                self._local(i, state["momentum_buffer"]), group["momentum"], group["nesterov"])
             out[i] = self._wire(d)
         return out
 
@@ -423,7 +430,7 @@ class DMuon(torch.optim.Optimizer):
             for i, rows in returned.wait().items():
                 info, group = infos[i], group_of[i]
                 if info.rows[column]:
-                    apply_update(local_tensor(info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+                    apply_update(self._local(i, info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
                                  adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
         return len(orthos), ns_seconds
 

@@ -23,23 +23,26 @@ class MomentumLayout:
     def __init__(self, topology: Topology) -> None:
         self.topo = topology
 
-    @property
-    def placements(self) -> tuple:
-        return (Shard(1), Shard(0)) if self.topo.replicate > 1 else (Shard(0),)
+    def placements_for(self, info: MatrixInfo) -> tuple:
+        """The momentum's placements for ``info``'s parameter (a stack's columns are its dim 2)."""
+        return (Shard(info.param_dim), Shard(0)) if self.topo.replicate > 1 else (Shard(0),)
 
-    def kept_slice(self, info: MatrixInfo, local: torch.Tensor) -> torch.Tensor:
-        """The part of a local row shard whose momentum this rank keeps (HSDP: its replica's columns)."""
+    def kept_slice(self, info: MatrixInfo, view: torch.Tensor) -> torch.Tensor:
+        """The part of a matrix's local rows (``info.local_view``) whose momentum this rank keeps
+        (HSDP: its replica's columns)."""
         if self.topo.replicate == 1:
-            return local
+            return view
         r = self.topo.coords[0]
-        return local.narrow(1, info.column_start(r), info.columns[r])
+        return view.narrow(1, info.column_start(r), info.columns[r])
 
     def new_buffer(self, info: MatrixInfo) -> torch.Tensor:
-        """A zero float32 momentum buffer in this layout."""
+        """A zero float32 momentum buffer for ``info``'s whole parameter, in this layout."""
         param = info.param
         if self.topo.replicate == 1 or not isinstance(param, DTensor):
             return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-        kept = self.kept_slice(info, param.to_local())
-        local = torch.zeros(kept.shape, dtype=torch.float32, device=kept.device)
-        return DTensor.from_local(local, param.device_mesh, self.placements, run_check=False,
+        local = param.to_local()
+        shape = list(local.shape)
+        shape[info.param_dim] = info.columns[self.topo.coords[0]]
+        buffer = torch.zeros(shape, dtype=torch.float32, device=local.device)
+        return DTensor.from_local(buffer, param.device_mesh, self.placements_for(info), run_check=False,
                                   shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from dmuon.ortho.config import NSConfig
@@ -24,7 +25,7 @@ class MatrixInfo:
     param: nn.Parameter = field(repr=False)
     """The parameter: FSDP2's sharded DTensor (a plain tensor in a single process)."""
     shape: tuple[int, ...]
-    """Global shape of the parameter."""
+    """Global shape of the matrix: the parameter's, or one expert's (``param.shape[1:]``) for a stack."""
     block: int
     """Index of the block (see ``Plan.blocks``) whose FSDP2 group reduces its gradient."""
     owner: int = -1
@@ -33,6 +34,10 @@ class MatrixInfo:
     """Estimated owner-side cost used by the balancer (arbitrary units)."""
     rows: tuple[int, ...] = ()
     """Rows each shard column holds (FSDP2's ``Shard(0)`` split; trailing entries may be 0)."""
+    expert: int | None = None
+    """For a stack of experts (``matrix_view="stack"``): which slice ``param[expert]`` this is."""
+    experts: tuple[int, ...] = ()
+    """For a stack: experts each shard column holds (FSDP2's ``Shard(0)`` split of ``param.shape[0]``)."""
     columns: tuple[int, ...] = ()
     """Slices of ``shape[1]`` each replica keeps Muon's momentum for (``Shard(1)`` over the R
     replicas, torch.chunk's rule; ``(shape[1],)`` without replicas), so on HSDP no state is
@@ -51,6 +56,21 @@ class MatrixInfo:
     def row_width(self) -> int:
         """Elements per row of the 2-D view."""
         return math.prod(self.shape[1:])
+
+    @property
+    def param_dim(self) -> int:
+        """The parameter dim of the matrix's dim 1 (the one the momentum splits over replicas)."""
+        return 1 if self.expert is None else 2
+
+    def local_view(self, local: "torch.Tensor", s: int) -> "torch.Tensor":
+        """The matrix's part of shard column ``s``'s local tensor (the parameter's, a gradient's or
+        the momentum's), shaped ``(rows[s], *shape[1:])`` (the last dims as that tensor has them)."""
+        if self.expert is None:
+            return local
+        start = sum(self.experts[:s])
+        if start <= self.expert < start + self.experts[s]:
+            return local[self.expert - start]
+        return local.new_empty((0, *local.shape[2:]))
 
     def momentum_piece(self, r: int, s: int) -> int:
         """Elements of the momentum (and of the direction formed from it) on rank ``(r, s)``."""

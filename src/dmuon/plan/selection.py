@@ -8,6 +8,11 @@ import torch
 from torch import nn
 
 SelectFn = Callable[[str, nn.Parameter], bool]
+ViewFn = Callable[[str, nn.Parameter], str]
+MATRIX_VIEWS = ("flatten", "stack")
+"""How a parameter of 3 or more dims is seen: one ``(shape[0], prod(shape[1:]))`` matrix
+(``"flatten"``, Keller Jordan's rule for conv kernels) or ``shape[0]`` matrices of
+``shape[1:]`` (``"stack"``: experts in the grouped-GEMM layout, each orthogonalized on its own)."""
 
 HEAD_NAMES = frozenset({"lm_head", "output", "head"})
 
@@ -60,3 +65,43 @@ def select_matrices(
             )
         chosen.append((name, param))
     return chosen
+
+
+def _conv_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)}
+
+
+def default_matrix_view(model: nn.Module) -> ViewFn:
+    """``"flatten"`` for ``nn.Conv*`` weights and 2-D parameters, ``"stack"`` for other parameters
+    of three or more dims (a stack of experts)."""
+    convs = _conv_weights(model)
+
+    def view(name: str, param: nn.Parameter) -> str:
+        return "flatten" if param.ndim < 3 or id(param) in convs else "stack"
+
+    return view
+
+
+def matrix_views(model: nn.Module, chosen: list[tuple[str, nn.Parameter]],
+                 matrix_view: ViewFn | dict[str, str] | None = None) -> dict[str, str]:
+    """The view of each chosen parameter: ``matrix_view`` (a function or a dict by name, falling
+    back to the default rule) over :func:`default_matrix_view`.
+
+    Raises:
+        ValueError: Naming the parameter for a view not in :data:`MATRIX_VIEWS`.
+    """
+    default = default_matrix_view(model)
+    out = {}
+    for name, param in chosen:
+        if callable(matrix_view):
+            view = matrix_view(name, param)
+        elif matrix_view is not None and name in matrix_view:
+            view = matrix_view[name]
+        else:
+            view = default(name, param)
+        if view not in MATRIX_VIEWS:
+            raise ValueError(f"parameter {name!r}: matrix_view must be one of {MATRIX_VIEWS}, got {view!r}")
+        if view == "stack" and param.ndim < 3:
+            raise ValueError(f"parameter {name!r}: matrix_view 'stack' needs >= 3 dims, got {param.ndim}")
+        out[name] = view
+    return out

@@ -1,0 +1,109 @@
+"""A small model with a stack of experts (grouped-GEMM layout) and its per-expert reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import dmuon
+
+from support.cases import make_mesh
+from support.reference import ns_precision
+
+VOCAB, WIDTH, HIDDEN = 17, 6, 10
+
+
+class Experts(nn.Module):
+    """A stack of ``experts`` (E, HIDDEN, WIDTH), token ``t`` routed to expert ``t % E``, then a 2-D matrix."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(experts, HIDDEN, WIDTH) / WIDTH ** 0.5)
+        self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = torch.arange(x.shape[1]) % self.experts.shape[0]
+        h = torch.stack([x[:, t] @ self.experts[int(e)].T for t, e in enumerate(route)], dim=1)
+        return self.down(torch.tanh(h))
+
+
+class ExpertNet(nn.Module):
+    """Embedding -> :class:`Experts` (residual) -> head."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.moe = Experts(experts)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # (B, T, WIDTH)
+        return self.head(x + self.moe(x))
+
+
+def batch(step: int, rank: int, world: int, per_rank: int = 2, seq: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (world * per_rank, seq + 1), generator=g)
+    return tokens[rank * per_rank:(rank + 1) * per_rank]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+ADAMW = dict(lr=3e-3, weight_decay=0.01)
+
+
+def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> dict[str, torch.Tensor]:
+    """One process: torch.optim.Muon on each expert's ``(HIDDEN, WIDTH)`` slice (``view="stack"``) or on
+    the stack flattened to ``(E, HIDDEN * WIDTH)`` (``"flatten"``), plus torch.optim.AdamW."""
+    torch.manual_seed(0)
+    model = ExpertNet(experts)
+    stack = model.moe.experts
+    if view == "stack":
+        mats = [nn.Parameter(stack.data[e]) for e in range(experts)]  # views sharing the storage
+    else:
+        mats = [nn.Parameter(stack.data.view(experts, -1))]
+    muon = torch.optim.Muon(mats + [model.moe.down.weight], **MUON)
+    rest = [p for n, p in model.named_parameters() if n not in ("moe.experts", "moe.down.weight")]
+    adamw = torch.optim.AdamW(rest, **ADAMW)
+    for step in range(steps):
+        loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
+        grads = [stack.grad[e] for e in range(experts)] if view == "stack" else [stack.grad.view(experts, -1)]
+        for m, g in zip(mats, grads):
+            m.grad = g.clone()
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        for p in [*mats, *model.parameters()]:
+            p.grad = None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
+          return_waves: int | None = None) -> dict:
+    """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan."""
+    torch.manual_seed(0)
+    model = ExpertNet(experts)
+    if world > 1:
+        mesh = make_mesh(world, mesh_shape)
+        fully_shard(model.moe, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    views = None if view is None else {"moe.experts": view}
+    plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves)
+    for step in range(steps):
+        loss_of(model, batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    momentum = opt.state[model.moe.experts]["momentum_buffer"]
+    return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],
+            "momentum_numel": momentum.to_local().numel() if isinstance(momentum, DTensor) else momentum.numel(),
+            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
