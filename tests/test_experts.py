@@ -57,3 +57,11 @@ def test_sharded_stacks_equal_torch_muon_per_slice(world, mesh_shape, waves):
     assert len(set(results[0]["owners"][:3])) == min(3, world)
     # The stack's momentum is held once over the whole mesh (HSDP: split over the replicas too).
     assert sum(r["momentum_numel"] for r in results) == 3 * 10 * 6
+
+
+def test_gather_then_compute_orthogonalizes_stacks_per_slice_too():
+    from support.experts import train_gather
+
+    got = run_distributed(train_gather, 2, STEPS, timeout_s=180)[0]
+    name, err = _worst(got, reference(2, STEPS))
+    assert err <= 1e-5, (name, err)

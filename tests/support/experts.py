@@ -107,3 +107,22 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],
             "momentum_numel": momentum.to_local().numel() if isinstance(momentum, DTensor) else momentum.numel(),
             "orthogonalized": opt.last_step_stats()["orthogonalized"]}
+
+
+def train_gather(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None) -> dict:
+    """The same FSDP2 model under gather-then-compute (the oracle), fp32 NS."""
+    from dmuon.baselines import GatherThenCompute
+
+    torch.manual_seed(0)
+    model = ExpertNet(experts)
+    mesh = make_mesh(world, mesh_shape)
+    fully_shard(model.moe, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
+                            ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
+    for step in range(steps):
+        loss_of(model, batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import apply_update, momentum_update
 from dmuon.ortho import KELLER, NSConfig, orthogonalize_many
-from dmuon.plan.selection import SelectFn, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -28,7 +28,9 @@ class GatherThenCompute(torch.optim.Optimizer):
     """Muon on an ordinary FSDP2 model by gathering every matrix everywhere.
 
     Takes the same keyword arguments as :class:`dmuon.DMuon` (minus the plan),
-    plus ``select`` to override which parameters are Muon matrices.
+    plus ``select`` to override which parameters are Muon matrices and
+    ``matrix_view`` (as :func:`dmuon.prepare`'s: stacks of experts are
+    orthogonalized slice by slice).
     """
 
     def __init__(
@@ -50,8 +52,13 @@ class GatherThenCompute(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         select: SelectFn | None = None,
+        matrix_view: ViewFn | dict[str, str] | None = None,
     ) -> None:
-        matrices = [p for _, p in select_matrices(model, select)]
+        chosen = select_matrices(model, select)
+        views = matrix_views(model, chosen, matrix_view)
+        # Stacks of experts: each slice orthogonalized on its own, as DMuon does.
+        self._stacks = {id(p) for n, p in chosen if views[n] == "stack"}
+        matrices = [p for _, p in chosen]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
         self.ns = NSConfig.from_keywords(ns_method=ns_method, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
@@ -97,19 +104,21 @@ class GatherThenCompute(torch.optim.Optimizer):
                     received += (full.numel() - local) * full.element_size()
                 else:
                     full = direction
-                mshape = _matrix_shape(p.shape)
+                stack = id(p) in self._stacks
+                mshape = _matrix_shape(p.shape[1:] if stack else p.shape)
+                inputs = list(full.reshape(-1, *mshape)) if stack else [full.reshape(mshape)]
                 t0 = time.perf_counter()
-                (ortho,) = orthogonalize_many(
-                    [full.reshape(mshape)], **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
-                                               "steps": group["ns_steps"], "eps": group["eps"]})
+                orthos = orthogonalize_many(
+                    inputs, **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
+                               "steps": group["ns_steps"], "eps": group["eps"]})
                 ns_seconds += time.perf_counter() - t0
-                ortho = ortho.reshape(p.shape).to(p.dtype)
+                ortho = (torch.stack(orthos) if stack else orthos[0]).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):
                     # Keep only this rank's rows; splitting locally needs no communication.
                     ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
                 apply_update(p, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
                              adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=mshape)
-                count += 1
+                count += len(inputs)
         self._last_stats = {
             "orthogonalized": count, "bytes_sent": sent, "bytes_received": received,
             "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
