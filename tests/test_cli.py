@@ -54,6 +54,29 @@ def test_bench_on_an_hsdp_mesh(tmp_path):
     assert payload["results"][0]["inter_bytes_per_step"] > 0
 
 
+def test_bench_moe_workload_orthogonalizes_each_expert(tmp_path):
+    """--model moe: stacked expert weights; dmuon and gather-then-compute (both per expert) agree."""
+    out = tmp_path / "moe.json"
+    assert bench_cli.main(["--model", "moe", "--size", "tiny", "--world-size", "2", "--steps", "2", "--warmup", "1",
+                           "--configs", "gather,dmuon_z3,torch_muon", "--ns-dtype", "float32", "--json", str(out),
+                           "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["losses_agree"] and "torch_muon" not in payload["loss_check"]
+    dmuon_run = next(r for r in payload["results"] if r["config"] == "dmuon_z3")
+    gather_run = next(r for r in payload["results"] if r["config"] == "gather")
+    assert abs(dmuon_run["final_loss"] - gather_run["final_loss"]) <= 1e-5 * abs(gather_run["final_loss"])
+
+
+def test_moe_workload_has_expert_stacks_dmuon_sees_one_by_one():
+    import dmuon
+    from dmuon.bench.models import build_workload
+
+    w = build_workload("moe", size="tiny")
+    names = [i.name for i in dmuon.prepare(w.model).infos]
+    assert "model.layers.0.mlp.gate_proj[7]" in names and "model.layers.0.mlp.router.weight" in names
+    assert sum(n.startswith("model.layers.0.mlp.down_proj[") for n in names) == 8
+
+
 def test_interleaved_rounds_train_as_sequential_runs(tmp_path):
     """Interleaving configurations on one process group must not change what each one computes."""
     args = ["--model", "tiny", "--world-size", "2", "--steps", "3", "--rounds", "2", "--warmup", "1",

@@ -95,8 +95,9 @@ def ratios(results: list[dict]) -> dict[str, float | list[float]]:
     return out
 
 
-def loss_agreement(results: list[dict]) -> tuple[bool, str]:
-    muon = [r for r in results if is_muon_config(r["config"])]
+def loss_agreement(results: list[dict], exclude: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """Whether the Muon configurations (but ``exclude``) end at the same loss, and the sentence saying so."""
+    muon = [r for r in results if is_muon_config(r["config"]) and r["config"] not in exclude]
     if len(muon) < 2:
         return True, "fewer than two Muon configurations: nothing to compare"
     ref = muon[0]

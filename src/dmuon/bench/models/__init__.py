@@ -1,6 +1,6 @@
 """Benchmark workloads built from real model definitions, randomly initialised.
 
-Two model families are provided, each in size presets (``"tiny"``,
+Three model families are provided, each in size presets (``"tiny"``,
 ``"small"``, ``"medium"``, ``"large"``, and for ``qwen2`` also ``"mini"``, the
 default of ``dmuon bench``):
 
@@ -25,6 +25,10 @@ default of ``dmuon bench``):
   modelling cross-entropy on the text tokens plus the flow-matching MSE on the
   action velocities.
 
+* ``"moe"``: the ``qwen2`` decoder with each MLP replaced by 8 SwiGLU experts
+  with top-2 routing, weights stacked per projection (``(E, out, in)``, the
+  grouped-GEMM layout), sizes ``"tiny"`` and ``"small"`` (:mod:`dmuon.bench.models.moe`).
+
 ``"tiny"`` is an alias of the tiny ``"qwen2"`` workload, for tests.
 
 All weights are ordinary :class:`torch.nn.Linear`, :class:`torch.nn.Embedding`
@@ -36,6 +40,7 @@ same workload with the same ``seed`` on every rank gives identical weights.
 """
 
 from dmuon.bench.models.build import DEFAULT_SIZES, SIZE_NAMES, WORKLOAD_NAMES, build_workload, resolve_size
+from dmuon.bench.models.moe import MOE_SIZES, MoESize
 from dmuon.bench.models.qwen2 import QWEN2_SIZES, Qwen2Size
 from dmuon.bench.models.vla import VLA_SIZES, VLASize
 from dmuon.bench.models.vla_modules import VLAModel
@@ -43,6 +48,8 @@ from dmuon.bench.models.workload import Batch, Workload
 
 __all__ = [
     "DEFAULT_SIZES",
+    "MOE_SIZES",
+    "MoESize",
     "QWEN2_SIZES",
     "VLA_SIZES",
     "WORKLOAD_NAMES",

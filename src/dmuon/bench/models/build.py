@@ -8,17 +8,18 @@ from typing import Any
 import torch
 
 from dmuon.bench.models.data import check_int
+from dmuon.bench.models.moe import MOE_SIZES, moe_workload
 from dmuon.bench.models.qwen2 import QWEN2_SIZES, qwen2_workload
 from dmuon.bench.models.vla import VLA_SIZES, check_vla_size, vla_workload
 from dmuon.bench.models.workload import Workload
 
-WORKLOAD_NAMES: tuple[str, ...] = ("qwen2", "vla", "tiny")
+WORKLOAD_NAMES: tuple[str, ...] = ("qwen2", "vla", "moe", "tiny")
 """Names accepted by :func:`build_workload`."""
 
 SIZE_NAMES: tuple[str, ...] = ("tiny", "mini", "small", "medium", "large")
 """Size presets accepted by :func:`build_workload` (``"mini"``: ``qwen2`` only)."""
 
-DEFAULT_SIZES: dict[str, str] = {"qwen2": "mini", "vla": "small", "tiny": "tiny"}
+DEFAULT_SIZES: dict[str, str] = {"qwen2": "mini", "vla": "small", "moe": "small", "tiny": "tiny"}
 """The size each family is built with when none is given."""
 
 
@@ -37,7 +38,7 @@ def resolve_size(name: str, size: str | None) -> str:
         return "tiny"
     if size is None:
         return DEFAULT_SIZES[name]
-    presets = VLA_SIZES if name == "vla" else QWEN2_SIZES
+    presets = {"vla": VLA_SIZES, "moe": MOE_SIZES}.get(name, QWEN2_SIZES)
     if size not in presets:
         raise ValueError(f"size must be one of {tuple(presets)} for {name!r}, got {size!r}")
     return size
@@ -94,6 +95,9 @@ def build_workload(name: str, *, size: str | None = None, seq_len: int | None = 
             return vla_workload(size, cfg, seed, dtype)
         if seq_len is not None:
             overrides["seq_len"] = seq_len
+        if name == "moe":
+            moe = MOE_SIZES[size]
+            return moe_workload(size, replace(moe, decoder=_replace(moe.decoder, overrides)), seed, dtype)
         cfg = _replace(QWEN2_SIZES[size], overrides)
         return qwen2_workload(name, size, cfg, seed, dtype)
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dmuon.bench.models.moe import MOE_SIZES
 from dmuon.bench.models import DEFAULT_SIZES, QWEN2_SIZES, VLA_SIZES, build_workload
 
 WORKLOADS = [("tiny", "tiny"), ("qwen2", "tiny"), ("vla", "tiny")]
@@ -226,7 +227,7 @@ def test_default_sizes():
         for name, size in DEFAULT_SIZES.items():
             w = build_workload(name)
             assert w.size == size
-            assert w.config == (VLA_SIZES if name == "vla" else QWEN2_SIZES)[size]
+            assert w.config == {"vla": VLA_SIZES, "moe": MOE_SIZES}.get(name, QWEN2_SIZES)[size]
         mini = build_workload("qwen2")
     cfg = QWEN2_SIZES["mini"]
     assert mini.tokens_per_rank == cfg.seq_len * cfg.batch_size == 512
