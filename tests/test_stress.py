@@ -9,7 +9,7 @@ import torch
 
 from dmuon.util.spawn import run_distributed
 
-from support.cases import MUON_KW, Case, run_case
+from support.cases import MUON_KW, Case, run_cases
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
@@ -41,14 +41,10 @@ def _reference(steps: int, skip, sizes):
                               adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=torch.float32)
 
 
-def _run(rank, world_size, cases):
-    return [run_case(rank, world_size, c) for c in cases]
-
-
 def _check(steps: int, zeros: tuple[int, ...], tol: float) -> None:
     skip, sizes = _schedule(steps)
     cases = [Case(zero=z, steps=steps, skip=skip, batch_sizes=sizes) for z in zeros]
-    results = run_distributed(_run, WORLD_SIZE, cases, timeout_s=600)
+    results = run_distributed(run_cases, WORLD_SIZE, cases, timeout_s=600)
     ref, ref_losses = _reference(steps, skip, sizes)
     for k, case in enumerate(cases):
         out = results[0][k]
