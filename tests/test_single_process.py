@@ -122,7 +122,7 @@ class _FiveHeads(torch.nn.Module):
 
 
 def _train_recording_batches(monkeypatch, **prepare_kw):
-    import dmuon.optim.owner_work as dmuon_optim
+    import dmuon.ortho.owner as dmuon_optim
 
     torch.manual_seed(0)
     model = _FiveHeads()

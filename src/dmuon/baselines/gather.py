@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import apply_update, momentum_update
-from dmuon.ortho import KELLER, NSConfig, orthogonalize_many
+from dmuon.ortho import KELLER, NSConfig
+from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
 
 
@@ -108,9 +109,7 @@ class GatherThenCompute(torch.optim.Optimizer):
                 mshape = _matrix_shape(p.shape[1:] if stack else p.shape)
                 inputs = list(full.reshape(-1, *mshape)) if stack else [full.reshape(mshape)]
                 t0 = time.perf_counter()
-                orthos = orthogonalize_many(
-                    inputs, **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
-                               "steps": group["ns_steps"], "eps": group["eps"]})
+                orthos = owner_update(inputs, self.ns, group)
                 ns_seconds += time.perf_counter() - t0
                 ortho = (torch.stack(orthos) if stack else orthos[0]).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):

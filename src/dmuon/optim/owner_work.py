@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dmuon.ortho import orthogonalize_many
+from dmuon.ortho.owner import owner_update
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.batches import return_waves
 from dmuon.plan.plan import Plan
@@ -77,10 +77,7 @@ class OwnerWork:
     def orthogonalize_batch(self, batch: list[int], directions: list[torch.Tensor],
                             group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
         """One NS call for a batch of one param group's matrices."""
-        group = group_of[batch[0]]
-        orthos = orthogonalize_many(directions, **{**self.ns.kwargs(), "coefficients": group["ns_coefficients"],
-                                                   "steps": group["ns_steps"], "eps": group["eps"]})
-        return dict(zip(batch, orthos))
+        return dict(zip(batch, owner_update(directions, self.ns, group_of[batch[0]])))
 
     def orthogonalize(self, indices: list[int], directions: dict[int, torch.Tensor],
                       group_of: dict[int, dict]) -> dict[int, torch.Tensor]:

@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from dmuon.ortho import orthogonalize_many
+from dmuon.ortho.owner import owner_update
 from dmuon.ortho.autotune import Autotuner
 from dmuon.ortho.config import NSConfig
 from dmuon.ortho.timing import device_fingerprint, sync
@@ -93,8 +93,10 @@ def measure_update(
     wire = ns_kwargs.get("dtype", dtype)
     directions = [torch.randn(shape, generator=gen).to(device=device, dtype=wire) for _ in range(batch)]
 
+    ns = NSConfig.from_mapping(ns_kwargs, "ns_kwargs")
+
     def step() -> None:
-        orthogonalize_many(directions, autotuner=autotuner, **ns_kwargs)
+        owner_update(directions, ns, autotuner=autotuner)
 
     step()
     sync(device)

@@ -52,3 +52,15 @@ def test_cache_key_is_canonical():
     assert NSConfig(coefficients=KELLER).cache_key() == NSConfig(coefficients=[KELLER] * 5).cache_key()
     assert NSConfig().cache_key() != NSConfig(coefficients="polar_express").cache_key()
     assert NSConfig().cache_key()["dtype"] == "bfloat16"
+
+
+def test_owner_update_takes_a_groups_overrides():
+    from dmuon.ortho.owner import owner_update
+
+    cfg = NSConfig(method="standard", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    mats = [torch.randn(6, 9, generator=gen), torch.randn(6, 9, generator=gen)]
+    got = owner_update(mats, cfg, {"ns_steps": 3, "eps": 1e-5, "lr": 0.1})
+    want = orthogonalize_many(mats, method="standard", dtype=torch.float32, steps=3, eps=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(owner_update(mats, cfg)[0], got[0])  # 5 steps without the group
