@@ -263,18 +263,11 @@ class ShardExchange:
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
 
-        def finish() -> dict[int, torch.Tensor]:
-            out = {}
-            for c, segment in enumerate(recv.split(out_splits)):
-                for i, piece in zip(from_column[c], segment.split([self._piece(i, s) for i in from_column[c]])):
-                    out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
-            return out
-
-        return Pending([work], finish, self.stats)
+        return Pending([work], lambda: self._rows_by_source(recv, out_splits, from_column, s), self.stats)
 
     def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor]) -> Pending:
         """Hop 2: my rows of the members owned in my replica go to my column of every other replica."""
-        topo, infos = self.topo, self.infos
+        topo = self.topo
         r, s = topo.coords
         from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
         out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
@@ -285,11 +278,14 @@ class ShardExchange:
         work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
                                 [own.numel()] * topo.replicate, r)
 
-        def finish() -> dict[int, torch.Tensor]:
-            out = {}
-            for q, segment in enumerate(recv.split(out_splits)):
-                for i, piece in zip(from_replica[q], segment.split([self._piece(i, s) for i in from_replica[q]])):
-                    out[i] = piece.view(infos[i].rows[s], infos[i].row_width)
-            return out
+        return Pending([work], lambda: self._rows_by_source(recv, out_splits, from_replica, s), self.stats)
 
-        return Pending([work], finish, self.stats)
+    def _rows_by_source(self, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]],
+                        s: int) -> dict[int, torch.Tensor]:
+        """Cuts a landed buffer into this column's ``(rows[s], row_width)`` of each member, source by source."""
+        out = {}
+        for source, segment in enumerate(recv.split(splits)):
+            members = members_of[source]
+            for i, piece in zip(members, segment.split([self._piece(i, s) for i in members])):
+                out[i] = piece.view(self.infos[i].rows[s], self.infos[i].row_width)
+        return out

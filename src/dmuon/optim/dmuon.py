@@ -26,6 +26,7 @@ from dmuon.plan.batches import default_return_waves
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
+from dmuon.comm import Pending
 from dmuon.runtime.runtime import Launch, ShardRuntime
 
 NONFINITE_MODES = (None, "skip", "raise")
@@ -406,27 +407,26 @@ class DMuon(torch.optim.Optimizer):
         pending.append(self.runtime.exchange.send_directions(rest, directions))
         ns_start = time.perf_counter()
         ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
+        done = kept & early.keys()
         orthos: dict[int, torch.Tensor] = {}
-        for b in kept & early.keys():
+        for b in done:
             orthos.update(early[b][0])  # this rank's own
         full: dict[int, torch.Tensor] = {}
         for p in pending:
             full.update(p.wait())
         # Every rank's matrices whose NS ran in backward (not only this rank's): the waves must agree.
-        done = kept & early.keys()
-        returns = []
         waves = self.work.return_waves(active, {i for i in active if infos[i].block in done}, group_of)
         self._waves = [members for members, _ in waves]
+        returns: list[Pending] = []
         for members, batches in waves:
             for batch in batches:
                 orthos.update(self.work.orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
             for earlier in returns:
-                earlier[1].forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
-            returns.append((members, self.runtime.exchange.return_updates(
-                members, {i: orthos[i] for i in members if i in orthos})))
+                earlier.forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
+            returns.append(self.runtime.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos}))
         ns_seconds += time.perf_counter() - ns_start
         column = self.runtime.topo.coords[1]
-        for _, returned in returns:
+        for returned in returns:
             for i, rows in returned.wait().items():
                 info, group = infos[i], group_of[i]
                 if info.rows[column]:
