@@ -30,12 +30,18 @@ def block_wait_bytes(owners: Sequence[int], blocks: Sequence[int], numels: Seque
     replica receives across replicas). Elements, not bytes: one wire dtype
     scales every term alike.
     """
+    per_rank, per_replica = _owned_per_block(owners, blocks, numels, shard)
+    return sum(_block_term(per_rank[b], per_replica[b], replicate, shard) for b in per_rank)
+
+
+def _owned_per_block(owners: Sequence[int], blocks: Sequence[int], numels: Sequence[int], shard: int):
+    """Per block, the elements each rank and each replica owns in it."""
     per_rank: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     per_replica: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for owner, block, numel in zip(owners, blocks, numels):
         per_rank[block][owner] += numel
         per_replica[block][owner // shard] += numel
-    return sum(_block_term(per_rank[b], per_replica[b], replicate, shard) for b in per_rank)
+    return per_rank, per_replica
 
 
 def _block_term(rank_bytes: dict[int, int], replica_bytes: dict[int, int], replicate: int, shard: int) -> float:
@@ -64,11 +70,7 @@ def spread_blocks(owners: Sequence[int], kinds: Sequence[int], blocks: Sequence[
     if not (len(owners) == len(kinds) == len(blocks) == len(numels)):
         raise ValueError("owners, kinds, blocks and numels must have one entry per matrix")
     owners = list(owners)
-    per_rank: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    per_replica: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for owner, block, numel in zip(owners, blocks, numels):
-        per_rank[block][owner] += numel
-        per_replica[block][owner // shard] += numel
+    per_rank, per_replica = _owned_per_block(owners, blocks, numels, shard)
 
     def term(block: int) -> float:
         return _block_term(per_rank[block], per_replica[block], replicate, shard)
