@@ -54,6 +54,23 @@ def test_bench_on_an_hsdp_mesh(tmp_path):
     assert payload["results"][0]["inter_bytes_per_step"] > 0
 
 
+def test_bench_with_tensor_parallelism(tmp_path):
+    """--tp 2: torch's parallelize_module on each decoder layer, FSDP2 over dp; dmuon and the
+    gather oracle (fp32 NS) on the same TP model agree to fp32 round-off."""
+    out = tmp_path / "tp.json"
+    assert bench_cli.main(["--model", "tiny", "--world-size", "4", "--tp", "2", "--steps", "2", "--warmup", "1",
+                           "--configs", "gather,dmuon_z3", "--ns-dtype", "float32", "--json", str(out),
+                           "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["mesh"] == [2, 2] and payload["losses_agree"]
+    dmuon_run, gather_run = (next(r for r in payload["results"] if r["config"] == c) for c in ("dmuon_z3", "gather"))
+    assert abs(dmuon_run["final_loss"] - gather_run["final_loss"]) <= 1e-5 * abs(gather_run["final_loss"])
+    with pytest.raises(SystemExit, match="--tp needs a workload with a tensor-parallel plan"):
+        bench_cli.main(["--model", "vla", "--tp", "2", "--quiet"])
+    with pytest.raises(SystemExit, match="does not divide the world size"):
+        bench_cli.main(["--model", "tiny", "--world-size", "4", "--tp", "3", "--quiet"])
+
+
 def test_bench_moe_workload_orthogonalizes_each_expert(tmp_path):
     """--model moe: stacked expert weights; dmuon and gather-then-compute (both per expert) agree."""
     out = tmp_path / "moe.json"

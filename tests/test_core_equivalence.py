@@ -33,6 +33,11 @@ def test_matches_single_process_reference(world_size):
         Case(zero=3, ns_dtype=torch.bfloat16, steps=STEPS, skip=SKIP),
         Case(kind="gather", ns_dtype=torch.float32, steps=STEPS, skip=SKIP),
     ]
+    if 200 % world_size == 0:
+        # FSDP2 sharding two matrices by columns (its shard_placement_fn; FSDP2 splits dims
+        # other than 0 only evenly): their pieces are column boxes.
+        cases.append(Case(zero=3, ns_dtype=torch.float32, steps=STEPS, skip=SKIP,
+                          column_sharded=("layers.1.down.weight", "layers.2.down.weight")))
     results = run_distributed(run_cases, world_size, cases)
     ref32, losses32 = reference(world_size, torch.float32)
     ref16, _ = reference(world_size, torch.bfloat16)

@@ -9,15 +9,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
+# Where a DTensor's local shard sits in the global tensor (the function DCP plans its chunks with).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+# FSDP2 marks its row split inside a tensor-parallel one with _StridedShard; the momentum's
+# column split inside TP's is the same kind of layout.
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
-from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan
+from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
-from dmuon.plan.traffic import shard_rows
-from dmuon.rules.adamw import local_tensor
 
 
 def _fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig) -> torch.Tensor:
@@ -42,15 +45,19 @@ def _check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device
         )
 
 
-def _mesh_of(model: nn.Module):
-    """The one DeviceMesh FSDP2 sharded the model on (None for a model without DTensors).
+def _layout_of(model: nn.Module):
+    """The mesh spanning every DTensor parameter, and whether its dim 0 replicates (HSDP).
+
+    FSDP2 alone puts every parameter on one mesh; with tensor parallelism the
+    parameters TP split live on the ``(dp..., tp)`` mesh and the others on its
+    ``dp`` sub-mesh. Returns ``(None, False)`` for a model without DTensors.
 
     Raises:
         ValueError: For trainable plain parameters in a multi-process run (not
-            under ``fully_shard``), parameters on different meshes, or layouts
-            other than FSDP2's ``Shard(0)`` (HSDP: ``(Replicate(), Shard(0))``).
+            under ``fully_shard``), meta parameters, or meshes that are not one
+            mesh and its named sub-meshes.
     """
-    mesh, first = None, None
+    meshes: list[tuple[str, object]] = []
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     for name, p in model.named_parameters():
         if p.device.type == "meta":
@@ -62,20 +69,124 @@ def _mesh_of(model: nn.Module):
                     "(and its blocks) before dmuon.prepare / dmuon.DMuon"
                 )
             continue
-        if mesh is None:
-            mesh, first = p.device_mesh, name
-        elif p.device_mesh != mesh:
-            raise ValueError(f"parameter {name!r} lives on another DeviceMesh than {first!r}; "
-                             "dmuon needs every parameter on one FSDP/HSDP mesh")
-        expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        if tuple(p.placements) != expected:
-            raise ValueError(
-                f"parameter {name!r} has placements {tuple(p.placements)}; dmuon supports FSDP2's row "
-                f"sharding {expected} (no shard_placement_fn, no tensor parallelism yet)"
-            )
-    if mesh is not None and mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got {mesh.ndim}-D")
-    return mesh
+        if not any(m == p.device_mesh for _, m in meshes):
+            meshes.append((name, p.device_mesh))
+    if not meshes:
+        return None, False
+    first, root = max(meshes, key=lambda nm: nm[1].ndim)
+    names = root.mesh_dim_names
+    for name, mesh in meshes:
+        if mesh == root:
+            continue
+        if names is None or mesh.mesh_dim_names is None or not set(mesh.mesh_dim_names) <= set(names):
+            raise ValueError(f"parameter {name!r} lives on a DeviceMesh that is not a named sub-mesh of "
+                             f"{first!r}'s; dmuon needs the parameters on one mesh and its sub-meshes")
+    if root.mesh.numel() != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise ValueError(f"the parameters' mesh holds {root.mesh.numel()} ranks but the default process group "
+                         f"{dist.get_world_size()}; dmuon needs a mesh over every rank")
+    replicated = root.ndim >= 2
+    for _, p in model.named_parameters():
+        if isinstance(p, DTensor) and replicated:
+            dims = p.device_mesh.mesh_dim_names
+            on_root_dim0 = p.device_mesh == root or (dims is not None and dims[0] == names[0])
+            if on_root_dim0 and not isinstance(p.placements[0], Replicate):
+                replicated = False
+    return root, replicated
+
+
+def momentum_placements(param: DTensor, param_dim: int) -> tuple:
+    """HSDP: the parameter's placements with the replicate dim's ``Replicate`` made a split of
+    ``param_dim`` (the momentum's columns), inside any split of that dim by later mesh dims
+    (tensor parallel: ``_StridedShard``, as FSDP2 marks its rows inside TP's)."""
+    mesh, placements = param.device_mesh, list(param.placements)
+    split = 1
+    for j in range(1, mesh.ndim):
+        if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == param_dim:
+            split *= mesh.size(j)
+    placements[0] = _StridedShard(param_dim, split_factor=split) if split > 1 else Shard(param_dim)
+    return tuple(placements)
+
+
+def _local_box(name: str, p: torch.Tensor, width: int) -> list[int]:
+    """``[ok, offsets..., sizes...]`` of this rank's local shard of ``p`` (``width`` dims, padded)."""
+    if not isinstance(p, DTensor):
+        shape, offset, ok = tuple(p.shape), (0,) * p.ndim, True
+    else:
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        local = p.to_local()
+        ok = tuple(local.shape) == tuple(shape) and local.is_contiguous()
+    pad = [0] * (width - len(shape))
+    return [int(ok), *offset, *pad, *shape, *pad]
+
+
+def _momentum_ok(info: MatrixInfo, s: int, r: int) -> bool:
+    """HSDP: whether :func:`momentum_placements` gives rank ``(r, s)`` exactly its slice of the piece."""
+    p, d, piece = info.param, info.param_dim, info.pieces[s]
+    if not piece.rows:
+        return True  # nothing of this matrix here
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, momentum_placements(p, d))
+    return shape[d] == info.replica_columns(s)[r] and offset[d] == piece.col + info.column_start(r, s)
+
+
+def _gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, device) -> list[list[list[int]]]:
+    """Every plan rank's local box of every chosen parameter: ``boxes[rank][k] = [ok, offsets, sizes]``.
+
+    Each rank knows only its own shard's place (torch's
+    ``compute_local_shape_and_global_offset``); one all-gather tells every rank all of them.
+    """
+    width = max((p.ndim for _, p in chosen), default=1)
+    mine = [_local_box(n, p, width) for n, p in chosen]
+    if topology.world_size == 1:
+        return [mine]
+    flat = torch.tensor(mine, dtype=torch.int64).reshape(-1)
+    gathered = torch.zeros(topology.world_size * flat.numel(), dtype=torch.int64, device=device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, flat.to(device), group=topology.world_group)
+    # The group orders its members by global rank; plan ranks follow the mesh.
+    by_global = gathered.cpu().view(topology.world_size, len(chosen), 1 + 2 * width).tolist()
+    order = sorted(topology.global_ranks)
+    return [by_global[order.index(g)] for g in topology.global_ranks]
+
+
+def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | None,
+            shard: int) -> tuple[tuple[Piece, ...], tuple[int, ...]]:
+    """The matrix's piece on each shard position from the gathered boxes (``[ok, offsets, sizes]``).
+
+    Raises:
+        ValueError: A trailing dim is split, or the distinct pieces do not tile the matrix.
+    """
+    width = (len(boxes[0]) - 1) // 2
+    lead = 0 if expert is None else 1  # a stack's dim 0 picks the expert
+    shape = tuple(p.shape[lead:])
+    pieces, starts = [], []
+    for box in boxes[:shard]:
+        offset, size = box[1 : 1 + p.ndim], box[1 + width : 1 + width + p.ndim]
+        for d in range(lead + 2, p.ndim):
+            if offset[d] != 0 or size[d] != p.shape[d]:
+                raise ValueError(f"parameter {name!r} is split on its dim {d}; dmuon needs a matrix's dims "
+                                 f"after the first two whole on every rank")
+        starts.append(offset[0])
+        rows, cols = size[lead], (size[lead + 1] if len(shape) > 1 else 1)
+        if expert is not None and not offset[0] <= expert < offset[0] + size[0]:
+            rows = 0  # not this expert; its columns still say how the stack's momentum splits here
+        pieces.append(Piece(offset[lead], rows, offset[lead + 1] if len(shape) > 1 else 0, cols))
+    seen: set[tuple[int, int, int, int]] = set()
+    out = []
+    for piece in pieces:
+        key = (piece.row, piece.rows, piece.col, piece.cols)
+        out.append(Piece(*key, sends=key not in seen))
+        if piece.rows * piece.cols:
+            seen.add(key)
+    distinct = [k for k in seen]
+    area = sum(k[1] * k[3] for k in distinct)
+    overlap = any(a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+                  for x, a in enumerate(distinct) for b in distinct[x + 1:])
+    cols = shape[1] if len(shape) > 1 else 1
+    if overlap or area != shape[0] * cols:
+        placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+        raise ValueError(f"parameter {name!r}: its local shards (placements {placements}) are not contiguous "
+                         "boxes of the matrix, a layout dmuon does not support")
+    return tuple(out), tuple(starts)
 
 
 def _fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -152,8 +263,8 @@ def prepare(
         ns = NSConfig()
     elif not isinstance(ns, NSConfig):
         raise ValueError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
-    mesh = _mesh_of(model)
-    topology = single_process() if mesh is None else from_mesh(mesh)
+    mesh, replicated = _layout_of(model)
+    topology = single_process() if mesh is None else from_mesh(mesh, replicated)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
     device = torch.device("cpu")
@@ -173,33 +284,45 @@ def prepare(
             block_of[id(p)] = b
     blocks = [BlockInfo(b, name, module) for b, (name, module, _) in enumerate(block_list)]
 
-    infos = []
-    shard = topology.shard
-    column = topology.coords[1]
     for name, p in chosen:
         if id(p) not in block_of:
             raise ValueError(f"parameter {name!r} is not managed by any fully_shard module")
-        split = tuple(shard_rows(p.shape[0], shard))
-        local = local_tensor(p)
-        if tuple(local.shape) != (split[column], *p.shape[1:]):
-            raise ValueError(f"parameter {name!r}: local shard {tuple(local.shape)} is not the row split "
-                             f"{split} dmuon expects for shape {tuple(p.shape)}")
+    boxes = _gather_boxes(chosen, topology, device)
+    bad = [name for k, (name, _) in enumerate(chosen) if not all(rank[k][0] for rank in boxes)]
+    if bad:
+        raise ValueError(f"parameters {bad[:5]}: a local shard is not where its DTensor placements put it "
+                         "(or not contiguous), a layout dmuon does not support")
+    infos = []
+    shard = topology.shard
+    for k, (name, p) in enumerate(chosen):
+        for r in range(1, topology.replicate):
+            if [b[k] for b in boxes[r * shard : (r + 1) * shard]] != [b[k] for b in boxes[:shard]]:
+                raise ValueError(f"parameter {name!r}: replica {r} holds other shards than replica 0; "
+                                 "dmuon needs the replicate dim to replicate every parameter")
+        column = [b[k] for b in boxes]
         if views[name] == "flatten":
-            columns = tuple(shard_rows(p.shape[1], topology.replicate))
-            matrices = [MatrixInfo(len(infos), name, p, tuple(p.shape), block_of[id(p)], rows=split,
-                                   columns=columns)]
+            pieces, _ = _pieces(name, p, column, None, shard)
+            matrices = [MatrixInfo(len(infos), name, p, tuple(p.shape), block_of[id(p)], pieces=pieces,
+                                   replicate=topology.replicate)]
         else:
-            # A stack of experts: FSDP2's Shard(0) puts each expert whole on one shard column.
-            starts = [sum(split[:s]) for s in range(shard)]
-            columns = tuple(shard_rows(p.shape[2], topology.replicate))
             matrices = []
             for e in range(p.shape[0]):
-                rows = tuple(p.shape[1] if starts[s] <= e < starts[s] + split[s] else 0 for s in range(shard))
+                pieces, starts = _pieces(name, p, column, e, shard)
                 matrices.append(MatrixInfo(len(infos) + e, f"{name}[{e}]", p, tuple(p.shape[1:]), block_of[id(p)],
-                                           rows=rows, columns=columns, expert=e, experts=split))
+                                           pieces=pieces, expert=e, stack_starts=starts,
+                                           replicate=topology.replicate))
         for info in matrices:
             infos.append(info)
             blocks[info.block].members.append(info.index)
+    if topology.replicate > 1:
+        r, s_ = topology.coords
+        # Each rank can check only its own momentum shard: one all-reduce puts every rank on the error.
+        ok = torch.tensor([int(_momentum_ok(info, s_, r)) for info in infos] or [1], dtype=torch.int32).to(device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.world_group)
+        bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})
+        if bad:
+            raise ValueError(f"parameters {bad[:5]}: no DTensor layout splits their momentum's columns over the "
+                             "replicas inside their tensor-parallel split; dmuon does not support it")
     blocks = [b for b in blocks if b.members]
     renumber = {b.index: k for k, b in enumerate(blocks)}
     for k, b in enumerate(blocks):

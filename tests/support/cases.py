@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
@@ -56,6 +56,8 @@ class Case:
     """Gradient accumulation: earlier micro-batches under ``set_requires_gradient_sync(False)``."""
     compile: bool = False
     """``torch.compile`` each block after ``fully_shard`` (backend ``aot_eager``: no C++ toolchain needed)."""
+    column_sharded: tuple[str, ...] = ()
+    """Parameters FSDP2 shards by columns (``shard_placement_fn`` giving ``Shard(1)``)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -75,9 +77,14 @@ def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
             p.requires_grad_(False)
 
 
-def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, compile: bool = False) -> None:
-    """``fully_shard`` each block, then the root, as a training script does for AdamW."""
+def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, compile: bool = False,
+                 column_sharded: tuple[str, ...] = ()) -> None:
+    """``fully_shard`` each block, then the root, as a training script does for AdamW
+    (``column_sharded``: these parameters by columns, through FSDP2's ``shard_placement_fn``)."""
     kw = {"reshard_after_forward": zero == 3}
+    if column_sharded:
+        by_columns = {id(p) for n, p in model.named_parameters() if n in column_sharded}
+        kw["shard_placement_fn"] = lambda p: Shard(1) if id(p) in by_columns else None
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
@@ -88,7 +95,8 @@ def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, comp
 
 
 def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
-                   bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False, **dmuon_kwargs):
+                   bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False,
+                   column_sharded: tuple[str, ...] = (), **dmuon_kwargs):
     """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise.
 
     Returns:
@@ -98,7 +106,7 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     torch.manual_seed(0)
     model = OddNet()
     freeze(model, frozen)
-    shard_oddnet(model, mesh, zero=zero, bf16=bf16, compile=compile)
+    shard_oddnet(model, mesh, zero=zero, bf16=bf16, compile=compile, column_sharded=column_sharded)
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
     plan = dmuon.prepare(model, balancer=balancer,
                          ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
@@ -117,7 +125,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     if case.kind == "dmuon":
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
                                           balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
-                                          compile=case.compile, overlap=case.overlap,
+                                          compile=case.compile, column_sharded=case.column_sharded,
+                                          overlap=case.overlap,
                                           ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
                                           **kw)
     else:
@@ -125,7 +134,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         torch.manual_seed(0)
         model, plan = OddNet(), None
         freeze(model, case.frozen)
-        shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile)
+        shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile,
+                     column_sharded=case.column_sharded)
         opt = GatherThenCompute(model, **kw)
     model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []

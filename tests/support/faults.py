@@ -40,17 +40,18 @@ def root_not_sharded(rank: int, world_size: int) -> str:
     return _catch(lambda: dmuon.DMuon(model))
 
 
-def columns_sharded(rank: int, world_size: int) -> str:
-    """A shard_placement_fn that shards one matrix by columns: a layout dmuon does not support."""
+def kernel_sharded(rank: int, world_size: int) -> str:
+    """A shard_placement_fn that shards the conv kernel's dim 2 (the kernel width): a layout
+    dmuon does not support (a matrix's dims after the first two must be whole)."""
     mesh = init_device_mesh("cpu", (world_size,))
     model = OddNet()
 
     def placement(p):
-        return Shard(1) if p.shape == (37, 200) else None
+        return Shard(2) if p.ndim == 3 else None
 
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     return _catch(lambda: dmuon.DMuon(model))
 
 

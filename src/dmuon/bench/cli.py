@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="run on an R x (N/R) (replicate, shard) HSDP mesh")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor parallel: a (N/T, T) (dp, tp) mesh, with --hsdp R (R, N/(R*T), T); torch's "
+                        "parallelize_module splits each decoder layer (colwise q/k/v/gate/up, rowwise o/down), "
+                        "then fully_shard over dp (qwen2 and tiny)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated, from {ALL_CONFIGS} (*_z2: fully_shard with reshard_after_forward="
                         "False, ZeRO-2; *_z3 and the others: FSDP2's default True, ZeRO-3; adamw_z2: "
@@ -72,7 +76,7 @@ def _options(args) -> BenchOptions:
     ns_dtype = DTYPES[args.ns_dtype]
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
-        steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp,
+        steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp, tp=args.tp,
         rounds=args.rounds, interleave=not args.sequential,
         hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method,
                     balancer="greedy" if args.balancer == "all" else args.balancer, profile=args.profile),
@@ -99,8 +103,15 @@ def run(args) -> dict:
         raise SystemExit("dmuon bench: interleaved runs need --warmup >= 1 (peak memory and "
                          "autotuning are taken there); use --sequential for --warmup 0")
     opts = _options(args)
-    if args.hsdp < 1:
-        raise SystemExit("dmuon bench: --hsdp must be >= 1")
+    if args.hsdp < 1 or args.tp < 1:
+        raise SystemExit("dmuon bench: --hsdp and --tp must be >= 1")
+    if args.tp > 1 and args.model not in ("qwen2", "tiny"):
+        raise SystemExit(f"dmuon bench: --tp needs a workload with a tensor-parallel plan (qwen2, tiny), not {args.model}")
+
+    def check_mesh(world_size: int) -> None:
+        if world_size % (args.hsdp * args.tp):
+            raise SystemExit(f"dmuon bench: --hsdp {args.hsdp} x --tp {args.tp} does not divide the world size "
+                             f"{world_size}")
     start = time.perf_counter()
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
     if under_torchrun:
@@ -109,6 +120,7 @@ def run(args) -> dict:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
         world_size = dist.get_world_size()
+        check_mesh(world_size)
         results = run_all(dist.get_rank(), world_size, configs, opts)
         rank = dist.get_rank()
         dist.destroy_process_group()
@@ -118,8 +130,7 @@ def run(args) -> dict:
         world_size = args.world_size
         if world_size < 1:
             raise SystemExit("dmuon bench: --world-size must be >= 1")
-        if world_size % args.hsdp:
-            raise SystemExit(f"dmuon bench: --hsdp {args.hsdp} does not divide --world-size {world_size}")
+        check_mesh(world_size)
         if not args.quiet:
             print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
                   f"configs {', '.join(configs)}", file=sys.stderr)
@@ -129,7 +140,7 @@ def run(args) -> dict:
     payload = {
         "machine": machine_description(),
         "world_size": world_size,
-        "mesh": [args.hsdp, world_size // args.hsdp] if args.hsdp > 1 else [world_size],
+        "mesh": [args.hsdp] * (args.hsdp > 1) + [world_size // (args.hsdp * args.tp)] + [args.tp] * (args.tp > 1),
         "model": args.model,
         "size": args.size,
         "tokens_per_rank": results[0]["tokens_per_rank"],

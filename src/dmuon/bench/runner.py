@@ -49,6 +49,9 @@ class BenchOptions:
     """Untimed steps first (autotuning and caches settle here)."""
     hsdp: int = 1
     """Replicas R: run on an R x (N/R) (replicate, shard) mesh when > 1."""
+    tp: int = 1
+    """Tensor-parallel degree T: a (dp, tp) mesh (with ``hsdp``: (replicate, shard, tp)), each
+    block split by the workload's TP plan, FSDP2 over the rest; ranks of one tp group read the same data."""
     hyper: Hyper = field(default_factory=Hyper)
     """Optimizer settings."""
     progress: bool = True
@@ -91,7 +94,8 @@ def _peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_after_forward: bool = True) -> int:
+def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_after_forward: bool = True,
+                         tp: int = 1) -> int:
     """Bytes one rank sends plus receives in FSDP2's collectives per step (from shapes).
 
     Each sharded parameter (every one: FSDP2 shards the Muon matrices too) is
@@ -100,13 +104,15 @@ def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_aft
     its gradient reduce-scattered once within the shard group; ring collectives
     move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
     all-reduce of the gradient shard across the R replicas (2 (R-1)/R of the
-    shard each way). See :func:`dmuon.plan.traffic.fsdp2_traffic`.
+    shard each way). See :func:`dmuon.plan.traffic.fsdp2_traffic`. With tensor
+    parallelism FSDP2's groups are the ``S / tp`` dp ranks and each moves its tp
+    rank's part of a parameter (TP's own collectives on activations are not counted).
     """
-    shard = world_size // replicate
+    shard = world_size // (replicate * tp)
     numels: dict[int, list[int]] = {}
     for p in model.parameters():
         if isinstance(p, DTensor):
-            numels.setdefault(p.element_size(), []).append(p.numel())
+            numels.setdefault(p.element_size(), []).append(p.to_local().numel() * shard if tp > 1 else p.numel())
     total = 0
     for elem_bytes, sizes in numels.items():
         t = fsdp2_traffic(sizes, replicate, shard, elem_bytes=elem_bytes,
@@ -163,7 +169,8 @@ class _ConfigRun:
         times are complete when it ends, whichever configuration runs next.
         """
         device = self.device
-        batch = self.workload.make_batch(len(self.losses), self.rank)
+        # The ranks of one tp group are one data-parallel rank: they read the same batch.
+        batch = self.workload.make_batch(len(self.losses), self.rank // self.opts.tp)
         if device == "cuda":
             batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         dist.barrier()
@@ -227,7 +234,7 @@ class _ConfigRun:
             # (in NS's input dtype: torch.optim.Muon casts to bfloat16 before NS).
             opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
-        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward)
+        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward, self.opts.tp)
         live = self.live_bytes()
         balance = self.plan.balance_result if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))
@@ -266,6 +273,11 @@ def _device() -> str:
 
 
 def _mesh(device: str, world_size: int, opts: BenchOptions):
+    if opts.tp > 1:
+        if opts.hsdp > 1:
+            return init_device_mesh(device, (opts.hsdp, world_size // (opts.hsdp * opts.tp), opts.tp),
+                                    mesh_dim_names=("replicate", "shard", "tp"))
+        return init_device_mesh(device, (world_size // opts.tp, opts.tp), mesh_dim_names=("dp", "tp"))
     if opts.hsdp > 1:
         return init_device_mesh(device, (opts.hsdp, world_size // opts.hsdp), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device, (world_size,))

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
@@ -85,8 +86,35 @@ class _Pair:
         return {}
 
 
+def dp_mesh(mesh):
+    """The data-parallel part of a mesh with a ``"tp"`` dim (the mesh itself without one)."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    dp = tuple(n for n in names if n != "tp")
+    return mesh[dp] if len(dp) > 1 else mesh[dp[0]]
+
+
 def _shard(workload, mesh, reshard: bool) -> None:
-    """``fully_shard`` each block, then the root, as FSDP2 users do (the same for every optimizer)."""
+    """``fully_shard`` each block, then the root, as FSDP2 users do (the same for every optimizer).
+
+    On a mesh with a ``"tp"`` dim, torch's ``parallelize_module`` first splits each
+    block by the workload's TP plan; FSDP2 then shards over the other dims.
+
+    Raises:
+        ValueError: ``"tp"`` for a workload without a TP plan, or one its heads do not divide.
+    """
+    if "tp" in (mesh.mesh_dim_names or ()):
+        tp = mesh["tp"]
+        if workload.tp_plan is None:
+            raise ValueError(f"--tp: the {workload.name} workload has no tensor-parallel plan (qwen2 and tiny have)")
+        size = workload.config
+        for what in ("heads", "kv_heads"):
+            if getattr(size, what, 0) % tp.size():
+                raise ValueError(f"--tp {tp.size()} does not divide the model's {getattr(size, what)} {what}")
+        for block in workload.blocks:
+            parallelize_module(block, tp, workload.tp_plan())
+        mesh = dp_mesh(mesh)
     for block in workload.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)

@@ -1,11 +1,15 @@
 """Exchanges between FSDP2's row shards and each matrix's owner.
 
 FSDP2 keeps every matrix split by rows (``Shard(0)``) over the shard level of a
-(replicate R x shard S) mesh; after its reduce-scatter (and, on HSDP, its
-all-reduce across replicas) every rank holds its rows of the averaged
-gradient, identical in every replica. Muon's momentum is kept once in the
-whole mesh: rank ``(r, s)`` keeps rows ``s`` x column slice ``r``
-(``MatrixInfo.columns``). dmuon moves only what Newton-Schulz consumes and
+(replicate R x shard S) mesh, and tensor parallelism splits it further (the
+shard level is then FSDP2's and TP's dims together); each shard position
+``s`` holds a box of the matrix, ``MatrixInfo.pieces[s]``. After FSDP2's
+reduce-scatter (and, on HSDP, its all-reduce across replicas) every rank
+holds its piece of the averaged gradient, identical in every replica. Muon's
+momentum is kept once in the whole mesh: rank ``(r, s)`` keeps piece ``s``'s
+column slice ``r`` (``MatrixInfo.replica_columns``). A piece several
+positions hold (a matrix TP leaves whole) is sent by its first holder only
+and comes back to all. dmuon moves only what Newton-Schulz consumes and
 produces, in its wire dtype:
 
 * **Directions, hop A** (replicate level, HSDP only): every rank sends its
@@ -133,8 +137,12 @@ class ShardExchange:
         return self.topo.coords_of(self.infos[i].owner)
 
     def _piece(self, i: int, s: int) -> int:
-        """Elements of matrix ``i`` on shard column ``s``."""
-        return self.infos[i].rows[s] * self.infos[i].row_width
+        """Elements of matrix ``i`` on shard position ``s`` (what comes back there)."""
+        return self.infos[i].piece_numel(s)
+
+    def _sent(self, i: int, s: int) -> int:
+        """Elements of matrix ``i`` shard position ``s`` sends to the owner (none from a copy)."""
+        return self.infos[i].sent_numel(s)
 
     def _all_to_all(self, level: str, group, out: torch.Tensor, inp: torch.Tensor,
                     out_splits: list[int], in_splits: list[int], me: int):
@@ -148,8 +156,8 @@ class ShardExchange:
 
         Args:
             members: Matrix indices, identical and in the same order on every rank.
-            local: This rank's piece of each member (rows ``rows[s]`` x columns
-                ``columns[r]`` of the parameter's shape, any view of it), in the wire dtype.
+            local: This rank's part of each member's direction (piece ``s``'s column slice
+                ``r``, any view of it), in the wire dtype.
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives ``{index: full (m, n) direction}``
@@ -164,33 +172,36 @@ class ShardExchange:
         topo, infos = self.topo, self.infos
         r, s = topo.coords
         ours = [i for i in members if self._owner(i)[0] == r]
-        if sum(infos[i].rows[s] * infos[i].row_width for i in members) == 0:
-            # This shard column holds no rows of these members: nothing crosses its replicate group.
+        if sum(self._sent(i, s) for i in members) == 0:
+            # This shard position sends nothing of these members: nothing crosses its replicate group.
             nothing = {i: self._empty(0) for i in ours}
             return Pending([], _no_result, self.stats, then=lambda: self._rows_to_owners(members, nothing))
         to_replica = sorted(members, key=lambda i: (self._owner(i)[0], i))
         in_splits = [0] * topo.replicate
         for i in members:
-            in_splits[self._owner(i)[0]] += infos[i].momentum_piece(r, s)
-        out_splits = [sum(infos[i].momentum_piece(q, s) for i in ours) for q in range(topo.replicate)]
-        send = self._cat([local[i].reshape(-1) for i in to_replica])
+            in_splits[self._owner(i)[0]] += infos[i].slice_numel(r, s)
+        out_splits = [sum(infos[i].slice_numel(q, s) for i in ours) for q in range(topo.replicate)]
+        send = self._cat([local[i].reshape(-1) for i in to_replica if infos[i].slice_numel(r, s)])
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("inter", topo.replicate_group, recv, send, out_splits, in_splits, r)
 
         def then() -> Pending:
             slices: dict[int, list[torch.Tensor]] = {i: [] for i in ours}
             for q, segment in enumerate(recv.split(out_splits)):
-                for i, piece in zip(ours, segment.split([infos[i].momentum_piece(q, s) for i in ours])):
-                    slices[i].append(piece.view(infos[i].rows[s], infos[i].columns[q], *infos[i].shape[2:]))
-            rows = {i: torch.cat(slices[i], dim=1).reshape(infos[i].rows[s], infos[i].row_width) for i in ours}
-            return self._rows_to_owners(members, rows)
+                for i, piece in zip(ours, segment.split([infos[i].slice_numel(q, s) for i in ours])):
+                    if self._sent(i, s):
+                        slices[i].append(piece.view(infos[i].rows[s], infos[i].replica_columns(s)[q],
+                                                    infos[i].inner))
+            # The R column slices side by side are this position's piece of the direction.
+            pieces = {i: torch.cat(slices[i], dim=1).reshape(-1) for i in ours if self._sent(i, s)}
+            return self._rows_to_owners(members, pieces)
 
         return Pending([work], _no_result, self.stats, then=then)
 
     def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
-        """Hop B: inside each replica, its ranks' rows of the members it owns go to their owners.
+        """Hop B: inside each replica, its ranks' pieces of the members it owns go to their owners.
 
-        ``local`` needs only the members owned in this rank's replica.
+        ``local`` needs only the members owned in this rank's replica that this position sends.
         """
         topo = self.topo
         r, s = topo.coords
@@ -204,19 +215,19 @@ class ShardExchange:
         by_column = sorted(in_replica, key=lambda i: (self._owner(i)[1], i))
         in_splits = [0] * topo.shard
         for i in in_replica:
-            in_splits[self._owner(i)[1]] += self._piece(i, s)
-        out_splits = [sum(self._piece(i, src) for i in mine) for src in range(topo.shard)]
-        send = self._cat([local[i].reshape(-1) for i in by_column])
+            in_splits[self._owner(i)[1]] += self._sent(i, s)
+        out_splits = [sum(self._sent(i, src) for i in mine) for src in range(topo.shard)]
+        send = self._cat([local[i].reshape(-1) for i in by_column if self._sent(i, s)])
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
 
         def finish() -> dict[int, torch.Tensor]:
-            segments = recv.split(out_splits)
-            pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
-            for src, segment in enumerate(segments):
-                for i, piece in zip(mine, segment.split([self._piece(i, src) for i in mine])):
-                    pieces[i].append(piece)
-            return {i: torch.cat(pieces[i]).view(self.infos[i].matrix_shape) for i in mine}
+            pieces: dict[int, dict[int, torch.Tensor]] = {i: {} for i in mine}
+            for src, segment in enumerate(recv.split(out_splits)):
+                for i, piece in zip(mine, segment.split([self._sent(i, src) for i in mine])):
+                    if self._sent(i, src):
+                        pieces[i][src] = piece
+            return {i: self.infos[i].assemble(pieces[i]) for i in mine}
 
         return Pending([work], finish, self.stats)
 
@@ -251,15 +262,11 @@ class ShardExchange:
         if topo.shard == 1 or not in_replica:
             return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats)
 
-        def rows_of(i: int, column: int, full: torch.Tensor) -> torch.Tensor:
-            start = sum(infos[i].rows[:column])
-            return full[start : start + infos[i].rows[column]]
-
         mine = [i for i in members if infos[i].owner == topo.rank]
         from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
         in_splits = [sum(self._piece(i, dst) for i in mine) for dst in range(topo.shard)]
         out_splits = [sum(self._piece(i, s) for i in from_column[c]) for c in range(topo.shard)]
-        send = self._cat([rows_of(i, dst, owned[i]).reshape(-1) for dst in range(topo.shard) for i in mine])
+        send = self._cat([infos[i].cut(owned[i], dst) for dst in range(topo.shard) for i in mine])
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
 
@@ -282,10 +289,10 @@ class ShardExchange:
 
     def _rows_by_source(self, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]],
                         s: int) -> dict[int, torch.Tensor]:
-        """Cuts a landed buffer into this column's ``(rows[s], row_width)`` of each member, source by source."""
+        """Cuts a landed buffer into this position's piece ``(rows, cols * inner)`` of each member, source by source."""
         out = {}
         for source, segment in enumerate(recv.split(splits)):
             members = members_of[source]
             for i, piece in zip(members, segment.split([self._piece(i, s) for i in members])):
-                out[i] = piece.view(self.infos[i].rows[s], self.infos[i].row_width)
+                out[i] = piece.view(self.infos[i].rows[s], self.infos[i].pieces[s].cols * self.infos[i].inner)
         return out

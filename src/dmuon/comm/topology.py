@@ -1,4 +1,4 @@
-"""Where this rank sits in a (replicate x shard) mesh, and the groups dmuon talks on."""
+"""Where this rank sits in a (replicate x shard) view of the mesh, and the groups dmuon talks on."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ class Topology:
     """Process group of this rank's shard column (R ranks, ordered by ``r``); None when R == 1."""
     world_group: object = None
     """All R*S ranks; None in a single process."""
+    global_ranks: tuple[int, ...] = ()
+    """The default group's rank of each plan rank (empty in a single process)."""
 
     @property
     def world_size(self) -> int:
@@ -45,22 +47,26 @@ def single_process() -> Topology:
     return Topology(1, 1, 0)
 
 
-def from_mesh(mesh) -> Topology:
-    """Builds dedicated process groups for dmuon's traffic on a 1-D or 2-D DeviceMesh.
+def from_mesh(mesh, replicated: bool) -> Topology:
+    """Builds dedicated process groups for dmuon's traffic on a DeviceMesh of any dimension.
+
+    The mesh's dims flatten into two levels: with ``replicated`` (HSDP) its dim 0
+    is the replicate level R and the other dims (FSDP2's shard dim, a tensor-
+    parallel dim) together the shard level S; otherwise R = 1. Plan ranks are
+    the row-major positions in the mesh.
 
     Every rank of the default group must call this (``new_group`` is collective
     over the world), in the same order, which ``prepare`` guarantees.
-
-    Raises:
-        ValueError: For meshes of more than two dimensions.
     """
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got {mesh.ndim}-D")
-    grid = mesh.mesh.reshape(1, -1) if mesh.ndim == 1 else mesh.mesh
-    replicate, shard = grid.shape
+    replicate = mesh.size(0) if replicated else 1
+    grid = mesh.mesh.reshape(replicate, -1)
+    shard = grid.shape[1]
     coord = mesh.get_coordinate()
     assert coord is not None, "this rank is not part of the mesh"
-    r, s = (0, coord[0]) if mesh.ndim == 1 else (coord[0], coord[1])
+    flat = 0
+    for size, c in zip(mesh.mesh.shape, coord):
+        flat = flat * size + c
+    r, s = divmod(flat, shard)
     # A separate set of groups keeps dmuon's collectives apart from FSDP2's.
     world_group = dist.new_group(ranks=grid.flatten().tolist())
     shard_group = replicate_group = None
@@ -73,4 +79,5 @@ def from_mesh(mesh) -> Topology:
             g = dist.new_group(ranks=grid[:, col].tolist())
             if col == s:
                 replicate_group = g
-    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group)
+    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group,
+                    tuple(grid.flatten().tolist()))

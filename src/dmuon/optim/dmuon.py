@@ -429,7 +429,7 @@ class DMuon(torch.optim.Optimizer):
         for returned in returns:
             for i, rows in returned.wait().items():
                 info, group = infos[i], group_of[i]
-                if info.rows[column]:
+                if info.piece_numel(column):
                     apply_update(self._local(i, info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
                                  adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
         return len(orthos), ns_seconds

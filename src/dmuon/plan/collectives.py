@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from dmuon.plan.rank_traffic import check_mesh, check_owners, row_width, shard_rows
+from dmuon.plan.rank_traffic import check_mesh, check_owners, piece_table, row_width, shard_rows
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "fsdp_adamw", "gather")
 """Keys of :func:`step_comm`."""
@@ -98,6 +98,7 @@ def owner_exchange_collectives(
     elem_bytes: int = 2,
     block_order: Sequence[int] | None = None,
     waves: Sequence[Sequence[int]] | None = None,
+    pieces: Sequence[Sequence] | None = None,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -118,6 +119,11 @@ def owner_exchange_collectives(
     when the group has one rank. The concurrent per-replica (or per-column)
     collectives are one entry: they run at once.
 
+    ``pieces`` (per matrix, one :class:`dmuon.plan.Piece` per shard position,
+    as ``MatrixInfo.pieces``) gives layouts other than FSDP2's full-width row
+    chunks: tensor parallelism's boxes, and copies of a piece, which only
+    their first holder sends (all receive the update).
+
     Returns:
         ``(backward, step)``: the per-block direction exchanges, in order, and
         the step's return exchanges, wave by wave.
@@ -127,21 +133,27 @@ def owner_exchange_collectives(
     if len(blocks) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
     world = replicate * shard
-    rows = [shard_rows(int(s[0]), shard) for s in shapes]
-    widths = [row_width(s) for s in shapes]
+    tables = [piece_table(shp, shard, None if pieces is None else pieces[i]) for i, shp in enumerate(shapes)]
+    inner = [row_width(shp) // (int(shp[1]) if len(shp) > 1 else 1) if row_width(shp) else 0 for shp in shapes]
 
     def piece(i: int, s: int) -> int:
-        return rows[i][s] * widths[i] * elem_bytes
+        """Bytes of matrix ``i``'s update that come back to position ``s``."""
+        rows, cols, _ = tables[i][s]
+        return rows * cols * inner[i] * elem_bytes
+
+    def sent_bytes(i: int, s: int) -> int:
+        """Bytes of matrix ``i``'s direction position ``s`` sends (none from a copy)."""
+        return piece(i, s) if tables[i][s][2] else 0
 
     def fresh():
         return [0] * world, [0] * world, [set() for _ in range(world)], [set() for _ in range(world)]
 
     order = sorted(set(blocks), reverse=True) if block_order is None else list(block_order)
-    cols = [int(s[1]) if len(s) > 1 else 1 for s in shapes]
-    columns = [shard_rows(c, replicate) for c in cols]
 
     def column_piece(i: int, r: int, s: int) -> int:
-        return rows[i][s] * columns[i][r] * (widths[i] // cols[i]) * elem_bytes if cols[i] else 0
+        """Bytes of the direction's column slice ``r`` position ``s`` sends to the owner's replica."""
+        rows, cols, sends = tables[i][s]
+        return rows * shard_rows(cols, replicate)[r] * inner[i] * elem_bytes if sends else 0
 
     backward: list[Collective] = []
     for b in order:
@@ -161,7 +173,7 @@ def owner_exchange_collectives(
                             received[dst] += moved
                             out[src].add(dst)
                             inn[dst].add(src)
-            part = [any(rows[i][k % shard] * widths[i] for i in members) for k in range(world)]
+            part = [any(sent_bytes(i, k % shard) for i in members) for k in range(world)]
             backward.append(_a2a("inter", "backward", b, world, sent, received, out, inn, part,
                                  f"dmuon direction slices block {b}"))
         if shard > 1:
@@ -170,7 +182,7 @@ def owner_exchange_collectives(
             for i in members:
                 r_o, s_o = divmod(owners[i], shard)
                 for s in range(shard):
-                    moved = piece(i, s)
+                    moved = sent_bytes(i, s)
                     if s != s_o and moved:
                         src = r_o * shard + s
                         sent[src] += moved

@@ -12,6 +12,33 @@ from torch import nn
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.balance import rank_loads
 from dmuon.plan.batches import split_into_batches
+from dmuon.plan.rank_traffic import shard_rows
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one matrix a shard position holds: a box of ``shape[0]`` x ``shape[1]``
+    (the trailing dims of a conv kernel whole), as its DTensor local shard lays it out."""
+
+    row: int
+    """First row."""
+    rows: int
+    """Rows held (0: this position holds none of the matrix)."""
+    col: int = 0
+    """First column of ``shape[1]``."""
+    cols: int = 0
+    """Columns of ``shape[1]`` held."""
+    sends: bool = True
+    """Whether this position sends the piece to the owner. A matrix not split over a
+    tensor-parallel dimension has the same piece on several positions (its DTensor is
+    ``Replicate`` there); only the first of them sends its direction, all receive the update."""
+
+
+def row_pieces(shape: Sequence[int], shard: int) -> tuple[Piece, ...]:
+    """FSDP2's plain ``Shard(0)`` layout over ``shard`` positions: full-width row chunks (torch.chunk's rule)."""
+    cols = int(shape[1]) if len(shape) > 1 else 1
+    rows = shard_rows(int(shape[0]), shard)
+    return tuple(Piece(sum(rows[:s]), rows[s], 0, cols) for s in range(shard))
 
 
 @dataclass
@@ -32,16 +59,18 @@ class MatrixInfo:
     """Rank that gathers the matrix's direction and runs Newton-Schulz for it."""
     cost: float = 0.0
     """Estimated owner-side cost used by the balancer (arbitrary units)."""
-    rows: tuple[int, ...] = ()
-    """Rows each shard column holds (FSDP2's ``Shard(0)`` split; trailing entries may be 0)."""
+    pieces: tuple[Piece, ...] = ()
+    """Per shard position ``s`` (the plan rank ``r * S + s`` of any replica ``r``), the box of the
+    matrix its local shard holds: FSDP2's row chunk, under tensor parallelism a row or column
+    chunk of that, and for a stack of experts nothing on positions without this expert."""
     expert: int | None = None
     """For a stack of experts (``matrix_view="stack"``): which slice ``param[expert]`` this is."""
-    experts: tuple[int, ...] = ()
-    """For a stack: experts each shard column holds (FSDP2's ``Shard(0)`` split of ``param.shape[0]``)."""
-    columns: tuple[int, ...] = ()
-    """Slices of ``shape[1]`` each replica keeps Muon's momentum for (``Shard(1)`` over the R
-    replicas, torch.chunk's rule; ``(shape[1],)`` without replicas), so on HSDP no state is
-    duplicated across replicas: rank ``(r, s)`` holds rows ``rows[s]`` x columns ``columns[r]``."""
+    stack_starts: tuple[int, ...] = ()
+    """For a stack: the first expert of each shard position's local shard."""
+    replicate: int = 1
+    """R, the replicas the momentum's columns are split over (``Shard(1)``, torch.chunk's rule
+    on each piece's columns), so on HSDP no state is duplicated across replicas: rank
+    ``(r, s)`` keeps piece ``s``'s rows x its ``r``-th slice of the piece's columns."""
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
@@ -58,27 +87,73 @@ class MatrixInfo:
         return math.prod(self.shape[1:])
 
     @property
+    def inner(self) -> int:
+        """Elements per column of ``shape[1]`` in a row (a conv kernel's ``prod(shape[2:])``; 1 for a matrix)."""
+        return math.prod(self.shape[2:])
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Rows each shard position holds."""
+        return tuple(p.rows for p in self.pieces)
+
+    @property
     def param_dim(self) -> int:
         """The parameter dim of the matrix's dim 1 (the one the momentum splits over replicas)."""
         return 1 if self.expert is None else 2
 
+    def piece_numel(self, s: int) -> int:
+        """Elements of the matrix on shard position ``s`` (its rows of the update come back there)."""
+        p = self.pieces[s]
+        return p.rows * p.cols * self.inner
+
+    def sent_numel(self, s: int) -> int:
+        """Elements position ``s`` sends towards the owner (0 for a copy of another position's piece)."""
+        return self.piece_numel(s) if self.pieces[s].sends else 0
+
+    def replica_columns(self, s: int) -> list[int]:
+        """Piece ``s``'s columns each replica keeps the momentum of."""
+        return shard_rows(self.pieces[s].cols, self.replicate)
+
+    def column_start(self, r: int, s: int) -> int:
+        """First column, within piece ``s``, of replica ``r``'s momentum slice."""
+        return sum(self.replica_columns(s)[:r])
+
+    def momentum_numel(self, r: int, s: int) -> int:
+        """Elements of the momentum (and of the direction formed from it) on rank ``(r, s)``."""
+        return self.pieces[s].rows * self.replica_columns(s)[r] * self.inner
+
+    def slice_numel(self, r: int, s: int) -> int:
+        """Elements of rank ``(r, s)``'s direction slice that travel to the owner's replica."""
+        return self.momentum_numel(r, s) if self.pieces[s].sends else 0
+
     def local_view(self, local: "torch.Tensor", s: int) -> "torch.Tensor":
-        """The matrix's part of shard column ``s``'s local tensor (the parameter's, a gradient's or
-        the momentum's), shaped ``(rows[s], *shape[1:])`` (the last dims as that tensor has them)."""
+        """The matrix's part of shard position ``s``'s local tensor (the parameter's, a gradient's
+        or the momentum's), shaped ``(rows, cols, *shape[2:])`` (the last dims as that tensor has them)."""
         if self.expert is None:
             return local
-        start = sum(self.experts[:s])
-        if start <= self.expert < start + self.experts[s]:
-            return local[self.expert - start]
+        if self.pieces[s].rows:
+            return local[self.expert - self.stack_starts[s]]
         return local.new_empty((0, *local.shape[2:]))
 
-    def momentum_piece(self, r: int, s: int) -> int:
-        """Elements of the momentum (and of the direction formed from it) on rank ``(r, s)``."""
-        return self.rows[s] * self.columns[r] * math.prod(self.shape[2:])
+    def cut(self, full: "torch.Tensor", s: int) -> "torch.Tensor":
+        """Piece ``s`` of a full ``(m, n)`` matrix, flattened (a copy unless it is whole rows)."""
+        p = self.pieces[s]
+        if p.cols == self.shape[1]:
+            return full[p.row : p.row + p.rows].reshape(-1)
+        box = full.view(self.shape[0], self.shape[1], self.inner)[p.row : p.row + p.rows, p.col : p.col + p.cols]
+        return box.reshape(-1)
 
-    def column_start(self, r: int) -> int:
-        """First column (of ``shape[1]``) of replica ``r``'s momentum slice."""
-        return sum(self.columns[:r])
+    def assemble(self, parts: "dict[int, torch.Tensor]") -> "torch.Tensor":
+        """The full ``(m, n)`` matrix from the pieces of the sending positions ``{s: flat piece}``."""
+        order = sorted(parts, key=lambda s: (self.pieces[s].row, self.pieces[s].col))
+        if all(self.pieces[s].cols == self.shape[1] for s in order):
+            return torch.cat([parts[s] for s in order]).view(self.matrix_shape)
+        first = parts[order[0]]
+        full = first.new_empty(self.shape[0], self.shape[1], self.inner)
+        for s in order:
+            p = self.pieces[s]
+            full[p.row : p.row + p.rows, p.col : p.col + p.cols] = parts[s].view(p.rows, p.cols, self.inner)
+        return full.view(self.matrix_shape)
 
 
 @dataclass

@@ -79,6 +79,22 @@ def row_width(shape: Sequence[int]) -> int:
     return math.prod(int(d) for d in shape[1:])
 
 
+def piece_table(shape: Sequence[int], shard: int, pieces: Sequence | None = None) -> list[tuple[int, int, bool]]:
+    """Per shard position ``(rows, cols, sends)`` of a matrix: what it holds and whether it sends it.
+
+    Default: FSDP2's row chunks (:func:`shard_rows`), full width, every position
+    sending its own. ``pieces`` (one :class:`dmuon.plan.Piece` per position, or
+    anything with ``rows``, ``cols`` and ``sends``) describes other layouts:
+    tensor parallelism's boxes, and copies only the first holder sends.
+    """
+    cols = int(shape[1]) if len(shape) > 1 else 1
+    if pieces is None:
+        return [(rows, cols, True) for rows in shard_rows(int(shape[0]), shard)]
+    if len(pieces) != shard:
+        raise ValueError(f"{len(pieces)} pieces for {shard} shard positions")
+    return [(p.rows, p.cols, p.sends) for p in pieces]
+
+
 def critical_path(traffic: Sequence[RankTraffic]) -> int:
     """The most bytes any one rank sends or receives in a step.
 

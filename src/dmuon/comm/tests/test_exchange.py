@@ -1,9 +1,12 @@
 """ShardExchange on its own, no model: 4 gloo ranks, a 1-D mesh and a 2x2 (replicate x shard) one.
 
-Every rank holds its piece of known full tensors (rows ``rows[s]`` of shard column
-``s`` and, on HSDP, columns ``columns[r]`` of replica ``r``), as FSDP2 and dmuon's
-column-sliced momentum leave them. The owners must get exactly the full
-directions, every rank exactly its rows of every update, and the bytes counted
+Every rank holds its piece of known full tensors (piece ``s`` of shard position
+``s`` and, on HSDP, its column slice ``r`` of replica ``r``), as FSDP2 and dmuon's
+column-sliced momentum leave them. Two layouts: FSDP2's row chunks, and
+tensor parallelism's (the shard positions as dp x tp with tp = 2: colwise
+rows inside TP's chunks, rowwise boxes, and a matrix TP leaves whole, whose
+copies only the first holder sends). The owners must get exactly the full
+directions, every rank exactly its piece of every update, and the bytes counted
 for each collective must be :func:`dmuon.plan.traffic.owner_exchange_collectives`'.
 """
 
@@ -22,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dmuon.comm.exchange import ShardExchange
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import from_mesh
-from dmuon.plan.plan import MatrixInfo
+from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
 from dmuon.plan.traffic import owner_exchange_collectives, shard_rows
 from dmuon.util.spawn import run_distributed
 
@@ -35,19 +38,46 @@ BLOCKS = [0, 0, 0, 1, 1, 2, 2, 3]
 # Block 2: owned by ranks 0 and 1 only, so on 2x2 replica 1 owns none of it.
 # Block 3: one 1xn matrix, owned in replica 1 on 2x2; shard column 1 holds none of its rows.
 OWNERS = [3, 1, 2, 0, 3, 0, 1, 2]
-MESHES = {"1-D": None, "2x2": (2, 2)}
+MESHES = {"1-D": (None, "rows"), "2x2": ((2, 2), "rows"), "1-D tp": (None, "tp"), "2x2 tp": ((2, 2), "tp")}
+TP = 2
 WIRE = torch.float32
 ELEM = 4
 
 
-def _grid(mesh_shape) -> tuple[int, int]:
+def _grid(mesh: str) -> tuple[int, int]:
+    mesh_shape = MESHES[mesh][0]
     return (1, WORLD) if mesh_shape is None else mesh_shape
 
 
-def _infos(replicate: int, shard: int) -> list[MatrixInfo]:
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
+def _tp_pieces(k: int, shape, shard: int) -> tuple[Piece, ...]:
+    """Position ``s = d * TP + t`` of a (dp, tp) grid: matrix ``k`` colwise, rowwise or left whole by TP."""
+    m, n, dp = shape[0], shape[1], shard // TP
+    out = []
+    for s in range(shard):
+        d, t = divmod(s, TP)
+        if k % 3 == 0:  # colwise: TP's row chunk, FSDP2's rows inside it (_StridedShard)
+            tp_rows = shard_rows(m, TP)
+            rows = shard_rows(tp_rows[t], dp)
+            out.append(Piece(_starts(tp_rows)[t] + _starts(rows)[d], rows[d], 0, n))
+        elif k % 3 == 1:  # rowwise: FSDP2's rows x TP's columns
+            rows, cols = shard_rows(m, dp), shard_rows(n, TP)
+            out.append(Piece(_starts(rows)[d], rows[d], _starts(cols)[t], cols[t]))
+        else:  # not split by TP: every tp position holds FSDP2's row chunk, the first sends it
+            rows = shard_rows(m, dp)
+            out.append(Piece(_starts(rows)[d], rows[d], 0, n, sends=t == 0))
+    return tuple(out)
+
+
+def _infos(mesh: str) -> list[MatrixInfo]:
+    replicate, shard = _grid(mesh)
+    layout = MESHES[mesh][1]
     return [MatrixInfo(index=k, name=f"m{k}", param=nn.Parameter(torch.zeros(0)), shape=shape, block=BLOCKS[k],
-                       owner=OWNERS[k], rows=tuple(shard_rows(shape[0], shard)),
-                       columns=tuple(shard_rows(shape[1], replicate)))
+                       owner=OWNERS[k], replicate=replicate,
+                       pieces=row_pieces(shape, shard) if layout == "rows" else _tp_pieces(k, shape, shard))
             for k, shape in enumerate(SHAPES)]
 
 
@@ -66,14 +96,18 @@ def _update(info: MatrixInfo) -> torch.Tensor:
 
 
 def _rows(info: MatrixInfo, s: int, full: torch.Tensor) -> torch.Tensor:
-    start = sum(info.rows[:s])
-    return full[start : start + info.rows[s]]
+    """Piece ``s`` of a full tensor (parameter-shaped or 2-D), as ``(rows, cols * inner)``."""
+    p = info.pieces[s]
+    box = full.reshape(info.shape)[p.row : p.row + p.rows, p.col : p.col + p.cols]
+    return box.reshape(p.rows, p.cols * info.inner)
 
 
 def _piece(info: MatrixInfo, r: int, s: int) -> torch.Tensor:
-    """Rank ``(r, s)``'s piece of the direction: rows ``rows[s]`` x columns ``columns[r]``."""
-    start = info.column_start(r)
-    return _rows(info, s, _direction(info.index))[:, start : start + info.columns[r]]
+    """Rank ``(r, s)``'s part of the direction: piece ``s``'s column slice ``r``."""
+    p = info.pieces[s]
+    box = _direction(info.index)[p.row : p.row + p.rows, p.col : p.col + p.cols]
+    start = info.column_start(r, s)
+    return box[:, start : start + info.replica_columns(s)[r]]
 
 
 def _members(block: int) -> list[int]:
@@ -103,16 +137,17 @@ def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
     return out
 
 
-def exchange_on_ranks(rank: int, world_size: int, mesh_shape) -> dict:
+def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
     """Worker: every block's directions to the owners and updates back, then all updates at once,
     then (HSDP) a two-hop exchange of each kind landed by a side thread; what arrived and the logs."""
+    mesh_shape = MESHES[mesh][0]
     if mesh_shape is None:
-        mesh = init_device_mesh("cpu", (world_size,))
+        device_mesh = init_device_mesh("cpu", (world_size,))
     else:
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-    topo = from_mesh(mesh)
+        device_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    topo = from_mesh(device_mesh, replicated=mesh_shape is not None)
     r, s = topo.coords
-    infos = _infos(topo.replicate, topo.shard)
+    infos = _infos(mesh)
     stats = CommStats()
     exchange = ShardExchange(infos, topo, stats, WIRE, torch.device("cpu"))
     out: dict = {"plan_rank": topo.rank, "coords": (r, s), "blocks": {}}
@@ -149,13 +184,16 @@ def exchange_on_ranks(rank: int, world_size: int, mesh_shape) -> dict:
 
 @functools.cache
 def _results(mesh: str) -> list[dict]:
-    return run_distributed(exchange_on_ranks, WORLD, MESHES[mesh], timeout_s=60)
+    return run_distributed(exchange_on_ranks, WORLD, mesh, timeout_s=60)
 
 
-def _expected_log(members: list[int], rank: int, replicate: int, shard: int) -> tuple[list, list]:
+def _expected_log(members: list[int], rank: int, mesh: str) -> tuple[list, list]:
     """This rank's ``(level, sent, received)`` of each collective the traffic model has it take part in."""
+    replicate, shard = _grid(mesh)
+    infos = _infos(mesh)
     backward, step = owner_exchange_collectives([SHAPES[k] for k in members], [OWNERS[k] for k in members],
-                                                [BLOCKS[k] for k in members], replicate, shard, elem_bytes=ELEM)
+                                                [BLOCKS[k] for k in members], replicate, shard, elem_bytes=ELEM,
+                                                pieces=[infos[k].pieces for k in members])
 
     def mine(collectives):
         return [(c.level, *c.ranks[rank]) for c in collectives if c.ranks[rank] is not None]
@@ -179,8 +217,7 @@ def _check_rows(got: dict, members: list[int], infos: list[MatrixInfo], s: int, 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_owners_get_full_directions_and_every_rank_its_rows(mesh):
-    replicate, shard = _grid(MESHES[mesh])
-    infos = _infos(replicate, shard)
+    infos = _infos(mesh)
     for res in _results(mesh):
         rank, s = res["plan_rank"], res["coords"][1]
         for block, got in res["blocks"].items():
@@ -198,14 +235,13 @@ def test_owners_get_full_directions_and_every_rank_its_rows(mesh):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_counted_bytes_are_the_traffic_models(mesh):
-    replicate, shard = _grid(MESHES[mesh])
     for res in _results(mesh):
         rank = res["plan_rank"]
         for block, got in res["blocks"].items():
-            send, back = _expected_log(_members(block), rank, replicate, shard)
+            send, back = _expected_log(_members(block), rank, mesh)
             assert got["send_log"] == send, f"{mesh} rank {rank} block {block}: directions"
             assert got["return_log"] == back, f"{mesh} rank {rank} block {block}: updates"
-        _, back = _expected_log(list(range(len(SHAPES))), rank, replicate, shard)
+        _, back = _expected_log(list(range(len(SHAPES))), rank, mesh)
         assert res["all_return_log"] == back, f"{mesh} rank {rank}: all updates at once"
         assert any(sent or received for _, sent, received in res["all_return_log"]), f"{mesh} rank {rank}"
 
@@ -236,13 +272,12 @@ def test_two_hop_exchange_waits_for_the_main_threads_forward(what):
     """On HSDP the second hop (directions: rows to the owner; updates: rows to the other replicas)
     is issued only by the main thread's ``forward()``: a side thread's ``wait(exposed=False)``
     issues nothing and returns only after it."""
-    replicate, shard = _grid(MESHES["2x2"])
-    infos = _infos(replicate, shard)
+    infos = _infos("2x2")
     members = _members(0)
     for res in _results("2x2"):
         rank, s = res["plan_rank"], res["coords"][1]
         got = res["two_hop"][what]
-        send, back = _expected_log(members, rank, replicate, shard)
+        send, back = _expected_log(members, rank, "2x2")
         expected = send if what == "directions" else back
         assert [level for level, _, _ in expected] == (["inter", "intra"] if what == "directions"
                                                        else ["intra", "inter"]), expected

@@ -1,0 +1,145 @@
+"""A small model under torch's tensor parallelism (``parallelize_module``) and FSDP2, and its references.
+
+Each block has a colwise ``up`` (TP's row chunks, FSDP2's rows inside them:
+``_StridedShard``), a rowwise ``down`` (FSDP2's rows x TP's columns) and a
+``mix`` matrix TP leaves whole (a copy on every tp rank). TP's own splits are
+even: torch's ColwiseParallel -> RowwiseParallel chain cannot split the hidden
+dim unevenly (RowwiseParallel's ``DTensor.from_local`` infers the global size
+from the local one, so 9 over 2 ranks becomes 10 and the matmul fails). FSDP2's
+rows inside them are not: ``HIDDEN = 10`` is 5 + 5 over tp = 2, then 3 + 2 over
+dp = 2, and ``WIDTH = 7`` rows are 4 + 3. The colwise head is AdamW's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import dmuon
+
+from support.reference import ns_precision
+
+VOCAB, WIDTH, HIDDEN, BLOCKS = 16, 7, 10, 2
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+ADAMW = dict(lr=3e-3, weight_decay=0.01)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
+        self.mix = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.tanh(self.up(x)))
+        return x + self.mix(x)
+
+
+class TPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+MATRICES = [f"layers.{b}.{m}.weight" for b in range(BLOCKS) for m in ("up", "down", "mix")]
+
+
+def batch(step: int, dp_rank: int, dp: int, per_rank: int = 2, seq: int = 5) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s tokens (every tp rank of it reads the same)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (dp * per_rank, seq + 1), generator=g)
+    return tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def reference(dp: int, steps: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, no parallelism: torch.optim.Muon (fp32 NS) on the matrices, AdamW on the rest.
+    Returns every parameter and each matrix's momentum."""
+    torch.manual_seed(0)
+    model = TPNet()
+    named = dict(model.named_parameters())
+    muon = torch.optim.Muon([named[n] for n in MATRICES], **MUON)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in MATRICES], **ADAMW)
+    for step in range(steps):
+        loss_of(model, torch.cat([batch(step, d, dp) for d in range(dp)])).backward()
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        model.zero_grad()
+    momenta = {n: muon.state[named[n]]["momentum_buffer"].clone() for n in MATRICES}
+    return {n: full(p) for n, p in model.named_parameters()}, momenta
+
+
+def tp_mesh(world: int, mesh_shape: tuple[int, ...]):
+    """``(dp, tp)`` or ``(replicate, shard, tp)``; returns the mesh, its dp part and this rank's dp index."""
+    names = ("dp", "tp") if len(mesh_shape) == 2 else ("replicate", "shard", "tp")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    dp_mesh = mesh["dp"] if len(mesh_shape) == 2 else mesh["replicate", "shard"]
+    coord = mesh.get_coordinate()
+    dp_rank = coord[0] if len(mesh_shape) == 2 else coord[0] * mesh_shape[1] + coord[1]
+    return mesh, dp_mesh, dp_rank
+
+
+def parallelize(model: TPNet, mesh, dp_mesh) -> None:
+    """TP on ``mesh["tp"]`` (torch's plans), then FSDP2 over the dp mesh, each block and the root."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon") -> dict:
+    """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
+    value, the plan and each matrix's momentum bytes on this rank."""
+    mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
+    torch.manual_seed(0)
+    model = TPNet()
+    parallelize(model, mesh, dp_mesh)
+    dp = dp_mesh.size()
+    if optimizer == "dmuon":
+        plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+        opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                          adamw_weight_decay=ADAMW["weight_decay"])
+    else:
+        from dmuon.baselines import GatherThenCompute
+
+        plan = None
+        opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
+                                ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
+    orthogonalized = 0
+    for step in range(steps):
+        loss_of(model, batch(step, dp_rank, dp)).backward()
+        opt.step()
+        orthogonalized = opt.last_step_stats()["orthogonalized"]
+        opt.zero_grad()
+    named = dict(model.named_parameters())
+    out = {"params": {n: full(p) for n, p in named.items()}, "orthogonalized": orthogonalized}
+    if plan is not None:
+        out["owners"] = {i.name: i.owner for i in plan.infos}
+        out["pieces"] = {i.name: i.pieces for i in plan.infos}
+        out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in MATRICES}
+        out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in MATRICES}
+    return out

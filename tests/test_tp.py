@@ -1,0 +1,78 @@
+"""Tensor parallelism: torch's ``parallelize_module`` on the ``tp`` dim of a (dp, tp) or
+(replicate, shard, tp) mesh, then FSDP2 over dp. Each Muon matrix's owner assembles it from
+every shard (colwise rows inside TP's chunks, rowwise boxes, copies of a matrix TP leaves whole)
+and the result is single-process torch.optim.Muon's whatever the TP degree."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from dmuon.util.spawn import run_distributed
+
+from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, reference, train
+
+STEPS = 3
+MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
+
+
+@functools.cache
+def _run(mesh: str, optimizer: str = "dmuon") -> list[dict]:
+    shape = MESHES[mesh]
+    world = 1
+    for size in shape:
+        world *= size
+    return run_distributed(train, world, STEPS, shape, optimizer, timeout_s=300)
+
+
+def _worst(got: dict, ref: dict) -> tuple[str, float]:
+    name = max(ref, key=lambda n: (got[n] - ref[n]).abs().max().item())
+    return name, (got[name] - ref[name]).abs().max().item()
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_tp_fsdp_equals_single_process_torch_muon(mesh):
+    results = _run(mesh)
+    dp = len(results) // MESHES[mesh][-1]
+    params, momenta = reference(dp, STEPS)
+    name, err = _worst(results[0]["params"], params)
+    assert err <= 1e-5, (name, err)
+    name, err = _worst(results[0]["momentum"], momenta)
+    assert err <= 1e-5, ("momentum", name, err)
+    # One NS per matrix over the whole mesh, owners spread over every rank.
+    assert sum(r["orthogonalized"] for r in results) == len(MATRICES)
+    assert len({results[0]["owners"][n] for n in MATRICES}) == min(len(MATRICES), len(results))
+    assert all(r["owners"] == results[0]["owners"] for r in results)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_momentum_is_held_once_except_for_tp_copies(mesh):
+    results = _run(mesh)
+    tp = MESHES[mesh][-1]
+    for n in MATRICES:
+        numel = results[0]["params"][n].numel()
+        held = sum(r["momentum_numel"][n] for r in results)
+        # TP leaves ``mix`` whole: each tp rank keeps a copy (as it does of the weight and of AdamW's state).
+        assert held == numel * (tp if ".mix." in n else 1), (n, held, numel)
+
+
+def test_pieces_follow_torchs_layouts():
+    pieces = _run("dp2-tp2")[0]["pieces"]
+    # Positions s = dp * 2 + tp. Colwise: TP's row chunk (5 rows each), FSDP2's 3 + 2 rows inside it.
+    assert [(p.row, p.rows, p.col, p.cols) for p in pieces["layers.0.up.weight"]] == \
+        [(0, 3, 0, WIDTH), (5, 3, 0, WIDTH), (3, 2, 0, WIDTH), (8, 2, 0, WIDTH)]
+    # Rowwise: FSDP2's rows (4 + 3) x TP's columns (5 + 5).
+    assert [(p.row, p.rows, p.col, p.cols) for p in pieces["layers.0.down.weight"]] == \
+        [(0, 4, 0, 5), (0, 4, 5, 5), (4, 3, 0, 5), (4, 3, 5, 5)]
+    # Left whole by TP: each tp rank holds FSDP2's rows; the first of each pair sends them.
+    mix = pieces["layers.0.mix.weight"]
+    assert [(p.row, p.rows, p.sends) for p in mix] == [(0, 4, True), (0, 4, False), (4, 3, True), (4, 3, False)]
+    assert HIDDEN == 10 and BLOCKS == 2
+
+
+def test_gather_then_compute_on_the_same_tp_model_agrees():
+    """The oracle on the same DTensors (full_tensor of each gradient, the update written back shard by shard)."""
+    got, oracle = _run("dp2-tp2")[0]["params"], _run("dp2-tp2", "gather")[0]["params"]
+    name, err = _worst(got, oracle)
+    assert err <= 1e-6, (name, err)
