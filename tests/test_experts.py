@@ -65,3 +65,20 @@ def test_gather_then_compute_orthogonalizes_stacks_per_slice_too():
     got = run_distributed(train_gather, 2, STEPS, timeout_s=180)[0]
     name, err = _worst(got, reference(2, STEPS))
     assert err <= 1e-5, (name, err)
+
+
+def test_expert_parallel_stacks_equal_torch_muon_per_slice():
+    """Experts split over an ``ep`` mesh dim (3 experts over 2: uneven), FSDP2 over ``dp`` inside it."""
+    from support.experts import train_expert_parallel
+
+    results = run_distributed(train_expert_parallel, 4, STEPS, timeout_s=180)
+    name, err = _worst(results[0]["params"], reference(2, STEPS))
+    assert err <= 1e-5, (name, err)
+    assert "_StridedShard(dim=0" in results[0]["placements"]
+    # ep rank 0 holds experts 0-1 (dp ranks 0 and 1 one each), ep rank 1 expert 2 (dp rank 1 none):
+    # positions s = dp * 2 + ep; each expert lives whole on one position.
+    pieces = results[0]["pieces"]
+    assert [[rows for _, rows in pieces[f"moe.experts[{e}]"]] for e in range(3)] == \
+        [[10, 0, 0, 0], [0, 0, 10, 0], [0, 10, 0, 0]]
+    assert sum(r["orthogonalized"] for r in results) == 4
+    assert sum(r["momentum_numel"] for r in results) == 3 * 10 * 6

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dmuon
 
@@ -24,8 +25,13 @@ class Experts(nn.Module):
         self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = torch.arange(x.shape[1]) % self.experts.shape[0]
-        h = torch.stack([x[:, t] @ self.experts[int(e)].T for t, e in enumerate(route)], dim=1)
+        stack = self.experts
+        if isinstance(stack, DTensor):
+            # Expert parallelism without a token all-to-all: every rank of the ep group reads the
+            # same tokens and gathers the stack (backward hands each rank its experts' gradient).
+            stack = stack.redistribute(stack.device_mesh, [Replicate()] * stack.device_mesh.ndim).to_local()
+        route = torch.arange(x.shape[1]) % stack.shape[0]
+        h = torch.stack([x[:, t] @ stack[int(e)].T for t, e in enumerate(route)], dim=1)
         return self.down(torch.tanh(h))
 
 
@@ -126,3 +132,30 @@ def train_gather(rank: int, world: int, steps: int, experts: int = 3, mesh_shape
         opt.zero_grad()
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, ep: int = 2) -> dict:
+    """The stack split over an ``ep`` mesh dim (``Shard(0)``: whole experts), FSDP2 over ``dp``
+    (``_StridedShard(0)`` inside the ep split) + DMuon with fp32 NS; the ep ranks of one dp rank
+    read the same batch. Every parameter's full value, the stack's pieces and the plan."""
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0)
+    model = ExpertNet(experts)
+    model.moe.experts = nn.Parameter(distribute_tensor(model.moe.experts.data, mesh["ep"], [Shard(0)]))
+    fully_shard(model.moe, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999))
+    dp_rank = mesh.get_coordinate()[0]
+    for step in range(steps):
+        loss_of(model, batch(step, dp_rank, world // ep)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    momentum = opt.state[model.moe.experts]["momentum_buffer"]
+    return {"params": params, "placements": str(model.moe.experts.placements),
+            "pieces": {i.name: [(p.row, p.rows) for p in i.pieces] for i in plan.infos if i.expert is not None},
+            "owners": [i.owner for i in plan.infos], "momentum_numel": momentum.to_local().numel(),
+            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
