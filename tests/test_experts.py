@@ -82,3 +82,29 @@ def test_expert_parallel_stacks_equal_torch_muon_per_slice():
         [[10, 0, 0, 0], [0, 0, 10, 0], [0, 10, 0, 0]]
     assert sum(r["orthogonalized"] for r in results) == 4
     assert sum(r["momentum_numel"] for r in results) == 3 * 10 * 6
+
+
+@pytest.mark.parametrize("groups,mesh_shape", [(3, None), (6, (2, 2))], ids=["qkv-4-ranks", "heads-hsdp-2x2"])
+def test_row_groups_of_a_fused_qkv_equal_torch_muon_per_group(groups, mesh_shape):
+    """``matrix_view="rows:K"``: q, k and v (or each of 6 heads) orthogonalized on their own; 30 rows
+    over 4 (8, 8, 8, 6) or 2 shard ranks cut the groups at rank boundaries that are not group boundaries."""
+    from support.experts import qkv_reference, train_qkv
+
+    results = run_distributed(train_qkv, 4, STEPS, groups, "dmuon", mesh_shape, timeout_s=180)
+    ref = qkv_reference(4, STEPS, groups)
+    name, err = _worst(results[0]["params"], ref)
+    assert err <= 1e-5, (name, err)
+    height = 30 // groups
+    assert results[0]["names"][:groups] == [f"qkv.weight[rows {g * height}:{(g + 1) * height}]" for g in range(groups)]
+    assert sum(r["orthogonalized"] for r in results) == groups + 1
+    oracle = run_distributed(train_qkv, 2, STEPS, groups, "gather", timeout_s=180)[0]
+    name, err = _worst(oracle["params"], qkv_reference(2, STEPS, groups))
+    assert err <= 1e-5, ("gather", name, err)
+
+
+def test_row_groups_must_divide_the_rows():
+    model = nn.ModuleDict({"qkv": nn.Linear(4, 30, bias=False)})
+    with pytest.raises(ValueError, match="'qkv.weight': matrix_view 'rows:4' needs K to divide its 30 rows"):
+        dmuon.prepare(model, matrix_view={"qkv.weight": "rows:4"})
+    with pytest.raises(ValueError, match="'qkv.weight': matrix_view must be one of"):
+        dmuon.prepare(model, matrix_view={"qkv.weight": "rows:x"})

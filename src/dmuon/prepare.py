@@ -20,7 +20,7 @@ from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan
-from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
 
 
 def _fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig) -> torch.Tensor:
@@ -149,8 +149,12 @@ def _gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, de
 
 
 def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | None,
-            shard: int) -> tuple[tuple[Piece, ...], tuple[int, ...]]:
+            shard: int, rows_of: tuple[int, int] | None = None) -> tuple[tuple[Piece, ...], tuple[int, ...]]:
     """The matrix's piece on each shard position from the gathered boxes (``[ok, offsets, sizes]``).
+
+    ``expert`` picks one slice of a stack; ``rows_of = (first, count)`` one row group of a
+    ``"rows:K"`` view. Also returns, per position, the stack's first local expert or the
+    group's first local row.
 
     Raises:
         ValueError: A trailing dim is split, or the distinct pieces do not tile the matrix.
@@ -158,6 +162,8 @@ def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | No
     width = (len(boxes[0]) - 1) // 2
     lead = 0 if expert is None else 1  # a stack's dim 0 picks the expert
     shape = tuple(p.shape[lead:])
+    if rows_of is not None:
+        shape = (rows_of[1], *shape[1:])
     pieces, starts = [], []
     for box in boxes[:shard]:
         offset, size = box[1 : 1 + p.ndim], box[1 + width : 1 + width + p.ndim]
@@ -166,10 +172,17 @@ def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | No
                 raise ValueError(f"parameter {name!r} is split on its dim {d}; dmuon needs a matrix's dims "
                                  f"after the first two whole on every rank")
         starts.append(offset[0])
-        rows, cols = size[lead], (size[lead + 1] if len(shape) > 1 else 1)
+        row, rows, cols = offset[lead], size[lead], (size[lead + 1] if len(shape) > 1 else 1)
         if expert is not None and not offset[0] <= expert < offset[0] + size[0]:
             rows = 0  # not this expert; its columns still say how the stack's momentum splits here
-        pieces.append(Piece(offset[lead], rows, offset[lead + 1] if len(shape) > 1 else 0, cols))
+        if rows_of is not None:
+            # This position's rows of the group: where its box and the group overlap.
+            first, count = rows_of
+            low, high = max(row, first), min(row + rows, first + count)
+            overlap = max(0, high - low)
+            starts[-1] = low - row if overlap else 0
+            row, rows = (low - first if overlap else 0), overlap
+        pieces.append(Piece(row, rows, offset[lead + 1] if len(shape) > 1 else 0, cols))
     seen: set[tuple[int, int, int, int]] = set()
     out = []
     for piece in pieces:
@@ -228,12 +241,14 @@ def prepare(
             2-D ``(replicate, shard)`` for HSDP), or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
-        matrix_view: How each chosen parameter of 3 or more dims is seen:
-            ``"flatten"`` (one ``(shape[0], prod(shape[1:]))`` matrix, the default
-            for ``nn.Conv*`` weights) or ``"stack"`` (``shape[0]`` experts, each
-            its own ``shape[1:]`` matrix with its own owner, the default for other
-            parameters of three or more dims). A function ``(name, param) -> view``
-            or a dict by parameter name (others keep the default).
+        matrix_view: How each chosen parameter is seen: ``"flatten"`` (one
+            ``(shape[0], prod(shape[1:]))`` matrix, the default for 2-D parameters
+            and ``nn.Conv*`` weights), ``"stack"`` (``shape[0]`` experts, each its
+            own ``shape[1:]`` matrix with its own owner, the default for other
+            parameters of three or more dims) or ``"rows:K"`` (K equal row groups,
+            each its own matrix and owner: a fused QKV per part, ``"rows:3"``, or
+            per head). A function ``(name, param) -> view`` or a dict by parameter
+            name (others keep the default).
         balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
             ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
             ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
@@ -300,7 +315,16 @@ def prepare(
                 raise ValueError(f"parameter {name!r}: replica {r} holds other shards than replica 0; "
                                  "dmuon needs the replicate dim to replicate every parameter")
         column = [b[k] for b in boxes]
-        if views[name] == "flatten":
+        groups = row_groups(views[name])
+        if groups:
+            height = p.shape[0] // groups
+            matrices = []
+            for g in range(groups):
+                pieces, starts = _pieces(name, p, column, None, shard, rows_of=(g * height, height))
+                matrices.append(MatrixInfo(len(infos) + g, f"{name}[rows {g * height}:{(g + 1) * height}]", p,
+                                           (height, *p.shape[1:]), block_of[id(p)], pieces=pieces, group=g,
+                                           group_starts=starts, replicate=topology.replicate))
+        elif views[name] == "flatten":
             pieces, _ = _pieces(name, p, column, None, shard)
             matrices = [MatrixInfo(len(infos), name, p, tuple(p.shape), block_of[id(p)], pieces=pieces,
                                    replicate=topology.replicate)]

@@ -159,3 +159,69 @@ def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, e
             "pieces": {i.name: [(p.row, p.rows) for p in i.pieces] for i in plan.infos if i.expert is not None},
             "owners": [i.owner for i in plan.infos], "momentum_numel": momentum.to_local().numel(),
             "orthogonalized": opt.last_step_stats()["orthogonalized"]}
+
+
+class FusedQKV(nn.Module):
+    """A fused (3 * HIDDEN, WIDTH) projection whose row groups are q, k and v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * HIDDEN, bias=False)
+        self.out = nn.Linear(HIDDEN, WIDTH, bias=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.head(x + self.out(torch.tanh(q * k) + v))
+
+
+def qkv_reference(world: int, steps: int, groups: int) -> dict[str, torch.Tensor]:
+    """One process: torch.optim.Muon on each of the ``groups`` row groups of ``qkv.weight``."""
+    torch.manual_seed(0)
+    model = FusedQKV()
+    weight = model.qkv.weight
+    height = weight.shape[0] // groups
+    parts = [nn.Parameter(weight.data[g * height:(g + 1) * height]) for g in range(groups)]  # share storage
+    muon = torch.optim.Muon(parts + [model.out.weight], **MUON)
+    adamw = torch.optim.AdamW([model.embed.weight, *model.head.parameters()], **ADAMW)
+    for step in range(steps):
+        loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
+        for g, part in enumerate(parts):
+            part.grad = weight.grad[g * height:(g + 1) * height].clone()
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        for p in [*parts, *model.parameters()]:
+            p.grad = None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_qkv(rank: int, world: int, steps: int, groups: int, optimizer: str = "dmuon", mesh_shape=None) -> dict:
+    """FSDP2 (HSDP with ``mesh_shape``), ``qkv.weight`` seen as ``rows:groups``; DMuon or the gather
+    oracle, fp32 NS."""
+    torch.manual_seed(0)
+    model = FusedQKV()
+    mesh = make_mesh(world, mesh_shape)
+    fully_shard(model, mesh=mesh)
+    views = {"qkv.weight": f"rows:{groups}"}
+    if optimizer == "dmuon":
+        plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+        opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                          adamw_weight_decay=ADAMW["weight_decay"])
+        names = [i.name for i in plan.infos]
+    else:
+        from dmuon.baselines import GatherThenCompute
+
+        opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
+                                ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"],
+                                matrix_view=views)
+        names = []
+    for step in range(steps):
+        loss_of(model, batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    return {"params": params, "names": names, "orthogonalized": opt.last_step_stats()["orthogonalized"]}

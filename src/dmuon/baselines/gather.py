@@ -18,7 +18,7 @@ from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import apply_update, momentum_update
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
-from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -57,8 +57,12 @@ class GatherThenCompute(torch.optim.Optimizer):
     ) -> None:
         chosen = select_matrices(model, select)
         views = matrix_views(model, chosen, matrix_view)
-        # Stacks of experts: each slice orthogonalized on its own, as DMuon does.
-        self._stacks = {id(p) for n, p in chosen if views[n] == "stack"}
+        # Stacks of experts and row groups: each slice orthogonalized on its own, as DMuon does.
+        self._slices = {id(p): (p.shape[0], _matrix_shape(p.shape[1:])) for n, p in chosen if views[n] == "stack"}
+        for n, p in chosen:
+            groups = row_groups(views[n])
+            if groups:
+                self._slices[id(p)] = (groups, (p.shape[0] // groups, _matrix_shape(p.shape)[1]))
         matrices = [p for _, p in chosen]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
@@ -105,13 +109,12 @@ class GatherThenCompute(torch.optim.Optimizer):
                     received += (full.numel() - local) * full.element_size()
                 else:
                     full = direction
-                stack = id(p) in self._stacks
-                mshape = _matrix_shape(p.shape[1:] if stack else p.shape)
-                inputs = list(full.reshape(-1, *mshape)) if stack else [full.reshape(mshape)]
+                count, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
+                inputs = list(full.reshape(count, *mshape))
                 t0 = time.perf_counter()
                 orthos = owner_update(inputs, self.ns, group)
                 ns_seconds += time.perf_counter() - t0
-                ortho = (torch.stack(orthos) if stack else orthos[0]).reshape(p.shape).to(p.dtype)
+                ortho = torch.stack(orthos).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):
                     # Keep only this rank's rows; splitting locally needs no communication.
                     ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)

@@ -67,6 +67,10 @@ class MatrixInfo:
     """For a stack of experts (``matrix_view="stack"``): which slice ``param[expert]`` this is."""
     stack_starts: tuple[int, ...] = ()
     """For a stack: the first expert of each shard position's local shard."""
+    group: int | None = None
+    """For one row group of a ``"rows:K"`` view: which group (rows ``group * shape[0]`` on)."""
+    group_starts: tuple[int, ...] = ()
+    """For a row group: where its piece starts in each shard position's local rows."""
     replicate: int = 1
     """R, the replicas the momentum's columns are split over (``Shard(1)``, torch.chunk's rule
     on each piece's columns), so on HSDP no state is duplicated across replicas: rank
@@ -129,6 +133,8 @@ class MatrixInfo:
     def local_view(self, local: "torch.Tensor", s: int) -> "torch.Tensor":
         """The matrix's part of shard position ``s``'s local tensor (the parameter's, a gradient's
         or the momentum's), shaped ``(rows, cols, *shape[2:])`` (the last dims as that tensor has them)."""
+        if self.group is not None:
+            return local.narrow(0, self.group_starts[s], self.pieces[s].rows)
         if self.expert is None:
             return local
         if self.pieces[s].rows:

@@ -9,10 +9,20 @@ from torch import nn
 
 SelectFn = Callable[[str, nn.Parameter], bool]
 ViewFn = Callable[[str, nn.Parameter], str]
-MATRIX_VIEWS = ("flatten", "stack")
-"""How a parameter of 3 or more dims is seen: one ``(shape[0], prod(shape[1:]))`` matrix
-(``"flatten"``, Keller Jordan's rule for conv kernels) or ``shape[0]`` matrices of
-``shape[1:]`` (``"stack"``: experts in the grouped-GEMM layout, each orthogonalized on its own)."""
+MATRIX_VIEWS = ("flatten", "stack", "rows:K")
+"""How a parameter is seen: one ``(shape[0], prod(shape[1:]))`` matrix (``"flatten"``,
+Keller Jordan's rule for conv kernels), ``shape[0]`` matrices of ``shape[1:]``
+(``"stack"``: experts in the grouped-GEMM layout, each orthogonalized on its own), or
+``"rows:K"`` for any integer K dividing ``shape[0]``: K equal row groups of the flattened
+matrix, each its own NS (a fused QKV projection per part or per head)."""
+
+
+def row_groups(view: str) -> int | None:
+    """K of a ``"rows:K"`` view (None for the other views)."""
+    if not view.startswith("rows:"):
+        return None
+    count = view[len("rows:"):]
+    return int(count) if count.isdigit() and int(count) >= 1 else 0
 
 HEAD_NAMES = frozenset({"lm_head", "output", "head"})
 
@@ -99,8 +109,12 @@ def matrix_views(model: nn.Module, chosen: list[tuple[str, nn.Parameter]],
             view = matrix_view[name]
         else:
             view = default(name, param)
-        if view not in MATRIX_VIEWS:
-            raise ValueError(f"parameter {name!r}: matrix_view must be one of {MATRIX_VIEWS}, got {view!r}")
+        groups = row_groups(view) if isinstance(view, str) else None
+        if view not in MATRIX_VIEWS[:2] and not groups:
+            raise ValueError(f"parameter {name!r}: matrix_view must be one of {MATRIX_VIEWS} (K an integer >= 1), "
+                             f"got {view!r}")
+        if groups and param.shape[0] % groups:
+            raise ValueError(f"parameter {name!r}: matrix_view {view!r} needs K to divide its {param.shape[0]} rows")
         if view == "stack" and param.ndim < 3:
             raise ValueError(f"parameter {name!r}: matrix_view 'stack' needs >= 3 dims, got {param.ndim}")
         out[name] = view
