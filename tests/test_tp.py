@@ -76,3 +76,22 @@ def test_gather_then_compute_on_the_same_tp_model_agrees():
     got, oracle = _run("dp2-tp2")[0]["params"], _run("dp2-tp2", "gather")[0]["params"]
     name, err = _worst(got, oracle)
     assert err <= 1e-6, (name, err)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
+    from dmuon.plan.traffic import owner_exchange_collectives
+    from support.tp import counted_tp_step
+
+    shape = MESHES[mesh]
+    results = run_distributed(counted_tp_step, 4 if len(shape) == 2 else 8, shape, timeout_s=300)
+    first = results[0]
+    shapes, owners, blocks = ([i[k] for i in first["infos"]] for k in range(3))
+    assert all(r["blocks_in_backward"] == BLOCKS for r in results)  # the two layers (the root has no matrix)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, first["replicate"], first["shard"], 2,
+                                                waves=first["waves"], pieces=first["pieces"])
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
+        assert r["log"] == expected, f"{mesh} plan rank {k}"
+    assert any(c.critical for c in backward) and all(c.critical for c in step)

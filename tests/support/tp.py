@@ -143,3 +143,23 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in MATRICES}
         out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in MATRICES}
     return out
+
+
+def counted_tp_step(rank: int, world: int, mesh_shape: tuple[int, ...], steps: int = 2) -> dict:
+    """TP + FSDP2 + DMuon (bf16 wire, 4 return waves): the last step's counted collectives and the plan."""
+    mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
+    torch.manual_seed(0)
+    model = TPNet()
+    parallelize(model, mesh, dp_mesh)
+    plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.bfloat16))
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], adamw_lr=ADAMW["lr"], return_waves=4)
+    stats = {}
+    for step in range(steps):
+        loss_of(model, batch(step, dp_rank, dp_mesh.size())).backward()
+        opt.step()
+        opt.zero_grad()
+        stats = opt.last_step_stats()
+    return {"plan_rank": opt.runtime.topo.rank, "log": list(opt.runtime.stats.last_log),
+            "infos": [(tuple(i.shape), i.owner, i.block) for i in plan.infos],
+            "pieces": [i.pieces for i in plan.infos], "replicate": plan.replicate, "shard": plan.shard,
+            "waves": stats["return_waves"], "blocks_in_backward": stats["blocks_exchanged_in_backward"]}
