@@ -95,3 +95,17 @@ def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
         expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
         assert r["log"] == expected, f"{mesh} plan rank {k}"
     assert any(c.critical for c in backward) and all(c.critical for c in step)
+
+
+def test_sequence_parallel_norms_and_embedding():
+    """SequenceParallel norms, a rowwise embedding and colwise head around the blocks: the residual
+    stream split over the sequence; the matrices' result is still single-process torch.optim.Muon's."""
+    from support.tp import SP_MATRICES
+
+    results = run_distributed(train, 4, STEPS, (2, 2), "dmuon", True, timeout_s=300)
+    params, momenta = reference(2, STEPS, sequence_parallel=True)
+    name, err = _worst(results[0]["params"], params)
+    assert err <= 1e-5, (name, err)
+    name, err = _worst(results[0]["momentum"], momenta)
+    assert err <= 1e-5, ("momentum", name, err)
+    assert sum(r["orthogonalized"] for r in results) == len(SP_MATRICES)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import dmuon
 
@@ -29,22 +29,27 @@ ADAMW = dict(lr=3e-3, weight_decay=0.01)
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    """``x + down(tanh(up(norm(x))))``, then (unless ``sequence_parallel``) ``+ mix(x)``: under
+    sequence parallelism every parameter between the norm and ``down`` must be TP's, so ``mix``,
+    which TP leaves whole, is left out there."""
+
+    def __init__(self, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.norm = nn.RMSNorm(WIDTH)
         self.up = nn.Linear(WIDTH, HIDDEN)
         self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
-        self.mix = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.mix = None if sequence_parallel else nn.Linear(WIDTH, WIDTH, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.down(torch.tanh(self.up(x)))
-        return x + self.mix(x)
+        x = x + self.down(torch.tanh(self.up(self.norm(x))))
+        return x if self.mix is None else x + self.mix(x)
 
 
 class TPNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.layers = nn.ModuleList(Block(sequence_parallel) for _ in range(BLOCKS))
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -55,6 +60,9 @@ class TPNet(nn.Module):
 
 
 MATRICES = [f"layers.{b}.{m}.weight" for b in range(BLOCKS) for m in ("up", "down", "mix")]
+SP_MATRICES = [n for n in MATRICES if ".mix." not in n]
+SP_SEQ = 6
+"""Tokens per sample under sequence parallelism: TP's ``Shard(1)`` of the sequence splits only evenly."""
 
 
 def batch(step: int, dp_rank: int, dp: int, per_rank: int = 2, seq: int = 5) -> torch.Tensor:
@@ -73,21 +81,23 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def reference(dp: int, steps: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(dp: int, steps: int, sequence_parallel: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, no parallelism: torch.optim.Muon (fp32 NS) on the matrices, AdamW on the rest.
     Returns every parameter and each matrix's momentum."""
     torch.manual_seed(0)
-    model = TPNet()
+    model = TPNet(sequence_parallel)
     named = dict(model.named_parameters())
-    muon = torch.optim.Muon([named[n] for n in MATRICES], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in MATRICES], **ADAMW)
+    matrices = SP_MATRICES if sequence_parallel else MATRICES
+    muon = torch.optim.Muon([named[n] for n in matrices], **MUON)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], **ADAMW)
+    seq = SP_SEQ if sequence_parallel else 5
     for step in range(steps):
-        loss_of(model, torch.cat([batch(step, d, dp) for d in range(dp)])).backward()
+        loss_of(model, torch.cat([batch(step, d, dp, seq=seq) for d in range(dp)])).backward()
         with ns_precision(torch.float32):
             muon.step()
         adamw.step()
         model.zero_grad()
-    momenta = {n: muon.state[named[n]]["momentum_buffer"].clone() for n in MATRICES}
+    momenta = {n: muon.state[named[n]]["momentum_buffer"].clone() for n in matrices}
     return {n: full(p) for n, p in model.named_parameters()}, momenta
 
 
@@ -101,23 +111,36 @@ def tp_mesh(world: int, mesh_shape: tuple[int, ...]):
     return mesh, dp_mesh, dp_rank
 
 
-def parallelize(model: TPNet, mesh, dp_mesh) -> None:
-    """TP on ``mesh["tp"]`` (torch's plans), then FSDP2 over the dp mesh, each block and the root."""
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False) -> None:
+    """TP on ``mesh["tp"]`` (torch's plans; with ``sequence_parallel`` the residual stream split
+    over the sequence, the norms ``SequenceParallel``), then FSDP2 over the dp mesh, each block and the root."""
+    tp = mesh["tp"]
+    if sequence_parallel:
+        for layer in model.layers:
+            parallelize_module(layer, tp, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                           "down": RowwiseParallel(output_layouts=Shard(1))})
+        parallelize_module(model, tp, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    else:
+        for layer in model.layers:
+            parallelize_module(layer, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
 
 
-def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon") -> dict:
+def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
+          sequence_parallel: bool = False) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
     value, the plan and each matrix's momentum bytes on this rank."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
     torch.manual_seed(0)
-    model = TPNet()
-    parallelize(model, mesh, dp_mesh)
+    model = TPNet(sequence_parallel)
+    parallelize(model, mesh, dp_mesh, sequence_parallel)
+    seq = SP_SEQ if sequence_parallel else 5
+    matrices = SP_MATRICES if sequence_parallel else MATRICES
     dp = dp_mesh.size()
     if optimizer == "dmuon":
         plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
@@ -131,7 +154,7 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
                                 ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
     orthogonalized = 0
     for step in range(steps):
-        loss_of(model, batch(step, dp_rank, dp)).backward()
+        loss_of(model, batch(step, dp_rank, dp, seq=seq)).backward()
         opt.step()
         orthogonalized = opt.last_step_stats()["orthogonalized"]
         opt.zero_grad()
@@ -140,8 +163,8 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
     if plan is not None:
         out["owners"] = {i.name: i.owner for i in plan.infos}
         out["pieces"] = {i.name: i.pieces for i in plan.infos}
-        out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in MATRICES}
-        out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in MATRICES}
+        out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in matrices}
+        out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in matrices}
     return out
 
 
