@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
+from dmuon.bench.models.tp_plan import block_tp_plan
 from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
@@ -102,18 +103,12 @@ def _shard(workload, mesh, reshard: bool) -> None:
     block by the workload's TP plan; FSDP2 then shards over the other dims.
 
     Raises:
-        ValueError: ``"tp"`` for a workload without a TP plan, or one its heads do not divide.
+        ValueError: A ``"tp"`` dim that does not divide a block's attention heads.
     """
     if "tp" in (mesh.mesh_dim_names or ()):
         tp = mesh["tp"]
-        if workload.tp_plan is None:
-            raise ValueError(f"--tp: the {workload.name} workload has no tensor-parallel plan (qwen2 and tiny have)")
-        size = workload.config
-        for what in ("heads", "kv_heads"):
-            if getattr(size, what, 0) % tp.size():
-                raise ValueError(f"--tp {tp.size()} does not divide the model's {getattr(size, what)} {what}")
         for block in workload.blocks:
-            parallelize_module(block, tp, workload.tp_plan())
+            parallelize_module(block, tp, block_tp_plan(block, tp.size()))
         mesh = dp_mesh(mesh)
     for block in workload.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)

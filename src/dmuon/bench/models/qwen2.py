@@ -121,15 +121,6 @@ def qwen2_workload(name: str, size_name: str, size: Qwen2Size, seed: int,
         if p.ndim == 2 and n.startswith("model.layers.")
     )
 
-    def tp_plan() -> dict:
-        # Megatron's split of a decoder layer: heads and the MLP's hidden dim over tp.
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-        plan = {name: ColwiseParallel() for name in colwise}
-        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-        return plan
-
     return Workload(
         name=name,
         model=model,
@@ -141,5 +132,4 @@ def qwen2_workload(name: str, size_name: str, size: Qwen2Size, seed: int,
         size=size_name,
         config=size,
         muon_param_names=muon,
-        tp_plan=tp_plan,
     )

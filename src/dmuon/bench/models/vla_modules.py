@@ -138,9 +138,10 @@ class _GQAttention(nn.Module):
         self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
 
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        # Heads from the width: under tensor parallelism a rank holds a slice of them.
         b, s, _ = x.shape
-        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+        return x.view(b, s, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, kv_input: torch.Tensor | None = None, *,
                 q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -159,20 +160,20 @@ class _GQAttention(nn.Module):
             ``(B, Sq, width)``.
         """
         kv_input = x if kv_input is None else kv_input
-        q = self._split(self.q_proj(x), self.heads)
-        k = self._split(self.k_proj(kv_input), self.kv_heads)
-        v = self._split(self.v_proj(kv_input), self.kv_heads)
+        q = self._split(self.q_proj(x))
+        k = self._split(self.k_proj(kv_input))
+        v = self._split(self.v_proj(kv_input))
         if q_rope is not None:
             q = _apply_rope(q, *q_rope)
         if k_rope is not None:
             k = _apply_rope(k, *k_rope)
-        if self.kv_heads != self.heads:
-            rep = self.heads // self.kv_heads
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class _ViTBlock(nn.Module):

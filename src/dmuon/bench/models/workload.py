@@ -65,10 +65,6 @@ class Workload:
     biases and norm weights are left for an element-wise optimiser.  ``None``
     when not specified."""
 
-    tp_plan: Callable[[], dict] | None = None
-    """For ``--tp``: a fresh ``parallelize_module`` plan for one block (module name ->
-    torch's ``ColwiseParallel``/``RowwiseParallel``); None where the family has none."""
-
 
 def lm_cross_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``logits[:, :-1]`` against ``tokens[:, 1:]``."""
