@@ -37,6 +37,8 @@ def test_torch_clip_matches_one_process(world_size, mesh_shape):
             assert r[k]["norms"] == pytest.approx(ref_norms, rel=1e-5)
             # The clipped gradients differ from what backward launched: step() exchanged them again.
             assert all(s["blocks_exchanged_in_backward"] == 0 for s in r[k]["stats"])
+            # Nothing orthogonalized while agreeing was kept: the launches went stale.
+            assert all(s["orthogonalized_while_agreeing"] == 0 for s in r[k]["stats"])
         got = results[0][k]["params"]
         worst = max(got, key=lambda n: (got[n] - ref[n]).abs().max().item())
         assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, worst

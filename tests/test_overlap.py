@@ -31,6 +31,10 @@ def test_overlap_is_bit_identical_to_sync(mesh_shape):
                    [r[k + 1]["stats"][step]["orthogonalized"] for r in results]
             assert results[0][k]["stats"][step]["blocks_exchanged_in_backward"] == 4 - len(SKIP.get(step, ()))
             assert results[0][k + 1]["stats"][step]["blocks_exchanged_in_backward"] == 0
+            # Every launch stood, so the owners' NS ran while the agreement travelled (one return wave).
+            assert sum(r[k]["stats"][step]["orthogonalized_while_agreeing"] for r in results) == \
+                   sum(r[k]["stats"][step]["orthogonalized"] for r in results) > 0
+            assert all(r[k + 1]["stats"][step]["orthogonalized_while_agreeing"] == 0 for r in results)
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])

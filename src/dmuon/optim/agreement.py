@@ -7,7 +7,7 @@ one small MAX all-reduce before any collective that depends on them.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -30,7 +30,17 @@ class Agreement(NamedTuple):
 def agree(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
           others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
           other_names: list[str]) -> Agreement:
+    """:func:`start_agreement`, waited for at once."""
+    return start_agreement(runtime, infos, group_of, here, others, nonfinite, stale, other_names)()
+
+
+def start_agreement(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
+                    others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
+                    other_names: list[str]) -> Callable[[], Agreement]:
     """One small all-reduce of 0/1 flags, then the same decision on every rank.
+
+    The all-reduce is issued here; the returned function waits for it and
+    decides, so local work can run while the flags travel.
 
     Args:
         runtime: Whose ``agree`` (MAX over every rank) to use.
@@ -63,7 +73,13 @@ def agree(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int
         for k, p in enumerate(others):
             if p.grad is not None:
                 values[3 * n + k] = int(not torch.isfinite(local_tensor(p.grad)).all())
-    flags = runtime.agree(torch.cat([torch.tensor(values, dtype=torch.int32), stale])).tolist()
+    landed = runtime.start_agree(torch.cat([torch.tensor(values, dtype=torch.int32), stale]))
+    return lambda: _decide(landed().tolist(), infos, group_of, others, nonfinite, other_names, checked)
+
+
+def _decide(flags: list[int], infos: Sequence[MatrixInfo], group_of: dict[int, dict], others: list[torch.Tensor],
+            nonfinite: str | None, other_names: list[str], checked: int) -> Agreement:
+    n, check = len(infos), nonfinite is not None
     uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
     if uneven:
         raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "

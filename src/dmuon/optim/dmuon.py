@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
-from dmuon.optim.agreement import Agreement, agree
+from dmuon.optim.agreement import Agreement, start_agreement
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.owner_work import OwnerWork
 from dmuon.plan.batches import default_return_waves
@@ -321,9 +321,35 @@ class DMuon(torch.optim.Optimizer):
 
     def _agree(self, group_of: dict[int, dict], here: list[int], stale: torch.Tensor | None) -> Agreement:
         """One small all-reduce puts every rank on the same path for this step (see :func:`agree`)."""
+        return self._start_agreement(group_of, here, stale)()
+
+    def _start_agreement(self, group_of: dict[int, dict], here: list[int],
+                         stale: torch.Tensor | None) -> Callable[[], Agreement]:
+        """:meth:`_agree` with its all-reduce issued now and waited for by the returned function."""
         others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
-        return agree(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
-                     [self._names.get(id(p), "?") for p in others])
+        return start_agreement(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
+                               [self._names.get(id(p), "?") for p in others])
+
+    def _speculate(self, launches: dict[int, Launch],
+                   group_of: dict[int, dict]) -> dict[int, tuple[dict[int, torch.Tensor], float]]:
+        """The owners' NS of every launched block, run while the step's agreement travels.
+
+        Batched exactly as ``step()`` would batch them without launches (all of
+        this rank's landed matrices at once), so the results are bit-identical
+        to those of ``overlap=False`` when the agreement keeps every launch;
+        otherwise the caller drops them. Returns them per block, as
+        ``ns_in_backward``'s are (the time on the first block).
+        """
+        full: dict[int, torch.Tensor] = {}
+        for b in sorted(launches):
+            full.update(launches[b].pending.wait())
+        start = time.perf_counter()
+        orthos = self.work.orthogonalize(sorted(full), full, group_of)
+        spent = time.perf_counter() - start
+        out: dict[int, tuple[dict[int, torch.Tensor], float]] = {}
+        for k, b in enumerate(sorted(launches)):
+            out[b] = ({i: o for i, o in orthos.items() if self.plan.infos[i].block == b}, spent if k == 0 else 0.0)
+        return out
 
     def _stale(self, launches: dict[int, Launch], active: list[int],
                directions: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -349,6 +375,7 @@ class DMuon(torch.optim.Optimizer):
         start = time.perf_counter()
         launches = self.runtime.take_launches() if self.overlap else {}
         early = self._join_block_ns()
+        while_agreeing = 0
         group_of = self._muon_groups()
         here = [i for i in sorted(group_of) if self.plan.infos[i].param.grad is not None]
         for i in here:
@@ -357,7 +384,17 @@ class DMuon(torch.optim.Optimizer):
             # Nothing can skip the step, so the momentum advances first and one
             # all-reduce settles both the active set and the launches' verdicts.
             directions = self._commit_directions(here, group_of)
-            active, skipped, stale = self._agree(group_of, here, self._stale(launches, here, directions))
+            decide = self._start_agreement(group_of, here, self._stale(launches, here, directions))
+            # While the flags travel (milliseconds on gloo), the owners orthogonalize what
+            # landed from backward; kept only if the agreement keeps every launch and the
+            # launches cover every active matrix (else the batches would differ). Only with
+            # one return wave: several waves return each batch as soon as it is done instead.
+            speculate = launches and not early and self.work.max_waves == 1
+            speculative = self._speculate(launches, group_of) if speculate else {}
+            active, skipped, stale = decide()
+            if speculative and not any(stale) and all(self.plan.infos[i].block in launches for i in active):
+                early = speculative
+                while_agreeing = sum(len(o) for o, _ in speculative.values())
         else:
             active, skipped, _ = self._agree(group_of, here, None)
             if not skipped:
@@ -386,7 +423,9 @@ class DMuon(torch.optim.Optimizer):
             "exposed_comm_seconds": stats.wait_seconds,
             "ns_seconds": ns_seconds,
             "blocks_exchanged_in_backward": len(self._kept),
-            "orthogonalized_in_backward": sum(len(o) for b, (o, _) in early.items() if b in self._kept),
+            "orthogonalized_in_backward": sum(len(o) for b, (o, _) in early.items() if b in self._kept)
+            if self.ns_in_backward else 0,
+            "orthogonalized_while_agreeing": while_agreeing,
             "step_seconds": time.perf_counter() - start,
             "skipped_nonfinite": skipped,
             "return_waves": [list(w) for w in self._waves],
@@ -465,7 +504,10 @@ class DMuon(torch.optim.Optimizer):
         bookkeeping on the owner, wherever it ran), ``blocks_exchanged_in_backward``
         (launches from backward that ``step()`` kept), ``orthogonalized_in_backward``
         (matrices whose NS ran on the worker with ``ns_in_backward=True`` and was
-        kept), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
+        kept), ``orthogonalized_while_agreeing`` (matrices whose NS ran while the
+        step's agreement all-reduce was in flight, and was kept: with one return
+        wave, whenever every block was launched in backward and none went
+        stale), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
         matrices of each pipelined update return, in order; see
         :meth:`dmuon.optim.owner_work.OwnerWork.return_waves`).
         """

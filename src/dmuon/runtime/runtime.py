@@ -143,10 +143,20 @@ class ShardRuntime:
     # ---------------------------------------------------------------- agreement
     def agree(self, flags: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum of ``flags`` over every rank (one small collective)."""
-        if self.topo.world_size > 1:
-            flags = flags.to(self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group)
-        return flags.cpu()
+        return self.start_agree(flags)()
+
+    def start_agree(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issues :meth:`agree`'s all-reduce and returns what waits for it (work can go on meanwhile)."""
+        if self.topo.world_size == 1:
+            return lambda: flags.cpu()
+        flags = flags.to(self.device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group, async_op=True)
+
+        def landed() -> torch.Tensor:
+            work.wait()
+            return flags.cpu()
+
+        return landed
 
     def __del__(self) -> None:
         for handle in self._hooks:
