@@ -64,6 +64,33 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
 ADAMW = dict(lr=3e-3, weight_decay=0.01)
 
 
+def _run(model: nn.Module, opt, data_rank: int, data_world: int, steps: int) -> dict[str, torch.Tensor]:
+    """``steps`` training steps on data-parallel rank ``data_rank``'s batches; every parameter's full value."""
+    for step in range(steps):
+        loss_of(model, batch(step, data_rank, data_world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _muon_on_slices(model: nn.Module, slices: list[nn.Parameter], slice_grads, matrices: list[nn.Parameter],
+                    rest: list[nn.Parameter], world: int, steps: int) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon (fp32 NS) on ``slices`` (views sharing a parameter's storage, their gradients
+    ``slice_grads()`` cut from its gradient each step) and ``matrices``, torch.optim.AdamW on ``rest``."""
+    muon = torch.optim.Muon(slices + matrices, **MUON)
+    adamw = torch.optim.AdamW(rest, **ADAMW)
+    for step in range(steps):
+        loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
+        for part, grad in zip(slices, slice_grads()):
+            part.grad = grad.clone()
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        for p in [*slices, *model.parameters()]:
+            p.grad = None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> dict[str, torch.Tensor]:
     """One process: torch.optim.Muon on each expert's ``(HIDDEN, WIDTH)`` slice (``view="stack"``) or on
     the stack flattened to ``(E, HIDDEN * WIDTH)`` (``"flatten"``), plus torch.optim.AdamW."""
@@ -74,20 +101,12 @@ def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> 
         mats = [nn.Parameter(stack.data[e]) for e in range(experts)]  # views sharing the storage
     else:
         mats = [nn.Parameter(stack.data.view(experts, -1))]
-    muon = torch.optim.Muon(mats + [model.moe.down.weight], **MUON)
     rest = [p for n, p in model.named_parameters() if n not in ("moe.experts", "moe.down.weight")]
-    adamw = torch.optim.AdamW(rest, **ADAMW)
-    for step in range(steps):
-        loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
-        grads = [stack.grad[e] for e in range(experts)] if view == "stack" else [stack.grad.view(experts, -1)]
-        for m, g in zip(mats, grads):
-            m.grad = g.clone()
-        with ns_precision(torch.float32):
-            muon.step()
-        adamw.step()
-        for p in [*mats, *model.parameters()]:
-            p.grad = None
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def grads():
+        return [stack.grad[e] for e in range(experts)] if view == "stack" else [stack.grad.view(experts, -1)]
+
+    return _muon_on_slices(model, mats, grads, [model.moe.down.weight], rest, world, steps)
 
 
 def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
@@ -103,12 +122,7 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
                       adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves)
-    for step in range(steps):
-        loss_of(model, batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    params = _run(model, opt, rank, world, steps)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],
             "momentum_numel": momentum.to_local().numel() if isinstance(momentum, DTensor) else momentum.numel(),
@@ -126,12 +140,7 @@ def train_gather(rank: int, world: int, steps: int, experts: int = 3, mesh_shape
     fully_shard(model, mesh=mesh)
     opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
                             ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
-    for step in range(steps):
-        loss_of(model, batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return _run(model, opt, rank, world, steps)
 
 
 def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, ep: int = 2) -> dict:
@@ -147,13 +156,7 @@ def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, e
     plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
                       adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999))
-    dp_rank = mesh.get_coordinate()[0]
-    for step in range(steps):
-        loss_of(model, batch(step, dp_rank, world // ep)).backward()
-        opt.step()
-        opt.zero_grad()
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    params = _run(model, opt, mesh.get_coordinate()[0], world // ep, steps)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "placements": str(model.moe.experts.placements),
             "pieces": {i.name: [(p.row, p.rows) for p in i.pieces] for i in plan.infos if i.expert is not None},
@@ -184,18 +187,12 @@ def qkv_reference(world: int, steps: int, groups: int) -> dict[str, torch.Tensor
     weight = model.qkv.weight
     height = weight.shape[0] // groups
     parts = [nn.Parameter(weight.data[g * height:(g + 1) * height]) for g in range(groups)]  # share storage
-    muon = torch.optim.Muon(parts + [model.out.weight], **MUON)
-    adamw = torch.optim.AdamW([model.embed.weight, *model.head.parameters()], **ADAMW)
-    for step in range(steps):
-        loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
-        for g, part in enumerate(parts):
-            part.grad = weight.grad[g * height:(g + 1) * height].clone()
-        with ns_precision(torch.float32):
-            muon.step()
-        adamw.step()
-        for p in [*parts, *model.parameters()]:
-            p.grad = None
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def grads():
+        return [weight.grad[g * height:(g + 1) * height] for g in range(groups)]
+
+    return _muon_on_slices(model, parts, grads, [model.out.weight], [model.embed.weight, *model.head.parameters()],
+                           world, steps)
 
 
 def train_qkv(rank: int, world: int, steps: int, groups: int, optimizer: str = "dmuon", mesh_shape=None) -> dict:
@@ -218,10 +215,5 @@ def train_qkv(rank: int, world: int, steps: int, groups: int, optimizer: str = "
                                 ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"],
                                 matrix_view=views)
         names = []
-    for step in range(steps):
-        loss_of(model, batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    params = _run(model, opt, rank, world, steps)
     return {"params": params, "names": names, "orthogonalized": opt.last_step_stats()["orthogonalized"]}
