@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from dmuon.util.spawn import run_distributed
 
@@ -109,3 +110,14 @@ def test_sequence_parallel_norms_and_embedding():
     name, err = _worst(results[0]["momentum"], momenta)
     assert err <= 1e-5, ("momentum", name, err)
     assert sum(r["orthogonalized"] for r in results) == len(SP_MATRICES)
+
+
+def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp(tmp_path):
+    """get_model/optimizer_state_dict + dcp.save/load + set_*: the rowwise momentum's columns are split
+    over the replicas inside TP's split (_StridedShard), and the resumed run continues bit for bit."""
+    from support.tp import resume_matches_continuing
+
+    got = run_distributed(resume_matches_continuing, 8, (2, 2, 2), str(tmp_path / "ckpt"), timeout_s=300)[0]
+    assert "_StridedShard(dim=1, sf=2)" in got["placements"], got["placements"]
+    for name, value in got["continued"].items():
+        assert torch.equal(got["resumed"][name], value), name

@@ -186,3 +186,43 @@ def counted_tp_step(rank: int, world: int, mesh_shape: tuple[int, ...], steps: i
             "infos": [(tuple(i.shape), i.owner, i.block) for i in plan.infos],
             "pieces": [i.pieces for i in plan.infos], "replicate": plan.replicate, "shard": plan.shard,
             "waves": stats["return_waves"], "blocks_in_backward": stats["blocks_exchanged_in_backward"]}
+
+
+def resume_matches_continuing(rank: int, world: int, mesh_shape: tuple[int, ...], path: str,
+                              saved_at: int = 2, more: int = 2) -> dict | None:
+    """torch's own DCP calls on a TP model: train, save, train on; a fresh model resumes and trains the
+    same steps. Rank 0 returns both runs' full parameters."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    def build():
+        mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
+        torch.manual_seed(0)
+        model = TPNet()
+        parallelize(model, mesh, dp_mesh)
+        opt = dmuon.DMuon(model, lr=MUON["lr"], adamw_lr=ADAMW["lr"], ns_method="standard", ns_dtype=torch.float32)
+        return model, opt, dp_rank, dp_mesh.size()
+
+    def train_steps(model, opt, dp_rank, dp, steps):
+        for step in steps:
+            loss_of(model, batch(step, dp_rank, dp)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, dp_rank, dp = build()
+    train_steps(model, opt, dp_rank, dp, range(saved_at))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    train_steps(model, opt, dp_rank, dp, range(saved_at, saved_at + more))
+    continued = {n: full(p) for n, p in model.named_parameters()}
+    del model, opt
+    model, opt, dp_rank, dp = build()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    placements = str(opt.state[model.layers[0].down.weight]["momentum_buffer"].placements)
+    train_steps(model, opt, dp_rank, dp, range(saved_at, saved_at + more))
+    resumed = {n: full(p) for n, p in model.named_parameters()}
+    return {"continued": continued, "resumed": resumed, "placements": placements} if rank == 0 else None
