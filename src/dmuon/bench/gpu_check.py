@@ -221,13 +221,20 @@ def ortho_section(sizes: Sizes, device: torch.device) -> dict:
     return {"rows": rows}
 
 
+def bench_configs(device: torch.device) -> list[str]:
+    """The bench section's configurations: the default set, and on an accelerator also dmuon with
+    ``post_optim_event=True`` (CPU has no events), whose losses must agree with the others'."""
+    from dmuon.bench.setups import CONFIGS
+
+    return list(CONFIGS) + (["dmuon_z3_event"] if device.type == "cuda" else [])
+
+
 def bench_section(sizes: Sizes, device: torch.device) -> dict:
     """``dmuon bench`` on one rank of this process (NCCL on CUDA, else gloo)."""
     import torch.distributed as dist
 
     from dmuon.bench.report import loss_agreement, machine_description, ratios
     from dmuon.bench.runner import BenchOptions, run_all
-    from dmuon.bench.setups import CONFIGS
     from dmuon.ortho.autotune import get_autotuner
     from dmuon.util.spawn import free_port
 
@@ -240,7 +247,7 @@ def bench_section(sizes: Sizes, device: torch.device) -> dict:
     get_autotuner().cooldown_s = sizes.cooldown_s
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        results = run_all(0, 1, list(CONFIGS), BenchOptions(progress=False, **sizes.bench))
+        results = run_all(0, 1, bench_configs(device), BenchOptions(progress=False, **sizes.bench))
     finally:
         dist.destroy_process_group()
     ok, verdict = loss_agreement(results)

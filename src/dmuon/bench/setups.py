@@ -16,14 +16,16 @@ from dmuon.plan.selection import select_matrices
 
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
-EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local")
+EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
+                 "dmuon_z3_event")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
 start NS while backward runs); ``adamw_local``: FSDP2 + AdamW on each rank's
 local shards, the kernel dmuon runs for its non-matrix parameters (``DMuon``
 with no Muon matrices), a stricter AdamW reference than ``torch.optim.AdamW``'s
-per-parameter DTensor dispatch."""
+per-parameter DTensor dispatch; ``dmuon_z3_event``: ``post_optim_event=True`` (accelerators only:
+the next forward's all-gathers wait on an event recorded after the last update)."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
@@ -156,5 +158,5 @@ def build(config: str, workload, mesh, hyper: Hyper):
     # Planned (and with --profile measured) with the NS the optimizer runs.
     ns = dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype"))
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns)
-    return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"),
-                       ns_in_backward=base.endswith("_nsbwd"), **kw), plan
+    return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"), ns_in_backward=base.endswith("_nsbwd"),
+                       post_optim_event=base.endswith("_event"), **kw), plan

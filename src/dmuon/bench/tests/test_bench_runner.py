@@ -138,3 +138,18 @@ def test_runner_on_fsdp2_ranks():
         assert results[config]["imbalance"] is not None
     assert results["adamw_local"]["losses"] == pytest.approx(results["adamw"]["losses"], rel=1e-6)
     assert results["adamw_z2"]["losses"] == pytest.approx(results["adamw"]["losses"], rel=1e-6)
+
+
+def test_post_optim_event_config_is_for_accelerators():
+    """``dmuon_z3_event`` runs ``post_optim_event=True``: the GPU check adds it on CUDA only, and on
+    CPU the bench refuses it with DMuon's own error."""
+    import torch
+
+    import _bench_runner_worker
+    from dmuon.bench.gpu_check import bench_configs
+
+    assert bench_configs(torch.device("cpu")) == list(CONFIGS)
+    assert bench_configs(torch.device("cuda")) == [*CONFIGS, "dmuon_z3_event"]
+    assert reshard_after_forward("dmuon_z3_event")
+    with pytest.raises(Exception, match="post_optim_event=True needs a device with events"):
+        _bench_runner_worker.run(1, ("dmuon_z3_event",), 1)
