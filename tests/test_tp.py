@@ -12,7 +12,7 @@ import torch
 
 from dmuon.util.spawn import run_distributed
 
-from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, reference, train
+from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 
 STEPS = 3
 MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
@@ -121,3 +121,15 @@ def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp(tmp_path):
     assert "_StridedShard(dim=1, sf=2)" in got["placements"], got["placements"]
     for name, value in got["continued"].items():
         assert torch.equal(got["resumed"][name], value), name
+
+
+def test_bf16_mixed_precision_equals_gather_then_compute_on_the_same_tp_model():
+    """MixedPrecisionPolicy(bf16 params, fp32 reductions) on every fully_shard of the TP model: dmuon
+    against the oracle on the same DTensors (both orthogonalize the same fp32 gradients)."""
+    got = run_distributed(train, 4, STEPS, (2, 2), "dmuon", False, True, timeout_s=300)[0]
+    oracle = run_distributed(train, 4, STEPS, (2, 2), "gather", False, True, timeout_s=300)[0]
+    name, err = _worst(got["params"], oracle["params"])
+    assert err <= 1e-5, (name, err)
+    torch.manual_seed(0)
+    start = dict(TPNet().named_parameters())
+    assert all(not torch.equal(got["params"][n], start[n].detach()) for n in MATRICES)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -111,7 +111,7 @@ def tp_mesh(world: int, mesh_shape: tuple[int, ...]):
     return mesh, dp_mesh, dp_rank
 
 
-def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False) -> None:
+def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf16: bool = False) -> None:
     """TP on ``mesh["tp"]`` (torch's plans; with ``sequence_parallel`` the residual stream split
     over the sequence, the norms ``SequenceParallel``), then FSDP2 over the dp mesh, each block and the root."""
     tp = mesh["tp"]
@@ -126,19 +126,21 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False) ->
         for layer in model.layers:
             parallelize_module(layer, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
+    # bf16: torchtitan's default mixed precision (bf16 compute and all-gathers, fp32 reductions).
+    mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, **mp)
+    fully_shard(model, mesh=dp_mesh, **mp)
 
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
-          sequence_parallel: bool = False) -> dict:
+          sequence_parallel: bool = False, bf16: bool = False) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
     value, the plan and each matrix's momentum bytes on this rank."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
-    parallelize(model, mesh, dp_mesh, sequence_parallel)
+    parallelize(model, mesh, dp_mesh, sequence_parallel, bf16)
     seq = SP_SEQ if sequence_parallel else 5
     matrices = SP_MATRICES if sequence_parallel else MATRICES
     dp = dp_mesh.size()
