@@ -1,4 +1,4 @@
-"""Exchanges between FSDP2's row shards and each matrix's owner.
+"""Exchanges between the shards FSDP2 (and tensor parallelism) leave and each matrix's owner.
 
 FSDP2 keeps every matrix split by rows (``Shard(0)``) over the shard level of a
 (replicate R x shard S) mesh, and tensor parallelism splits it further (the
@@ -13,17 +13,18 @@ and comes back to all. dmuon moves only what Newton-Schulz consumes and
 produces, in its wire dtype:
 
 * **Directions, hop A** (replicate level, HSDP only): every rank sends its
-  column slice of each matrix's direction to the same shard column of the
-  owner's replica, which joins the R slices into its rows. Per matrix 1/R of
-  the rows crosses the slow network once from each other replica, spread over
-  the S columns.
+  column slice of each matrix's direction to the same shard position of the
+  owner's replica, which joins the R slices into its piece. Per matrix 1/R of
+  it crosses the slow network once from each other replica, spread over the
+  S positions.
 * **Directions, hop B** (shard level, inside the owner's replica only): each
-  rank of the owner's replica sends its rows of the direction; the owner
-  concatenates the S pieces.
+  rank of the owner's replica sends its piece of the direction; the owner
+  pastes the pieces into the full matrix (``MatrixInfo.assemble``).
 * **Updates back, hop 1** (shard level, inside the owner's replica): the owner
-  sends each shard column its rows of the orthogonalized update.
+  sends each shard position its piece of the orthogonalized update
+  (``MatrixInfo.cut``).
 * **Updates back, hop 2** (replicate level, HSDP only): every rank of the owner's
-  replica forwards its rows to the same column of the other replicas. The
+  replica forwards its piece to the same position of the other replicas. The
   matrix crosses the slow network R-1 times in total, spread over S links.
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
@@ -233,15 +234,15 @@ class ShardExchange:
 
     # ------------------------------------------------------------- back again
     def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
-        """Sends each shard column its rows of the owners' updates (then across replicas).
+        """Sends each shard position its piece of the owners' updates (then across replicas).
 
         Args:
             members: Matrix indices, identical and in the same order on every rank.
             owned: The full ``(m, n)`` update of each member this rank owns.
 
         Returns:
-            A :class:`Pending` whose ``wait()`` gives this rank's rows ``(rows, n)`` of
-            every member's update. On HSDP it has two hops: :meth:`Pending.forward`
+            A :class:`Pending` whose ``wait()`` gives this rank's piece ``(rows, cols * inner)``
+            of every member's update. On HSDP it has two hops: :meth:`Pending.forward`
             (main thread) issues the second once the first has landed.
         """
         topo = self.topo
@@ -254,7 +255,7 @@ class ShardExchange:
         return Pending([], _no_result, self.stats, then=lambda: self._rows_to_replicas(members, hop1.wait()))
 
     def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
-        """Hop 1: inside each replica, the owners send every shard column its rows of the members
+        """Hop 1: inside each replica, the owners send every shard position its piece of the members
         the replica owns; ``wait()`` gives this rank's rows of those."""
         topo, infos = self.topo, self.infos
         r, s = topo.coords

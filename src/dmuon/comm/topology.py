@@ -24,7 +24,7 @@ class Topology:
     shard_group: object = None
     """Process group of this rank's replica (S ranks, ordered by ``s``); None when S == 1."""
     replicate_group: object = None
-    """Process group of this rank's shard column (R ranks, ordered by ``r``); None when R == 1."""
+    """Process group of this rank's shard position across replicas (R ranks, ordered by ``r``); None when R == 1."""
     world_group: object = None
     """All R*S ranks; None in a single process."""
     global_ranks: tuple[int, ...] = ()

@@ -1,7 +1,7 @@
 """DMuon: the optimizer front door.
 
 One ``torch.optim.Optimizer`` for a ``fully_shard``-ed model. Muon matrices
-keep their momentum beside FSDP2's row shards; each matrix's direction goes
+keep their momentum beside FSDP2's (and TP's) shards; each matrix's direction goes
 to its one owner, which runs Newton-Schulz, and the update comes back to the
 shards (:mod:`dmuon.runtime`). Every other parameter follows ``torch.optim.AdamW``.
 """

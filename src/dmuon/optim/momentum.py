@@ -1,4 +1,4 @@
-"""Where Muon's momentum lives: beside FSDP2's row shards, and on HSDP split over the replicas too."""
+"""Where Muon's momentum lives: beside the parameter's shards, and on HSDP split over the replicas too."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 FSDP2 keeps the weights: storage, mixed precision, the reduce-scatter in
 backward and the all-gather in forward. The runtime only moves Muon's
-directions from FSDP2's row shards to each matrix's owner and the owners'
+directions from FSDP2's (and TP's) shards to each matrix's owner and the owners'
 updates back (:mod:`dmuon.comm.exchange`).
 
 With ``overlap=True`` a block's exchange starts in backward. FSDP2 calls each
