@@ -133,3 +133,17 @@ def test_bf16_mixed_precision_equals_gather_then_compute_on_the_same_tp_model():
     torch.manual_seed(0)
     start = dict(TPNet().named_parameters())
     assert all(not torch.equal(got["params"][n], start[n].detach()) for n in MATRICES)
+
+
+def test_tiling_check_catches_gaps_overlaps_and_bounds():
+    """prepare's check that the distinct pieces cover each matrix exactly once (what proves them contiguous)."""
+    from dmuon.prepare import _tiles
+
+    rowwise = {(0, 4, 0, 5), (0, 4, 5, 5), (4, 3, 0, 5), (4, 3, 5, 5)}
+    assert _tiles(rowwise, 7, 10) and _tiles({(0, 3, 0, 7), (3, 4, 0, 7)}, 7, 7)
+    assert not _tiles({(0, 4, 0, 5), (0, 4, 4, 6), (4, 3, 0, 5), (4, 3, 5, 5)}, 7, 10)  # overlap
+    assert not _tiles({(0, 3, 0, 7)}, 7, 7)  # gap
+    assert not _tiles({(0, 8, 0, 7)}, 7, 7)  # past the last row
+    # Strided rows {0, 2} and {1, 3} seen as boxes from their first row overlap: caught.
+    assert not _tiles({(0, 2, 0, 4), (1, 2, 0, 4)}, 4, 4)
+    assert _tiles({(k * 7, 7, 0, 50) for k in range(1024)}, 7168, 50)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -107,7 +109,7 @@ def momentum_placements(param: DTensor, param_dim: int) -> tuple:
     return tuple(placements)
 
 
-def _local_box(name: str, p: torch.Tensor, width: int) -> list[int]:
+def _local_box(p: torch.Tensor, width: int) -> list[int]:
     """``[ok, offsets..., sizes...]`` of this rank's local shard of ``p`` (``width`` dims, padded)."""
     if not isinstance(p, DTensor):
         shape, offset, ok = tuple(p.shape), (0,) * p.ndim, True
@@ -135,7 +137,7 @@ def _gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, de
     ``compute_local_shape_and_global_offset``); one all-gather tells every rank all of them.
     """
     width = max((p.ndim for _, p in chosen), default=1)
-    mine = [_local_box(n, p, width) for n, p in chosen]
+    mine = [_local_box(p, width) for _, p in chosen]
     if topology.world_size == 1:
         return [mine]
     flat = torch.tensor(mine, dtype=torch.int64).reshape(-1)
@@ -144,8 +146,8 @@ def _gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, de
     all_gather(gathered, flat.to(device), group=topology.world_group)
     # The group orders its members by global rank; plan ranks follow the mesh.
     by_global = gathered.cpu().view(topology.world_size, len(chosen), 1 + 2 * width).tolist()
-    order = sorted(topology.global_ranks)
-    return [by_global[order.index(g)] for g in topology.global_ranks]
+    position = {g: k for k, g in enumerate(sorted(topology.global_ranks))}
+    return [by_global[position[g]] for g in topology.global_ranks]
 
 
 def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | None,
@@ -190,16 +192,37 @@ def _pieces(name: str, p: torch.Tensor, boxes: list[list[int]], expert: int | No
         out.append(Piece(*key, sends=key not in seen))
         if piece.rows * piece.cols:
             seen.add(key)
-    distinct = [k for k in seen]
-    area = sum(k[1] * k[3] for k in distinct)
-    overlap = any(a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
-                  for x, a in enumerate(distinct) for b in distinct[x + 1:])
-    cols = shape[1] if len(shape) > 1 else 1
-    if overlap or area != shape[0] * cols:
+    if not _tiles(seen, shape[0], shape[1] if len(shape) > 1 else 1):
         placements = tuple(p.placements) if isinstance(p, DTensor) else ()
         raise ValueError(f"parameter {name!r}: its local shards (placements {placements}) are not contiguous "
                          "boxes of the matrix, a layout dmuon does not support")
     return tuple(out), tuple(starts)
+
+
+def _tiles(boxes, rows: int, cols: int) -> bool:
+    """Whether the ``(row, rows, col, cols)`` boxes cover the ``rows x cols`` matrix exactly once.
+
+    On the grid of the boxes' own edges (at most one cell per pair of edges),
+    a 2-D difference array counts how often each cell is covered: linear in the
+    boxes plus the grid, so thousands of ranks' pieces check in milliseconds.
+    """
+    boxes = np.array(sorted(boxes), dtype=np.int64).reshape(-1, 4)
+    if rows * cols == 0:
+        return len(boxes) == 0
+    r0, r1, c0, c1 = boxes[:, 0], boxes[:, 0] + boxes[:, 1], boxes[:, 2], boxes[:, 2] + boxes[:, 3]
+    if len(boxes) == 0 or r0.min() < 0 or c0.min() < 0 or r1.max() > rows or c1.max() > cols:
+        return False
+    row_edges = np.unique(np.concatenate([[0, rows], r0, r1]))
+    col_edges = np.unique(np.concatenate([[0, cols], c0, c1]))
+    a, b = np.searchsorted(row_edges, r0), np.searchsorted(row_edges, r1)
+    c, d = np.searchsorted(col_edges, c0), np.searchsorted(col_edges, c1)
+    diff = np.zeros((len(row_edges), len(col_edges)), dtype=np.int64)
+    np.add.at(diff, (a, c), 1)
+    np.add.at(diff, (b, c), -1)
+    np.add.at(diff, (a, d), -1)
+    np.add.at(diff, (b, d), 1)
+    cover = diff.cumsum(0).cumsum(1)[:-1, :-1]
+    return bool((cover == 1).all())
 
 
 def _fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -237,8 +260,10 @@ def prepare(
     the plan to :class:`dmuon.DMuon`; ``DMuon(model)`` calls it with the defaults.
 
     Args:
-        model: The model: every parameter a DTensor of one FSDP2 mesh (1-D, or
-            2-D ``(replicate, shard)`` for HSDP), or plain tensors in a single process.
+        model: The model: every trainable parameter a DTensor of one mesh or its
+            named sub-meshes (1-D FSDP, 2-D ``(replicate, shard)`` HSDP, with a
+            tensor- or expert-parallel dim after them), or plain tensors in a
+            single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
         matrix_view: How each chosen parameter is seen: ``"flatten"`` (one
