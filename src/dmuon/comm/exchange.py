@@ -242,7 +242,7 @@ class ShardExchange:
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives this rank's piece ``(rows, cols * inner)``
-            of every member's update. On HSDP it has two hops: :meth:`Pending.forward`
+            of every member's update (no entry where it holds nothing of a member). On HSDP it has two hops: :meth:`Pending.forward`
             (main thread) issues the second once the first has landed.
         """
         topo = self.topo
@@ -281,7 +281,7 @@ class ShardExchange:
         out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
         if sum(out_splits) == 0:
             return Pending([], lambda: rows, self.stats)
-        own = self._cat([rows[i].reshape(-1) for i in from_replica[r]])
+        own = self._cat([rows[i].reshape(-1) for i in from_replica[r] if i in rows])
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
                                 [own.numel()] * topo.replicate, r)
@@ -290,10 +290,12 @@ class ShardExchange:
 
     def _rows_by_source(self, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]],
                         s: int) -> dict[int, torch.Tensor]:
-        """Cuts a landed buffer into this position's piece ``(rows, cols * inner)`` of each member, source by source."""
+        """Cuts a landed buffer into this position's piece ``(rows, cols * inner)`` of each member, source by
+        source; members this position holds nothing of get no entry."""
         out = {}
         for source, segment in enumerate(recv.split(splits)):
             members = members_of[source]
             for i, piece in zip(members, segment.split([self._piece(i, s) for i in members])):
-                out[i] = piece.view(self.infos[i].rows[s], self.infos[i].pieces[s].cols * self.infos[i].inner)
+                if self._piece(i, s):
+                    out[i] = piece.view(self.infos[i].rows[s], self.infos[i].pieces[s].cols * self.infos[i].inner)
         return out

@@ -202,13 +202,14 @@ def _expected_log(members: list[int], rank: int, mesh: str) -> tuple[list, list]
 
 
 def _check_rows(got: dict, members: list[int], infos: list[MatrixInfo], s: int, where: str) -> None:
-    """``got`` has this column's rows of every member's update (a member of which this column
-    holds no rows may be left out or be empty), and nothing else."""
+    """``got`` has this position's piece of every member's update, no entry for a member it holds
+    nothing of, and nothing else."""
     assert set(got) <= set(members), f"{where}: unexpected matrices {sorted(set(got) - set(members))}"
     for k in members:
         info = infos[k]
         expected = _rows(info, s, _update(info))
-        if info.rows[s] == 0 and k not in got:
+        if info.piece_numel(s) == 0:
+            assert k not in got, f"{where}: an entry for matrix {k}, of which this position holds nothing"
             continue
         assert k in got, f"{where}: no rows of matrix {k} {info.shape}"
         assert got[k].shape == expected.shape, f"{where}: matrix {k} rows {tuple(got[k].shape)}"
