@@ -61,14 +61,11 @@ def from_mesh(mesh, replicated: bool) -> Topology:
     replicate = mesh.size(0) if replicated else 1
     grid = mesh.mesh.reshape(replicate, -1)
     shard = grid.shape[1]
-    coord = mesh.get_coordinate()
-    assert coord is not None, "this rank is not part of the mesh"
-    flat = 0
-    for size, c in zip(mesh.mesh.shape, coord):
-        flat = flat * size + c
-    r, s = divmod(flat, shard)
+    ranks = grid.flatten().tolist()
+    assert dist.get_rank() in ranks, "this rank is not part of the mesh"
+    r, s = divmod(ranks.index(dist.get_rank()), shard)
     # A separate set of groups keeps dmuon's collectives apart from FSDP2's.
-    world_group = dist.new_group(ranks=grid.flatten().tolist())
+    world_group = dist.new_group(ranks=ranks)
     shard_group = replicate_group = None
     for row in range(replicate):
         g = world_group if replicate == 1 else dist.new_group(ranks=grid[row].tolist())
@@ -79,5 +76,4 @@ def from_mesh(mesh, replicated: bool) -> Topology:
             g = dist.new_group(ranks=grid[:, col].tolist())
             if col == s:
                 replicate_group = g
-    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group,
-                    tuple(grid.flatten().tolist()))
+    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group, tuple(ranks))

@@ -27,13 +27,6 @@ class Agreement(NamedTuple):
     """Per launch from backward (block order): 1 where some rank's directions differ from those sent."""
 
 
-def agree(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
-          others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
-          other_names: list[str]) -> Agreement:
-    """:func:`start_agreement`, waited for at once."""
-    return start_agreement(runtime, infos, group_of, here, others, nonfinite, stale, other_names)()
-
-
 def start_agreement(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
                     others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
                     other_names: list[str]) -> Callable[[], Agreement]:
@@ -43,7 +36,7 @@ def start_agreement(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of
     decides, so local work can run while the flags travel.
 
     Args:
-        runtime: Whose ``agree`` (MAX over every rank) to use.
+        runtime: Whose ``start_agree`` (MAX over every rank) to use.
         infos: The plan's matrices.
         group_of: Plan index -> param group, for every Muon matrix.
         here: Matrices with a gradient on this rank.

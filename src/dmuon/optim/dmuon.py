@@ -320,7 +320,7 @@ class DMuon(torch.optim.Optimizer):
         return out
 
     def _agree(self, group_of: dict[int, dict], here: list[int], stale: torch.Tensor | None) -> Agreement:
-        """One small all-reduce puts every rank on the same path for this step (see :func:`agree`)."""
+        """One small all-reduce puts every rank on the same path for this step (see :func:`~dmuon.optim.agreement.start_agreement`)."""
         return self._start_agreement(group_of, here, stale)()
 
     def _start_agreement(self, group_of: dict[int, dict], here: list[int],

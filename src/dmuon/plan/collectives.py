@@ -18,6 +18,7 @@ importable from :mod:`dmuon.plan.traffic`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -134,7 +135,7 @@ def owner_exchange_collectives(
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
     world = replicate * shard
     tables = [piece_table(shp, shard, None if pieces is None else pieces[i]) for i, shp in enumerate(shapes)]
-    inner = [row_width(shp) // (int(shp[1]) if len(shp) > 1 else 1) if row_width(shp) else 0 for shp in shapes]
+    inner = [math.prod(int(d) for d in shp[2:]) for shp in shapes]  # a conv kernel's elements per column
 
     def piece(i: int, s: int) -> int:
         """Bytes of matrix ``i``'s update that come back to position ``s``."""
