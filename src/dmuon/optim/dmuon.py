@@ -376,6 +376,8 @@ class DMuon(torch.optim.Optimizer):
         launches = self.runtime.take_launches() if self.overlap else {}
         early = self._join_block_ns()
         while_agreeing = 0
+        adamw_done = False
+        returned: Pending | None = None
         group_of = self._muon_groups()
         here = [i for i in sorted(group_of) if self.plan.infos[i].param.grad is not None]
         for i in here:
@@ -386,15 +388,24 @@ class DMuon(torch.optim.Optimizer):
             directions = self._commit_directions(here, group_of)
             decide = self._start_agreement(group_of, here, self._stale(launches, here, directions))
             # While the flags travel (milliseconds on gloo), the owners orthogonalize what
-            # landed from backward; kept only if the agreement keeps every launch and the
-            # launches cover every active matrix (else the batches would differ). Only with
-            # one return wave: several waves return each batch as soon as it is done instead.
+            # landed from backward and send the updates back; kept only if the agreement
+            # keeps every launch and the launches cover every active matrix (else the
+            # batches would differ). Only with one return wave: several waves return each
+            # batch as soon as it is done instead.
             speculate = launches and not early and self.work.max_waves == 1
             speculative = self._speculate(launches, group_of) if speculate else {}
+            speculative_return = self._return_speculative(launches, speculative) if speculate else None
+            # AdamW does not wait for the verdict (nothing skips): it runs while the flags
+            # and the speculative updates travel.
+            self._adamw_step()
+            adamw_done = True
             active, skipped, stale = decide()
             if speculative and not any(stale) and all(self.plan.infos[i].block in launches for i in active):
                 early = speculative
+                returned = speculative_return
                 while_agreeing = sum(len(o) for o, _ in speculative.values())
+            elif speculative_return is not None:
+                speculative_return.wait()  # lands unused; every rank drops it alike
         else:
             active, skipped, _ = self._agree(group_of, here, None)
             if not skipped:
@@ -407,11 +418,9 @@ class DMuon(torch.optim.Optimizer):
             for launch in launches.values():
                 launch.pending.wait()
         else:
-            for group in self.param_groups:
-                if group["algorithm"] == "adamw":
-                    adamw_group_step(group, self.state)
             self._kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
-            orthogonalized, ns_seconds = self._muon_step(active, group_of, launches, early, directions)
+            orthogonalized, ns_seconds = self._muon_step(active, group_of, launches, early, directions,
+                                                         adamw_done, returned)
             if self._root is not None:
                 event = torch.Event(device=self.plan.device)
                 event.record()  # after every update of this step, on the current stream
@@ -433,40 +442,70 @@ class DMuon(torch.optim.Optimizer):
         stats.reset()
         return loss
 
+    def _adamw_step(self) -> None:
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                adamw_group_step(group, self.state)
+
+    def _return_speculative(self, launches: dict[int, Launch],
+                            speculative: dict[int, tuple[dict[int, torch.Tensor], float]]) -> Pending:
+        """Issues the one return wave of every launched matrix with :meth:`_speculate`'s updates.
+
+        The members are the launches' (the same on every rank), which are the
+        step's active matrices whenever the speculation is kept, so the wave is
+        the one ``_muon_step`` would issue.
+        """
+        members = sorted(i for launch in launches.values() for i in launch.members)
+        owned = {i: o for orthos, _ in speculative.values() for i, o in orthos.items()}
+        return self.runtime.exchange.return_updates(members, owned)
+
     def _muon_step(self, active: list[int], group_of: dict[int, dict], launches: dict[int, Launch],
                    early: dict[int, tuple[dict[int, torch.Tensor], float]],
-                   directions: dict[int, torch.Tensor]) -> tuple[int, float]:
+                   directions: dict[int, torch.Tensor], adamw_done: bool,
+                   returned: Pending | None) -> tuple[int, float]:
+        """The Muon half of the step (and AdamW's, unless ``adamw_done``), once the agreement is in.
+
+        ``returned``: the speculative return wave of ``early``'s updates, kept (every
+        block was launched and orthogonalized while agreeing); otherwise the
+        exchanges, NS batches and return waves run here.
+        """
         infos, kept = self.plan.infos, self._kept
         for b in launches:
             if b not in kept:
                 launches[b].pending.wait()  # stale: lands unused
-        # Everything not kept from backward goes to the owners in one exchange.
-        rest = [i for i in active if infos[i].block not in kept]
-        pending = [launches[b].pending for b in sorted(kept) if b not in early]
-        pending.append(self.runtime.exchange.send_directions(rest, directions))
-        ns_start = time.perf_counter()
         ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
         done = kept & early.keys()
         orthos: dict[int, torch.Tensor] = {}
         for b in done:
             orthos.update(early[b][0])  # this rank's own
-        full: dict[int, torch.Tensor] = {}
-        for p in pending:
-            full.update(p.wait())
-        # Every rank's matrices whose NS ran in backward (not only this rank's): the waves must agree.
-        waves = self.work.return_waves(active, {i for i in active if infos[i].block in done}, group_of)
-        self._waves = [members for members, _ in waves]
-        returns: list[Pending] = []
-        for members, batches in waves:
-            for batch in batches:
-                orthos.update(self.work.orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
-            for earlier in returns:
-                earlier.forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
-            returns.append(self.runtime.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos}))
-        ns_seconds += time.perf_counter() - ns_start
+        if returned is not None:
+            returns = [returned]
+            self._waves = [list(active)]
+        else:
+            # Everything not kept from backward goes to the owners in one exchange.
+            rest = [i for i in active if infos[i].block not in kept]
+            pending = [launches[b].pending for b in sorted(kept) if b not in early]
+            pending.append(self.runtime.exchange.send_directions(rest, directions))
+            ns_start = time.perf_counter()
+            full: dict[int, torch.Tensor] = {}
+            for p in pending:
+                full.update(p.wait())
+            # Every rank's matrices whose NS ran in backward (not only this rank's): the waves must agree.
+            waves = self.work.return_waves(active, {i for i in active if infos[i].block in done}, group_of)
+            self._waves = [members for members, _ in waves]
+            returns = []
+            for members, batches in waves:
+                for batch in batches:
+                    orthos.update(self.work.orthogonalize_batch(batch, [full.pop(i) for i in batch], group_of))
+                for earlier in returns:
+                    earlier.forward()  # HSDP: hop 2 of the earlier waves, behind this wave's NS
+                returns.append(self.runtime.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos}))
+            ns_seconds += time.perf_counter() - ns_start
+        if not adamw_done:
+            self._adamw_step()  # while the last wave travels
         column = self.runtime.topo.coords[1]
-        for returned in returns:
-            for i, rows in returned.wait().items():
+        for returned_wave in returns:
+            for i, rows in returned_wave.wait().items():
                 info, group = infos[i], group_of[i]
                 if info.piece_numel(column):
                     apply_update(self._local(i, info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
