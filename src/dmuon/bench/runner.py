@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -145,6 +146,8 @@ class _ConfigRun:
         self.reshard_after_forward = reshard_after_forward(config)
         self.fwd_bwd: list[float] = []
         self.opt_s: list[float] = []
+        self.opt_own_s: list[float] = []
+        self.one_clock = _one_host(world_size)
         self.ns: list[float] = []
         self.sent: list[int] = []
         self.received: list[int] = []
@@ -164,7 +167,10 @@ class _ConfigRun:
         """One forward, backward and optimizer step; records its times when ``timed``.
 
         Live memory is measured after backward and after ``step()`` (before
-        ``zero_grad``), outside the timed spans. Nothing is left in flight when
+        ``zero_grad``), outside the timed spans. On one host the phases are
+        timed on its clock, from the last rank's entry to the last rank's exit
+        (forward+backward from the barrier, the optimizer from ``step()``, plus
+        the slowest ``zero_grad``); across hosts, the slowest rank's own durations. Nothing is left in flight when
         ``step()`` returns (dmuon applies its updates inside it), so a step's
         times are complete when it ends, whichever configuration runs next.
         """
@@ -194,17 +200,28 @@ class _ConfigRun:
         t5 = time.perf_counter()
         opt = self.optimizer
         stats = opt.last_step_stats() if hasattr(opt, "last_step_stats") else {}
-        times = torch.tensor([t1 - t0, (t3 - t2) + (t5 - t4), stats.get("ns_seconds", 0.0)],
+        # Maxima over ranks of the clock stamps, and of each rank's own phase durations.
+        times = torch.tensor([t0, t1, t2, t3, t5 - t4, t1 - t0, (t3 - t2) + (t5 - t4), stats.get("ns_seconds", 0.0)],
                              dtype=torch.float64, device=device)
-        # A step lasts as long as its slowest rank.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        last_start, last_backward, last_entry, last_exit, zero_grad_s, own_fwd_bwd, own_opt, ns_s = times.tolist()
+        if self.one_clock:
+            # A phase lasts from the moment its last rank enters it to the moment its last
+            # rank leaves it: what it adds to the step's critical path. A rank that enters
+            # step() early and waits there for a rank still in backward (or in the live-memory
+            # measurement between the two) is not charged to the optimizer.
+            fwd_bwd, opt_s = last_backward - last_start, last_exit - last_entry + zero_grad_s
+        else:
+            # Hosts' clocks differ: each rank's own durations, the slowest rank's.
+            fwd_bwd, opt_s = own_fwd_bwd, own_opt
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         self.losses.append(mean_loss.item() / self.world_size)
         if timed:
-            self.fwd_bwd.append(times[0].item())
-            self.opt_s.append(times[1].item())
-            self.ns.append(times[2].item())
+            self.fwd_bwd.append(fwd_bwd)
+            self.opt_s.append(opt_s)
+            self.opt_own_s.append(own_opt)
+            self.ns.append(ns_s)
             self.sent.append(stats.get("bytes_sent", 0))
             self.received.append(stats.get("bytes_received", 0))
             self.inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
@@ -247,6 +264,9 @@ class _ConfigRun:
             "step_s_by_round": [statistics.median(t for t, r in zip(steps, self.round_of_step) if r == k)
                                 for k in rounds],
             "optimizer_s": statistics.median(self.opt_s),
+            # The slowest rank's own step() + zero_grad duration (waits for late ranks included).
+            "optimizer_own_s": statistics.median(self.opt_own_s),
+            "phases_on_one_clock": self.one_clock,
             "fwd_bwd_s": statistics.median(self.fwd_bwd),
             "ns_s": statistics.median(self.ns),
             "bytes_per_step": int(fsdp_bytes + opt_bytes),
@@ -266,6 +286,13 @@ class _ConfigRun:
             "plan_makespan": balance.makespan if balance is not None else None,
             "plan_mean": balance.mean if balance is not None else None,
         }
+
+
+def _one_host(world_size: int) -> bool:
+    """Whether every rank runs on this host, so their ``time.perf_counter()`` stamps share one clock."""
+    names: list[str | None] = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname())
+    return len(set(names)) == 1
 
 
 def _device() -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -10,12 +12,21 @@ from dmuon.bench.runner import BenchOptions, _ConfigRun
 from dmuon.util.spawn import run_distributed
 
 
-def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int) -> dict:
+def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s: float) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     opts = BenchOptions(model="tiny", size="tiny", steps=steps, progress=False)
     out = {}
     for config in configs:
         run = _ConfigRun(rank, world, config, opts, mesh, "cpu")
+        if late_s and rank == world - 1:
+            measure = run._measure_live
+
+            def late_measure(point, measure=measure):
+                measure(point)
+                if point == "after_backward":
+                    time.sleep(late_s)  # between backward and step(): outside the timed phases
+
+            run._measure_live = late_measure
         model = run.workload.model
         all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
         # What FSDP2 holds for the first block once forward has moved past it:
@@ -37,13 +48,14 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int) -> dict
     return out
 
 
-def run(world: int, configs: tuple[str, ...], steps: int) -> dict:
+def run(world: int, configs: tuple[str, ...], steps: int, late_s: float = 0.0) -> dict:
     """Runs ``steps`` bench training steps of each configuration (model "tiny") on ``world`` ranks.
 
     Returns:
         Rank 0's ``{config: result}``: the runner's result dict plus
         ``all_dtensors`` (every parameter sharded by FSDP2 after ``build``) and
         ``sharded_after_forward`` (the first block's parameters were sharded
-        DTensors again when the second block's forward began).
+        DTensors again when the second block's forward began). With ``late_s``
+        the last rank sleeps that long after each backward, before ``step()``.
     """
-    return run_distributed(_worker, world, configs, steps)[0]
+    return run_distributed(_worker, world, configs, steps, late_s)[0]

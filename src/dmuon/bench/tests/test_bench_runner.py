@@ -140,6 +140,22 @@ def test_runner_on_fsdp2_ranks():
     assert results["adamw_z2"]["losses"] == pytest.approx(results["adamw"]["losses"], rel=1e-6)
 
 
+def test_optimizer_phase_starts_when_the_last_rank_enters_it():
+    """The optimizer phase is timed on the host's clock from the last rank's entry into ``step()``:
+    a rank that waits there for a late rank (here one sleeping 0.3 s after backward) is not charged
+    for the wait, which its own duration, reported beside, includes."""
+    import _bench_runner_worker
+
+    late = 0.3
+    results = _bench_runner_worker.run(2, ("adamw", "dmuon_z3_sync"), 2, late_s=late)
+    for config, r in results.items():
+        assert r["phases_on_one_clock"]
+        assert r["optimizer_s"] < late / 2, config
+    # dmuon's step() exchanges with the late rank, so the early one waits for it there.
+    assert results["dmuon_z3_sync"]["optimizer_own_s"] > late
+    assert results["adamw"]["optimizer_own_s"] < late / 2  # no collective in torch's AdamW step
+
+
 def test_post_optim_event_config_is_for_accelerators():
     """``dmuon_z3_event`` runs ``post_optim_event=True``: the GPU check adds it on CUDA only, and on
     CPU the bench refuses it with DMuon's own error."""
