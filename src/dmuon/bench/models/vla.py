@@ -20,14 +20,16 @@ VLA_SIZES: dict[str, VLASize] = {
     "tiny": VLASize(image_size=32, patch=8, dv=48, vision_layers=2, vision_heads=4,
                     vision_mlp=192, dl=64, lm_layers=2, lm_heads=8, lm_kv_heads=2,
                     lm_head_dim=8, lm_mlp=192, vocab=256, text_len=16, da=32,
-                    expert_layers=2, expert_heads=4, expert_kv_heads=1,
+                    expert_layers=2, expert_heads=4, expert_kv_heads=2,
                     expert_head_dim=8, expert_mlp=96, action_horizon=8,
                     action_dim=7, state_dim=8, batch_size=2),
-    # About the optimizer cost of qwen2 "small" (4.1M matrix params in 60 matrices).
+    # About the optimizer cost of qwen2 "small" (4.1M matrix params in 60 matrices). The
+    # synthetic presets give the action expert 2 key/value heads so that --tp 2 splits them;
+    # "large" keeps Pi0's one (multi-query attention: tp would have to replicate k/v).
     "small": VLASize(image_size=64, patch=8, dv=128, vision_layers=2, vision_heads=4,
                      vision_mlp=512, dl=256, lm_layers=3, lm_heads=8, lm_kv_heads=2,
                      lm_head_dim=32, lm_mlp=768, vocab=2048, text_len=64, da=192,
-                     expert_layers=3, expert_heads=4, expert_kv_heads=1,
+                     expert_layers=3, expert_heads=4, expert_kv_heads=2,
                      expert_head_dim=48, expert_mlp=512, action_horizon=16,
                      action_dim=14, state_dim=14, batch_size=2),
     "medium": VLASize(image_size=224, patch=14, dv=768, vision_layers=12, vision_heads=12,

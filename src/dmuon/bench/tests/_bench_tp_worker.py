@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -16,8 +14,7 @@ from dmuon.bench.models.vla import VLA_SIZES, vla_workload
 
 BUILDERS = {
     "qwen2": lambda: qwen2_workload("qwen2", "tiny", QWEN2_SIZES["tiny"], 0, torch.float32),
-    # The tiny action expert has one key/value head: two let tp = 2 split it.
-    "vla": lambda: vla_workload("tiny", dataclasses.replace(VLA_SIZES["tiny"], expert_kv_heads=2), 0, torch.float32),
+    "vla": lambda: vla_workload("tiny", VLA_SIZES["tiny"], 0, torch.float32),
     "moe": lambda: moe_workload("tiny", MOE_SIZES["tiny"], 0, torch.float32),
 }
 
