@@ -15,11 +15,33 @@ LOSS_RTOL = 0.02
 tolerance agree (torch.optim.Muon iterates NS in bf16, so bit equality is not expected)."""
 
 
+CPU_MATRIX_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+"""The x86 flags that decide how fast a CPU's bf16 and fp32 matmuls are (and so what the autotuner picks)."""
+
+
+def cpu_features(cpuinfo: str) -> tuple[str | None, list[str]]:
+    """The model name and the :data:`CPU_MATRIX_FLAGS` present, from ``/proc/cpuinfo``'s text."""
+    name, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name is None:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, [f for f in CPU_MATRIX_FLAGS if f in flags]
+
+
 def machine_description() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
-    return (f"{platform.machine()} CPU ({os.cpu_count()} cores, {platform.processor() or 'unknown'}), "
-            f"torch {torch.__version__}, gloo")
+    name, flags = platform.processor() or None, []
+    try:
+        with open("/proc/cpuinfo") as f:
+            name, flags = cpu_features(f.read())
+    except OSError:  # not Linux
+        pass
+    features = ", ".join([name or "unknown", *flags])
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores, {features}), torch {torch.__version__}, gloo"
 
 
 def _mb(n: int) -> str:

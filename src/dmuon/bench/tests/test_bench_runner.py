@@ -8,7 +8,7 @@ from torch import nn
 
 from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
-from dmuon.bench.report import format_table, ratios
+from dmuon.bench.report import cpu_features, format_table, ratios
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, Hyper, _Pair, build, reshard_after_forward
 from dmuon.plan.selection import select_matrices
 
@@ -78,6 +78,13 @@ def test_ratios_compare_zero2_dmuon_with_adamw_z2():
     assert r["dmuon_z3_overhead_vs_adamw_pct"] == pytest.approx(10.0)
     assert "dmuon_z3_overhead_vs_adamw_z2_pct" not in r
     assert not any("adamw_z2" in k for k in ratios([results[0], results[2]]))
+
+
+def test_cpu_features_name_the_matrix_units():
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 fma\n\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 fma\n")
+    assert cpu_features(text) == ("AMD EPYC", ["avx512_bf16", "avx512f", "avx2"])
+    assert cpu_features("flags : sse2 avx2\n") == (None, ["avx2"])
 
 
 def test_table_shows_live_memory():
