@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.bench.report import (
-    format_ratios, format_table, loss_agreement, machine_description, ratios, write_json, write_plot,
+    format_ratios, format_table, loss_agreement, machine_description, ratios, timing_note, write_json, write_plot,
 )
 from dmuon.bench.models import SIZE_NAMES, resolve_size
 from dmuon.bench.runner import BenchOptions, run_all
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({payload['size']}, {payload['tokens_per_rank']} tokens/rank); NS {payload['ns_dtype']}, "
           f"{payload['steps']} timed steps ({payload['schedule']})")
     print(format_table(payload["results"]))
+    print(timing_note(payload["results"]))
     if payload["ratios"]:
         print("\nratios (median step times):")
         print(format_ratios(payload["ratios"]))

@@ -77,6 +77,15 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def timing_note(results: list[dict]) -> str:
+    """What the phase columns mean in this run, with each configuration's slowest rank's own ``step()`` time."""
+    if not results or not all(r.get("phases_on_one_clock") for r in results):
+        return "phases: each rank's own durations, the slowest rank's (ranks on several hosts)"
+    own = ", ".join(f"{r['config']} {1e3 * r['optimizer_own_s']:.1f}" for r in results)
+    return ("phases: from the last rank's entry to the last rank's exit, on this host's clock; "
+            f"optim ms as the slowest rank's own step() + zero_grad: {own}")
+
+
 def ratios(results: list[dict]) -> dict[str, float | list[float]]:
     """dmuon vs AdamW (overhead %; vs ``adamw_local`` too when it ran), vs each Muon baseline (speedups).
 

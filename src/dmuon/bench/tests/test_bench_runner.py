@@ -8,7 +8,7 @@ from torch import nn
 
 from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
-from dmuon.bench.report import cpu_features, format_table, ratios
+from dmuon.bench.report import cpu_features, format_table, ratios, timing_note
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, Hyper, _Pair, build, reshard_after_forward
 from dmuon.plan.selection import select_matrices
 
@@ -161,6 +161,9 @@ def test_optimizer_phase_starts_when_the_last_rank_enters_it():
     # dmuon's step() exchanges with the late rank, so the early one waits for it there.
     assert results["dmuon_z3_sync"]["optimizer_own_s"] > late
     assert results["adamw"]["optimizer_own_s"] < late / 2  # no collective in torch's AdamW step
+    note = timing_note(list(results.values()))
+    assert note.startswith("phases: from the last rank's entry")
+    assert f"dmuon_z3_sync {1e3 * results['dmuon_z3_sync']['optimizer_own_s']:.1f}" in note
 
 
 def test_post_optim_event_config_is_for_accelerators():
