@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -121,6 +122,11 @@ def run(args) -> dict:
         check_mesh(world_size)
         results = run_all(dist.get_rank(), world_size, configs, opts)
         rank = dist.get_rank()
+        # The models, optimizers and their collectives' work objects go while the process
+        # groups live: destroyed later, at interpreter exit, gloo's threads can abort the
+        # process ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
         if rank != 0:
             return {}
