@@ -170,9 +170,10 @@ class _ConfigRun:
         ``zero_grad``), outside the timed spans. On one host the phases are
         timed on its clock, from the last rank's entry to the last rank's exit
         (forward+backward from the barrier, the optimizer from ``step()``, plus
-        the slowest ``zero_grad``); across hosts, the slowest rank's own durations. Nothing is left in flight when
-        ``step()`` returns (dmuon applies its updates inside it), so a step's
-        times are complete when it ends, whichever configuration runs next.
+        the slowest ``zero_grad``); across hosts, the slowest rank's own
+        durations. Nothing is left in flight when ``step()`` returns (dmuon
+        applies its updates inside it), so a step's times are complete when it
+        ends, whichever configuration runs next.
         """
         device = self.device
         # The ranks of one tp group are one data-parallel rank: they read the same batch.
