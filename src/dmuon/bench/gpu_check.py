@@ -221,12 +221,27 @@ def ortho_section(sizes: Sizes, device: torch.device) -> dict:
     return {"rows": rows}
 
 
+SYNC_RTOL = 1e-6
+"""``overlap=True`` gives bit-identical results to ``overlap=False``; a relative loss difference
+above this (room for a nondeterministic library kernel, not for a stream race) fails the check."""
+
+
 def bench_configs(device: torch.device) -> list[str]:
-    """The bench section's configurations: the default set, and on an accelerator also dmuon with
-    ``post_optim_event=True`` (CPU has no events), whose losses must agree with the others'."""
+    """The bench section's configurations: the default set, dmuon with ``overlap=False``
+    (``dmuon_z3_sync``, whose losses must equal ``dmuon_z3``'s: what the exchanges from backward,
+    the speculation and the return waves do must not change the result on the device's streams),
+    and on an accelerator also dmuon with ``post_optim_event=True`` (CPU has no events), whose
+    losses must agree with the others'."""
     from dmuon.bench.setups import CONFIGS
 
-    return list(CONFIGS) + (["dmuon_z3_event"] if device.type == "cuda" else [])
+    return list(CONFIGS) + ["dmuon_z3_sync"] + (["dmuon_z3_event"] if device.type == "cuda" else [])
+
+
+def overlap_vs_sync(results: list[dict]) -> dict:
+    """The largest relative difference of ``dmuon_z3``'s losses from ``dmuon_z3_sync``'s, and its verdict."""
+    losses = {r["config"]: r["losses"] for r in results}
+    diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["dmuon_z3"], losses["dmuon_z3_sync"]))
+    return {"max_rel_diff": diff, "tolerance": SYNC_RTOL, "passed": diff <= SYNC_RTOL}
 
 
 def bench_section(sizes: Sizes, device: torch.device) -> dict:
@@ -252,7 +267,8 @@ def bench_section(sizes: Sizes, device: torch.device) -> dict:
         dist.destroy_process_group()
     ok, verdict = loss_agreement(results)
     return {"machine": machine_description(), "backend": backend, "world_size": 1, **sizes.bench,
-            "results": results, "ratios": ratios(results), "losses_agree": ok, "loss_check": verdict}
+            "results": results, "ratios": ratios(results), "losses_agree": ok, "loss_check": verdict,
+            "overlap_vs_sync": overlap_vs_sync(results)}
 
 
 _SECTION_FNS = {"kernel": kernel_section, "ortho": ortho_section, "bench": bench_section}
@@ -317,6 +333,10 @@ def collect_checks(sections: dict) -> list[dict]:
     if "losses_agree" in sections.get("bench", {}):
         checks.append({"name": "bench Muon losses agree", "passed": sections["bench"]["losses_agree"],
                        "detail": sections["bench"]["loss_check"]})
+    if "overlap_vs_sync" in sections.get("bench", {}):
+        same = sections["bench"]["overlap_vs_sync"]
+        checks.append({"name": "bench dmuon overlap=True equals overlap=False", "passed": same["passed"],
+                       "detail": f"max rel loss diff {same['max_rel_diff']:.2e} <= {same['tolerance']:.0e}"})
     for name, run in sections.get("recipe", {}).get("runs", {}).items():
         checks.append({"name": f"recipe {name} losses finite", "passed": run["finite"]})
     return checks

@@ -174,8 +174,8 @@ def test_post_optim_event_config_is_for_accelerators():
     import _bench_runner_worker
     from dmuon.bench.gpu_check import bench_configs
 
-    assert bench_configs(torch.device("cpu")) == list(CONFIGS)
-    assert bench_configs(torch.device("cuda")) == [*CONFIGS, "dmuon_z3_event"]
+    assert bench_configs(torch.device("cpu")) == [*CONFIGS, "dmuon_z3_sync"]
+    assert bench_configs(torch.device("cuda")) == [*CONFIGS, "dmuon_z3_sync", "dmuon_z3_event"]
     assert reshard_after_forward("dmuon_z3_event")
     with pytest.raises(Exception, match="post_optim_event=True needs a device with events"):
         _bench_runner_worker.run(1, ("dmuon_z3_event",), 1)

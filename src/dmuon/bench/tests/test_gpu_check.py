@@ -53,6 +53,16 @@ def test_compare_passes_a_right_result_and_flags_corrupted_ones():
     assert not gpu_check.compare_syrk(fused, A, alpha=2.0, beta=0.5, C=C)["passed"]
 
 
+def test_overlap_vs_sync_fails_on_any_difference_beyond_the_tolerance():
+    same = [{"config": "dmuon_z3", "losses": [5.0, 4.0]}, {"config": "dmuon_z3_sync", "losses": [5.0, 4.0]}]
+    assert gpu_check.overlap_vs_sync(same) == {"max_rel_diff": 0.0, "tolerance": gpu_check.SYNC_RTOL, "passed": True}
+    raced = [same[0], {"config": "dmuon_z3_sync", "losses": [5.0, 4.0 * (1 + 1e-5)]}]
+    verdict = gpu_check.overlap_vs_sync(raced)
+    assert not verdict["passed"] and verdict["max_rel_diff"] == pytest.approx(1e-5, rel=1e-3)
+    checks = gpu_check.collect_checks({"bench": {"overlap_vs_sync": verdict}})
+    assert [c["passed"] for c in checks if "overlap" in c["name"]] == [False]
+
+
 def test_tolerance_grows_with_k_and_for_tf32():
     assert gpu_check.syrk_tolerance(4096) > gpu_check.syrk_tolerance(64)
     assert gpu_check.syrk_tolerance(64, tf32=True) > 2 * gpu_check.U_TF32
@@ -116,7 +126,8 @@ def test_dry_run_end_to_end(tmp_path):
     bench = data["sections"]["bench"]
     assert bench["backend"] == "gloo" and bench["world_size"] == 1 and bench["losses_agree"]
     configs = {r["config"]: r for r in bench["results"]}
-    assert {"adamw", "torch_muon", "dmuon_z2"} <= set(configs)
+    assert {"adamw", "torch_muon", "dmuon_z2", "dmuon_z3_sync"} <= set(configs)
+    assert bench["overlap_vs_sync"]["passed"] and bench["overlap_vs_sync"]["max_rel_diff"] == 0.0
     assert all(_positive(r["step_s"]) and math.isfinite(r["final_loss"]) for r in configs.values())
 
     recipe = data["sections"]["recipe"]
