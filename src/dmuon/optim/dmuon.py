@@ -28,6 +28,7 @@ from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.comm import Pending
 from dmuon.runtime.runtime import Launch, ShardRuntime
+from dmuon.util.bits import bitwise_equal
 
 NONFINITE_MODES = (None, "skip", "raise")
 
@@ -361,7 +362,7 @@ class DMuon(torch.optim.Optimizer):
         for b in sorted(launches):
             launch = launches[b]
             same = launch.members == by_block.get(b, []) and all(
-                torch.equal(launch.sent[i], directions[i]) for i in launch.members)
+                bitwise_equal(launch.sent[i], directions[i]) for i in launch.members)
             stale.append(int(not same))
         return torch.tensor(stale, dtype=torch.int32)
 

@@ -82,7 +82,7 @@ class Problem:
 
 def run_method(method: str, G: torch.Tensor, problem: Problem) -> torch.Tensor:
     """Runs one method on a matrix or stack (the autotuner's and the API's runner)."""
-    sched = [tuple(t) for t in problem.schedule]
+    sched = tuple(tuple(t) for t in problem.schedule)  # hashable: resolved once (resolve_schedule's cache)
     if method == "standard":
         return newton_schulz(G, sched, problem.steps, problem.eps, problem.dtype)
     if method == "standard32":
@@ -343,12 +343,16 @@ def _pin_triton_tiles(tiles) -> None:
 
 _default: Autotuner | None = None
 _default_lock = threading.Lock()
+_default_env: tuple[str | None, str | None] | None = None
 
 
 def get_autotuner() -> Autotuner:
     """The process-wide autotuner (cache directory from the environment)."""
-    global _default
+    global _default, _default_env
+    # The directory follows $DMUON_CACHE_DIR and $HOME (what default_cache_dir reads);
+    # comparing them is cheaper than building the path on every NS call.
+    env = (os.environ.get("DMUON_CACHE_DIR"), os.environ.get("HOME"))
     with _default_lock:
-        if _default is None or _default.cache_dir != default_cache_dir():
-            _default = Autotuner()
+        if _default is None or env != _default_env:
+            _default, _default_env = Autotuner(), env
         return _default

@@ -20,8 +20,10 @@ Sources of the constants:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Union
 
 Coeffs = tuple[float, float, float]
@@ -112,6 +114,9 @@ def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> 
 def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
     """Turns any accepted coefficient specification into an explicit schedule.
 
+    Resolved once per (hashable) specification: the optimizer resolves its
+    schedule on every NS call.
+
     Args:
         spec: One ``(a, b, c)`` triple (repeated ``steps`` times), a sequence of triples
             (its first ``steps`` entries are used), or the string ``"polar_express"``
@@ -125,6 +130,20 @@ def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
         ValueError: For an unknown name, malformed triples, or a schedule shorter
             than ``steps``.
     """
+    if isinstance(spec, Hashable) and isinstance(steps, Hashable):
+        try:
+            return list(_resolve_cached(spec, steps))
+        except TypeError:  # a tuple holding unhashable items
+            pass
+    return _resolve(spec, steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_cached(spec: CoefficientSpec, steps: int) -> tuple[Coeffs, ...]:
+    return tuple(_resolve(spec, steps))
+
+
+def _resolve(spec: CoefficientSpec, steps: int) -> Schedule:
     _check_steps(steps)
     if isinstance(spec, str):
         name = spec.lower().replace("-", "_")
@@ -146,7 +165,19 @@ def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
 
 def schedule_key(schedule: Sequence[Coeffs]) -> str:
     """A short stable fingerprint of a schedule, for cache keys."""
-    import hashlib
+    if isinstance(schedule, tuple):
+        try:
+            return _schedule_key_cached(schedule)
+        except TypeError:
+            pass
+    return _schedule_key(schedule)
 
+
+@functools.lru_cache(maxsize=64)
+def _schedule_key_cached(schedule: tuple[Coeffs, ...]) -> str:
+    return _schedule_key(schedule)
+
+
+def _schedule_key(schedule: Sequence[Coeffs]) -> str:
     text = ";".join(",".join(repr(float(v)) for v in t) for t in schedule)
     return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -105,7 +105,8 @@ class NSConfig:
 
     def kwargs(self) -> dict[str, Any]:
         """The keywords of :func:`dmuon.ortho.orthogonalize_many`."""
-        return asdict(self)
+        # Shallow (the fields are immutable): asdict's deep copy costs more than an NS call on small matrices.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def cache_key(self) -> dict[str, Any]:
         """A canonical, JSON-ready form for cache keys (the schedule as a fingerprint)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import time
@@ -17,7 +18,9 @@ MAX_ROUNDS = 15
 COOLDOWN_S = 0.2
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_name() -> str:
+    # Read once per process: the autotuner asks for the fingerprint on every NS call.
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

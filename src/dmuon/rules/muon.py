@@ -56,4 +56,5 @@ def apply_update(
 ) -> None:
     """Decoupled weight decay with the raw lr, then the shape-adjusted step."""
     param.mul_(1 - lr * weight_decay)
-    param.add_(ortho.view(param.shape).to(param.dtype), alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape))
+    # As torch.optim.Muon: the NS-dtype update added as is (promoted inside the kernel, no copy).
+    param.add_(ortho.view(param.shape), alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape))
