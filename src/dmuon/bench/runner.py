@@ -47,7 +47,8 @@ class BenchOptions:
     interleave: bool = True
     """Alternate the configurations' timed steps (see :func:`run_all`); False runs them one after another."""
     warmup: int = 1
-    """Untimed steps first (autotuning and caches settle here)."""
+    """Untimed steps first (autotuning and caches settle here, and the live memory is measured:
+    with 0, on the timed steps instead)."""
     hsdp: int = 1
     """Replicas R: run on an R x (N/R) (replicate, shard) mesh when > 1."""
     tp: int = 1
@@ -163,11 +164,24 @@ class _ConfigRun:
         for kind, nbytes in live_state_bytes(self.workload.model, self.optimizer).items():
             seen[kind] = max(seen[kind], nbytes)
 
+    def _measures_live(self, timed: bool) -> bool:
+        # Timed steps go straight from backward to step() to zero_grad, as training does: a
+        # rank measuring (1-2 ms of Python on --size small) while another is still inside a
+        # timed phase takes that rank's cores on an oversubscribed host. The state is the same
+        # every step once the first has created it, so the untimed steps measure it.
+        return not timed or self.opts.warmup == 0
+
+    def _between_backward_and_step(self, timed: bool) -> None:
+        """Untimed steps measure the live memory after backward here."""
+        if self._measures_live(timed):
+            self._measure_live("after_backward")
+
     def train_step(self, timed: bool, round_index: int = 0) -> None:
         """One forward, backward and optimizer step; records its times when ``timed``.
 
-        Live memory is measured after backward and after ``step()`` (before
-        ``zero_grad``), outside the timed spans. On one host the phases are
+        On untimed steps (``timed=False``; with no warmup, every step) live memory
+        is measured after backward and after ``step()`` (before ``zero_grad``),
+        outside the timed spans. On one host the phases are
         timed on its clock, from the last rank's entry to the last rank's exit
         (forward+backward from the barrier, the optimizer from ``step()``, plus
         the slowest ``zero_grad``); across hosts, the slowest rank's own
@@ -187,13 +201,14 @@ class _ConfigRun:
         if device == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        self._measure_live("after_backward")
+        self._between_backward_and_step(timed)
         t2 = time.perf_counter()
         self.optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        self._measure_live("after_step")
+        if self._measures_live(timed):
+            self._measure_live("after_step")
         t4 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if device == "cuda":
@@ -209,8 +224,7 @@ class _ConfigRun:
         if self.one_clock:
             # A phase lasts from the moment its last rank enters it to the moment its last
             # rank leaves it: what it adds to the step's critical path. A rank that enters
-            # step() early and waits there for a rank still in backward (or in the live-memory
-            # measurement between the two) is not charged to the optimizer.
+            # step() early and waits there for a rank still in backward is not charged to the optimizer.
             fwd_bwd, opt_s = last_backward - last_start, last_exit - last_entry + zero_grad_s
         else:
             # Hosts' clocks differ: each rank's own durations, the slowest rank's.

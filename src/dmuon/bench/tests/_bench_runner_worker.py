@@ -19,14 +19,13 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s:
     for config in configs:
         run = _ConfigRun(rank, world, config, opts, mesh, "cpu")
         if late_s and rank == world - 1:
-            measure = run._measure_live
+            between = run._between_backward_and_step
 
-            def late_measure(point, measure=measure):
-                measure(point)
-                if point == "after_backward":
-                    time.sleep(late_s)  # between backward and step(): outside the timed phases
+            def late(timed, between=between):
+                between(timed)
+                time.sleep(late_s)  # between backward and step(): outside the timed phases
 
-            run._measure_live = late_measure
+            run._between_backward_and_step = late
         model = run.workload.model
         all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
         # What FSDP2 holds for the first block once forward has moved past it:
@@ -35,13 +34,24 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s:
         first, second = run.workload.blocks[0], run.workload.blocks[1]
         hook = second.register_forward_pre_hook(
             lambda m, args: seen.append(all(isinstance(p, DTensor) for p in first.parameters())))
-        for step in range(steps):
-            run.train_step(timed=True)
+        measured, timing = {True: 0, False: 0}, [False]
+        measure = run._measure_live
+
+        def counted(point, measure=measure):
+            measured[timing[0]] += 1
+            measure(point)
+
+        run._measure_live = counted
+        # One untimed step first, as the bench's warmup: it measures the live memory.
+        for step in range(1 + steps):
+            timing[0] = step > 0
+            run.train_step(timed=step > 0)
             if step == 0:
                 hook.remove()
         result = run.result()
         result["all_dtensors"] = all_dtensors
         result["sharded_after_forward"] = seen[0]
+        result["live_measurements"] = dict(measured)
         out[config] = result
         del run
         dist.barrier()
@@ -49,13 +59,14 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s:
 
 
 def run(world: int, configs: tuple[str, ...], steps: int, late_s: float = 0.0) -> dict:
-    """Runs ``steps`` bench training steps of each configuration (model "tiny") on ``world`` ranks.
+    """Runs one untimed and ``steps`` timed bench training steps of each configuration (model "tiny") on ``world`` ranks.
 
     Returns:
         Rank 0's ``{config: result}``: the runner's result dict plus
         ``all_dtensors`` (every parameter sharded by FSDP2 after ``build``) and
         ``sharded_after_forward`` (the first block's parameters were sharded
-        DTensors again when the second block's forward began). With ``late_s``
+        DTensors again when the second block's forward began) and
+        ``live_measurements`` (``{timed: calls}`` of the live-memory measurement). With ``late_s``
         the last rank sleeps that long after each backward, before ``step()``.
     """
     return run_distributed(_worker, world, configs, steps, late_s)[0]
