@@ -65,6 +65,8 @@ class Pending:
     then: Callable[[], "Pending"] | None = field(default=None, repr=False)
     """Issues the next hop from the landed buffers; its result is this exchange's."""
     result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    flags: torch.Tensor | None = field(default=None, repr=False)
+    """What ``finish`` found of the flags that rode along (see :meth:`ShardExchange.return_updates`)."""
     _next: "Pending | None" = field(default=None, repr=False)
     _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -82,6 +84,12 @@ class Pending:
             self._land(exposed=True)
             self._next = self.then()
             self._forwarded.set()
+
+    def agreed(self) -> torch.Tensor | None:
+        """Lands the exchange; the elementwise maximum over every rank of the flags sent with it
+        (``None`` when none were)."""
+        self.wait()
+        return self._next.agreed() if self._next is not None else self.flags
 
     def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
         """Lands the exchange.
@@ -146,9 +154,12 @@ class ShardExchange:
         return self.infos[i].sent_numel(s)
 
     def _all_to_all(self, level: str, group, out: torch.Tensor, inp: torch.Tensor,
-                    out_splits: list[int], in_splits: list[int], me: int):
-        elem = inp.element_size()
-        self.stats.add(level, (sum(in_splits) - in_splits[me]) * elem, (sum(out_splits) - out_splits[me]) * elem)
+                    out_splits: list[int], in_splits: list[int], me: int, flags: int = 0):
+        """``flags``: elements per peer that are the agreement's flags, not counted (as the
+        agreement's own all-reduce is not): the counters stay what the traffic model prices."""
+        elem, peers = inp.element_size(), len(in_splits) - 1
+        self.stats.add(level, (sum(in_splits) - in_splits[me] - peers * flags) * elem,
+                       (sum(out_splits) - out_splits[me] - peers * flags) * elem)
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
     # ----------------------------------------------------------- to the owner
@@ -233,12 +244,17 @@ class ShardExchange:
         return Pending([work], finish, self.stats)
 
     # ------------------------------------------------------------- back again
-    def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
+    def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor],
+                       flags: torch.Tensor | None = None) -> Pending:
         """Sends each shard position its piece of the owners' updates (then across replicas).
 
         Args:
             members: Matrix indices, identical and in the same order on every rank.
             owned: The full ``(m, n)`` update of each member this rank owns.
+            flags: The step's agreement (0/1 integers, the same length on every rank), sent
+                along so that no collective of its own is needed: every hop then issues, even
+                one with no rows to move, and :meth:`Pending.agreed` gives their elementwise
+                maximum over every rank.
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives this rank's piece ``(rows, cols * inner)``
@@ -246,54 +262,77 @@ class ShardExchange:
             (main thread) issues the second once the first has landed.
         """
         topo = self.topo
-        r, s = topo.coords
         if topo.world_size == 1:
-            return Pending([], lambda: dict(owned), self.stats)
-        hop1 = self._updates_to_columns(members, owned)
+            return Pending([], lambda: dict(owned), self.stats, flags=flags)
+        hop1 = self._updates_to_columns(members, owned, flags)
         if topo.replicate == 1:
             return hop1
-        return Pending([], _no_result, self.stats, then=lambda: self._rows_to_replicas(members, hop1.wait()))
+        return Pending([], _no_result, self.stats,
+                       then=lambda: self._rows_to_replicas(members, hop1.wait(), hop1.flags))
 
-    def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor]) -> Pending:
+    def _with_flags(self, parts: list[torch.Tensor], flags: torch.Tensor | None) -> list[torch.Tensor]:
+        # 0/1 are exact in every wire dtype.
+        return parts if flags is None else [*parts, flags.to(device=self.device, dtype=self.wire_dtype)]
+
+    def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor],
+                            flags: torch.Tensor | None) -> Pending:
         """Hop 1: inside each replica, the owners send every shard position its piece of the members
         the replica owns; ``wait()`` gives this rank's rows of those."""
         topo, infos = self.topo, self.infos
         r, s = topo.coords
         in_replica = [i for i in members if self._owner(i)[0] == r]
-        if topo.shard == 1 or not in_replica:
-            return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats)
+        if topo.shard == 1 or (not in_replica and flags is None):
+            return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats, flags=flags)
 
+        nflags = 0 if flags is None else flags.numel()
         mine = [i for i in members if infos[i].owner == topo.rank]
         from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
-        in_splits = [sum(self._piece(i, dst) for i in mine) for dst in range(topo.shard)]
-        out_splits = [sum(self._piece(i, s) for i in from_column[c]) for c in range(topo.shard)]
-        send = self._cat([infos[i].cut(owned[i], dst) for dst in range(topo.shard) for i in mine])
+        in_splits = [sum(self._piece(i, dst) for i in mine) + nflags for dst in range(topo.shard)]
+        out_splits = [sum(self._piece(i, s) for i in from_column[c]) + nflags for c in range(topo.shard)]
+        send = self._cat([part for dst in range(topo.shard)
+                          for part in self._with_flags([infos[i].cut(owned[i], dst) for i in mine], flags)])
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
+        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s, nflags)
+        return self._landing(work, recv, out_splits, from_column, s, nflags)
 
-        return Pending([work], lambda: self._rows_by_source(recv, out_splits, from_column, s), self.stats)
-
-    def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor]) -> Pending:
-        """Hop 2: my rows of the members owned in my replica go to my column of every other replica."""
+    def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor],
+                          flags: torch.Tensor | None) -> Pending:
+        """Hop 2: my rows of the members owned in my replica go to my column of every other replica
+        (with hop 1's flags, the maximum over my replica)."""
         topo = self.topo
         r, s = topo.coords
+        nflags = 0 if flags is None else flags.numel()
         from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
-        out_splits = [sum(self._piece(i, s) for i in from_replica[q]) for q in range(topo.replicate)]
+        out_splits = [sum(self._piece(i, s) for i in from_replica[q]) + nflags for q in range(topo.replicate)]
         if sum(out_splits) == 0:
             return Pending([], lambda: rows, self.stats)
-        own = self._cat([rows[i].reshape(-1) for i in from_replica[r] if i in rows])
+        own = self._cat(self._with_flags([rows[i].reshape(-1) for i in from_replica[r] if i in rows], flags))
         recv = self._empty(sum(out_splits))
         work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
-                                [own.numel()] * topo.replicate, r)
+                                [own.numel()] * topo.replicate, r, nflags)
+        return self._landing(work, recv, out_splits, from_replica, s, nflags)
 
-        return Pending([work], lambda: self._rows_by_source(recv, out_splits, from_replica, s), self.stats)
+    def _landing(self, work, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
+                 nflags: int) -> Pending:
+        """The Pending of a return hop: rows by source, and the maximum of the flags every source appended."""
+        pending = Pending([work], _no_result, self.stats)
 
-    def _rows_by_source(self, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]],
+        def finish() -> dict[int, torch.Tensor]:
+            segments = recv.split(splits)
+            if nflags:
+                pending.flags = torch.stack([seg[-nflags:] for seg in segments]).amax(0).to(torch.int32).cpu()
+                segments = [seg[: seg.numel() - nflags] for seg in segments]
+            return self._rows_by_source(segments, members_of, s)
+
+        pending.finish = finish
+        return pending
+
+    def _rows_by_source(self, segments: Sequence[torch.Tensor], members_of: dict[int, list[int]],
                         s: int) -> dict[int, torch.Tensor]:
-        """Cuts a landed buffer into this position's piece ``(rows, cols * inner)`` of each member, source by
-        source; members this position holds nothing of get no entry."""
+        """Cuts the landed segments (one per source) into this position's piece ``(rows, cols * inner)`` of
+        each member; members this position holds nothing of get no entry."""
         out = {}
-        for source, segment in enumerate(recv.split(splits)):
+        for source, segment in enumerate(segments):
             members = members_of[source]
             for i, piece in zip(members, segment.split([self._piece(i, s) for i in members])):
                 if self._piece(i, s):

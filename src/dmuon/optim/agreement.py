@@ -2,7 +2,10 @@
 
 Which matrices have a gradient, whether a gradient is non-finite (with
 ``nonfinite=``), and which launches from backward went stale are settled by
-one small MAX all-reduce before any collective that depends on them.
+one small MAX all-reduce before any collective that depends on them. The
+speculative step (see :meth:`dmuon.DMuon.step`) sends the same flags with its
+update return instead: that return is the one collective depending on them,
+and its rows are used only if the flags, landed with them, keep them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,20 @@ def start_agreement(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of
         RuntimeError: A matrix has a gradient on some ranks only.
         FloatingPointError: ``nonfinite="raise"`` and a gradient is non-finite (on any rank).
     """
+    flags, settle = agreement_flags(runtime, infos, group_of, here, others, nonfinite, stale, other_names)
+    landed = runtime.start_agree(flags)
+    return lambda: settle(landed().tolist())
+
+
+def agreement_flags(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of: dict[int, dict], here: list[int],
+                    others: list[torch.Tensor], nonfinite: str | None, stale: torch.Tensor | None,
+                    other_names: list[str]) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
+    """This rank's flags, and the decision from their maximum over every rank (however that travelled).
+
+    :func:`start_agreement` all-reduces them; the speculative step sends them
+    with its update return instead (:meth:`dmuon.comm.ShardExchange.return_updates`).
+    Arguments and errors as :func:`start_agreement`'s.
+    """
     n = len(infos)
     check = nonfinite is not None
     checked = n + len(others) if check else 0
@@ -66,8 +83,8 @@ def start_agreement(runtime: ShardRuntime, infos: Sequence[MatrixInfo], group_of
         for k, p in enumerate(others):
             if p.grad is not None:
                 values[3 * n + k] = int(not torch.isfinite(local_tensor(p.grad)).all())
-    landed = runtime.start_agree(torch.cat([torch.tensor(values, dtype=torch.int32), stale]))
-    return lambda: _decide(landed().tolist(), infos, group_of, others, nonfinite, other_names, checked)
+    flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale.to(torch.int32)])
+    return flags, lambda agreed: _decide(agreed, infos, group_of, others, nonfinite, other_names, checked)
 
 
 def _decide(flags: list[int], infos: Sequence[MatrixInfo], group_of: dict[int, dict], others: list[torch.Tensor],

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import ADJUST_LR_FNS, apply_update, momentum_update, peek_direction
-from dmuon.optim.agreement import Agreement, start_agreement
+from dmuon.optim.agreement import Agreement, agreement_flags, start_agreement
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.owner_work import OwnerWork
 from dmuon.plan.batches import default_return_waves
@@ -327,9 +327,19 @@ class DMuon(torch.optim.Optimizer):
     def _start_agreement(self, group_of: dict[int, dict], here: list[int],
                          stale: torch.Tensor | None) -> Callable[[], Agreement]:
         """:meth:`_agree` with its all-reduce issued now and waited for by the returned function."""
-        others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        others = self._adamw_params()
         return start_agreement(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
                                [self._names.get(id(p), "?") for p in others])
+
+    def _agreement_flags(self, group_of: dict[int, dict], here: list[int],
+                         stale: torch.Tensor) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
+        """This rank's agreement flags and the decision from their maximum (the caller sends them)."""
+        others = self._adamw_params()
+        return agreement_flags(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
+                               [self._names.get(id(p), "?") for p in others])
+
+    def _adamw_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
 
     def _speculate(self, launches: dict[int, Launch],
                    group_of: dict[int, dict]) -> dict[int, tuple[dict[int, torch.Tensor], float]]:
@@ -385,28 +395,34 @@ class DMuon(torch.optim.Optimizer):
             self._check_grad(i)
         if self.nonfinite is None:
             # Nothing can skip the step, so the momentum advances first and one
-            # all-reduce settles both the active set and the launches' verdicts.
+            # agreement settles both the active set and the launches' verdicts.
             directions = self._commit_directions(here, group_of)
-            decide = self._start_agreement(group_of, here, self._stale(launches, here, directions))
-            # While the flags travel (milliseconds on gloo), the owners orthogonalize what
-            # landed from backward and send the updates back; kept only if the agreement
-            # keeps every launch and the launches cover every active matrix (else the
+            stale_here = self._stale(launches, here, directions)
+            # The owners orthogonalize what landed from backward and send the updates back
+            # with the agreement's flags (no collective of its own: on shared cores each one
+            # issued costs the issuing rank its turn); the updates are kept only if the
+            # flags keep every launch and the launches cover every active matrix (else the
             # batches would differ). Only with one return wave: several waves return each
             # batch as soon as it is done instead.
             speculate = launches and not early and self.work.max_waves == 1
-            speculative = self._speculate(launches, group_of) if speculate else {}
-            speculative_return = self._return_speculative(launches, speculative) if speculate else None
-            # AdamW does not wait for the verdict (nothing skips): it runs while the flags
-            # and the speculative updates travel.
-            self._adamw_step()
+            if speculate:
+                speculative = self._speculate(launches, group_of)
+                flags, settle = self._agreement_flags(group_of, here, stale_here)
+                speculative_return = self._return_speculative(launches, speculative, flags)
+                # AdamW does not wait for the verdict (nothing skips): it runs while the
+                # updates and flags travel.
+                self._adamw_step()
+                active, skipped, stale = settle(speculative_return.agreed().tolist())
+                if not any(stale) and all(self.plan.infos[i].block in launches for i in active):
+                    early = speculative
+                    returned = speculative_return
+                    while_agreeing = sum(len(o) for o, _ in speculative.values())
+                # else: landed unused; every rank drops it alike
+            else:
+                decide = self._start_agreement(group_of, here, stale_here)
+                self._adamw_step()  # while the flags travel
+                active, skipped, stale = decide()
             adamw_done = True
-            active, skipped, stale = decide()
-            if speculative and not any(stale) and all(self.plan.infos[i].block in launches for i in active):
-                early = speculative
-                returned = speculative_return
-                while_agreeing = sum(len(o) for o, _ in speculative.values())
-            elif speculative_return is not None:
-                speculative_return.wait()  # lands unused; every rank drops it alike
         else:
             active, skipped, _ = self._agree(group_of, here, None)
             if not skipped:
@@ -449,8 +465,10 @@ class DMuon(torch.optim.Optimizer):
                 adamw_group_step(group, self.state)
 
     def _return_speculative(self, launches: dict[int, Launch],
-                            speculative: dict[int, tuple[dict[int, torch.Tensor], float]]) -> Pending:
-        """Issues the one return wave of every launched matrix with :meth:`_speculate`'s updates.
+                            speculative: dict[int, tuple[dict[int, torch.Tensor], float]],
+                            flags: torch.Tensor) -> Pending:
+        """Issues the one return wave of every launched matrix with :meth:`_speculate`'s updates,
+        and the agreement's ``flags`` with it.
 
         The members are the launches' (the same on every rank), which are the
         step's active matrices whenever the speculation is kept, so the wave is
@@ -458,7 +476,7 @@ class DMuon(torch.optim.Optimizer):
         """
         members = sorted(i for launch in launches.values() for i in launch.members)
         owned = {i: o for orthos, _ in speculative.values() for i, o in orthos.items()}
-        return self.runtime.exchange.return_updates(members, owned)
+        return self.runtime.exchange.return_updates(members, owned, flags)
 
     def _muon_step(self, active: list[int], group_of: dict[int, dict], launches: dict[int, Launch],
                    early: dict[int, tuple[dict[int, torch.Tensor], float]],

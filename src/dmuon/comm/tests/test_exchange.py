@@ -172,6 +172,16 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
     out["all_rows"] = exchange.return_updates(everything, owned(everything)).wait()  # no forward(): wait() does it
     out["all_return_log"] = stats.log[start:]
 
+    # The agreement's flags riding on the return: rank k raises flag k, odd ranks the last one.
+    flags = torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
+    out["flagged"] = {}
+    for block in [*sorted(set(BLOCKS)), "all"]:
+        members = everything if block == "all" else _members(block)
+        start = len(stats.log)
+        pending = exchange.return_updates(members, owned(members), flags)
+        out["flagged"][block] = {"rows": pending.wait(), "agreed": pending.agreed().tolist(),
+                                 "log": stats.log[start:]}
+
     if topo.replicate > 1:
         members = _members(0)
         out["two_hop"] = {
@@ -245,6 +255,32 @@ def test_counted_bytes_are_the_traffic_models(mesh):
         _, back = _expected_log(list(range(len(SHAPES))), rank, mesh)
         assert res["all_return_log"] == back, f"{mesh} rank {rank}: all updates at once"
         assert any(sent or received for _, sent, received in res["all_return_log"]), f"{mesh} rank {rank}"
+
+
+def _bytes_by_level(log) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for level, sent, received in log:
+        before = out.get(level, (0, 0))
+        out[level] = (before[0] + sent, before[1] + received)
+    return {level: v for level, v in out.items() if v != (0, 0)}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_flags_sent_with_the_return_reach_every_rank(mesh):
+    """``return_updates(..., flags)``: every rank gets the elementwise maximum of all ranks' flags,
+    also from blocks its replica or column has no rows of (the hops issue anyway), the rows are
+    the same as without flags, and the flags are not counted as update bytes."""
+    infos = _infos(mesh)
+    results = _results(mesh)
+    for res in results:
+        rank, s = res["plan_rank"], res["coords"][1]
+        for block, got in res["flagged"].items():
+            where = f"{mesh} rank {rank} block {block}"
+            assert got["agreed"] == [1] * len(results) + [1], where
+            members = list(range(len(SHAPES))) if block == "all" else _members(block)
+            _check_rows(got["rows"], members, infos, s, where)
+            plain = res["all_return_log"] if block == "all" else res["blocks"][block]["return_log"]
+            assert _bytes_by_level(got["log"]) == _bytes_by_level(plain), where
 
 
 def test_a_replica_owning_none_of_a_block_skips_its_collectives():
