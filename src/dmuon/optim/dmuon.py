@@ -343,7 +343,7 @@ class DMuon(torch.optim.Optimizer):
 
     def _speculate(self, launches: dict[int, Launch],
                    group_of: dict[int, dict]) -> dict[int, tuple[dict[int, torch.Tensor], float]]:
-        """The owners' NS of every launched block, run while the step's agreement travels.
+        """The owners' NS of every launched block, run before the step's agreement is known.
 
         Batched exactly as ``step()`` would batch them without launches (all of
         this rank's landed matrices at once), so the results are bit-identical
@@ -485,7 +485,7 @@ class DMuon(torch.optim.Optimizer):
         """The Muon half of the step (and AdamW's, unless ``adamw_done``), once the agreement is in.
 
         ``returned``: the speculative return wave of ``early``'s updates, kept (every
-        block was launched and orthogonalized while agreeing); otherwise the
+        block was launched and orthogonalized before the agreement); otherwise the
         exchanges, NS batches and return waves run here.
         """
         infos, kept = self.plan.infos, self._kept
@@ -562,10 +562,10 @@ class DMuon(torch.optim.Optimizer):
         bookkeeping on the owner, wherever it ran), ``blocks_exchanged_in_backward``
         (launches from backward that ``step()`` kept), ``orthogonalized_in_backward``
         (matrices whose NS ran on the worker with ``ns_in_backward=True`` and was
-        kept), ``orthogonalized_while_agreeing`` (matrices whose NS ran while the
-        step's agreement all-reduce was in flight, and was kept: with one return
-        wave, whenever every block was launched in backward and none went
-        stale), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
+        kept), ``orthogonalized_while_agreeing`` (matrices whose NS ran before the
+        step's agreement was known, its flags travelling with their return, and
+        was kept: with one return wave, whenever every block was launched in
+        backward and none went stale), ``step_seconds``, ``skipped_nonfinite`` and ``return_waves`` (the
         matrices of each pipelined update return, in order; see
         :meth:`dmuon.optim.owner_work.OwnerWork.return_waves`).
         """
