@@ -29,7 +29,10 @@ produces, in its wire dtype:
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
 and NCCL both support; members travel in plan-index order, so every
-destination's share is one contiguous slice.
+destination's share is one contiguous slice. The speculative step's update
+return also carries its agreement: a few 0/1 flags at the end of every
+destination's share, maximised over the sources on landing (hop 2 forwards
+hop 1's maximum, so every rank ends with the whole mesh's).
 """
 
 from __future__ import annotations
