@@ -327,19 +327,19 @@ class DMuon(torch.optim.Optimizer):
     def _start_agreement(self, group_of: dict[int, dict], here: list[int],
                          stale: torch.Tensor | None) -> Callable[[], Agreement]:
         """:meth:`_agree` with its all-reduce issued now and waited for by the returned function."""
-        others = self._adamw_params()
-        return start_agreement(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
-                               [self._names.get(id(p), "?") for p in others])
+        others, names = self._adamw_params()
+        return start_agreement(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale, names)
 
     def _agreement_flags(self, group_of: dict[int, dict], here: list[int],
                          stale: torch.Tensor) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
         """This rank's agreement flags and the decision from their maximum (the caller sends them)."""
-        others = self._adamw_params()
-        return agreement_flags(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale,
-                               [self._names.get(id(p), "?") for p in others])
+        others, names = self._adamw_params()
+        return agreement_flags(self.runtime, self.plan.infos, group_of, here, others, self.nonfinite, stale, names)
 
-    def _adamw_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+    def _adamw_params(self) -> tuple[list[torch.Tensor], list[str]]:
+        """The AdamW parameters (the agreement checks them with ``nonfinite=``) and their names."""
+        others = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        return others, [self._names.get(id(p), "?") for p in others]
 
     def _speculate(self, launches: dict[int, Launch],
                    group_of: dict[int, dict]) -> dict[int, tuple[dict[int, torch.Tensor], float]]:

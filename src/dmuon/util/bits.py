@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as the widest integer words that tile it (a view, no copy)."""
     flat = t.reshape(-1)
     nbytes, offset = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
-    for word in _WORDS:
-        size = torch.empty((), dtype=word).element_size()
+    for word, size in _WORDS:
         if nbytes % size == 0 and offset % size == 0:
             return flat.view(word)
     raise AssertionError("uint8 tiles every tensor")
