@@ -44,3 +44,12 @@ def test_imports_flow_downwards():
             if layer is not None and LAYERS.index(layer) > LAYERS.index(own):
                 wrong.append(f"{rel} imports {module}")
     assert not wrong, "imports that run upwards:\n" + "\n".join(wrong)
+
+
+def test_the_optimizer_reaches_collectives_only_through_the_runtime():
+    """optim/ supplies the rule (callbacks) and holds the state; every collective and the step's
+    schedule are the runtime's, so optim/ never imports dmuon.comm."""
+    wrong = [f"{path.relative_to(ROOT)} imports {module}"
+             for path in sorted((ROOT / "optim").rglob("*.py")) if "tests" not in path.parts
+             for module in _imports(path) if module == "dmuon.comm" or module.startswith("dmuon.comm.")]
+    assert not wrong, "\n".join(wrong)

@@ -214,4 +214,60 @@ def test_post_optim_event_needs_a_device_with_events():
 
     with pytest.raises(ValueError, match="post_optim_event=True needs a device with events"):
         dmuon.DMuon(OddNet(), post_optim_event=True)
-    assert dmuon.DMuon(OddNet())._root is None  # off by default: nothing handed to FSDP2
+    assert dmuon.DMuon(OddNet()).runtime._root is None  # off by default: nothing handed to FSDP2
+
+
+def test_ns_config_and_execution_config_are_accepted_directly():
+    import pytest
+
+    ns = dmuon.NSConfig(method="standard", steps=4, dtype=torch.float32)
+    opt = dmuon.DMuon(OddNet(), ns=ns)
+    assert opt.ns == ns == opt.plan.ns
+    # The torch.optim-style keywords may repeat ns=, never contradict it.
+    assert dmuon.DMuon(OddNet(), ns=ns, ns_steps=4).ns == ns
+    with pytest.raises(ValueError, match=r"contradict ns=.*steps: 5 != 4"):
+        dmuon.DMuon(OddNet(), ns=ns, ns_steps=5)
+    with pytest.raises(ValueError, match="ns must be a dmuon.NSConfig"):
+        dmuon.DMuon(OddNet(), ns={"steps": 3})
+    execution = dmuon.ExecutionConfig(overlap=False, nonfinite="skip", return_waves=2)
+    opt = dmuon.DMuon(OddNet(), execution=execution)
+    assert opt.execution == execution and opt.runtime.backward is None and opt.runtime.work.max_waves == 2
+    assert dmuon.DMuon(OddNet(), execution=execution, overlap=False).execution == execution
+    with pytest.raises(ValueError, match=r"overlap=True but execution.overlap=False"):
+        dmuon.DMuon(OddNet(), execution=execution, overlap=True)
+    for kwargs, message in ((dict(overlap=1), "overlap must be True or False"),
+                            (dict(nonfinite="ignore"), "nonfinite must be one of"),
+                            (dict(return_waves=0), "return_waves must be an int >= 1"),
+                            (dict(ns_in_backward=True, overlap=False), "ns_in_backward=True needs overlap=True")):
+        with pytest.raises(ValueError, match=message):
+            dmuon.ExecutionConfig(**kwargs)
+        with pytest.raises(ValueError, match=message):
+            dmuon.DMuon(OddNet(), **kwargs)
+    with pytest.raises(ValueError, match="execution must be a dmuon.ExecutionConfig"):
+        dmuon.DMuon(OddNet(), execution={"overlap": False})
+
+
+def test_a_param_group_ns_setting_is_refused_naming_group_and_key():
+    import pytest
+
+    model = OddNet()
+    plan = dmuon.prepare(model)
+    first = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("layers.0.")]
+    # The plan's own values are fine (they are what a group gets by default).
+    dmuon.DMuon(model, plan, param_groups=[{"params": first, "ns_steps": plan.ns.steps}, {"params": rest}])
+    # Group 2 is the second Muon group (each user group splits into a Muon and an AdamW group).
+    with pytest.raises(ValueError, match=r"param group 2: ns_steps=3 differs .*steps=5"):
+        dmuon.DMuon(model, plan, param_groups=[{"params": first}, {"params": rest, "ns_steps": 3}])
+    opt = dmuon.DMuon(model, plan, param_groups=[{"params": first}, {"params": rest}])
+    with pytest.raises(ValueError, match=r"param group 4: eps=0.1 differs"):
+        opt.add_param_group({"params": [], "algorithm": "muon", "eps": 0.1})
+    # Changed after construction: refused before any collective (by the launch in backward, or
+    # by step() without overlap).
+    for overlap in (True, False):
+        opt = dmuon.DMuon(model, plan, overlap=overlap)
+        opt.param_groups[0]["ns_coefficients"] = (3.0, -3.0, 1.0)
+        with pytest.raises(ValueError, match=r"param group 0: ns_coefficients=\(3.0, -3.0, 1.0\) differs"):
+            lm_loss(model, odd_batch(0, 0)).backward()
+            opt.step()
+        opt.zero_grad()

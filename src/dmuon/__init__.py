@@ -9,13 +9,15 @@ Typical use, exactly as for AdamW plus one line::
 
 ``dmuon.prepare(model, balancer=..., profile=..., ns=dmuon.NSConfig(...))``
 (after ``fully_shard``) makes a plan with non-default options to pass as
-``DMuon(model, plan)``.
+``DMuon(model, plan)``; ``DMuon(..., execution=dmuon.ExecutionConfig(...))``
+sets when the runtime moves and computes.
 """
 
 from dmuon.optim.dmuon import DMuon
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
+from dmuon.runtime.config import ExecutionConfig
 
-__all__ = ["DMuon", "NSConfig", "Plan", "prepare"]
+__all__ = ["DMuon", "ExecutionConfig", "NSConfig", "Plan", "prepare"]
 __version__ = "0.1.0"

@@ -163,10 +163,11 @@ def rank_crashes(rank: int, world_size: int, where: str, zero: int) -> dict:
             if step == 1:
                 start = time.perf_counter()
                 if rank == 1 and where == "step":
-                    def broken_step(*args, **kwargs):
+                    def broken_apply(*args, **kwargs):
                         raise RuntimeError("injected failure inside step()")
 
-                    opt._muon_step = broken_step
+                    # Once the agreement is in, where the old _muon_step was: applying the updates.
+                    opt.runtime.callbacks.apply = broken_apply
                 if rank == 1 and where == "backward":
                     def broken_hook(module, grad_output):
                         raise RuntimeError("injected failure inside backward")

@@ -6,8 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dmuon.comm.topology import Topology
-from dmuon.plan.plan import MatrixInfo
+from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.prepare import momentum_placements
 
 
@@ -23,28 +22,30 @@ class MomentumLayout:
     :mod:`dmuon.comm.exchange`).
     """
 
-    def __init__(self, topology: Topology) -> None:
-        self.topo = topology
+    def __init__(self, plan: Plan) -> None:
+        self.replicate = plan.replicate
+        self.coords = divmod(plan.rank, plan.shard)
+        """This rank's ``(replica, shard position)``."""
 
     def placements_for(self, info: MatrixInfo) -> tuple:
         """The momentum's placements for ``info``'s parameter: the parameter's, and on HSDP its
         columns split over the replicas (a stack's columns are its dim 2)."""
-        if self.topo.replicate == 1 or not isinstance(info.param, DTensor):
+        if self.replicate == 1 or not isinstance(info.param, DTensor):
             return tuple(getattr(info.param, "placements", ()))
         return momentum_placements(info.param, info.param_dim)
 
     def kept_slice(self, info: MatrixInfo, view: torch.Tensor) -> torch.Tensor:
         """The part of a matrix's local rows (``info.local_view``) whose momentum this rank keeps
         (HSDP: its replica's columns)."""
-        if self.topo.replicate == 1:
+        if self.replicate == 1:
             return view
-        r, s = self.topo.coords
+        r, s = self.coords
         return view.narrow(1, info.column_start(r, s), info.replica_columns(s)[r])
 
     def new_buffer(self, info: MatrixInfo) -> torch.Tensor:
         """A zero float32 momentum buffer for ``info``'s whole parameter, in this layout."""
         param = info.param
-        if self.topo.replicate == 1 or not isinstance(param, DTensor):
+        if self.replicate == 1 or not isinstance(param, DTensor):
             return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
         placements = self.placements_for(info)
         # prepare checked that this layout gives every rank exactly the columns it keeps.

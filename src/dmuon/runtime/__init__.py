@@ -1,5 +1,17 @@
-"""The shard runtime: dmuon's collectives, issued from FSDP2's backward hooks and from ``step()``."""
+"""The shard runtime: every dmuon collective and the step's schedule; the optimizer supplies the rule.
 
-from dmuon.runtime.runtime import Launch, ShardRuntime
+* :class:`ShardRuntime`: launches from backward, the agreement, the owners'
+  batches and return waves; :meth:`ShardRuntime.step` runs one step.
+* :class:`StepCallbacks`: what an optimizer supplies, and the contract it keeps.
+* :class:`ExecutionConfig`: when things run (overlap, NS in backward, return
+  waves, non-finite gradients, FSDP2's post-optimizer event).
+* :class:`StepReport`: what one step did on this rank.
+"""
 
-__all__ = ["Launch", "ShardRuntime"]
+from dmuon.runtime.backward import Launch
+from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.report import StepReport
+from dmuon.runtime.runtime import ShardRuntime
+
+__all__ = ["ExecutionConfig", "Launch", "ShardRuntime", "StepCallbacks", "StepReport"]

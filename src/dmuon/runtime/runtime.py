@@ -1,152 +1,272 @@
-"""The shard runtime: every dmuon collective, issued from FSDP2's backward and from ``step()``.
+"""The shard runtime: every dmuon collective and the step's whole schedule.
 
 FSDP2 keeps the weights: storage, mixed precision, the reduce-scatter in
-backward and the all-gather in forward. The runtime only moves Muon's
-directions from FSDP2's (and TP's) shards to each matrix's owner and the owners'
-updates back (:mod:`dmuon.comm.exchange`).
+backward and the all-gather in forward. The runtime moves each Muon matrix's
+direction from FSDP2's (and TP's) shards to its one owner and the owner's
+update back (:mod:`dmuon.comm.exchange`), and decides when everything runs:
+the launches from backward (:mod:`dmuon.runtime.backward`), the step's
+agreement (:mod:`dmuon.runtime.agreement`), the owners' batches and the return
+waves (:mod:`dmuon.runtime.owner_work`). The optimizer supplies the rule as
+callbacks (:class:`~dmuon.runtime.callbacks.StepCallbacks`) and calls
+:meth:`ShardRuntime.step`; the runtime never reads optimizer state.
 
-With ``overlap=True`` a block's exchange starts in backward. FSDP2 calls each
-sharded parameter's post-accumulate-grad hooks right after it has written the
-block's reduced gradient shard (after its reduce-scatter and, on HSDP, its
-all-reduce, averaged and cast to the parameter's dtype). Once every matrix of
-the block with ``requires_grad`` has landed, or the next block starts landing,
-the runtime asks the optimizer for the block's directions and launches the
-exchange. The launch is *speculative*: the optimizer checks in ``step()`` that
-the direction it would send from the final gradients is bit-for-bit the one
-sent (a gradient clipped or edited in between fails that check, and the
-block is exchanged again in ``step()``), so the result never depends on it.
+One step (:meth:`ShardRuntime.step`), on every rank:
 
-Collective order: hooks fire in FSDP2's post-backward order, which FSDP2
-itself requires to be the same on every rank; ``step()`` goes through the
-blocks in one fixed order. On HSDP a block's directions take two hops (across
-replicas, then inside the owner's replica); the second is issued from the
-main thread when the next block launches (or ``step()`` takes the launches),
-so the order is block by block ``A(b), B(b), A(b+1), ...`` on every rank. dmuon's collectives run on process groups of their
-own (:func:`dmuon.comm.topology.from_mesh`), apart from FSDP2's.
+1. take the launches from backward (and the worker's NS results);
+2. settle, with every rank, which matrices have a gradient, which launches
+   still stand, and whether a non-finite gradient skips the step
+   (:meth:`_settle_unchecked` with ``nonfinite=None``, else
+   :meth:`_settle_checked`); the optimizer's ``commit`` advances its state;
+3. exchange what was not kept from backward, run the owners' work in the
+   balancer's batches, return the updates in waves
+   (:meth:`_exchange_and_apply`), running ``independent`` (AdamW) while
+   transfers travel, and hand each wave's rows to ``apply``.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable
+import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommStats, Pending, ShardExchange, Topology
+from dmuon.comm import CommStats, Pending, ShardExchange
+from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
+from dmuon.runtime.agreement import Agreement, agreement_flags
+from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
+from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.owner_work import OwnerWork
+from dmuon.runtime.report import StepReport
+from dmuon.util.bits import bitwise_equal
 
-DirectionFn = Callable[[list[int]], dict[int, torch.Tensor]]
-"""Given matrix indices with gradients, this rank's rows of their directions (wire dtype)."""
 
+class _Settled(NamedTuple):
+    """What step 2 settled, identically on every rank (but ``directions``, this rank's)."""
 
-@dataclass
-class Launch:
-    """A block's direction exchange started in backward."""
-
-    block: int
-    members: list[int]
-    """Matrices whose gradients had landed, in plan order."""
-    sent: dict[int, torch.Tensor]
-    """This rank's rows of each member's direction, as sent."""
-    pending: Pending
-    """The exchange; ``wait()`` gives the owned full directions."""
+    agreement: Agreement
+    directions: dict[int, torch.Tensor]
+    """This rank's part of each active matrix's direction (empty for a skipped step)."""
+    independent_done: bool
+    """``independent`` already ran (while the flags travelled)."""
+    speculative: EarlyWork | None = None
+    """The owners' results computed before the agreement, kept (every launch stood)."""
+    returned: Pending | None = None
+    """Their return, issued with the agreement's flags."""
 
 
 class ShardRuntime:
-    """Owns dmuon's collectives for one plan.
+    """Owns dmuon's collectives and the step's schedule for one plan.
 
     Args:
-        plan: The ownership plan.
-        topology: The mesh's levels and dmuon's process groups.
-        wire_dtype: Dtype of directions and updates on the wire (NS's dtype).
-        device: Device of the exchange buffers.
+        plan: The ownership plan (from :func:`dmuon.prepare`); its ``ns.dtype`` is the
+            wire dtype of directions and updates.
+        callbacks: The optimizer's rule (:class:`~dmuon.runtime.callbacks.StepCallbacks`).
+        config: When things run (:class:`~dmuon.runtime.config.ExecutionConfig`).
+        root: FSDP2's root module, for ``config.post_optim_event``.
+
+    Raises:
+        ValueError: ``post_optim_event`` on a device without events (CPU), or without a root.
     """
 
-    def __init__(self, plan: Plan, topology: Topology, wire_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, plan: Plan, callbacks: StepCallbacks, config: ExecutionConfig = ExecutionConfig(),
+                 root=None) -> None:
         self.plan = plan
-        self.topo = topology
+        self.topo = plan.topology
+        self.device = plan.device
+        self.config = config
+        self.callbacks = callbacks
+        if config.post_optim_event and self.device.type == "cpu":
+            raise ValueError("post_optim_event=True needs a device with events (CUDA); the CPU backend has none")
+        if config.post_optim_event and not hasattr(root, "set_post_optim_event"):
+            raise ValueError("post_optim_event=True needs the fully_shard-ed root module (FSDPModule)")
+        self._root = root if config.post_optim_event else None
         self.stats = CommStats()
-        self.exchange = ShardExchange(plan.infos, topology, self.stats, wire_dtype, device)
-        self.device = device
-        self._hooks: list[Any] = []
-        self._directions: DirectionFn | None = None
-        self.on_launch: Callable[[Launch], None] | None = None
-        """Called right after a block's exchange is launched in backward (``ns_in_backward``)."""
-        self._landed: dict[int, list[int]] = {}
-        self._current: int | None = None
-        self._launches: dict[int, Launch] = {}
-        self._expected = {
-            b.index: sum(1 for i in b.members if plan.infos[i].param.requires_grad) for b in plan.blocks
-        }
+        self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
+        waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
+        self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
+        self.backward: BackwardLaunches | None = None
+        if config.overlap:
+            self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, callbacks.matrices, self._check_grad,
+                                             callbacks.owner_work if config.ns_in_backward else None, self.work)
 
-    # ------------------------------------------------------------------ backward
-    def enable_overlap(self, directions: DirectionFn) -> None:
-        """Launches each block's exchange from FSDP2's backward, with ``directions`` from the optimizer."""
-        self._directions = directions
-        for info in self.plan.infos:
-            self._hooks.append(info.param.register_post_accumulate_grad_hook(self._grad_landed(info.index)))
+    @property
+    def column(self) -> int:
+        """This rank's shard position: which piece of each matrix it holds."""
+        return self.topo.coords[1]
 
-    def _grad_landed(self, index: int):
-        # The hook outlives nothing: once the optimizer (and with it this runtime)
-        # is gone, e.g. replaced by a new one on resume, the hook does nothing.
-        runtime = weakref.ref(self)
+    def _check_grad(self, index: int) -> None:
+        grad = self.plan.infos[index].param.grad
+        if grad.is_sparse or torch.is_complex(grad):
+            raise ValueError(f"parameter {self.plan.infos[index].name!r}: sparse and complex gradients are "
+                             "not supported by Muon")
 
-        def hook(param: torch.Tensor) -> None:
-            me = runtime()
-            if me is not None:
-                me._landed_one(index)
-
-        return hook
-
-    def _landed_one(self, index: int) -> None:
-        block = self.plan.infos[index].block
-        if block in self._launches:
-            # A second reduction in one step (accumulation without FSDP2's
-            # no-sync): the launch is stale, and step()'s check will redo it.
-            return
-        if self._current is not None and self._current != block:
-            self._launch(self._current)
-        self._current = block
-        landed = self._landed.setdefault(block, [])
-        landed.append(index)
-        if len(landed) == self._expected[block]:
-            self._launch(block)
-
+    # ---------------------------------------------------------------- the step
     @torch.no_grad()
-    def _launch(self, block: int) -> None:
-        assert self._directions is not None
-        members = sorted(self._landed.pop(block))
-        if self._current == block:
-            self._current = None
-        # A block's second hop (HSDP: inside the owner's replica) starts once its first has
-        # landed, typically while the next block's gradients were computed.
-        for earlier in self._launches.values():
-            earlier.pending.forward()
-        sent = self._directions(members)
-        launch = Launch(block, members, sent, self.exchange.send_directions(members, sent))
-        self._launches[block] = launch
-        if self.on_launch is not None:
-            self.on_launch(launch)
+    def step(self) -> StepReport:
+        """Runs one step on every rank (a collective call); what it did on this rank."""
+        start = time.perf_counter()
+        cb = self.callbacks
+        launches, early = self.backward.take() if self.backward is not None else ({}, {})
+        managed = cb.matrices()
+        here = [i for i in managed if self.plan.infos[i].param.grad is not None]
+        for i in here:
+            self._check_grad(i)
+        if self.config.nonfinite is None:
+            settled = self._settle_unchecked(launches, early, managed, here)
+        else:
+            settled = self._settle_checked(launches, managed, here)
+        report = StepReport(skipped_nonfinite=settled.agreement.skipped)
+        if settled.agreement.skipped:
+            for launch in launches.values():
+                launch.pending.wait()  # lands unused, on every rank alike
+        else:
+            stale = settled.agreement.stale
+            kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
+            if settled.speculative is not None:
+                early = settled.speculative
+                report.orthogonalized_while_agreeing = sum(len(o) for o, _ in early.values())
+            self._exchange_and_apply(settled, launches, kept, early, report)
+            report.blocks_exchanged_in_backward = len(kept)
+            if self.config.ns_in_backward:
+                report.orthogonalized_in_backward = sum(len(o) for b, (o, _) in early.items() if b in kept)
+            if self._root is not None:
+                event = torch.Event(device=self.device)
+                event.record()  # after every update of this step, on the current stream
+                self._root.set_post_optim_event(event)
+        for name, value in self.stats.as_dict().items():
+            if name != "wait_seconds":
+                setattr(report, name, value)
+        report.exposed_comm_seconds = self.stats.wait_seconds
+        report.step_seconds = time.perf_counter() - start
+        self.stats.reset()
+        return report
 
-    def take_launches(self) -> dict[int, Launch]:
-        """The exchanges launched in backward since the last call (a partly landed block launches now)."""
-        if self._current is not None:
-            self._launch(self._current)
-        launches, self._launches = self._launches, {}
-        self._landed.clear()
-        for launch in launches.values():
-            launch.pending.forward()
-        return launches
+    def _settle_unchecked(self, launches: dict[int, Launch], early: EarlyWork, managed: list[int],
+                          here: list[int]) -> _Settled:
+        """``nonfinite=None``: nothing can skip the step, so the state advances first and one
+        agreement settles both the active set and the launches' verdicts."""
+        cb = self.callbacks
+        directions = cb.commit(here)
+        flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, None, (),
+                                        self._stale(launches, here, directions))
+        # The owners' work on what landed from backward, returned with the agreement's flags (no
+        # collective of its own: on shared cores each one issued costs the issuing rank its turn);
+        # kept only if the flags keep every launch and the launches cover every active matrix
+        # (else the batches would differ). Only with one return wave: several waves return each
+        # batch as soon as it is done instead.
+        if launches and not early and self.work.max_waves == 1:
+            speculative = self._speculate(launches)
+            members = sorted(i for launch in launches.values() for i in launch.members)
+            owned = {i: o for orthos, _ in speculative.values() for i, o in orthos.items()}
+            returned = self.exchange.return_updates(members, owned, flags)
+            cb.independent()  # nothing can skip the step: it runs while updates and flags travel
+            agreement = settle(returned.agreed().tolist())
+            if not any(agreement.stale) and all(self.plan.infos[i].block in launches for i in agreement.active):
+                return _Settled(agreement, directions, True, speculative, returned)
+            return _Settled(agreement, directions, True)  # landed unused; every rank drops it alike
+        decide = self._start_all_reduce_max(flags)
+        cb.independent()  # while the flags travel
+        return _Settled(settle(decide().tolist()), directions, True)
 
-    # ---------------------------------------------------------------- agreement
-    def agree(self, flags: torch.Tensor) -> torch.Tensor:
-        """Elementwise maximum of ``flags`` over every rank (one small collective)."""
-        return self.start_agree(flags)()
+    def _settle_checked(self, launches: dict[int, Launch], managed: list[int], here: list[int]) -> _Settled:
+        """``nonfinite=`` set: agree on the step (skip or raise) before any state advances, then on
+        the launches' verdicts."""
+        checked = self.callbacks.checked_gradients()
+        flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, self.config.nonfinite,
+                                        checked, None)
+        agreement = settle(self._start_all_reduce_max(flags)().tolist())
+        if agreement.skipped:
+            return _Settled(agreement, {}, False)
+        directions = self.callbacks.commit(agreement.active)
+        stale = self._start_all_reduce_max(self._stale(launches, agreement.active, directions))().tolist()
+        return _Settled(agreement._replace(stale=stale), directions, False)
 
-    def start_agree(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Issues :meth:`agree`'s all-reduce and returns what waits for it (work can go on meanwhile)."""
+    def _speculate(self, launches: dict[int, Launch]) -> EarlyWork:
+        """The owners' work on every launched block, before the step's agreement is known.
+
+        Batched exactly as :meth:`_exchange_and_apply` would batch them without launches
+        (all of this rank's landed matrices at once), so the results are bit-identical to
+        those of ``overlap=False`` when the agreement keeps every launch. Per block, as
+        ``ns_in_backward``'s are (the time on the first block).
+        """
+        full: dict[int, torch.Tensor] = {}
+        for b in sorted(launches):
+            full.update(launches[b].pending.wait())
+        start = time.perf_counter()
+        orthos = self.work.run(self.callbacks.owner_work, sorted(full), full)
+        spent = time.perf_counter() - start
+        infos = self.plan.infos
+        return {b: ({i: o for i, o in orthos.items() if infos[i].block == b}, spent if k == 0 else 0.0)
+                for k, b in enumerate(sorted(launches))}
+
+    def _stale(self, launches: dict[int, Launch], active: list[int],
+               directions: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per launch (block order), 1 unless it sent exactly these matrices and, bit for bit, these directions."""
+        by_block: dict[int, list[int]] = {}
+        for i in active:
+            by_block.setdefault(self.plan.infos[i].block, []).append(i)
+        stale = []
+        for b in sorted(launches):
+            launch = launches[b]
+            same = launch.members == by_block.get(b, []) and all(
+                bitwise_equal(launch.sent[i], directions[i]) for i in launch.members)
+            stale.append(int(not same))
+        return torch.tensor(stale, dtype=torch.int32)
+
+    def _exchange_and_apply(self, settled: _Settled, launches: dict[int, Launch], kept: set[int],
+                            early: EarlyWork, report: StepReport) -> None:
+        """Step 3, once the agreement is in: the owners' work and the updates' way back.
+
+        With a kept speculation its return is already in flight; otherwise everything not
+        kept from backward goes to the owners in one exchange, and the owners run their
+        batches wave by wave, each wave's return issued behind its batches.
+        """
+        infos, cb = self.plan.infos, self.callbacks
+        active = settled.agreement.active
+        for b in launches:
+            if b not in kept:
+                launches[b].pending.wait()  # stale: lands unused
+        ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
+        done = kept & early.keys()
+        orthos: dict[int, torch.Tensor] = {}
+        for b in done:
+            orthos.update(early[b][0])  # this rank's own
+        if settled.returned is not None:
+            returns = [settled.returned]
+            report.return_waves = [list(active)]
+        else:
+            rest = [i for i in active if infos[i].block not in kept]
+            pending = [launches[b].pending for b in sorted(kept) if b not in early]
+            pending.append(self.exchange.send_directions(rest, settled.directions))
+            ns_start = time.perf_counter()
+            full: dict[int, torch.Tensor] = {}
+            for p in pending:
+                full.update(p.wait())
+            # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
+            waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
+            report.return_waves = [members for members, _ in waves]
+            returns = []
+            for members, batches in waves:
+                for batch in batches:
+                    orthos.update(self.work.run_batch(cb.owner_work, batch, [full.pop(i) for i in batch]))
+                for earlier in returns:
+                    earlier.forward()  # HSDP: hop 2 of the earlier waves, behind this wave's work
+                returns.append(self.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos}))
+            ns_seconds += time.perf_counter() - ns_start
+        if not settled.independent_done:
+            cb.independent()  # while the last wave travels
+        for wave in returns:
+            cb.apply(wave.wait())
+        report.orthogonalized = len(orthos)
+        report.ns_seconds = ns_seconds
+
+    # ------------------------------------------------------------- collectives
+    def _start_all_reduce_max(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issues the elementwise maximum of ``flags`` over every rank; the returned function waits
+        for it (work can go on meanwhile)."""
         if self.topo.world_size == 1:
             return lambda: flags.cpu()
         flags = flags.to(self.device)
@@ -158,6 +278,7 @@ class ShardRuntime:
 
         return landed
 
-    def __del__(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
+    def close(self) -> None:
+        """Removes the backward hooks and stops the NS worker (also done when the runtime is freed)."""
+        if self.backward is not None:
+            self.backward.close()

@@ -1,0 +1,95 @@
+"""The step's one agreement: every rank takes the same collective path.
+
+Which matrices have a gradient, whether a gradient is non-finite (with
+``nonfinite=``), and which launches from backward went stale are settled from
+the maximum over every rank of a few 0/1 flags, before any collective that
+depends on them. Nothing here communicates: the runtime all-reduces the
+flags, or, on the speculative step, sends them with its update return (that
+return is the one collective depending on them, and its rows are used only if
+the flags, landed with them, keep them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dmuon.plan.plan import MatrixInfo
+
+
+class Agreement(NamedTuple):
+    """What every rank settled on."""
+
+    active: list[int]
+    """Matrices with a gradient (on every rank), plan order."""
+    skipped: bool
+    """The whole step is skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
+    stale: list[int]
+    """Per launch from backward (block order): 1 where some rank's directions differ from those sent."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[int], here: Sequence[int],
+                    nonfinite: str | None, checked: Sequence[tuple[str, torch.Tensor | None]],
+                    stale: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
+    """This rank's flags, and the decision from their maximum over every rank (however that travelled).
+
+    Args:
+        infos: The plan's matrices.
+        column: This rank's shard position (which piece of each matrix it holds).
+        managed: The matrices the optimizer steps (the same on every rank).
+        here: Those with a gradient on this rank.
+        nonfinite: ``None``, ``"skip"`` or ``"raise"``.
+        checked: With ``nonfinite``, the other gradients to check (name, local gradient or None).
+        stale: Per launch, 1 where this rank's directions differ from those sent (None: no launches).
+
+    Returns:
+        The flags (int32), and a function of their elementwise maximum over every rank
+        that decides, identically on every rank.
+
+    The decision raises ``RuntimeError`` for a matrix with a gradient on some ranks only,
+    and ``FloatingPointError`` with ``nonfinite="raise"`` for a non-finite gradient on any rank.
+    """
+    n = len(infos)
+    check = nonfinite is not None
+    count = n + len(checked) if check else 0
+    stale = torch.zeros(0, dtype=torch.int32) if stale is None else stale
+    # Built as a list: element-wise writes into a tensor cost microseconds each.
+    values = [0] * (2 * n + count)
+    for i in managed:
+        values[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
+    for i in here:
+        values[i], values[n + i] = 1, 0
+        if check:
+            part = infos[i].local_view(_local(infos[i].param.grad), column)
+            values[2 * n + i] = int(not torch.isfinite(part).all())
+    if check:
+        for k, (_, grad) in enumerate(checked):
+            if grad is not None:
+                values[3 * n + k] = int(not torch.isfinite(_local(grad)).all())
+    flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale.to(torch.int32)])
+    names = [name for name, _ in checked]
+    return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count)
+
+
+def _decide(flags: list[int], infos: Sequence[MatrixInfo], managed: Sequence[int], nonfinite: str | None,
+            checked_names: list[str], count: int) -> Agreement:
+    n = len(infos)
+    uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
+    if uneven:
+        raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
+                           "gradients on every rank or on none")
+    active = [i for i in sorted(managed) if flags[i]]
+    agreed_stale = flags[2 * n + count:]
+    if nonfinite is None or not any(flags[2 * n : 2 * n + count]):
+        return Agreement(active, False, agreed_stale)
+    if nonfinite == "raise":
+        names = [infos[i].name for i in range(n) if flags[2 * n + i]]
+        names += [checked_names[k] for k in range(len(checked_names)) if flags[3 * n + k]]
+        raise FloatingPointError(f"non-finite gradients in {names}")
+    return Agreement(active, True, agreed_stale)

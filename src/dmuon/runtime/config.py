@@ -1,0 +1,82 @@
+"""How the runtime schedules a step: one validated record of the execution switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+NONFINITE_MODES = (None, "skip", "raise")
+"""Accepted ``ExecutionConfig.nonfinite`` values."""
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """When and how :class:`~dmuon.runtime.ShardRuntime` moves and computes; never what.
+
+    Every combination gives the same parameters (``overlap`` and
+    ``return_waves`` bit for bit; ``ns_in_backward`` up to NS batching), so
+    these are performance switches, except ``nonfinite`` (what a NaN/Inf
+    does) and ``post_optim_event`` (a promise about the user's code).
+    """
+
+    overlap: bool = True
+    """Start each block's exchange with the owners in backward, as soon as FSDP2 has written the
+    block's reduced gradients. ``step()`` checks that the final gradients still give the
+    directions sent (a clipped or edited gradient does not, and its block is exchanged again),
+    so ``overlap=False`` (every exchange inside ``step()``) gives bit-identical results."""
+    ns_in_backward: bool = False
+    """Also run the owners' NS for each block on a worker thread during backward, as soon as its
+    directions have arrived (needs ``overlap``). Blocks whose directions fail ``step()``'s check
+    are recomputed there. NS then runs in per-block batches."""
+    nonfinite: str | None = None
+    """What a NaN/Inf in any gradient does. ``None``: nothing is checked, as in torch.optim;
+    ``"skip"``: every rank skips the whole step (parameters and optimizer state unchanged);
+    ``"raise"``: every rank raises ``FloatingPointError`` naming the parameters. Checking reads
+    every gradient once."""
+    return_waves: int | None = None
+    """The step's update returns go in up to this many waves, wave ``k`` right after every
+    owner's ``k``-th NS batch, so the transfers overlap the owners' NS. None: 4 on an
+    accelerator, 1 on CPU, where transfers and NS share the cores."""
+    post_optim_event: bool = False
+    """On an accelerator (CUDA), record an event after the step's last update and hand it to
+    FSDP2's root (``FSDPModule.set_post_optim_event``), so the next forward's all-gathers wait
+    for the updates only, not for work queued on the stream after ``step()``. Leave it False if
+    you change parameters after ``step()`` (their all-gather would not wait for that). The CPU
+    backend has no events: True there is an error."""
+
+    def __post_init__(self) -> None:
+        for name in ("overlap", "ns_in_backward", "post_optim_event"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {self.nonfinite!r}")
+        waves = self.return_waves
+        if waves is not None and (isinstance(waves, bool) or not isinstance(waves, int) or waves < 1):
+            raise ValueError(f"return_waves must be an int >= 1 or None, got {waves!r}")
+        if self.ns_in_backward and not self.overlap:
+            raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
+                             "during backward only with overlap")
+
+    @classmethod
+    def from_keywords(cls, base: ExecutionConfig | None = None, **keywords: Any) -> ExecutionConfig:
+        """``base`` (default: the defaults) with the keywords given (None: unset).
+
+        Raises:
+            ValueError: For an unknown keyword, a bad value (named), or a keyword that
+                contradicts ``base``.
+        """
+        if base is not None and not isinstance(base, ExecutionConfig):
+            raise ValueError(f"execution must be a dmuon.ExecutionConfig, got {type(base).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise ValueError(f"unknown execution keyword {unknown[0]!r} (allowed: {', '.join(names)})")
+        given = {k: v for k, v in keywords.items() if v is not None}
+        if base is None:
+            return cls(**given)
+        clashes = [f"{k}={v!r} but execution.{k}={getattr(base, k)!r}" for k, v in given.items()
+                   if getattr(base, k) != v]
+        if clashes:
+            raise ValueError("the keywords contradict the ExecutionConfig passed as execution=: "
+                             + "; ".join(clashes) + "; set each switch in one place")
+        return base
