@@ -8,7 +8,7 @@ import pytest
 
 from dmuon.bench import plan_cli
 from dmuon.bench.shapes import full_size_shapes
-from dmuon.plan.offline import expand, plan_offline
+from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import load_costs_json
 
 SHAPES = [{"name": "a", "shape": [64, 256], "count": 5}, {"name": "b", "shape": [256, 64], "count": 2},

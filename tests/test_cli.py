@@ -10,8 +10,8 @@ from dmuon.bench import cli as bench_cli
 from dmuon.bench import plan_cli
 from dmuon.bench.report import format_ratios, ratios
 from dmuon.bench.runner import round_sizes
-from dmuon.plan.offline import expand, plan_offline
-from dmuon.plan.traffic import shard_rows
+from dmuon.costmodel.offline import expand, plan_offline
+from dmuon.costmodel.traffic import shard_rows
 from dmuon.bench.shapes import full_size_shapes, load_shapes_json
 
 RESULT_FIELDS = {"config", "step_s", "step_s_min", "step_s_max", "optimizer_s", "fwd_bwd_s",
@@ -330,7 +330,7 @@ def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):
 
 
 def test_plan_offline_blocks_are_the_root_and_one_per_layer():
-    from dmuon.plan.offline import offline_blocks
+    from dmuon.costmodel.offline import offline_blocks
     groups = load_shapes_json_text([{"name": "head", "shape": [8, 4], "count": 1},
                                     {"name": "layers.*.up", "shape": [8, 4], "count": 2},
                                     {"name": "layers.*.down", "shape": [4, 8], "count": 2},
@@ -347,8 +347,8 @@ def load_shapes_json_text(records):
 
 
 def test_plan_cli_step_comm(tmp_path, capsys):
-    from dmuon.plan.offline import offline_blocks
-    from dmuon.plan.traffic import AlphaBeta, step_comm
+    from dmuon.costmodel.offline import offline_blocks
+    from dmuon.costmodel.traffic import AlphaBeta, step_comm
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps([{"name": "proj", "shape": [64, 32], "count": 1},
                                   {"name": "layers.*.a", "shape": [64, 256], "count": 3},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.plan.traffic import owner_traffic, shard_rows
+from dmuon.costmodel.traffic import owner_traffic, shard_rows
 from dmuon.util.spawn import run_distributed
 
 from support import faults

@@ -8,7 +8,7 @@ from pathlib import Path
 import dmuon
 
 # Lowest first (docs/architecture.md, "Layers"). Tests beside a package may import anything.
-LAYERS = ["util", "ortho", "rules", "plan", "comm", "runtime", "prepare", "optim", "baselines", "bench", "cli"]
+LAYERS = ["util", "ortho", "rules", "plan", "costmodel", "comm", "runtime", "prepare", "optim", "baselines", "bench", "cli"]
 ROOT = Path(dmuon.__file__).parent
 
 
@@ -46,10 +46,43 @@ def test_imports_flow_downwards():
     assert not wrong, "imports that run upwards:\n" + "\n".join(wrong)
 
 
+def _imported_names(path: Path, package: str) -> set[str]:
+    """Every dotted name a module imports, ``from a import b`` as both ``a`` and ``a.b``, relative ones resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_only_the_bench_uses_the_offline_cost_models():
+    """Nothing but ``costmodel/`` itself, ``bench/`` (``dmuon plan``, ``dmuon bench``) and tests imports
+    ``dmuon.costmodel``: the runtime and the optimizer never use the offline models."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if "tests" in rel.parts or rel.parts[0] in ("costmodel", "bench"):
+            continue
+        package = ".".join(("dmuon",) + rel.parts[:-1])
+        wrong += [f"{rel} imports {name}" for name in sorted(_imported_names(path, package))
+                  if name == "dmuon.costmodel" or name.startswith("dmuon.costmodel.")]
+    assert not wrong, "the offline cost models imported outside bench/:\n" + "\n".join(wrong)
+
+
 def test_the_optimizer_reaches_collectives_only_through_the_runtime():
     """optim/ supplies the rule (callbacks) and holds the state; every collective and the step's
     schedule are the runtime's, so optim/ never imports dmuon.comm."""
-    wrong = [f"{path.relative_to(ROOT)} imports {module}"
-             for path in sorted((ROOT / "optim").rglob("*.py")) if "tests" not in path.parts
-             for module in _imports(path) if module == "dmuon.comm" or module.startswith("dmuon.comm.")]
+    wrong = []
+    for path in sorted((ROOT / "optim").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if "tests" in rel.parts:
+            continue
+        package = ".".join(("dmuon",) + rel.parts[:-1])
+        wrong += [f"{rel} imports {name}" for name in sorted(_imported_names(path, package))
+                  if name == "dmuon.comm" or name.startswith("dmuon.comm.")]
     assert not wrong, "\n".join(wrong)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.plan.traffic import owner_exchange_collectives, shard_rows, step_collectives
+from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows, step_collectives
 from dmuon.util.spawn import run_distributed
 
 from support.step_comm import counted_step

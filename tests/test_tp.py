@@ -81,7 +81,7 @@ def test_gather_then_compute_on_the_same_tp_model_agrees():
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
-    from dmuon.plan.traffic import owner_exchange_collectives
+    from dmuon.costmodel.traffic import owner_exchange_collectives
     from support.tp import counted_tp_step
 
     shape = MESHES[mesh]

@@ -87,7 +87,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         start = time.perf_counter()
         sent = received = 0
         ns_seconds = 0.0
-        count = 0
+        orthogonalized = 0  # matrices (slices of a stack or row groups each count) this step ran NS for
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(group, self.state)
@@ -109,8 +109,8 @@ class GatherThenCompute(torch.optim.Optimizer):
                     received += (full.numel() - local) * full.element_size()
                 else:
                     full = direction
-                count, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
-                inputs = list(full.reshape(count, *mshape))
+                slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
+                inputs = list(full.reshape(slices, *mshape))
                 t0 = time.perf_counter()
                 orthos = owner_update(inputs, self.ns, group)
                 ns_seconds += time.perf_counter() - t0
@@ -120,9 +120,9 @@ class GatherThenCompute(torch.optim.Optimizer):
                     ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
                 apply_update(p, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
                              adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=mshape)
-                count += len(inputs)
+                orthogonalized += len(inputs)
         self._last_stats = {
-            "orthogonalized": count, "bytes_sent": sent, "bytes_received": received,
+            "orthogonalized": orthogonalized, "bytes_sent": sent, "bytes_received": received,
             "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
         }
         return loss

@@ -11,9 +11,9 @@ import torch
 from dmuon.bench.scale_table import format_scale_table, scale_rows
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
-from dmuon.plan.offline import expand, plan_offline
+from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
-from dmuon.plan.traffic import STEP_STRATEGIES, AlphaBeta
+from dmuon.costmodel.traffic import STEP_STRATEGIES, AlphaBeta
 
 # NS dtype: the profile key, and the element type dmuon sends its row shards in.
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
 from dmuon.bench.setups import Hyper, build, reshard_after_forward
-from dmuon.plan.traffic import fsdp2_traffic
+from dmuon.costmodel.traffic import fsdp2_traffic
 
 LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
 """The live-memory figures, per rank: unique storages of each kind, and of all three together."""
@@ -106,7 +106,7 @@ def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_aft
     its gradient reduce-scattered once within the shard group; ring collectives
     move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
     all-reduce of the gradient shard across the R replicas (2 (R-1)/R of the
-    shard each way). See :func:`dmuon.plan.traffic.fsdp2_traffic`. With tensor
+    shard each way). See :func:`dmuon.costmodel.traffic.fsdp2_traffic`. With tensor
     parallelism FSDP2's groups are the ``S / tp`` dp ranks and each moves its tp
     rank's part of a parameter (TP's own collectives on activations are not counted).
     """

@@ -12,7 +12,7 @@ from torch import nn
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.balance import rank_loads
 from dmuon.plan.batches import split_into_batches
-from dmuon.plan.rank_traffic import shard_rows
+from dmuon.plan.layout import shard_rows
 
 
 @dataclass(frozen=True)

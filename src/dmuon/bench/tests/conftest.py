@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-_TESTS = str(pathlib.Path(__file__).resolve().parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)

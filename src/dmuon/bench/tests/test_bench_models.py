@@ -210,7 +210,7 @@ def test_fsdp2_matches_single_process():
     """FSDP2 on 2 gloo ranks equals a single-process run on the global batch."""
     import torch.distributed as dist
 
-    import _bench_fsdp_worker
+    from . import _bench_fsdp_worker
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo not available")

@@ -106,7 +106,7 @@ def test_runner_on_fsdp2_ranks():
     """
     import torch.distributed as dist
 
-    import _bench_runner_worker
+    from . import _bench_runner_worker
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo not available")
@@ -153,7 +153,7 @@ def test_optimizer_phase_starts_when_the_last_rank_enters_it():
     """The optimizer phase is timed on the host's clock from the last rank's entry into ``step()``:
     a rank that waits there for a late rank (here one sleeping 0.3 s after backward) is not charged
     for the wait, which its own duration, reported beside, includes."""
-    import _bench_runner_worker
+    from . import _bench_runner_worker
 
     late = 0.3
     results = _bench_runner_worker.run(2, ("adamw", "dmuon_z3_sync"), 2, late_s=late)
@@ -173,7 +173,7 @@ def test_post_optim_event_config_is_for_accelerators():
     CPU the bench refuses it with DMuon's own error."""
     import torch
 
-    import _bench_runner_worker
+    from . import _bench_runner_worker
     from dmuon.bench.gpu_check import bench_configs
 
     assert bench_configs(torch.device("cpu")) == [*CONFIGS, "dmuon_z3_sync"]

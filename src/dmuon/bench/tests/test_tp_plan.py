@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from dmuon.bench.models.tp_plan import block_tp_plan
 from dmuon.util.spawn import run_distributed
 
-from _bench_tp_worker import BUILDERS, tp_worker
+from ._bench_tp_worker import BUILDERS, tp_worker
 
 
 def test_plan_splits_attention_and_mlp_and_leaves_the_rest():

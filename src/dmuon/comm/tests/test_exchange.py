@@ -7,7 +7,7 @@ tensor parallelism's (the shard positions as dp x tp with tp = 2: colwise
 rows inside TP's chunks, rowwise boxes, and a matrix TP leaves whole, whose
 copies only the first holder sends). The owners must get exactly the full
 directions, every rank exactly its piece of every update, and the bytes counted
-for each collective must be :func:`dmuon.plan.traffic.owner_exchange_collectives`'.
+for each collective must be :func:`dmuon.costmodel.traffic.owner_exchange_collectives`'.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dmuon.comm.exchange import ShardExchange
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import from_mesh
 from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
-from dmuon.plan.traffic import owner_exchange_collectives, shard_rows
+from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows
 from dmuon.util.spawn import run_distributed
 
 WORLD = 4

@@ -12,8 +12,9 @@ import pytest
 from dmuon.plan import balance as balance_mod
 from dmuon.plan import milp
 from dmuon.plan.balance import BALANCERS, balance, evaluate, lpt
-from support.balancing import assign_owners
 from dmuon.plan.milp import Kind, best_partition, owners_from_counts, useful_batch_sizes
+
+from ._balancing import assign_owners
 
 
 def _brute_partition(costs: dict[int, float], n: int) -> float:

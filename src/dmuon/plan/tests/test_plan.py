@@ -10,10 +10,10 @@ from torch import nn
 
 import dmuon
 from dmuon.plan.balance import lpt, rank_loads, round_robin
-from support.balancing import assign_owners, kinds_from_costs
 from dmuon.plan.cost import ns_flops
 
-from support.models import OddNet
+from ._balancing import assign_owners, kinds_from_costs
+from ._models import OddNet
 
 
 class TiedLM(nn.Module):

@@ -9,12 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from dmuon.plan.assign import build_kinds
-from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
-from dmuon.plan.batches import RETURN_WAVES, return_waves
-from dmuon.plan.spread import place_owners
-from dmuon.plan.cost_table import CostTable, analytical_table
-from dmuon.plan.traffic import (
+from dmuon.costmodel.traffic import (
     AlphaBeta,
     RankTraffic,
     compare_hsdp_designs,
@@ -24,6 +19,11 @@ from dmuon.plan.traffic import (
     owner_traffic,
     step_comm,
 )
+from dmuon.plan.assign import build_kinds
+from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.batches import RETURN_WAVES, return_waves
+from dmuon.plan.spread import place_owners
+from dmuon.plan.cost_table import CostTable, analytical_table
 
 
 @dataclass(frozen=True)
@@ -149,20 +149,20 @@ def plan_offline(
         ``solve_seconds``, ``lower_bound``, ``memory_cap``, ``notes`` and
         ``ranks`` (each with ``rank``, ``cost``, ``matrices``, ``batches``,
         ``state_bytes``, ``bytes_sent``, ``bytes_received``, ``critical_bytes``
-        and the level fields of :class:`~dmuon.plan.traffic.RankTraffic`, all
+        and the level fields of :class:`~dmuon.costmodel.traffic.RankTraffic`, all
         dmuon's exchange alone), ``fsdp2_bytes_per_rank``,
         ``gather_bytes_per_rank`` (the same on every rank) and
         ``critical_path_bytes``: the most bytes one rank sends or receives per
         step, for ``dmuon``, ``fsdp2`` and ``gather_then_compute`` (which
         includes FSDP2's collectives). With more than one replica also
-        ``hsdp_designs``: :func:`~dmuon.plan.traffic.compare_hsdp_designs`
+        ``hsdp_designs``: :func:`~dmuon.costmodel.traffic.compare_hsdp_designs`
         for these owners (FSDP2 + AdamW, design (a) and design (b), each with
         ``inter``, ``intra`` and ``inter_whole_model`` ``total``/``critical``
         bytes, and ``non_muon_all_reduce`` for the groups with ``muon=False``;
         dmuon's elements in ``wire_bytes``, FSDP2's and (b)'s gradient
         reduce in ``fsdp_elem_bytes``). ``step_comm``: one step's collectives
         for ``dmuon``, ``fsdp_adamw`` and ``gather``
-        (:func:`~dmuon.plan.traffic.step_comm`: ``critical_bytes``,
+        (:func:`~dmuon.costmodel.traffic.step_comm`: ``critical_bytes``,
         ``seconds``, ``collectives``, each ``total``/``intra``/``inter``), with
         blocks from :func:`offline_blocks`, and ``step_comm_model``, its
         settings. Rank costs are batch-aware: each rank's

@@ -19,8 +19,8 @@ replica instead (:func:`owner_traffic_replicate_reduce`).
 :func:`hsdp_design_traffic` and :func:`compare_hsdp_designs` put the two next
 to FSDP2 + AdamW, level by level.
 
-These are whole-step totals per rank; :mod:`dmuon.plan.collectives` splits a
-step into its collectives. Both are importable from :mod:`dmuon.plan.traffic`.
+These are whole-step totals per rank; :mod:`dmuon.costmodel.collectives` splits a
+step into its collectives. Both are importable from :mod:`dmuon.costmodel.traffic`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
+
+from dmuon.plan.layout import shard_rows
 
 
 @dataclass
@@ -58,20 +60,6 @@ class RankTraffic:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def shard_rows(m: int, shard: int) -> list[int]:
-    """Rows of an ``m``-row matrix on each of ``shard`` columns, by ``torch.chunk``'s rule.
-
-    FSDP2's ``Shard(0)`` gives every column ``ceil(m / shard)`` rows until the
-    rows run out, so trailing columns may hold fewer rows, or none.
-    """
-    if shard < 1:
-        raise ValueError(f"shard must be >= 1, got {shard}")
-    if m < 0:
-        raise ValueError(f"rows must be >= 0, got {m}")
-    chunk = -(-m // shard)
-    return [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
 
 
 def row_width(shape: Sequence[int]) -> int:

@@ -1,4 +1,4 @@
-"""One cost per matrix into the library's balancers: the tests' short way to call them."""
+"""One cost per matrix into the library's balancers: the plan tests' short way to call them."""
 
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 
 Two concerns, one module each, every public name importable from here:
 
-* :mod:`dmuon.plan.rank_traffic`: each rank's bytes per step and network level
+* :mod:`dmuon.costmodel.rank_traffic`: each rank's bytes per step and network level
   (:class:`RankTraffic`) for dmuon (:func:`owner_traffic`), gather-then-compute
   (:func:`gather_traffic`) and FSDP2's own collectives (:func:`fsdp2_traffic`),
   the two HSDP designs (:func:`compare_hsdp_designs`), and FSDP2's row split
-  (:func:`shard_rows`);
-* :mod:`dmuon.plan.collectives`: one training step collective by collective, in
+  (:func:`shard_rows`, from :mod:`dmuon.plan.layout`);
+* :mod:`dmuon.costmodel.collectives`: one training step collective by collective, in
   issue order, every rank's bytes in each (:class:`Collective`,
   :func:`owner_exchange_collectives`, :func:`step_collectives`), and its
   alpha-beta time (:class:`AlphaBeta`, :func:`step_figures`, :func:`step_comm`).
@@ -15,7 +15,7 @@ Two concerns, one module each, every public name importable from here:
 
 from __future__ import annotations
 
-from dmuon.plan.collectives import (
+from dmuon.costmodel.collectives import (
     STEP_STRATEGIES,
     AlphaBeta,
     Collective,
@@ -25,7 +25,7 @@ from dmuon.plan.collectives import (
     step_comm,
     step_figures,
 )
-from dmuon.plan.rank_traffic import (
+from dmuon.costmodel.rank_traffic import (
     HSDP_DESIGNS,
     RankTraffic,
     compare_hsdp_designs,
@@ -38,8 +38,8 @@ from dmuon.plan.rank_traffic import (
     owner_traffic_replicate_reduce,
     replicate_all_reduce_traffic,
     row_width,
-    shard_rows,
 )
+from dmuon.plan.layout import shard_rows
 
 __all__ = [
     "HSDP_DESIGNS",

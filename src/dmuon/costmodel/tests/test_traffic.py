@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dmuon.plan.traffic import (
+from dmuon.costmodel.traffic import (
     HSDP_DESIGNS,
     AlphaBeta,
     RankTraffic,
@@ -21,7 +21,6 @@ from dmuon.plan.traffic import (
     owner_traffic,
     owner_traffic_replicate_reduce,
     replicate_all_reduce_traffic,
-    shard_rows,
     step_collectives,
     step_comm,
     step_figures,
@@ -63,20 +62,6 @@ def _simulate(shapes, owners, replicate, shard, elem_bytes) -> list[RankTraffic]
         setattr(out[src], f"{level}_sent", getattr(out[src], f"{level}_sent") + size)
         setattr(out[dst], f"{level}_received", getattr(out[dst], f"{level}_received") + size)
     return out
-
-
-@pytest.mark.parametrize("m,shard,rows", [
-    (5, 3, [2, 2, 1]), (4, 3, [2, 2, 0]), (6, 4, [2, 2, 2, 0]), (1, 4, [1, 0, 0, 0]),
-    (8, 1, [8]), (0, 2, [0, 0]), (7, 7, [1] * 7),
-])
-def test_shard_rows_by_hand(m, shard, rows):
-    assert shard_rows(m, shard) == rows
-
-
-def test_shard_rows_follow_torch_chunk():
-    for m in range(0, 40):
-        for shard in range(1, 12):
-            assert shard_rows(m, shard) == _torch_rows(m, shard), (m, shard)
 
 
 def test_five_by_three_on_three_ranks():
@@ -358,8 +343,6 @@ def test_bad_input_is_rejected():
         owner_traffic([(2, 2)], [4], 2, 2)
     with pytest.raises(ValueError, match="1 shapes but 2 owners"):
         owner_traffic([(2, 2)], [0, 1], 1, 2)
-    with pytest.raises(ValueError, match="shard must be"):
-        shard_rows(3, 0)
     with pytest.raises(ValueError, match="elem_bytes"):
         owner_traffic([(2, 2)], [0], 1, 2, elem_bytes=0)
     with pytest.raises(ValueError, match="owner 4 outside"):

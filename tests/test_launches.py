@@ -1,4 +1,4 @@
-"""The runtime in one process: launches from backward, their check in step(), hook lifetime."""
+"""DMuon in one process: launches from backward, their check in step(), hook lifetime (the runtime with the real rule; runtime/tests/ drives it with a fake one)."""
 
 from __future__ import annotations
 

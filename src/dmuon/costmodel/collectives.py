@@ -12,8 +12,8 @@ per-rank bandwidth; the step's seconds are the sum over its collectives
 (serialised: no overlap with compute or with each other, so an upper bound on
 exposed communication). :func:`step_comm` gives those figures per strategy.
 
-The per-rank whole-step totals are :mod:`dmuon.plan.rank_traffic`'s; both are
-importable from :mod:`dmuon.plan.traffic`.
+The per-rank whole-step totals are :mod:`dmuon.costmodel.rank_traffic`'s; both are
+importable from :mod:`dmuon.costmodel.traffic`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from dmuon.plan.rank_traffic import check_mesh, check_owners, piece_table, row_width, shard_rows
+from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, row_width
+from dmuon.plan.layout import shard_rows
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "fsdp_adamw", "gather")
 """Keys of :func:`step_comm`."""
