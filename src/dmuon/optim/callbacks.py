@@ -35,7 +35,8 @@ class MuonCallbacks(StepCallbacks):
                 for i in opt.matrix_indices(p)}
 
     def _local(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """Matrix ``index``'s part of this rank's shard of ``tensor`` (its parameter, gradient or momentum)."""
+        """Matrix ``index``'s part of this rank's shard of ``tensor`` (its parameter or momentum: the
+        momentum holds, on HSDP, only the columns this replica keeps)."""
         return self.plan.infos[index].local_view(local_tensor(tensor), self._column)
 
     def _wire(self, direction: torch.Tensor) -> torch.Tensor:
@@ -49,19 +50,19 @@ class MuonCallbacks(StepCallbacks):
         return sorted(groups)
 
     @torch.no_grad()
-    def peek(self, members: list[int]) -> dict[int, torch.Tensor]:
-        groups, momentum = self._groups(), self.opt.momentum
+    def peek(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        groups = self._groups()
         out = {}
         for i in members:
             info, group = self.plan.infos[i], groups[i]
             buf = self.opt.state[info.param].get("momentum_buffer")
-            d = peek_direction(momentum.kept_slice(info, self._local(i, info.param.grad)),
-                               None if buf is None else self._local(i, buf), group["momentum"], group["nesterov"])
+            d = peek_direction(grads[i], None if buf is None else self._local(i, buf), group["momentum"],
+                               group["nesterov"])
             out[i] = self._wire(d)
         return out
 
     @torch.no_grad()
-    def commit(self, members: list[int]) -> dict[int, torch.Tensor]:
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         groups, momentum = self._groups(), self.opt.momentum
         out = {}
         for i in members:
@@ -69,8 +70,8 @@ class MuonCallbacks(StepCallbacks):
             state = self.opt.state[info.param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = momentum.new_buffer(info)
-            d = momentum_update(momentum.kept_slice(info, self._local(i, info.param.grad)),
-                                self._local(i, state["momentum_buffer"]), group["momentum"], group["nesterov"])
+            d = momentum_update(grads[i], self._local(i, state["momentum_buffer"]), group["momentum"],
+                                group["nesterov"])
             out[i] = self._wire(d)
         return out
 

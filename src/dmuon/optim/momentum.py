@@ -34,14 +34,6 @@ class MomentumLayout:
             return tuple(getattr(info.param, "placements", ()))
         return momentum_placements(info.param, info.param_dim)
 
-    def kept_slice(self, info: MatrixInfo, view: torch.Tensor) -> torch.Tensor:
-        """The part of a matrix's local rows (``info.local_view``) whose momentum this rank keeps
-        (HSDP: its replica's columns)."""
-        if self.replicate == 1:
-            return view
-        r, s = self.coords
-        return view.narrow(1, info.column_start(r, s), info.replica_columns(s)[r])
-
     def new_buffer(self, info: MatrixInfo) -> torch.Tensor:
         """A zero float32 momentum buffer for ``info``'s whole parameter, in this layout."""
         param = info.param

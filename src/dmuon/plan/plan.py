@@ -141,6 +141,15 @@ class MatrixInfo:
             return local[self.expert - self.stack_starts[s]]
         return local.new_empty((0, *local.shape[2:]))
 
+    def kept_view(self, local: "torch.Tensor", r: int, s: int) -> "torch.Tensor":
+        """Rank ``(r, s)``'s part of the matrix in its local tensor: its piece (:meth:`local_view`),
+        on HSDP narrowed to the columns whose state replica ``r`` keeps (what the rank sends
+        towards the owner)."""
+        view = self.local_view(local, s)
+        if self.replicate == 1:
+            return view
+        return view.narrow(1, self.column_start(r, s), self.replica_columns(s)[r])
+
     def cut(self, full: "torch.Tensor", s: int) -> "torch.Tensor":
         """Piece ``s`` of a full ``(m, n)`` matrix, flattened (a copy unless it is whole rows)."""
         p = self.pieces[s]

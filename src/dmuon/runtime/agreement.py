@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dmuon.plan.plan import MatrixInfo
+from dmuon.rules.adamw import local_tensor
 
 
 class Agreement(NamedTuple):
@@ -28,10 +28,6 @@ class Agreement(NamedTuple):
     """The whole step is skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
     stale: list[int]
     """Per launch from backward (block order): 1 where some rank's directions differ from those sent."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[int], here: Sequence[int],
@@ -66,12 +62,12 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
     for i in here:
         values[i], values[n + i] = 1, 0
         if check:
-            part = infos[i].local_view(_local(infos[i].param.grad), column)
+            part = infos[i].local_view(local_tensor(infos[i].param.grad), column)
             values[2 * n + i] = int(not torch.isfinite(part).all())
     if check:
         for k, (_, grad) in enumerate(checked):
             if grad is not None:
-                values[3 * n + k] = int(not torch.isfinite(_local(grad)).all())
+                values[3 * n + k] = int(not torch.isfinite(local_tensor(grad)).all())
     flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale.to(torch.int32)])
     names = [name for name, _ in checked]
     return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count)

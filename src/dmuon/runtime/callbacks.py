@@ -53,9 +53,10 @@ class StepCallbacks(abc.ABC):
     """The optimizer's side of the runtime's step (see the module docstring for the contract).
 
     Matrices are named by their plan index (``Plan.infos[i]``); "this rank's
-    part" of a matrix is ``MatrixInfo.local_view`` of the rank's local shard,
-    narrowed on HSDP to the columns whose state this replica keeps
-    (``MatrixInfo.column_start``/``replica_columns``).
+    part" of a matrix is ``MatrixInfo.kept_view`` of the rank's local shard: its
+    piece, narrowed on HSDP to the columns whose state this replica keeps. The
+    runtime hands each rank its part of the reduced gradients; the rule keeps its
+    state in the same parts.
     """
 
     @abc.abstractmethod
@@ -67,17 +68,19 @@ class StepCallbacks(abc.ABC):
         """
 
     @abc.abstractmethod
-    def peek(self, members: list[int]) -> dict[int, torch.Tensor]:
+    def peek(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """In backward: this rank's part of each member's direction, state untouched.
 
-        Every member has its final reduced gradient in ``param.grad`` (FSDP2 just wrote
-        it). Returns, per member, a tensor of the part's elements in the runtime's wire
+        ``grads[i]`` is this rank's part of matrix ``i``'s reduced gradient (a view the
+        runtime owns: read it, never write it), shaped ``(rows, cols, *shape[2:])`` of the
+        part. Returns, per member, a tensor of the part's elements in the runtime's wire
         dtype (any shape; it is flattened in row-major order).
         """
 
     @abc.abstractmethod
-    def commit(self, members: list[int]) -> dict[int, torch.Tensor]:
-        """In ``step()``: advances each member's state and returns its direction as :meth:`peek` would.
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """In ``step()``: advances each member's state and returns its direction as :meth:`peek` would
+        for the same ``grads``.
 
         Called once per step for the members the step updates (never for a skipped step).
         """

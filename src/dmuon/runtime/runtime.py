@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dmuon.comm import CommStats, Pending, ShardExchange
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
+from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.agreement import Agreement, agreement_flags
 from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
@@ -89,13 +90,22 @@ class ShardRuntime:
         self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
         self.backward: BackwardLaunches | None = None
         if config.overlap:
-            self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, callbacks.matrices, self._check_grad,
+            self.backward = BackwardLaunches(plan, self.exchange, self._peek, callbacks.matrices, self._check_grad,
                                              callbacks.owner_work if config.ns_in_backward else None, self.work)
 
     @property
     def column(self) -> int:
         """This rank's shard position: which piece of each matrix it holds."""
         return self.topo.coords[1]
+
+    def _peek(self, members: list[int]) -> dict[int, torch.Tensor]:
+        return self.callbacks.peek(members, self.grad_parts(members))
+
+    def grad_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """This rank's part of each member's reduced gradient (``MatrixInfo.kept_view``)."""
+        r, s = self.topo.coords
+        infos = self.plan.infos
+        return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
 
     def _check_grad(self, index: int) -> None:
         grad = self.plan.infos[index].param.grad
@@ -149,7 +159,7 @@ class ShardRuntime:
         """``nonfinite=None``: nothing can skip the step, so the state advances first and one
         agreement settles both the active set and the launches' verdicts."""
         cb = self.callbacks
-        directions = cb.commit(here)
+        directions = cb.commit(here, self.grad_parts(here))
         flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, None, (),
                                         self._stale(launches, here, directions))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
@@ -180,7 +190,7 @@ class ShardRuntime:
         agreement = settle(self._start_all_reduce_max(flags)().tolist())
         if agreement.skipped:
             return _Settled(agreement, {}, False)
-        directions = self.callbacks.commit(agreement.active)
+        directions = self.callbacks.commit(agreement.active, self.grad_parts(agreement.active))
         stale = self._start_all_reduce_max(self._stale(launches, agreement.active, directions))().tolist()
         return _Settled(agreement._replace(stale=stale), directions, False)
 

@@ -98,20 +98,22 @@ class FakeRule(StepCallbacks):
         self.checked = checked
         self.worker_threads: set[str] = set()
 
-    def _part(self, i: int) -> torch.Tensor:
+    def _part(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        # The runtime's part must be this rank's kept columns of its piece of the gradient.
         info = self.infos[i]
-        return (_kept(info, *self.coords, info.param.grad) + self.count[i]).reshape(-1)
+        assert torch.equal(grad, _kept(info, *self.coords, info.param.grad)), f"matrix {i}: wrong gradient part"
+        return (grad + self.count[i]).reshape(-1)
 
     def matrices(self) -> list[int]:
         return list(MANAGED)
 
-    def peek(self, members):
+    def peek(self, members, grads):
         self.events.append("peek")
-        return {i: self._part(i) for i in members}
+        return {i: self._part(i, grads[i]) for i in members}
 
-    def commit(self, members):
+    def commit(self, members, grads):
         self.events.append("commit")
-        out = {i: self._part(i) for i in members}
+        out = {i: self._part(i, grads[i]) for i in members}
         for i in members:
             self.count[i] += 1
         return out
