@@ -1,4 +1,4 @@
-"""The learning-rate sweep behind the README's training recipe, rerunnable.
+"""The learning-rate sweep behind the training recipe (docs/benchmarks.md), rerunnable.
 
 Runs ``examples/train_lm.py`` once per learning rate (AdamW's lr for ``adamw``;
 the Muon matrices' lr for ``dmuon``, whose AdamW part keeps ``--adamw-lr``),

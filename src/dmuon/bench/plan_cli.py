@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "typical)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--scale-table", default=None, metavar="MODELS",
-                   help="instead of one plan, print the README's cluster-scale table (Markdown) for these "
+                   help="instead of one plan, print the cluster-scale table of docs/benchmarks.md (Markdown) for these "
                         "comma-separated models over --world-sizes (--ranks-per-node default 8; the other "
                         "options apply as usual)")
     p.add_argument("--world-sizes", default="8,64,256,1024", metavar="W,W,...",

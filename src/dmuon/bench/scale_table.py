@@ -1,6 +1,6 @@
 """``dmuon plan --scale-table``: one step's communication and NS makespan across cluster sizes, as Markdown.
 
-The README's cluster-scale table is this module's output: per model and world
+The cluster-scale table (README, docs/benchmarks.md) is this module's output: per model and world
 size, the critical bytes and alpha-beta seconds of one step (``step_comm``)
 for dmuon, FSDP2 + AdamW and gather-then-compute, and the balancer's NS
 makespan per rank. Everything is modelled from shape lists; the per-collective
