@@ -21,7 +21,7 @@ from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
-from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan
+from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan, ReductionGroup
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
 
 
@@ -47,8 +47,57 @@ def _check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device
         )
 
 
-def _layout_of(model: nn.Module):
+def _check_hsdp_mesh(params_mesh, hsdp_mesh):
+    """``hsdp_mesh`` when the parameters live on its non-replicate dims (dmuon reduces across its dim 0).
+
+    Raises:
+        ValueError: Naming what to change: a mesh that is not (replicate, shard, ...) with names,
+            a model sharded over the whole HSDP mesh (FSDP2's native HSDP), or over another mesh.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(hsdp_mesh, DeviceMesh) or hsdp_mesh.ndim < 2 or hsdp_mesh.mesh_dim_names is None:
+        raise ValueError("hsdp_mesh must be a DeviceMesh with named dims (replicate, shard[, tp...]), e.g. "
+                         "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if hsdp_mesh.mesh.numel() != world:
+        raise ValueError(f"hsdp_mesh holds {hsdp_mesh.mesh.numel()} ranks but the default process group {world}; "
+                         "dmuon needs a mesh over every rank")
+    inner = hsdp_mesh[tuple(hsdp_mesh.mesh_dim_names[1:])] if hsdp_mesh.ndim > 2 else \
+        hsdp_mesh[hsdp_mesh.mesh_dim_names[1]]
+    if params_mesh == hsdp_mesh:
+        raise ValueError("the model is fully_shard-ed over the whole hsdp_mesh (FSDP2's native HSDP, which "
+                         "all-reduces gradients across replicas itself); for dmuon's replicate level shard it "
+                         f"over hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] (fully_shard(..., mesh="
+                         f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}])), or drop hsdp_mesh= to keep native HSDP")
+    if params_mesh != inner:
+        raise ValueError(f"the parameters live on {params_mesh}, not on hsdp_mesh's non-replicate dims "
+                         f"{hsdp_mesh.mesh_dim_names[1:]} ({inner}); shard the model over "
+                         f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] of the hsdp_mesh you pass")
+    return hsdp_mesh
+
+
+def _check_no_all_reduce_hook(model: nn.Module) -> None:
+    """dmuon reduces every gradient across replicas itself; an FSDP2 all-reduce hook of the user's
+    (``FSDPModule.set_all_reduce_hook``) would reduce them a second time.
+
+    FSDP2 has no public getter for the hook, so this reads its param groups' attribute (a check
+    only: nothing is changed).
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+        if any(getattr(g, "_all_reduce_hook", None) is not None for g in groups):
+            raise ValueError(f"module {name or '<root>'!r} has an FSDP2 all-reduce hook (set_all_reduce_hook); "
+                             "with hsdp_mesh= dmuon reduces gradients across replicas itself, so remove the hook")
+
+
+def _layout_of(model: nn.Module, hsdp_mesh=None):
     """The mesh spanning every DTensor parameter, and whether its dim 0 replicates (HSDP).
+
+    With ``hsdp_mesh`` (dmuon's replicate level) the parameters live on its
+    non-replicate dims and ``hsdp_mesh`` is returned.
 
     FSDP2 alone puts every parameter on one mesh; with tensor parallelism the
     parameters TP split live on the ``(dp..., tp)`` mesh and the others on its
@@ -83,9 +132,12 @@ def _layout_of(model: nn.Module):
         if names is None or mesh.mesh_dim_names is None or not set(mesh.mesh_dim_names) <= set(names):
             raise ValueError(f"parameter {name!r} lives on a DeviceMesh that is not a named sub-mesh of "
                              f"{first!r}'s; dmuon needs the parameters on one mesh and its sub-meshes")
+    if hsdp_mesh is not None:
+        return _check_hsdp_mesh(root, hsdp_mesh), True
     if root.mesh.numel() != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"the parameters' mesh holds {root.mesh.numel()} ranks but the default process group "
-                         f"{dist.get_world_size()}; dmuon needs a mesh over every rank")
+                         f"{dist.get_world_size()}; dmuon needs a mesh over every rank (HSDP with dmuon reducing "
+                         "across replicas: fully_shard over the shard dim of an HSDP mesh and pass hsdp_mesh=)")
     replicated = root.ndim >= 2
     for _, p in model.named_parameters():
         if isinstance(p, DTensor) and replicated:
@@ -96,17 +148,24 @@ def _layout_of(model: nn.Module):
     return root, replicated
 
 
-def momentum_placements(param: DTensor, param_dim: int) -> tuple:
-    """HSDP: the parameter's placements with the replicate dim's ``Replicate`` made a split of
-    ``param_dim`` (the momentum's columns), inside any split of that dim by later mesh dims
-    (tensor parallel: ``_StridedShard``, as FSDP2 marks its rows inside TP's)."""
+def momentum_layout(param: DTensor, param_dim: int, hsdp_mesh=None) -> tuple:
+    """HSDP: the momentum's ``(mesh, placements)``: the parameter's, with the replicate dim a split of
+    ``param_dim`` (the momentum's columns), inside any split of that dim by later mesh dims (tensor
+    parallel: ``_StridedShard``, as FSDP2 marks its rows inside TP's).
+
+    On native HSDP the parameter's replicate dim (``Replicate``) becomes the split; with dmuon's
+    replicate level (``hsdp_mesh``: the parameter lives on its non-replicate dims) the split is
+    prepended, on ``hsdp_mesh``.
+    """
     mesh, placements = param.device_mesh, list(param.placements)
+    if hsdp_mesh is not None:
+        mesh, placements = hsdp_mesh, [Replicate(), *placements]
     split = 1
     for j in range(1, mesh.ndim):
         if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == param_dim:
             split *= mesh.size(j)
     placements[0] = _StridedShard(param_dim, split_factor=split) if split > 1 else Shard(param_dim)
-    return tuple(placements)
+    return mesh, tuple(placements)
 
 
 def _local_box(p: torch.Tensor, width: int) -> list[int]:
@@ -121,12 +180,12 @@ def _local_box(p: torch.Tensor, width: int) -> list[int]:
     return [int(ok), *offset, *pad, *shape, *pad]
 
 
-def _momentum_ok(info: MatrixInfo, s: int, r: int) -> bool:
-    """HSDP: whether :func:`momentum_placements` gives rank ``(r, s)`` exactly its slice of the piece."""
+def _momentum_ok(info: MatrixInfo, s: int, r: int, hsdp_mesh) -> bool:
+    """HSDP: whether :func:`momentum_layout` gives rank ``(r, s)`` exactly its slice of the piece."""
     p, d, piece = info.param, info.param_dim, info.pieces[s]
     if not piece.rows:
         return True  # nothing of this matrix here
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, momentum_placements(p, d))
+    shape, offset = compute_local_shape_and_global_offset(p.shape, *momentum_layout(p, d, hsdp_mesh))
     return shape[d] == info.replica_columns(s)[r] and offset[d] == piece.col + info.column_start(r, s)
 
 
@@ -253,6 +312,7 @@ def prepare(
     time_limit_s: float = 10.0,
     memory_factor: float | None = 1.25,
     cache_dir=None,
+    hsdp_mesh=None,
 ) -> Plan:
     """Reads a ``fully_shard``-ed model, selects its Muon matrices and assigns each one owner.
 
@@ -288,6 +348,12 @@ def prepare(
         memory_factor: Cap on the owner workspace a rank holds, as a multiple of
             the mean (None: no cap).
         cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
+        hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])``
+            DeviceMesh whose non-replicate dims the model is ``fully_shard``-ed over
+            (``mesh=hsdp_mesh["shard"]``). dmuon then reduces every gradient across the
+            replicas itself, each Muon matrix only as far as its owner needs, instead of
+            FSDP2's all-reduce (``docs/architecture.md``, "HSDP"). None: the mesh the
+            parameters live on (FSDP2's native HSDP when it is 2-D).
 
     Returns:
         The :class:`~dmuon.plan.Plan`.
@@ -303,7 +369,9 @@ def prepare(
         ns = NSConfig()
     elif not isinstance(ns, NSConfig):
         raise ValueError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
-    mesh, replicated = _layout_of(model)
+    mesh, replicated = _layout_of(model, hsdp_mesh)
+    if hsdp_mesh is not None:
+        _check_no_all_reduce_hook(model)
     topology = single_process() if mesh is None else from_mesh(mesh, replicated)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
@@ -312,7 +380,8 @@ def prepare(
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
     if topology.world_size > 1:
-        _check_same_everywhere(_fingerprint(model, [f"{n}:{views[n]}" for n, _ in chosen], balancer, ns), topology, device)
+        chosen_views = [f"{n}:{views[n]}" for n, _ in chosen] + [f"hsdp_mesh:{hsdp_mesh is not None}"]
+        _check_same_everywhere(_fingerprint(model, chosen_views, balancer, ns), topology, device)
 
     if mesh is None:
         block_list = [("", model, list(model.parameters()))]
@@ -366,7 +435,7 @@ def prepare(
     if topology.replicate > 1:
         r, s_ = topology.coords
         # Each rank can check only its own momentum shard: one all-reduce puts every rank on the error.
-        ok = torch.tensor([int(_momentum_ok(info, s_, r)) for info in infos] or [1], dtype=torch.int32).to(device)
+        ok = torch.tensor([int(_momentum_ok(info, s_, r, hsdp_mesh)) for info in infos] or [1], dtype=torch.int32).to(device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.world_group)
         bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})
         if bad:
@@ -378,6 +447,10 @@ def prepare(
         b.index = k
     for info in infos:
         info.block = renumber[info.block]
+    # What FSDP2 reduces together, every trainable parameter included: dmuon's replicate level
+    # reduces these groups (with hsdp_mesh), the Muon matrices' block by block.
+    groups = [ReductionGroup(name, [p for p in params if p.requires_grad], renumber.get(b))
+              for b, (name, _, params) in enumerate(block_list) if any(p.requires_grad for p in params)]
     balance = assign(
         infos, topology.world_size, balancer, ns_steps=ns.steps, costs=cost_table, profile=profile,
         ns_kwargs=ns.kwargs(), group=topology.world_group if topology.world_size > 1 else None,
@@ -390,4 +463,6 @@ def prepare(
     plan.topology = topology
     plan.device = device
     plan.ns = ns
+    plan.hsdp_mesh = hsdp_mesh
+    plan.groups = groups
     return plan

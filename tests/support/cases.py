@@ -54,10 +54,17 @@ class Case:
     """Parameter-name prefixes with ``requires_grad=False``."""
     micro_batches: int = 1
     """Gradient accumulation: earlier micro-batches under ``set_requires_gradient_sync(False)``."""
+    micro_sync: bool = False
+    """Accumulation with FSDP2 reducing every micro-batch (no ``set_requires_gradient_sync(False)``)."""
     compile: bool = False
     """``torch.compile`` each block after ``fully_shard`` (backend ``aot_eager``: no C++ toolchain needed)."""
     column_sharded: tuple[str, ...] = ()
     """Parameters FSDP2 shards by columns (``shard_placement_fn`` giving ``Shard(1)``)."""
+    hsdp: str = "fsdp2"
+    """On a ``mesh_shape``: ``"fsdp2"`` (fully_shard over the 2-D mesh: FSDP2's native HSDP) or
+    ``"dmuon"`` (fully_shard over ``mesh["shard"]`` and ``hsdp_mesh=mesh``: dmuon's replicate level)."""
+    clip_with: str = "torch"
+    """``"torch"`` (``torch.nn.utils.clip_grad_norm_``) or ``"dmuon"`` (``DMuon.clip_grad_norm_``)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -96,8 +103,9 @@ def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, comp
 
 def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
                    bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False,
-                   column_sharded: tuple[str, ...] = (), **dmuon_kwargs):
-    """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise.
+                   column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", **dmuon_kwargs):
+    """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise
+    (``hsdp``: as :attr:`Case.hsdp`).
 
     Returns:
         ``(model, plan, optimizer)``.
@@ -106,9 +114,11 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     torch.manual_seed(0)
     model = OddNet()
     freeze(model, frozen)
-    shard_oddnet(model, mesh, zero=zero, bf16=bf16, compile=compile, column_sharded=column_sharded)
+    dmuon_level = mesh_shape is not None and hsdp == "dmuon"
+    shard_oddnet(model, mesh["shard"] if dmuon_level else mesh, zero=zero, bf16=bf16, compile=compile,
+                 column_sharded=column_sharded)
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
-    plan = dmuon.prepare(model, balancer=balancer,
+    plan = dmuon.prepare(model, balancer=balancer, hsdp_mesh=mesh if dmuon_level else None,
                          ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
     return model, plan, dmuon.DMuon(model, plan, **kw)
 
@@ -126,7 +136,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
                                           balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
                                           compile=case.compile, column_sharded=case.column_sharded,
-                                          overlap=case.overlap,
+                                          overlap=case.overlap, hsdp=case.hsdp,
                                           ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
                                           **kw)
     else:
@@ -145,13 +155,17 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         per = tokens.shape[0] // case.micro_batches
         total = torch.zeros(())
         for m in range(case.micro_batches):
-            model.set_requires_gradient_sync(m == case.micro_batches - 1)
+            model.set_requires_gradient_sync(case.micro_sync or m == case.micro_batches - 1)
             part = (tokens[m * per : (m + 1) * per], targets[m * per : (m + 1) * per])
             loss = lm_loss(model, part) / case.micro_batches
             loss.backward()
             total += loss.detach().float()
         if case.clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).full_tensor().item())
+            if case.clip_with == "dmuon":
+                norms.append(opt.clip_grad_norm_(case.clip).item())
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+                norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total)

@@ -54,10 +54,11 @@ from dmuon.plan.plan import MatrixInfo
 class Pending:
     """An exchange in flight; ``wait()`` lands it and returns its result (once computed, kept).
 
-    A two-hop exchange issued in backward has ``then``: the second hop can only
-    start once the first has landed, and only the main thread issues
+    A multi-hop exchange issued in backward has ``then``: the next hop can only
+    start once the previous one has landed, and only the main thread issues
     collectives (every rank must issue them in the same order), so the runtime
-    calls :meth:`forward` when it launches the next block or enters ``step()``.
+    calls :meth:`forward` when it launches the next block and :meth:`issue_all`
+    when it enters ``step()``.
     """
 
     works: list
@@ -82,11 +83,23 @@ class Pending:
             self.stats.wait_seconds += time.perf_counter() - start
 
     def forward(self) -> None:
-        """Main thread: lands the first hop and issues the next (nothing for one hop; idempotent)."""
-        if self.then is not None and self._next is None:
+        """Main thread: advances the exchange by one hop: lands the latest issued hop and issues the
+        one after it (nothing once every hop is issued)."""
+        if self._next is not None:
+            self._next.forward()
+        elif self.then is not None:
             self._land(exposed=True)
             self._next = self.then()
             self._forwarded.set()
+
+    def issued(self) -> bool:
+        """Whether every hop has been issued."""
+        return self.then is None or (self._next is not None and self._next.issued())
+
+    def issue_all(self) -> None:
+        """Main thread: issues every remaining hop (landing each one before it)."""
+        while not self.issued():
+            self.forward()
 
     def agreed(self) -> torch.Tensor | None:
         """Lands the exchange; the elementwise maximum over every rank of the flags sent with it

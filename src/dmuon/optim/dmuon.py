@@ -78,6 +78,10 @@ class DMuon(torch.optim.Optimizer):
             its docstrings say what each does). Default: ``ExecutionConfig()``.
         overlap, nonfinite, ns_in_backward, post_optim_event, return_waves: Keywords
             for the fields of ``execution``; given with it they must agree with it.
+        hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])`` mesh
+            whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
+            dmuon then reduces every gradient across replicas itself, each Muon matrix only as
+            far as its owner needs (:func:`dmuon.prepare`). With a plan, the plan's.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class DMuon(torch.optim.Optimizer):
         ns_in_backward: bool | None = None,
         post_optim_event: bool | None = None,
         return_waves: int | None = None,
+        hsdp_mesh=None,
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
@@ -121,7 +126,9 @@ class DMuon(torch.optim.Optimizer):
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
         if plan is None:
-            plan = prepare(model, ns=ns)
+            plan = prepare(model, ns=ns, hsdp_mesh=hsdp_mesh)
+        elif hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:
+            raise ValueError("hsdp_mesh differs from the plan's; pass it to dmuon.prepare(hsdp_mesh=...)")
         names = [n for n, _ in model.named_parameters()]
         if tuple(names) != plan.param_names:
             added = sorted(set(names) - set(plan.param_names))
@@ -261,9 +268,9 @@ class DMuon(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for key, value in sorted(momenta.items(), key=lambda kv: order.index(kv[0])):
             param = params[order.index(key)]
-            placements = self.momentum.placements_for(self.plan.infos[self._index[id(param)][0]])
-            if isinstance(value, DTensor) and tuple(value.placements) != placements:
-                value = value.redistribute(value.device_mesh, placements)
+            mesh, placements = self.momentum.layout_for(self.plan.infos[self._index[id(param)][0]])
+            if isinstance(value, DTensor) and value.device_mesh == mesh and tuple(value.placements) != placements:
+                value = value.redistribute(mesh, placements)
             self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
 
     # --------------------------------------------------------------------- step
@@ -281,6 +288,23 @@ class DMuon(torch.optim.Optimizer):
                 loss = closure()
         self._last_report = self.runtime.step()
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter of this optimizer, on every rank alike.
+
+        The total norm counts each gradient element once over the whole mesh (a shard held by
+        several ranks, e.g. replicated over HSDP's replicas or a tensor-parallel dim, once), with
+        one scalar all-reduce, whatever meshes the parameters live on (torch's own raises for
+        parameters on different meshes, as with tensor parallelism). With ``hsdp_mesh`` the
+        gradients are first reduced across replicas (what ``step()`` does anyway), and no Muon
+        gradient crosses the replicas for the norm.
+
+        Returns:
+            The total norm before clipping (a float32 tensor, the same on every rank).
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        return self.runtime.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def last_step_report(self) -> StepReport:
         """This rank's :class:`~dmuon.runtime.report.StepReport` of the last step (and the backward before it)."""

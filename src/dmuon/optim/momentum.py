@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dmuon.plan.plan import MatrixInfo, Plan
-from dmuon.prepare import momentum_placements
+from dmuon.prepare import momentum_layout
 
 
 class MomentumLayout:
@@ -16,7 +16,7 @@ class MomentumLayout:
     FSDP (and FSDP + TP): sharded like the parameter, a DTensor like AdamW's
     state. HSDP: the parameter's shards over the shard (and TP) dims and its
     columns (``shape[1]``) split over the replicas inside them
-    (:func:`dmuon.prepare.momentum_placements`), so each element lives on one
+    (:func:`dmuon.prepare.momentum_layout`), so each element lives on one
     rank of the mesh only (``MatrixInfo.replica_columns``); the direction's
     column slices then travel to the owner's replica (hop A of
     :mod:`dmuon.comm.exchange`).
@@ -24,24 +24,24 @@ class MomentumLayout:
 
     def __init__(self, plan: Plan) -> None:
         self.replicate = plan.replicate
-        self.coords = divmod(plan.rank, plan.shard)
-        """This rank's ``(replica, shard position)``."""
+        self.hsdp_mesh = plan.hsdp_mesh
+        """With dmuon's replicate level, the mesh the momentum lives on (the parameters on its sub-mesh)."""
 
-    def placements_for(self, info: MatrixInfo) -> tuple:
-        """The momentum's placements for ``info``'s parameter: the parameter's, and on HSDP its
-        columns split over the replicas (a stack's columns are its dim 2)."""
+    def layout_for(self, info: MatrixInfo) -> tuple:
+        """``(mesh, placements)`` of the momentum of ``info``'s parameter: the parameter's, and on HSDP
+        its columns split over the replicas (a stack's columns are its dim 2)."""
         if self.replicate == 1 or not isinstance(info.param, DTensor):
-            return tuple(getattr(info.param, "placements", ()))
-        return momentum_placements(info.param, info.param_dim)
+            return getattr(info.param, "device_mesh", None), tuple(getattr(info.param, "placements", ()))
+        return momentum_layout(info.param, info.param_dim, self.hsdp_mesh)
 
     def new_buffer(self, info: MatrixInfo) -> torch.Tensor:
         """A zero float32 momentum buffer for ``info``'s whole parameter, in this layout."""
         param = info.param
         if self.replicate == 1 or not isinstance(param, DTensor):
             return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-        placements = self.placements_for(info)
+        mesh, placements = self.layout_for(info)
         # prepare checked that this layout gives every rank exactly the columns it keeps.
-        shape, _ = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+        shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, placements)
         buffer = torch.zeros(shape, dtype=torch.float32, device=param.device)
-        return DTensor.from_local(buffer, param.device_mesh, placements, run_check=False,
+        return DTensor.from_local(buffer, mesh, placements, run_check=False,
                                   shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())

@@ -186,6 +186,18 @@ class BlockInfo:
 
 
 @dataclass
+class ReductionGroup:
+    """The parameters one FSDP2 module reduces together, every trainable one (Muon's or not)."""
+
+    name: str
+    """Module name (``""`` for the root)."""
+    params: list = field(default_factory=list, repr=False)
+    """Its trainable parameters (the ones it manages itself, not its FSDP children's)."""
+    block: int | None = None
+    """Its index in ``Plan.blocks`` when it holds Muon matrices, else None."""
+
+
+@dataclass
 class Plan:
     """Ownership plan returned by :func:`dmuon.prepare` (and built by :class:`dmuon.DMuon`).
 
@@ -219,6 +231,16 @@ class Plan:
     ns: NSConfig = field(default_factory=NSConfig)
     """The Newton-Schulz configuration the owners' costs were priced (or measured) with, and
     the one :class:`dmuon.DMuon` runs."""
+    hsdp_mesh: object = field(default=None, repr=False)
+    """HSDP with dmuon's replicate level: the ``(replicate, shard, ...)`` mesh whose non-replicate dims
+    the model is sharded over; dmuon reduces every gradient across its dim 0. None otherwise."""
+    groups: list = field(default_factory=list, repr=False)
+    """Every FSDP2 module with trainable parameters (:class:`ReductionGroup`), in model order."""
+
+    @property
+    def reduces_replicas(self) -> bool:
+        """Whether dmuon, not FSDP2, reduces the gradients across replicas (``hsdp_mesh``)."""
+        return self.hsdp_mesh is not None and self.replicate > 1
 
     def __post_init__(self) -> None:
         self._by_name = {info.name: info for info in self.infos}

@@ -32,6 +32,7 @@ import torch
 from dmuon.comm import Pending, ShardExchange
 from dmuon.plan.plan import Plan
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
+from dmuon.runtime.replicate import ReplicateLevel, Reduction
 
 Directions = Callable[[list[int]], dict[int, torch.Tensor]]
 """Given matrix indices with gradients, this rank's part of their directions (wire dtype)."""
@@ -55,41 +56,74 @@ EarlyWork = dict[int, tuple[dict[int, torch.Tensor], float]]
 (on the block that paid for them)."""
 
 
+@dataclass
+class _Unit:
+    """What lands together: FSDP2 reduces these parameters in one post-backward."""
+
+    params: list[torch.Tensor]
+    """The hooked parameters (trainable)."""
+    block: int | None
+    """Its Muon matrices' block (``Plan.blocks``), or None."""
+
+
 class BackwardLaunches:
-    """The launches of one runtime: hooks on every matrix, and with ``owner_work`` the NS worker.
+    """The launches of one runtime: hooks on every hooked parameter, and with ``owner_work`` the NS worker.
+
+    Without ``replicate`` the units are the plan's blocks and only Muon matrices are hooked;
+    with it (dmuon's replicate level) every FSDP2 group's trainable parameters are, and a
+    unit's landing first starts its reduction across replicas, the directions following once
+    it has landed.
 
     Args:
         plan: The ownership plan.
         exchange: Where launches send.
-        peek: The optimizer's directions in backward (state untouched).
+        peek: The optimizer's directions in backward (state untouched), from the gradient parts.
+        grad_parts: This rank's part of each matrix's reduced gradient (no replicate level).
         managed: The matrices the optimizer steps now; only those are launched.
         check: Called with a matrix index before its direction is formed (raises on bad gradients).
         owner_work: With ``ns_in_backward``: the owner's work, run per block on a worker thread
             as soon as the block's directions have landed; None: no worker.
         work: The owners' batching (per block when ``owner_work`` is given).
+        directions: Launch the direction exchanges (``overlap``); without, with ``replicate``
+            the hooks only start the reductions.
+        replicate: dmuon's replicate level, or None.
     """
 
-    def __init__(self, plan: Plan, exchange: ShardExchange, peek: Directions, managed: Callable[[], list[int]],
-                 check: Callable[[int], None], owner_work: OwnerFn | None, work: OwnerWork) -> None:
+    def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
+                 grad_parts: Directions, managed: Callable[[], list[int]], check: Callable[[int], None],
+                 owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
+                 replicate: ReplicateLevel | None = None) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek
+        self._grad_parts = grad_parts
         self._managed = managed
         self._check = check
         self._owner_work = owner_work
         self._work = work
+        self._directions = directions
+        self.replicate = replicate
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns") if owner_work else None
         self._early: dict[int, Future] = {}
-        self._landed: dict[int, list[int]] = {}
+        self._matrices: dict[int, list[int]] = {}
+        for info in plan.infos:
+            self._matrices.setdefault(id(info.param), []).append(info.index)
+        if replicate is None:
+            units = [_Unit(list({id(plan.infos[i].param): plan.infos[i].param for i in b.members
+                                 if plan.infos[i].param.requires_grad}.values()), b.index) for b in plan.blocks]
+        else:
+            units = [_Unit(list(g.params), g.block) for g in plan.groups]
+        self._units = [u for u in units if u.params]
+        self._unit_of = {id(p): k for k, u in enumerate(self._units) for p in u.params}
+        self._landed: dict[int, list[torch.Tensor]] = {}
         self._current: int | None = None
+        self._fired: set[int] = set()
+        self._in_backward = False
         self._launches: dict[int, Launch] = {}
-        self._expected = {
-            b.index: sum(1 for i in b.members if plan.infos[i].param.requires_grad) for b in plan.blocks
-        }
-        self._hooks: list[Any] = [info.param.register_post_accumulate_grad_hook(self._hook(info.index))
-                                  for info in plan.infos]
+        self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._hook())
+                                  for u in self._units for p in u.params]
 
-    def _hook(self, index: int):
+    def _hook(self):
         # The hook outlives nothing: once these launches (and their runtime) are gone,
         # e.g. replaced by a new optimizer on resume, the hook does nothing.
         launches = weakref.ref(self)
@@ -97,44 +131,85 @@ class BackwardLaunches:
         def hook(param: torch.Tensor) -> None:
             me = launches()
             if me is not None:
-                me._landed_one(index)
+                me._landed_one(param)
 
         return hook
 
-    def _landed_one(self, index: int) -> None:
-        block = self.plan.infos[index].block
-        if block in self._launches:
-            # A second reduction in one step (accumulation without FSDP2's
-            # no-sync): the launch is stale, and step()'s check will redo it.
-            return
-        if self._current is not None and self._current != block:
-            self._launch(self._current)
-        self._current = block
-        landed = self._landed.setdefault(block, [])
-        landed.append(index)
-        if len(landed) == self._expected[block]:
-            self._launch(block)
+    def _landed_one(self, param: torch.Tensor) -> None:
+        if self.replicate is not None:
+            if not self._in_backward:
+                # Every reduction across replicas lands before this backward returns, so user
+                # code before step() (clipping) never races one in flight. An autograd final
+                # callback runs after FSDP2's own (which reduces the root): the only hook into
+                # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.replicate.wrap(param)
+        unit = self._unit_of[id(param)]
+        if self._current is not None and self._current != unit:
+            self._complete(self._current)
+        self._current = unit
+        landed = self._landed.setdefault(unit, [])
+        landed.append(param)
+        if len(landed) == len(self._units[unit].params):
+            self._complete(unit)
 
     @torch.no_grad()
-    def _launch(self, block: int) -> None:
-        landed = set(self._landed.pop(block))
-        if self._current == block:
+    def _complete(self, unit: int) -> None:
+        """A unit's gradients have landed (all of them, or the next unit started landing)."""
+        landed = {id(p) for p in self._landed.pop(unit)}
+        if self._current == unit:
             self._current = None
+        # The earlier launches' next hops (their first has had a block's backward to land).
+        self._advance()
+        first = unit not in self._fired
+        self._fired.add(unit)
+        block = self._units[unit].block
         # A matrix outside the optimizer's param groups is not stepped: nothing to send.
-        members = [i for i in self._managed() if i in landed]
-        if not members:
+        members = [i for i in self._managed() if id(self.plan.infos[i].param) in landed] if block is not None else []
+        if self.replicate is not None:
+            reduction = self.replicate.start([p for p in self._units[unit].params if id(p) in landed])
+            if first and members and self._directions:
+                launch = Launch(block, members, {}, None)  # type: ignore[arg-type]
+                launch.pending = Pending([], _no_result, self.exchange.stats,
+                                         then=lambda: self._send_after(reduction, launch))
+                self._add(launch)
             return
-        # A block's second hop (HSDP: inside the owner's replica) starts once its first has
-        # landed, typically while the next block's gradients were computed.
-        for earlier in self._launches.values():
-            earlier.pending.forward()
+        if not first or not members:
+            # A second reduction in one step (accumulation without FSDP2's no-sync): the
+            # launch is stale, and step()'s check will redo it.
+            return
         for i in members:
             self._check(i)
-        sent = self._peek(members)
-        launch = Launch(block, members, sent, self.exchange.send_directions(members, sent))
-        self._launches[block] = launch
+        sent = self._peek(members, self._grad_parts(members))
+        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent)))
+
+    def _end_of_backward(self) -> None:
+        """Autograd final callback (replicate level): the last unit completes, every reduction lands."""
+        self._in_backward = False
+        if self._current is not None:
+            self._complete(self._current)
+        self.replicate.land_all()
+
+    def _send_after(self, reduction: Reduction, launch: Launch) -> Pending:
+        """Main thread, once the unit's reduction across replicas has landed: the directions from it."""
+        self.replicate.land(reduction)
+        for i in launch.members:
+            self._check(i)
+        sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
+        launch.sent.update(sent)
+        return self.exchange.send_directions(launch.members, sent)
+
+    def _add(self, launch: Launch) -> None:
+        self._launches[launch.block] = launch
         if self._worker is not None:
-            self._early[block] = self._worker.submit(self._block_work, launch)
+            self._early[launch.block] = self._worker.submit(self._block_work, launch)
+
+    def _advance(self) -> None:
+        for earlier in self._launches.values():
+            earlier.pending.forward()
+        if self.replicate is not None:
+            self.replicate.land_all()
 
     @torch.no_grad()
     def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], float]:
@@ -146,14 +221,15 @@ class BackwardLaunches:
         return self._work.run(self._owner_work, sorted(full), full), time.perf_counter() - start
 
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
-        """The launches since the last call (a partly landed block launches now), their second
-        hops issued, and the worker's results for them (empty without a worker)."""
+        """The launches since the last call (a partly landed unit completes now), every hop of
+        theirs issued, and the worker's results for them (empty without a worker)."""
         if self._current is not None:
-            self._launch(self._current)
+            self._complete(self._current)
         launches, self._launches = self._launches, {}
         self._landed.clear()
+        self._fired.clear()
         for launch in launches.values():
-            launch.pending.forward()
+            launch.pending.issue_all()
         early = {b: f.result() for b, f in sorted(self._early.items())}
         self._early.clear()
         return launches, early
@@ -169,3 +245,7 @@ class BackwardLaunches:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _no_result() -> dict:
+    return {}

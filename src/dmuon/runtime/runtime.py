@@ -25,13 +25,16 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.comm import CommStats, Pending, ShardExchange
+from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
@@ -40,6 +43,7 @@ from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.owner_work import OwnerWork
+from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.util.bits import bitwise_equal
 
@@ -88,21 +92,26 @@ class ShardRuntime:
         self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
         self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
+        self.replicate: ReplicateLevel | None = None
+        """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
+        if plan.reduces_replicas:
+            self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device))
         self.backward: BackwardLaunches | None = None
-        if config.overlap:
-            self.backward = BackwardLaunches(plan, self.exchange, self._peek, callbacks.matrices, self._check_grad,
-                                             callbacks.owner_work if config.ns_in_backward else None, self.work)
+        if config.overlap or self.replicate is not None:
+            self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, self.grad_parts, callbacks.matrices,
+                                             self._check_grad, callbacks.owner_work if config.ns_in_backward else None,
+                                             self.work, directions=config.overlap, replicate=self.replicate)
 
     @property
     def column(self) -> int:
         """This rank's shard position: which piece of each matrix it holds."""
         return self.topo.coords[1]
 
-    def _peek(self, members: list[int]) -> dict[int, torch.Tensor]:
-        return self.callbacks.peek(members, self.grad_parts(members))
-
     def grad_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
-        """This rank's part of each member's reduced gradient (``MatrixInfo.kept_view``)."""
+        """This rank's part of each member's reduced gradient (``MatrixInfo.kept_view``; with the
+        replicate level, of the mean over replicas once :meth:`ReplicateLevel.finish` ran)."""
+        if self.replicate is not None:
+            return {i: self.replicate.mean_part(i) for i in members}
         r, s = self.topo.coords
         infos = self.plan.infos
         return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
@@ -120,6 +129,9 @@ class ShardRuntime:
         start = time.perf_counter()
         cb = self.callbacks
         launches, early = self.backward.take() if self.backward is not None else ({}, {})
+        if self.replicate is not None:
+            self.replicate.finish()
+            self.replicate.to_param_layout()
         managed = cb.matrices()
         here = [i for i in managed if self.plan.infos[i].param.grad is not None]
         for i in here:
@@ -272,6 +284,53 @@ class ShardRuntime:
             cb.apply(wave.wait())
         report.orthogonalized = len(orthos)
         report.ns_seconds = ns_seconds
+
+    # ---------------------------------------------------------------- clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``'s result on every rank, each gradient element counted once.
+
+        Each rank adds its local shards' ``|g|^p``, divided by how many ranks hold the same
+        shard (the mesh dims where the gradient is ``Replicate``); one scalar all-reduce sums
+        them (a maximum for ``inf``). With the replicate level the gradients are reduced first
+        (:meth:`ReplicateLevel.finish`), and a Muon matrix's reduced form holds R times its
+        mean on one replica per column slice, so it counts once, divided by R.
+        """
+        norm_type = float(norm_type)
+        if self.replicate is not None:
+            self.replicate.finish()
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is None:
+                continue
+            local = local_tensor(p.grad)
+            norm = torch.linalg.vector_norm(local, norm_type).double().cpu()
+            copies = 1
+            if isinstance(p.grad, DTensor):
+                mesh = p.grad.device_mesh
+                copies = math.prod(mesh.size(d) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Replicate))
+            if self.replicate is not None and self.replicate.holds_sums(p):
+                norm = norm / self.replicate.replicate
+            total = torch.maximum(total, norm) if math.isinf(norm_type) else total + norm ** norm_type / copies
+        if self.topo.world_size > 1:
+            total = total.to(self.device)
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=self.topo.world_group)
+            total = total.cpu()
+        if not math.isinf(norm_type):
+            total = total ** (1.0 / norm_type)
+        total = total.float()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        locals_ = [local_tensor(g) for g in grads]
+        if locals_:
+            torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+        return total
 
     # ------------------------------------------------------------- collectives
     def _start_all_reduce_max(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -1,0 +1,211 @@
+"""dmuon's replicate level (``hsdp_mesh``): gradients reduced across replicas, and what ``param.grad`` holds.
+
+FSDP2, applied over the shard sub-mesh, leaves each replica its own mean
+gradient. From the moment a parameter's post-accumulate-grad hook fires, its
+``param.grad`` is a DTensor on ``hsdp_mesh`` that *is* the global mean
+gradient, whatever has or has not been reduced yet:
+
+* ``(Partial("avg"), *param.placements)``: the true value is the mean over the
+  replicas of their local tensors. This is what FSDP2 leaves (each replica's
+  mean), and it stays right when FSDP2 accumulates another micro-batch's
+  replica mean into it, and under any torch op (``clip_grad_norm_`` reads it
+  through DTensor, which all-reduces it for the norm, identically on every
+  replica).
+* After the reduction lands, a Muon matrix's piece holds, on replica ``r``,
+  the *sum* over replicas of its column slice ``r`` and zeros elsewhere: still
+  ``Partial("avg")`` of the same value, with each slice on one replica only
+  (where its momentum lives). Other parameters hold the mean on every replica:
+  ``(Replicate(), *param.placements)``.
+
+Every reduction issued in a backward pass lands before that backward returns
+(the runtime runs :meth:`ReplicateLevel.land_all` from an autograd final
+callback), so user code between backward and ``step()`` always sees reduced
+gradients, and torch ops keep them valid: a linear edit (``clip_grad_norm_``'s
+scaling) keeps the reduced form, a non-linear in-place one on a
+``Partial`` gradient is refused by DTensor itself. So clipping, accumulation
+with or without FSDP2's no-sync, and edits give the single-process result on
+every replica.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from dmuon.comm import Pending
+from dmuon.comm.replicate import ReplicateReduce
+from dmuon.plan.plan import Plan
+from dmuon.rules.adamw import local_tensor
+
+
+@dataclass
+class Reduction:
+    """One group's reduction in flight."""
+
+    others: list[torch.Tensor]
+    """Parameters reduced by the all-reduce (not Muon matrices)."""
+    matrices: list[torch.Tensor]
+    """Parameters holding Muon matrices, reduced by column slices."""
+    members: list[int]
+    """Their matrices (plan order)."""
+    issued: dict[int, int] = field(repr=False)
+    """Per parameter (id), the id of the gradient the reduction read (written back only into it)."""
+    mean: Pending = field(repr=False)
+    """The all-reduce: ``{k: mean of others[k]}``."""
+    columns: Pending = field(repr=False)
+    """The column reduce-scatter: ``{i: this rank's slice, summed over replicas}``."""
+    landed: bool = False
+
+
+class ReplicateLevel:
+    """Reduces gradients across replicas for one plan (``plan.reduces_replicas``).
+
+    Args:
+        plan: The plan (its ``hsdp_mesh`` and matrices).
+        reduce: The collectives.
+    """
+
+    def __init__(self, plan: Plan, reduce: ReplicateReduce) -> None:
+        self.plan = plan
+        self.reduce = reduce
+        self.mesh = plan.hsdp_mesh
+        self.replicate = plan.replicate
+        self.coords = divmod(plan.rank, plan.shard)
+        self._matrices: dict[int, list[int]] = {}
+        for info in plan.infos:
+            self._matrices.setdefault(id(info.param), []).append(info.index)
+        self.params = [p for g in plan.groups for p in g.params]
+        """Every trainable parameter, in model order (the same on every rank)."""
+        self._reduced: dict[int, int] = {}  # parameter -> the id of its gradient in reduced form
+        self._owned: dict[int, weakref.ref] = {}  # parameter -> the gradient tensor it was given
+        self._inflight: list[Reduction] = []
+
+    # ------------------------------------------------------------ backward
+    def wrap(self, param: torch.Tensor) -> None:
+        """Hook time: ``param.grad`` (FSDP2's replica mean, maybe accumulated) as ``Partial("avg")``
+        on ``hsdp_mesh``. No communication.
+
+        FSDP2's new gradients are views of one flat buffer per block, which share a version
+        counter; each gets a tensor of its own (once per step: FSDP2 accumulates later
+        micro-batches into it), so a write to one gradient is not taken for an edit of another.
+        """
+        grad = param.grad
+        local = local_tensor(grad)
+        owned = self._owned.get(id(param))
+        if owned is None or owned() is None or owned().data_ptr() != local.data_ptr():
+            local = local.clone()
+            self._owned[id(param)] = weakref.ref(local)
+        placements = (Partial("avg"), *param.placements)
+        if not (isinstance(grad, DTensor) and grad.device_mesh == self.mesh and tuple(grad.placements) == placements
+                and local_tensor(grad).data_ptr() == local.data_ptr()):
+            param.grad = DTensor.from_local(local, self.mesh, placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
+        self._reduced.pop(id(param), None)
+
+    def start(self, params: list[torch.Tensor]) -> Reduction:
+        """Issues the reduction of ``params``' gradients (the same list on every rank)."""
+        params = [p for p in params if p.grad is not None]
+        others = [p for p in params if id(p) not in self._matrices]
+        matrices = [p for p in params if id(p) in self._matrices]
+        members = sorted(i for p in matrices for i in self._matrices[id(p)])
+        s = self.coords[1]
+        infos = self.plan.infos
+        reduction = Reduction(
+            others, matrices, members, {id(p): id(p.grad) for p in params},
+            self.reduce.all_reduce_mean([local_tensor(p.grad) for p in others]),
+            self.reduce.reduce_columns(members, {i: infos[i].local_view(local_tensor(infos[i].param.grad), s)
+                                                 for i in members}))
+        self._inflight.append(reduction)
+        return reduction
+
+    def land(self, reduction: Reduction) -> None:
+        """Writes a landed reduction into the gradients it read, where they have not changed since."""
+        if reduction.landed:
+            return
+        reduction.landed = True
+        means = reduction.mean.wait()
+        for k, p in enumerate(reduction.others):
+            if id(p.grad) == reduction.issued[id(p)]:
+                local = local_tensor(p.grad)
+                local.copy_(means[k])
+                p.grad = DTensor.from_local(local, self.mesh, (Replicate(), *p.placements), run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                self._reduced[id(p)] = id(p.grad)
+        sums = reduction.columns.wait()
+        r, s = self.coords
+        infos = self.plan.infos
+        for p in reduction.matrices:
+            if id(p.grad) != reduction.issued[id(p)]:
+                continue
+            local = local_tensor(p.grad)
+            for i in self._matrices[id(p)]:
+                view = infos[i].local_view(local, s)
+                if not view.numel():
+                    continue
+                view.zero_()
+                if i in sums:
+                    view.narrow(1, infos[i].column_start(r, s), infos[i].replica_columns(s)[r]).copy_(sums[i])
+            self._reduced[id(p)] = id(p.grad)
+
+    def land_all(self) -> None:
+        """Lands every reduction in flight, in issue order."""
+        for reduction in self._inflight:
+            self.land(reduction)
+        self._inflight = []
+
+    # ---------------------------------------------------------------- step
+    def is_reduced(self, param: torch.Tensor) -> bool:
+        """Whether ``param.grad`` is the gradient dmuon left reduced (and not replaced or accumulated into since)."""
+        return param.grad is not None and self._reduced.get(id(param)) == id(param.grad)
+
+    def finish(self) -> None:
+        """Before the step (or a clip) reads gradients: everything landed and every gradient reduced.
+
+        After a backward pass nothing is left to do (its reductions landed before it
+        returned); a gradient dmuon has not reduced (set by hand, or produced outside
+        FSDP2's hooks) is reduced now, blocking. Which ones is the same on every rank as
+        long as every rank ran the same backward passes.
+        """
+        self.land_all()
+        again = [p for p in self.params if p.grad is not None and not self.is_reduced(p)]
+        if again:
+            for p in again:
+                self.wrap(p)
+            self.land(self.start(again))
+            self._inflight = []
+
+    def holds_sums(self, param: torch.Tensor) -> bool:
+        """Whether ``param.grad`` is a Muon matrix's reduced form (R times the mean, one replica per slice)."""
+        return id(param) in self._matrices and self.is_reduced(param)
+
+    def mean_part(self, index: int) -> torch.Tensor:
+        """Matrix ``index``'s part on this rank of the mean gradient (after :meth:`finish`, or from
+        a landed reduction's sums): its kept columns divided by R."""
+        r, s = self.coords
+        info = self.plan.infos[index]
+        return info.kept_view(local_tensor(info.param.grad), r, s) / self.replicate
+
+    def mean_parts_of(self, reduction: Reduction, members: list[int]) -> dict[int, torch.Tensor]:
+        """``members``' mean parts from ``reduction``'s landed sums (whatever the gradients hold now)."""
+        sums = reduction.columns.wait()
+        s = self.coords[1]
+        out = {}
+        for i in members:
+            if i in sums:
+                out[i] = sums[i] / self.replicate
+            else:  # this position holds no rows of it
+                info = self.plan.infos[i]
+                out[i] = info.kept_view(local_tensor(info.param.grad), *self.coords).float()
+        return out
+
+    def to_param_layout(self) -> None:
+        """After :meth:`finish`: the other parameters' gradients (the mean on every replica) on their
+        parameter's own mesh, as AdamW reads them."""
+        for p in self.params:
+            if p.grad is not None and id(p) not in self._matrices:
+                local = local_tensor(p.grad)
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                self._reduced.pop(id(p), None)
