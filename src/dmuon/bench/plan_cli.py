@@ -179,7 +179,8 @@ def _step_lines(plan: dict) -> list[str]:
     for key in STEP_STRATEGIES:
         crit, secs = comm[key]["critical_bytes"], comm[key]["seconds"]
         lines.append(f"  {_STEP_LABELS[key]}: {_mib(crit['total'])} MiB ({ratio(crit['total'], base['total'])}; "
-                     f"intra {_mib(crit['intra'])}, inter {_mib(crit['inter'])} ({ratio(crit['inter'], base['inter'])})), "
+                     f"intra {_mib(crit['intra'])}, inter {_mib(crit['inter'])} "
+                     f"({ratio(crit['inter'], base['inter'])})), "
                      f"{secs['total'] * 1e3:.2f} ms ({ratio(secs['total'], base_s)}; inter "
                      f"{secs['inter'] * 1e3:.2f}), {comm[key]['collectives']['total']} collectives")
     return lines

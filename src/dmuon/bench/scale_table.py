@@ -3,8 +3,9 @@
 The cluster-scale table (README, docs/benchmarks.md) is this module's output: per model and world
 size, the critical bytes (all, and inter-node) and alpha-beta seconds of one step (``step_comm``)
 for dmuon (design (b) on HSDP), dmuon_native_hsdp (design (a)), FSDP2 + AdamW and
-gather-then-compute, and the balancer's NS makespan per rank. Everything is modelled from shape lists; the per-collective
-bytes are checked against counted runs on 4 gloo ranks by ``tests/test_step_comm.py``.
+gather-then-compute, and the balancer's NS makespan per rank. Everything is modelled from shape
+lists; the per-collective bytes are checked against counted runs on 4 gloo ranks by
+``tests/test_step_comm.py``.
 """
 
 from __future__ import annotations
