@@ -11,7 +11,7 @@ from dmuon.bench import plan_cli
 from dmuon.bench.report import format_ratios, ratios
 from dmuon.bench.runner import round_sizes
 from dmuon.costmodel.offline import expand, plan_offline
-from dmuon.costmodel.traffic import shard_rows
+from dmuon.costmodel.traffic import owner_traffic, shard_rows
 from dmuon.bench.shapes import full_size_shapes, load_shapes_json
 
 RESULT_FIELDS = {"config", "step_s", "step_s_min", "step_s_max", "optimizer_s", "fwd_bwd_s",
@@ -234,12 +234,15 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     mats = expand(full_size_shapes("qwen2.5-7b"))
     numel = sum(m.numel for m in mats)
     total = numel * 2  # bf16 on dmuon's wire
-    # Across nodes: each matrix's update reaches the other 127 replicas once, and the
-    # direction's column slices kept by the other replicas (the momentum's Shard(1) over
-    # the replicas) reach the owner's replica once (FSDP2 already all-reduced the gradients).
+    # Across nodes (design (b), the runtime's on HSDP): each rank's fp32 gradient rows go, column
+    # slice by column slice, to the other 127 replicas (127 / 128 of every matrix from each of the
+    # 128 replicas: 127 copies in all); each matrix's update reaches the other 127 replicas once,
+    # and the direction's column slices kept by the other replicas (the momentum's Shard(1) over
+    # the replicas) reach the owner's replica once.
     owner = {name: r["rank"] for r in ranks for name in r["matrices"]}
     slices = sum((m.numel - m.shape[0] * shard_rows(m.shape[1], 128)[owner[m.name] // 8]) * 2 for m in mats)
-    assert sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks) == 127 * total + slices
+    assert (sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks)
+            == 127 * numel * 4 + 127 * total + slices)
     # Shard level: each matrix's rows off the owner go to it and come back once.
     intra = 0
     for m in mats:
@@ -253,15 +256,19 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     assert fsdp2["inter_sent"] == gather["inter_sent"] == 2 * (numel // 8) * 127 // 128 * 4
     crit = plan["critical_path_bytes"]
     assert crit["dmuon"] == max(max(r["bytes_sent"], r["bytes_received"]) for r in ranks)
-    assert crit["dmuon"] < crit["fsdp2"] < crit["gather_then_compute"]
+    native = owner_traffic([m.shape for m in mats], [owner[m.name] for m in mats], 128, 8, 2)
+    assert crit["dmuon_native_hsdp"] == max(t.busiest for t in native)
+    assert crit["dmuon_native_hsdp"] < crit["dmuon"] < crit["fsdp2"] < crit["gather_then_compute"]
     # The replicate-level designs, inter level, Muon matrices: FSDP2's all-reduce on every
-    # rank; (a) adds the update's 127 copies; (b) replaces the all-reduce by 127 fp32 copies.
+    # rank; (a) adds the update's 127 copies and the direction slices; (b) replaces the
+    # all-reduce by the column reduce-scatter (127 fp32 copies in all) and adds the same.
     designs = plan["hsdp_designs"]
     assert designs["fsdp2_adamw"]["inter"] == {"total": 1024 * fsdp2["inter_sent"], "critical": fsdp2["inter_sent"]}
     assert designs["a"]["inter"]["total"] == 1024 * fsdp2["inter_sent"] + 127 * total + slices
-    assert designs["b"]["inter"]["total"] == 127 * numel * 4 + 127 * total
+    assert designs["b"]["inter"]["total"] == 127 * numel * 4 + 127 * total + slices
     assert designs["a"]["inter"]["critical"] == fsdp2["inter_sent"] + max(
-        max(r["inter_sent"], r["inter_received"]) for r in ranks)
+        max(t.inter_sent, t.inter_received) for t in native)
+    assert designs["b"]["inter"]["critical"] == max(max(r["inter_sent"], r["inter_received"]) for r in ranks)
     assert designs["a"]["intra"] == designs["b"]["intra"]
     assert designs["a"]["intra"]["total"] == 1024 * fsdp2["intra_sent"] + intra
     # The embedding and LM head are all-reduced alike under every design.
@@ -273,9 +280,10 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
         assert whole == {"total": designs[key]["inter"]["total"] + 1024 * rest,
                          "critical": designs[key]["inter"]["critical"] + rest}
     text = capsys.readouterr().out
-    for label in ("FSDP2 + AdamW (gradient all-reduce): total", "design (a), dmuon now", "design (b), not implemented"):
+    for label in ("FSDP2 + AdamW (gradient all-reduce): total", "design (a), dmuon_native_hsdp",
+                  "design (b), dmuon (gradient column reduce-scatter"):
         assert sum(line.lstrip().startswith(label) for line in text.splitlines()) == 1, label
-    assert (f"design (b), not implemented (reduce to the owner's replica + update): total "
+    assert (f"design (b), dmuon (gradient column reduce-scatter + update to the replicas): total "
             f"{designs['b']['inter']['total'] / 2**20:.1f} MiB" in text)
 
 
@@ -286,7 +294,7 @@ def test_plan_hsdp_designs_only_with_replicas(capsys):
     plan = plan_offline(groups, 8, "round_robin", ranks_per_node=4)
     d = plan["hsdp_designs"]
     assert set(d) == {"fsdp2_adamw", "a", "b", "non_muon_all_reduce"}
-    # Two replicas: per other replica 8 (FSDP2's fp32 all-reduce), 10 + 2/R and 6 bytes per
+    # Two replicas: per other replica 8 (FSDP2's fp32 all-reduce), 10 + 2/R and 6 + 2/R bytes per
     # element, up to the all-reduce's rounding of each rank's shard and the column split.
     mats = expand(groups)
     numel = sum(m.numel for m in mats)
@@ -294,10 +302,11 @@ def test_plan_hsdp_designs_only_with_replicas(capsys):
     slices = sum((m.numel - m.numel // m.shape[1] * shard_rows(m.shape[1], 2)[owner[m.name] // 4]) * 2 for m in mats)
     assert slices == pytest.approx(numel, rel=0.01)
     assert d["a"]["inter"]["total"] - d["fsdp2_adamw"]["inter"]["total"] == numel * 2 + slices
-    assert d["b"]["inter"]["total"] == numel * 6
+    assert d["b"]["inter"]["total"] == numel * 4 + numel * 2 + slices
     assert d["fsdp2_adamw"]["inter"]["total"] == pytest.approx(numel * 8, abs=8 * 8)
     assert plan_cli.main(["--model", "pi0", "--world-size", "4", "--balancer", "round_robin"]) == 0
-    assert "design (b)" not in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "HSDP replicate level" not in text and "design (b), dmuon (gradient" not in text
 
 
 def test_plan_zero_changes_only_the_fsdp2_figures():
@@ -359,7 +368,7 @@ def test_plan_cli_step_comm(tmp_path, capsys):
                           "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     comm = plan["step_comm"]
-    assert set(comm) == {"dmuon", "fsdp_adamw", "gather"}
+    assert set(comm) == {"dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather"}
     mats = expand(load_shapes_json(str(shapes)))
     owner = {name: r["rank"] for r in plan["ranks"] for name in r["matrices"]}
     model = AlphaBeta(intra_bandwidth=100e9, inter_latency=5e-6)
@@ -381,10 +390,15 @@ def test_plan_cli_step_comm(tmp_path, capsys):
         + sum(4 * e for e in shard_elems.values())
     inter = sum(4 * e for e in shard_elems.values())
     assert comm["fsdp_adamw"]["critical_bytes"] == {"total": intra + inter, "intra": intra, "inter": inter}
-    assert comm["dmuon"]["critical_bytes"]["total"] > comm["fsdp_adamw"]["critical_bytes"]["total"]
+    assert comm["dmuon_native_hsdp"]["critical_bytes"]["total"] > comm["fsdp_adamw"]["critical_bytes"]["total"]
     assert comm["gather"]["critical_bytes"]["inter"] == inter
+    # Design (b) (dmuon on HSDP) leaves out FSDP2's all-reduce; its own collectives across replicas
+    # (the gradient's column slices, the direction slices, the updates) move less here.
+    assert comm["dmuon"]["critical_bytes"]["intra"] == comm["dmuon_native_hsdp"]["critical_bytes"]["intra"]
+    assert comm["dmuon"]["critical_bytes"]["inter"] < comm["dmuon_native_hsdp"]["critical_bytes"]["inter"]
     text = capsys.readouterr().out
     assert "FSDP2 + AdamW: " in text and "gather-then-compute: " in text
+    assert "  dmuon (design (b)" in text and "  dmuon_native_hsdp (design (a)" in text
     # --param-dtype fp32 doubles the all-gathers.
     assert plan_cli.main(["--shapes", str(shapes), "--world-size", "4", "--ranks-per-node", "2", "--zero", "3",
                           "--analytical", "--param-dtype", "fp32", "--json", str(out)]) == 0
@@ -398,11 +412,19 @@ def test_plan_scale_table_rows_are_the_plans_step_comm(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["world_size"], r["mesh"]) for r in rows] == [("pi0", 8, [1, 8]), ("pi0", 16, [2, 8])]
     single = plan_offline(full_size_shapes("pi0"), 16, "greedy", 3, ranks_per_node=8)
-    assert rows[1]["dmuon_critical_bytes"] == single["step_comm"]["dmuon"]["critical_bytes"]["total"]
+    for key in ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather"):
+        assert rows[1][f"{key}_critical_bytes"] == single["step_comm"][key]["critical_bytes"]["total"]
+        assert rows[1][f"{key}_inter_critical_bytes"] == single["step_comm"][key]["critical_bytes"]["inter"]
+        assert rows[1][f"{key}_seconds"] == single["step_comm"][key]["seconds"]["total"]
     assert rows[1]["makespan"] == single["makespan"]
+    # One replica: the two dmuon designs are the same collectives.
+    assert rows[0]["dmuon_critical_bytes"] == rows[0]["dmuon_native_hsdp_critical_bytes"]
     text = capsys.readouterr().out
     ratio = rows[1]["dmuon_critical_bytes"] / rows[1]["fsdp_adamw_critical_bytes"]
-    assert f"| pi0 | 16 | {rows[1]['dmuon_critical_bytes'] / 2**30:.1f} ({ratio:.2f}x) /" in text
+    inter = rows[1]["dmuon_inter_critical_bytes"] / rows[1]["fsdp_adamw_inter_critical_bytes"]
+    assert (f"| pi0 | 16 | {rows[1]['dmuon_critical_bytes'] / 2**30:.1f} ({ratio:.2f}x), inter "
+            f"{rows[1]['dmuon_inter_critical_bytes'] / 2**30:.2f} ({inter:.2f}x) /" in text)
+    assert "| dmuon (design (b)) | dmuon_native_hsdp (design (a)) |" in text
     assert plan_cli.main(["--scale-table", "nope"]) == 2
     assert plan_cli.main(["--scale-table", "pi0", "--world-sizes", "12"]) == 2  # not a multiple of 8
     assert "multiples of --ranks-per-node" in capsys.readouterr().err
@@ -413,4 +435,6 @@ def test_block_spreading_meets_the_cluster_scale_target():
     groups = full_size_shapes("qwen2.5-7b")
     for world in (8, 64):
         comm = plan_offline(groups, world, "greedy", 3, ranks_per_node=8)["step_comm"]
-        assert comm["dmuon"]["critical_bytes"]["total"] <= 1.15 * comm["fsdp_adamw"]["critical_bytes"]["total"], world
+        for key in ("dmuon", "dmuon_native_hsdp"):
+            assert comm[key]["critical_bytes"]["total"] <= 1.15 * comm["fsdp_adamw"]["critical_bytes"]["total"], (
+                key, world)

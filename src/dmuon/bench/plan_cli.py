@@ -130,27 +130,38 @@ def _traffic_lines(plan: dict) -> list[str]:
     worst_inter = max(r["inter_sent"] + r["inter_received"] for r in ranks)
     crit = plan["critical_path_bytes"]
     resharding = "re-gathered in backward" if plan["zero"] == 3 else "gathered once"
+    if replicate > 1:
+        exchange = ("dmuon's exchange, design (b) (the gradient's column slices reduce-scattered across replicas "
+                    "in place of FSDP2's all-reduce, then the directions and updates)")
+        fsdp2 = "next to FSDP2 + AdamW's collectives"
+        native = (f", dmuon_native_hsdp (design (a)'s exchange, on top of FSDP2's all-reduce) "
+                  f"{_mib(crit['dmuon_native_hsdp'])} MiB")
+    else:
+        exchange, fsdp2, native = "dmuon's exchange", "on top of FSDP2's own collectives", ""
     return [
         f"mesh {replicate} x {shard} (replicate x shard); dmuon sends {plan['wire_bytes']}-byte elements, "
         f"FSDP2 {plan['fsdp_elem_bytes']}-byte parameters and gradients, weights {resharding} (--zero {plan['zero']})",
-        f"per-rank traffic per step for these matrices (sent + received): dmuon's exchange max "
+        f"per-rank traffic per step for these matrices (sent + received): {exchange} max "
         f"{_mib(worst['bytes_sent'] + worst['bytes_received'])} MiB (inter-node max {_mib(worst_inter)}), "
-        f"on top of FSDP2's own collectives {_both(plan['fsdp2_bytes_per_rank'])}; "
+        f"{fsdp2} {_both(plan['fsdp2_bytes_per_rank'])}; "
         f"gather-then-compute {_both(plan['gather_bytes_per_rank'])} including FSDP2's",
-        f"critical path (most bytes one rank sends or receives per step): dmuon {_mib(crit['dmuon'])} MiB, "
-        f"gather-then-compute {_mib(crit['gather_then_compute'])} MiB, FSDP2 collectives {_mib(crit['fsdp2'])} MiB",
+        f"critical path (most bytes one rank sends or receives per step): dmuon {_mib(crit['dmuon'])} MiB"
+        f"{native}, gather-then-compute {_mib(crit['gather_then_compute'])} MiB, FSDP2 collectives "
+        f"{_mib(crit['fsdp2'])} MiB",
     ]
 
 
 # Design labels of the HSDP comparison, in plan["hsdp_designs"]' order.
 _DESIGN_LABELS = {
     "fsdp2_adamw": "FSDP2 + AdamW (gradient all-reduce)",
-    "a": "design (a), dmuon now (all-reduce + update to the replicas)",
-    "b": "design (b), not implemented (reduce to the owner's replica + update)",
+    "a": "design (a), dmuon_native_hsdp (FSDP2's all-reduce + update to the replicas)",
+    "b": "design (b), dmuon (gradient column reduce-scatter + update to the replicas)",
 }
 
 
-_STEP_LABELS = {"dmuon": "dmuon (FSDP2 + exchange)", "fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute"}
+_STEP_LABELS = {"dmuon": "dmuon (design (b) on HSDP: FSDP2 in the node + dmuon's exchange)",
+                "dmuon_native_hsdp": "dmuon_native_hsdp (design (a): FSDP2's HSDP + dmuon's exchange)",
+                "fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute"}
 
 
 def _step_lines(plan: dict) -> list[str]:
@@ -158,15 +169,20 @@ def _step_lines(plan: dict) -> list[str]:
     comm = plan.get("step_comm")
     if not comm:
         return []
-    base = comm["fsdp_adamw"]["critical_bytes"]["total"]
+    base, base_s = comm["fsdp_adamw"]["critical_bytes"], comm["fsdp_adamw"]["seconds"]["total"]
+
+    def ratio(value: float, of: float) -> str:
+        return f"{value / of:.3f}x" if of else "-"
+
     lines = ["one training step, Muon matrices (sum over collectives of the most one rank sends or receives; "
-             "alpha-beta seconds, no overlap):"]
+             "alpha-beta seconds, no overlap; ratios to FSDP2 + AdamW's):"]
     for key in STEP_STRATEGIES:
         crit, secs = comm[key]["critical_bytes"], comm[key]["seconds"]
-        ratio = f"{crit['total'] / base:.3f}x" if base else "-"
-        lines.append(f"  {_STEP_LABELS[key]}: {_mib(crit['total'])} MiB ({ratio} FSDP2 + AdamW; intra "
-                     f"{_mib(crit['intra'])}, inter {_mib(crit['inter'])}), {secs['total'] * 1e3:.2f} ms, "
-                     f"{comm[key]['collectives']['total']} collectives")
+        lines.append(f"  {_STEP_LABELS[key]}: {_mib(crit['total'])} MiB ({ratio(crit['total'], base['total'])}; "
+                     f"intra {_mib(crit['intra'])}, inter {_mib(crit['inter'])} "
+                     f"({ratio(crit['inter'], base['inter'])})), "
+                     f"{secs['total'] * 1e3:.2f} ms ({ratio(secs['total'], base_s)}; inter "
+                     f"{secs['inter'] * 1e3:.2f}), {comm[key]['collectives']['total']} collectives")
     return lines
 
 

@@ -1,10 +1,11 @@
 """``dmuon plan --scale-table``: one step's communication and NS makespan across cluster sizes, as Markdown.
 
 The cluster-scale table (README, docs/benchmarks.md) is this module's output: per model and world
-size, the critical bytes and alpha-beta seconds of one step (``step_comm``)
-for dmuon, FSDP2 + AdamW and gather-then-compute, and the balancer's NS
-makespan per rank. Everything is modelled from shape lists; the per-collective
-bytes are checked against counted runs on 4 gloo ranks by ``tests/test_step_comm.py``.
+size, the critical bytes (all, and inter-node) and alpha-beta seconds of one step (``step_comm``)
+for dmuon (design (b) on HSDP), dmuon_native_hsdp (design (a)), FSDP2 + AdamW and
+gather-then-compute, and the balancer's NS makespan per rank. Everything is modelled from shape
+lists; the per-collective bytes are checked against counted runs on 4 gloo ranks by
+``tests/test_step_comm.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def scale_rows(models: Sequence[str], world_sizes: Sequence[int], plan_for: Call
                 "makespan": plan["makespan"],
                 "imbalance": plan["imbalance"],
                 **{f"{k}_critical_bytes": comm[k]["critical_bytes"]["total"] for k in comm},
+                **{f"{k}_inter_critical_bytes": comm[k]["critical_bytes"]["inter"] for k in comm},
                 **{f"{k}_seconds": comm[k]["seconds"]["total"] for k in comm},
+                **{f"{k}_inter_seconds": comm[k]["seconds"]["inter"] for k in comm},
             })
     return rows
 
@@ -41,18 +44,30 @@ def _makespan(row: dict) -> str:
     return f"{row['makespan'] * 1e3:.1f} ms ({row['imbalance']:.3f})"
 
 
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
 def format_scale_table(rows: Sequence[dict]) -> str:
-    """The rows as a Markdown table: GiB (ratio to FSDP2 + AdamW) / ms, and the NS makespan (max/mean)."""
-    lines = ["| model | ranks | dmuon | FSDP2 + AdamW | gather-then-compute | NS makespan per rank (max/mean) |",
-             "|---|---|---|---|---|---|"]
+    """The rows as a Markdown table: per strategy critical GiB, of which inter-node, and ms, each with
+    its ratio to FSDP2 + AdamW's; and the NS makespan (max/mean)."""
+    lines = ["| model | ranks | dmuon (design (b)) | dmuon_native_hsdp (design (a)) | FSDP2 + AdamW | "
+             "gather-then-compute | NS makespan per rank (max/mean) |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
-        base = row["fsdp_adamw_critical_bytes"]
 
         def cell(key: str, ratio: bool = True) -> str:
-            gib = row[f"{key}_critical_bytes"] / GIB
-            text = f"{gib:.1f} ({row[f'{key}_critical_bytes'] / base:.2f}x)" if ratio else f"{gib:.1f}"
-            return f"{text} / {row[f'{key}_seconds'] * 1e3:.0f} ms"
+            figures = [(row[f"{key}_critical_bytes"] / GIB, row[f"{key}_critical_bytes"],
+                        row["fsdp_adamw_critical_bytes"]),
+                       (row[f"{key}_inter_critical_bytes"] / GIB, row[f"{key}_inter_critical_bytes"],
+                        row["fsdp_adamw_inter_critical_bytes"])]
+            (total, t, tb), (inter, i, ib) = figures
+            ms, base_ms = row[f"{key}_seconds"] * 1e3, row["fsdp_adamw_seconds"] * 1e3
+            if not ratio:
+                return f"{total:.1f}, inter {inter:.2f} / {ms:.0f} ms"
+            return (f"{total:.1f} ({_ratio(t, tb)}), inter {inter:.2f} ({_ratio(i, ib)}) / "
+                    f"{ms:.0f} ms ({_ratio(ms, base_ms)})")
 
-        lines.append(f"| {row['model']} | {row['world_size']} | {cell('dmuon')} | {cell('fsdp_adamw', False)} | "
-                     f"{cell('gather')} | {_makespan(row)} |")
+        lines.append(f"| {row['model']} | {row['world_size']} | {cell('dmuon')} | {cell('dmuon_native_hsdp')} | "
+                     f"{cell('fsdp_adamw', False)} | {cell('gather')} | {_makespan(row)} |")
     return "\n".join(lines)

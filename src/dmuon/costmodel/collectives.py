@@ -1,6 +1,7 @@
 """One training step, collective by collective: FSDP2's and dmuon's, in issue order.
 
-Each strategy's step (:data:`STEP_STRATEGIES`: dmuon, FSDP2 + AdamW,
+Each strategy's step (:data:`STEP_STRATEGIES`: dmuon, which on HSDP is design
+(b), dmuon with FSDP2's native HSDP all-reduce, design (a), FSDP2 + AdamW,
 gather-then-compute) is a list of :class:`Collective` in the order they are
 issued, each with every plan rank's (sent, received) bytes in it
 (:func:`step_collectives`; dmuon's own exchange alone is
@@ -25,8 +26,11 @@ from typing import Sequence
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, row_width
 from dmuon.plan.layout import shard_rows
 
-STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "fsdp_adamw", "gather")
-"""Keys of :func:`step_comm`."""
+STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
+"""Keys of :func:`step_comm`: ``"dmuon"`` (on HSDP design (b): FSDP2 over the shard sub-mesh,
+dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_native_hsdp"``
+(design (a): FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
+``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
 
 
 @dataclass
@@ -91,6 +95,38 @@ def _a2a(level: str, phase: str, block, world: int, sent: list[int], received: l
     return Collective("all_to_all", level, phase, block, ranks, messages, label)
 
 
+def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
+                      inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int, block) -> Collective:
+    """Design (b)'s reduce-scatter of one block's gradient column slices over each shard column's
+    replicate group (:func:`owner_exchange_collectives`): one uneven ``all_to_all``.
+
+    Every rank ``(r, s)`` of a column holds the same piece ``s``, so it sends slice ``q`` to
+    ``(q, s)`` for each ``q != r`` and receives ``R - 1`` copies of slice ``r``. Its peers are
+    the ranks of its column whose slice of some member is not empty (out), and, if its own
+    slice of some member is not empty, the other ``R - 1`` ranks (in).
+    """
+    world = replicate * shard
+    ranks: list[tuple[int, int] | None] = [None] * world
+    messages = 0
+    for s in range(shard):
+        if not any(tables[i][s][0] for i in members):
+            continue  # this column holds no rows of the block: it skips the collective
+        slices = [0] * replicate  # bytes of column slice q of the members' pieces on this column
+        for i in members:
+            rows, cols, _ = tables[i][s]
+            for q, c in enumerate(shard_rows(cols, replicate)):
+                slices[q] += rows * c * inner[i] * gradient_bytes
+        whole = sum(slices)
+        nonempty = sum(1 for x in slices if x)
+        for r in range(replicate):
+            ranks[r * shard + s] = (whole - slices[r], (replicate - 1) * slices[r])
+            peers_out = nonempty - (1 if slices[r] else 0)
+            peers_in = replicate - 1 if slices[r] else 0
+            messages = max(messages, peers_out, peers_in)
+    return Collective("all_to_all", "inter", "backward", block, ranks, messages,
+                      f"dmuon gradient columns block {block}")
+
+
 def owner_exchange_collectives(
     shapes: Sequence[Sequence[int]],
     owners: Sequence[int],
@@ -101,15 +137,24 @@ def owner_exchange_collectives(
     block_order: Sequence[int] | None = None,
     waves: Sequence[Sequence[int]] | None = None,
     pieces: Sequence[Sequence] | None = None,
+    gradient_bytes: int | None = None,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
     Per block (in ``block_order``; default: descending block index, FSDP2's
     post-backward order when blocks are numbered in model order, root first)
-    with ``R > 1`` first one uneven ``all_to_all`` on each shard column's
+    with ``R > 1`` and ``gradient_bytes`` given (HSDP design (b): FSDP2 over the
+    shard sub-mesh, no replicate all-reduce) first one uneven ``all_to_all`` on
+    each shard column's replicate group reduce-scatters the gradient's column
+    slices: rank ``(r, s)`` sends column slice ``q`` of its piece
+    (``shard_rows(cols, R)``, ``MatrixInfo.replica_columns``) to ``(q, s)``
+    for every ``q != r``, in ``gradient_bytes`` per element, and sums what it
+    receives into slice ``r``, where its momentum lives (every holder of a
+    piece sends, copies too; a column with no rows of the block skips it).
+    Then, with ``R > 1``, one uneven ``all_to_all`` on each shard column's
     replicate group sends the direction's column slices to the owners'
-    replicas (:func:`owner_traffic` step 0; a column with no rows of the
-    block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
+    replicas (hop A, :func:`owner_traffic` step 0; a column sending nothing of
+    the block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
     directions of the block's matrices owned in that replica to their owners
     (step 1); a replica owning none of them issues
     nothing. Then, in ``step()``, per return wave (``waves``: the matrices of
@@ -126,11 +171,20 @@ def owner_exchange_collectives(
     chunks: tensor parallelism's boxes, and copies of a piece, which only
     their first holder sends (all receive the update).
 
+    ``gradient_bytes``: the gradient's element size (FSDP2's reduce dtype, 4
+    for fp32) for design (b)'s column reduce-scatter; None (design (a):
+    FSDP2 has all-reduced the gradients across replicas) issues none. Bytes
+    per rank are what ``all_to_all_single`` moves less the rank's own
+    segment: ``(r, s)`` sends every slice ``q != r`` of its piece and
+    receives ``R - 1`` copies of slice ``r``.
+
     Returns:
         ``(backward, step)``: the per-block direction exchanges, in order, and
         the step's return exchanges, wave by wave.
     """
     check_mesh(replicate, shard, elem_bytes)
+    if gradient_bytes is not None and gradient_bytes < 1:
+        raise ValueError(f"gradient_bytes must be >= 1, got {gradient_bytes}")
     check_owners(shapes, owners, replicate, shard)
     if len(blocks) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
@@ -162,6 +216,8 @@ def owner_exchange_collectives(
         members = [i for i in range(len(shapes)) if blocks[i] == b]
         if not members:
             continue
+        if replicate > 1 and gradient_bytes is not None:
+            backward.append(_gradient_columns(members, tables, inner, replicate, shard, gradient_bytes, b))
         if replicate > 1:
             sent, received, out, inn = fresh()
             for i in members:
@@ -259,16 +315,22 @@ def step_collectives(
     in ascending index. Backward, blocks in descending index: with ``zero=3``
     the all-gather again (not for ``root_block``: FSDP2 keeps the root
     unsharded after forward), then the reduce-scatter (``reduce_bytes``), then
-    on HSDP the replicate-level all-reduce of the reduced shard; under
-    ``"dmuon"`` then the block's direction exchange (on HSDP two: the column
-    slices across replicas, then the rows inside the owner's replica). Step: ``"dmuon"``'s two
-    return exchanges (:func:`owner_exchange_collectives`), or ``"gather"``'s
-    all-gather of every matrix's direction over the shard group
-    (``wire_bytes``, one per matrix in plan order, as
-    :class:`dmuon.baselines.GatherThenCompute` calls ``full_tensor()``).
-    ``"fsdp_adamw"`` is FSDP2's collectives alone. The real order interleaves
-    (FSDP2 prefetches the next all-gather; dmuon's exchanges run on their own
-    groups), which changes no sum.
+    on HSDP the replicate-level all-reduce of the reduced shard (not under
+    ``"dmuon"``: design (b) applies FSDP2 over the shard sub-mesh only); under
+    ``"dmuon"`` and ``"dmuon_native_hsdp"`` then the block's exchange
+    (:func:`owner_exchange_collectives`): on HSDP under ``"dmuon"`` three
+    (the gradient's column slices reduce-scattered across replicas in
+    ``reduce_bytes``, the direction's column slices to the owner's replica,
+    the rows inside it), under ``"dmuon_native_hsdp"`` (design (a)) the last
+    two; with one replica the rows alone under both. Step: dmuon's two return
+    exchanges per wave, or ``"gather"``'s all-gather of every matrix's
+    direction over the shard group (``wire_bytes``, one per matrix in plan
+    order, as :class:`dmuon.baselines.GatherThenCompute` calls
+    ``full_tensor()``). ``"fsdp_adamw"`` is FSDP2's collectives alone. The
+    real order interleaves (FSDP2 prefetches the next all-gather; dmuon's
+    exchanges run on their own groups), which changes no sum. The non-Muon
+    parameters' replicate all-reduce (FSDP2's, or dmuon's under design (b),
+    the same bytes) is left out under every strategy.
 
     Args:
         strategy: One of :data:`STEP_STRATEGIES`.
@@ -277,7 +339,8 @@ def step_collectives(
         replicate, shard: The mesh.
         wire_bytes: dmuon's (and gather's) element size, the NS dtype.
         param_bytes: FSDP2's all-gather element size (its ``param_dtype``).
-        reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``).
+        reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``),
+            also the gradient's in design (b)'s column reduce-scatter.
         zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
         root_block: The root module's block (no backward all-gather), or None.
         waves: dmuon's return waves (:func:`owner_exchange_collectives`); None: one.
@@ -292,9 +355,11 @@ def step_collectives(
     order = sorted(set(blocks))
     of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b] for b in order}
     exchange, returns = ([], [])
-    if strategy == "dmuon":
+    design_b = strategy == "dmuon" and replicate > 1
+    if strategy in ("dmuon", "dmuon_native_hsdp"):
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
-                                                       block_order=order[::-1], waves=waves)
+                                                       block_order=order[::-1], waves=waves,
+                                                       gradient_bytes=reduce_bytes if design_b else None)
     by_block: dict[int | None, list[Collective]] = {}
     for c in exchange:
         by_block.setdefault(c.block, []).append(c)
@@ -308,8 +373,9 @@ def step_collectives(
                                            elem_bytes=param_bytes)
         out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="reduce_scatter",
                                        elem_bytes=reduce_bytes)
-        out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_reduce",
-                                       elem_bytes=reduce_bytes)
+        if not design_b:
+            out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_reduce",
+                                           elem_bytes=reduce_bytes)
         out += by_block.get(b, [])
     out += returns
     if strategy == "gather" and shard > 1:

@@ -17,6 +17,7 @@ from dmuon.costmodel.traffic import (
     fsdp2_traffic,
     gather_traffic,
     owner_traffic,
+    owner_traffic_column_reduce,
     step_comm,
 )
 from dmuon.plan.assign import build_kinds
@@ -150,18 +151,24 @@ def plan_offline(
         ``ranks`` (each with ``rank``, ``cost``, ``matrices``, ``batches``,
         ``state_bytes``, ``bytes_sent``, ``bytes_received``, ``critical_bytes``
         and the level fields of :class:`~dmuon.costmodel.traffic.RankTraffic`, all
-        dmuon's exchange alone), ``fsdp2_bytes_per_rank``,
-        ``gather_bytes_per_rank`` (the same on every rank) and
-        ``critical_path_bytes``: the most bytes one rank sends or receives per
-        step, for ``dmuon``, ``fsdp2`` and ``gather_then_compute`` (which
-        includes FSDP2's collectives). With more than one replica also
+        dmuon's exchange alone, as the runtime issues it: on HSDP design (b),
+        :func:`~dmuon.costmodel.traffic.owner_traffic_column_reduce`, whose
+        gradient column reduce-scatter is in ``fsdp_elem_bytes``),
+        ``fsdp2_bytes_per_rank``, ``gather_bytes_per_rank`` (the same on
+        every rank) and ``critical_path_bytes``: the most bytes one rank sends
+        or receives per step, for ``dmuon`` (that exchange),
+        ``dmuon_native_hsdp`` (design (a)'s exchange,
+        :func:`~dmuon.costmodel.traffic.owner_traffic`, which FSDP2's
+        all-reduce comes on top of; ``dmuon``'s with one replica), ``fsdp2``
+        and ``gather_then_compute`` (which includes FSDP2's collectives). With more than one replica also
         ``hsdp_designs``: :func:`~dmuon.costmodel.traffic.compare_hsdp_designs`
         for these owners (FSDP2 + AdamW, design (a) and design (b), each with
         ``inter``, ``intra`` and ``inter_whole_model`` ``total``/``critical``
         bytes, and ``non_muon_all_reduce`` for the groups with ``muon=False``;
         dmuon's elements in ``wire_bytes``, FSDP2's and (b)'s gradient
         reduce in ``fsdp_elem_bytes``). ``step_comm``: one step's collectives
-        for ``dmuon``, ``fsdp_adamw`` and ``gather``
+        for ``dmuon`` (design (b) on HSDP), ``dmuon_native_hsdp`` (design
+        (a)), ``fsdp_adamw`` and ``gather``
         (:func:`~dmuon.costmodel.traffic.step_comm`: ``critical_bytes``,
         ``seconds``, ``collectives``, each ``total``/``intra``/``inter``), with
         blocks from :func:`offline_blocks`, and ``step_comm_model``, its
@@ -188,8 +195,11 @@ def plan_offline(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
         items, offline_blocks(mats), [m.numel for m in mats], replicate)
     owners, loads = result.owners, result.loads
-    # HSDP layout: replicate across nodes, shard inside a node.
-    traffic = owner_traffic([m.shape for m in mats], owners, replicate, shard, wire_bytes)
+    # HSDP layout: replicate across nodes, shard inside a node. dmuon's exchange as the runtime
+    # issues it: on HSDP design (b), whose column reduce-scatter moves gradients (fp32 by default).
+    shapes = [m.shape for m in mats]
+    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes)
+    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes)
     ranks = []
     for r in range(world_size):
         mine = [k for k, o in enumerate(owners) if o == r]
@@ -228,8 +238,8 @@ def plan_offline(
         "fsdp_elem_bytes": fsdp_elem_bytes,
         "fsdp2_bytes_per_rank": _uniform(fsdp2),
         "gather_bytes_per_rank": _uniform(gather),
-        "critical_path_bytes": {"dmuon": critical_path(traffic), "fsdp2": fsdp2.busiest,
-                                "gather_then_compute": gather.busiest},
+        "critical_path_bytes": {"dmuon": critical_path(traffic), "dmuon_native_hsdp": critical_path(native),
+                                "fsdp2": fsdp2.busiest, "gather_then_compute": gather.busiest},
         "ranks": ranks,
     }
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
@@ -238,18 +248,20 @@ def plan_offline(
     for k, o in enumerate(owners):
         owned.setdefault(o, []).append(k)
     waves = return_waves({r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}, [], RETURN_WAVES)
-    plan["step_comm"] = step_comm([m.shape for m in mats], owners, offline_blocks(mats), replicate, shard,
+    plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                                   zero=zero, root_block=0, model=alpha_beta, waves=waves)
     plan["step_comm_model"] = {
         **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
         "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
         "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
-                 "all-reduce (HSDP), dmuon's direction all_to_all; step: dmuon's returns or gather's all-gathers",
+                 "on HSDP the all-reduce (not under dmuon, design (b)), dmuon's all_to_alls (on HSDP under dmuon "
+                 "first the gradient's column slices across replicas); step: dmuon's returns or gather's "
+                 "all-gathers",
         "return_waves": [w for w in waves if w],
     }
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(
-            [m.shape for m in mats], owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
+            shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
             reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups))
     return plan

@@ -11,13 +11,15 @@ plan can put dmuon's exchange next to what FSDP2 moves anyway
 (:func:`replicate_all_reduce_traffic` is its inter-node part alone).
 
 On HSDP two replicate-level designs are modelled (``docs/architecture.md``,
-"HSDP: which replicate-level design"): design (a), the runtime's, keeps
-FSDP2's gradient all-reduce across replicas and adds the update's publication
-(:func:`owner_traffic`); design (b), not implemented, applies FSDP2 over the
-shard sub-mesh only and reduces each Muon matrix's gradient to its owner's
-replica instead (:func:`owner_traffic_replicate_reduce`).
-:func:`hsdp_design_traffic` and :func:`compare_hsdp_designs` put the two next
-to FSDP2 + AdamW, level by level.
+"HSDP: which replicate-level design"): design (a) keeps FSDP2's native
+gradient all-reduce across replicas and adds the direction's column slices
+to the owner's replica and the update's publication (:func:`owner_traffic`);
+design (b), the runtime's, applies FSDP2 over the shard sub-mesh only and
+reduce-scatters each Muon matrix's gradient column slices across replicas
+instead of the all-reduce, then exchanges as (a)
+(:func:`owner_traffic_column_reduce`). :func:`hsdp_design_traffic` and
+:func:`compare_hsdp_designs` put the two next to FSDP2 + AdamW, level by
+level.
 
 These are whole-step totals per rank; :mod:`dmuon.costmodel.collectives` splits a
 step into its collectives. Both are importable from :mod:`dmuon.costmodel.traffic`.
@@ -101,38 +103,47 @@ def check_mesh(replicate: int, shard: int, elem_bytes: int) -> None:
 
 
 def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int, replicate: int, shard: int,
-                        elem_bytes: int, column_slices: bool = True) -> None:
+                        elem_bytes: int, table: Sequence[tuple[int, int, bool]],
+                        grad_bytes: int | None = None) -> None:
     """Adds one matrix's steps of :func:`owner_traffic`, in bytes, to ``out``.
 
-    ``column_slices=False`` leaves out step 0 (design (b) reduces whole rows to
-    the owner's replica instead).
+    ``table`` is :func:`piece_table`'s. ``grad_bytes`` adds design (b)'s step
+    0b first (:func:`owner_traffic_column_reduce`): the gradient's column
+    slices reduce-scattered across replicas.
     """
     r_o, s_o = divmod(owner, shard)
     base = r_o * shard
-    rows, width = shard_rows(int(shape[0]), shard), row_width(shape)
-    cols = int(shape[1]) if len(shape) > 1 else 1
-    inner = width // cols if cols else 0
-    columns = shard_rows(cols, replicate)
-    for s, count in enumerate(rows):
-        if column_slices:
+    inner = math.prod(int(d) for d in shape[2:])
+    for s, (count, cols, sends) in enumerate(table):
+        columns = shard_rows(cols, replicate)
+        if grad_bytes is not None and replicate > 1:
+            # 0b: every (r, s) sends column slice q of its piece of the gradient to (q, s),
+            # q != r (copies too), and receives R - 1 copies of its own slice r.
+            whole = count * cols * inner * grad_bytes
+            for r in range(replicate):
+                mine = count * columns[r] * inner * grad_bytes
+                out[r * shard + s].inter_sent += whole - mine
+                out[r * shard + s].inter_received += (replicate - 1) * mine
+        if sends:
             # 0: every other replica's rank (r, s) sends its column slice of the
-            # direction to (r_o, s), which joins the R slices into its rows.
+            # direction to (r_o, s), which joins the R slices into its piece.
             for r in range(replicate):
                 if r != r_o:
                     moved = count * columns[r] * inner * elem_bytes
                     out[r * shard + s].inter_sent += moved
                     out[base + s].inter_received += moved
-        moved = count * width * elem_bytes
+        moved = count * cols * inner * elem_bytes
         if s != s_o:
-            # 1: the owner's replica sends its row shards to the owner;
-            # 2: the owner sends each shard's rows of the update back.
+            # 1: the owner's replica sends its pieces to the owner (a copy does not);
+            # 2: the owner sends each position its piece of the update.
             peer, own = out[base + s], out[owner]
-            peer.intra_sent += moved
-            own.intra_received += moved
+            if sends:
+                peer.intra_sent += moved
+                own.intra_received += moved
             own.intra_sent += moved
             peer.intra_received += moved
-        # 3: every rank of the owner's replica (the owner too) forwards its rows
-        # of the update to the same shard column of every other replica.
+        # 3: every rank of the owner's replica (the owner too) forwards its piece
+        # of the update to the same shard position of every other replica.
         out[base + s].inter_sent += (replicate - 1) * moved
         for r in range(replicate):
             if r != r_o:
@@ -154,20 +165,24 @@ def owner_traffic(
     replicate: int,
     shard: int,
     elem_bytes: int = 2,
+    pieces: Sequence[Sequence] | None = None,
 ) -> list[RankTraffic]:
     """dmuon's traffic per plan rank ``r * shard + s`` for one step with every matrix active.
 
     Per matrix with owner ``o = r_o * shard + s_o``: with ``replicate > 1``
     every ``(r, s)``, ``r != r_o``, first sends the column slice of its rows
     that it keeps the momentum of (``shape[1]`` split over the R replicas) to
-    ``(r_o, s)`` (step 0; FSDP2 has already all-reduced the gradient shards
-    across replicas, and the momentum is held once in the mesh); the ranks
+    ``(r_o, s)`` (step 0; the momentum is held once in the mesh, and the
+    gradient's slice has been reduced across replicas: by FSDP2's all-reduce
+    in design (a), by dmuon's column reduce-scatter in design (b),
+    :func:`owner_traffic_column_reduce`); the ranks
     ``(r_o, s)``, ``s != s_o``, send their rows to the owner; the owner sends
     each of them its rows of the update; with ``replicate > 1`` every
     ``(r_o, s)`` then sends its rows of the update to ``(r, s)`` for each
     ``r != r_o``. Steps 1-2 are counted on the intra (shard) level, steps 0 and
     3 on the inter (replicate) level; a rank's bytes to itself are not
-    traffic. This is HSDP design (a), the runtime's.
+    traffic. This is HSDP design (a)'s exchange, and design (b)'s after its
+    column reduce-scatter; with one replica, dmuon's whole exchange.
 
     Args:
         shapes: Full parameter shapes; rows are ``shape[0]``, a row is
@@ -176,68 +191,78 @@ def owner_traffic(
         replicate: ``R``, replicas (1 for 1-D FSDP).
         shard: ``S``, ranks each matrix is row-sharded over.
         elem_bytes: Bytes per element on the wire (the NS dtype: 2 for bf16, 4 for fp32).
+        pieces: Per matrix, one :class:`dmuon.plan.Piece` per shard position
+            (``MatrixInfo.pieces``) for layouts other than FSDP2's full-width
+            row chunks (:func:`piece_table`): then "rows" above are each
+            position's piece, columns split over the replicas are the piece's,
+            and a copy (``sends`` False) sends nothing towards the owner but
+            gets the update. None: FSDP2's row chunks.
 
     Raises:
         ValueError: For mismatched lengths, an owner outside the mesh or a bad mesh.
     """
+    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, None, pieces)
+
+
+def _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces) -> list[RankTraffic]:
     check_mesh(replicate, shard, elem_bytes)
     check_owners(shapes, owners, replicate, shard)
+    if pieces is not None and len(pieces) != len(shapes):
+        raise ValueError(f"{len(shapes)} shapes but {len(pieces)} piece lists")
     out = [RankTraffic() for _ in range(replicate * shard)]
-    for shape, owner in zip(shapes, owners):
-        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes)
+    for i, (shape, owner) in enumerate(zip(shapes, owners)):
+        table = piece_table(shape, shard, None if pieces is None else pieces[i])
+        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes, table, grad_bytes)
     return out
 
 
-def owner_traffic_replicate_reduce(
+def owner_traffic_column_reduce(
     shapes: Sequence[Sequence[int]],
     owners: Sequence[int],
     replicate: int,
     shard: int,
     elem_bytes: int = 2,
     grad_bytes: int = 4,
+    pieces: Sequence[Sequence] | None = None,
 ) -> list[RankTraffic]:
     """HSDP design (b)'s traffic of the Muon matrices per plan rank, one step, every matrix active.
 
-    Not implemented in the runtime; modelled to compare with design (a)
-    (:func:`owner_traffic`). FSDP2 is applied over the shard sub-mesh only, so
-    each replica reduce-scatters its own gradients and nothing is all-reduced
-    across replicas; dmuon owns the replicate level. Per matrix with owner
-    ``o = r_o * shard + s_o``:
+    The runtime's design on HSDP: FSDP2 is applied over the shard sub-mesh
+    only, so each replica reduce-scatters its own gradients and FSDP2
+    all-reduces nothing across replicas; dmuon owns the replicate level. Per
+    matrix with owner ``o = r_o * shard + s_o``, :func:`owner_traffic`'s
+    steps preceded by one:
 
-    1. every ``(r, s)``, ``r != r_o``, sends its replica's reduced gradient
-       rows to ``(r_o, s)`` (inter level, ``grad_bytes`` per element), which
-       sums the ``R`` copies: a direct reduce to the owner's replica, so
-       ``(r_o, s)`` receives ``(R-1)`` copies of its rows;
-    2. ``(r_o, s)``, ``s != s_o``, sends its rows of the direction to the owner
-       (intra, ``elem_bytes``), as :func:`owner_traffic`'s step 1;
-    3. the owner sends each of them its rows of the update (intra), step 2 there;
-    4. every ``(r_o, s)`` sends its rows of the update to ``(r, s)``, ``r != r_o``
-       (inter, ``elem_bytes``), step 3 there.
+    0b. every ``(r, s)`` splits the columns of its piece of the gradient into
+        ``R`` slices (``shard_rows(cols, R)``, ``MatrixInfo.replica_columns``)
+        and sends slice ``q`` to ``(q, s)`` for every ``q != r`` (inter level,
+        ``grad_bytes`` per element; every holder of the piece sends, TP copies
+        too); ``(r, s)`` sums the ``R - 1`` copies of slice ``r`` it receives
+        into its own: a reduce-scatter of the column slices, after which it
+        holds the replica-reduced slice ``r``, where its momentum lives;
+    0.  hop A: every ``(r, s)``, ``r != r_o``, sends its column slice of the
+        direction to ``(r_o, s)`` (inter, ``elem_bytes``);
+    1.  hop B: ``(r_o, s)``, ``s != s_o``, sends its piece of the direction to
+        the owner (intra);
+    2.  the owner sends each of them its piece of the update (intra);
+    3.  every ``(r_o, s)`` sends its piece of the update to ``(r, s)``,
+        ``r != r_o`` (inter).
 
-    The non-Muon parameters still need an all-reduce across replicas (FSDP2's
-    or one of dmuon's), which this does not count:
-    :func:`replicate_all_reduce_traffic` does. Arguments as :func:`owner_traffic`;
-    ``grad_bytes`` is the gradient's element size (FSDP2's reduce dtype).
+    Step 0b moves ``(R-1)/R`` of each rank's piece each way (exactly: it sends
+    its piece less slice ``r`` and receives ``R-1`` slices ``r``), half the
+    ring all-reduce's ``2 (R-1)/R``. The non-Muon parameters still need an
+    all-reduce across replicas (issued by dmuon under this design, the same
+    bytes as FSDP2's), which this does not count:
+    :func:`replicate_all_reduce_traffic` does. Arguments as
+    :func:`owner_traffic`; ``grad_bytes`` is the gradient's element size
+    (FSDP2's reduce dtype). With one replica this is :func:`owner_traffic`.
 
     Raises:
         ValueError: For mismatched lengths, an owner outside the mesh or a bad mesh.
     """
-    check_mesh(replicate, shard, elem_bytes)
     if grad_bytes < 1:
         raise ValueError(f"grad_bytes must be >= 1, got {grad_bytes}")
-    check_owners(shapes, owners, replicate, shard)
-    out = [RankTraffic() for _ in range(replicate * shard)]
-    for shape, owner in zip(shapes, owners):
-        rows, width = shard_rows(int(shape[0]), shard), row_width(shape)
-        r_o = owner // shard
-        for s, count in enumerate(rows):
-            moved = count * width * grad_bytes
-            out[r_o * shard + s].inter_received += (replicate - 1) * moved
-            for r in range(replicate):
-                if r != r_o:
-                    out[r * shard + s].inter_sent += moved
-        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes, column_slices=False)
-    return out
+    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces)
 
 
 def replicate_all_reduce_traffic(numels: Sequence[int], replicate: int, shard: int,
@@ -302,7 +327,9 @@ def gather_traffic(
 
 
 HSDP_DESIGNS: tuple[str, ...] = ("fsdp2_adamw", "a", "b")
-"""Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, design (a) (the runtime's), design (b)."""
+"""Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, design (a) (FSDP2's native HSDP
+all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), design (b) (the runtime's on HSDP:
+``step_comm``'s ``"dmuon"``)."""
 
 
 def _plus(t: Sequence[RankTraffic], u: RankTraffic) -> list[RankTraffic]:
@@ -325,12 +352,14 @@ def hsdp_design_traffic(
       each replica and the gradient all-reduce across replicas.
     * ``"a"``: the same plus dmuon's exchange (:func:`owner_traffic`).
     * ``"b"``: FSDP2 over the shard sub-mesh (its intra-level collectives, no
-      all-reduce) plus :func:`owner_traffic_replicate_reduce`.
+      all-reduce) plus :func:`owner_traffic_column_reduce` (the gradient's
+      column slices reduce-scattered across replicas, then (a)'s exchange).
 
     The intra level of (a) and (b) is the same; only the inter level differs.
-    The non-Muon parameters' all-reduce is the same under every design and not
-    included (:func:`compare_hsdp_designs` adds it). Arguments as
-    :func:`owner_traffic_replicate_reduce`; ``grad_bytes`` is also FSDP2's
+    The non-Muon parameters' all-reduce is the same under every design
+    (FSDP2's under (a), dmuon's under (b)) and not included
+    (:func:`compare_hsdp_designs` adds it). Arguments as
+    :func:`owner_traffic_column_reduce`; ``grad_bytes`` is also FSDP2's
     parameter element size here.
     """
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
@@ -340,7 +369,7 @@ def hsdp_design_traffic(
     return {
         "fsdp2_adamw": [RankTraffic(**fsdp2.as_dict()) for _ in range(world)],
         "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes), fsdp2),
-        "b": _plus(owner_traffic_replicate_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes), within),
+        "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes), within),
     }
 
 
@@ -372,7 +401,8 @@ def compare_hsdp_designs(
         :func:`level_figures`' ``total`` and ``critical``: ``inter`` and
         ``intra`` for the Muon matrices, ``inter_whole_model`` with the
         all-reduce of ``other_numels`` (the non-Muon parameters, in
-        ``grad_bytes``, the same under every design) added; plus
+        ``grad_bytes``, the same under every design: FSDP2 issues it under
+        (a), dmuon under (b)) added; plus
         ``"non_muon_all_reduce"``, that all-reduce's own inter figures.
     """
     designs = hsdp_design_traffic(shapes, owners, replicate, shard, elem_bytes, grad_bytes, reshard_after_forward)

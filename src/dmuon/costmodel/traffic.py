@@ -5,7 +5,8 @@ Two concerns, one module each, every public name importable from here:
 * :mod:`dmuon.costmodel.rank_traffic`: each rank's bytes per step and network level
   (:class:`RankTraffic`) for dmuon (:func:`owner_traffic`), gather-then-compute
   (:func:`gather_traffic`) and FSDP2's own collectives (:func:`fsdp2_traffic`),
-  the two HSDP designs (:func:`compare_hsdp_designs`), and FSDP2's row split
+  the two HSDP designs (:func:`owner_traffic_column_reduce`,
+  :func:`compare_hsdp_designs`), and FSDP2's row split
   (:func:`shard_rows`, from :mod:`dmuon.plan.layout`);
 * :mod:`dmuon.costmodel.collectives`: one training step collective by collective, in
   issue order, every rank's bytes in each (:class:`Collective`,
@@ -35,7 +36,7 @@ from dmuon.costmodel.rank_traffic import (
     hsdp_design_traffic,
     level_figures,
     owner_traffic,
-    owner_traffic_replicate_reduce,
+    owner_traffic_column_reduce,
     replicate_all_reduce_traffic,
     row_width,
 )
@@ -56,7 +57,7 @@ __all__ = [
     "level_figures",
     "owner_exchange_collectives",
     "owner_traffic",
-    "owner_traffic_replicate_reduce",
+    "owner_traffic_column_reduce",
     "replicate_all_reduce_traffic",
     "row_width",
     "shard_rows",

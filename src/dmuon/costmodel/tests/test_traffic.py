@@ -10,6 +10,7 @@ import torch
 
 from dmuon.costmodel.traffic import (
     HSDP_DESIGNS,
+    STEP_STRATEGIES,
     AlphaBeta,
     RankTraffic,
     compare_hsdp_designs,
@@ -18,13 +19,15 @@ from dmuon.costmodel.traffic import (
     gather_traffic,
     hsdp_design_traffic,
     level_figures,
+    owner_exchange_collectives,
     owner_traffic,
-    owner_traffic_replicate_reduce,
+    owner_traffic_column_reduce,
     replicate_all_reduce_traffic,
     step_collectives,
     step_comm,
     step_figures,
 )
+from dmuon.plan.plan import Piece
 
 
 def _torch_rows(m: int, shard: int) -> list[int]:
@@ -175,31 +178,43 @@ class _Wire:
 
 
 def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed=0) -> list[RankTraffic]:
-    """Design (b) with tensors, message by message: checks every rank ends with its rows of
-    the update of the gradient summed over replicas, and returns the bytes it took."""
+    """Design (b) with tensors, message by message: checks that the column reduce-scatter leaves
+    every rank its slice of the gradient summed over replicas, that the owner gets the whole
+    summed matrix and every rank its rows of the update, and returns the bytes it took."""
     gen = torch.Generator().manual_seed(seed)
     wire = _Wire(replicate, shard)
     for shape, owner in zip(shapes, owners):
         r_o, s_o = divmod(owner, shard)
-        rows = [len(c) for c in torch.arange(shape[0]).chunk(shard)]
-        rows += [0] * (shard - len(rows))
+        rows = _torch_rows(shape[0], shard)
         starts = [sum(rows[:s]) for s in range(shard)]
-        width = math.prod(shape[1:])
+        cols = shape[1]
+        inner = math.prod(shape[2:])
+        columns = _torch_rows(cols, replicate)
+        first = [sum(columns[:q]) for q in range(replicate)]
         # FSDP2 over the shard sub-mesh: replica r's reduce-scatter leaves rows s of G_r on (r, s).
-        grads = [torch.randn(shape[0], width, generator=gen, dtype=torch.float64) for _ in range(replicate)]
-        held = {(r, s): grads[r][starts[s]:starts[s] + rows[s]] for r in range(replicate) for s in range(shard)}
-        # 1: every other replica's rows go to the owner's replica, which sums them.
-        summed = {}
+        grads = [torch.randn(shape[0], cols, inner, generator=gen, dtype=torch.float64) for _ in range(replicate)]
+        total = sum(grads)
+
+        def part(t, s, q):
+            return t[starts[s]:starts[s] + rows[s], first[q]:first[q] + columns[q]]
+
+        # 0b: (r, s) sends column slice q of its rows to (q, s), which sums the R copies.
+        kept = {}
         for s in range(shard):
-            summed[s] = held[(r_o, s)].clone()
-            for r in range(replicate):
-                if r != r_o:
-                    summed[s] += wire.send((r, s), (r_o, s), held[(r, s)], grad_bytes)
-        # 2: the owner's replica sends its rows of the direction to the owner.
+            for q in range(replicate):
+                kept[(q, s)] = part(grads[q], s, q).clone()
+                for r in range(replicate):
+                    if r != q:
+                        kept[(q, s)] += wire.send((r, s), (q, s), part(grads[r], s, q), grad_bytes)
+                assert torch.allclose(kept[(q, s)], part(total, s, q))
+        # 0: the slices (standing in for the direction formed from the momentum) go to the owner's replica.
+        summed = {s: torch.cat([wire.send((q, s), (r_o, s), kept[(q, s)], elem_bytes) for q in range(replicate)], 1)
+                  for s in range(shard)}
+        # 1: the owner's replica sends its rows of the direction to the owner.
         full = torch.cat([wire.send((r_o, s), (r_o, s_o), summed[s], elem_bytes) for s in range(shard)])
-        assert torch.allclose(full, sum(grads))
+        assert torch.allclose(full, total)
         update = torch.tanh(full)  # stands in for NS: any map of the whole matrix
-        # 3: the owner sends each column its rows of the update; 4: they go on to the other replicas.
+        # 2: the owner sends each column its rows of the update; 3: they go on to the other replicas.
         back = {s: wire.send((r_o, s_o), (r_o, s), update[starts[s]:starts[s] + rows[s]], elem_bytes)
                 for s in range(shard)}
         for s in range(shard):
@@ -210,13 +225,122 @@ def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed
 
 
 def test_design_b_hand_case_on_a_two_by_two_mesh():
-    # Rows [2, 1] of 2 elements, owner (1, 0); bf16 directions, fp32 gradients.
-    t = owner_traffic_replicate_reduce([(3, 2)], [2], 2, 2)
-    got = [(x.intra_sent, x.intra_received, x.inter_sent, x.inter_received) for x in t]
-    # (0, s) send their gradient rows (16 and 8 bytes) and get the update rows (8, 4);
-    # (1, 1) sends its 1-row direction to the owner (1, 0) and gets its update row back.
-    assert got == [(0, 0, 16, 8), (0, 0, 8, 4), (4, 4, 8, 16), (4, 4, 4, 8)]
-    assert _run_design_b([(3, 2)], [2], 2, 2, 2, 4) == t
+    # One 5 x 7 matrix, owner (0, 1); rows [3, 2] over the shard positions, columns [4, 3]
+    # over the replicas; fp32 gradients, bf16 directions.
+    t = owner_traffic_column_reduce([(5, 7)], [1], 2, 2)
+    # Column reduce-scatter (inter, fp32): (0, 0) sends its 3 x 3 slice 1 (36 bytes) to (1, 0)
+    # and receives (1, 0)'s 3 x 4 slice 0 (48); (0, 1) sends 2 x 3 (24), receives 2 x 4 (32);
+    # replica 1 the other way round.
+    gradient = [(36, 48), (24, 32), (48, 36), (32, 24)]
+    # Hop A (inter, bf16): replica 1 sends its slices 1 of the direction to the owner's replica:
+    # 3 x 3 x 2 = 18 bytes from (1, 0), 2 x 3 x 2 = 12 from (1, 1).
+    hop_a = [(0, 18), (0, 12), (18, 0), (12, 0)]
+    # Hop 2 (inter): (0, 0) forwards its 3 x 7 rows of the update (42 bytes) to (1, 0), (0, 1) its 2 x 7 (28).
+    hop_2 = [(42, 0), (28, 0), (0, 42), (0, 28)]
+    inter = [tuple(sum(x) for x in zip(*parts)) for parts in zip(gradient, hop_a, hop_2)]
+    assert [(x.inter_sent, x.inter_received) for x in t] == inter == [(78, 66), (52, 44), (66, 78), (44, 52)]
+    # Hop B and hop 1 (intra): (0, 0) sends its 42 bytes of the direction to the owner and gets 42 back.
+    assert [(x.intra_sent, x.intra_received) for x in t] == [(42, 42), (42, 42), (0, 0), (0, 0)]
+    assert _run_design_b([(5, 7)], [1], 2, 2, 2, 4) == t
+
+
+def test_design_b_column_all_to_all_by_hand():
+    # The same 5 x 7 matrix, collective by collective.
+    backward, step = owner_exchange_collectives([(5, 7)], [1], [3], 2, 2, 2, gradient_bytes=4)
+    columns, slices, directions = backward
+    assert (columns.op, columns.level, columns.phase, columns.block) == ("all_to_all", "inter", "backward", 3)
+    assert columns.label == "dmuon gradient columns block 3"
+    assert columns.ranks == [(36, 48), (24, 32), (48, 36), (32, 24)]
+    assert columns.messages == 1 and columns.critical == 48
+    assert slices.ranks == [(0, 18), (0, 12), (18, 0), (12, 0)]
+    assert directions.ranks == [(42, 0), (0, 42), None, None]
+    back, forward = step
+    assert back.ranks == [(0, 42), (42, 0), None, None]
+    assert forward.ranks == [(42, 0), (28, 0), (0, 42), (0, 28)]
+    # Without gradient_bytes (design (a)) the column all_to_all is not issued; the rest is the same.
+    a_backward, a_step = owner_exchange_collectives([(5, 7)], [1], [3], 2, 2, 2)
+    assert [c.ranks for c in a_backward] == [slices.ranks, directions.ranks]
+    assert [c.ranks for c in a_step] == [back.ranks, forward.ranks]
+    # One replica: nothing crosses nodes, gradient_bytes or not.
+    assert owner_exchange_collectives([(5, 7)], [1], [3], 1, 2, 2, gradient_bytes=4) == \
+        owner_exchange_collectives([(5, 7)], [1], [3], 1, 2, 2)
+    with pytest.raises(ValueError, match="gradient_bytes"):
+        owner_exchange_collectives([(5, 7)], [1], [3], 2, 2, 2, gradient_bytes=0)
+
+
+def test_design_b_column_all_to_all_with_an_empty_slice_and_an_empty_column():
+    # 2 columns over 3 replicas: slices [1, 1, 0]; 1 row over 2 positions: position 1 holds nothing.
+    backward, _ = owner_exchange_collectives([(1, 2)], [0], [0], 3, 2, 2, gradient_bytes=4)
+    columns = backward[0]
+    # (0, 0) sends slice 1 (4 bytes) to (1, 0) and gets slice 0 from (1, 0) and (2, 0); (2, 0)
+    # keeps an empty slice: it sends both (8 bytes) and receives nothing. Column 1 skips it.
+    assert columns.ranks == [(4, 8), None, (4, 8), None, (8, 0), None]
+    # (2, 0) sends to 2 peers; (0, 0) hears from 2.
+    assert columns.messages == 2
+    # Every holder sends, a copy too (sends=False): both positions hold the whole 1 x 2 matrix here.
+    copies = [[Piece(0, 1, 0, 2, True), Piece(0, 1, 0, 2, False)]]
+    backward, _ = owner_exchange_collectives([(1, 2)], [0], [0], 3, 2, 2, pieces=copies, gradient_bytes=4)
+    assert backward[0].ranks == [(4, 8), (4, 8), (4, 8), (4, 8), (8, 0), (8, 0)]
+    # Hop A: only the first holder's column sends its direction slices.
+    assert backward[1].ranks == [(0, 2), None, (2, 0), None, (0, 0), None]
+
+
+def _tp_pieces(shape, shard, kind):
+    """TP-style pieces on ``shard = fsdp x 2`` positions ``s = f * 2 + t``: ``"col"`` splits the
+    columns over ``t`` (and rows over ``f``); ``"whole"`` leaves the matrix whole over ``t``
+    (rows over ``f``), so position ``t = 1`` holds a copy that only ``t = 0`` sends."""
+    fsdp = shard // 2
+    rows = _torch_rows(shape[0], fsdp)
+    cols = _torch_rows(shape[1], 2)
+    out = []
+    for s in range(shard):
+        f, t = divmod(s, 2)
+        if kind == "col":
+            out.append(Piece(sum(rows[:f]), rows[f], sum(cols[:t]), cols[t]))
+        else:
+            out.append(Piece(sum(rows[:f]), rows[f], 0, shape[1], sends=t == 0))
+    return out
+
+
+def _summed(collectives, world: int) -> list[RankTraffic]:
+    out = [RankTraffic() for _ in range(world)]
+    for c in collectives:
+        for k, t in enumerate(c.ranks):
+            if t is not None:
+                setattr(out[k], f"{c.level}_sent", getattr(out[k], f"{c.level}_sent") + t[0])
+                setattr(out[k], f"{c.level}_received", getattr(out[k], f"{c.level}_received") + t[1])
+    return out
+
+
+@pytest.mark.parametrize("replicate,shard", [(2, 2), (3, 2), (2, 4), (4, 2), (1, 4)])
+def test_per_rank_totals_are_the_sum_of_the_collectives(replicate, shard):
+    rng = random.Random(replicate * 10 + shard)
+    for trial in range(25):
+        # Uneven shapes, a conv kernel, and two TP-style layouts.
+        shapes = [(rng.randint(1, 11), rng.randint(1, 9)) for _ in range(3)]
+        shapes += [(rng.randint(1, 7), rng.randint(1, 5), 3, 2), (rng.randint(2, 9), rng.randint(2, 9)),
+                   (rng.randint(2, 9), rng.randint(2, 9))]
+        pieces = [[Piece(sum(_torch_rows(shp[0], shard)[:s]), n, 0, shp[1])
+                   for s, n in enumerate(_torch_rows(shp[0], shard))] for shp in shapes[:4]]
+        pieces += [_tp_pieces(shapes[4], shard, "col"), _tp_pieces(shapes[5], shard, "whole")]
+        owners = [rng.randrange(replicate * shard) for _ in shapes]
+        blocks = [rng.randrange(3) for _ in shapes]
+        elem, grad = rng.choice([2, 4]), rng.choice([2, 4])
+        world = replicate * shard
+        backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces,
+                                                    gradient_bytes=grad)
+        assert _summed(backward + step, world) == owner_traffic_column_reduce(
+            shapes, owners, replicate, shard, elem, grad, pieces=pieces), (shapes, owners)
+        backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces)
+        assert _summed(backward + step, world) == owner_traffic(shapes, owners, replicate, shard, elem,
+                                                                pieces=pieces), (shapes, owners)
+        # Without pieces: FSDP2's row chunks, which the first four are.
+        plain = owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad)
+        assert plain == owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad,
+                                                    pieces=pieces[:4])
+        if replicate == 1:
+            assert owner_traffic_column_reduce(shapes, owners, 1, shard, elem, grad, pieces=pieces) == \
+                owner_traffic(shapes, owners, 1, shard, elem, pieces=pieces)
 
 
 def test_design_b_matches_the_message_level_run_and_conserves_each_level():
@@ -224,18 +348,19 @@ def test_design_b_matches_the_message_level_run_and_conserves_each_level():
     for trial in range(120):
         replicate, shard, shapes, owners = _random_case(rng, max_shard=4, max_dim=7, ndims=(2, 3), most=4)
         elem, grad = rng.choice([2, 4]), rng.choice([2, 4])
-        model = owner_traffic_replicate_reduce(shapes, owners, replicate, shard, elem, grad)
+        model = owner_traffic_column_reduce(shapes, owners, replicate, shard, elem, grad)
         assert model == _run_design_b(shapes, owners, replicate, shard, elem, grad, seed=trial), (
             shapes, owners, replicate, shard)
         for level in ("intra", "inter"):
             assert (sum(getattr(x, f"{level}_sent") for x in model)
                     == sum(getattr(x, f"{level}_received") for x in model))
-        # The shard level is design (a)'s; the replicate level is one gradient copy and
-        # one update copy of every matrix per other replica.
+        # The shard level is design (a)'s; the replicate level is (R-1)/R of every gradient from each
+        # rank (R-1 gradient copies in all), (a)'s direction slices and one update copy per other replica.
         a = owner_traffic(shapes, owners, replicate, shard, elem)
         assert [(x.intra_sent, x.intra_received) for x in model] == [(x.intra_sent, x.intra_received) for x in a]
         numel = sum(math.prod(s) for s in shapes)
-        assert sum(x.inter_sent for x in model) == (replicate - 1) * numel * (grad + elem)
+        kept = sum(math.prod(s) // s[1] * _torch_rows(s[1], replicate)[o // shard] for s, o in zip(shapes, owners))
+        assert sum(x.inter_sent for x in model) == (replicate - 1) * numel * (grad + elem) + (numel - kept) * elem
 
 
 def _ring_all_reduce(replicate: int, shard: int, numel: int, elem_bytes: int) -> list[RankTraffic]:
@@ -274,16 +399,18 @@ def test_design_totals_for_one_evenly_divisible_matrix(replicate, shard):
     # (ii) design (a): that, plus the bf16 update once to every other replica, plus the
     # direction's column slices (1/R of it per other replica) to the owner's replica.
     assert inter["a"]["total"] == 2 * r1 * m * 4 + r1 * m * 2 + r1 * (m // replicate) * 2
-    # (iii) design (b): the fp32 gradient reduced to the owner's replica, plus the same update.
-    assert inter["b"]["total"] == r1 * m * 4 + r1 * m * 2
-    # Per element 8, 10 + 2/R and 6 bytes per other replica.
-    assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10 + 2 / replicate, 6]
+    # (iii) design (b): the fp32 gradient's column slices reduce-scattered across replicas ((R-1)/R
+    # of each rank's M/S from each of the R S ranks), plus (a)'s direction slices and update.
+    assert inter["b"]["total"] == r1 * m * 4 + r1 * m * 2 + r1 * (m // replicate) * 2
+    # Per element 8, 10 + 2/R and 6 + 2/R bytes per other replica.
+    assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10 + 2 / replicate, 6 + 2 / replicate]
     # Critical paths: the all-reduce is 2 (R-1)/R of a column's M/S each way on every rank;
-    # (a)'s owner replica sends the update R-1 times more; (b)'s receives R-1 gradient copies.
+    # (a)'s owner replica sends the update R-1 times more; (b)'s replaces the all-reduce by the
+    # reduce-scatter, (R-1)/R of M/S each way.
     ar = 2 * r1 * (m // shard) // replicate * 4
     assert inter["fsdp2_adamw"]["critical"] == ar
     assert inter["a"]["critical"] == ar + r1 * (m // shard) * 2
-    assert inter["b"]["critical"] == r1 * (m // shard) * 4
+    assert inter["b"]["critical"] == ar // 2 + r1 * (m // shard) * 2
     # The shard level: (a) and (b) both add dmuon's exchange to FSDP2's within-replica collectives.
     assert figs["a"]["intra"] == figs["b"]["intra"]
     assert figs["a"]["intra"]["total"] - figs["fsdp2_adamw"]["intra"]["total"] == 2 * (m - m // shard) * 2
@@ -299,15 +426,18 @@ def test_design_hand_numbers():
     # (a): FSDP2's 98304, the update to 3 replicas (3 * 4096 * 2) and the 3 other replicas'
     # column slices of the direction (3 * 1024 * 2).
     assert figs["a"]["inter"] == {"total": 98304 + 24576 + 6144, "critical": 6144}
-    assert figs["b"]["inter"] == {"total": 73728, "critical": 6144}
+    # (b): the column reduce-scatter (3 * 4096 * 4), (a)'s update copies and direction slices.
+    assert figs["b"]["inter"] == {"total": 49152 + 24576 + 6144, "critical": 4608}
     # 4096 non-Muon elements all-reduced alike under every design: 2 * 3 * 4096 * 4 in all, 3072 a rank.
     assert figs["non_muon_all_reduce"] == {"total": 98304, "critical": 3072}
-    assert figs["b"]["inter_whole_model"] == {"total": 73728 + 98304, "critical": 6144 + 3072}
-    # Per rank: (b)'s owner replica receives 3 gradient copies of its 512 rows (3 * 512 * 4)
-    # and sends 3 update copies (3 * 512 * 2); the other replicas send 2048 and receive 1024.
+    assert figs["b"]["inter_whole_model"] == {"total": 79872 + 98304, "critical": 4608 + 3072}
+    # Per rank, 512 elements of the matrix, 128 in each column slice: every rank sends its 3 other
+    # slices of the fp32 gradient (3 * 128 * 4) and receives 3 copies of its own (1536 each way);
+    # the owner's replica receives 3 bf16 direction slices (3 * 128 * 2) and sends 3 update copies
+    # (3 * 512 * 2); the other replicas send one slice (256) and receive one update (1024).
     b = hsdp_design_traffic([(64, 64)], [9], 4, 8)["b"]
-    assert {(x.inter_sent, x.inter_received) for x in b[8:16]} == {(3072, 6144)}
-    assert {(x.inter_sent, x.inter_received) for x in b[:8] + b[16:]} == {(2048, 1024)}
+    assert {(x.inter_sent, x.inter_received) for x in b[8:16]} == {(1536 + 3072, 1536 + 768)}
+    assert {(x.inter_sent, x.inter_received) for x in b[:8] + b[16:]} == {(1536 + 256, 1536 + 1024)}
 
 
 def test_design_traffic_is_fsdp2_plus_the_exchange():
@@ -320,7 +450,7 @@ def test_design_traffic_is_fsdp2_plus_the_exchange():
         d = hsdp_design_traffic(shapes, owners, replicate, shard, 2, 4, reshard)
         f = fsdp2_traffic([math.prod(s) for s in shapes], replicate, shard, 4, reshard)
         a = owner_traffic(shapes, owners, replicate, shard, 2)
-        b = owner_traffic_replicate_reduce(shapes, owners, replicate, shard, 2, 4)
+        b = owner_traffic_column_reduce(shapes, owners, replicate, shard, 2, 4)
         assert d["fsdp2_adamw"] == [f] * (replicate * shard)
         for k, x in enumerate(d["a"]):
             assert x == RankTraffic(f.intra_sent + a[k].intra_sent, f.intra_received + a[k].intra_received,
@@ -346,9 +476,11 @@ def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="elem_bytes"):
         owner_traffic([(2, 2)], [0], 1, 2, elem_bytes=0)
     with pytest.raises(ValueError, match="owner 4 outside"):
-        owner_traffic_replicate_reduce([(2, 2)], [4], 2, 2)
+        owner_traffic_column_reduce([(2, 2)], [4], 2, 2)
     with pytest.raises(ValueError, match="grad_bytes"):
-        owner_traffic_replicate_reduce([(2, 2)], [0], 1, 2, grad_bytes=0)
+        owner_traffic_column_reduce([(2, 2)], [0], 1, 2, grad_bytes=0)
+    with pytest.raises(ValueError, match="piece lists"):
+        owner_traffic([(2, 2)], [0], 1, 2, pieces=[])
     with pytest.raises(ValueError, match="level must be"):
         level_figures([RankTraffic()], "both")
 
@@ -388,6 +520,10 @@ def test_step_collectives_by_hand_on_two_ranks():
     assert figures["dmuon"]["seconds"]["total"] == pytest.approx(9 + 112 / 4)
     assert figures["gather"]["seconds"]["total"] == pytest.approx(8 + 100 / 4)
     assert figures["dmuon"]["collectives"] == {"total": 9, "intra": 9, "inter": 0}
+    # One replica: dmuon's two designs issue the same collectives.
+    assert figures["dmuon_native_hsdp"] == figures["dmuon"]
+    for zero in (2, 3):
+        assert step_collectives("dmuon_native_hsdp", *args, zero=zero) == step_collectives("dmuon", *args, zero=zero)
 
 
 def test_step_collectives_by_hand_on_a_two_by_two_mesh():
@@ -396,7 +532,8 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     fsdp = [("all_gather", "intra", 12), ("reduce_scatter", "intra", 24),
             ("all_reduce", "inter", 24)]  # ring over 2 replicas: 2 (R-1)/R of the 24-byte fp32 shard
     assert _per_collective("fsdp_adamw", *args, zero=2) == fsdp
-    dm = step_collectives("dmuon", *args, zero=2)
+    # Design (a): FSDP2's all-reduce, then dmuon's exchange.
+    dm = step_collectives("dmuon_native_hsdp", *args, zero=2)
     assert [(c.op, c.level, c.critical) for c in dm] == [
         *fsdp, ("all_to_all", "inter", 8), ("all_to_all", "intra", 12), ("all_to_all", "intra", 12),
         ("all_to_all", "inter", 12)]
@@ -413,13 +550,27 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     model = AlphaBeta(intra_bandwidth=12, inter_bandwidth=6, intra_latency=0.5, inter_latency=2)
     figures = step_comm(*args, zero=2, model=model)
     assert figures["fsdp_adamw"]["critical_bytes"] == {"total": 60, "intra": 36, "inter": 24}
-    assert figures["dmuon"]["critical_bytes"] == {"total": 104, "intra": 60, "inter": 44}
+    assert figures["dmuon_native_hsdp"]["critical_bytes"] == {"total": 104, "intra": 60, "inter": 44}
     assert figures["gather"]["critical_bytes"] == {"total": 72, "intra": 48, "inter": 24}
     # AG 0.5 + 12/12, RS 0.5 + 24/12, AR 2 (R-1) x 2 + 24/6.
     assert figures["fsdp_adamw"]["seconds"]["intra"] == pytest.approx(1.5 + 2.5)
     assert figures["fsdp_adamw"]["seconds"]["inter"] == pytest.approx(4 + 4)
     # dmuon adds two one-peer intra exchanges (0.5 + 1 each) and two inter (2 + 8/6, 2 + 2).
-    assert figures["dmuon"]["seconds"]["total"] == pytest.approx(12 + 3 + (2 + 8 / 6) + 4)
+    assert figures["dmuon_native_hsdp"]["seconds"]["total"] == pytest.approx(12 + 3 + (2 + 8 / 6) + 4)
+    # Design (b): no all-reduce; the fp32 gradient's column slices cross instead. Each rank of
+    # replica 0 holds 2 rows x 3 columns, keeps columns [0, 2) and sends column 2 (2 x 1 x 4 = 8
+    # bytes) to replica 1, from which it receives 2 x 2 x 4 = 16; replica 1 the other way round.
+    db = step_collectives("dmuon", *args, zero=2)
+    assert [(c.op, c.level, c.critical) for c in db] == [
+        *fsdp[:2], ("all_to_all", "inter", 16), ("all_to_all", "inter", 8), ("all_to_all", "intra", 12),
+        ("all_to_all", "intra", 12), ("all_to_all", "inter", 12)]
+    assert db[2].ranks == [(8, 16), (8, 16), (16, 8), (16, 8)] and db[2].messages == 1
+    assert db[2].label == "dmuon gradient columns block 1"
+    assert [c.ranks for c in db[3:]] == [c.ranks for c in dm[3:]]
+    assert figures["dmuon"]["critical_bytes"] == {"total": 96, "intra": 60, "inter": 36}
+    # Intra as (a); inter: the column all_to_all 2 + 16/6, the direction slices 2 + 8/6, the update 2 + 12/6.
+    assert figures["dmuon"]["seconds"]["intra"] == pytest.approx(figures["dmuon_native_hsdp"]["seconds"]["intra"])
+    assert figures["dmuon"]["seconds"]["inter"] == pytest.approx(6 + 36 / 6)
 
 
 def test_ring_all_gather_counts_n_times_s_minus_one_over_s():
@@ -432,18 +583,37 @@ def test_ring_all_gather_counts_n_times_s_minus_one_over_s():
 
 def test_step_exchange_sums_to_owner_traffic():
     rng = random.Random(3)
-    for replicate, shard in [(1, 3), (2, 3), (3, 2)]:
+    for replicate, shard in [(1, 3), (2, 3), (3, 2), (2, 2)]:
         shapes = [(rng.randint(1, 9), rng.randint(1, 5)) for _ in range(7)]
         owners = [rng.randrange(replicate * shard) for _ in shapes]
         blocks = [rng.randrange(3) for _ in shapes]
-        per_rank = owner_traffic(shapes, owners, replicate, shard, 2)
-        collectives = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard)
-                       if c.op == "all_to_all"]
-        for k, t in enumerate(per_rank):
-            for level in ("intra", "inter"):
-                got = [c.ranks[k] for c in collectives if c.level == level and c.ranks[k] is not None]
-                assert sum(x[0] for x in got) == getattr(t, f"{level}_sent")
-                assert sum(x[1] for x in got) == getattr(t, f"{level}_received")
+        for strategy, per_rank in (("dmuon_native_hsdp", owner_traffic(shapes, owners, replicate, shard, 2)),
+                                   ("dmuon", owner_traffic_column_reduce(shapes, owners, replicate, shard, 2, 4))):
+            collectives = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard,
+                                                       reduce_bytes=4) if c.op == "all_to_all"]
+            assert _summed(collectives, replicate * shard) == per_rank, (strategy, replicate, shard)
+            # Design (b) has no replicate all-reduce; design (a) one per block (FSDP2's).
+            reduces = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard)
+                       if c.op == "all_reduce"]
+            assert len(reduces) == (0 if strategy == "dmuon" or replicate == 1 else len(set(blocks)))
+
+
+def test_step_strategies_and_step_comm_keys():
+    import json
+    assert STEP_STRATEGIES == ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
+    shapes, owners, blocks = [(5, 7), (6, 4, 3)], [1, 2], [1, 2]
+    for replicate, shard in [(1, 4), (2, 2)]:
+        comm = json.loads(json.dumps(step_comm(shapes, owners, blocks, replicate, shard)))
+        assert set(comm) == set(STEP_STRATEGIES)
+        assert all(set(comm[k]) == {"critical_bytes", "seconds", "collectives"} for k in comm)
+        if replicate == 1:
+            assert comm["dmuon"] == comm["dmuon_native_hsdp"]
+        else:
+            # Design (b) trades FSDP2's all-reduce (2 (R-1) ring steps a block) for one all_to_all a block.
+            a, b = comm["dmuon_native_hsdp"], comm["dmuon"]
+            assert b["collectives"]["total"] == a["collectives"]["total"]
+            assert b["critical_bytes"]["intra"] == a["critical_bytes"]["intra"]
+            assert b["critical_bytes"]["inter"] < a["critical_bytes"]["inter"]
 
 
 def test_step_model_rejects_bad_input():
