@@ -199,3 +199,17 @@ def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
     got = run_distributed(resume_and_train, 3, path, SAVED_AT, MORE, 2, None, timeout_s=120)[0]
     worst, err = _worst(_uninterrupted(), got)
     assert err <= 1e-5, (worst, err)
+
+def test_replicate_level_checkpoint_resumes_on_other_layouts(tmp_path):
+    """Saved with dmuon's replicate level on 2x2 (FSDP2 over the shard dim, ``hsdp_mesh``), resumed on
+    4 ranks 1-D, on 2x2 native HSDP and on 2x2 with the replicate level again: as if never stopped.
+    The momentum's layout is native HSDP's, so DCP reshards it like any other state."""
+    from support.checkpoint import save_after
+
+    path = str(tmp_path / "replicate-level")
+    run_distributed(save_after, 4, path, SAVED_AT, 3, (2, 2), "dmuon", timeout_s=120)
+    ref = _uninterrupted()
+    for mesh_shape, hsdp in ((None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")):
+        got = run_distributed(resume_and_train, 4, path, SAVED_AT, MORE, 3, mesh_shape, hsdp, timeout_s=120)[0]
+        worst = max(ref, key=lambda n: (got[n] - ref[n]).abs().max().item())
+        assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, (mesh_shape, hsdp, worst)

@@ -37,7 +37,8 @@ def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero
                                                 waves=waves)
     modelled = backward + step
     # The whole step's order, with FSDP2's collectives left out, is the same.
-    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard,
+    strategy = "dmuon_native_hsdp" if replicate > 1 else "dmuon"
+    in_step = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard,
                                            wire_bytes=ns_dtype.itemsize, waves=waves) if c.label.startswith("dmuon")]
     assert [c.label for c in in_step] == [c.label for c in modelled]
     # Per block one exchange, two on HSDP (column slices across replicas, then rows to the owner).
@@ -50,3 +51,36 @@ def test_counted_collectives_equal_the_model_per_rank(mesh_shape, ns_dtype, zero
         assert r["collectives"] == len(expected)
     # Something was actually exchanged on both levels.
     assert any(c.critical for c in backward) and all(c.critical for c in step)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_replicate_level_counted_bytes_equal_the_model(mesh_shape):
+    """dmuon's replicate level (``hsdp_mesh``): every collective dmuon issues, per rank and level, is one
+    the model prices (``step_collectives("dmuon")``: FSDP2's all-reduce replaced by dmuon's column
+    reduce-scatter, in the gradient's 4 bytes), plus the other parameters' all-reduce (a ring's bytes)."""
+    replicate, shard = mesh_shape
+    world = replicate * shard
+    results = run_distributed(counted_step, world, mesh_shape, torch.bfloat16, 3, 2, None, "dmuon", timeout_s=300)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves,
+                                                gradient_bytes=4)
+    modelled = backward + step
+    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard, wire_bytes=2,
+                                           waves=waves) if c.label.startswith("dmuon")]
+    assert sorted(c.label for c in in_step) == sorted(c.label for c in modelled)
+    # Per block three exchanges: gradient column slices and direction slices across replicas, rows inside one.
+    assert len(backward) == 3 * len(set(blocks))
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]
+        expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
+                     for b in r["other_bytes"] if b]
+        # The runtime interleaves blocks (a block's next hop goes out when the next block lands):
+        # the same collectives, in another order.
+        assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+        for level in ("intra", "inter"):
+            assert sum(e[1] for e in r["log"] if e[0] == level) == sum(e[1] for e in expected if e[0] == level)
+    assert any(c.critical for c in backward if c.label.startswith("dmuon gradient columns"))

@@ -21,6 +21,7 @@ from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
+from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan, ReductionGroup
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
 
@@ -159,7 +160,7 @@ def momentum_layout(param: DTensor, param_dim: int, hsdp_mesh=None) -> tuple:
     """
     mesh, placements = param.device_mesh, list(param.placements)
     if hsdp_mesh is not None:
-        mesh, placements = hsdp_mesh, [Replicate(), *placements]
+        mesh, placements = replicated_mesh(hsdp_mesh, param), [Replicate(), *placements]
     split = 1
     for j in range(1, mesh.ndim):
         if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == param_dim:

@@ -65,14 +65,15 @@ def _full_model_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def save_after(rank: int, world_size: int, path: str, steps: int, zero: int, mesh_shape=None) -> dict | None:
+def save_after(rank: int, world_size: int, path: str, steps: int, zero: int, mesh_shape=None,
+               hsdp: str = "fsdp2") -> dict | None:
     """Trains ``steps`` steps, saves a DCP checkpoint at ``path``.
 
     Returns (rank 0): the full CPU model state dict taken after the save, the
     live full parameters, for the plain-model check, and Muon's momenta by
     name from torch's full optimizer state dict.
     """
-    model, _, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape)
+    model, _, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, hsdp=hsdp)
     _train(model, opt, rank, world_size, range(steps))
     save(model, opt, path)
     state = _full_model_state(model)
@@ -84,12 +85,12 @@ def save_after(rank: int, world_size: int, path: str, steps: int, zero: int, mes
 
 
 def resume_and_train(rank: int, world_size: int, path: str, start: int, steps: int, zero: int,
-                     mesh_shape=None) -> dict | None:
+                     mesh_shape=None, hsdp: str = "fsdp2") -> dict | None:
     """Builds a fresh model on this cluster, resumes from ``path`` and trains ``steps`` more steps.
 
     Returns (rank 0): every parameter's full value.
     """
-    model, _, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape)
+    model, _, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, hsdp=hsdp)
     load(model, opt, path)
     _train(model, opt, rank, world_size, range(start, start + steps))
     params = full_params(model)

@@ -110,16 +110,21 @@ def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> 
 
 
 def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
-          return_waves: int | None = None) -> dict:
-    """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan."""
+          return_waves: int | None = None, hsdp: str = "fsdp2") -> dict:
+    """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan
+    (``hsdp="dmuon"`` on a ``mesh_shape``: FSDP2 over the shard dim, dmuon's replicate level)."""
     torch.manual_seed(0)
     model = ExpertNet(experts)
+    hsdp_mesh = None
     if world > 1:
         mesh = make_mesh(world, mesh_shape)
+        if mesh_shape is not None and hsdp == "dmuon":
+            mesh, hsdp_mesh = mesh["shard"], mesh
         fully_shard(model.moe, mesh=mesh)
         fully_shard(model, mesh=mesh)
     views = None if view is None else {"moe.experts": view}
-    plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
+                         hsdp_mesh=hsdp_mesh)
     opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
                       adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves)
     params = _run(model, opt, rank, world, steps)

@@ -9,7 +9,7 @@ from support.models import lm_loss, odd_batch
 
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
-                 zero: int = 3, steps: int = 2, return_waves: int | None = None) -> dict:
+                 zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2") -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
     Returns:
@@ -20,7 +20,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         blocks that step exchanged in backward.
     """
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype,
-                                      return_waves=return_waves)
+                                      return_waves=return_waves, hsdp=hsdp)
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))
@@ -36,4 +36,8 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         "blocks": len(plan.blocks),
         "blocks_in_backward": stats["blocks_exchanged_in_backward"],
         "waves": stats["return_waves"],
+        # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters'
+        # gradient shards (float32), which dmuon all-reduces across replicas.
+        "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in {id(i.param) for i in plan.infos})
+                        for g in plan.groups] if plan.reduces_replicas else [],
     }

@@ -101,11 +101,12 @@ def reference(dp: int, steps: int, sequence_parallel: bool = False) -> tuple[dic
     return {n: full(p) for n, p in model.named_parameters()}, momenta
 
 
-def tp_mesh(world: int, mesh_shape: tuple[int, ...]):
-    """``(dp, tp)`` or ``(replicate, shard, tp)``; returns the mesh, its dp part and this rank's dp index."""
+def tp_mesh(world: int, mesh_shape: tuple[int, ...], hsdp: str = "fsdp2"):
+    """``(dp, tp)`` or ``(replicate, shard, tp)``; returns the mesh, its dp part (FSDP2's mesh: with
+    ``hsdp="dmuon"`` only the shard dim, dmuon reducing across replicas) and this rank's dp index."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("replicate", "shard", "tp")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    dp_mesh = mesh["dp"] if len(mesh_shape) == 2 else mesh["replicate", "shard"]
+    dp_mesh = mesh["dp"] if len(mesh_shape) == 2 else mesh["shard"] if hsdp == "dmuon" else mesh["replicate", "shard"]
     coord = mesh.get_coordinate()
     dp_rank = coord[0] if len(mesh_shape) == 2 else coord[0] * mesh_shape[1] + coord[1]
     return mesh, dp_mesh, dp_rank
@@ -134,18 +135,19 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf
 
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
-          sequence_parallel: bool = False, bf16: bool = False) -> dict:
+          sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2") -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
-    value, the plan and each matrix's momentum bytes on this rank."""
-    mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape)
+    value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``)."""
+    mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
     parallelize(model, mesh, dp_mesh, sequence_parallel, bf16)
     seq = SP_SEQ if sequence_parallel else 5
     matrices = SP_MATRICES if sequence_parallel else MATRICES
-    dp = dp_mesh.size()
+    dp = world // mesh_shape[-1]
     if optimizer == "dmuon":
-        plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+        plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
+                             hsdp_mesh=mesh if hsdp == "dmuon" else None)
         opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
                           adamw_weight_decay=ADAMW["weight_decay"])
     else:

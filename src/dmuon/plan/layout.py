@@ -1,4 +1,5 @@
-"""How FSDP2 lays a matrix's rows over the shard positions (``Shard(0)``, torch.chunk's rule)."""
+"""Layout rules: how FSDP2 lays a matrix's rows over the shard positions (``Shard(0)``, torch.chunk's
+rule), and which mesh dmuon's replicate level puts a parameter's gradient and momentum on."""
 
 from __future__ import annotations
 
@@ -15,3 +16,10 @@ def shard_rows(m: int, shard: int) -> list[int]:
         raise ValueError(f"rows must be >= 0, got {m}")
     chunk = -(-m // shard)
     return [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
+
+
+def replicated_mesh(hsdp_mesh, param):
+    """The sub-mesh of ``hsdp_mesh`` made of its replicate dim and ``param``'s dims (by name): where
+    dmuon's replicate level puts ``param``'s gradient and momentum (native HSDP's layout for it)."""
+    names = (hsdp_mesh.mesh_dim_names[0], *param.device_mesh.mesh_dim_names)
+    return hsdp_mesh if names == tuple(hsdp_mesh.mesh_dim_names) else hsdp_mesh[names]

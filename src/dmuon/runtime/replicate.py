@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from dmuon.comm import Pending
 from dmuon.comm.replicate import ReplicateReduce
+from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
 
@@ -78,6 +79,8 @@ class ReplicateLevel:
             self._matrices.setdefault(id(info.param), []).append(info.index)
         self.params = [p for g in plan.groups for p in g.params]
         """Every trainable parameter, in model order (the same on every rank)."""
+        # Where each gradient lives: the replicate dim and the parameter's own dims (native HSDP's mesh).
+        self._mesh = {id(p): replicated_mesh(self.mesh, p) for p in self.params}
         self._reduced: dict[int, int] = {}  # parameter -> the id of its gradient in reduced form
         self._owned: dict[int, weakref.ref] = {}  # parameter -> the gradient tensor it was given
         self._inflight: list[Reduction] = []
@@ -97,10 +100,10 @@ class ReplicateLevel:
         if owned is None or owned() is None or owned().data_ptr() != local.data_ptr():
             local = local.clone()
             self._owned[id(param)] = weakref.ref(local)
-        placements = (Partial("avg"), *param.placements)
-        if not (isinstance(grad, DTensor) and grad.device_mesh == self.mesh and tuple(grad.placements) == placements
+        mesh, placements = self._mesh[id(param)], (Partial("avg"), *param.placements)
+        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and tuple(grad.placements) == placements
                 and local_tensor(grad).data_ptr() == local.data_ptr()):
-            param.grad = DTensor.from_local(local, self.mesh, placements, run_check=False,
+            param.grad = DTensor.from_local(local, mesh, placements, run_check=False,
                                             shape=param.shape, stride=param.stride())
         self._reduced.pop(id(param), None)
 
@@ -130,7 +133,7 @@ class ReplicateLevel:
             if id(p.grad) == reduction.issued[id(p)]:
                 local = local_tensor(p.grad)
                 local.copy_(means[k])
-                p.grad = DTensor.from_local(local, self.mesh, (Replicate(), *p.placements), run_check=False,
+                p.grad = DTensor.from_local(local, self._mesh[id(p)], (Replicate(), *p.placements), run_check=False,
                                             shape=p.shape, stride=p.stride())
                 self._reduced[id(p)] = id(p.grad)
         sums = reduction.columns.wait()

@@ -1,0 +1,197 @@
+"""HSDP with dmuon's replicate level (``hsdp_mesh=``): FSDP2 over the shard dim, dmuon reduces across replicas.
+
+The model is ``fully_shard``-ed over ``mesh["shard"]``; dmuon all-reduces the
+other parameters' gradients across replicas and reduce-scatters the Muon
+matrices' by the momentum's column slices. Results must be single-process
+torch.optim.Muon + AdamW's (fp32 NS), with everything people train with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmuon.util.spawn import run_distributed
+
+from support import experts, tp
+from support.cases import MUON_KW, Case, run_cases
+from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
+from support.models import OddNet, lm_loss, odd_batch
+from support.reference import reference_training
+
+CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
+FROZEN = ("layers.1.mid",)
+
+
+def _reference_with(world: int, *, micro: int = 1, clip: float | None = None, steps: int = STEPS,
+                    skip: dict | None = None):
+    """One process on every rank's batches (``micro`` micro-batches' worth each), torch's clip if given."""
+    torch.manual_seed(0)
+    model = OddNet()
+    batches = []
+    for step in range(steps):
+        parts = [odd_batch(step, r, batch=2 * micro) for r in range(world)]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    calls = iter(range(steps))
+
+    def loss_fn(m, batch):
+        m.skip = (skip or {}).get(next(calls), set())
+        return lm_loss(m, batch)
+
+    params, _ = reference_training(model, batches, loss_fn, muon_kwargs=MUON_KW,
+                                   adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=torch.float32, clip=clip)
+    return params, list(reference_training.norms)
+
+
+def _reference_frozen(world: int):
+    torch.manual_seed(0)
+    model = OddNet()
+    for name, p in model.named_parameters():
+        if name.startswith(FROZEN):
+            p.requires_grad_(False)
+    batches = []
+    for step in range(STEPS):
+        parts = [odd_batch(step, r) for r in range(world)]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    return reference_training(model, batches, lm_loss, muon_kwargs=MUON_KW,
+                              adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=torch.float32)[0]
+
+
+def _cases(mesh_shape, full: bool) -> list[Case]:
+    base = dict(mesh_shape=mesh_shape, hsdp="dmuon", ns_dtype=torch.float32, steps=STEPS)
+    cases = [Case(zero=3, skip=SKIP, **base),
+             Case(zero=2, clip=CLIP, clip_with="dmuon", **base)]
+    if full:
+        cases += [
+            Case(zero=2, skip=SKIP, overlap=False, return_waves=4, **base),
+            Case(zero=3, skip=SKIP, ns_in_backward=True, **base),
+            Case(zero=3, frozen=FROZEN, **base),
+            Case(zero=3, micro_batches=2, **base),  # accumulation under set_requires_gradient_sync(False)
+            Case(zero=2, micro_batches=2, micro_sync=True, clip=CLIP, **base),  # FSDP2 reducing every micro-batch
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 4), (4, 2)], ids=["2x2", "3x2", "2x4", "4x2"])
+def test_replicate_level_matches_single_process_reference(mesh_shape):
+    world = mesh_shape[0] * mesh_shape[1]
+    full = mesh_shape == (2, 2)  # every variant on one mesh; the others run the two main ones (8 ranks cost)
+    cases = _cases(mesh_shape, full)
+    results = run_distributed(run_cases, world, cases, timeout_s=600)
+    plain = reference(world, torch.float32)[0]
+    clipped, norms = _reference_with(world, clip=CLIP)
+    for k, case in enumerate(cases):
+        if case.micro_batches > 1:
+            ref, ref_norms = _reference_with(world, micro=2, clip=case.clip)
+        elif case.clip is not None:
+            ref, ref_norms = clipped, norms
+        elif case.frozen:
+            ref, ref_norms = _reference_frozen(world), []
+        else:
+            ref, ref_norms = plain, []
+        diff, worst = max_diff(results[0][k]["params"], ref)
+        assert diff <= 1e-5, f"{case}: {worst} differs by {diff:.3g}"
+        for r in results:
+            # The clip's norm is the single-process one on every rank, whichever clip was called.
+            assert r[k]["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        for step in range(case.steps):
+            # NS once per matrix in the whole cluster.
+            done = sum(r[k]["stats"][step]["orthogonalized"] for r in results)
+            skipped = 3 * len(case.skip.get(step, ()))
+            assert done == N_MATRICES - skipped - (1 if case.frozen else 0), (case, step)
+        if case.clip is None and case.overlap and case.micro_batches == 1 and not case.ns_in_backward:
+            # Every block's directions went to the owners from backward, after the reduction.
+            assert results[0][k]["stats"][0]["blocks_exchanged_in_backward"] == 4
+    # Momentum lives once in the whole mesh (rows over the shard dim, columns over the replicas).
+    check_sharded_state(results, 0, results[0][0]["shapes"])
+
+
+def test_bf16_mixed_precision_equals_native_hsdp():
+    """bf16 compute and NS: the same as FSDP2's native HSDP with dmuon and as gather-then-compute there.
+
+    The gradients differ only in summation order across replicas (exact for these fp32 reductions
+    over 2 replicas: a + b either way), so every bf16 rounding agrees.
+    """
+    base = dict(mesh_shape=(2, 2), ns_dtype=torch.bfloat16, steps=STEPS, skip=SKIP, bf16=True, zero=3)
+    cases = [Case(hsdp="dmuon", **base), Case(hsdp="fsdp2", **base), Case(kind="gather", **base)]
+    results = run_distributed(run_cases, 4, cases, timeout_s=300)
+    for other in (1, 2):
+        diff, worst = max_diff(results[0][0]["params"], results[0][other]["params"])
+        assert diff <= 1e-6, (other, worst, diff)
+
+
+def test_tensor_parallel_on_a_3d_mesh():
+    """(replicate, shard, tp) = (2, 2, 2): TP over tp, FSDP2 over shard, dmuon across replicas."""
+    results = run_distributed(tp.train, 8, STEPS, (2, 2, 2), "dmuon", False, False, "dmuon", timeout_s=300)
+    params, momenta = tp.reference(4, STEPS)
+    diff = max((results[0]["params"][n] - params[n]).abs().max().item() for n in params)
+    assert diff <= 1e-5
+    diff = max((results[0]["momentum"][n] - momenta[n]).abs().max().item() for n in momenta)
+    assert diff <= 1e-5
+    assert sum(r["orthogonalized"] for r in results) == len(tp.MATRICES)
+
+
+def test_expert_stacks():
+    results = run_distributed(experts.train, 4, STEPS, 3, (2, 2), None, 4, "dmuon", timeout_s=300)
+    ref = experts.reference(4, STEPS)
+    diff = max((results[0]["params"][n] - ref[n]).abs().max().item() for n in ref)
+    assert diff <= 1e-5
+    # The stack's momentum is held once over the whole mesh.
+    assert sum(r["momentum_numel"] for r in results) == 3 * 10 * 6
+
+
+def _bad_setups(rank: int, world: int) -> dict:
+    """Each misuse on every rank: the error each rank raised (or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+
+    def attempt(name, build, **kwargs):
+        torch.manual_seed(0)
+        model = OddNet()
+        build(model)
+        try:
+            dmuon.DMuon(model, **kwargs)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+        dist.barrier()
+
+    def shard_over(target):
+        def build(model):
+            for layer in model.layers:
+                fully_shard(layer, mesh=target)
+            fully_shard(model, mesh=target)
+        return build
+
+    attempt("native model, hsdp_mesh", shard_over(mesh), hsdp_mesh=mesh)
+    attempt("shard sub-mesh, no hsdp_mesh", shard_over(mesh["shard"]))
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shd"))
+    attempt("another mesh", shard_over(mesh["shard"]), hsdp_mesh=other)
+    attempt("1-D hsdp_mesh", shard_over(mesh["shard"]), hsdp_mesh=mesh["shard"])
+
+    def with_hook(model):
+        shard_over(mesh["shard"])(model)
+        model.set_all_reduce_hook(lambda t: None)
+
+    attempt("all-reduce hook", with_hook, hsdp_mesh=mesh)
+    return out
+
+
+def test_misuse_is_refused_on_every_rank_naming_the_fix():
+    results = run_distributed(_bad_setups, 4, timeout_s=180)
+    expected = {
+        "native model, hsdp_mesh": "fully_shard-ed over the whole hsdp_mesh",
+        "shard sub-mesh, no hsdp_mesh": "pass hsdp_mesh=",
+        "another mesh": "not on hsdp_mesh's non-replicate dims",
+        "1-D hsdp_mesh": "hsdp_mesh must be a DeviceMesh with named dims",
+        "all-reduce hook": "set_all_reduce_hook",
+    }
+    for r in results:
+        for name, words in expected.items():
+            assert r[name] is not None and words in r[name], (name, r[name])
