@@ -97,7 +97,7 @@ def _peak_rss() -> int:
 
 
 def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_after_forward: bool = True,
-                         tp: int = 1) -> int:
+                         tp: int = 1, all_reduce: bool = True) -> int:
     """Bytes one rank sends plus receives in FSDP2's collectives per step (from shapes).
 
     Each sharded parameter (every one: FSDP2 shards the Muon matrices too) is
@@ -109,8 +109,12 @@ def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_aft
     shard each way). See :func:`dmuon.costmodel.traffic.fsdp2_traffic`. With tensor
     parallelism FSDP2's groups are the ``S / tp`` dp ranks and each moves its tp
     rank's part of a parameter (TP's own collectives on activations are not counted).
+    ``all_reduce=False``: FSDP2 over the shard dim only (dmuon's replicate level reduces across
+    replicas, and counts those bytes as its own).
     """
     shard = world_size // (replicate * tp)
+    if not all_reduce:
+        replicate = 1
     numels: dict[int, list[int]] = {}
     for p in model.parameters():
         if isinstance(p, DTensor):
@@ -266,7 +270,8 @@ class _ConfigRun:
             # (in NS's input dtype: torch.optim.Muon casts to bfloat16 before NS).
             opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
-        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward, self.opts.tp)
+        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward, self.opts.tp,
+                                          all_reduce=not (self.plan is not None and self.plan.reduces_replicas))
         live = self.live_bytes()
         balance = self.plan.balance_result if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))

@@ -17,7 +17,7 @@ from dmuon.plan.selection import select_matrices
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
 EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
-                 "dmuon_z3_event")
+                 "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
@@ -25,7 +25,12 @@ start NS while backward runs); ``adamw_local``: FSDP2 + AdamW on each rank's
 local shards, the kernel dmuon runs for its non-matrix parameters (``DMuon``
 with no Muon matrices), a stricter AdamW reference than ``torch.optim.AdamW``'s
 per-parameter DTensor dispatch; ``dmuon_z3_event``: ``post_optim_event=True`` (accelerators only:
-the next forward's all-gathers wait on an event recorded after the last update)."""
+the next forward's all-gathers wait on an event recorded after the last update).
+
+On an HSDP mesh (``--hsdp R``) every dmuon configuration uses dmuon's replicate level
+(FSDP2 over the shard dim, ``hsdp_mesh=``: dmuon reduces across replicas), except
+``dmuon_z2_native``/``dmuon_z3_native``: FSDP2's native HSDP (its all-reduce) with dmuon on top.
+On a 1-D mesh the ``_native`` configurations are the plain ones."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
@@ -98,11 +103,19 @@ def dp_mesh(mesh):
     return mesh[dp] if len(dp) > 1 else mesh[dp[0]]
 
 
-def _shard(workload, mesh, reshard: bool) -> None:
+def uses_replicate_level(config: str, mesh) -> bool:
+    """Whether ``config`` on ``mesh`` runs dmuon's replicate level (an HSDP mesh, a dmuon configuration
+    that is not ``_native``)."""
+    base = config.partition("@")[0]
+    return "replicate" in (mesh.mesh_dim_names or ()) and base.startswith("dmuon_z") and not base.endswith("_native")
+
+
+def _shard(workload, mesh, reshard: bool, replicate_level: bool = False) -> None:
     """``fully_shard`` each block, then the root, as FSDP2 users do (the same for every optimizer).
 
     On a mesh with a ``"tp"`` dim, torch's ``parallelize_module`` first splits each
-    block by the workload's TP plan; FSDP2 then shards over the other dims.
+    block by the workload's TP plan; FSDP2 then shards over the other dims (with
+    ``replicate_level``, over the shard dim only: dmuon reduces across the replicas).
 
     Raises:
         ValueError: A ``"tp"`` dim that does not divide a block's attention heads.
@@ -111,7 +124,7 @@ def _shard(workload, mesh, reshard: bool) -> None:
         tp = mesh["tp"]
         for block in workload.blocks:
             parallelize_module(block, tp, block_tp_plan(block, tp.size()))
-        mesh = dp_mesh(mesh)
+    mesh = mesh["shard"] if replicate_level else dp_mesh(mesh)
     for block in workload.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
@@ -148,7 +161,8 @@ def build(config: str, workload, mesh, hyper: Hyper):
             torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
         ), None
     kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
-    _shard(workload, mesh, reshard)
+    replicate_level = uses_replicate_level(config, mesh)
+    _shard(workload, mesh, reshard, replicate_level)
     if config == "adamw_local":
         plan = dmuon.prepare(model, select=lambda name, param: False)
         # DMuon's AdamW defaults are the adamw config's (weight decay 0.01, betas, eps).
@@ -157,6 +171,7 @@ def build(config: str, workload, mesh, hyper: Hyper):
         return GatherThenCompute(model, **kw), None
     # Planned (and with --profile measured) with the NS the optimizer runs.
     ns = dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype"))
-    plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns)
+    plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
+                         hsdp_mesh=mesh if replicate_level else None)
     return dmuon.DMuon(model, plan, overlap=not base.endswith("_sync"), ns_in_backward=base.endswith("_nsbwd"),
                        post_optim_event=base.endswith("_event"), **kw), plan

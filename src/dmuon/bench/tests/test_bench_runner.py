@@ -16,12 +16,26 @@ from dmuon.plan.selection import select_matrices
 def test_reshard_after_forward_per_config():
     """ZeRO-2 configurations keep the gathered weights; the rest keep FSDP2's default."""
     z2 = {c for c in ALL_CONFIGS if not reshard_after_forward(c)}
-    assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd"}
+    assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd", "dmuon_z2_native"}
     assert reshard_after_forward("adamw") and reshard_after_forward("adamw_local")
     assert not reshard_after_forward("dmuon_z2_sync@lpt") and reshard_after_forward("dmuon_z3@milp")
     assert CONFIGS == ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
     with pytest.raises(ValueError, match="config must be one of"):
         reshard_after_forward("dmuon_z1")
+
+
+def test_dmuon_configs_use_the_replicate_level_on_an_hsdp_mesh():
+    """On a mesh with a replicate dim every dmuon configuration but the ``_native`` ones shards over the
+    shard dim and hands dmuon the mesh; nothing else changes how it is built."""
+    from types import SimpleNamespace
+
+    from dmuon.bench.setups import uses_replicate_level
+
+    hsdp, flat = SimpleNamespace(mesh_dim_names=("replicate", "shard")), SimpleNamespace(mesh_dim_names=None)
+    assert uses_replicate_level("dmuon_z3", hsdp) and uses_replicate_level("dmuon_z2_sync@lpt", hsdp)
+    assert not uses_replicate_level("dmuon_z3_native", hsdp) and not uses_replicate_level("adamw", hsdp)
+    assert not uses_replicate_level("adamw_local", hsdp) and not uses_replicate_level("gather", hsdp)
+    assert not any(uses_replicate_level(c, flat) for c in ALL_CONFIGS)
 
 
 def test_build_rejects_unknown_and_misplaced_balancer():
