@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from dmuon.comm.stats import CommStats
 
 
 @dataclass
@@ -12,22 +14,9 @@ class StepReport:
 
     orthogonalized: int = 0
     """Matrices this rank ran the owner's work (NS) for and the step used."""
-    bytes_sent: int = 0
-    """Bytes of dmuon's own collectives this rank sent (FSDP2's are not counted)."""
-    bytes_received: int = 0
-    """Bytes of dmuon's own collectives this rank received."""
-    intra_bytes_sent: int = 0
-    """Part of ``bytes_sent`` on the shard (intra-node) level."""
-    intra_bytes_received: int = 0
-    """Part of ``bytes_received`` on the shard level."""
-    inter_bytes_sent: int = 0
-    """Part of ``bytes_sent`` on the replicate (inter-node) level; 0 without HSDP."""
-    inter_bytes_received: int = 0
-    """Part of ``bytes_received`` on the replicate level."""
-    collectives: int = 0
-    """dmuon collectives issued (backward's and the step's)."""
-    exposed_comm_seconds: float = 0.0
-    """Time blocked on dmuon collectives, i.e. communication not hidden behind compute."""
+    traffic: CommStats = field(default_factory=CommStats)
+    """dmuon's own collectives on this rank, backward's and the step's (FSDP2's are not counted):
+    bytes sent and received by level, how many, and the time blocked on them."""
     ns_seconds: float = 0.0
     """The owner's work and the exchange's bookkeeping around it, wherever it ran."""
     blocks_exchanged_in_backward: int = 0
@@ -45,5 +34,11 @@ class StepReport:
     """The matrices of each pipelined update return, in order."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (``DMuon.last_step_stats()``)."""
-        return asdict(self)
+        """The fields as one flat dict (``DMuon.last_step_stats()``): the traffic counters inline,
+        their ``wait_seconds`` as ``exposed_comm_seconds`` (communication not hidden by compute)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traffic"}
+        counters = self.traffic.as_dict()
+        out["exposed_comm_seconds"] = counters.pop("wait_seconds")
+        out.update(counters)
+        out["return_waves"] = [list(w) for w in self.return_waves]
+        return out

@@ -158,10 +158,7 @@ class ShardRuntime:
                 event = torch.Event(device=self.device)
                 event.record()  # after every update of this step, on the current stream
                 self._root.set_post_optim_event(event)
-        for name, value in self.stats.as_dict().items():
-            if name != "wait_seconds":
-                setattr(report, name, value)
-        report.exposed_comm_seconds = self.stats.wait_seconds
+        report.traffic = CommStats(**self.stats.as_dict())
         report.step_seconds = time.perf_counter() - start
         self.stats.reset()
         return report
