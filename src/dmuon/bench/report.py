@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from dmuon.bench.setups import is_muon_config
+from dmuon.bench.setups import clip_norm, is_muon_config
 
 LOSS_RTOL = 0.02
 """Muon configurations run the same update rule; final losses within this relative
@@ -78,12 +78,16 @@ def format_table(results: list[dict]) -> str:
 
 
 def timing_note(results: list[dict]) -> str:
-    """What the phase columns mean in this run, with each configuration's slowest rank's own ``step()`` time."""
+    """What the phase columns mean in this run, with each configuration's slowest rank's own ``step()``
+    time, and how many of dmuon's launches from backward each timed step kept."""
+    kept = "; ".join(f"{r['config']} {','.join(map(str, r['kept_launches_per_step']))} of {r['blocks']}"
+                     for r in results if r.get("blocks"))
+    kept = f"\nlaunches from backward kept per timed step: {kept}" if kept else ""
     if not results or not all(r.get("phases_on_one_clock") for r in results):
-        return "phases: each rank's own durations, the slowest rank's (ranks on several hosts)"
+        return "phases: each rank's own durations, the slowest rank's (ranks on several hosts)" + kept
     own = ", ".join(f"{r['config']} {1e3 * r['optimizer_own_s']:.1f}" for r in results)
     return ("phases: from the last rank's entry to the last rank's exit, on this host's clock; "
-            f"optim ms as the slowest rank's own step() + zero_grad: {own}")
+            f"optim ms as the slowest rank's own step() + zero_grad: {own}" + kept)
 
 
 def ratios(results: list[dict]) -> dict[str, float | list[float]]:
@@ -109,7 +113,9 @@ def ratios(results: list[dict]) -> dict[str, float | list[float]]:
         if not mine.startswith("dmuon_"):
             continue
         d = by[mine]
-        refs = ("adamw", "adamw_local") + (("adamw_z2",) if mine.startswith("dmuon_z2") else ())
+        # Like for like: a clipping configuration against AdamW clipping the same way.
+        refs = ("adamw_clip",) if mine.partition("@")[0].endswith("_clip") else \
+            ("adamw", "adamw_local") + (("adamw_z2",) if mine.startswith("dmuon_z2") else ())
         for ref in refs:
             if ref not in by:
                 continue
@@ -127,16 +133,26 @@ def ratios(results: list[dict]) -> dict[str, float | list[float]]:
 
 
 def loss_agreement(results: list[dict], exclude: tuple[str, ...] = ()) -> tuple[bool, str]:
-    """Whether the Muon configurations (but ``exclude``) end at the same loss, and the sentence saying so."""
-    muon = [r for r in results if is_muon_config(r["config"]) and r["config"] not in exclude]
-    if len(muon) < 2:
+    """Whether the Muon configurations (but ``exclude``) end at the same loss, and the sentence saying so.
+
+    Clipping configurations train on other gradients: they are compared among themselves.
+    """
+    sentences, ok = [], True
+    for clipped in (False, True):
+        muon = [r for r in results if is_muon_config(r["config"]) and r["config"] not in exclude
+                and (clip_norm(r["config"]) is not None) == clipped]
+        if len(muon) < 2:
+            continue
+        ref = muon[0]
+        worst = max(abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"]) for r in muon)
+        ok = ok and worst <= LOSS_RTOL
+        names = ", ".join(r["config"] for r in muon)
+        verdict = "agree" if worst <= LOSS_RTOL else "MISMATCH"
+        sentences.append(f"final losses of {names} {verdict} (max relative difference {worst:.2e}, "
+                         f"tolerance {LOSS_RTOL})")
+    if not sentences:
         return True, "fewer than two Muon configurations: nothing to compare"
-    ref = muon[0]
-    worst = max(abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"]) for r in muon)
-    ok = worst <= LOSS_RTOL
-    names = ", ".join(r["config"] for r in muon)
-    verdict = "agree" if ok else "MISMATCH"
-    return ok, f"final losses of {names} {verdict} (max relative difference {worst:.2e}, tolerance {LOSS_RTOL})"
+    return ok, "; ".join(sentences)
 
 
 def format_ratios(r: dict[str, float | list[float]]) -> str:

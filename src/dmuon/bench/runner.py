@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
-from dmuon.bench.setups import Hyper, build, reshard_after_forward
+from dmuon.bench.setups import Hyper, build, clip_norm, reshard_after_forward
 from dmuon.costmodel.traffic import fsdp2_traffic
 
 LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
@@ -149,6 +149,8 @@ class _ConfigRun:
                                            batch_size=opts.batch_size, seed=0)
         self.optimizer, self.plan = build(config, self.workload, mesh, opts.hyper)
         self.reshard_after_forward = reshard_after_forward(config)
+        self.clip = clip_norm(config)
+        self.kept: list[int] = []
         self.fwd_bwd: list[float] = []
         self.opt_s: list[float] = []
         self.opt_own_s: list[float] = []
@@ -207,6 +209,9 @@ class _ConfigRun:
         t1 = time.perf_counter()
         self._between_backward_and_step(timed)
         t2 = time.perf_counter()
+        if self.clip is not None:
+            # What training scripts do (torch's own clip), timed with the optimizer.
+            torch.nn.utils.clip_grad_norm_(self.workload.model.parameters(), self.clip)
         self.optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -244,6 +249,7 @@ class _ConfigRun:
             self.sent.append(stats.get("bytes_sent", 0))
             self.received.append(stats.get("bytes_received", 0))
             self.inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
+            self.kept.append(stats.get("blocks_exchanged_in_backward", 0))
             self.round_of_step.append(round_index)
 
     def record_peak(self) -> None:
@@ -299,6 +305,9 @@ class _ConfigRun:
             "reshard_after_forward": self.reshard_after_forward,
             "final_loss": self.losses[-1],
             "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
+            # dmuon: the launches from backward step() kept, per timed step (rank 0's), of the plan's blocks.
+            "kept_launches_per_step": list(self.kept),
+            "blocks": len(self.plan.blocks) if self.plan is not None else 0,
             "losses": self.losses,
             "tokens_per_rank": self.workload.tokens_per_rank,
             "imbalance": self.plan.imbalance() if self.plan is not None else None,

@@ -17,7 +17,8 @@ from dmuon.plan.selection import select_matrices
 CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
 EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
-                 "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native")
+                 "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
+                 "dmuon_z3_clip")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
@@ -30,11 +31,22 @@ the next forward's all-gathers wait on an event recorded after the last update).
 On an HSDP mesh (``--hsdp R``) every dmuon configuration uses dmuon's replicate level
 (FSDP2 over the shard dim, ``hsdp_mesh=``: dmuon reduces across replicas), except
 ``dmuon_z2_native``/``dmuon_z3_native``: FSDP2's native HSDP (its all-reduce) with dmuon on top.
-On a 1-D mesh the ``_native`` configurations are the plain ones."""
+On a 1-D mesh the ``_native`` configurations are the plain ones.
+
+``adamw_clip``, ``dmuon_z2_clip``, ``dmuon_z3_clip``: ``torch.nn.utils.clip_grad_norm_`` on every
+parameter between backward and ``step()`` (timed with the optimizer), with a ``max_norm``
+(:data:`CLIP_MAX_NORM`) below every gradient norm of the bench's models, so it rescales on every step."""
+CLIP_MAX_NORM = 1e-3
+"""The ``_clip`` configurations' ``max_norm``: the bench's gradient norms are far above it."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
 """What ``--balancer all`` runs each dmuon configuration with (as ``dmuon_z2@lpt`` etc.)."""
+
+
+def clip_norm(config: str) -> float | None:
+    """The ``max_norm`` ``config`` clips with before each step, or None."""
+    return CLIP_MAX_NORM if config.partition("@")[0].endswith("_clip") else None
 
 
 def is_muon_config(config: str) -> bool:
@@ -145,7 +157,7 @@ def build(config: str, workload, mesh, hyper: Hyper):
     base, _, balancer = config.partition("@")
     if balancer and not base.startswith("dmuon_z"):
         raise ValueError(f"only dmuon configurations take a balancer (dmuon_*@NAME), got {config!r}")
-    if config in ("adamw", "adamw_z2"):
+    if config in ("adamw", "adamw_z2", "adamw_clip"):
         _shard(workload, mesh, reshard)
         return torch.optim.AdamW(model.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
     if config == "torch_muon":

@@ -16,7 +16,7 @@ from dmuon.plan.selection import select_matrices
 def test_reshard_after_forward_per_config():
     """ZeRO-2 configurations keep the gathered weights; the rest keep FSDP2's default."""
     z2 = {c for c in ALL_CONFIGS if not reshard_after_forward(c)}
-    assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd", "dmuon_z2_native"}
+    assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd", "dmuon_z2_native", "dmuon_z2_clip"}
     assert reshard_after_forward("adamw") and reshard_after_forward("adamw_local")
     assert not reshard_after_forward("dmuon_z2_sync@lpt") and reshard_after_forward("dmuon_z3@milp")
     assert CONFIGS == ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
@@ -36,6 +36,26 @@ def test_dmuon_configs_use_the_replicate_level_on_an_hsdp_mesh():
     assert not uses_replicate_level("dmuon_z3_native", hsdp) and not uses_replicate_level("adamw", hsdp)
     assert not uses_replicate_level("adamw_local", hsdp) and not uses_replicate_level("gather", hsdp)
     assert not any(uses_replicate_level(c, flat) for c in ALL_CONFIGS)
+
+
+def test_clipping_configs_compare_like_for_like():
+    """``_clip`` configurations clip before every step, are compared with ``adamw_clip``, and their
+    losses only with each other's."""
+    from dmuon.bench.report import loss_agreement
+    from dmuon.bench.setups import CLIP_MAX_NORM, clip_norm
+
+    assert clip_norm("dmuon_z3_clip") == clip_norm("adamw_clip") == CLIP_MAX_NORM
+    assert clip_norm("dmuon_z3") is None and clip_norm("dmuon_z2_clip@lpt") == CLIP_MAX_NORM
+    row = dict(step_s=1.0, optimizer_s=0.1, fwd_bwd_s=0.9, final_loss=2.0)
+    results = [dict(row, config="adamw_clip", step_s=0.5), dict(row, config="dmuon_z3_clip"),
+               dict(row, config="dmuon_z3", final_loss=3.0), dict(row, config="dmuon_z2", final_loss=3.0)]
+    out = ratios(results)
+    assert out["dmuon_z3_clip_overhead_vs_adamw_clip_pct"] == pytest.approx(100.0)
+    assert "dmuon_z3_clip_overhead_vs_adamw_pct" not in out and "dmuon_z3_overhead_vs_adamw_clip_pct" not in out
+    ok, sentence = loss_agreement(results)
+    assert ok and "dmuon_z3, dmuon_z2 agree" in sentence
+    ok, _ = loss_agreement(results + [dict(row, config="dmuon_z2_clip", final_loss=2.5)])
+    assert not ok
 
 
 def test_build_rejects_unknown_and_misplaced_balancer():
