@@ -42,6 +42,13 @@ def test_torch_style_groups_built_before_sharding_equal_built_after():
     assert by_kind == {("muon", 0.05), ("adamw", 0.05), ("adamw", 0.0)}
 
 
+def test_blocks_wrapped_for_activation_checkpointing_after_the_optimizer_was_built():
+    """accelerate wraps blocks in torch's checkpoint wrapper between building the optimizer and sharding:
+    the parameters' names gain ``_checkpoint_wrapped_module``, and DMuon still finds them."""
+    out = run_distributed(before_and_after, 2, None, "fsdp2", 2, 1, None, "all", True, timeout_s=180)
+    _same(out[0]["before"], out[0]["after"])
+
+
 def test_a_step_on_a_model_never_sharded_names_the_fix():
     errors = run_distributed(unsharded_step, 2, timeout_s=60)
     for message in errors:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dmuon
+from dmuon.optim.dmuon import canonical_name
 
 from support.cases import freeze, full_params, make_mesh, shard_oddnet
 from support.models import OddNet, lm_loss, odd_batch
@@ -16,7 +17,7 @@ KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
 
 def _momenta(opt) -> dict[str, torch.Tensor]:
     """Every optimizer state tensor by parameter name and key, full (a collective for DTensors)."""
-    names = {id(p): n for n, p in opt.model.named_parameters()}
+    names = {id(p): canonical_name(n) for n, p in opt.model.named_parameters()}
     out = {}
     for p, state in opt.state.items():
         for key, value in state.items():
@@ -27,18 +28,19 @@ def _momenta(opt) -> dict[str, torch.Tensor]:
 
 def _groups(opt) -> list[dict]:
     """The param groups with the parameters as names (comparable across runs)."""
-    names = {id(p): n for n, p in opt.model.named_parameters()}
+    names = {id(p): canonical_name(n) for n, p in opt.model.named_parameters()}
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in opt.param_groups]
 
 
 def train_built(rank: int, world_size: int, when: str, mesh_shape=None, hsdp: str = "fsdp2", steps: int = 3,
-                micro_batches: int = 2, clip: float | None = 0.5, groups: str = "all") -> dict:
+                micro_batches: int = 2, clip: float | None = 0.5, groups: str = "all", wrap: bool = False) -> dict:
     """OddNet (seed 0, a frozen block) with DMuon built ``when`` = ``"after"`` or ``"before"`` fully_shard,
     then ``steps`` steps with ``micro_batches`` (FSDP2's no-sync for all but the last) and clipping.
 
     ``groups="torch"``: torch-style groups (a weight-decay group of biases and norms, as the HF Trainer
-    builds them) instead of all parameters. Returns (rank 0) the full parameters, momenta and param groups,
+    builds them) instead of all parameters. ``wrap``: each block put under torch's activation-checkpoint
+    wrapper after the optimizer is built (as accelerate does before sharding; parameter names change). Returns (rank 0) the full parameters, momenta and param groups,
     and (every rank) when the optimizer was set up.
     """
     mesh = make_mesh(world_size, mesh_shape)
@@ -60,6 +62,11 @@ def train_built(rank: int, world_size: int, when: str, mesh_shape=None, hsdp: st
     opt = build() if when == "before" else None
     if opt is not None:
         seen.append(("built", opt.is_set_up))
+    if wrap:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for k, layer in enumerate(model.layers):
+            model.layers[k] = checkpoint_wrapper(layer)
     shard_oddnet(model, mesh["shard"] if level else mesh)
     if opt is None:
         opt = build()

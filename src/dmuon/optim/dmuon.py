@@ -443,7 +443,8 @@ class DMuon(torch.optim.Optimizer):
                 raise ValueError(
                     f"param group {index}: {key}={group[key]!r} differs from the NS configuration the plan was "
                     f"priced with ({field}={getattr(self.ns, field)!r}); NS settings apply to every matrix: "
-                    "set them with DMuon(ns=dmuon.NSConfig(...)) or dmuon.prepare(ns=...)")
+                    "set them with DMuon(ns=dmuon.NSConfig(...)) or dmuon.prepare(ns=...)"
+                    + ("; AdamW's epsilon is the group key adamw_eps" if key == "eps" else ""))
 
     # -------------------------------------------------------------- param groups
     def _is_muon(self, param: torch.Tensor, name: str | None) -> bool:
