@@ -118,7 +118,8 @@ def _layout_of(model: nn.Module, hsdp_mesh=None):
             if distributed and p.requires_grad:
                 raise ValueError(
                     f"parameter {name!r} is not managed by any fully_shard: call fully_shard on the model "
-                    "(and its blocks) before dmuon.prepare / dmuon.DMuon"
+                    "(and its blocks) before dmuon.prepare (a DMuon built before sharding sets itself up at "
+                    "the model's first forward, after your framework has sharded it)"
                 )
             continue
         if not any(m == p.device_mesh for _, m in meshes):

@@ -6,13 +6,23 @@ follows ``torch.optim.AdamW``. The optimizer holds the param groups and the
 state and supplies torch.optim.Muon's rule as callbacks
 (:mod:`dmuon.optim.callbacks`); the runtime (:mod:`dmuon.runtime`) runs the
 step: which rank owns which matrix's NS, every collective, and when.
+
+Built on a model that is not sharded yet (what frameworks do: the optimizer
+first, then ``fully_shard``), it holds its param groups at once and sets the
+rest up (:func:`dmuon.prepare`, the runtime and its backward hooks) at the
+model's first forward, on every rank, or at the first ``step()``,
+``clip_grad_norm_`` or state load, whichever comes first; the param groups then
+hold the sharded parameters, whatever parameter objects a framework swapped into
+them in between (:meth:`DMuon._rebind`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -22,6 +32,7 @@ from dmuon.optim.momentum import MomentumLayout
 from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import GROUP_KEYS
 from dmuon.plan.plan import Plan
+from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
 from dmuon.rules.muon import ADJUST_LR_FNS
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
@@ -37,17 +48,53 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", *GROUP_KEYS)
+"""Param-group keys only the Muon half of a group reads (``eps`` is Muon's NS eps, as in torch.optim.Muon)."""
+ADAMW_KEYS = ("betas", "foreach", "fused", "amsgrad", "maximize", "capturable", "differentiable",
+              "decoupled_weight_decay")
+"""torch.optim.AdamW's keys that Muon has no use for: a group's go to its AdamW half as they are."""
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+NEEDS_THE_MODEL = (
+    "DMuon needs the model, not only its parameters: it reads the module tree (which blocks fully_shard "
+    "manages, the meshes) to give each matrix one owner. Pass DMuon(model, ...), or with parameter groups "
+    "or (name, param) pairs DMuon(groups, module=model, ...); the HF Trainer: "
+    "optimizer_cls_and_kwargs=(dmuon.DMuon, {'module': model, ...}); torchtitan: "
+    "examples/integrations/torchtitan_container.py"
+)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the parts wrappers insert (activation checkpointing's
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``, FSDP1's
+    ``_fsdp_wrapped_module``), as torch's distributed state dicts name it."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _waits_for_sharding(model: nn.Module) -> bool:
+    """A process group is up and a trainable parameter is not a DTensor yet (``fully_shard`` comes later)."""
+    return (dist.is_available() and dist.is_initialized()
+            and any(p.requires_grad and not isinstance(p, DTensor) for p in model.parameters()))
+
+
 class DMuon(torch.optim.Optimizer):
     """Muon on FSDP2 with one owner per matrix, AdamW for everything else.
 
     Build the model exactly as for AdamW (``fully_shard`` each block, then the
     root, any ``reshard_after_forward``, any ``MixedPrecisionPolicy``, a 1-D
-    mesh or a 2-D HSDP mesh), then ``DMuon(model, lr=..., adamw_lr=...)``.
+    mesh or a 2-D HSDP mesh), then ``DMuon(model, lr=..., adamw_lr=...)``. Or
+    build it where a framework builds ``torch.optim.AdamW``, before sharding:
+    it sets itself up at the model's first forward (see the module docstring).
 
     Args:
-        model: The model (after ``fully_shard``; plain in a single process).
+        model: The model (after ``fully_shard``, or before it with a process group
+            up; plain in a single process). Or what torch optimizers take (the
+            parameters, param groups, ``(name, param)`` pairs) with ``module=``
+            the model they belong to.
         plan: A plan from :func:`dmuon.prepare` for this model (balancer,
             profiling and selection options); None builds one with the defaults.
+        module: The model, when ``model`` holds parameters or groups (what the HF
+            Trainer and torchtitan's optimizer container pass).
         lr: Muon learning rate.
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
@@ -66,12 +113,11 @@ class DMuon(torch.optim.Optimizer):
         adamw_eps: AdamW epsilon.
         adamw_weight_decay: AdamW decoupled weight decay.
         param_groups: Optional list of dicts, each with ``"params"`` (a subset of
-            the model's parameters) and overrides of ``lr``, ``weight_decay``,
-            ``momentum``, ``nesterov``, ``adjust_lr_fn`` and the ``adamw_``
-            keywords. Each is split into a Muon group and an AdamW group.
-            Default: all parameters. NS settings are the plan's for every group:
-            a group's ``ns_steps``, ``ns_coefficients`` or ``eps`` that differs is
-            an error naming it.
+            the model's parameters, or ``(name, param)`` pairs) and torch.optim-style
+            overrides; each is split into a Muon group and an AdamW group
+            (:meth:`split_group` says which key goes where). Default: all parameters.
+            NS settings are the plan's for every group: a group's ``ns_steps``,
+            ``ns_coefficients`` or ``eps`` that differs is an error naming it.
         execution: When the runtime moves and computes
             (:class:`~dmuon.runtime.config.ExecutionConfig`: ``overlap``,
             ``ns_in_backward``, ``nonfinite``, ``return_waves``, ``post_optim_event``;
@@ -82,13 +128,17 @@ class DMuon(torch.optim.Optimizer):
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
             far as its owner needs (:func:`dmuon.prepare`). With a plan, the plan's.
+
+    Raises:
+        TypeError: Parameters or groups without ``module=`` (the message says what to pass).
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Iterable[Any] | None = None,
         plan: Plan | None = None,
         *,
+        module: nn.Module | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -113,6 +163,7 @@ class DMuon(torch.optim.Optimizer):
         return_waves: int | None = None,
         hsdp_mesh=None,
     ) -> None:
+        model, param_groups = self._model_and_groups(model, module, param_groups)
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
         ns = self._resolve_ns(plan, ns, dict(ns_method=ns_method, eps=eps, ns_coefficients=ns_coefficients,
@@ -125,33 +176,24 @@ class DMuon(torch.optim.Optimizer):
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
-        if plan is None:
-            plan = prepare(model, ns=ns, hsdp_mesh=hsdp_mesh)
-        elif hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:
+        if plan is not None and hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:
             raise ValueError("hsdp_mesh differs from the plan's; pass it to dmuon.prepare(hsdp_mesh=...)")
-        names = [n for n, _ in model.named_parameters()]
-        if tuple(names) != plan.param_names:
-            added = sorted(set(names) - set(plan.param_names))
-            raise ValueError(
-                f"the model's parameters differ from the plan's (new: {added[:5]}); "
-                "was the plan made for this model? Call dmuon.prepare again on the final model"
-            )
-        model_params = list(model.parameters())
-        known = {id(p) for p in model_params}
-        missing = [info.name for info in plan.infos if id(info.param) not in known]
-        if missing:
-            raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
-        self.plan = plan
+        self.model = model
+        """The model this optimizer steps (the same object before and after ``fully_shard``)."""
         self.ns = ns
         """The Newton-Schulz configuration the owners run (the plan's)."""
         self.execution = execution
         """When the runtime moves and computes."""
-        self.momentum = MomentumLayout(plan)
-        self.param_names = {id(p): n for n, p in model.named_parameters()}
-        """Parameter (by id) -> its name in the model."""
+        self.plan: Plan | None = None
+        """The ownership plan (None until set up: see the module docstring)."""
+        self.runtime: ShardRuntime | None = None
+        self.param_names: dict[int, str] = {}
+        """Parameter (by id) -> its name in the model (once set up)."""
+        self._hsdp_mesh = hsdp_mesh
         self._index: dict[int, list[int]] = {}  # parameter -> its matrices (several for a stack of experts)
-        for info in plan.infos:
-            self._index.setdefault(id(info.param), []).append(info.index)
+        self._lazy_muon: set[str] | None = None  # before setup: the Muon matrices' canonical names
+        self._built: dict[int, tuple[weakref.ref, str]] = {}  # the model's parameters the groups were built with
+        self._forward_hook = None
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
@@ -160,14 +202,213 @@ class DMuon(torch.optim.Optimizer):
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
             weight_decay=adamw_weight_decay, foreach=None,
         )
-        user_groups = param_groups if param_groups is not None else [{"params": model_params}]
+        self._adamw_lr_given = adamw_lr is not None
+        if plan is None and _waits_for_sharding(model):
+            # Before fully_shard: the default selection, on the model as it is, splits the groups;
+            # the plan follows on the sharded model (_ready).
+            self._lazy_muon = {canonical_name(n) for n, p in select_matrices(model) if p.requires_grad}
+        else:
+            self._adopt_plan(plan if plan is not None else prepare(model, ns=ns, hsdp_mesh=hsdp_mesh))
+        named = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        user_groups = param_groups if param_groups is not None else [{"params": list(model.parameters())}]
         groups = []
-        for g in user_groups:
-            groups.extend(self._split_group(g))
+        for k, g in enumerate(user_groups):
+            groups.extend(self.split_group(g, index=k, names=named))
+        if any("param_names" not in g for g in groups):
+            for g in groups:
+                g.pop("param_names", None)  # torch's rule: every group named, or none
+        for g in groups:
+            for p in g["params"]:
+                if id(p) in named:
+                    self._built[id(p)] = (weakref.ref(p), named[id(p)])
         self._last_report = StepReport()
         super().__init__(groups, defaults=dict(self._muon_defaults))
-        self.runtime = ShardRuntime(plan, MuonCallbacks(self), execution,
+        if self._lazy_muon is None:
+            self._start_runtime()
+        else:
+            # A global forward pre-hook: it runs before the module's own, FSDP2's included (which
+            # swap the unsharded parameters in), so the model still holds its sharded ones.
+            self._forward_hook = nn.modules.module.register_module_forward_pre_hook(self._first_forward_hook())
+            weakref.finalize(self, self._forward_hook.remove)  # an optimizer dropped before its setup
+
+    # ------------------------------------------------------------------ inputs
+    @staticmethod
+    def _model_and_groups(model: Any, module: Any, param_groups: Any) -> tuple[nn.Module, Any]:
+        """The model and the user's groups from what was passed (a model, or parameters/groups and ``module``)."""
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"module= must be the model (an nn.Module), got {type(module).__name__}")
+        if isinstance(model, nn.Module):
+            if module is not None and module is not model:
+                raise TypeError("DMuon got two models (model and module=); pass the model once")
+            return model, param_groups
+        if model is None:
+            if module is None:
+                raise TypeError(NEEDS_THE_MODEL)
+            return module, param_groups
+        if isinstance(model, torch.Tensor):
+            raise TypeError("DMuon's first argument must be the model or an iterable of parameters or groups, "
+                            f"got a tensor; {NEEDS_THE_MODEL}")
+        if isinstance(model, (set, frozenset)):
+            raise TypeError("parameters need an ordered collection (a list), not a set, as in torch.optim")
+        try:
+            groups = list(model)
+        except TypeError:
+            raise TypeError(f"DMuon's first argument must be the model or an iterable of parameters or groups, "
+                            f"got {type(model).__name__}") from None
+        if module is None:
+            raise TypeError(NEEDS_THE_MODEL)
+        if param_groups is not None:
+            raise TypeError("parameter groups given twice (as the first argument and as param_groups=); pass them once")
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        return module, groups if isinstance(groups[0], dict) else [{"params": groups}]
+
+    # ------------------------------------------------------------------- setup
+    def _adopt_plan(self, plan: Plan) -> None:
+        """Takes ``plan`` for this model: the checks, the momentum layout and the matrices' index."""
+        model = self.model
+        names = [n for n, _ in model.named_parameters()]
+        if tuple(names) != plan.param_names:
+            added = sorted(set(names) - set(plan.param_names))
+            raise ValueError(
+                f"the model's parameters differ from the plan's (new: {added[:5]}); "
+                "was the plan made for this model? Call dmuon.prepare again on the final model"
+            )
+        known = {id(p) for p in model.parameters()}
+        missing = [info.name for info in plan.infos if id(info.param) not in known]
+        if missing:
+            raise ValueError(f"plan matrices not found in model: {missing[:5]}; was the plan made for this model?")
+        self.plan = plan
+        self.momentum = MomentumLayout(plan)
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self._index = {}
+        for info in plan.infos:
+            self._index.setdefault(id(info.param), []).append(info.index)
+
+    def _start_runtime(self) -> None:
+        model = self.model
+        self.runtime = ShardRuntime(self.plan, MuonCallbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
+
+    def _first_forward_hook(self):
+        # Weak: a replaced optimizer (a new one on resume) neither stays alive nor sets itself up.
+        me = weakref.ref(self)
+
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any) -> None:
+            opt = me()
+            if opt is None or module is not opt.model or opt.runtime is not None:
+                return
+            if not _waits_for_sharding(opt.model):
+                opt._ready()
+
+        return hook
+
+    @property
+    def is_set_up(self) -> bool:
+        """Whether the plan and the runtime exist (a DMuon built before ``fully_shard`` sets itself up at
+        the model's first forward, or at the first ``step()``, ``clip_grad_norm_`` or state load)."""
+        return self.runtime is not None
+
+    def _me(self) -> DMuon:
+        """This optimizer, also when called through a wrapper that took DMuon's class and delegates
+        attribute reads to it (Lightning Fabric's ``_FabricOptimizer``), where writes must not land."""
+        return self if "param_groups" in self.__dict__ else self.optimizer
+
+    def _ready(self) -> None:
+        """Sets the optimizer up on the sharded model if it is not yet: on every rank alike (a collective)."""
+        self = self._me()
+        if self.runtime is not None:
+            return
+        if _waits_for_sharding(self.model) and dist.get_world_size() > 1:
+            bare = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+            raise ValueError(
+                f"DMuon was built before fully_shard and the model is still not sharded (parameter {bare[0]!r} "
+                "is not managed by any fully_shard): shard the model (fully_shard on its blocks and root, or "
+                "through your framework: accelerator.prepare, fabric.setup, Trainer) before the first step")
+        self._rebind(strict=True)
+        plan = prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh)
+        self._adopt_plan(plan)
+        wrong = []
+        for k, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if (id(p) in self._index) != (g["algorithm"] == "muon"):
+                    wrong.append((k, self.param_names.get(id(p), "?"), g["algorithm"]))
+        if wrong:
+            k, name, algorithm = wrong[0]
+            raise ValueError(
+                f"parameter {name!r} sits in an {algorithm!r} param group (group {k}), split when DMuon was "
+                "built before fully_shard, but the plan made on the sharded model says otherwise (was "
+                "requires_grad changed in between?); change requires_grad before building DMuon, or build it "
+                "after sharding")
+        self._lazy_muon = None
+        self._start_runtime()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _rebind(self, strict: bool = False) -> None:
+        """Puts the model's current parameter objects into the param groups (and moves their state).
+
+        ``fully_shard`` replaces every parameter of the model with a DTensor one; a framework
+        may swap its own objects into the groups meanwhile (accelerate's placeholders, then
+        its sharded parameters). Each parameter the groups were built with and the model no
+        longer holds is replaced by the model's parameter of the same name (wrappers'
+        name parts aside: activation checkpointing, ``torch.compile``); objects a framework
+        put there are left to it. Local: no collective.
+
+        Raises:
+            ValueError: With ``strict``, for any group entry that is not one of the model's
+                parameters now, naming it and the fix.
+        """
+        groups = self.__dict__.get("param_groups", [])
+        current = {id(p) for p in self.model.parameters()}
+        by_name = None
+        for k, group in enumerate(groups):
+            params = group["params"]
+            for j, p in enumerate(params):
+                if id(p) in current:
+                    continue
+                built = self._built.get(id(p))
+                name = built[1] if built is not None and built[0]() is p else None
+                if name is not None:
+                    if by_name is None:
+                        by_name = {canonical_name(n): q for n, q in self.model.named_parameters()}
+                    new = by_name.get(name)
+                    if new is not None:
+                        if self.state.get(p):
+                            raise ValueError(
+                                f"parameter {name!r} has optimizer state loaded before the model was sharded; "
+                                "load optimizer checkpoints after sharding (after accelerator.prepare, "
+                                "fabric.setup or fully_shard)")
+                        self.state.pop(p, None)
+                        params[j] = new
+                        self._built[id(new)] = (weakref.ref(new), name)
+                        continue
+                if strict:
+                    names = group.get("param_names")
+                    label = repr(names[j]) if names else f"number {j}"
+                    raise ValueError(
+                        f"param group {k}: parameter {label} (shape {tuple(p.shape)}) is not one of the model's "
+                        "parameters now and no parameter of the model has its name; build DMuon on the model "
+                        "that is trained (and the same object that fully_shard shards), or after sharding")
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """torch.optim's param groups; before setup, every read first puts the model's current parameters
+        in them (:meth:`_rebind`), so a framework's state-dict code sees the sharded parameters."""
+        try:
+            groups = self.__dict__["param_groups"]
+        except KeyError:
+            # A wrapper that took DMuon's class (Lightning's _FabricOptimizer) delegates through __getattr__.
+            raise AttributeError("param_groups") from None
+        if self.__dict__.get("_lazy_muon") is not None:
+            self._rebind()
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.__dict__["param_groups"] = value
 
     @staticmethod
     def _resolve_ns(plan: Plan | None, ns: NSConfig | None, keywords: dict[str, Any]) -> NSConfig:
@@ -202,39 +443,106 @@ class DMuon(torch.optim.Optimizer):
                 raise ValueError(
                     f"param group {index}: {key}={group[key]!r} differs from the NS configuration the plan was "
                     f"priced with ({field}={getattr(self.ns, field)!r}); NS settings apply to every matrix: "
-                    "set them with DMuon(ns=dmuon.NSConfig(...)) or dmuon.prepare(ns=...)")
+                    "set them with DMuon(ns=dmuon.NSConfig(...)) or dmuon.prepare(ns=...)"
+                    + ("; AdamW's epsilon is the group key adamw_eps" if key == "eps" else ""))
 
     # -------------------------------------------------------------- param groups
-    def _split_group(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+    def _is_muon(self, param: torch.Tensor, name: str | None) -> bool:
+        """Whether ``param`` is a Muon matrix: in the plan, or before setup chosen by the default rule."""
+        if self._lazy_muon is None:
+            return id(param) in self._index
+        return name is not None and name in self._lazy_muon
+
+    def split_group(self, group: dict[str, Any], index: int = 0,
+                    names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """A torch.optim-style param group as DMuon's: a Muon group and an AdamW group (either may be absent).
+
+        ``"params"`` may hold tensors or ``(name, param)`` pairs; every half gets the
+        names of its parameters as ``"param_names"`` (given ones, else the model's).
+        The group's keys go where torch.optim users mean them:
+
+        * ``momentum``, ``nesterov``, ``adjust_lr_fn`` and the NS keys (``ns_steps``,
+          ``ns_coefficients``, ``eps``: torch.optim.Muon's): the Muon half.
+        * ``adamw_<key>``: the AdamW half's ``<key>``; AdamW-only keys (``betas``,
+          ``foreach``, ``fused``, ...): the AdamW half.
+        * ``weight_decay``: both halves (so a group of biases and norms with
+          ``weight_decay=0.0`` decays neither), unless ``adamw_weight_decay`` sets the
+          AdamW half's.
+        * ``lr``: the Muon half; the AdamW half too when neither the group's
+          ``adamw_lr`` nor DMuon's ``adamw_lr=`` is given (as DMuon's ``lr`` does).
+        * any other key (yours): both halves.
+
+        Keys a half does not set come from DMuon's keywords (``lr``, ``weight_decay``,
+        ... for Muon; ``adamw_lr``, ``adamw_weight_decay``, ... for AdamW).
+        """
         if "params" not in group:
             raise ValueError("every param group needs a 'params' entry")
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        muon = [p for p in params if id(p) in self._index]
-        other = [p for p in params if id(p) not in self._index]
-        extra = {k: v for k, v in group.items() if k != "params"}
+        if "algorithm" in group:
+            return [dict(group)]  # already one of DMuon's (add_param_group checks it)
+        raw = group["params"]
+        if isinstance(raw, (set, frozenset)):
+            raise TypeError("optimizer parameters need to be organized in ordered collections (a list), "
+                            "not a set, as in torch.optim")
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        given = group.get("param_names")
+        if given is not None and len(given) != len(raw):
+            raise ValueError(f"param group {index}: {len(given)} param_names for {len(raw)} params")
+        if names is None:
+            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
+        params, labels = [], []
+        for k, item in enumerate(raw):
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                label, p = item
+            else:
+                p, label = item, (given[k] if given is not None else None)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {index}: DMuon can only optimize tensors, got {type(p).__name__}")
+            params.append(p)
+            labels.append(label if label is not None else names.get(id(p)))
+        muon = [k for k, p in enumerate(params) if self._is_muon(p, names.get(id(p), labels[k]))]
+        other = [k for k in range(len(params)) if k not in set(muon)]
+        extra = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         out = []
         if muon:
-            g = {k: v for k, v in extra.items() if not k.startswith("adamw_")}
-            out.append({"params": muon, "algorithm": "muon", **g})
+            g = {k: v for k, v in extra.items() if not k.startswith("adamw_") and k not in ADAMW_KEYS}
+            out.append(self._half(params, labels, muon, "muon", g))
         if other:
-            g = {k[len("adamw_"):]: v for k, v in extra.items() if k.startswith("adamw_")}
-            out.append({"params": other, "algorithm": "adamw", **g})
+            g = {k: v for k, v in extra.items()
+                 if not k.startswith("adamw_") and k not in MUON_KEYS and k not in ("lr", "weight_decay")}
+            if "weight_decay" in extra:
+                g["weight_decay"] = extra["weight_decay"]
+            if "lr" in extra and not self._adamw_lr_given:
+                g["lr"] = extra["lr"]
+            g.update({k[len("adamw_"):]: v for k, v in extra.items() if k.startswith("adamw_")})
+            out.append(self._half(params, labels, other, "adamw", g))
         return out
 
+    @staticmethod
+    def _half(params: list, labels: list, members: list[int], algorithm: str, keys: dict) -> dict[str, Any]:
+        half = {"params": [params[k] for k in members], "algorithm": algorithm, **keys}
+        if all(labels[k] is not None for k in members):
+            half["param_names"] = [labels[k] for k in members]
+        return half
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group; its ``algorithm`` is inferred from whether the params are plan matrices."""
+        """Adds a group, as torch.optim does: a torch.optim-style group is split as the constructor splits
+        them (:meth:`split_group`: a Muon half, an AdamW half); one with DMuon's ``algorithm`` key is added
+        as it is, after checking its parameters are of that kind."""
+        if "algorithm" not in param_group:
+            named = all("param_names" in g for g in self.param_groups)
+            for half in self.split_group(param_group, index=len(self.param_groups)):
+                if not named:
+                    half.pop("param_names", None)
+                self.add_param_group(half)
+            return
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if "algorithm" not in param_group:
-            kinds = {id(p) in self._index for p in params}
-            if len(kinds) > 1:
-                raise ValueError("a param group mixes Muon matrices and other parameters; split it")
-            param_group["algorithm"] = "muon" if kinds == {True} else "adamw"
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         algorithm = param_group["algorithm"]
         if algorithm == "muon":
-            for p in params:
-                if id(p) not in self._index:
+            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
+            for p in tensors:
+                if not self._is_muon(p, names.get(id(p))):
                     raise ValueError("a 'muon' param group holds a parameter that is not in the plan")
             defaults = self._muon_defaults
         elif algorithm == "adamw":
@@ -259,8 +567,20 @@ class DMuon(torch.optim.Optimizer):
         be for fp32 parameters), so it is taken again from the incoming values. A
         momentum DTensor laid out otherwise (a state dict built by hand for
         another mesh) is redistributed to the runtime's layout, on every rank in
-        the same order.
+        the same order. Built before sharding, DMuon sets itself up first (a
+        collective, as loading a sharded checkpoint is) once the model is sharded;
+        before that, only a state without momenta loads (what accelerate's
+        ``prepare`` does with a fresh optimizer).
         """
+        if not self.is_set_up:
+            if _waits_for_sharding(self.model):
+                if any(isinstance(v, dict) and "momentum_buffer" in v for v in state_dict["state"].values()):
+                    raise ValueError("DMuon was built before fully_shard and the model is not sharded yet: load "
+                                     "optimizer checkpoints after sharding (after accelerator.prepare, fabric.setup "
+                                     "or fully_shard)")
+                super().load_state_dict(state_dict)
+                return
+            self._ready()
         order = [k for g in state_dict["param_groups"] for k in g["params"]]
         momenta = {k: v["momentum_buffer"] for k, v in state_dict["state"].items()
                    if isinstance(v, dict) and "momentum_buffer" in v}
@@ -286,6 +606,7 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._ready()
         self._last_report = self.runtime.step()
         return loss
 
@@ -303,8 +624,10 @@ class DMuon(torch.optim.Optimizer):
         Returns:
             The total norm before clipping (a float32 tensor, the same on every rank).
         """
-        params = [p for g in self.param_groups for p in g["params"]]
-        return self.runtime.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        me = self._me()
+        me._ready()
+        params = [p for g in me.param_groups for p in g["params"]]
+        return me.runtime.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def last_step_report(self) -> StepReport:
         """This rank's :class:`~dmuon.runtime.report.StepReport` of the last step (and the backward before it)."""
