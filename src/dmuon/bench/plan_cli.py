@@ -231,13 +231,14 @@ def _simulation_lines(plan: dict) -> list[str]:
              f"intra / inter; {m['tokens_per_gpu']} tokens per GPU, ZeRO-{m['zero']}, {m['return_waves']} return "
              f"waves{'; serialised' if not m['overlap'] else ''}):",
              f"  {'strategy':<34} {'step ms':>9} {'vs AdamW':>9} {'optimizer ms':>13} {'gather opt /':>13} "
-             f"{'exposed comm ms':>16}"]
+             f"{'exposed comm ms':>16}  optimizer phase, busiest rank: NS / elementwise / intra / inter link ms"]
     for key in SIM_STRATEGIES:
         f, r = sim[key], ratios[key]
         over = r["gather_optimizer_over_this"]
         lines.append(f"  {SIM_LABELS[key]:<34} {f['step_seconds'] * 1e3:>9.1f} {r['step_vs_fsdp_adamw']:>8.3f}x "
                      f"{f['optimizer_seconds'] * 1e3:>13.1f} {(f'{over:.2f}x' if over else '-'):>13} "
-                     f"{f['exposed_comm_seconds'] * 1e3:>16.1f}")
+                     f"{f['exposed_comm_seconds'] * 1e3:>16.1f}  "
+                     + " / ".join(f"{v * 1e3:.1f}" for v in f["optimizer_busy_seconds"].values()))
     return lines
 
 

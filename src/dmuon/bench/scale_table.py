@@ -82,13 +82,15 @@ SIMULATED = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", "dion_all_to_
 
 def format_simulation_table(rows: Sequence[dict]) -> str:
     """``dmuon plan --simulate --scale-table``: per model and world size, each strategy's simulated
-    step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's and
-    gather-then-compute's optimizer phase over dmuon's (both designs)."""
+    step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's,
+    gather-then-compute's optimizer phase over dmuon's (both designs), and what keeps dmuon's
+    busiest rank busy in its optimizer phase."""
     names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (design (b))",
              "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))", "dion_all_to_all": "all-to-all peer"}
     lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
-             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a)) | gather's optimizer ÷ dmuon's ((b) / (a)) |",
-             "|---|---|" + "---|" * (len(SIMULATED) + 2)]
+             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a)) | gather's optimizer ÷ dmuon's ((b) / (a)) "
+             "| dmuon (b)'s optimizer phase: NS / elementwise / intra / inter link ms |",
+             "|---|---|" + "---|" * (len(SIMULATED) + 3)]
     for row in rows:
         sim, ratios = row["simulation"], row["simulation_ratios"]
 
@@ -103,5 +105,6 @@ def format_simulation_table(rows: Sequence[dict]) -> str:
             return " / ".join(f"{ratios[k][field]:.{digits}f}x" for k in ("dmuon", "dmuon_native_hsdp"))
 
         lines.append(f"| {row['model']} | {row['world_size']} | " + " | ".join(cell(k) for k in SIMULATED)
-                     + f" | {both('step_vs_fsdp_adamw', 3)} | {both('gather_optimizer_over_this', 1)} |")
+                     + f" | {both('step_vs_fsdp_adamw', 3)} | {both('gather_optimizer_over_this', 1)} | "
+                     + " / ".join(f"{v * 1e3:.1f}" for v in sim["dmuon"]["optimizer_busy_seconds"].values()) + " |")
     return "\n".join(lines)

@@ -175,6 +175,8 @@ class Task:
     ranks: list[int] = field(default_factory=list)
     start: dict[int, float] = field(default_factory=dict)
     end: dict[int, float] = field(default_factory=dict)
+    moving: float | None = None
+    """A collective: when its latency was paid and its bytes started moving."""
 
 
 class Timeline:
@@ -309,6 +311,7 @@ class Timeline:
             elif what == "moved":  # latency paid: every rank's bytes start moving
                 n = payload
                 c = self.tasks[n].collective
+                self.tasks[n].moving = now
                 bandwidth = self.links.intra_bandwidth if c.level == "intra" else self.links.inter_bandwidth
                 for k in self.tasks[n].ranks:
                     flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
@@ -781,8 +784,10 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
         rank waits on transfers, or on other ranks through them), the same split
         into ``exposed_forward_backward_seconds`` and ``exposed_optimizer_seconds``,
         ``compute_seconds`` (forward and backward FLOPs alone), ``ns_seconds`` and
-        ``elementwise_seconds`` (the most any rank spends), ``collectives`` and
-        ``bounding_rank`` (the rank with the most compute).
+        ``elementwise_seconds`` (the most any rank spends), ``optimizer_busy_seconds``
+        (during the optimizer phase: the most any rank spends on NS and on elementwise work,
+        and the longest any rank's intra- and inter-node link carries bytes: what bounds
+        the phase), ``collectives`` and ``bounding_rank`` (the rank with the most compute).
     """
     timeline, backward_end = build_step(strategy, inputs, hardware, options)
     timeline.run()
@@ -810,9 +815,38 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
         "compute_seconds": max(by_kind["compute"]),
         "ns_seconds": max(by_kind["ns"]),
         "elementwise_seconds": max(by_kind["elementwise"]),
+        "optimizer_busy_seconds": _busy_after(timeline, backward, world),
         "collectives": sum(1 for t in timeline.tasks if t.collective is not None and t.ranks),
         "bounding_rank": bound,
     }
+
+
+def _busy_after(timeline: Timeline, start: float, world: int) -> dict:
+    """What kept the ranks busy from ``start`` (the end of backward) on: the most any rank spent on NS
+    and on elementwise work, and the longest any rank's intra- and inter-node link carried bytes
+    (either direction; overlapping transfers counted once)."""
+    work = {"ns": [0.0] * world, "elementwise": [0.0] * world}
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for task in timeline.tasks:
+        if task.collective is not None:
+            for k in task.ranks:
+                if task.moving is not None and max(task.collective.ranks[k]) > 0 and task.end[k] > start:
+                    spans.setdefault((k, task.collective.level), []).append((max(task.moving, start), task.end[k]))
+        elif task.kind in work:
+            for k in task.ranks:
+                if task.seconds[k] and task.end[k] > start:
+                    # Its share after ``start`` (all of it unless it began in backward).
+                    whole = task.end[k] - task.start[k]
+                    work[task.kind][k] += task.seconds[k] * min(1.0, (task.end[k] - start) / whole) if whole else 0.0
+    links = {"intra": 0.0, "inter": 0.0}
+    for (k, level), intervals in spans.items():
+        covered, reach = 0.0, start
+        for a, b in sorted(intervals):
+            if b > reach:
+                covered += b - max(a, reach)
+                reach = b
+        links[level] = max(links[level], covered)
+    return {"ns": max(work["ns"]), "elementwise": max(work["elementwise"]), **links}
 
 
 def simulate_strategies(inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None,

@@ -231,6 +231,26 @@ def test_hand_step_on_one_rank_per_strategy():
     dmuon = simulate("dmuon", inputs, hw, options)
     assert dmuon["step_seconds"] == pytest.approx(fwd_bwd + 10 * 32 + 14 * 32 + 4 * 32 + 28 * 40 + ns + 8 * 32 + 10 * 32)
     assert dmuon["ns_seconds"] == pytest.approx(ns + 8 * 32)
+    # After backward: NS, and the momentum, check, AdamW and apply passes; no link.
+    assert dmuon["optimizer_busy_seconds"] == pytest.approx(
+        {"ns": ns + 8 * 32, "elementwise": 14 * 32 + 4 * 32 + 28 * 40 + 10 * 32, "intra": 0.0, "inter": 0.0})
+
+
+def test_the_optimizer_phase_counts_link_time_once_per_rank():
+    # After a 2 s "backward", two overlapping transfers on rank 0's link (4 bytes each at half rate: 8 s)
+    # and one later one (1 + 2 s): busy 8 + 2 s of link time, not 8 + 8 + 2.
+    tl = Timeline(2, AlphaBeta(intra_bandwidth=1.0, intra_latency=1.0))
+    backward = tl.compute("backward", "compute", 2.0, phase="backward")
+    end = tl.wait("backward end", "compute", [backward], phase="backward")
+    a = tl.collective(Collective("all_to_all", "intra", "step", None, [(4, 0), (0, 4)], 0, "a"), "one", [end],
+                      phase="step")
+    tl.collective(Collective("all_to_all", "intra", "step", None, [(4, 0), (0, 4)], 0, "b"), "two", [end],
+                  phase="step")
+    tl.collective(Collective("all_to_all", "intra", "step", None, [(2, 0), (0, 2)], 1, "c"), "one", [a],
+                  phase="step")
+    tl.run()
+    from dmuon.costmodel.simulate import _busy_after
+    assert _busy_after(tl, 2.0, 2) == pytest.approx({"ns": 0.0, "elementwise": 0.0, "intra": 10.0, "inter": 0.0})
 
 
 def test_nothing_is_exposed_with_free_links_and_gather_pays_every_ns():
