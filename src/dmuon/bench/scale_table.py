@@ -89,8 +89,9 @@ def format_simulation_table(rows: Sequence[dict]) -> str:
              "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))", "dion_all_to_all": "all-to-all peer"}
     lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
              + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a)) | gather's optimizer ÷ dmuon's ((b) / (a)) "
-             "| dmuon (b)'s optimizer phase: NS / elementwise / intra / inter link ms |",
-             "|---|---|" + "---|" * (len(SIMULATED) + 3)]
+             "| gather's step ÷ dmuon's ((b) / (a)) | dmuon (b)'s optimizer phase: NS / elementwise / intra / "
+             "inter link ms |",
+             "|---|---|" + "---|" * (len(SIMULATED) + 4)]
     for row in rows:
         sim, ratios = row["simulation"], row["simulation_ratios"]
 
@@ -106,5 +107,6 @@ def format_simulation_table(rows: Sequence[dict]) -> str:
 
         lines.append(f"| {row['model']} | {row['world_size']} | " + " | ".join(cell(k) for k in SIMULATED)
                      + f" | {both('step_vs_fsdp_adamw', 3)} | {both('gather_optimizer_over_this', 1)} | "
+                     + f"{both('gather_step_over_this', 2)} | "
                      + " / ".join(f"{v * 1e3:.1f}" for v in sim["dmuon"]["optimizer_busy_seconds"].values()) + " |")
     return "\n".join(lines)

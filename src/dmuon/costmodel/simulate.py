@@ -857,11 +857,16 @@ def simulate_strategies(inputs: StepInputs, hardware: Hardware, options: SimOpti
 
 def goal_ratios(figures: dict) -> dict:
     """Per strategy of ``{strategy: simulate(...)}``: its step over FSDP2 + AdamW's
-    (``step_vs_fsdp_adamw``) and gather-then-compute's optimizer phase over its own
-    (``gather_optimizer_over_this``): the ratios the paper's claims are made of."""
+    (``step_vs_fsdp_adamw``), gather-then-compute's optimizer phase over its own
+    (``gather_optimizer_over_this``) and gather-then-compute's step over its own
+    (``gather_step_over_this``): the ratios the paper's claims are made of."""
     base = figures["fsdp_adamw"]["step_seconds"] if "fsdp_adamw" in figures else None
-    gather = figures["gather"]["optimizer_seconds"] if "gather" in figures else None
+    gather = figures.get("gather")
+
+    def over(key: str, value: float) -> float | None:
+        return gather[key] / value if gather and value else None
+
     return {k: {"step_vs_fsdp_adamw": v["step_seconds"] / base if base else None,
-                "gather_optimizer_over_this": gather / v["optimizer_seconds"] if gather and v["optimizer_seconds"]
-                else None}
+                "gather_optimizer_over_this": over("optimizer_seconds", v["optimizer_seconds"]),
+                "gather_step_over_this": over("step_seconds", v["step_seconds"])}
             for k, v in figures.items()}
