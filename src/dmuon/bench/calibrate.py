@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = {r["config"]: r for r in per_rank[0][0]}
         per_rank = [points for _, points in per_rank]
     figures = combine(per_rank)
-    print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
     effective = predict(figures, args.model, size, args.world_size, tokens, compute="effective_flops")
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,

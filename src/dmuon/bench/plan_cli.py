@@ -224,10 +224,12 @@ def _simulation_lines(plan: dict) -> list[str]:
     m = plan["simulation_model"]
     hw = m["hardware"]
     ratios = plan["simulation_ratios"]
+    ns = "profiled" if m["ns_seconds"] else m["ns_method"]
     lines = [f"one training step, simulated on every rank ({hw['name']}: {hw['compute_flops'] / 1e12:g} TFLOP/s "
-             f"forward+backward, NS {hw['ns_flops'] / 1e12:g} TFLOP/s ({m['ns_method'] if not m['ns_seconds'] else 'profiled'}), "
+             f"forward+backward, NS {hw['ns_flops'] / 1e12:g} TFLOP/s ({ns}), "
              f"elementwise {hw['elementwise_bytes'] / 1e9:g} GB/s, links {hw['intra_bandwidth'] / 1e9:g} / "
-             f"{hw['inter_bandwidth'] / 1e9:g} GB/s and {hw['intra_latency'] * 1e6:g} / {hw['inter_latency'] * 1e6:g} us "
+             f"{hw['inter_bandwidth'] / 1e9:g} GB/s and {hw['intra_latency'] * 1e6:g} / "
+             f"{hw['inter_latency'] * 1e6:g} us "
              f"intra / inter; {m['tokens_per_gpu']} tokens per GPU, ZeRO-{m['zero']}, {m['return_waves']} return "
              f"waves{'; serialised' if not m['overlap'] else ''}):",
              f"  {'strategy':<34} {'step ms':>9} {'vs AdamW':>9} {'optimizer ms':>13} {'gather opt /':>13} "

@@ -300,8 +300,8 @@ def owner_exchange_collectives(
                         inn[dst].add(owners[i])
             owning = {owners[i] // shard for i in wave}
             step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
-                             [k // shard in owning for k in range(world)], "dmuon updates to the shard columns" + label,
-                             "return_shard", w))
+                             [k // shard in owning for k in range(world)],
+                             "dmuon updates to the shard columns" + label, "return_shard", w))
         if replicate > 1:
             sent, received, out, inn = fresh()
             column_rows = [0] * shard
@@ -321,8 +321,8 @@ def owner_exchange_collectives(
                             out[src].add(dst)
                             inn[dst].add(src)
             step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
-                             [column_rows[k % shard] > 0 for k in range(world)], "dmuon updates to the replicas" + label,
-                             "return_replicas", w))
+                             [column_rows[k % shard] > 0 for k in range(world)],
+                             "dmuon updates to the replicas" + label, "return_replicas", w))
     return backward, step
 
 

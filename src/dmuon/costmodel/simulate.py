@@ -25,6 +25,8 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
   the all-to-all peer's batches in its runtime's order.
 
+Ranks given the same work in every task have the same timeline (the simulation is
+deterministic), so one of each such class is simulated (FSDP2 + AdamW's 256 ranks are one).
 With ``overlap=False`` every task waits for the one before it on every rank: with no
 compute the step is then :func:`~dmuon.costmodel.collectives.step_figures`' alpha-beta
 total. Only ``dmuon plan`` (:mod:`dmuon.bench.plan_cli`) and the bench's calibration use
@@ -159,11 +161,13 @@ class Task:
     """One piece of work: compute on some ranks, or one collective."""
 
     name: str
+    """What it is (a collective's label)."""
     stream: str
     """Per-rank FIFO queue it runs on."""
     seconds: list[float | None] | None
     """Compute seconds per rank (None where it does not run); None for a collective."""
     collective: Collective | None
+    """The collective it runs (its ranks, bytes per rank, level, messages), or None for compute."""
     deps: list["Task"]
     """Done on a rank before this starts there (nothing, where the dependency does not run)."""
     barrier: list["Task"]
@@ -173,8 +177,11 @@ class Task:
     kind: str
     """``"compute"``, ``"ns"``, ``"elementwise"``, ``"wait"`` or ``"collective"``."""
     ranks: list[int] = field(default_factory=list)
+    """The ranks it runs on (set by :meth:`Timeline.run`)."""
     start: dict[int, float] = field(default_factory=dict)
+    """Per rank, when it started (a collective: when the rank reached it)."""
     end: dict[int, float] = field(default_factory=dict)
+    """Per rank, when it ended."""
     moving: float | None = None
     """A collective: when its latency was paid and its bytes started moving."""
 
@@ -218,46 +225,14 @@ class Timeline:
         resource's virtual clock advances at ``rate / tasks``, and work W that joined at
         virtual time V ends when the clock reaches V + W.
         """
-        world, events, seq = self.world, [], [0]
+        events, seq = [], [0]
 
         def push(t: float, what: str, payload) -> None:
             seq[0] += 1
             heapq.heappush(events, (t, seq[0], what, payload))
 
-        # By symmetry: ranks given the same work in every task run the same timeline, so one
-        # of each class (its lowest rank) is simulated and the others copy its times.
-        classes: dict[tuple, list[int]] = {}
-        for k in range(world):
-            key = tuple(t.seconds[k] if t.collective is None else t.collective.ranks[k] for t in self.tasks)
-            classes.setdefault(key, []).append(k)
-        simulated = sorted(members[0] for members in classes.values())
-        for task in self.tasks:
-            parts = task.seconds if task.collective is None else task.collective.ranks
-            task.ranks = [k for k in simulated if parts[k] is not None]
-        here = [set(t.ranks) for t in self.tasks]
-        index = {id(t): n for n, t in enumerate(self.tasks)}
-        queues: dict[tuple[int, str], deque] = {}
-        for n, task in enumerate(self.tasks):
-            for k in task.ranks:
-                queues.setdefault((k, task.stream), deque()).append(n)
-        # Unmet dependencies per task and rank; who waits on whom.
-        unmet = [dict.fromkeys(t.ranks, 0) for t in self.tasks]
-        after: list[list[int]] = [[] for _ in self.tasks]      # per-rank dependents
-        after_all: list[list[int]] = [[] for _ in self.tasks]  # barrier dependents
-        left = [len(t.ranks) for t in self.tasks]               # ranks still running it
-        for n, task in enumerate(self.tasks):
-            for d in task.deps:
-                m = index[id(d)]
-                after[m].append(n)
-                for k in task.ranks:
-                    if k in here[m]:
-                        unmet[n][k] += 1
-            for d in task.barrier:
-                m = index[id(d)]
-                if left[m]:
-                    after_all[m].append(n)
-                    for k in task.ranks:
-                        unmet[n][k] += 1
+        classes = self._symmetry_classes()
+        queues, unmet, after, after_all, left = self._wiring()
         arrived = [0] * len(self.tasks)
         parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
         shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
@@ -335,14 +310,60 @@ class Timeline:
         stuck = [t.name for t in self.tasks if len(t.end) < len(t.ranks)]
         if stuck:
             raise RuntimeError(f"simulation deadlocked; first unfinished tasks: {stuck[:5]}")
-        for members in classes.values():
+        # Every rank of a class has its representative's times.
+        for members in classes:
             for task in self.tasks:
                 if members[0] in task.end:
                     for k in members[1:]:
                         task.start[k], task.end[k] = task.start[members[0]], task.end[members[0]]
         for task in self.tasks:
-            parts = task.seconds if task.collective is None else task.collective.ranks
-            task.ranks = [k for k in range(world) if parts[k] is not None]
+            task.ranks = [k for k, part in enumerate(_parts(task)) if part is not None]
+
+    def _symmetry_classes(self) -> list[list[int]]:
+        """Ranks given the same work in every task run the same timeline: one of each class (its
+        lowest rank) is simulated, which sets every task's ``ranks`` to the representatives it runs on."""
+        classes: dict[tuple, list[int]] = {}
+        for k in range(self.world):
+            classes.setdefault(tuple(_parts(t)[k] for t in self.tasks), []).append(k)
+        simulated = sorted(members[0] for members in classes.values())
+        for task in self.tasks:
+            parts = _parts(task)
+            task.ranks = [k for k in simulated if parts[k] is not None]
+        return list(classes.values())
+
+    def _wiring(self):
+        """Per (rank, stream) its queue of task indices in issue order; per task and rank its number of
+        unmet dependencies; per task who waits for it on the same rank (``after``) and everywhere
+        (``after_all``, barriers); per task on how many ranks it still has to end (``left``)."""
+        index = {id(t): n for n, t in enumerate(self.tasks)}
+        here = [set(t.ranks) for t in self.tasks]
+        queues: dict[tuple[int, str], deque] = {}
+        for n, task in enumerate(self.tasks):
+            for k in task.ranks:
+                queues.setdefault((k, task.stream), deque()).append(n)
+        unmet = [dict.fromkeys(t.ranks, 0) for t in self.tasks]
+        after: list[list[int]] = [[] for _ in self.tasks]
+        after_all: list[list[int]] = [[] for _ in self.tasks]
+        left = [len(t.ranks) for t in self.tasks]
+        for n, task in enumerate(self.tasks):
+            for d in task.deps:
+                m = index[id(d)]
+                after[m].append(n)
+                for k in task.ranks:
+                    if k in here[m]:  # a dependency that does not run on k does not hold k up
+                        unmet[n][k] += 1
+            for d in task.barrier:
+                m = index[id(d)]
+                if left[m]:
+                    after_all[m].append(n)
+                    for k in task.ranks:
+                        unmet[n][k] += 1
+        return queues, unmet, after, after_all, left
+
+
+def _parts(task: Task) -> list:
+    """Per rank what the task gives it: compute seconds, or a collective's (sent, received); None: nothing."""
+    return task.seconds if task.collective is None else task.collective.ranks
 
 
 def _present(deps) -> list[Task]:
@@ -351,8 +372,7 @@ def _present(deps) -> list[Task]:
 
 
 def _runs_somewhere(task: Task) -> bool:
-    parts = task.collective.ranks if task.collective is not None else task.seconds
-    return any(p is not None for p in parts)
+    return any(p is not None for p in _parts(task))
 
 
 def _latency(c: Collective, links: AlphaBeta) -> float:

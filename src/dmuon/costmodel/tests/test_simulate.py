@@ -229,7 +229,8 @@ def test_hand_step_on_one_rank_per_strategy():
     assert gather["optimizer_seconds"] == pytest.approx(14 * 32 + ns + 10 * 32 + 28 * 40)
     # dmuon: direction in backward (10 B), momentum (14), check (4), AdamW, NS with the owner's copies (8), apply.
     dmuon = simulate("dmuon", inputs, hw, options)
-    assert dmuon["step_seconds"] == pytest.approx(fwd_bwd + 10 * 32 + 14 * 32 + 4 * 32 + 28 * 40 + ns + 8 * 32 + 10 * 32)
+    assert dmuon["step_seconds"] == pytest.approx(
+        fwd_bwd + 10 * 32 + 14 * 32 + 4 * 32 + 28 * 40 + ns + 8 * 32 + 10 * 32)
     assert dmuon["ns_seconds"] == pytest.approx(ns + 8 * 32)
     # After backward: NS, and the momentum, check, AdamW and apply passes; no link.
     assert dmuon["optimizer_busy_seconds"] == pytest.approx(
