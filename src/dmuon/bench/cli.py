@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the owner-math benchmark instead (see `dmuon bench --ortho --help`)")
     p.add_argument("--gpu-check", action="store_true",
                    help="run the prepared one-GPU check instead (see `dmuon bench --gpu-check --help`)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine, simulate the bench with those figures and run it beside "
+                        "(see `dmuon bench --calibrate --help`)")
     return p
 
 
@@ -172,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--ortho")
         return ortho_main(argv)
+    if "--calibrate" in argv:
+        # `dmuon bench --calibrate`: this machine's figures, the simulated bench beside the measured one.
+        from dmuon.bench.calibrate import main as calibrate_main
+
+        argv.remove("--calibrate")
+        return calibrate_main(argv)
     if "--gpu-check" in argv:
         # `dmuon bench --gpu-check [--dry-run]`: the prepared one-GPU check (see dmuon.bench.gpu_check).
         from dmuon.bench.gpu_check import main as gpu_check_main

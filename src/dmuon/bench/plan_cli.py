@@ -8,12 +8,14 @@ import sys
 
 import torch
 
-from dmuon.bench.scale_table import format_scale_table, scale_rows
+from dmuon.bench.scale_table import format_scale_table, format_simulation_table, scale_rows
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
 from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
+from dmuon.costmodel.simulate import HARDWARE_PRESETS, NS_METHODS, SIM_STRATEGIES, Hardware, SimOptions
 from dmuon.costmodel.traffic import STEP_STRATEGIES, AlphaBeta
+from dmuon.plan.batches import RETURN_WAVES
 
 # NS dtype: the profile key, and the element type dmuon sends its row shards in.
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -89,19 +91,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step_comm: FSDP2's all-gather dtype (MixedPrecisionPolicy.param_dtype; default bf16)")
     p.add_argument("--reduce-dtype", default="float32", choices=sorted(_NS_DTYPES),
                    help="step_comm: FSDP2's reduce-scatter and all-reduce dtype (reduce_dtype; default fp32)")
-    defaults = AlphaBeta()
-    p.add_argument("--intra-bandwidth", type=_positive_float, default=defaults.intra_bandwidth / 1e9, metavar="GB/S",
-                   help="step_comm seconds: per-rank, per-direction bandwidth inside a node in GB/s (default "
-                        "%(default)g: typical H100/H200 NVLink 4, 900 GB/s bidirectional)")
-    p.add_argument("--inter-bandwidth", type=_positive_float, default=defaults.inter_bandwidth / 1e9, metavar="GB/S",
-                   help="step_comm seconds: per-rank, per-direction bandwidth across nodes in GB/s (default "
-                        "%(default)g: one 400 Gb/s NIC per GPU, typical)")
-    p.add_argument("--intra-latency", type=_nonnegative_float, default=defaults.intra_latency * 1e6, metavar="US",
-                   help="step_comm seconds: latency per message inside a node in microseconds (default %(default)g, "
-                        "typical)")
-    p.add_argument("--inter-latency", type=_nonnegative_float, default=defaults.inter_latency * 1e6, metavar="US",
-                   help="step_comm seconds: latency per message across nodes in microseconds (default %(default)g, "
-                        "typical)")
+    p.add_argument("--intra-bandwidth", type=_positive_float, default=None, metavar="GB/S",
+                   help="per-rank, per-direction bandwidth inside a node in GB/s, for step_comm's seconds and the "
+                        "simulation (default: the --hardware preset's; h100: 450, NVLink 4's 900 GB/s bidirectional)")
+    p.add_argument("--inter-bandwidth", type=_positive_float, default=None, metavar="GB/S",
+                   help="per-rank, per-direction bandwidth across nodes in GB/s (default: the preset's; h100: 50, "
+                        "one 400 Gb/s NIC per GPU)")
+    p.add_argument("--intra-latency", type=_nonnegative_float, default=None, metavar="US",
+                   help="latency per message inside a node in microseconds (default: the preset's; h100: 10)")
+    p.add_argument("--inter-latency", type=_nonnegative_float, default=None, metavar="US",
+                   help="latency per message across nodes in microseconds (default: the preset's; h100: 20)")
+    sim = p.add_argument_group("one step's timeline (--simulate; docs/benchmarks.md, 'The step's timeline')")
+    sim.add_argument("--simulate", action="store_true",
+                     help="also simulate one training step on every rank per strategy (FSDP2 + AdamW, "
+                          "gather-then-compute, dmuon's two HSDP designs, the all-to-all peer): step, optimizer "
+                          "and exposed communication seconds; with --scale-table, its table instead")
+    sim.add_argument("--hardware", default="h100", choices=sorted(HARDWARE_PRESETS),
+                     help="hardware preset of the simulation and of the link defaults (default h100)")
+    sim.add_argument("--compute-tflops", type=_positive_float, default=None, metavar="T",
+                     help="effective forward+backward TFLOP/s per GPU, 6 x parameters x tokens (default: the preset's)")
+    sim.add_argument("--ns-tflops", type=_positive_float, default=None, metavar="T",
+                     help="effective NS TFLOP/s at its analytical FLOPs (default: the preset's)")
+    sim.add_argument("--elementwise-gbps", type=_positive_float, default=None, metavar="GB/S",
+                     help="memory bandwidth of elementwise work (AdamW, momentum, applies) in GB/s (default: the "
+                          "preset's)")
+    sim.add_argument("--tokens-per-gpu", type=int, default=4096, metavar="N",
+                     help="tokens each GPU runs forward and backward per step (default 4096)")
+    sim.add_argument("--sim-ns", default="auto", choices=NS_METHODS + ("profile",),
+                     help="NS cost: 'auto' (fewer FLOPs of standard and Gram NS with symmetric products, per "
+                          "shape), 'standard', 'gram', or 'profile' (the plan's measured cost table: --costs, "
+                          "--profile or the cache; seconds of the machine that measured them)")
+    sim.add_argument("--return-waves", type=int, default=RETURN_WAVES, metavar="K",
+                     help=f"dmuon's update returns (ExecutionConfig.return_waves; default {RETURN_WAVES}, the "
+                          "accelerator default; 1 makes the step speculative, the CPU default)")
+    sim.add_argument("--serial", action="store_true",
+                     help="no overlap: every task after the previous one on every rank")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--scale-table", default=None, metavar="MODELS",
                    help="instead of one plan, print the cluster-scale table of docs/benchmarks.md (Markdown) for these "
@@ -186,6 +210,40 @@ def _step_lines(plan: dict) -> list[str]:
     return lines
 
 
+SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
+              "dmuon": "dmuon (design (b) on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
+              "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
+"""Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
+
+
+def _simulation_lines(plan: dict) -> list[str]:
+    """The simulated step per strategy, and the settings it ran with."""
+    sim = plan.get("simulation")
+    if not sim:
+        return []
+    m = plan["simulation_model"]
+    hw = m["hardware"]
+    ratios = plan["simulation_ratios"]
+    ns = "profiled" if m["ns_seconds"] else m["ns_method"]
+    lines = [f"one training step, simulated on every rank ({hw['name']}: {hw['compute_flops'] / 1e12:g} TFLOP/s "
+             f"forward+backward, NS {hw['ns_flops'] / 1e12:g} TFLOP/s ({ns}), "
+             f"elementwise {hw['elementwise_bytes'] / 1e9:g} GB/s, links {hw['intra_bandwidth'] / 1e9:g} / "
+             f"{hw['inter_bandwidth'] / 1e9:g} GB/s and {hw['intra_latency'] * 1e6:g} / "
+             f"{hw['inter_latency'] * 1e6:g} us "
+             f"intra / inter; {m['tokens_per_gpu']} tokens per GPU, ZeRO-{m['zero']}, {m['return_waves']} return "
+             f"waves{'; serialised' if not m['overlap'] else ''}):",
+             f"  {'strategy':<34} {'step ms':>9} {'vs AdamW':>9} {'optimizer ms':>13} {'gather opt /':>13} "
+             f"{'exposed comm ms':>16}  optimizer phase, busiest rank: NS / elementwise / intra / inter link ms"]
+    for key in SIM_STRATEGIES:
+        f, r = sim[key], ratios[key]
+        over = r["gather_optimizer_over_this"]
+        lines.append(f"  {SIM_LABELS[key]:<34} {f['step_seconds'] * 1e3:>9.1f} {r['step_vs_fsdp_adamw']:>8.3f}x "
+                     f"{f['optimizer_seconds'] * 1e3:>13.1f} {(f'{over:.2f}x' if over else '-'):>13} "
+                     f"{f['exposed_comm_seconds'] * 1e3:>16.1f}  "
+                     + " / ".join(f"{v * 1e3:.1f}" for v in f["optimizer_busy_seconds"].values()))
+    return lines
+
+
 def _design_lines(plan: dict) -> list[str]:
     """One line per HSDP replicate-level design: inter-node bytes of the Muon matrices per step."""
     designs = plan.get("hsdp_designs")
@@ -229,6 +287,7 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
     lines.extend(_traffic_lines(plan))
     lines.extend(_design_lines(plan))
     lines.extend(_step_lines(plan))
+    lines.extend(_simulation_lines(plan))
     return "\n".join(lines)
 
 
@@ -263,12 +322,61 @@ def format_comparison(plans: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def hardware_from_args(args) -> Hardware:
+    """The --hardware preset with every figure given on the command line in its place."""
+    preset = HARDWARE_PRESETS[args.hardware]
+    links = preset.links
+    links = AlphaBeta(
+        intra_bandwidth=links.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
+        inter_bandwidth=links.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
+        intra_latency=links.intra_latency if args.intra_latency is None else args.intra_latency / 1e6,
+        inter_latency=links.inter_latency if args.inter_latency is None else args.inter_latency / 1e6)
+    given = [name for name, value in (("compute", args.compute_tflops), ("ns", args.ns_tflops),
+                                      ("elementwise", args.elementwise_gbps), ("links", args.intra_bandwidth),
+                                      ("links", args.inter_bandwidth), ("links", args.intra_latency),
+                                      ("links", args.inter_latency)) if value is not None]
+    return Hardware(
+        preset.name + (f" ({', '.join(sorted(set(given)))} overridden)" if given else ""),
+        preset.compute_flops if args.compute_tflops is None else args.compute_tflops * 1e12,
+        preset.ns_flops if args.ns_tflops is None else args.ns_tflops * 1e12,
+        preset.elementwise_bytes if args.elementwise_gbps is None else args.elementwise_gbps * 1e9,
+        links)
+
+
+def _profiled(table: CostTable | None):
+    """NS seconds per ``(shape, batch)`` from a measured cost table (linear in the batch where unmeasured)."""
+    if table is None or table.unit != "seconds":
+        raise ValueError("--sim-ns profile needs measured costs (--costs FILE, --profile, or a cache covering "
+                         "the shapes); the analytical table is in FLOPs")
+
+    def seconds(shape: tuple[int, int], batch: int) -> float:
+        if (shape, batch) in table:
+            return table[(shape, batch)]
+        return batch * table[(shape, 1)]
+
+    return seconds
+
+
+def sim_options_from_args(args, table: CostTable | None) -> SimOptions:
+    if args.tokens_per_gpu < 0:
+        raise ValueError(f"--tokens-per-gpu must be >= 0, got {args.tokens_per_gpu}")
+    profile = args.sim_ns == "profile"
+    return SimOptions(tokens_per_gpu=args.tokens_per_gpu, ns_method="auto" if profile else args.sim_ns,
+                      ns_steps=args.ns_steps, ns_seconds=_profiled(table) if profile else None,
+                      overlap=not args.serial)
+
+
 def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta) -> dict:
+    if args.return_waves < 1:
+        raise ValueError(f"--return-waves must be >= 1, got {args.return_waves}")
     return plan_offline(groups, world_size, balancer, args.zero, costs=table, ns_steps=args.ns_steps,
                         time_limit_s=args.time_limit, memory_factor=args.memory_factor,
                         ranks_per_node=args.ranks_per_node, wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize,
                         fsdp_elem_bytes=FSDP_ELEM_BYTES, param_bytes=_NS_DTYPES[args.param_dtype].itemsize,
-                        reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model)
+                        reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model,
+                        hardware=hardware_from_args(args) if args.simulate else None,
+                        sim_options=sim_options_from_args(args, table) if args.simulate else None,
+                        max_waves=args.return_waves)
 
 
 def _scale_table(args, model: AlphaBeta) -> int:
@@ -295,7 +403,7 @@ def _scale_table(args, model: AlphaBeta) -> int:
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)
         return 2
-    print(format_scale_table(rows))
+    print(format_simulation_table(rows) if args.simulate else format_scale_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
@@ -305,8 +413,7 @@ def _scale_table(args, model: AlphaBeta) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model = AlphaBeta(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
-                      intra_latency=args.intra_latency / 1e6, inter_latency=args.inter_latency / 1e6)
+    model = hardware_from_args(args).links
     if args.scale_table is not None:
         return _scale_table(args, model)
     if args.world_size < 1:

@@ -35,6 +35,9 @@ def scale_rows(models: Sequence[str], world_sizes: Sequence[int], plan_for: Call
                 **{f"{k}_seconds": comm[k]["seconds"]["total"] for k in comm},
                 **{f"{k}_inter_seconds": comm[k]["seconds"]["inter"] for k in comm},
             })
+            if "simulation" in plan:
+                rows[-1]["simulation"] = plan["simulation"]
+                rows[-1]["simulation_ratios"] = plan["simulation_ratios"]
     return rows
 
 
@@ -70,4 +73,40 @@ def format_scale_table(rows: Sequence[dict]) -> str:
 
         lines.append(f"| {row['model']} | {row['world_size']} | {cell('dmuon')} | {cell('dmuon_native_hsdp')} | "
                      f"{cell('fsdp_adamw', False)} | {cell('gather')} | {_makespan(row)} |")
+    return "\n".join(lines)
+
+
+SIMULATED = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", "dion_all_to_all")
+"""Columns of :func:`format_simulation_table`, in order."""
+
+
+def format_simulation_table(rows: Sequence[dict]) -> str:
+    """``dmuon plan --simulate --scale-table``: per model and world size, each strategy's simulated
+    step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's,
+    gather-then-compute's optimizer phase over dmuon's (both designs), and what keeps dmuon's
+    busiest rank busy in its optimizer phase."""
+    names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (design (b))",
+             "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))", "dion_all_to_all": "all-to-all peer"}
+    lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
+             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a)) | gather's optimizer ÷ dmuon's ((b) / (a)) "
+             "| gather's step ÷ dmuon's ((b) / (a)) | dmuon (b)'s optimizer phase: NS / elementwise / intra / "
+             "inter link ms |",
+             "|---|---|" + "---|" * (len(SIMULATED) + 4)]
+    for row in rows:
+        sim, ratios = row["simulation"], row["simulation_ratios"]
+
+        def cell(key: str) -> str:
+            f = sim[key]
+            step = f"{f['step_seconds'] * 1e3:.1f}"
+            if key != "fsdp_adamw":
+                step += f" ({ratios[key]['step_vs_fsdp_adamw']:.3f}x)"
+            return f"{step} / {f['optimizer_seconds'] * 1e3:.1f} / {f['exposed_comm_seconds'] * 1e3:.1f}"
+
+        def both(field: str, digits: int) -> str:
+            return " / ".join(f"{ratios[k][field]:.{digits}f}x" for k in ("dmuon", "dmuon_native_hsdp"))
+
+        lines.append(f"| {row['model']} | {row['world_size']} | " + " | ".join(cell(k) for k in SIMULATED)
+                     + f" | {both('step_vs_fsdp_adamw', 3)} | {both('gather_optimizer_over_this', 1)} | "
+                     + f"{both('gather_step_over_this', 2)} | "
+                     + " / ".join(f"{v * 1e3:.1f}" for v in sim["dmuon"]["optimizer_busy_seconds"].values()) + " |")
     return "\n".join(lines)

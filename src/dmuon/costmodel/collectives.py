@@ -19,18 +19,43 @@ importable from :mod:`dmuon.costmodel.traffic`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, row_width
-from dmuon.plan.layout import shard_rows
+from dmuon.plan.layout import shard_rows as _shard_rows
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(m: int, parts: int) -> tuple[int, ...]:
+    return tuple(_shard_rows(m, parts))
+
+
+def shard_rows(m: int, parts: int) -> tuple[int, ...]:
+    """:func:`dmuon.plan.layout.shard_rows`, memoised (the models ask for the same splits per rank)."""
+    return _split(int(m), int(parts))
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
 """Keys of :func:`step_comm`: ``"dmuon"`` (on HSDP design (b): FSDP2 over the shard sub-mesh,
 dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_native_hsdp"``
 (design (a): FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
 ``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
+
+PEER_STRATEGY = "dion_all_to_all"
+"""The all-to-all design of microsoft/dion's ``Muon`` and torchtitan's DistMuon, a peer
+:func:`step_collectives` also builds (:func:`all_to_all_batches`); not in :func:`step_comm`."""
+
+ROLES: tuple[str, ...] = (
+    "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "replicate_all_reduce", "grad_columns",
+    "hop_a", "hop_b", "return_shard", "return_replicas", "gather", "a2a_out", "a2a_back")
+""":attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
+gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
+(design (b)); hop A (the direction's column slices to the owner's replica) and hop B (the rows to
+the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2);
+gather-then-compute's all-gather of one direction; the peer's all-to-all to the batch's owner
+slice and back."""
 
 
 @dataclass
@@ -50,6 +75,10 @@ class Collective:
     messages: int
     """Latency terms of the alpha-beta model: ring steps, or the most peers one rank exchanges with."""
     label: str = ""
+    role: str = ""
+    """What it is in the step (:data:`ROLES`), for the timeline model (:mod:`dmuon.costmodel.simulate`)."""
+    index: int | None = None
+    """Which one of its role: the return wave, the gathered matrix, the all-to-all batch (None: per block)."""
 
     @property
     def critical(self) -> int:
@@ -63,8 +92,8 @@ def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes:
 
 
 def _uniform_collective(op: str, level: str, phase: str, block, world: int, each: int, messages: int,
-                        label: str) -> Collective:
-    return Collective(op, level, phase, block, [(each, each)] * world, messages, label)
+                        label: str, role: str, index: int | None = None) -> Collective:
+    return Collective(op, level, phase, block, [(each, each)] * world, messages, label, role, index)
 
 
 def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, shard: int, *, phase: str,
@@ -79,20 +108,21 @@ def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, sha
         if shard == 1 or not shapes:
             return []
         return [_uniform_collective(op, "intra", phase, block, world, (shard - 1) * piece, shard - 1,
-                                    f"fsdp2 {op} block {block}")]
+                                    f"fsdp2 {op} block {block}", f"fsdp_{op}")]
     if op == "all_reduce":
         if replicate == 1 or not shapes:
             return []
         return [_uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
-                                    2 * (replicate - 1), f"fsdp2 all_reduce block {block}")]
+                                    2 * (replicate - 1), f"fsdp2 all_reduce block {block}", "fsdp_all_reduce")]
     raise ValueError(f"unknown FSDP2 collective {op!r}")
 
 
 def _a2a(level: str, phase: str, block, world: int, sent: list[int], received: list[int],
-         peers_out: list[set], peers_in: list[set], taking_part: list[bool], label: str) -> Collective:
+         peers_out: list[set], peers_in: list[set], taking_part: list[bool], label: str, role: str,
+         index: int | None = None) -> Collective:
     ranks = [(sent[k], received[k]) if taking_part[k] else None for k in range(world)]
     messages = max((max(len(peers_out[k]), len(peers_in[k])) for k in range(world) if taking_part[k]), default=0)
-    return Collective("all_to_all", level, phase, block, ranks, messages, label)
+    return Collective("all_to_all", level, phase, block, ranks, messages, label, role, index)
 
 
 def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
@@ -124,7 +154,7 @@ def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[in
             peers_in = replicate - 1 if slices[r] else 0
             messages = max(messages, peers_out, peers_in)
     return Collective("all_to_all", "inter", "backward", block, ranks, messages,
-                      f"dmuon gradient columns block {block}")
+                      f"dmuon gradient columns block {block}", "grad_columns")
 
 
 def owner_exchange_collectives(
@@ -233,7 +263,7 @@ def owner_exchange_collectives(
                             inn[dst].add(src)
             part = [any(sent_bytes(i, k % shard) for i in members) for k in range(world)]
             backward.append(_a2a("inter", "backward", b, world, sent, received, out, inn, part,
-                                 f"dmuon direction slices block {b}"))
+                                 f"dmuon direction slices block {b}", "hop_a"))
         if shard > 1:
             sent, received, out, inn = fresh()
             owning = {owners[i] // shard for i in members}
@@ -249,13 +279,13 @@ def owner_exchange_collectives(
                         inn[owners[i]].add(src)
             part = [k // shard in owning for k in range(world)]
             backward.append(_a2a("intra", "backward", b, world, sent, received, out, inn, part,
-                                 f"dmuon directions block {b}"))
+                                 f"dmuon directions block {b}", "hop_b"))
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
     chosen = [list(range(len(shapes)))] if waves is None else [list(w) for w in waves if w]
-    for k, wave in enumerate(chosen):
-        label = "" if waves is None else f" wave {k}"
+    for w, wave in enumerate(chosen):
+        label = "" if waves is None else f" wave {w}"
         if shard > 1:
             sent, received, out, inn = fresh()
             for i in wave:
@@ -270,7 +300,8 @@ def owner_exchange_collectives(
                         inn[dst].add(owners[i])
             owning = {owners[i] // shard for i in wave}
             step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
-                             [k // shard in owning for k in range(world)], "dmuon updates to the shard columns" + label))
+                             [k // shard in owning for k in range(world)],
+                             "dmuon updates to the shard columns" + label, "return_shard", w))
         if replicate > 1:
             sent, received, out, inn = fresh()
             column_rows = [0] * shard
@@ -290,8 +321,76 @@ def owner_exchange_collectives(
                             out[src].add(dst)
                             inn[dst].add(src)
             step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
-                             [column_rows[k % shard] > 0 for k in range(world)], "dmuon updates to the replicas" + label))
+                             [column_rows[k % shard] > 0 for k in range(world)],
+                             "dmuon updates to the replicas" + label, "return_replicas", w))
     return backward, step
+
+
+def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:
+    """The peer's (:data:`PEER_STRATEGY`) batches: ``(shape, matrices)`` in the order it runs them.
+
+    microsoft/dion's ``Muon`` (torchtitan's DistMuon) groups the matrices by shape (and
+    sharding, dtype, mesh: the same for FSDP2's row shards), in order of first appearance,
+    and cuts each group into batches of ``shard`` (its mesh's size; on HSDP the shard sub-mesh),
+    the last one padded with dummies up to ``shard``. Shapes are ``(rows, prod(shape[1:]))``.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault((int(shape[0]), row_width(shape)), []).append(i)
+    return [(shape, members[k:k + shard]) for shape, members in groups.items()
+            for k in range(0, len(members), shard)]
+
+
+def async_runtime_order(batches: int, max_concurrent: int = 3) -> list[tuple[int, int]]:
+    """The host order of the peer's work: ``(segment, batch)`` pairs, as its ``AsyncRuntime`` runs them.
+
+    Each batch is a generator of three segments: 0, the momentum and the all-to-all to the
+    owner slices; 1, the wait for it, NS on this rank's matrix and the all-to-all back; 2, the
+    wait for that and the update's apply. Each pass of the runtime's loop first starts a new
+    batch (segment 0) while fewer than ``max_concurrent`` are running, then runs one segment of
+    every batch started earlier, oldest last (the order its list keeps them in).
+    """
+    if max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+    order: list[tuple[int, int]] = []
+    running: list[list[int]] = []  # [batch, next segment], in the runtime's list order
+    started = 0
+    while started < batches or running:
+        now: list[list[int]] = []
+        if started < batches and len(running) < max_concurrent:
+            order.append((0, started))
+            now.append([started, 1])
+            started += 1
+        for task in running:
+            order.append((task[1], task[0]))
+            if task[1] < 2:
+                now.append([task[0], task[1] + 1])
+        running = now
+    return order
+
+
+def _all_to_all_peer(shapes: Sequence[Sequence[int]], replicate: int, shard: int, wire_bytes: int,
+                     max_concurrent: int) -> list[Collective]:
+    """The peer's step collectives: per batch one all-to-all out and one back on each replica's shard group.
+
+    Each rank holds a ``ceil(rows / S)``-row shard of every matrix of the batch (a dummy's
+    too), sends the ``S - 1`` that others orthogonalize and receives ``S - 1`` shards of its
+    own; back the same. Every replica does the same (NS repeated per replica).
+    """
+    world = replicate * shard
+    if shard == 1:
+        return []
+    batches = all_to_all_batches(shapes, shard)
+    out: list[Collective] = []
+    for segment, k in async_runtime_order(len(batches), max_concurrent):
+        if segment == 2:
+            continue
+        (rows, width), _ = batches[k]
+        each = (shard - 1) * -(-rows // shard) * width * wire_bytes
+        way = "out" if segment == 0 else "back"
+        out.append(_uniform_collective("all_to_all", "intra", "step", None, world, each, shard - 1,
+                                       f"{PEER_STRATEGY} {way} batch {k}", f"a2a_{way}", k))
+    return out
 
 
 def step_collectives(
@@ -308,6 +407,9 @@ def step_collectives(
     zero: int = 3,
     root_block: int | None = 0,
     waves: Sequence[Sequence[int]] | None = None,
+    other_shapes: Sequence[Sequence[int]] = (),
+    other_blocks: Sequence[int] = (),
+    max_concurrent: int = 3,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -326,56 +428,74 @@ def step_collectives(
     exchanges per wave, or ``"gather"``'s all-gather of every matrix's
     direction over the shard group (``wire_bytes``, one per matrix in plan
     order, as :class:`dmuon.baselines.GatherThenCompute` calls
-    ``full_tensor()``). ``"fsdp_adamw"`` is FSDP2's collectives alone. The
-    real order interleaves (FSDP2 prefetches the next all-gather; dmuon's
-    exchanges run on their own groups), which changes no sum. The non-Muon
-    parameters' replicate all-reduce (FSDP2's, or dmuon's under design (b),
-    the same bytes) is left out under every strategy.
+    ``full_tensor()``), or the peer's (:data:`PEER_STRATEGY`, FSDP2's native
+    HSDP underneath) two all-to-alls per batch (:func:`all_to_all_batches`)
+    in its runtime's order (:func:`async_runtime_order`). ``"fsdp_adamw"`` is
+    FSDP2's collectives alone. The real order interleaves (FSDP2 prefetches
+    the next all-gather; dmuon's exchanges run on their own groups), which
+    changes no sum; :mod:`dmuon.costmodel.simulate` times them as they would
+    run. The non-Muon parameters are left out unless ``other_shapes`` gives
+    them: then FSDP2's collectives of each block carry them too, and under
+    design (b) dmuon's all-reduce of their gradients across replicas comes
+    before each block's exchange (the same bytes as FSDP2's under the other
+    strategies).
 
     Args:
-        strategy: One of :data:`STEP_STRATEGIES`.
+        strategy: One of :data:`STEP_STRATEGIES` or :data:`PEER_STRATEGY`.
         shapes, owners: As :func:`owner_traffic`.
         blocks: Block index of each matrix (its FSDP2 module).
         replicate, shard: The mesh.
-        wire_bytes: dmuon's (and gather's) element size, the NS dtype.
+        wire_bytes: dmuon's (and gather's, and the peer's) element size, the NS dtype.
         param_bytes: FSDP2's all-gather element size (its ``param_dtype``).
         reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``),
             also the gradient's in design (b)'s column reduce-scatter.
         zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
         root_block: The root module's block (no backward all-gather), or None.
         waves: dmuon's return waves (:func:`owner_exchange_collectives`); None: one.
+        other_shapes, other_blocks: The parameters Muon does not optimize and their blocks
+            (default: none, the Muon matrices' collectives alone).
+        max_concurrent: The peer's batches in flight (its ``AsyncRuntime``'s limit, 3).
     """
-    if strategy not in STEP_STRATEGIES:
-        raise ValueError(f"strategy must be one of {STEP_STRATEGIES}, got {strategy!r}")
+    if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
+        raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
     if zero not in (2, 3):
         raise ValueError(f"zero must be 2 or 3, got {zero}")
     check_mesh(replicate, shard, wire_bytes)
     if len(blocks) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
-    order = sorted(set(blocks))
+    if len(other_blocks) != len(other_shapes):
+        raise ValueError(f"{len(other_shapes)} other shapes but {len(other_blocks)} other blocks")
+    order = sorted(set(blocks) | set(other_blocks))
     of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b] for b in order}
+    rest = {b: [other_shapes[i] for i in range(len(other_shapes)) if other_blocks[i] == b] for b in order}
     exchange, returns = ([], [])
     design_b = strategy == "dmuon" and replicate > 1
     if strategy in ("dmuon", "dmuon_native_hsdp"):
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
-                                                       block_order=order[::-1], waves=waves,
+                                                       block_order=sorted(set(blocks), reverse=True), waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None)
     by_block: dict[int | None, list[Collective]] = {}
     for c in exchange:
         by_block.setdefault(c.block, []).append(c)
     out: list[Collective] = []
     for b in order:
-        out += fsdp2_block_collectives(of[b], replicate, shard, phase="forward", block=b, op="all_gather",
-                                       elem_bytes=param_bytes)
+        out += fsdp2_block_collectives(of[b] + rest[b], replicate, shard, phase="forward", block=b,
+                                       op="all_gather", elem_bytes=param_bytes)
     for b in order[::-1]:
+        every = of[b] + rest[b]
         if zero == 3 and b != root_block:
-            out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_gather",
+            out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="all_gather",
                                            elem_bytes=param_bytes)
-        out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="reduce_scatter",
+        out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="reduce_scatter",
                                        elem_bytes=reduce_bytes)
         if not design_b:
-            out += fsdp2_block_collectives(of[b], replicate, shard, phase="backward", block=b, op="all_reduce",
+            out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="all_reduce",
                                            elem_bytes=reduce_bytes)
+        else:
+            for c in fsdp2_block_collectives(rest[b], replicate, shard, phase="backward", block=b,
+                                             op="all_reduce", elem_bytes=reduce_bytes):
+                c.label, c.role = f"dmuon all_reduce of the other parameters block {b}", "replicate_all_reduce"
+                out.append(c)
         out += by_block.get(b, [])
     out += returns
     if strategy == "gather" and shard > 1:
@@ -383,7 +503,9 @@ def step_collectives(
         for i, shape in enumerate(shapes):
             out.append(_uniform_collective("all_gather", "intra", "step", blocks[i], world,
                                            (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
-                                           shard - 1, f"gather direction {i}"))
+                                           shard - 1, f"gather direction {i}", "gather", i))
+    if strategy == PEER_STRATEGY:
+        out += _all_to_all_peer(shapes, replicate, shard, wire_bytes, max_concurrent)
     return out
 
 

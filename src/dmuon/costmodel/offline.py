@@ -22,6 +22,7 @@ from dmuon.costmodel.traffic import (
 )
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.costmodel.simulate import Hardware, SimOptions, StepInputs, goal_ratios, simulate_strategies
 from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
@@ -41,11 +42,12 @@ class OfflineMatrix:
         return self.shape[0] * self.shape[1]
 
 
-def expand(groups: Iterable) -> list[OfflineMatrix]:
-    """Expands ``(name, shape, count[, muon])`` groups into single Muon matrices."""
+def expand(groups: Iterable, muon: bool = True) -> list[OfflineMatrix]:
+    """Expands ``(name, shape, count[, muon])`` groups into single Muon matrices (``muon=False``:
+    the other parameters instead)."""
     out = []
     for g in groups:
-        if not getattr(g, "muon", True):
+        if getattr(g, "muon", True) != muon:
             continue
         shape = (int(g.shape[0]), int(g.shape[1]))
         if g.count == 1:
@@ -120,6 +122,9 @@ def plan_offline(
     param_bytes: int = 2,
     reduce_bytes: int = 4,
     alpha_beta: AlphaBeta | None = None,
+    hardware: Hardware | None = None,
+    sim_options: SimOptions | None = None,
+    max_waves: int = RETURN_WAVES,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -143,6 +148,11 @@ def plan_offline(
         param_bytes: FSDP2's all-gather element size in ``step_comm`` (bf16).
         reduce_bytes: FSDP2's reduce-scatter and all-reduce element size in ``step_comm`` (fp32).
         alpha_beta: Latencies and bandwidths of ``step_comm``'s seconds (typical H100/H200 by default).
+        hardware: With it, also ``simulation``: one step's timeline per strategy
+            (:func:`~dmuon.costmodel.simulate.simulate_strategies` on :func:`step_inputs`'s
+            inputs, the non-Muon groups included) and ``simulation_model``, its settings.
+        sim_options: The simulation's options (default :class:`~dmuon.costmodel.simulate.SimOptions`).
+        max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -247,7 +257,8 @@ def plan_offline(
     owned: dict[int, list[int]] = {}
     for k, o in enumerate(owners):
         owned.setdefault(o, []).append(k)
-    waves = return_waves({r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}, [], RETURN_WAVES)
+    ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
+    waves = return_waves(ns_batches, [], max_waves)
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                                   zero=zero, root_block=0, model=alpha_beta, waves=waves)
@@ -260,8 +271,34 @@ def plan_offline(
                  "all-gathers",
         "return_waves": [w for w in waves if w],
     }
+    if hardware is not None:
+        options = sim_options or SimOptions()
+        inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
+                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+        plan["simulation"] = simulate_strategies(inputs, hardware, options)
+        plan["simulation_ratios"] = goal_ratios(plan["simulation"])
+        plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
+                                    "return_waves": max_waves,
+                                    "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(
             shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
             reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups))
     return plan
+
+
+def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
+                shard: int, *, zero: int = 3, max_waves: int = RETURN_WAVES, wire_bytes: int = 2,
+                param_bytes: int = 2, reduce_bytes: int = 4) -> StepInputs:
+    """What :mod:`~dmuon.costmodel.simulate` needs of a shape list and its plan: the Muon matrices
+    (in :func:`expand` order, with ``owners`` and ``ns_batches`` over those indices), the other
+    groups (AdamW's: FSDP2 moves and AdamW updates them too), and every one's block
+    (:func:`offline_blocks` over both lists, so a ``stack.*`` group of either is in the same layer)."""
+    groups = list(groups)
+    mats, others = expand(groups), expand(groups, muon=False)
+    blocks = offline_blocks(mats + others)
+    return StepInputs(shapes=[m.shape for m in mats], owners=list(owners), blocks=blocks[:len(mats)],
+                      replicate=replicate, shard=shard, ns_batches=ns_batches,
+                      other_shapes=[m.shape for m in others], other_blocks=blocks[len(mats):],
+                      return_waves=max_waves, zero=zero, wire_bytes=wire_bytes, param_bytes=param_bytes,
+                      reduce_bytes=reduce_bytes)

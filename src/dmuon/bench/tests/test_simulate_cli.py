@@ -1,0 +1,78 @@
+"""``dmuon plan --simulate`` and the calibration's arithmetic (no ranks spawned)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmuon.bench import plan_cli
+from dmuon.bench.calibrate import combine, compare, fit_link
+from dmuon.costmodel.simulate import HARDWARE_PRESETS, SIM_STRATEGIES
+
+
+def test_plan_simulate_json_and_overrides(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["--model", "pi0", "--world-size", "16", "--ranks-per-node", "8", "--zero", "3", "--simulate"]
+    assert plan_cli.main(argv + ["--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "one training step, simulated on every rank (h100" in printed
+    plan = json.loads(out.read_text())
+    assert set(plan["simulation"]) == set(SIM_STRATEGIES)
+    for figures in plan["simulation"].values():
+        assert {"step_seconds", "optimizer_seconds", "exposed_comm_seconds"} <= set(figures)
+    assert plan["simulation_model"]["hardware"]["compute_flops"] == HARDWARE_PRESETS["h100"].compute_flops
+    assert plan["simulation_model"]["tokens_per_gpu"] == 4096
+    ratios = plan["simulation_ratios"]["dmuon"]
+    assert ratios["step_vs_fsdp_adamw"] == pytest.approx(
+        plan["simulation"]["dmuon"]["step_seconds"] / plan["simulation"]["fsdp_adamw"]["step_seconds"])
+    # Every figure is overridable: half the compute rate doubles the forward+backward compute.
+    slow = tmp_path / "slow.json"
+    assert plan_cli.main(argv + ["--compute-tflops", "200", "--inter-bandwidth", "25", "--json", str(slow)]) == 0
+    slow_plan = json.loads(slow.read_text())
+    assert slow_plan["simulation"]["fsdp_adamw"]["compute_seconds"] == pytest.approx(
+        2 * plan["simulation"]["fsdp_adamw"]["compute_seconds"])
+    assert slow_plan["simulation_model"]["hardware"]["inter_bandwidth"] == 25e9
+    assert slow_plan["step_comm_model"]["inter_bandwidth"] == 25e9  # the same links price step_comm
+    # A800: its own links unless given.
+    a800 = tmp_path / "a800.json"
+    assert plan_cli.main(argv + ["--hardware", "a800", "--json", str(a800)]) == 0
+    assert json.loads(a800.read_text())["simulation_model"]["hardware"]["intra_bandwidth"] == 200e9
+    capsys.readouterr()
+    assert plan_cli.main(argv + ["--sim-ns", "profile", "--analytical"]) == 2  # FLOPs are not seconds
+
+
+def test_plan_simulate_scale_table(tmp_path, capsys):
+    assert plan_cli.main(["--simulate", "--scale-table", "pi0", "--world-sizes", "8,16", "--zero", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| model | ranks | FSDP2 + AdamW | gather-then-compute | dmuon (design (b))")
+    assert [line.split(" | ")[1] for line in table[2:4]] == ["8", "16"]
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    samples = [("all_gather", n, 2e-4 + n / 1e9) for n in (16384, 65536, 262144, 1048576, 4194304)]
+    latency, bandwidth = fit_link(samples)
+    assert latency == pytest.approx(2e-4) and bandwidth == pytest.approx(1e9)
+
+
+def test_combine_takes_the_slower_rank_at_each_point():
+    def point(flops: float, ns: float) -> dict:
+        return {"matmul_flops": flops, "effective_flops": flops / 2, "elementwise_bytes": 1.0,
+                "ns_seconds": {"4x4x1": ns}, "link_samples": [("all_gather", n, 1e-3 + n / 1e9) for n in (1, 10**6)]}
+
+    figures = combine([[point(10.0, 1.0), point(30.0, 1.0)], [point(20.0, 3.0), point(40.0, 2.0)]])
+    assert figures["matmul_flops"] == pytest.approx((10.0 + 30.0) / 2)  # the slower rank at each of 2 points
+    assert figures["ns_seconds"]["4x4x1"] == pytest.approx((3.0 + 2.0) / 2)
+    assert figures["spread"]["matmul_flops"] == [10.0, 30.0] and figures["points"] == 2
+
+
+def test_compare_errors_and_orders():
+    measured = {c: {"step_s": s, "fwd_bwd_s": s - 1, "optimizer_s": 1.0}
+                for c, s in (("adamw", 10.0), ("gather", 20.0), ("dmuon_z2", 11.0), ("dmuon_z3", 12.0))}
+    predicted = {c: {"step_seconds": m["step_s"] * 0.9, "forward_backward_seconds": m["fwd_bwd_s"],
+                     "optimizer_seconds": 1.2} for c, m in measured.items()}
+    result = compare(measured, predicted)
+    assert result["configs"]["adamw"]["step"]["error"] == pytest.approx(-0.1)
+    assert result["configs"]["gather"]["optimizer"]["error"] == pytest.approx(0.2)
+    assert result["same_order"] and result["order_by_step"]["measured"] == ["adamw", "dmuon_z2", "dmuon_z3",
+                                                                             "gather"]

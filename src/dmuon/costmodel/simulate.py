@@ -1,0 +1,892 @@
+"""One training step's timeline at cluster scale: a discrete-event simulation on every rank.
+
+:func:`step_comm` (``collectives.py``) sums alpha-beta seconds with no overlap, so it
+cannot say whether an exchange hides behind backward. This module runs the same
+collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a timeline:
+
+* **Work** (:class:`Timeline`): per rank, compute tasks (forward and backward per
+  block, counted as 2 and 4 x parameters x tokens FLOPs; the owners' NS; elementwise
+  passes such as AdamW) and collectives, each on a *stream*: a per-rank FIFO queue,
+  as a CUDA stream or an NCCL communicator runs its work in issue order. A task starts
+  when it heads its stream and its dependencies are done; compute tasks of several
+  streams running at once share the rank's compute engine equally (a GPU interleaves
+  their kernels).
+* **Collectives** start once every taking-part rank has reached them, spend
+  ``messages x latency``, then move each rank's bytes over that rank's link of the
+  level (intra, inter), one link per direction, whose bandwidth is shared equally
+  between the transfers on it at that moment (two at once get half each); a rank's part
+  ends when its bytes have moved.
+* **Schedules** (:func:`build_step`): FSDP2's forward and backward with its prefetch
+  (the next block's all-gather behind the current block's compute), the reduce-scatter
+  behind backward, the HSDP all-reduce; dmuon's exchanges issued from FSDP2's
+  post-reduce stream as the runtime issues them (``docs/architecture.md``: hop A,
+  hop B one block later, design (b)'s reductions across replicas), the step's
+  agreement, the owners' NS batches wave by wave with each wave's return behind
+  them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
+  the all-to-all peer's batches in its runtime's order.
+
+Ranks given the same work in every task have the same timeline (the simulation is
+deterministic), so one of each such class is simulated (FSDP2 + AdamW's 256 ranks are one).
+With ``overlap=False`` every task waits for the one before it on every rank: with no
+compute the step is then :func:`~dmuon.costmodel.collectives.step_figures`' alpha-beta
+total. Only ``dmuon plan`` (:mod:`dmuon.bench.plan_cli`) and the bench's calibration use
+this module.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from dmuon.costmodel.collectives import (
+    PEER_STRATEGY,
+    STEP_STRATEGIES,
+    AlphaBeta,
+    Collective,
+    all_to_all_batches,
+    async_runtime_order,
+    step_collectives,
+)
+from dmuon.costmodel.rank_traffic import row_width
+from dmuon.plan.cost import gram_ns_flops, ns_flops
+
+SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", PEER_STRATEGY)
+"""What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
+
+NS_METHODS: tuple[str, ...] = ("auto", "standard", "gram")
+"""How NS is priced: ``"standard"`` (:func:`~dmuon.plan.cost.ns_flops`), ``"gram"`` (Gram NS with
+symmetric products, :func:`~dmuon.plan.cost.gram_ns_flops`), ``"auto"`` (the fewer FLOPs of the two
+per shape, as the autotuner picks the faster one)."""
+
+
+# ------------------------------------------------------------------ configuration
+@dataclass
+class Hardware:
+    """What one GPU (or CPU rank) and its links do per second."""
+
+    name: str
+    """Preset name, or where the figures came from."""
+    compute_flops: float
+    """Effective FLOP/s of forward and backward (bf16 on GPUs), counted as 6 x parameters x tokens."""
+    ns_flops: float
+    """Effective FLOP/s of Newton-Schulz at its analytical FLOPs (:data:`NS_METHODS`)."""
+    elementwise_bytes: float
+    """Bytes/s of memory-bound elementwise work (AdamW, momentum, applying updates)."""
+    links: AlphaBeta = field(default_factory=AlphaBeta)
+    """Latency and per-direction bandwidth inside a node (intra) and across nodes (inter)."""
+
+    def __post_init__(self) -> None:
+        for name in ("compute_flops", "ns_flops", "elementwise_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def as_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "links"}, **self.links.as_dict()}
+
+
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    # Typical, not measured. H100 SXM: 989 TFLOP/s dense bf16 peak, of which 400 effective for
+    # training (about 40%, the issue's figure), NS 600 (GEMM-bound, about 61%), 2 TB/s of its
+    # 3.35 TB/s HBM3 for elementwise work (60%); links: AlphaBeta's defaults (NVLink 4 and one
+    # 400 Gb/s NIC per GPU).
+    "h100": Hardware("h100", 400e12, 600e12, 2e12, AlphaBeta()),
+    # A800 SXM 80GB: 312 TFLOP/s dense bf16 and 2.04 TB/s, at the H100 preset's fractions
+    # (40%, 61%, 60%); NVLink capped at 400 GB/s bidirectional (200 each way); one 200 Gb/s
+    # HDR NIC per GPU (25 GB/s each way); the same latencies.
+    "a800": Hardware("a800", 125e12, 190e12, 1.2e12, AlphaBeta(intra_bandwidth=200e9, inter_bandwidth=25e9)),
+}
+"""Hardware presets of ``dmuon plan --simulate --hardware NAME``."""
+
+
+@dataclass
+class SimOptions:
+    """How one step is simulated."""
+
+    tokens_per_gpu: int = 4096
+    """Tokens each rank runs forward and backward per step."""
+    ns_method: str = "auto"
+    """How NS is priced (:data:`NS_METHODS`)."""
+    ns_steps: int = 5
+    """NS iterations."""
+    ns_seconds: Callable[[tuple[int, int], int], float] | None = None
+    """Measured seconds of one NS batch ``(shape, batch size)`` (a profile), instead of FLOPs."""
+    overlap: bool = True
+    """False: every task waits for the previous one on every rank (no overlap at all)."""
+    compute: bool = True
+    """False: no compute (every compute task takes no time)."""
+    backend: str = "nccl"
+    """``"nccl"``: GPU streams (FSDP2's collectives on their own streams); ``"gloo"``: CPU ranks,
+    FSDP2's collectives and every wait block the rank's one thread, dmuon's asynchronous
+    collectives progress beside it."""
+    agreement_bytes: int = 4
+    """Bytes per flag of dmuon's agreement all-reduce (int32; one flag per matrix and block)."""
+    peer_concurrency: int = 3
+    """The all-to-all peer's batches in flight (its ``AsyncRuntime``'s limit)."""
+
+    def __post_init__(self) -> None:
+        if self.ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method must be one of {NS_METHODS}, got {self.ns_method!r}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.tokens_per_gpu < 0 or self.ns_steps < 1:
+            raise ValueError("tokens_per_gpu must be >= 0 and ns_steps >= 1")
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["ns_seconds"] = "profiled" if self.ns_seconds is not None else None
+        return out
+
+
+# Bytes per element of the elementwise passes (fp32 state and parameters, bf16 wire).
+ADAMW_BYTES = 28
+"""AdamW: parameter, first and second moment read and written, gradient read (fp32)."""
+MOMENTUM_BYTES = 14
+"""Muon's momentum step: gradient read, momentum read and written (fp32), direction written (bf16)."""
+PEEK_BYTES = 10
+"""dmuon's direction in backward (momentum untouched): gradient and momentum read, direction written."""
+STALE_BYTES = 4
+"""dmuon's check of a launch: the direction sent and the committed one read (bf16)."""
+APPLY_BYTES = 10
+"""Applying an update: the fp32 parameter read and written, the bf16 update read."""
+OWNER_COPY_BYTES = 8
+"""An owner pastes the pieces into the full direction and cuts the update (bf16, read and written)."""
+
+
+# ------------------------------------------------------------------ the event loop
+@dataclass(eq=False)
+class Task:
+    """One piece of work: compute on some ranks, or one collective."""
+
+    name: str
+    """What it is (a collective's label)."""
+    stream: str
+    """Per-rank FIFO queue it runs on."""
+    seconds: list[float | None] | None
+    """Compute seconds per rank (None where it does not run); None for a collective."""
+    collective: Collective | None
+    """The collective it runs (its ranks, bytes per rank, level, messages), or None for compute."""
+    deps: list["Task"]
+    """Done on a rank before this starts there (nothing, where the dependency does not run)."""
+    barrier: list["Task"]
+    """Done on every rank before this starts anywhere."""
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"step"``."""
+    kind: str
+    """``"compute"``, ``"ns"``, ``"elementwise"``, ``"wait"`` or ``"collective"``."""
+    ranks: list[int] = field(default_factory=list)
+    """The ranks it runs on (set by :meth:`Timeline.run`)."""
+    start: dict[int, float] = field(default_factory=dict)
+    """Per rank, when it started (a collective: when the rank reached it)."""
+    end: dict[int, float] = field(default_factory=dict)
+    """Per rank, when it ended."""
+    moving: float | None = None
+    """A collective: when its latency was paid and its bytes started moving."""
+
+
+class Timeline:
+    """Tasks on ``world`` ranks and a run of them (:meth:`run`)."""
+
+    def __init__(self, world: int, links: AlphaBeta, overlap: bool = True):
+        self.world, self.links, self.overlap = world, links, overlap
+        self.tasks: list[Task] = []
+
+    def _add(self, task: Task) -> Task:
+        if not self.overlap:
+            # Serialised: one queue, each task after the previous one (that runs anywhere) has ended everywhere.
+            task.stream = "serial"
+            previous = next((t for t in reversed(self.tasks) if _runs_somewhere(t)), None)
+            task.barrier = task.barrier + ([previous] if previous is not None else [])
+        self.tasks.append(task)
+        return task
+
+    def compute(self, name: str, stream: str, seconds: float | Sequence[float | None], deps=(), *,
+                phase: str, kind: str = "compute") -> Task:
+        """Compute on every rank (``seconds`` a number) or per rank (a list, None: not there)."""
+        per_rank = [float(seconds)] * self.world if isinstance(seconds, (int, float)) else list(seconds)
+        return self._add(Task(name, stream, per_rank, None, _present(deps), [], phase, kind))
+
+    def wait(self, name: str, stream: str, deps=(), *, phase: str) -> Task:
+        """A point on ``stream`` (every rank) after its earlier work and ``deps``: takes no time."""
+        return self._add(Task(name, stream, [0.0] * self.world, None, _present(deps), [], phase, "wait"))
+
+    def collective(self, c: Collective, stream: str, deps=(), *, phase: str) -> Task:
+        return self._add(Task(c.label, stream, None, c, _present(deps), [], phase, "collective"))
+
+    # -- the run
+    def run(self) -> None:
+        """Runs every task; fills each task's per-rank ``start`` and ``end``.
+
+        Events are ``(time, seq, what, payload)`` on one heap. Links share their bandwidth
+        equally among the transfers on them (processor sharing), and a rank's compute engine
+        its time among the compute tasks running at once, tracked in *virtual time*: the
+        resource's virtual clock advances at ``rate / tasks``, and work W that joined at
+        virtual time V ends when the clock reaches V + W.
+        """
+        events, seq = [], [0]
+
+        def push(t: float, what: str, payload) -> None:
+            seq[0] += 1
+            heapq.heappush(events, (t, seq[0], what, payload))
+
+        classes = self._symmetry_classes()
+        queues, unmet, after, after_all, left = self._wiring()
+        arrived = [0] * len(self.tasks)
+        parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
+        shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
+        now = 0.0
+
+        def ready(n: int, k: int) -> None:
+            """Starts task n on rank k if it heads its stream there and nothing it needs is missing."""
+            task = self.tasks[n]
+            if unmet[n][k] or queues[(k, task.stream)][0] != n or k in task.start:
+                return
+            task.start[k] = now
+            if task.collective is not None:
+                arrived[n] += 1
+                if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
+                    push(now + _latency(task.collective, self.links), "moved", n)
+            elif task.seconds[k] == 0:
+                push(now, "done", (n, k))
+            else:
+                # The rank's compute engine is shared by whatever runs on it at once (kernels of
+                # several streams interleave), like a link's bandwidth: seconds of work at rate 1.
+                parts_left[(n, k)] = 1
+                engine = shared.setdefault((k, "engine", ""), _Shared(1.0))
+                engine.join(now, task.seconds[k], (n, k))
+                engine.schedule(push, (k, "engine", ""))
+
+        def done(n: int, k: int) -> None:
+            task = self.tasks[n]
+            task.end[k] = now
+            queue = queues[(k, task.stream)]
+            queue.popleft()
+            if queue:
+                ready(queue[0], k)
+            for m in after[n]:
+                if k in unmet[m]:
+                    unmet[m][k] -= 1
+                    ready(m, k)
+            left[n] -= 1
+            if left[n] == 0:
+                for m in after_all[n]:
+                    for j in self.tasks[m].ranks:
+                        unmet[m][j] -= 1
+                        ready(m, j)
+
+        for n, task in enumerate(self.tasks):
+            for k in task.ranks:
+                ready(n, k)
+        while events:
+            now, _, what, payload = heapq.heappop(events)
+            if what == "done":
+                done(*payload)
+            elif what == "moved":  # latency paid: every rank's bytes start moving
+                n = payload
+                c = self.tasks[n].collective
+                self.tasks[n].moving = now
+                bandwidth = self.links.intra_bandwidth if c.level == "intra" else self.links.inter_bandwidth
+                for k in self.tasks[n].ranks:
+                    flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
+                    parts_left[(n, k)] = len(flows)
+                    if not flows:
+                        done(n, k)
+                    for direction, nbytes in flows:
+                        link = shared.setdefault((k, c.level, direction), _Shared(bandwidth))
+                        link.join(now, nbytes, (n, k))
+                        link.schedule(push, (k, c.level, direction))
+            elif what == "share":
+                key, version = payload
+                resource = shared[key]
+                if version != resource.version:
+                    continue  # rescheduled since
+                for n, k in resource.finish(now):
+                    parts_left[(n, k)] -= 1
+                    if parts_left[(n, k)] == 0:
+                        done(n, k)
+                resource.schedule(push, key)
+        stuck = [t.name for t in self.tasks if len(t.end) < len(t.ranks)]
+        if stuck:
+            raise RuntimeError(f"simulation deadlocked; first unfinished tasks: {stuck[:5]}")
+        # Every rank of a class has its representative's times.
+        for members in classes:
+            for task in self.tasks:
+                if members[0] in task.end:
+                    for k in members[1:]:
+                        task.start[k], task.end[k] = task.start[members[0]], task.end[members[0]]
+        for task in self.tasks:
+            task.ranks = [k for k, part in enumerate(_parts(task)) if part is not None]
+
+    def _symmetry_classes(self) -> list[list[int]]:
+        """Ranks given the same work in every task run the same timeline: one of each class (its
+        lowest rank) is simulated, which sets every task's ``ranks`` to the representatives it runs on."""
+        classes: dict[tuple, list[int]] = {}
+        for k in range(self.world):
+            classes.setdefault(tuple(_parts(t)[k] for t in self.tasks), []).append(k)
+        simulated = sorted(members[0] for members in classes.values())
+        for task in self.tasks:
+            parts = _parts(task)
+            task.ranks = [k for k in simulated if parts[k] is not None]
+        return list(classes.values())
+
+    def _wiring(self):
+        """Per (rank, stream) its queue of task indices in issue order; per task and rank its number of
+        unmet dependencies; per task who waits for it on the same rank (``after``) and everywhere
+        (``after_all``, barriers); per task on how many ranks it still has to end (``left``)."""
+        index = {id(t): n for n, t in enumerate(self.tasks)}
+        here = [set(t.ranks) for t in self.tasks]
+        queues: dict[tuple[int, str], deque] = {}
+        for n, task in enumerate(self.tasks):
+            for k in task.ranks:
+                queues.setdefault((k, task.stream), deque()).append(n)
+        unmet = [dict.fromkeys(t.ranks, 0) for t in self.tasks]
+        after: list[list[int]] = [[] for _ in self.tasks]
+        after_all: list[list[int]] = [[] for _ in self.tasks]
+        left = [len(t.ranks) for t in self.tasks]
+        for n, task in enumerate(self.tasks):
+            for d in task.deps:
+                m = index[id(d)]
+                after[m].append(n)
+                for k in task.ranks:
+                    if k in here[m]:  # a dependency that does not run on k does not hold k up
+                        unmet[n][k] += 1
+            for d in task.barrier:
+                m = index[id(d)]
+                if left[m]:
+                    after_all[m].append(n)
+                    for k in task.ranks:
+                        unmet[n][k] += 1
+        return queues, unmet, after, after_all, left
+
+
+def _parts(task: Task) -> list:
+    """Per rank what the task gives it: compute seconds, or a collective's (sent, received); None: nothing."""
+    return task.seconds if task.collective is None else task.collective.ranks
+
+
+def _present(deps) -> list[Task]:
+    """The dependencies that exist (a collective a strategy does not issue here is None)."""
+    return [d for d in deps if d is not None]
+
+
+def _runs_somewhere(task: Task) -> bool:
+    return any(p is not None for p in _parts(task))
+
+
+def _latency(c: Collective, links: AlphaBeta) -> float:
+    return c.messages * (links.intra_latency if c.level == "intra" else links.inter_latency)
+
+
+class _Shared:
+    """A resource shared equally by the work on it: one direction of one rank's link at one level
+    (bytes/s), or one rank's compute engine (seconds of work per second)."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+        self.virtual = 0.0   # work each task on it has had done since it was created
+        self.at = 0.0        # real time of ``virtual``
+        self.flows: list = []  # (virtual end, seq, owner)
+        self.seq = 0
+        self.version = 0
+
+    def _advance(self, now: float) -> None:
+        if self.flows:
+            self.virtual += (now - self.at) * self.bandwidth / len(self.flows)
+        self.at = now
+
+    def join(self, now: float, nbytes: float, owner) -> None:
+        self._advance(now)
+        self.seq += 1
+        heapq.heappush(self.flows, (self.virtual + nbytes, self.seq, owner))
+
+    def finish(self, now: float) -> list:
+        """The owners of the transfers that have ended by ``now``."""
+        self._advance(now)
+        # What would end within a negligible time (1e-12 of the clock) ends now: with fast
+        # resources the remaining time can fall below the clock's resolution.
+        slack = 1e-12 * max(now, 1e-9) * self.bandwidth / max(len(self.flows), 1)
+        out = []
+        while self.flows and self.flows[0][0] <= self.virtual + slack:
+            out.append(heapq.heappop(self.flows)[2])
+        return out
+
+    def schedule(self, push, key) -> None:
+        """Queues the next end of a transfer (any earlier queued one is void)."""
+        self.version += 1
+        if self.flows:
+            remaining = max(self.flows[0][0] - self.virtual, 0.0)
+            push(self.at + remaining * len(self.flows) / self.bandwidth, "share", (key, self.version))
+
+
+# ------------------------------------------------------------------ one step's schedule
+@dataclass
+class StepInputs:
+    """One step to simulate: the matrices, where they live and who owns them."""
+
+    shapes: list[tuple[int, int]]
+    """Muon matrices, ``(rows, prod(shape[1:]))``."""
+    owners: list[int]
+    """Owner rank of each Muon matrix (plan rank ``r * shard + s``)."""
+    blocks: list[int]
+    """FSDP2 block of each Muon matrix (the root is :attr:`root_block`, layers ascend in forward order)."""
+    replicate: int
+    """Replicas R (1: 1-D FSDP)."""
+    shard: int
+    """Ranks S each parameter is sharded over (a node under HSDP)."""
+    ns_batches: dict[int, list[list[int]]]
+    """Per owner rank, its NS batches (matrix indices) in the order it runs them."""
+    other_shapes: list[tuple[int, int]] = field(default_factory=list)
+    """The parameters Muon leaves to AdamW (embeddings, heads), ``(rows, prod(shape[1:]))``."""
+    other_blocks: list[int] = field(default_factory=list)
+    """Their blocks."""
+    return_waves: int = 4
+    """The runtime's limit on update returns (4 on an accelerator; 1, the CPU default, makes the
+    step speculative: NS on what landed in backward, its return carrying the agreement)."""
+    zero: int = 3
+    """FSDP2 resharding: 3 re-gathers the weights in backward, 2 keeps them from forward."""
+    wire_bytes: int = 2
+    """dmuon's (gather's, the peer's) element size on the wire, the NS dtype."""
+    param_bytes: int = 2
+    """FSDP2's all-gather element size."""
+    reduce_bytes: int = 4
+    """FSDP2's reduce-scatter and all-reduce element size."""
+    root_block: int = 0
+    """The root module's block: gathered first, its compute (the head) after the layers', its
+    gradients reduced last."""
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard
+
+    def waves(self) -> list[list[int]]:
+        """The non-empty return waves, as the runtime pipelines them (:func:`dmuon.plan.batches.return_waves`)."""
+        from dmuon.plan.batches import return_waves
+        return [w for w in return_waves(self.ns_batches, [], self.return_waves) if w]
+
+
+# Streams (per rank): compute, FSDP2's three, dmuon's three process groups, gather's and the peer's.
+C, AG, RS, AR = "compute", "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce"
+DS, DR, DW, GATHER, PEER = "dmuon_shard", "dmuon_replicate", "dmuon_world", "gather", "peer"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return int(shape[0]) * row_width(shape)
+
+
+class _Launch:
+    """A block's direction exchange in backward, hop by hop (``stage``: reducing, A or B in flight)."""
+
+    def __init__(self, block: int, stage: str, reductions: list[Task] | None = None):
+        self.block, self.stage = block, stage
+        self.reductions = reductions or []
+        self.hop_a: Task | None = None
+        self.hop_b: Task | None = None
+
+    def landing(self) -> list[Task]:
+        """What the owners wait for: hop B (hop A where the shard level has one rank)."""
+        return [t for t in (self.hop_b if self.hop_b is not None else self.hop_a,) if t is not None]
+
+
+class _Builder:
+    """Builds one strategy's step on a :class:`Timeline`, in the order the host issues it."""
+
+    def __init__(self, strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions):
+        if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
+            raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
+        self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
+        self.tl = Timeline(inputs.world, hardware.links, options.overlap)
+        self.waves = inputs.waves()
+        collectives = step_collectives(
+            strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
+            wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
+            zero=inputs.zero, root_block=inputs.root_block, waves=self.waves, other_shapes=inputs.other_shapes,
+            other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency)
+        self.collectives: dict[tuple, Collective] = {}
+        for c in collectives:
+            key = (c.role, c.phase, c.block, c.index)
+            if key in self.collectives:
+                raise ValueError(f"two collectives with key {key}")
+            self.collectives[key] = c
+        self.used: set[tuple] = set()
+        self.design_b = strategy == "dmuon" and inputs.replicate > 1
+        self.native_all_reduce = inputs.replicate > 1 and not self.design_b
+        gloo = options.backend == "gloo"
+        # On gloo FSDP2's collectives (and gather's) block the rank's thread: they run on its one queue.
+        self.s = {name: (C if gloo and name in (AG, RS, AR, GATHER) else name)
+                  for name in (C, AG, RS, AR, DS, DR, DW, GATHER, PEER)}
+        # Where FSDP2 calls the post-accumulate-grad hooks: after the all-reduce on native HSDP.
+        self.post_reduce = self.s[AR] if self.native_all_reduce else self.s[RS]
+        self.launches: list[_Launch] = []
+        self.unlanded: list[Task] = []  # design (b): reductions across replicas not yet waited for
+        self.backward_end: Task | None = None
+
+    # -- helpers
+    def coll(self, role: str, phase: str, block, index, stream: str, deps=()) -> Task | None:
+        """The collective ``step_collectives`` made for this place, on ``stream`` (None if it made none)."""
+        key = (role, phase, block, index)
+        c = self.collectives.get(key)
+        if c is None:
+            return None
+        self.used.add(key)
+        return self.tl.collective(c, self.s[stream], deps, phase=phase)
+
+    def seconds(self, flops: float, rate: float) -> float:
+        return flops / rate if self.opt.compute else 0.0
+
+    def elementwise(self, name: str, stream: str, nbytes: float, deps=(), *, phase: str = "step") -> Task:
+        return self.tl.compute(name, self.s[stream], self.seconds(nbytes, self.hw.elementwise_bytes), deps,
+                               phase=phase, kind="elementwise")
+
+    def wait(self, name: str, stream: str, deps, phase: str = "step") -> Task:
+        return self.tl.wait(name, self.s[stream], deps, phase=phase)
+
+    def ns_seconds(self, shape: tuple[int, int], count: int, owner_copy: bool) -> float:
+        """One NS batch of ``count`` matrices of ``shape`` (with the owner's assembling and cutting)."""
+        if not self.opt.compute or count == 0:
+            return 0.0
+        copy = OWNER_COPY_BYTES * _numel(shape) * count / self.hw.elementwise_bytes if owner_copy else 0.0
+        if self.opt.ns_seconds is not None:
+            return self.opt.ns_seconds(shape, count) + copy
+        steps = self.opt.ns_steps
+        flops = {"standard": ns_flops(shape, steps), "gram": gram_ns_flops(shape, steps)}
+        chosen = min(flops.values()) if self.opt.ns_method == "auto" else flops[self.opt.ns_method]
+        return count * chosen / self.hw.ns_flops + copy
+
+    def block_numel(self, b: int, muon: bool = True, other: bool = True) -> int:
+        inp = self.inp
+        return (sum(_numel(s) for s, x in zip(inp.shapes, inp.blocks) if x == b) * muon
+                + sum(_numel(s) for s, x in zip(inp.other_shapes, inp.other_blocks) if x == b) * other)
+
+    # -- FSDP2: forward and backward, the strategy's hook after each block's reduction
+    def forward_backward(self, hook: Callable[[int], None]) -> None:
+        inp, tl = self.inp, self.tl
+        order = sorted(set(inp.blocks) | set(inp.other_blocks))
+        root = inp.root_block if inp.root_block in order else None
+        layers = [b for b in order if b != root]
+        tokens = self.opt.tokens_per_gpu
+        fwd = {b: self.seconds(2.0 * self.block_numel(b) * tokens, self.hw.compute_flops) for b in order}
+        sequence: list[Task] = []  # every forward and backward compute task, in order
+
+        def prefetched() -> list[Task]:
+            # FSDP2 gathers a block while the block before it computes: its all-gather
+            # starts once the compute two places earlier has ended (two blocks unsharded at once).
+            return sequence[-2:-1]
+
+        def run(task: Task) -> Task:
+            sequence.append(task)
+            return task
+
+        if root is not None:
+            gathered = self.coll("fsdp_all_gather", "forward", root, None, AG)
+            run(tl.compute("embedding", C, 0.0, [gathered], phase="forward"))
+        for b in layers:
+            gathered = self.coll("fsdp_all_gather", "forward", b, None, AG, prefetched())
+            run(tl.compute(f"forward block {b}", C, fwd[b], [gathered], phase="forward"))
+        if root is not None:
+            # The root's parameters (the head) compute after the layers and stay gathered for backward.
+            run(tl.compute("forward head", C, fwd[root], phase="forward"))
+            run(tl.compute("backward head", C, 2 * fwd[root], phase="backward"))
+        for b in reversed(layers):
+            gathered = self.coll("fsdp_all_gather", "backward", b, None, AG, prefetched()) if inp.zero == 3 else None
+            done = run(tl.compute(f"backward block {b}", C, 2 * fwd[b], [gathered], phase="backward"))
+            self.reduce(b, done, hook)
+        if root is not None:
+            done = run(tl.compute("backward embedding", C, 0.0, phase="backward"))
+            self.reduce(root, done, hook)
+        # FSDP2's final callback: the compute stream waits for every reduction (and what the hooks queued).
+        drained = [self.wait(f"{s} drained", s, [], "backward") for s in (RS, AR) if self.s[s] != C]
+        if self.design_b:
+            # dmuon's final callback lands every reduction across replicas.
+            drained.append(self.wait("replicate level landed", C, self.unlanded, "backward"))
+            self.unlanded = []
+        self.backward_end = self.wait("backward end", C, drained, "backward")
+
+    def reduce(self, b: int, done: Task, hook: Callable[[int], None]) -> None:
+        """FSDP2's post-backward of block ``b``: reduce-scatter, HSDP all-reduce, then the hooks."""
+        rs = self.coll("fsdp_reduce_scatter", "backward", b, None, RS, [done])
+        self.coll("fsdp_all_reduce", "backward", b, None, AR, [rs])
+        hook(b)
+
+    # -- dmuon in backward (comm/exchange.py, runtime/backward.py)
+    def muon_in(self, b: int) -> list[int]:
+        return [i for i, x in enumerate(self.inp.blocks) if x == b]
+
+    def kept_elements(self, members: list[int]) -> float:
+        """Elements of this rank's part of the directions: its rows' column slice (1/(R S))."""
+        return sum(_numel(self.inp.shapes[i]) for i in members) / self.inp.world
+
+    def row_elements(self, members: list[int]) -> float:
+        """Elements of this rank's rows of the matrices (1/S)."""
+        return sum(_numel(self.inp.shapes[i]) for i in members) / self.inp.shard
+
+    def advance(self, stream: str) -> None:
+        """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``)."""
+        for launch in self.launches:
+            if launch.stage == "A":
+                landed = self.wait(f"hop A {launch.block} landed", stream, [launch.hop_a], "backward")
+                launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
+                launch.stage = "B"
+            elif launch.stage == "R":
+                self.send_after_reduction(launch, stream)
+
+    def send_after_reduction(self, launch: _Launch, stream: str) -> None:
+        """Design (b): the block's reduction has landed; its directions go to the owners' replicas."""
+        landed = self.wait(f"block {launch.block} reduced", stream, launch.reductions, "backward")
+        members = self.muon_in(launch.block)
+        peek = self.elementwise(f"directions block {launch.block}", stream,
+                                PEEK_BYTES * self.kept_elements(members), [landed], phase="backward")
+        launch.hop_a = self.coll("hop_a", "backward", launch.block, None, DR, [peek])
+        launch.stage = "A"
+
+    def send(self, b: int, stream: str) -> None:
+        """Design (a), or one replica: the block's directions from the reduced gradient, hop A or hop B."""
+        members = self.muon_in(b)
+        if not members:
+            return
+        peek = self.elementwise(f"directions block {b}", stream, PEEK_BYTES * self.kept_elements(members),
+                                phase="backward")
+        launch = _Launch(b, "A")
+        launch.hop_a = self.coll("hop_a", "backward", b, None, DR, [peek])
+        if launch.hop_a is None:
+            launch.hop_b = self.coll("hop_b", "backward", b, None, DS, [peek])
+            launch.stage = "B"
+        self.launches.append(launch)
+
+    def dmuon_hook(self, b: int) -> None:
+        p = self.post_reduce
+        self.advance(p)
+        if not self.design_b:
+            self.send(b, p)
+            return
+        if self.unlanded:  # ReplicateLevel.land_all
+            self.wait("reductions landed", p, self.unlanded, "backward")
+            self.unlanded = []
+        here = self.wait(f"block {b} reduce-scattered", p, [], "backward")
+        reductions = [self.coll("replicate_all_reduce", "backward", b, None, DR, [here]),
+                      self.coll("grad_columns", "backward", b, None, DR, [here])]
+        reductions = [t for t in reductions if t is not None]
+        self.unlanded += reductions
+        if self.muon_in(b):
+            self.launches.append(_Launch(b, "R", reductions))
+
+    # -- the steps
+    def adamw(self, numel: float, deps=()) -> Task:
+        return self.elementwise("adamw", C, ADAMW_BYTES * numel, deps)
+
+    def other_local(self) -> float:
+        return sum(_numel(s) for s in self.inp.other_shapes) / self.inp.shard
+
+    def step_fsdp_adamw(self) -> None:
+        self.adamw(self.other_local() + sum(_numel(s) for s in self.inp.shapes) / self.inp.shard)
+
+    def step_gather(self) -> None:
+        """GatherThenCompute: per matrix its momentum, the all-gather, NS on every rank, the apply."""
+        for i, shape in enumerate(self.inp.shapes):
+            momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard)
+            gathered = self.coll("gather", "step", self.inp.blocks[i], i, GATHER, [momentum])
+            ns = self.tl.compute(f"NS {i}", C, self.ns_seconds(shape, 1, owner_copy=False), [gathered],
+                                 phase="step", kind="ns")
+            self.elementwise(f"apply {i}", C, APPLY_BYTES * _numel(shape) / self.inp.shard, [ns])
+        self.adamw(self.other_local())
+
+    def step_dmuon(self) -> None:
+        """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
+        inp, tl = self.inp, self.tl
+        for launch in self.launches:  # BackwardLaunches.take: every hop issued, in launch order
+            if launch.stage == "R":
+                self.send_after_reduction(launch, C)
+            if launch.stage == "A":
+                landed = self.wait(f"hop A {launch.block} landed", C, [launch.hop_a])
+                launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
+                launch.stage = "B"
+        everything = list(range(len(inp.shapes)))
+        self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything))
+        checked = self.elementwise("launch check", C, STALE_BYTES * self.kept_elements(everything))
+        speculative = inp.return_waves == 1
+        agreement = None
+        if not speculative and inp.world > 1:
+            flags = self.opt.agreement_bytes * (len(inp.shapes) + len(set(inp.blocks)))
+            hops = 2 * math.ceil(math.log2(inp.world))  # a tree all-reduce: up and down
+            c = Collective("all_reduce", "inter" if inp.replicate > 1 else "intra", "step", None,
+                           [(flags, flags)] * inp.world, hops, "dmuon agreement", "agreement")
+            agreement = tl.collective(c, self.s[DW], [checked], phase="step")
+            self.adamw(self.other_local())  # while the flags travel
+            self.wait("agreed", C, [agreement])
+        self.wait("directions at the owners", C, [t for launch in self.launches for t in launch.landing()])
+        mine = self.wave_batches()
+        shard_returns: list[Task | None] = []
+        replica_returns: list[Task | None] = []
+        for w in range(len(self.waves)):
+            seconds = [sum(self.ns_seconds(shape, n, owner_copy=True) for shape, n in mine[k][w])
+                       for k in range(inp.world)]
+            ns = tl.compute(f"NS wave {w}", C, seconds, phase="step", kind="ns")
+            if w > 0:  # hop 2 of the wave before, behind this wave's NS
+                replica_returns.append(self.forward_return(w - 1, shard_returns[w - 1]))
+            shard_returns.append(self.coll("return_shard", "step", None, w, DS, [ns]))
+        if speculative or agreement is None:
+            self.adamw(self.other_local())  # while the (last) return travels
+        for w, wave in enumerate(self.waves):
+            if w == len(self.waves) - 1:
+                replica_returns.append(self.forward_return(w, shard_returns[w]))
+            landed = self.wait(f"wave {w} landed", C, [shard_returns[w], replica_returns[w]])
+            self.elementwise(f"apply wave {w}", C, APPLY_BYTES * self.row_elements(wave), [landed])
+
+    def forward_return(self, w: int, shard_return: Task | None) -> Task | None:
+        """``Pending.forward`` of wave ``w``'s return: land hop 1 (on the compute stream), issue hop 2."""
+        if self.inp.replicate == 1:
+            return None
+        landed = self.wait(f"wave {w} at the shard columns", C, [shard_return])
+        return self.coll("return_replicas", "step", None, w, DR, [landed])
+
+    def wave_batches(self) -> list[list[list[tuple[tuple[int, int], int]]]]:
+        """Per rank, per wave, its NS batches as ``(shape, count)``."""
+        last = len(self.waves) - 1
+        out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
+        for rank, batches in self.inp.ns_batches.items():
+            for k, batch in enumerate(batches):
+                if batch:
+                    out[rank][min(k, last)].append((self.inp.shapes[batch[0]], len(batch)))
+        return out
+
+    def step_peer(self) -> None:
+        """The all-to-all peer's ``AsyncRuntime``: momentum and out, NS and back, apply, per batch."""
+        inp, tl = self.inp, self.tl
+        batches = all_to_all_batches(inp.shapes, inp.shard)
+        out: dict[int, Task | None] = {}
+        back: dict[int, Task | None] = {}
+        for segment, k in async_runtime_order(len(batches), self.opt.peer_concurrency):
+            (rows, width), _ = batches[k]
+            local = -(-rows // inp.shard) * width * inp.shard  # this rank's shard of each of the S (padded) matrices
+            if segment == 0:
+                momentum = self.elementwise(f"momentum batch {k}", C, MOMENTUM_BYTES * local)
+                out[k] = self.coll("a2a_out", "step", None, k, PEER, [momentum])
+            elif segment == 1:
+                arrived = self.wait(f"batch {k} at its owners", C, [out[k]])
+                ns = tl.compute(f"NS batch {k}", C, self.ns_seconds((rows, width), 1, owner_copy=True), [arrived],
+                                phase="step", kind="ns")
+                back[k] = self.coll("a2a_back", "step", None, k, PEER, [ns])
+            else:
+                landed = self.wait(f"batch {k} back", C, [back[k]])
+                self.elementwise(f"apply batch {k}", C, APPLY_BYTES * local, [landed])
+        self.adamw(self.other_local())
+
+    def build(self) -> Timeline:
+        muon = self.strategy in ("dmuon", "dmuon_native_hsdp")
+        self.forward_backward(self.dmuon_hook if muon else (lambda b: None))
+        {"fsdp_adamw": self.step_fsdp_adamw, "gather": self.step_gather, "dmuon": self.step_dmuon,
+         "dmuon_native_hsdp": self.step_dmuon, PEER_STRATEGY: self.step_peer}[self.strategy]()
+        unused = set(self.collectives) - self.used
+        if unused:
+            raise AssertionError(f"{self.strategy}: collectives not scheduled: {sorted(map(str, unused))[:5]}")
+        return self.tl
+
+
+# ------------------------------------------------------------------ results
+def build_step(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None
+               ) -> tuple[Timeline, Task]:
+    """The timeline of one step under ``strategy`` (not yet run) and its end-of-backward marker."""
+    builder = _Builder(strategy, inputs, hardware, options or SimOptions())
+    timeline = builder.build()
+    return timeline, builder.backward_end
+
+
+def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None) -> dict:
+    """Runs one step under ``strategy``; its figures, JSON-ready.
+
+    Returns:
+        ``step_seconds`` (first all-gather to the last rank's last update: when the next
+        forward may start), ``forward_backward_seconds`` (until the last rank's backward
+        has ended, FSDP2's reductions and dmuon's final callback included),
+        ``optimizer_seconds`` (the rest: after backward until the next forward may start),
+        ``exposed_comm_seconds`` (the step less the busiest rank's compute: the time that
+        rank waits on transfers, or on other ranks through them), the same split
+        into ``exposed_forward_backward_seconds`` and ``exposed_optimizer_seconds``,
+        ``compute_seconds`` (forward and backward FLOPs alone), ``ns_seconds`` and
+        ``elementwise_seconds`` (the most any rank spends), ``optimizer_busy_seconds``
+        (during the optimizer phase: the most any rank spends on NS and on elementwise work,
+        and the longest any rank's intra- and inter-node link carries bytes: what bounds
+        the phase), ``collectives`` and ``bounding_rank`` (the rank with the most compute).
+    """
+    timeline, backward_end = build_step(strategy, inputs, hardware, options)
+    timeline.run()
+    world = inputs.world
+    busy = {phase: [0.0] * world for phase in ("forward", "backward", "step")}
+    by_kind = {kind: [0.0] * world for kind in ("compute", "ns", "elementwise")}
+    step = 0.0
+    for task in timeline.tasks:
+        for k, t in task.end.items():
+            step = max(step, t)
+            if task.seconds is not None and task.seconds[k]:
+                busy[task.phase][k] += task.seconds[k]
+                by_kind[task.kind][k] += task.seconds[k]
+    total = [sum(busy[p][k] for p in busy) for k in range(world)]
+    bound = max(range(world), key=lambda k: total[k])
+    backward = max(backward_end.end.values())
+    in_backward = max(busy["forward"][k] + busy["backward"][k] for k in range(world))
+    return {
+        "step_seconds": step,
+        "forward_backward_seconds": backward,
+        "optimizer_seconds": step - backward,
+        "exposed_comm_seconds": step - total[bound],
+        "exposed_forward_backward_seconds": backward - in_backward,
+        "exposed_optimizer_seconds": (step - backward) - max(busy["step"]),
+        "compute_seconds": max(by_kind["compute"]),
+        "ns_seconds": max(by_kind["ns"]),
+        "elementwise_seconds": max(by_kind["elementwise"]),
+        "optimizer_busy_seconds": _busy_after(timeline, backward, world),
+        "collectives": sum(1 for t in timeline.tasks if t.collective is not None and t.ranks),
+        "bounding_rank": bound,
+    }
+
+
+def _busy_after(timeline: Timeline, start: float, world: int) -> dict:
+    """What kept the ranks busy from ``start`` (the end of backward) on: the most any rank spent on NS
+    and on elementwise work, and the longest any rank's intra- and inter-node link carried bytes
+    (either direction; overlapping transfers counted once)."""
+    work = {"ns": [0.0] * world, "elementwise": [0.0] * world}
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for task in timeline.tasks:
+        if task.collective is not None:
+            for k in task.ranks:
+                if task.moving is not None and max(task.collective.ranks[k]) > 0 and task.end[k] > start:
+                    spans.setdefault((k, task.collective.level), []).append((max(task.moving, start), task.end[k]))
+        elif task.kind in work:
+            for k in task.ranks:
+                if task.seconds[k] and task.end[k] > start:
+                    # Its share after ``start`` (all of it unless it began in backward).
+                    whole = task.end[k] - task.start[k]
+                    work[task.kind][k] += task.seconds[k] * min(1.0, (task.end[k] - start) / whole) if whole else 0.0
+    links = {"intra": 0.0, "inter": 0.0}
+    for (k, level), intervals in spans.items():
+        covered, reach = 0.0, start
+        for a, b in sorted(intervals):
+            if b > reach:
+                covered += b - max(a, reach)
+                reach = b
+        links[level] = max(links[level], covered)
+    return {"ns": max(work["ns"]), "elementwise": max(work["elementwise"]), **links}
+
+
+def simulate_strategies(inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None,
+                        strategies: Sequence[str] = SIM_STRATEGIES) -> dict:
+    """:func:`simulate` for each strategy, ``{strategy: figures}``."""
+    return {s: simulate(s, inputs, hardware, options) for s in strategies}
+
+
+def goal_ratios(figures: dict) -> dict:
+    """Per strategy of ``{strategy: simulate(...)}``: its step over FSDP2 + AdamW's
+    (``step_vs_fsdp_adamw``), gather-then-compute's optimizer phase over its own
+    (``gather_optimizer_over_this``) and gather-then-compute's step over its own
+    (``gather_step_over_this``): the ratios the paper's claims are made of."""
+    base = figures["fsdp_adamw"]["step_seconds"] if "fsdp_adamw" in figures else None
+    gather = figures.get("gather")
+
+    def over(key: str, value: float) -> float | None:
+        return gather[key] / value if gather and value else None
+
+    return {k: {"step_vs_fsdp_adamw": v["step_seconds"] / base if base else None,
+                "gather_optimizer_over_this": over("optimizer_seconds", v["optimizer_seconds"]),
+                "gather_step_over_this": over("step_seconds", v["step_seconds"])}
+            for k, v in figures.items()}

@@ -1,0 +1,279 @@
+"""The step simulation against timelines known by hand, and against the alpha-beta sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmuon.costmodel.collectives import (
+    PEER_STRATEGY,
+    AlphaBeta,
+    Collective,
+    all_to_all_batches,
+    async_runtime_order,
+    step_collectives,
+    step_figures,
+)
+from dmuon.costmodel.simulate import (
+    SIM_STRATEGIES,
+    Hardware,
+    SimOptions,
+    StepInputs,
+    Timeline,
+    build_step,
+    simulate,
+)
+from dmuon.plan.cost import gram_ns_flops, ns_flops
+
+# Round numbers: 1 byte/s per link direction, latencies of 1 s inside a node and 2 s across.
+LINKS = AlphaBeta(intra_bandwidth=1.0, inter_bandwidth=1.0, intra_latency=1.0, inter_latency=2.0)
+
+
+def _transfer(world: int, parts, messages: int = 1, level: str = "intra", label: str = "t") -> Collective:
+    """A collective with the given (sent, received) per rank (None: not taking part)."""
+    return Collective("all_to_all", level, "step", None, list(parts), messages, label)
+
+
+def _ends(task) -> dict[int, float]:
+    return dict(sorted(task.end.items()))
+
+
+def test_pure_compute_runs_in_stream_order_and_ranks_in_parallel():
+    tl = Timeline(2, LINKS)
+    a = tl.compute("a", "compute", [1.0, 2.0], phase="forward")
+    b = tl.compute("b", "compute", 3.0, phase="forward")
+    c = tl.compute("c", "compute", [None, 1.0], phase="forward")  # only on rank 1
+    tl.run()
+    assert _ends(a) == {0: 1.0, 1: 2.0}
+    assert _ends(b) == {0: 4.0, 1: 5.0}
+    assert _ends(c) == {1: 6.0}
+
+
+def test_compute_of_two_streams_shares_the_engine():
+    # Two 1-second tasks on different streams of one rank run at once at half speed each.
+    tl = Timeline(1, LINKS)
+    a = tl.compute("a", "one", 1.0, phase="step")
+    b = tl.compute("b", "two", 1.0, phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(2.0) and b.end[0] == pytest.approx(2.0)
+    # Unequal: the short one ends at 2 x 1, the long one runs alone afterwards (2 + 2).
+    tl = Timeline(1, LINKS)
+    a = tl.compute("a", "one", 1.0, phase="step")
+    b = tl.compute("b", "two", 3.0, phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(2.0) and b.end[0] == pytest.approx(4.0)
+
+
+def test_pure_transfer_is_latency_plus_bytes_over_bandwidth():
+    tl = Timeline(2, LINKS)
+    t = tl.collective(_transfer(2, [(6, 4), (4, 6)], messages=3), "s", phase="step")
+    tl.run()
+    # 3 latencies of 1 s, then each rank's larger direction, 6 bytes at 1 byte/s.
+    assert _ends(t) == {0: pytest.approx(9.0), 1: pytest.approx(9.0)}
+    # Across nodes: 2 s latency per message.
+    tl = Timeline(2, LINKS)
+    t = tl.collective(_transfer(2, [(5, 0), (0, 5)], messages=1, level="inter"), "s", phase="step")
+    tl.run()
+    assert _ends(t) == {0: pytest.approx(7.0), 1: pytest.approx(7.0)}
+
+
+def test_a_transfer_hides_behind_compute_unless_it_waits_for_it():
+    tl = Timeline(2, LINKS)
+    work = tl.compute("backward", "compute", 10.0, phase="backward")
+    moved = tl.collective(_transfer(2, [(4, 4), (4, 4)]), "comm", phase="backward")  # 1 + 4 s, from t=0
+    after = tl.compute("next", "compute", 1.0, [moved], phase="step")
+    tl.run()
+    assert moved.end[0] == pytest.approx(5.0) and work.end[0] == pytest.approx(10.0)
+    assert after.end[0] == pytest.approx(11.0)  # hidden: nothing waited
+    tl = Timeline(2, LINKS)
+    work = tl.compute("backward", "compute", 10.0, phase="backward")
+    moved = tl.collective(_transfer(2, [(4, 4), (4, 4)]), "comm", [work], phase="backward")
+    after = tl.compute("next", "compute", 1.0, [moved], phase="step")
+    tl.run()
+    assert after.end[0] == pytest.approx(10.0 + 5.0 + 1.0)  # exposed: 5 s of waiting
+
+
+def test_two_transfers_on_one_link_get_half_the_bandwidth_each():
+    # Both send 4 bytes from rank 0 on the same link at once (no latency): 8 s, not 4.
+    links = AlphaBeta(intra_bandwidth=1.0, intra_latency=0.0)
+    tl = Timeline(2, links)
+    a = tl.collective(_transfer(2, [(4, 0), (0, 4)], label="a"), "one", phase="step")
+    b = tl.collective(_transfer(2, [(4, 0), (0, 4)], label="b"), "two", phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(8.0) and b.end[0] == pytest.approx(8.0)
+    # 2 and 6 bytes: the first ends at 4 (2 each at half rate), the second moves its last 4 alone: 8.
+    tl = Timeline(2, links)
+    a = tl.collective(_transfer(2, [(2, 0), (0, 2)], label="a"), "one", phase="step")
+    b = tl.collective(_transfer(2, [(6, 0), (0, 6)], label="b"), "two", phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(4.0) and b.end[0] == pytest.approx(8.0)
+    # Opposite directions do not share: each direction of a link has its own bandwidth.
+    tl = Timeline(2, links)
+    a = tl.collective(_transfer(2, [(4, 0), (0, 4)], label="a"), "one", phase="step")
+    b = tl.collective(_transfer(2, [(0, 4), (4, 0)], label="b"), "two", phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(4.0) and b.end[0] == pytest.approx(4.0)
+    # Different levels do not share either.
+    tl = Timeline(2, AlphaBeta(intra_bandwidth=1.0, inter_bandwidth=1.0, intra_latency=0.0, inter_latency=0.0))
+    a = tl.collective(_transfer(2, [(4, 0), (0, 4)], label="a"), "one", phase="step")
+    b = tl.collective(Collective("all_to_all", "inter", "step", None, [(4, 0), (0, 4)], 0, "b"), "two",
+                      phase="step")
+    tl.run()
+    assert a.end[0] == pytest.approx(4.0) and b.end[0] == pytest.approx(4.0)
+
+
+def test_a_collective_starts_when_its_last_rank_arrives_and_streams_are_fifo():
+    tl = Timeline(2, LINKS)
+    late = tl.compute("late", "compute", [0.0, 5.0], phase="step")
+    first = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "comm", [late], phase="step")
+    second = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "comm", phase="step")  # behind it on its stream
+    tl.run()
+    assert first.start[0] == 0.0 and first.end[0] == pytest.approx(5.0 + 2.0)
+    assert second.end[1] == pytest.approx(7.0 + 2.0)
+
+
+def test_identical_ranks_are_simulated_once_and_copied():
+    # Ranks 1-3 do the same; rank 0 differs. Both classes end where they would alone.
+    tl = Timeline(4, LINKS)
+    work = tl.compute("w", "compute", [3.0, 1.0, 1.0, 1.0], phase="step")
+    moved = tl.collective(_transfer(4, [(2, 2)] * 4), "comm", [work], phase="step")
+    tl.run()
+    assert _ends(work) == {0: 3.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    assert all(t == pytest.approx(3.0 + 1.0 + 2.0) for t in moved.end.values()) and len(moved.end) == 4
+
+
+def test_gram_ns_flops_by_hand():
+    m, n = 4, 12
+    # Five steps, restarting every 3: 6 m²n + 14 m³ with symmetric products, against 20 m²n + 10 m³.
+    assert gram_ns_flops((m, n)) == pytest.approx(6 * m * m * n + 14 * m**3)
+    assert gram_ns_flops((n, m)) == gram_ns_flops((m, n))
+    assert ns_flops((m, n)) == pytest.approx(20 * m * m * n + 10 * m**3)
+    # Full products (no symmetric kernels): the two Gram matrices and the m x m products cost twice
+    # as much; the two Q X products are full either way.
+    assert gram_ns_flops((m, n), symmetric=False) == pytest.approx(8 * m * m * n + 28 * m**3)
+
+
+def test_the_peer_batches_and_its_runtime_order():
+    # Same-shape matrices batch together (order of first appearance), S to a batch.
+    assert all_to_all_batches([(4, 2), (2, 4), (4, 2), (4, 2)], 2) == [((4, 2), [0, 2]), ((4, 2), [3]),
+                                                                      ((2, 4), [1])]
+    # AsyncRuntime: a new batch starts each pass; the others advance one segment, oldest last.
+    assert async_runtime_order(3) == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0), (1, 2), (2, 1), (2, 2)]
+    assert async_runtime_order(2, max_concurrent=1) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+
+
+# ---------------------------------------------------------------- whole steps
+HW = Hardware("test", compute_flops=1e12, ns_flops=1e12, elementwise_bytes=1e11, links=LINKS)
+
+
+def _inputs(replicate: int, shard: int, return_waves: int = 4, zero: int = 3) -> StepInputs:
+    """Five Muon matrices in blocks 1-2 and the root, two AdamW ones (an embedding in the root, one in block 1)."""
+    shapes = [(6, 5), (5, 7), (8, 4), (3, 9), (6, 5)]
+    blocks = [1, 1, 2, 2, 0]
+    world = replicate * shard
+    owners = [(3 * i + 1) % world for i in range(len(shapes))]
+    batches: dict[int, list[list[int]]] = {}
+    for i, o in enumerate(owners):
+        batches.setdefault(o, []).append([i])
+    return StepInputs(shapes=shapes, owners=owners, blocks=blocks, replicate=replicate, shard=shard,
+                      ns_batches=batches, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 1],
+                      return_waves=return_waves, zero=zero)
+
+
+@pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("return_waves", [1, 4])
+def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, return_waves):
+    inputs = _inputs(replicate, shard, return_waves)
+    options = SimOptions(overlap=False, compute=False)
+    for strategy in SIM_STRATEGIES:
+        timeline, _ = build_step(strategy, inputs, HW, options)
+        used = [t.collective for t in timeline.tasks if t.collective is not None]
+        figures = simulate(strategy, inputs, HW, options)
+        assert figures["step_seconds"] == pytest.approx(step_figures(used, LINKS)["seconds"]["total"]), strategy
+        # The collectives are step_collectives' (the same code as step_comm's), plus dmuon's agreement.
+        listed = step_collectives(strategy, inputs.shapes, inputs.owners, inputs.blocks, replicate, shard,
+                                  waves=inputs.waves(), other_shapes=inputs.other_shapes,
+                                  other_blocks=inputs.other_blocks)
+        extra = [c for c in used if c.role == "agreement"]
+        assert len(extra) == (strategy.startswith("dmuon") and return_waves > 1)
+        assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
+        if not extra:
+            assert figures["step_seconds"] == pytest.approx(step_figures(listed, LINKS)["seconds"]["total"])
+
+
+@pytest.mark.parametrize("replicate,shard", [(1, 1), (1, 4), (2, 2), (4, 2)])
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_every_strategy_schedules_every_collective_and_adds_up(replicate, shard, backend):
+    for zero in (2, 3):
+        for return_waves in (1, 4):
+            inputs = _inputs(replicate, shard, return_waves, zero)
+            for strategy in SIM_STRATEGIES:
+                # build_step raises if a collective of step_collectives has no place in the schedule.
+                f = simulate(strategy, inputs, HW, SimOptions(tokens_per_gpu=1000, backend=backend))
+                assert f["step_seconds"] == pytest.approx(f["forward_backward_seconds"] + f["optimizer_seconds"])
+                assert f["step_seconds"] >= f["compute_seconds"] > 0
+                assert f["exposed_comm_seconds"] >= -1e-12 and f["optimizer_seconds"] >= 0
+
+
+def test_hand_step_on_one_rank_per_strategy():
+    # One rank, no communication: the step is the sum of its work.
+    inputs = StepInputs(shapes=[(4, 8)], owners=[0], blocks=[1], replicate=1, shard=1, ns_batches={0: [[0]]},
+                        other_shapes=[(10, 4)], other_blocks=[0], return_waves=4)
+    hw = Hardware("t", compute_flops=1.0, ns_flops=1.0, elementwise_bytes=1.0, links=LINKS)
+    options = SimOptions(tokens_per_gpu=1, ns_method="standard")
+    fwd_bwd = 6 * (32 + 40)  # 6 x parameters x tokens
+    adamw_all = 28 * (32 + 40)
+    assert simulate("fsdp_adamw", inputs, hw, options)["step_seconds"] == pytest.approx(fwd_bwd + adamw_all)
+    ns = ns_flops((4, 8))
+    # gather: momentum 14 B, NS, apply 10 B per Muon element; AdamW on the other 40.
+    gather = simulate("gather", inputs, hw, options)
+    assert gather["optimizer_seconds"] == pytest.approx(14 * 32 + ns + 10 * 32 + 28 * 40)
+    # dmuon: direction in backward (10 B), momentum (14), check (4), AdamW, NS with the owner's copies (8), apply.
+    dmuon = simulate("dmuon", inputs, hw, options)
+    assert dmuon["step_seconds"] == pytest.approx(
+        fwd_bwd + 10 * 32 + 14 * 32 + 4 * 32 + 28 * 40 + ns + 8 * 32 + 10 * 32)
+    assert dmuon["ns_seconds"] == pytest.approx(ns + 8 * 32)
+    # After backward: NS, and the momentum, check, AdamW and apply passes; no link.
+    assert dmuon["optimizer_busy_seconds"] == pytest.approx(
+        {"ns": ns + 8 * 32, "elementwise": 14 * 32 + 4 * 32 + 28 * 40 + 10 * 32, "intra": 0.0, "inter": 0.0})
+
+
+def test_the_optimizer_phase_counts_link_time_once_per_rank():
+    # After a 2 s "backward", two overlapping transfers on rank 0's link (4 bytes each at half rate: 8 s)
+    # and one later one (1 + 2 s): busy 8 + 2 s of link time, not 8 + 8 + 2.
+    tl = Timeline(2, AlphaBeta(intra_bandwidth=1.0, intra_latency=1.0))
+    backward = tl.compute("backward", "compute", 2.0, phase="backward")
+    end = tl.wait("backward end", "compute", [backward], phase="backward")
+    a = tl.collective(Collective("all_to_all", "intra", "step", None, [(4, 0), (0, 4)], 0, "a"), "one", [end],
+                      phase="step")
+    tl.collective(Collective("all_to_all", "intra", "step", None, [(4, 0), (0, 4)], 0, "b"), "two", [end],
+                  phase="step")
+    tl.collective(Collective("all_to_all", "intra", "step", None, [(2, 0), (0, 2)], 1, "c"), "one", [a],
+                  phase="step")
+    tl.run()
+    from dmuon.costmodel.simulate import _busy_after
+    assert _busy_after(tl, 2.0, 2) == pytest.approx({"ns": 0.0, "elementwise": 0.0, "intra": 10.0, "inter": 0.0})
+
+
+def test_nothing_is_exposed_with_free_links_and_gather_pays_every_ns():
+    free = Hardware("free", 1e12, 1e12, 1e11, AlphaBeta(intra_bandwidth=1e30, inter_bandwidth=1e30,
+                                                        intra_latency=0.0, inter_latency=0.0))
+    inputs = _inputs(2, 2)
+    options = SimOptions(tokens_per_gpu=10**6)
+    adamw = simulate("fsdp_adamw", inputs, free, options)
+    assert adamw["exposed_comm_seconds"] == pytest.approx(0.0, abs=1e-12)
+    gather = simulate("gather", inputs, free, options)
+    dmuon = simulate("dmuon", inputs, free, options)
+    # Every rank runs every NS under gather; dmuon's busiest owner runs its own.
+    assert gather["ns_seconds"] > dmuon["ns_seconds"]
+    assert simulate(PEER_STRATEGY, inputs, free, options)["exposed_comm_seconds"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError):
+        SimOptions(ns_method="svd")
+    with pytest.raises(ValueError):
+        SimOptions(backend="mpi")
+    with pytest.raises(ValueError):
+        Hardware("x", 0.0, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        simulate("adam", _inputs(1, 2), HW)
