@@ -72,9 +72,15 @@ def canonical_name(name: str) -> str:
 
 
 def _waits_for_sharding(model: nn.Module) -> bool:
-    """A process group is up and a trainable parameter is not a DTensor yet (``fully_shard`` comes later)."""
-    return (dist.is_available() and dist.is_initialized()
-            and any(p.requires_grad and not isinstance(p, DTensor) for p in model.parameters()))
+    """A process group is up and no parameter is a DTensor yet (``fully_shard`` comes later).
+
+    A model sharded in part (some blocks ``fully_shard``-ed, others not) is not waiting for
+    a framework: it is the error :func:`dmuon.prepare` names at once.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    params = list(model.parameters())
+    return any(p.requires_grad for p in params) and not any(isinstance(p, DTensor) for p in params)
 
 
 class DMuon(torch.optim.Optimizer):
