@@ -202,14 +202,14 @@ def test_hsdp_checkpoint_holds_each_momentum_once(tmp_path):
 
 def test_replicate_level_checkpoint_resumes_on_other_layouts(tmp_path):
     """Saved with dmuon's replicate level on 2x2 (FSDP2 over the shard dim, ``hsdp_mesh``), resumed on
-    4 ranks 1-D, on 2x2 native HSDP and on 2x2 with the replicate level again: as if never stopped.
-    The momentum's layout is native HSDP's, so DCP reshards it like any other state."""
-    from support.checkpoint import save_after
+    4 ranks 1-D and on 2x2 native HSDP: as if never stopped. The momentum's layout is native
+    HSDP's, so DCP reshards it like any other state."""
+    from support.checkpoint import save_then_resume_elsewhere
 
-    path = str(tmp_path / "replicate-level")
-    run_distributed(save_after, 4, path, SAVED_AT, 3, (2, 2), "dmuon", timeout_s=120)
+    layouts = [(None, "fsdp2"), ((2, 2), "fsdp2")]
+    got = run_distributed(save_then_resume_elsewhere, 4, str(tmp_path), SAVED_AT, MORE, ((2, 2), "dmuon"), layouts,
+                          timeout_s=180)[0]
     ref = _uninterrupted()
-    for mesh_shape, hsdp in ((None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")):
-        got = run_distributed(resume_and_train, 4, path, SAVED_AT, MORE, 3, mesh_shape, hsdp, timeout_s=120)[0]
-        worst = max(ref, key=lambda n: (got[n] - ref[n]).abs().max().item())
-        assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, (mesh_shape, hsdp, worst)
+    for layout, params in zip(layouts, got):
+        worst = max(ref, key=lambda n: (params[n] - ref[n]).abs().max().item())
+        assert (params[worst] - ref[worst]).abs().max().item() <= 1e-5, (layout, worst)

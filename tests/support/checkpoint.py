@@ -97,6 +97,17 @@ def resume_and_train(rank: int, world_size: int, path: str, start: int, steps: i
     return params if rank == 0 else None
 
 
+def save_then_resume_elsewhere(rank: int, world_size: int, directory: str, saved_at: int, more: int,
+                               saved_layout: tuple, layouts: list[tuple]) -> list | None:
+    """One process group: train and save under ``saved_layout`` (``(mesh_shape, hsdp)``), then for each
+    of ``layouts`` a fresh model resumes and trains ``more`` steps. Returns (rank 0) each resumed
+    run's full parameters."""
+    path = f"{directory}/saved"
+    save_after(rank, world_size, path, saved_at, 3, *saved_layout)
+    out = [resume_and_train(rank, world_size, path, saved_at, more, 3, *layout) for layout in layouts]
+    return out if rank == 0 else None
+
+
 def resume_matches_continuing(rank: int, world_size: int, path: str, saved_at: int, more: int,
                               frozen: tuple[str, ...]) -> dict | None:
     """bf16 mixed precision with frozen parameters: save, then both continue and resume.
