@@ -3,6 +3,8 @@ DMuon built after it; torch-style param groups map onto the Muon and AdamW halve
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,13 +23,35 @@ def _same(got: dict, ref: dict) -> None:
     assert got["groups"] == ref["groups"]
 
 
-@pytest.mark.parametrize("world_size,mesh_shape,hsdp", [(2, None, "fsdp2"), (4, (2, 2), "fsdp2"), (4, (2, 2), "dmuon")],
-                         ids=["1d-2-ranks", "hsdp-2x2-native", "hsdp-2x2-replicate-level"])
-def test_built_before_sharding_equals_built_after_bit_for_bit(world_size, mesh_shape, hsdp):
+def _on_two(rank: int, world: int) -> dict:
+    """Every 2-rank run of this file in one process group (a spawn costs more than the work)."""
+    return {"1d": before_and_after(rank, world, None, "fsdp2"),
+            "torch": before_and_after(rank, world, None, "fsdp2", 2, 1, None, "torch"),
+            "wrapped": before_and_after(rank, world, None, "fsdp2", 2, 1, None, "all", True),
+            "unsharded": unsharded_step(rank, world)}
+
+
+def _on_four(rank: int, world: int) -> dict:
+    return {hsdp: before_and_after(rank, world, (2, 2), hsdp) for hsdp in ("fsdp2", "dmuon")}
+
+
+@functools.cache
+def _two() -> list[dict]:
+    return run_distributed(_on_two, 2, timeout_s=300)
+
+
+@functools.cache
+def _four() -> list[dict]:
+    return run_distributed(_on_four, 4, timeout_s=300)
+
+
+@pytest.mark.parametrize("layout", ["1d-2-ranks", "hsdp-2x2-native", "hsdp-2x2-replicate-level"])
+def test_built_before_sharding_equals_built_after_bit_for_bit(layout):
     """3 steps, 2 micro-batches under FSDP2's no-sync, torch's clip_grad_norm_, a frozen block: every
     parameter, every state tensor and the param groups are equal; the optimizer sets itself up at the
     first forward, so the first backward already runs its hooks."""
-    out = run_distributed(before_and_after, world_size, mesh_shape, hsdp, timeout_s=180)
+    out = [r["1d"] for r in _two()] if layout == "1d-2-ranks" else \
+        [r["fsdp2" if layout == "hsdp-2x2-native" else "dmuon"] for r in _four()]
     _same(out[0]["before"], out[0]["after"])
     for rank in out:
         assert rank["before"]["seen"] == [("built", False), ("after the first backward", True)]
@@ -36,7 +60,7 @@ def test_built_before_sharding_equals_built_after_bit_for_bit(world_size, mesh_s
 
 def test_torch_style_groups_built_before_sharding_equal_built_after():
     """The HF Trainer's grouping (weight decay off for biases and norms), given as groups with module=."""
-    out = run_distributed(before_and_after, 2, None, "fsdp2", 2, 1, None, "torch", timeout_s=180)
+    out = [r["torch"] for r in _two()]
     _same(out[0]["before"], out[0]["after"])
     by_kind = {(g["algorithm"], g["weight_decay"]) for g in out[0]["after"]["groups"]}
     assert by_kind == {("muon", 0.05), ("adamw", 0.05), ("adamw", 0.0)}
@@ -45,13 +69,12 @@ def test_torch_style_groups_built_before_sharding_equal_built_after():
 def test_blocks_wrapped_for_activation_checkpointing_after_the_optimizer_was_built():
     """accelerate wraps blocks in torch's checkpoint wrapper between building the optimizer and sharding:
     the parameters' names gain ``_checkpoint_wrapped_module``, and DMuon still finds them."""
-    out = run_distributed(before_and_after, 2, None, "fsdp2", 2, 1, None, "all", True, timeout_s=180)
+    out = [r["wrapped"] for r in _two()]
     _same(out[0]["before"], out[0]["after"])
 
 
 def test_a_step_on_a_model_never_sharded_names_the_fix():
-    errors = run_distributed(unsharded_step, 2, timeout_s=60)
-    for message in errors:
+    for message in [r["unsharded"] for r in _two()]:
         assert message is not None and "not sharded" in message and "fully_shard" in message, message
 
 
