@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,23 +14,46 @@ from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference
 
 
+def _on_two(rank: int, world: int) -> dict:
+    """The 2-rank misuse cases in one process group (each raises on every rank alike, then the next runs)."""
+    return {"mismatched": faults.mismatched_models(rank, world), "root": faults.root_not_sharded(rank, world),
+            "another plan": faults.plan_for_another_model(rank, world)}
+
+
+def _on_three(rank: int, world: int) -> dict:
+    """The 3-rank cases in one process group."""
+    return {"kernel": faults.kernel_sharded(rank, world), "blocks": faults.fsdp_blocks(rank, world),
+            "skip": faults.nonfinite(rank, world, "skip"), "raise": faults.nonfinite(rank, world, "raise"),
+            "milp": faults.milp_owners(rank, world)}
+
+
+@functools.cache
+def _two() -> list[dict]:
+    return run_distributed(_on_two, 2, timeout_s=120)
+
+
+@functools.cache
+def _three() -> list[dict]:
+    return run_distributed(_on_three, 3, timeout_s=120)
+
+
 def test_ranks_with_different_models_fail_clearly():
-    out = run_distributed(faults.mismatched_models, 2, timeout_s=60)
+    out = [r["mismatched"] for r in _two()]
     assert all(o.startswith("ValueError") and "ranks [1] differ" in o for o in out), out
 
 
 def test_parameter_outside_fully_shard_is_named():
-    out = run_distributed(faults.root_not_sharded, 2, timeout_s=60)
+    out = [r["root"] for r in _two()]
     assert all("not managed by any fully_shard" in o and "embed.weight" in o for o in out), out
 
 
 def test_unsupported_layout_is_named():
-    out = run_distributed(faults.kernel_sharded, 3, timeout_s=60)  # FSDP2 splits dim 2 only evenly
+    out = [r["kernel"] for r in _three()]  # FSDP2 splits dim 2 only evenly
     assert all(o.startswith("ValueError") and "'conv.weight' is split on its dim 2" in o for o in out), out
 
 
 def test_plan_for_another_model_is_refused():
-    out = run_distributed(faults.plan_for_another_model, 2, timeout_s=60)
+    out = [r["another plan"] for r in _two()]
     assert all(o.startswith("ValueError") and "plan" in o for o in out), out
 
 
@@ -38,7 +63,7 @@ def test_sparse_gradient_names_the_parameter():
 
 
 def test_blocks_are_the_fsdp2_modules_and_rows_follow_shard0():
-    out = run_distributed(faults.fsdp_blocks, 3, timeout_s=60)
+    out = [r["blocks"] for r in _three()]
     for o in out:
         assert o["blocks"] == ["", "layers.0", "layers.1", "layers.2"]
         assert o["block_of"]["conv.weight"] == 0 and o["block_of"]["layers.2.down.weight"] == 3
@@ -48,7 +73,7 @@ def test_blocks_are_the_fsdp2_modules_and_rows_follow_shard0():
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
 def test_nonfinite_gradient_is_handled_on_every_rank(mode):
-    out = run_distributed(faults.nonfinite, 3, mode, timeout_s=60)
+    out = [r[mode] for r in _three()]
     for o in out:
         assert o["outcome"][0] == ("stepped", True)
         if mode == "skip":
@@ -58,7 +83,7 @@ def test_nonfinite_gradient_is_handled_on_every_rank(mode):
 
 
 def test_milp_plan_is_identical_on_every_rank():
-    out = run_distributed(faults.milp_owners, 3, timeout_s=60)
+    out = [r["milp"] for r in _three()]
     assert all(o == out[0] for o in out) and set(out[0]) == {0, 1, 2}
 
 
