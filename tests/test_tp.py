@@ -6,6 +6,7 @@ and the result is single-process torch.optim.Muon's whatever the TP degree."""
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -18,13 +19,43 @@ STEPS = 3
 MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
 
 
+def _on_four(rank: int, world: int) -> dict:
+    """Every 4-rank run of this file in one process group (a spawn costs more than the work)."""
+    from support.tp import counted_tp_step
+
+    shape = MESHES["dp2-tp2"]
+    return {("dp2-tp2", "dmuon"): train(rank, world, STEPS, shape, "dmuon"),
+            ("dp2-tp2", "gather"): train(rank, world, STEPS, shape, "gather"),
+            ("dp2-tp2", "counted"): counted_tp_step(rank, world, shape),
+            "sequence parallel": train(rank, world, STEPS, shape, "dmuon", True),
+            ("bf16", "dmuon"): train(rank, world, STEPS, shape, "dmuon", False, True),
+            ("bf16", "gather"): train(rank, world, STEPS, shape, "gather", False, True)}
+
+
+def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
+    """Every 8-rank run of this file in one process group."""
+    from support.tp import counted_tp_step, resume_matches_continuing
+
+    shape = MESHES["hsdp2x2-tp2"]
+    return {("hsdp2x2-tp2", "dmuon"): train(rank, world, STEPS, shape, "dmuon"),
+            ("hsdp2x2-tp2", "counted"): counted_tp_step(rank, world, shape),
+            "resume": resume_matches_continuing(rank, world, shape, checkpoint)}
+
+
 @functools.cache
-def _run(mesh: str, optimizer: str = "dmuon") -> list[dict]:
-    shape = MESHES[mesh]
-    world = 1
-    for size in shape:
-        world *= size
-    return run_distributed(train, world, STEPS, shape, optimizer, timeout_s=300)
+def _four() -> list[dict]:
+    return run_distributed(_on_four, 4, timeout_s=300)
+
+
+@functools.cache
+def _eight() -> list[dict]:
+    with tempfile.TemporaryDirectory() as directory:
+        return run_distributed(_on_eight, 8, f"{directory}/ckpt", timeout_s=300)
+
+
+def _run(mesh: str, what: str = "dmuon") -> list[dict]:
+    """Every rank's result of one run (``mesh``: a key of MESHES, or ``"bf16"``: dp2-tp2 in bf16)."""
+    return [r[(mesh, what)] for r in (_eight() if mesh == "hsdp2x2-tp2" else _four())]
 
 
 def _worst(got: dict, ref: dict) -> tuple[str, float]:
@@ -82,10 +113,8 @@ def test_gather_then_compute_on_the_same_tp_model_agrees():
 @pytest.mark.parametrize("mesh", MESHES)
 def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
     from dmuon.costmodel.traffic import owner_exchange_collectives
-    from support.tp import counted_tp_step
 
-    shape = MESHES[mesh]
-    results = run_distributed(counted_tp_step, 4 if len(shape) == 2 else 8, shape, timeout_s=300)
+    results = _run(mesh, "counted")
     first = results[0]
     shapes, owners, blocks = ([i[k] for i in first["infos"]] for k in range(3))
     assert all(r["blocks_in_backward"] == BLOCKS for r in results)  # the two layers (the root has no matrix)
@@ -103,7 +132,7 @@ def test_sequence_parallel_norms_and_embedding():
     stream split over the sequence; the matrices' result is still single-process torch.optim.Muon's."""
     from support.tp import SP_MATRICES
 
-    results = run_distributed(train, 4, STEPS, (2, 2), "dmuon", True, timeout_s=300)
+    results = [r["sequence parallel"] for r in _four()]
     params, momenta = reference(2, STEPS, sequence_parallel=True)
     name, err = _worst(results[0]["params"], params)
     assert err <= 1e-5, (name, err)
@@ -112,12 +141,10 @@ def test_sequence_parallel_norms_and_embedding():
     assert sum(r["orthogonalized"] for r in results) == len(SP_MATRICES)
 
 
-def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp(tmp_path):
+def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp():
     """get_model/optimizer_state_dict + dcp.save/load + set_*: the rowwise momentum's columns are split
     over the replicas inside TP's split (_StridedShard), and the resumed run continues bit for bit."""
-    from support.tp import resume_matches_continuing
-
-    got = run_distributed(resume_matches_continuing, 8, (2, 2, 2), str(tmp_path / "ckpt"), timeout_s=300)[0]
+    got = _eight()[0]["resume"]
     assert "_StridedShard(dim=1, sf=2)" in got["placements"], got["placements"]
     for name, value in got["continued"].items():
         assert torch.equal(got["resumed"][name], value), name
@@ -126,8 +153,7 @@ def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp(tmp_path):
 def test_bf16_mixed_precision_equals_gather_then_compute_on_the_same_tp_model():
     """MixedPrecisionPolicy(bf16 params, fp32 reductions) on every fully_shard of the TP model: dmuon
     against the oracle on the same DTensors (both orthogonalize the same fp32 gradients)."""
-    got = run_distributed(train, 4, STEPS, (2, 2), "dmuon", False, True, timeout_s=300)[0]
-    oracle = run_distributed(train, 4, STEPS, (2, 2), "gather", False, True, timeout_s=300)[0]
+    got, oracle = _run("bf16", "dmuon")[0], _run("bf16", "gather")[0]
     name, err = _worst(got["params"], oracle["params"])
     assert err <= 1e-5, (name, err)
     torch.manual_seed(0)
