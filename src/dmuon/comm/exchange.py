@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.coalesce import GroupAllToAll
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
@@ -151,6 +152,12 @@ class ShardExchange:
         self.stats = stats
         self.wire_dtype = wire_dtype
         self.device = device
+        r, s = topology.coords
+        self.within = GroupAllToAll(topology.shard_group, s, topology.shard, "intra", stats)
+        """All-to-alls inside this rank's replica (the shard group)."""
+        self.across = GroupAllToAll(topology.replicate_group, r, topology.replicate, "inter", stats)
+        """All-to-alls across replicas (this shard position's replicate group); the replicate
+        level's reductions share it, so that :meth:`GroupAllToAll.coalesced` can join theirs with hop A."""
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.wire_dtype, device=self.device)
@@ -169,14 +176,14 @@ class ShardExchange:
         """Elements of matrix ``i`` shard position ``s`` sends to the owner (none from a copy)."""
         return self.infos[i].sent_numel(s)
 
-    def _all_to_all(self, level: str, group, out: torch.Tensor, inp: torch.Tensor,
-                    out_splits: list[int], in_splits: list[int], me: int, flags: int = 0):
+    def _all_to_all(self, level: str, out: torch.Tensor, inp: torch.Tensor,
+                    out_splits: list[int], in_splits: list[int], me: int, flags: int = 0) -> list:
         """``flags``: elements per peer that are the agreement's flags, not counted (as the
         agreement's own all-reduce is not): the counters stay what the traffic model prices."""
         elem, peers = inp.element_size(), len(in_splits) - 1
-        self.stats.add(level, (sum(in_splits) - in_splits[me] - peers * flags) * elem,
-                       (sum(out_splits) - out_splits[me] - peers * flags) * elem)
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+        issue = self.within if level == "intra" else self.across
+        return issue(out, inp, out_splits, in_splits, (sum(in_splits) - in_splits[me] - peers * flags) * elem,
+                     (sum(out_splits) - out_splits[me] - peers * flags) * elem)
 
     # ----------------------------------------------------------- to the owner
     def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
@@ -211,7 +218,7 @@ class ShardExchange:
         out_splits = [sum(infos[i].slice_numel(q, s) for i in ours) for q in range(topo.replicate)]
         send = self._cat([local[i].reshape(-1) for i in to_replica if infos[i].slice_numel(r, s)])
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("inter", topo.replicate_group, recv, send, out_splits, in_splits, r)
+        works = self._all_to_all("inter", recv, send, out_splits, in_splits, r)
 
         def then() -> Pending:
             slices: dict[int, list[torch.Tensor]] = {i: [] for i in ours}
@@ -224,7 +231,7 @@ class ShardExchange:
             pieces = {i: torch.cat(slices[i], dim=1).reshape(-1) for i in ours if self._sent(i, s)}
             return self._rows_to_owners(members, pieces)
 
-        return Pending([work], _no_result, self.stats, then=then)
+        return Pending(works, _no_result, self.stats, then=then)
 
     def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
         """Hop B: inside each replica, its ranks' pieces of the members it owns go to their owners.
@@ -247,7 +254,7 @@ class ShardExchange:
         out_splits = [sum(self._sent(i, src) for i in mine) for src in range(topo.shard)]
         send = self._cat([local[i].reshape(-1) for i in by_column if self._sent(i, s)])
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
+        works = self._all_to_all("intra", recv, send, out_splits, in_splits, s)
 
         def finish() -> dict[int, torch.Tensor]:
             pieces: dict[int, dict[int, torch.Tensor]] = {i: {} for i in mine}
@@ -257,7 +264,7 @@ class ShardExchange:
                         pieces[i][src] = piece
             return {i: self.infos[i].assemble(pieces[i]) for i in mine}
 
-        return Pending([work], finish, self.stats)
+        return Pending(works, finish, self.stats)
 
     # ------------------------------------------------------------- back again
     def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor],
@@ -308,8 +315,8 @@ class ShardExchange:
         send = self._cat([part for dst in range(topo.shard)
                           for part in self._with_flags([infos[i].cut(owned[i], dst) for i in mine], flags)])
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s, nflags)
-        return self._landing(work, recv, out_splits, from_column, s, nflags)
+        works = self._all_to_all("intra", recv, send, out_splits, in_splits, s, nflags)
+        return self._landing(works, recv, out_splits, from_column, s, nflags)
 
     def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor],
                           flags: torch.Tensor | None) -> Pending:
@@ -324,14 +331,14 @@ class ShardExchange:
             return Pending([], lambda: rows, self.stats)
         own = self._cat(self._with_flags([rows[i].reshape(-1) for i in from_replica[r] if i in rows], flags))
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
-                                [own.numel()] * topo.replicate, r, nflags)
-        return self._landing(work, recv, out_splits, from_replica, s, nflags)
+        works = self._all_to_all("inter", recv, own.repeat(topo.replicate), out_splits,
+                                 [own.numel()] * topo.replicate, r, nflags)
+        return self._landing(works, recv, out_splits, from_replica, s, nflags)
 
-    def _landing(self, work, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
+    def _landing(self, works: list, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
                  nflags: int) -> Pending:
         """The Pending of a return hop: rows by source, and the maximum of the flags every source appended."""
-        pending = Pending([work], _no_result, self.stats)
+        pending = Pending(works, _no_result, self.stats)
 
         def finish() -> dict[int, torch.Tensor]:
             segments = recv.split(splits)

@@ -160,8 +160,18 @@ class BackwardLaunches:
         landed = {id(p) for p in self._landed.pop(unit)}
         if self._current == unit:
             self._current = None
-        # The earlier launches' next hops (their first has had a block's backward to land).
-        self._advance()
+        if self.replicate is None:
+            self._advance()
+            self._launch(unit, landed)
+            return
+        # Hop A of the unit before and this unit's column reduce-scatter go to the same peers
+        # now: one collective across nodes instead of two (one latency per peer saved a block).
+        with self.exchange.across.coalesced():
+            self._advance()
+            self._launch(unit, landed)
+
+    def _launch(self, unit: int, landed: set[int]) -> None:
+        """Starts what a completed unit sends: its reduction across replicas, its directions."""
         first = unit not in self._fired
         self._fired.add(unit)
         block = self._units[unit].block
@@ -206,6 +216,7 @@ class BackwardLaunches:
             self._early[launch.block] = self._worker.submit(self._block_work, launch)
 
     def _advance(self) -> None:
+        """The earlier launches' next hops (their first has had a block's backward to land)."""
         for earlier in self._launches.values():
             earlier.pending.forward()
         if self.replicate is not None:
