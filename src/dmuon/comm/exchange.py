@@ -28,7 +28,8 @@ produces, in its wire dtype:
   matrix crosses the slow network R-1 times in total, spread over S links.
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
-and NCCL both support; members travel in plan-index order, so every
+and NCCL both support (on dmuon's replicate level the runtime joins hop A with
+the next block's gradient reduce-scatter, :mod:`dmuon.comm.coalesce`); members travel in plan-index order, so every
 destination's share is one contiguous slice. The speculative step's update
 return also carries its agreement: a few 0/1 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
