@@ -20,7 +20,8 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   (the next block's all-gather behind the current block's compute), the reduce-scatter
   behind backward, the HSDP all-reduce; dmuon's exchanges issued from FSDP2's
   post-reduce stream as the runtime issues them (``docs/architecture.md``: hop A,
-  hop B one block later, design (b)'s reductions across replicas), the step's
+  hop B one block later; design (b)'s reductions across replicas, each block's
+  gradient-column all_to_all carrying the hop A of the block landed before), the step's
   agreement, the owners' NS batches wave by wave with each wave's return behind
   them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
   the all-to-all peer's batches in its runtime's order.
