@@ -253,6 +253,31 @@ def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound
     assert task["dmuon direction slices block 1"].collective.role == "hop_a"
 
 
+def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
+    # Muon blocks 3 and 1, block 2 (between them in backward) and the root only other parameters:
+    # block 3's hop A goes alone when block 2 lands, after block 2's all-reduce (one queue: the
+    # replicate group's), block 1's columns carry nothing, block 1's hop A goes alone when the root lands.
+    inputs = StepInputs(shapes=[(6, 5), (5, 7)], owners=[1, 2], blocks=[3, 1], replicate=2, shard=2,
+                        ns_batches={1: [[0]], 2: [[1]]}, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 2])
+    listed = step_collectives("dmuon", inputs.shapes, inputs.owners, inputs.blocks, 2, 2, waves=inputs.waves(),
+                              other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks)
+    assert [(c.role, c.block, c.carries_hop_a) for c in listed if c.role in ("grad_columns", "hop_a")] == [
+        ("grad_columns", 3, None), ("hop_a", 3, None), ("grad_columns", 1, None), ("hop_a", 1, None)]
+    timeline, _ = build_step("dmuon", inputs, HW, SimOptions(tokens_per_gpu=1000))
+    timeline.run()
+    task = {t.name: t for t in timeline.tasks}
+    reduced_2 = task["dmuon all_reduce of the other parameters block 2"]
+    alone_3 = task["dmuon direction slices block 3"]
+    assert min(alone_3.start.values()) >= max(reduced_2.end.values())
+    # Serialised without compute: the alpha-beta sum of what step_collectives lists, plus the agreement.
+    options = SimOptions(overlap=False, compute=False)
+    timeline, _ = build_step("dmuon", inputs, HW, options)
+    used = [t.collective for t in timeline.tasks if t.collective is not None]
+    assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
+    assert simulate("dmuon", inputs, HW, options)["step_seconds"] == pytest.approx(
+        step_figures(used, LINKS)["seconds"]["total"])
+
+
 def test_hand_step_on_one_rank_per_strategy():
     # One rank, no communication: the step is the sum of its work.
     inputs = StepInputs(shapes=[(4, 8)], owners=[0], blocks=[1], replicate=1, shard=1, ns_batches={0: [[0]]},
