@@ -215,8 +215,9 @@ def owner_exchange_collectives(
     ``r``, where its momentum lives (every holder of a piece sends, copies
     too; a column with no rows of the block takes no part). The block's
     directions need that reduction landed, so its hop A goes out with the
-    *next* block's column reduce-scatter: both go to the same peers of the
-    same group, and the runtime sends them in one ``all_to_all`` (role
+    *next* block's column reduce-scatter: both go over the same replicate
+    group (hop A's peers are among the columns'), and the runtime sends them
+    in one ``all_to_all`` (role
     ``"grad_columns"`` with :attr:`Collective.carries_hop_a`; per rank the
     sum of both parts' bytes, peers the union of both parts', taking part
     where either does). ``block_order`` may name blocks with no Muon matrix
