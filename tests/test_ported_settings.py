@@ -83,6 +83,25 @@ def _reference_of_torchs_rule() -> dict:
     return portnet_reference(1, rows=False)
 
 
+def test_param_group_keys_reach_the_muon_half_only():
+    torch.manual_seed(0)
+    model = PortNet()
+    ns = dmuon.NSConfig(method="standard", dtype=torch.float32, coefficients="polar_express_5")
+    plan = dmuon.prepare(model, matrix_view=VIEWS, ns=ns)
+    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw_lr=ADAMW["lr"],
+                      adamw_weight_decay=ADAMW["weight_decay"],
+                      param_groups=[{"params": list(model.parameters()), **PORTED}])
+    muon, adamw = opt.param_groups
+    assert {k: muon[k] for k in PORTED} == PORTED and not set(PORTED) & set(adamw)
+    for step in range(STEPS):
+        loss_of(model, batch(step, 0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    name, err = _worst(got, portnet_reference(1, **ALL))
+    assert err <= 1e-5, (name, err)
+
+
 def test_bad_settings_are_refused_naming_them():
     model = PortNet()
     with pytest.raises(ValueError, match="adjust_lr_fn must be one of"):

@@ -34,7 +34,7 @@ from dmuon.ortho.owner import GROUP_KEYS
 from dmuon.plan.plan import Plan
 from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
-from dmuon.rules.muon import check_rule_settings
+from dmuon.rules.muon import RULE_DEFAULTS, check_rule_settings
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
@@ -48,8 +48,6 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-RULE_DEFAULTS = {"extra_scale_factor": 1.0, "cautious_weight_decay": False}
-"""Muon group keys added after torch.optim.Muon's, and the value a state dict saved without them means."""
 MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", *RULE_DEFAULTS, *GROUP_KEYS)
 """Param-group keys only the Muon half of a group reads (``eps`` is Muon's NS eps, as in torch.optim.Muon)."""
 ADAMW_KEYS = ("betas", "foreach", "fused", "amsgrad", "maximize", "capturable", "differentiable",

@@ -40,6 +40,11 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, matrix_shape: tuple[int, in
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 
 
+RULE_DEFAULTS = {"extra_scale_factor": 1.0, "cautious_weight_decay": False}
+"""Muon group keys added after torch.optim.Muon's, and the value a state dict saved without them means
+(torch's rule: ``apply_update``'s defaults)."""
+
+
 def check_rule_settings(adjust_lr_fn: object, extra_scale_factor: object, cautious_weight_decay: object,
                         where: str = "") -> None:
     """Raises ``ValueError`` naming the setting (after ``where``, e.g. ``"param group 2: "``) for a bad value."""
