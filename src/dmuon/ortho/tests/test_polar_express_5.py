@@ -105,3 +105,15 @@ def test_fewer_steps_take_a_prefix_more_are_refused():
         polar_express_5_schedule(5, norm_safety=0.5)
     with pytest.raises(ValueError, match="unknown coefficient schedule 'polar_express_6'"):
         resolve_schedule("polar_express_6", 5)
+
+
+def test_nanochats_1_01_normalisation_as_an_explicit_schedule():
+    """nanochat divides by 1.01 ||X|| (not 1.02) before the same table: the schedule with norm_safety=1.01,
+    passed as coefficients (an NSConfig keeps it as a hashable schedule)."""
+    torch.manual_seed(2)
+    G = torch.randn(16, 40, dtype=torch.float64)
+    ns = NSConfig(coefficients=polar_express_5_schedule(norm_safety=1.01), steps=5, dtype=torch.float64,
+                  method="standard")
+    got = orthogonalize(G, **{k: v for k, v in ns.kwargs().items() if k != "batching"})
+    assert rel(got, modded_nanogpt_polar_express(G, safety=1.01, eps=0.0)) < 1e-12
+    assert rel(got, modded_nanogpt_polar_express(G, safety=1.02, eps=0.0)) > 1e-4

@@ -86,3 +86,19 @@ def test_bad_settings_name_themselves():
         check_rule_settings(None, 1.0, "yes")
     with pytest.raises(ValueError, match="adjust_lr_fn must be one of"):
         adjusted_lr(0.1, "rms_norm", WIDE)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
+@pytest.mark.parametrize("shape", [WIDE, TALL], ids=["wide", "tall"])
+def test_torchtitans_distmuon_step_bit_for_bit(adjust_lr_fn, shape):
+    """torchtitan's DistMuon (its names are torch's plus "spectral_unclamped"), where it installs."""
+    titan = pytest.importorskip("torchtitan.distributed.flex_shard.dist_muon")
+    theirs_apply = getattr(titan, "_apply_muon_update", None)
+    if theirs_apply is None:
+        pytest.skip("this torchtitan has no _apply_muon_update")
+    gen = torch.Generator().manual_seed(5)
+    param, ortho = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen).bfloat16()
+    theirs, mine = param.clone(), param.clone()
+    theirs_apply(theirs, ortho, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn, compute_matrix_shape=shape)
+    apply_update(mine, ortho, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn, matrix_shape=shape)
+    assert torch.equal(mine, theirs)
