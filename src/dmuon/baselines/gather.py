@@ -65,7 +65,8 @@ class GatherThenCompute(torch.optim.Optimizer):
         views = matrix_views(model, chosen, matrix_view)
         # Stacks of experts and row groups: each slice orthogonalized on its own, as DMuon does.
         self._slices = {id(p): (p.shape[0], _matrix_shape(p.shape[1:])) for n, p in chosen if views[n] == "stack"}
-        self._row_sizes = {id(p): row_sizes(views[n], p.shape[0]) for n, p in chosen if row_sizes(views[n], p.shape[0])}
+        sizes = {id(p): row_sizes(views[n], p.shape[0]) for n, p in chosen}
+        self._row_sizes = {k: v for k, v in sizes.items() if v is not None}
         matrices = [p for _, p in chosen]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]

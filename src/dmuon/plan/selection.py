@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 SelectFn = Callable[[str, nn.Parameter], bool]
-ViewFn = Callable[[str, nn.Parameter], str]
+ViewFn = Callable[[str, nn.Parameter], "str | tuple[int, ...]"]
 MATRIX_VIEWS = ("flatten", "stack", "rows:K", "rows:a,b,...")
 """How a parameter is seen: one ``(shape[0], prod(shape[1:]))`` matrix (``"flatten"``,
 Keller Jordan's rule for conv kernels), ``shape[0]`` matrices of ``shape[1:]``
