@@ -520,7 +520,7 @@ def step_collectives(
     would run. The non-Muon parameters are left out unless ``other_shapes``
     gives them: then FSDP2's collectives of each block carry them too, under
     design (b) dmuon's all-reduce of their gradients across replicas comes
-    before each block's exchange (the same bytes as FSDP2's under the other
+    right after each block's column all-to-all (the same bytes as FSDP2's under the other
     strategies), and a block of theirs alone (an FSDP2 unit with no Muon
     matrix) carries the hop A of the Muon block before it by itself.
 

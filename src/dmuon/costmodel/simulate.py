@@ -667,9 +667,9 @@ class _Builder:
 
     def dmuon_hook(self, b: int) -> None:
         """``BackwardLaunches._complete`` of unit ``b``: the earlier launches' next hops, then (design (b))
-        the unit's reduction across replicas, its gradient columns' all_to_all carrying the hop A of
+        the unit's reduction across replicas: its gradient columns' all_to_all carrying the hop A of
         the block landed before (one collective: it starts once this unit's reduce-scatter has landed
-        and that block's directions are computed)."""
+        and that block's directions are computed), then its other parameters' all-reduce."""
         p = self.post_reduce
         self.advance(p)
         if not self.design_b:
@@ -680,7 +680,6 @@ class _Builder:
             self.unlanded = []
         here = self.wait(f"block {b} reduce-scattered", p, [], "backward")
         carried = [launch for launch in self.launches if launch.stage == "D"]  # the block landed before
-        all_reduce = self.coll("replicate_all_reduce", "backward", b, None, DR, [here])
         columns = self.coll("grad_columns", "backward", b, None, DR,
                             [here] + [launch.directions for launch in carried])
         carries = None if columns is None else columns.collective.carries_hop_a
@@ -691,7 +690,10 @@ class _Builder:
             if columns is not None:
                 launch.hop_a, launch.stage = columns, "A"
             else:
-                self.hop_a_alone(launch)  # a unit with no Muon matrix: the hop A alone, after its all-reduce
+                self.hop_a_alone(launch)  # a unit with no Muon matrix: the hop A alone, before its all-reduce
+        # ReplicateLevel.start_mean: the other parameters' all-reduce after the column all-to-all
+        # (which may carry hop A, on its way to the owners' NS).
+        all_reduce = self.coll("replicate_all_reduce", "backward", b, None, DR, [here])
         reductions = [t for t in (all_reduce, columns) if t is not None]
         self.unlanded += reductions
         if self.muon_in(b):

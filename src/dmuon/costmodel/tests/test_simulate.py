@@ -255,7 +255,7 @@ def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound
 
 def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
     # Muon blocks 3 and 1, block 2 (between them in backward) and the root only other parameters:
-    # block 3's hop A goes alone when block 2 lands, after block 2's all-reduce (one queue: the
+    # block 3's hop A goes alone when block 2 lands, before block 2's all-reduce (one queue: the
     # replicate group's), block 1's columns carry nothing, block 1's hop A goes alone when the root lands.
     inputs = StepInputs(shapes=[(6, 5), (5, 7)], owners=[1, 2], blocks=[3, 1], replicate=2, shard=2,
                         ns_batches={1: [[0]], 2: [[1]]}, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 2])
@@ -268,7 +268,7 @@ def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
     task = {t.name: t for t in timeline.tasks}
     reduced_2 = task["dmuon all_reduce of the other parameters block 2"]
     alone_3 = task["dmuon direction slices block 3"]
-    assert min(alone_3.start.values()) >= max(reduced_2.end.values())
+    assert min(reduced_2.start.values()) >= max(alone_3.end.values())
     # Serialised without compute: the alpha-beta sum of what step_collectives lists, plus the agreement.
     options = SimOptions(overlap=False, compute=False)
     timeline, _ = build_step("dmuon", inputs, HW, options)
