@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
-from dmuon.rules.muon import RULE_DEFAULTS, apply_update, check_rule_settings, momentum_update
+from dmuon.rules.muon import apply_update, check_rule_settings, fill_rule_defaults, momentum_update
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
@@ -143,10 +143,7 @@ class GatherThenCompute(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.__dict__.get("param_groups", []):
-            if group.get("algorithm") == "muon":
-                for key, value in RULE_DEFAULTS.items():
-                    group.setdefault(key, value)
+        fill_rule_defaults(self.__dict__.get("param_groups", []))
 
     def last_step_stats(self) -> dict[str, Any]:
         """Same keys as :meth:`dmuon.DMuon.last_step_stats` (bytes estimated from the gathers)."""

@@ -34,7 +34,7 @@ from dmuon.ortho.owner import GROUP_KEYS
 from dmuon.plan.plan import Plan
 from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
-from dmuon.rules.muon import RULE_DEFAULTS, check_rule_settings
+from dmuon.rules.muon import RULE_DEFAULTS, check_rule_settings, fill_rule_defaults
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
@@ -469,13 +469,8 @@ class DMuon(torch.optim.Optimizer):
                             f"param group {index}: ")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch.optim's way for keys added later (Adam's amsgrad, ...): a state dict saved before
-        # them loads with the values that reproduce what it was trained with.
         super().__setstate__(state)
-        for group in self.__dict__.get("param_groups", []):
-            if group.get("algorithm") == "muon":
-                for key, value in RULE_DEFAULTS.items():
-                    group.setdefault(key, value)
+        fill_rule_defaults(self.__dict__.get("param_groups", []))
 
     # -------------------------------------------------------------- param groups
     def _is_muon(self, param: torch.Tensor, name: str | None) -> bool:

@@ -45,6 +45,16 @@ RULE_DEFAULTS = {"extra_scale_factor": 1.0, "cautious_weight_decay": False}
 (torch's rule: ``apply_update``'s defaults)."""
 
 
+def fill_rule_defaults(param_groups: list[dict]) -> None:
+    """Gives the Muon groups of a state loaded from before :data:`RULE_DEFAULTS`' keys existed
+    their values (torch.optim's way for keys added later, as Adam's ``amsgrad``: the state loads
+    with the values that reproduce what it was trained with)."""
+    for group in param_groups:
+        if group.get("algorithm") == "muon":
+            for key, value in RULE_DEFAULTS.items():
+                group.setdefault(key, value)
+
+
 def check_rule_settings(adjust_lr_fn: object, extra_scale_factor: object, cautious_weight_decay: object,
                         where: str = "") -> None:
     """Raises ``ValueError`` naming the setting (after ``where``, e.g. ``"param group 2: "``) for a bad value."""
