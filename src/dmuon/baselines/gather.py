@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import apply_update, momentum_update
+from dmuon.rules.normuon import normalize_rows
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
@@ -31,7 +32,9 @@ class GatherThenCompute(torch.optim.Optimizer):
     Takes the same keyword arguments as :class:`dmuon.DMuon` (minus the plan),
     plus ``select`` to override which parameters are Muon matrices and
     ``matrix_view`` (as :func:`dmuon.prepare`'s: stacks of experts are
-    orthogonalized slice by slice).
+    orthogonalized slice by slice). ``beta2`` runs NorMuon's rule instead
+    (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole per-row
+    second moment and normalizes its whole update.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         select: SelectFn | None = None,
         matrix_view: ViewFn | dict[str, str] | None = None,
+        beta2: float | None = None,
     ) -> None:
         chosen = select_matrices(model, select)
         views = matrix_views(model, chosen, matrix_view)
@@ -71,7 +75,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         groups = [
             dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                  nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-                 adjust_lr_fn=adjust_lr_fn),
+                 adjust_lr_fn=adjust_lr_fn, beta2=beta2),
             dict(params=others, algorithm="adamw", lr=lr if adamw_lr is None else adamw_lr,
                  betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=None),
         ]
@@ -113,6 +117,12 @@ class GatherThenCompute(torch.optim.Optimizer):
                 inputs = list(full.reshape(slices, *mshape))
                 t0 = time.perf_counter()
                 orthos = owner_update(inputs, self.ns, group)
+                if group["beta2"] is not None:
+                    if "second_momentum_buffer" not in state:
+                        state["second_momentum_buffer"] = torch.zeros(slices, mshape[0], 1, device=full.device)
+                    second = state["second_momentum_buffer"]
+                    orthos, moments = normalize_rows(orthos, list(second), [group["beta2"]] * len(orthos))
+                    second.copy_(torch.stack(moments))
                 ns_seconds += time.perf_counter() - t0
                 ortho = torch.stack(orthos).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):
