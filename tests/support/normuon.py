@@ -21,10 +21,13 @@ ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
 SAVED_AT, MORE = 2, 2
 
 
-def normuon_reference_training(model: nn.Module, matrices: list[tuple[str, nn.Parameter]], batches: list,
+def normuon_reference_training(model: nn.Module, matrices: list[tuple], batches: list,
                                loss_fn, *, lr: float, weight_decay: float, momentum: float, nesterov: bool,
                                beta2: float, adamw_kwargs: dict) -> tuple[dict, list[float], dict]:
     """One process: NorMuon on ``matrices`` (each as ``(shape[0], prod(shape[1:]))``), AdamW on the rest.
+
+    ``matrices`` holds ``(name, param)`` pairs, or ``(name, param, part)`` where ``part`` takes the
+    parameter (and its gradient) to the matrix the rule steps: an expert ``t[e]``, a row group.
 
     The rule, as the issue states it (fp32 throughout, fp32 NS)::
 
@@ -38,7 +41,7 @@ def normuon_reference_training(model: nn.Module, matrices: list[tuple[str, nn.Pa
     Returns:
         The final parameters, each step's loss and each matrix's second moment ``v`` (flat).
     """
-    ids = {id(p) for _, p in matrices}
+    ids = {id(entry[1]) for entry in matrices}
     adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], **adamw_kwargs)
     momenta: dict[str, torch.Tensor] = {}
     seconds: dict[str, torch.Tensor] = {}
@@ -47,12 +50,14 @@ def normuon_reference_training(model: nn.Module, matrices: list[tuple[str, nn.Pa
         loss = loss_fn(model, batch)
         loss.backward()
         with torch.no_grad():
-            for name, p in matrices:
+            for name, p, *part in matrices:
                 if p.grad is None:
                     continue
-                m, n = p.shape[0], p[0].numel()
-                g = p.grad.reshape(m, n).float()
-                w = p.data.view(m, n)
+                cut = part[0] if part else (lambda t: t)
+                weight, grad = cut(p.data), cut(p.grad)
+                m, n = weight.shape[0], weight[0].numel()
+                g = grad.reshape(m, n).float()
+                w = weight.view(m, n)
                 buf = momenta.setdefault(name, torch.zeros(m, n))
                 v = seconds.setdefault(name, torch.zeros(m, 1))
                 buf.lerp_(g, 1 - momentum)

@@ -188,7 +188,7 @@ class BackwardLaunches:
         for i in members:
             self._check(i)
         sent = self._peek(members, self._grad_parts(members))
-        rows = None if self._row_states is None else self._row_states(members)
+        rows = self._rows_sent(members)
         self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows))
 
     def _end_of_backward(self) -> None:
@@ -205,8 +205,15 @@ class BackwardLaunches:
             self._check(i)
         sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
         launch.sent.update(sent)
-        launch.rows = None if self._row_states is None else self._row_states(launch.members)
+        launch.rows = self._rows_sent(launch.members)
         return self.exchange.send_directions(launch.members, sent, launch.rows)
+
+    def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
+        """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until
+        ``step()`` compares it with the state then (the rule hands out views of its state)."""
+        if self._row_states is None:
+            return None
+        return {i: rows.clone() for i, rows in self._row_states(members).items()}
 
     def _add(self, launch: Launch) -> None:
         self._launches[launch.block] = launch
