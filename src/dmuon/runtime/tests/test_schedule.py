@@ -202,11 +202,12 @@ def _scenario(mesh: str, name: str) -> tuple[dict, list]:
         "rows edited": ({}, [{}, {"edit_rows": True}, {}]),
         "rows waves": (dict(return_waves=3), [{}, {"edit_rows": True}, {}]),
         "rows ns_in_backward": (dict(ns_in_backward=True), [{}, {"edit_rows": True}, {}]),
+        "rows skip": (dict(nonfinite="skip"), [{}, {"nan_other": 2}, {"edit_rows": True}]),
     }[name]
 
 
 SCENARIOS = ["speculative", "edited", "sync", "waves", "ns_in_backward", "skip", "skip_matrix", "raise",
-             "rows speculative", "rows edited", "rows waves", "rows ns_in_backward"]
+             "rows speculative", "rows edited", "rows waves", "rows ns_in_backward", "rows skip"]
 ROW_EDIT_STEP = 1
 """The step of the row scenarios whose row state is edited (all but "rows speculative")."""
 
@@ -397,32 +398,38 @@ def test_nonfinite_gradients_skip_or_fail_every_rank_alike(mesh):
         _check_applied(mesh, res, "raise", 0, 0, edited=False)
 
 
-def _expected_with_rows(mesh: str, step: int, edit_at: int | None) -> tuple[dict, dict]:
+def _expected_with_rows(mesh: str, step: int, edit_at: int | None, skipped: int | None = None) -> tuple[dict, dict]:
     """The row rule: every stepped matrix's whole update at ``step`` and every matrix's whole row
-    state after it (``edit_at``: the step before whose ``step()`` matrix ROW_EDITED's state doubled)."""
+    state after it (``edit_at``: the step before whose ``step()`` matrix ROW_EDITED's state doubled;
+    ``skipped``: a step that a non-finite gradient skipped, nothing applied, no state advanced)."""
     rows = {k: _initial_rows(k) for k in range(len(SHAPES))}
-    updates = {}
+    updates: dict = {}
+    count = 0
     for t in range(step + 1):
         if t == edit_at:
             rows[ROW_EDITED] = rows[ROW_EDITED] * 2
         updates = {}
-        for k, d in _directions(mesh, t, t, edited=False).items():
+        if t == skipped:
+            continue
+        for k, d in _directions(mesh, t, count, edited=False).items():
             updates[k], rows[k] = _row_update(d, rows[k])
+        count += 1
     return updates, rows
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_row_state_travels_with_its_matrix_and_back_to_every_holder(mesh):
     """The row rule on every path (speculative, waves, NS in backward, a launch made stale by an
-    edit of the row state alone): every holder of a row applies the update made with the whole
-    state and ends with the owner's new state of its rows."""
+    edit of the row state alone, a step skipped for a non-finite gradient): every holder of a row
+    applies the update made with the whole state and ends with the owner's new state of its rows."""
     infos = _infos(mesh)
     results = _results(mesh)
     blocks = len(set(BLOCKS))
-    for name in ("rows speculative", "rows edited", "rows waves", "rows ns_in_backward"):
-        edit_at = None if name == "rows speculative" else ROW_EDIT_STEP
+    for name in ("rows speculative", "rows edited", "rows waves", "rows ns_in_backward", "rows skip"):
+        edit_at = {"rows speculative": None, "rows skip": 2}.get(name, ROW_EDIT_STEP)
+        skipped = 1 if name == "rows skip" else None
         for step in range(STEPS):
-            updates, rows = _expected_with_rows(mesh, step, edit_at)
+            updates, rows = _expected_with_rows(mesh, step, edit_at, skipped)
             for res in results:
                 s = res["coords"][1]
                 got = res[name]["steps"][step]
@@ -436,6 +443,10 @@ def test_a_row_state_travels_with_its_matrix_and_back_to_every_holder(mesh):
                     p = infos[k].pieces[s]
                     assert torch.allclose(got["rows"][k], rows[k][p.row : p.row + p.rows], rtol=1e-6,
                                           atol=1e-5), f"{where}: matrix {k}'s row state"
-            kept = {rep["blocks_exchanged_in_backward"] for rep in _reports(results, name, step)}
+            reports = _reports(results, name, step)
+            assert all(rep["skipped_nonfinite"] == (step == skipped) for rep in reports), (name, step)
+            if step == skipped:
+                continue
+            kept = {rep["blocks_exchanged_in_backward"] for rep in reports}
             # Editing the row state alone makes the edited matrix's launch stale on every rank.
             assert kept == {blocks - (1 if step == edit_at else 0)}, (name, step, kept)
