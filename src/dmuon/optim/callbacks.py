@@ -82,10 +82,11 @@ class MuonCallbacks(StepCallbacks):
 
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        # Muon keeps no row state (``rows`` is None).
         groups = self._groups()
-        for i, rows in updates.items():
+        for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
-            apply_update(self._local(i, info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+            apply_update(self._local(i, info.param), update, lr=group["lr"], weight_decay=group["weight_decay"],
                          adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
 
     def independent(self) -> None:
