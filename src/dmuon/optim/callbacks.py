@@ -112,9 +112,21 @@ class NorMuonCallbacks(MuonCallbacks):
     row_width = 1
     STATE = "second_momentum_buffer"
 
+    def __init__(self, optimizer: DMuon) -> None:
+        super().__init__(optimizer)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def _state_rows(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
-        """Matrix ``index``'s rows of this rank's shard of a second-moment buffer, ``(rows, 1)``."""
-        return self.plan.infos[index].local_view(local_tensor(buffer), self._column)
+        """Matrix ``index``'s rows of this rank's shard of a second-moment buffer, ``(rows, 1)``.
+
+        Kept per buffer object (a DTensor's ``to_local`` costs more than the rest of a row's work;
+        a state load puts in new buffers, which get new views)."""
+        cached = self._views.get(index)
+        if cached is not None and cached[0] is buffer:
+            return cached[1]
+        view = self.plan.infos[index].local_view(local_tensor(buffer), self._column)
+        self._views[index] = (buffer, view)
+        return view
 
     def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
         out = {}

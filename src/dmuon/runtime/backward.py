@@ -213,7 +213,10 @@ class BackwardLaunches:
         ``step()`` compares it with the state then (the rule hands out views of its state)."""
         if self._row_states is None:
             return None
-        return {i: rows.clone() for i, rows in self._row_states(members).items()}
+        rows = self._row_states(members)
+        # One copy for the block (the views split it), not one per matrix.
+        copies = torch.cat([rows[i].reshape(-1) for i in members]).split([rows[i].numel() for i in members])
+        return {i: copy.view(rows[i].shape) for i, copy in zip(members, copies)}
 
     def _add(self, launch: Launch) -> None:
         self._launches[launch.block] = launch

@@ -250,7 +250,8 @@ class ShardRuntime:
             launch = launches[b]
             same = launch.members == by_block.get(b, []) and all(
                 bitwise_equal(launch.sent[i], directions[i]) for i in launch.members) and (
-                rows is None or all(bitwise_equal(launch.rows[i], rows[i]) for i in launch.members))
+                rows is None or bitwise_equal(*(torch.cat([r[i].reshape(-1) for i in launch.members])
+                                                for r in (launch.rows, rows))))
             stale.append(int(not same))
         return torch.tensor(stale, dtype=torch.int32)
 
