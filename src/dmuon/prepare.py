@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from dmuon.plan.assign import assign
 from dmuon.plan.balance import BALANCERS
 from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Piece, Plan, ReductionGroup
-from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
 
 
 def _fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig) -> torch.Tensor:
@@ -332,10 +333,12 @@ def prepare(
             ``(shape[0], prod(shape[1:]))`` matrix, the default for 2-D parameters
             and ``nn.Conv*`` weights), ``"stack"`` (``shape[0]`` experts, each its
             own ``shape[1:]`` matrix with its own owner, the default for other
-            parameters of three or more dims) or ``"rows:K"`` (K equal row groups,
+            parameters of three or more dims), ``"rows:K"`` (K equal row groups,
             each its own matrix and owner: a fused QKV per part, ``"rows:3"``, or
-            per head). A function ``(name, param) -> view`` or a dict by parameter
-            name (others keep the default).
+            per head) or row groups of given sizes, ``"rows:q,k,v"`` or a tuple
+            ``(q, k, v)`` (a fused GQA QKV; the sizes must sum to the rows). A
+            function ``(name, param) -> view`` or a dict by parameter name (others
+            keep the default).
         balancer: ``"greedy"``/``"lpt"`` (longest-processing-time first),
             ``"milp"`` (HiGHS: minimize the slowest rank, then the total),
             ``"auto"`` (MILP when small enough, else LPT) or ``"round_robin"``.
@@ -411,13 +414,12 @@ def prepare(
                 raise ValueError(f"parameter {name!r}: replica {r} holds other shards than replica 0; "
                                  "dmuon needs the replicate dim to replicate every parameter")
         column = [b[k] for b in boxes]
-        groups = row_groups(views[name])
-        if groups:
-            height = p.shape[0] // groups
+        sizes = row_sizes(views[name], p.shape[0])
+        if sizes:
             matrices = []
-            for g in range(groups):
-                pieces, starts = _pieces(name, p, column, None, shard, rows_of=(g * height, height))
-                matrices.append(MatrixInfo(len(infos) + g, f"{name}[rows {g * height}:{(g + 1) * height}]", p,
+            for g, (first, height) in enumerate(zip(itertools.accumulate((0, *sizes)), sizes)):
+                pieces, starts = _pieces(name, p, column, None, shard, rows_of=(first, height))
+                matrices.append(MatrixInfo(len(infos) + g, f"{name}[rows {first}:{first + height}]", p,
                                            (height, *p.shape[1:]), block_of[id(p)], pieces=pieces, group=g,
                                            group_starts=starts, replicate=topology.replicate))
         elif views[name] == "flatten":

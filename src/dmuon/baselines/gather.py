@@ -7,19 +7,21 @@ math is the same as :class:`dmuon.DMuon`; only the work distribution differs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dmuon.rules.adamw import adamw_group_step
-from dmuon.rules.muon import apply_update, momentum_update
+from dmuon.rules.adamw import adamw_group_step, local_tensor
+from dmuon.rules.muon import RULE_DEFAULTS, apply_update, check_rule_settings, momentum_update
 from dmuon.rules.normuon import normalize_rows
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
-from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_groups, select_matrices
+from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -32,9 +34,10 @@ class GatherThenCompute(torch.optim.Optimizer):
     Takes the same keyword arguments as :class:`dmuon.DMuon` (minus the plan),
     plus ``select`` to override which parameters are Muon matrices and
     ``matrix_view`` (as :func:`dmuon.prepare`'s: stacks of experts are
-    orthogonalized slice by slice). ``beta2`` runs NorMuon's rule instead
-    (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole per-row
-    second moment and normalizes its whole update.
+    orthogonalized slice by slice, row groups, equal or not, group by group,
+    each group's step scaled for its own shape). ``beta2`` runs NorMuon's rule
+    instead (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole
+    per-row second moment and normalizes its whole update.
     """
 
     def __init__(
@@ -49,6 +52,8 @@ class GatherThenCompute(torch.optim.Optimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        extra_scale_factor: float = 1.0,
+        cautious_weight_decay: bool = False,
         ns_method: str = "auto",
         ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: float | None = None,
@@ -59,14 +64,13 @@ class GatherThenCompute(torch.optim.Optimizer):
         matrix_view: ViewFn | dict[str, str] | None = None,
         beta2: float | None = None,
     ) -> None:
+        check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
         chosen = select_matrices(model, select)
         views = matrix_views(model, chosen, matrix_view)
         # Stacks of experts and row groups: each slice orthogonalized on its own, as DMuon does.
         self._slices = {id(p): (p.shape[0], _matrix_shape(p.shape[1:])) for n, p in chosen if views[n] == "stack"}
-        for n, p in chosen:
-            groups = row_groups(views[n])
-            if groups:
-                self._slices[id(p)] = (groups, (p.shape[0] // groups, _matrix_shape(p.shape)[1]))
+        sizes = {id(p): row_sizes(views[n], p.shape[0]) for n, p in chosen}
+        self._row_sizes = {k: v for k, v in sizes.items() if v is not None}
         matrices = [p for _, p in chosen]
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
@@ -75,7 +79,8 @@ class GatherThenCompute(torch.optim.Optimizer):
         groups = [
             dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                  nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-                 adjust_lr_fn=adjust_lr_fn, beta2=beta2),
+                 adjust_lr_fn=adjust_lr_fn, extra_scale_factor=extra_scale_factor,
+                 cautious_weight_decay=cautious_weight_decay, beta2=beta2),
             dict(params=others, algorithm="adamw", lr=lr if adamw_lr is None else adamw_lr,
                  betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=None),
         ]
@@ -113,23 +118,37 @@ class GatherThenCompute(torch.optim.Optimizer):
                     received += (full.numel() - local) * full.element_size()
                 else:
                     full = direction
-                slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
-                inputs = list(full.reshape(slices, *mshape))
+                sizes = self._row_sizes.get(id(p))
+                if sizes is not None:
+                    inputs = list(full.reshape(_matrix_shape(p.shape)).split(sizes))
+                else:
+                    slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
+                    inputs = list(full.reshape(slices, *mshape))
                 t0 = time.perf_counter()
                 orthos = owner_update(inputs, self.ns, group)
                 if group["beta2"] is not None:
+                    # One second moment per row of the parameter: each slice's or group's rows in turn.
+                    heights = [o.shape[0] for o in orthos]
                     if "second_momentum_buffer" not in state:
-                        state["second_momentum_buffer"] = torch.zeros(slices, mshape[0], 1, device=full.device)
-                    second = state["second_momentum_buffer"]
-                    orthos, moments = normalize_rows(orthos, list(second), [group["beta2"]] * len(orthos))
-                    second.copy_(torch.stack(moments))
+                        state["second_momentum_buffer"] = torch.zeros(sum(heights), 1, device=full.device)
+                    normalized = []
+                    for ortho, second in zip(orthos, state["second_momentum_buffer"].split(heights)):
+                        (update,), (moment,) = normalize_rows([ortho], [second], [group["beta2"]])
+                        second.copy_(moment)
+                        normalized.append(update)
+                    orthos = normalized
                 ns_seconds += time.perf_counter() - t0
-                ortho = torch.stack(orthos).reshape(p.shape).to(p.dtype)
+                ortho = torch.cat(orthos).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):
                     # Keep only this rank's rows; splitting locally needs no communication.
                     ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-                apply_update(p, ortho, lr=group["lr"], weight_decay=group["weight_decay"],
-                             adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=mshape)
+                rule = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"],
+                            extra_scale_factor=group["extra_scale_factor"],
+                            cautious_weight_decay=group["cautious_weight_decay"])
+                if sizes is not None:
+                    _apply_by_row_group(p, ortho, sizes, rule)
+                else:
+                    apply_update(p, ortho, matrix_shape=mshape, **rule)
                 orthogonalized += len(inputs)
         self._last_stats = {
             "orthogonalized": orthogonalized, "bytes_sent": sent, "bytes_received": received,
@@ -137,6 +156,32 @@ class GatherThenCompute(torch.optim.Optimizer):
         }
         return loss
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.__dict__.get("param_groups", []):
+            if group.get("algorithm") == "muon":
+                for key, value in RULE_DEFAULTS.items():
+                    group.setdefault(key, value)
+
     def last_step_stats(self) -> dict[str, Any]:
         """Same keys as :meth:`dmuon.DMuon.last_step_stats` (bytes estimated from the gathers)."""
         return dict(self._last_stats)
+
+
+def _apply_by_row_group(param: torch.Tensor, ortho: torch.Tensor, sizes: tuple[int, ...], rule: dict) -> None:
+    """The update of a row-group view, group by group on this rank's rows: each group's step is
+    scaled for its own ``(rows, cols)`` (unequal groups get unequal steps), as separate parameters
+    would be (dion's ``split_sizes`` too)."""
+    local, update = local_tensor(param), local_tensor(ortho)
+    if local.shape[0] == 0:
+        return
+    first = 0
+    if isinstance(param, DTensor):
+        # The box this rank holds (the layouts dmuon supports: a contiguous box; prepare checks it).
+        first = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
+    cols = _matrix_shape(param.shape)[1]
+    for start, count in zip(itertools.accumulate((0, *sizes)), sizes):
+        low, high = max(start, first), min(start + count, first + local.shape[0])
+        if low < high:
+            apply_update(local.narrow(0, low - first, high - low), update.narrow(0, low - first, high - low),
+                         matrix_shape=(count, cols), **rule)

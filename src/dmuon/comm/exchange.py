@@ -28,7 +28,8 @@ produces, in its wire dtype:
   matrix crosses the slow network R-1 times in total, spread over S links.
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
-and NCCL both support; members travel in plan-index order, so every
+and NCCL both support (on dmuon's replicate level the runtime joins hop A with
+the next block's gradient reduce-scatter, :mod:`dmuon.comm.coalesce`); members travel in plan-index order, so every
 destination's share is one contiguous slice. The speculative step's update
 return also carries its agreement: a few 0/1 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
@@ -57,6 +58,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.coalesce import GroupAllToAll
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
@@ -175,6 +177,12 @@ class ShardExchange:
         self.stats = stats
         self.wire_dtype = wire_dtype
         self.device = device
+        r, s = topology.coords
+        self.within = GroupAllToAll(topology.shard_group, s, topology.shard, "intra", stats)
+        """All-to-alls inside this rank's replica (the shard group)."""
+        self.across = GroupAllToAll(topology.replicate_group, r, topology.replicate, "inter", stats)
+        """All-to-alls across replicas (this shard position's replicate group); the replicate
+        level's reductions share it, so that :meth:`GroupAllToAll.coalesced` can join theirs with hop A."""
         self.row_width = row_width
         self.row_elems = row_width * row_state_ratio(wire_dtype)
         """Wire elements per matrix row of the row state."""
@@ -221,14 +229,14 @@ class ShardExchange:
         """Elements of matrix ``i`` shard position ``s`` sends to the owner (none from a copy)."""
         return self.infos[i].sent_numel(s)
 
-    def _all_to_all(self, level: str, group, out: torch.Tensor, inp: torch.Tensor,
-                    out_splits: list[int], in_splits: list[int], me: int, flags: int = 0):
+    def _all_to_all(self, level: str, out: torch.Tensor, inp: torch.Tensor,
+                    out_splits: list[int], in_splits: list[int], me: int, flags: int = 0) -> list:
         """``flags``: elements per peer that are the agreement's flags, not counted (as the
         agreement's own all-reduce is not): the counters stay what the traffic model prices."""
         elem, peers = inp.element_size(), len(in_splits) - 1
-        self.stats.add(level, (sum(in_splits) - in_splits[me] - peers * flags) * elem,
-                       (sum(out_splits) - out_splits[me] - peers * flags) * elem)
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+        issue = self.within if level == "intra" else self.across
+        return issue(out, inp, out_splits, in_splits, (sum(in_splits) - in_splits[me] - peers * flags) * elem,
+                     (sum(out_splits) - out_splits[me] - peers * flags) * elem)
 
     # ----------------------------------------------------------- to the owner
     def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor],
@@ -268,7 +276,7 @@ class ShardExchange:
         out_splits = [sum(infos[i].slice_numel(q, s) for i in ours) for q in range(topo.replicate)]
         send = self._cat([local[i].reshape(-1) for i in to_replica if infos[i].slice_numel(r, s)])
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("inter", topo.replicate_group, recv, send, out_splits, in_splits, r)
+        works = self._all_to_all("inter", recv, send, out_splits, in_splits, r)
 
         def then() -> Pending:
             slices: dict[int, list[torch.Tensor]] = {i: [] for i in ours}
@@ -282,7 +290,7 @@ class ShardExchange:
             # The row state does not cross replicas: this replica holds the same copy.
             return self._rows_to_owners(members, pieces, rows)
 
-        return Pending([work], _no_result, self.stats, then=then)
+        return Pending(works, _no_result, self.stats, then=then)
 
     def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor],
                         rows: dict[int, torch.Tensor] | None = None) -> Pending:
@@ -320,8 +328,8 @@ class ShardExchange:
                 parts.append(self._encode(rows[i]))
         send = self._cat(parts)
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s)
-        pending = Pending([work], _no_result, self.stats)
+        works = self._all_to_all("intra", recv, send, out_splits, in_splits, s)
+        pending = Pending(works, _no_result, self.stats)
 
         def finish() -> dict[int, torch.Tensor]:
             pieces: dict[int, dict[int, torch.Tensor]] = {i: {} for i in mine}
@@ -408,8 +416,8 @@ class ShardExchange:
             parts += self._with_flags(pieces, flags)
         send = self._cat(parts)
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("intra", topo.shard_group, recv, send, out_splits, in_splits, s, nflags)
-        return self._landing(work, recv, out_splits, from_column, s, nflags)
+        works = self._all_to_all("intra", recv, send, out_splits, in_splits, s, nflags)
+        return self._landing(works, recv, out_splits, from_column, s, nflags)
 
     def _rows_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
                           flags: torch.Tensor | None, rows: dict[int, torch.Tensor]) -> Pending:
@@ -426,14 +434,14 @@ class ShardExchange:
         own = self._cat(self._with_flags([part for i in from_replica[r] if i in updates
                                           for part in self._update_parts(i, updates[i], rows.get(i))], flags))
         recv = self._empty(sum(out_splits))
-        work = self._all_to_all("inter", topo.replicate_group, recv, own.repeat(topo.replicate), out_splits,
-                                [own.numel()] * topo.replicate, r, nflags)
-        return self._landing(work, recv, out_splits, from_replica, s, nflags)
+        works = self._all_to_all("inter", recv, own.repeat(topo.replicate), out_splits,
+                                 [own.numel()] * topo.replicate, r, nflags)
+        return self._landing(works, recv, out_splits, from_replica, s, nflags)
 
-    def _landing(self, work, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
+    def _landing(self, works: list, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
                  nflags: int) -> Pending:
         """The Pending of a return hop: rows by source, and the maximum of the flags every source appended."""
-        pending = Pending([work], _no_result, self.stats)
+        pending = Pending(works, _no_result, self.stats)
 
         def finish() -> dict[int, torch.Tensor]:
             segments = recv.split(splits)

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.coalesce import GroupAllToAll
 from dmuon.comm.exchange import Pending
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
@@ -46,14 +47,18 @@ class ReplicateReduce:
         topology: The mesh's levels and dmuon's process groups (``replicate > 1``).
         stats: Counters to update.
         device: Device of the buffers.
+        across: The all-to-alls on this position's replicate group (the exchange's
+            :attr:`~dmuon.comm.ShardExchange.across`, so that hop A can join the column
+            reduce-scatter in one collective).
     """
 
     def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats,
-                 device: torch.device) -> None:
+                 device: torch.device, across: GroupAllToAll) -> None:
         self.infos = infos
         self.topo = topology
         self.stats = stats
         self.device = device
+        self.across = across
 
     def all_reduce_mean(self, tensors: Sequence[torch.Tensor]) -> Pending:
         """The mean over the replicas of each tensor (this rank's local shards, any dtype).
@@ -115,8 +120,8 @@ class ReplicateReduce:
         send = torch.cat(parts)
         recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         elem = send.element_size()
-        self.stats.add("inter", (sum(in_splits) - in_splits[r]) * elem, (topo.replicate - 1) * own * elem)
-        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=topo.replicate_group, async_op=True)
+        works = self.across(recv, send, out_splits, in_splits, (sum(in_splits) - in_splits[r]) * elem,
+                            (topo.replicate - 1) * own * elem)
 
         def finish() -> dict[int, torch.Tensor]:
             total = None
@@ -129,4 +134,4 @@ class ReplicateReduce:
                 out[i] = part.view(info.pieces[s].rows, info.replica_columns(s)[r], *info.shape[2:])
             return out
 
-        return Pending([work], finish, self.stats)
+        return Pending(works, finish, self.stats)

@@ -52,8 +52,10 @@ ROLES: tuple[str, ...] = (
     "hop_a", "hop_b", "return_shard", "return_replicas", "gather", "a2a_out", "a2a_back")
 """:attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
 gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
-(design (b)); hop A (the direction's column slices to the owner's replica) and hop B (the rows to
-the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2);
+(design (b)), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
+names that block; hop A (the direction's column slices to the owner's replica; on design (b) a
+collective of its own only where no column reduce-scatter follows to carry it) and hop B (the rows
+to the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2);
 gather-then-compute's all-gather of one direction; the peer's all-to-all to the batch's owner
 slice and back."""
 
@@ -79,6 +81,10 @@ class Collective:
     """What it is in the step (:data:`ROLES`), for the timeline model (:mod:`dmuon.costmodel.simulate`)."""
     index: int | None = None
     """Which one of its role: the return wave, the gathered matrix, the all-to-all batch (None: per block)."""
+    carries_hop_a: int | None = None
+    """Design (b), a ``"grad_columns"`` collective: the block whose hop A travels in it (the runtime
+    sends a block's direction slices in the same all_to_all as the next block's gradient columns:
+    one collective on the same replicate group, its bytes per rank the sum of both), or None."""
 
     @property
     def critical(self) -> int:
@@ -125,19 +131,35 @@ def _a2a(level: str, phase: str, block, world: int, sent: list[int], received: l
     return Collective("all_to_all", level, phase, block, ranks, messages, label, role, index)
 
 
+Parts = tuple[list[int], list[int], list[set], list[set], list[bool]]
+"""One all_to_all's per-rank ``(sent, received, peers out, peers in, taking part)``, before :func:`_a2a`."""
+
+
+def _merge(*parts: Parts) -> Parts:
+    """Several all_to_alls' parts as one collective's: bytes summed, peers united, taking part in any."""
+    world = len(parts[0][0])
+    return ([sum(p[0][k] for p in parts) for k in range(world)], [sum(p[1][k] for p in parts) for k in range(world)],
+            [set().union(*(p[2][k] for p in parts)) for k in range(world)],
+            [set().union(*(p[3][k] for p in parts)) for k in range(world)],
+            [any(p[4][k] for p in parts) for k in range(world)])
+
+
 def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
-                      inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int, block) -> Collective:
+                      inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int) -> Parts:
     """Design (b)'s reduce-scatter of one block's gradient column slices over each shard column's
-    replicate group (:func:`owner_exchange_collectives`): one uneven ``all_to_all``.
+    replicate group (:func:`owner_exchange_collectives`): one uneven ``all_to_all``'s parts.
 
     Every rank ``(r, s)`` of a column holds the same piece ``s``, so it sends slice ``q`` to
     ``(q, s)`` for each ``q != r`` and receives ``R - 1`` copies of slice ``r``. Its peers are
     the ranks of its column whose slice of some member is not empty (out), and, if its own
-    slice of some member is not empty, the other ``R - 1`` ranks (in).
+    slice of some member is not empty, the other ``R - 1`` ranks (in). A column holding no rows
+    of the block takes no part.
     """
     world = replicate * shard
-    ranks: list[tuple[int, int] | None] = [None] * world
-    messages = 0
+    sent, received = [0] * world, [0] * world
+    out: list[set] = [set() for _ in range(world)]
+    inn: list[set] = [set() for _ in range(world)]
+    part = [False] * world
     for s in range(shard):
         if not any(tables[i][s][0] for i in members):
             continue  # this column holds no rows of the block: it skips the collective
@@ -147,14 +169,13 @@ def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[in
             for q, c in enumerate(shard_rows(cols, replicate)):
                 slices[q] += rows * c * inner[i] * gradient_bytes
         whole = sum(slices)
-        nonempty = sum(1 for x in slices if x)
         for r in range(replicate):
-            ranks[r * shard + s] = (whole - slices[r], (replicate - 1) * slices[r])
-            peers_out = nonempty - (1 if slices[r] else 0)
-            peers_in = replicate - 1 if slices[r] else 0
-            messages = max(messages, peers_out, peers_in)
-    return Collective("all_to_all", "inter", "backward", block, ranks, messages,
-                      f"dmuon gradient columns block {block}", "grad_columns")
+            k = r * shard + s
+            part[k] = True
+            sent[k], received[k] = whole - slices[r], (replicate - 1) * slices[r]
+            out[k] = {q * shard + s for q in range(replicate) if q != r and slices[q]}
+            inn[k] = {q * shard + s for q in range(replicate) if q != r} if slices[r] else set()
+    return sent, received, out, inn, part
 
 
 def owner_exchange_collectives(
@@ -172,26 +193,47 @@ def owner_exchange_collectives(
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
-    Per block (in ``block_order``; default: descending block index, FSDP2's
-    post-backward order when blocks are numbered in model order, root first)
-    with ``R > 1`` and ``gradient_bytes`` given (HSDP design (b): FSDP2 over the
-    shard sub-mesh, no replicate all-reduce) first one uneven ``all_to_all`` on
-    each shard column's replicate group reduce-scatters the gradient's column
-    slices: rank ``(r, s)`` sends column slice ``q`` of its piece
-    (``shard_rows(cols, R)``, ``MatrixInfo.replica_columns``) to ``(q, s)``
-    for every ``q != r``, in ``gradient_bytes`` per element, and sums what it
-    receives into slice ``r``, where its momentum lives (every holder of a
-    piece sends, copies too; a column with no rows of the block skips it).
-    Then, with ``R > 1``, one uneven ``all_to_all`` on each shard column's
-    replicate group sends the direction's column slices to the owners'
-    replicas (hop A, :func:`owner_traffic` step 0; a column sending nothing of
-    the block skips it), then one uneven ``all_to_all`` on each replica's shard group sends the
-    directions of the block's matrices owned in that replica to their owners
-    (step 1); a replica owning none of them issues
-    nothing. Then, in ``step()``, per return wave (``waves``: the matrices of
-    each, in order, as ``DMuon.last_step_stats()["return_waves"]``; default:
-    all in one) one ``all_to_all`` on each replica's shard group returns the
-    wave's update rows (step 2; replicas owning none of them skip it) and, with
+    The exchange of a block's directions (blocks in ``block_order``; default:
+    descending block index, FSDP2's post-backward order when blocks are
+    numbered in model order, root first): with ``R > 1``, one uneven
+    ``all_to_all`` on each shard column's replicate group sends the
+    direction's column slices to the owners' replicas (hop A,
+    :func:`owner_traffic` step 0; a column sending nothing of the block takes
+    no part), then one uneven ``all_to_all`` on each replica's shard group
+    sends the directions of the block's matrices owned in that replica to
+    their owners (hop B, step 1; a replica owning none of them issues
+    nothing). Without ``gradient_bytes`` (or with one replica) these are the
+    backward's collectives, block by block: hop A, then hop B (issued when the
+    next block launches), in the runtime's issue order.
+
+    With ``R > 1`` and ``gradient_bytes`` given (HSDP design (b): FSDP2 over
+    the shard sub-mesh, no replicate all-reduce) each block's gradient is
+    first reduce-scattered by column slices across replicas, one uneven
+    ``all_to_all`` on each shard column's replicate group: rank ``(r, s)``
+    sends column slice ``q`` of its piece (``shard_rows(cols, R)``,
+    ``MatrixInfo.replica_columns``) to ``(q, s)`` for every ``q != r``, in
+    ``gradient_bytes`` per element, and sums what it receives into slice
+    ``r``, where its momentum lives (every holder of a piece sends, copies
+    too; a column with no rows of the block takes no part). The block's
+    directions need that reduction landed, so its hop A goes out with the
+    *next* block's column reduce-scatter: both go over the same replicate
+    group (hop A's peers are among the columns'), and the runtime sends them
+    in one ``all_to_all`` (role
+    ``"grad_columns"`` with :attr:`Collective.carries_hop_a`; per rank the
+    sum of both parts' bytes, peers the union of both parts', taking part
+    where either does). ``block_order`` may name blocks with no Muon matrix
+    (FSDP2 units of other parameters): such a block's landing carries the
+    hop A pending then alone (role ``"hop_a"``). The backward list is in
+    issue order: when block ``b_j`` lands, hop B of ``b_{j-2}`` (whose hop A
+    went out when ``b_{j-1}`` landed), then the all_to_all of ``b_j``'s
+    gradient columns carrying ``b_{j-1}``'s hop A (the first block's columns
+    alone); then in ``step()`` hop B of the second-to-last block, the last
+    block's hop A alone and its hop B.
+
+    Then, in ``step()``, per return wave (``waves``: the matrices of each, in
+    order, as ``DMuon.last_step_stats()["return_waves"]``; default: all in
+    one) one ``all_to_all`` on each replica's shard group returns the wave's
+    update rows (step 2; replicas owning none of them skip it) and, with
     ``R > 1``, one on each shard column's replicate group forwards them to the
     other replicas (step 3; a column with no rows of them skips it). Nothing
     when the group has one rank. The concurrent per-replica (or per-column)
@@ -217,8 +259,9 @@ def owner_exchange_collectives(
     update, for each row it holds.
 
     Returns:
-        ``(backward, step)``: the per-block direction exchanges, in order, and
-        the step's return exchanges, wave by wave.
+        ``(backward, step)``: the direction exchanges (and design (b)'s
+        column reduce-scatters) in issue order, and the step's return
+        exchanges, wave by wave.
     """
     check_mesh(replicate, shard, elem_bytes)
     if row_bytes < 0:
@@ -260,45 +303,80 @@ def owner_exchange_collectives(
         rows, cols, sends = tables[i][s]
         return rows * shard_rows(cols, replicate)[r] * inner[i] * elem_bytes if sends else 0
 
-    backward: list[Collective] = []
-    for b in order:
-        members = [i for i in range(len(shapes)) if blocks[i] == b]
-        if not members:
-            continue
-        if replicate > 1 and gradient_bytes is not None:
-            backward.append(_gradient_columns(members, tables, inner, replicate, shard, gradient_bytes, b))
-        if replicate > 1:
-            sent, received, out, inn = fresh()
-            for i in members:
-                r_o = owners[i] // shard
-                for s in range(shard):
-                    for r in range(replicate):
-                        moved = column_piece(i, r, s)
-                        if r != r_o and moved:
-                            src, dst = r * shard + s, r_o * shard + s
-                            sent[src] += moved
-                            received[dst] += moved
-                            out[src].add(dst)
-                            inn[dst].add(src)
-            part = [any(direction_bytes(i, k % shard) for i in members) for k in range(world)]
-            backward.append(_a2a("inter", "backward", b, world, sent, received, out, inn, part,
-                                 f"dmuon direction slices block {b}", "hop_a"))
-        if shard > 1:
-            sent, received, out, inn = fresh()
-            owning = {owners[i] // shard for i in members}
-            for i in members:
-                r_o, s_o = divmod(owners[i], shard)
-                for s in range(shard):
-                    moved = sent_bytes(i, s)
-                    if s != s_o and moved:
-                        src = r_o * shard + s
+    def hop_a(members: list[int]) -> Parts:
+        sent, received, out, inn = fresh()
+        for i in members:
+            r_o = owners[i] // shard
+            for s in range(shard):
+                for r in range(replicate):
+                    moved = column_piece(i, r, s)
+                    if r != r_o and moved:
+                        src, dst = r * shard + s, r_o * shard + s
                         sent[src] += moved
-                        received[owners[i]] += moved
-                        out[src].add(owners[i])
-                        inn[owners[i]].add(src)
-            part = [k // shard in owning for k in range(world)]
-            backward.append(_a2a("intra", "backward", b, world, sent, received, out, inn, part,
-                                 f"dmuon directions block {b}", "hop_b"))
+                        received[dst] += moved
+                        out[src].add(dst)
+                        inn[dst].add(src)
+        return sent, received, out, inn, [any(direction_bytes(i, k % shard) for i in members) for k in range(world)]
+
+    def hop_a_alone(b: int, members: list[int]) -> Collective:
+        return _a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
+
+    def hop_b(b: int, members: list[int]) -> list[Collective]:
+        if shard == 1:
+            return []
+        sent, received, out, inn = fresh()
+        owning = {owners[i] // shard for i in members}
+        for i in members:
+            r_o, s_o = divmod(owners[i], shard)
+            for s in range(shard):
+                moved = sent_bytes(i, s)
+                if s != s_o and moved:
+                    src = r_o * shard + s
+                    sent[src] += moved
+                    received[owners[i]] += moved
+                    out[src].add(owners[i])
+                    inn[owners[i]].add(src)
+        part = [k // shard in owning for k in range(world)]
+        return [_a2a("intra", "backward", b, world, sent, received, out, inn, part,
+                     f"dmuon directions block {b}", "hop_b")]
+
+    backward: list[Collective] = []
+    if replicate == 1 or gradient_bytes is None:
+        for b in order:
+            members = [i for i in range(len(shapes)) if blocks[i] == b]
+            if members:
+                backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
+    else:
+        # The runtime's launches as a state machine: ``reducing``, the block whose columns are in
+        # flight (its hop A waits for them, so it rides with the next landing's columns);
+        # ``forwarded``, the block whose hop A has gone (its hop B goes at the next landing).
+        reducing: tuple[int, list[int]] | None = None
+        forwarded: tuple[int, list[int]] | None = None
+        for b in order:
+            members = [i for i in range(len(shapes)) if blocks[i] == b]
+            if forwarded is not None:
+                backward += hop_b(*forwarded)
+            forwarded = reducing
+            if members and reducing is not None:
+                prev = reducing[0]
+                backward.append(_a2a("inter", "backward", b, world,
+                                     *_merge(_gradient_columns(members, tables, inner, replicate, shard,
+                                                               gradient_bytes), hop_a(reducing[1])),
+                                     f"dmuon gradient columns block {b} + direction slices block {prev}",
+                                     "grad_columns"))
+                backward[-1].carries_hop_a = prev
+            elif members:
+                backward.append(_a2a("inter", "backward", b, world,
+                                     *_gradient_columns(members, tables, inner, replicate, shard, gradient_bytes),
+                                     f"dmuon gradient columns block {b}", "grad_columns"))
+            elif reducing is not None:
+                backward.append(hop_a_alone(*reducing))
+            reducing = (b, members) if members else None
+        # step() takes the launches, in order: the remaining hop B, the last hop A and its hop B.
+        if forwarded is not None:
+            backward += hop_b(*forwarded)
+        if reducing is not None:
+            backward += [hop_a_alone(*reducing)] + hop_b(*reducing)
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
@@ -440,11 +518,14 @@ def step_collectives(
     on HSDP the replicate-level all-reduce of the reduced shard (not under
     ``"dmuon"``: design (b) applies FSDP2 over the shard sub-mesh only); under
     ``"dmuon"`` and ``"dmuon_native_hsdp"`` then the block's exchange
-    (:func:`owner_exchange_collectives`): on HSDP under ``"dmuon"`` three
-    (the gradient's column slices reduce-scattered across replicas in
-    ``reduce_bytes``, the direction's column slices to the owner's replica,
-    the rows inside it), under ``"dmuon_native_hsdp"`` (design (a)) the last
-    two; with one replica the rows alone under both. Step: dmuon's two return
+    collectives (:func:`owner_exchange_collectives`, those whose
+    :attr:`Collective.block` is the block): under ``"dmuon_native_hsdp"``
+    (design (a)) on HSDP two, the direction's column slices to the owner's
+    replica (hop A) and the rows inside it (hop B); on HSDP under ``"dmuon"``
+    the all_to_all reduce-scattering the gradient's column slices across
+    replicas in ``reduce_bytes``, which carries the block before's hop A,
+    and hop B, with the last block's hop A alone; with one replica hop B
+    alone under both. Step: dmuon's two return
     exchanges per wave, or ``"gather"``'s all-gather of every matrix's
     direction over the shard group (``wire_bytes``, one per matrix in plan
     order, as :class:`dmuon.baselines.GatherThenCompute` calls
@@ -452,13 +533,16 @@ def step_collectives(
     HSDP underneath) two all-to-alls per batch (:func:`all_to_all_batches`)
     in its runtime's order (:func:`async_runtime_order`). ``"fsdp_adamw"`` is
     FSDP2's collectives alone. The real order interleaves (FSDP2 prefetches
-    the next all-gather; dmuon's exchanges run on their own groups), which
-    changes no sum; :mod:`dmuon.costmodel.simulate` times them as they would
-    run. The non-Muon parameters are left out unless ``other_shapes`` gives
-    them: then FSDP2's collectives of each block carry them too, and under
+    the next all-gather; dmuon's exchanges run on their own groups, a
+    block's hop B goes out when the next block lands, on design (b) its hop
+    A too: :func:`owner_exchange_collectives` lists dmuon's in issue order),
+    which changes no sum; :mod:`dmuon.costmodel.simulate` times them as they
+    would run. The non-Muon parameters are left out unless ``other_shapes``
+    gives them: then FSDP2's collectives of each block carry them too, under
     design (b) dmuon's all-reduce of their gradients across replicas comes
-    before each block's exchange (the same bytes as FSDP2's under the other
-    strategies).
+    right after each block's column all-to-all (the same bytes as FSDP2's under the other
+    strategies), and a block of theirs alone (an FSDP2 unit with no Muon
+    matrix) carries the hop A of the Muon block before it by itself.
 
     Args:
         strategy: One of :data:`STEP_STRATEGIES` or :data:`PEER_STRATEGY`.
@@ -492,8 +576,9 @@ def step_collectives(
     exchange, returns = ([], [])
     design_b = strategy == "dmuon" and replicate > 1
     if strategy in ("dmuon", "dmuon_native_hsdp"):
+        # Every FSDP2 unit in backward order: on design (b) a unit's landing carries the hop A before it.
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
-                                                       block_order=sorted(set(blocks), reverse=True), waves=waves,
+                                                       block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
                                                        row_bytes=row_bytes)
     by_block: dict[int | None, list[Collective]] = {}

@@ -266,9 +266,11 @@ def plan_offline(
         **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
         "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
         "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
-                 "on HSDP the all-reduce (not under dmuon, design (b)), dmuon's all_to_alls (on HSDP under dmuon "
-                 "first the gradient's column slices across replicas); step: dmuon's returns or gather's "
-                 "all-gathers",
+                 "on HSDP the all-reduce (FSDP2's; under dmuon, design (b), dmuon's of the other parameters, after "
+                 "the next all_to_all), dmuon's all_to_alls (on HSDP under dmuon "
+                 "the gradient's column slices across replicas, carrying in the same all_to_all the direction "
+                 "slices of the block before in backward (the last block's go alone), and the rows to the "
+                 "owner); step: dmuon's returns or gather's all-gathers",
         "return_waves": [w for w in waves if w],
     }
     if hardware is not None:

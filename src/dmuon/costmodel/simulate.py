@@ -20,7 +20,8 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   (the next block's all-gather behind the current block's compute), the reduce-scatter
   behind backward, the HSDP all-reduce; dmuon's exchanges issued from FSDP2's
   post-reduce stream as the runtime issues them (``docs/architecture.md``: hop A,
-  hop B one block later, design (b)'s reductions across replicas), the step's
+  hop B one block later; design (b)'s reductions across replicas, each block's
+  gradient-column all_to_all carrying the hop A of the block landed before), the step's
   agreement, the owners' NS batches wave by wave with each wave's return behind
   them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
   the all-to-all peer's batches in its runtime's order.
@@ -476,11 +477,14 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class _Launch:
-    """A block's direction exchange in backward, hop by hop (``stage``: reducing, A or B in flight)."""
+    """A block's direction exchange in backward, hop by hop (``stage``: ``"R"`` reducing across replicas,
+    ``"D"`` directions computed and hop A not yet issued (design (b), within one hook), ``"A"`` or
+    ``"B"`` in flight)."""
 
     def __init__(self, block: int, stage: str, reductions: list[Task] | None = None):
         self.block, self.stage = block, stage
         self.reductions = reductions or []
+        self.directions: Task | None = None
         self.hop_a: Task | None = None
         self.hop_b: Task | None = None
 
@@ -622,22 +626,29 @@ class _Builder:
         return sum(_numel(self.inp.shapes[i]) for i in members) / self.inp.shard
 
     def advance(self, stream: str) -> None:
-        """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``)."""
+        """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``): hop B behind a
+        landed hop A; design (b)'s launch still reducing gets its directions (stage ``"D"``), whose hop A
+        the caller then issues."""
         for launch in self.launches:
             if launch.stage == "A":
                 landed = self.wait(f"hop A {launch.block} landed", stream, [launch.hop_a], "backward")
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                 launch.stage = "B"
             elif launch.stage == "R":
-                self.send_after_reduction(launch, stream)
+                self.directions_after_reduction(launch, stream)
 
-    def send_after_reduction(self, launch: _Launch, stream: str) -> None:
-        """Design (b): the block's reduction has landed; its directions go to the owners' replicas."""
+    def directions_after_reduction(self, launch: _Launch, stream: str) -> None:
+        """Design (b): the block's reduction has landed; its directions (hop A not yet issued)."""
         landed = self.wait(f"block {launch.block} reduced", stream, launch.reductions, "backward")
         members = self.muon_in(launch.block)
-        peek = self.elementwise(f"directions block {launch.block}", stream,
-                                PEEK_BYTES * self.kept_elements(members), [landed], phase="backward")
-        launch.hop_a = self.coll("hop_a", "backward", launch.block, None, DR, [peek])
+        launch.directions = self.elementwise(f"directions block {launch.block}", stream,
+                                             PEEK_BYTES * self.kept_elements(members), [landed], phase="backward")
+        launch.stage = "D"
+
+    def hop_a_alone(self, launch: _Launch) -> None:
+        """Design (b): hop A with no gradient columns to travel with (the last block's, or before a unit
+        with no Muon matrix)."""
+        launch.hop_a = self.coll("hop_a", "backward", launch.block, None, DR, [launch.directions])
         launch.stage = "A"
 
     def send(self, b: int, stream: str) -> None:
@@ -655,6 +666,10 @@ class _Builder:
         self.launches.append(launch)
 
     def dmuon_hook(self, b: int) -> None:
+        """``BackwardLaunches._complete`` of unit ``b``: the earlier launches' next hops, then (design (b))
+        the unit's reduction across replicas: its gradient columns' all_to_all carrying the hop A of
+        the block landed before (one collective: it starts once this unit's reduce-scatter has landed
+        and that block's directions are computed), then its other parameters' all-reduce."""
         p = self.post_reduce
         self.advance(p)
         if not self.design_b:
@@ -664,9 +679,22 @@ class _Builder:
             self.wait("reductions landed", p, self.unlanded, "backward")
             self.unlanded = []
         here = self.wait(f"block {b} reduce-scattered", p, [], "backward")
-        reductions = [self.coll("replicate_all_reduce", "backward", b, None, DR, [here]),
-                      self.coll("grad_columns", "backward", b, None, DR, [here])]
-        reductions = [t for t in reductions if t is not None]
+        carried = [launch for launch in self.launches if launch.stage == "D"]  # the block landed before
+        columns = self.coll("grad_columns", "backward", b, None, DR,
+                            [here] + [launch.directions for launch in carried])
+        carries = None if columns is None else columns.collective.carries_hop_a
+        if columns is not None and [launch.block for launch in carried] != ([] if carries is None else [carries]):
+            raise AssertionError(f"block {b}'s gradient columns carry hop A of {carries}, the schedule has "
+                                 f"{[launch.block for launch in carried]}")
+        for launch in carried:
+            if columns is not None:
+                launch.hop_a, launch.stage = columns, "A"
+            else:
+                self.hop_a_alone(launch)  # a unit with no Muon matrix: the hop A alone, before its all-reduce
+        # ReplicateLevel.start_mean: the other parameters' all-reduce after the column all-to-all
+        # (which may carry hop A, on its way to the owners' NS).
+        all_reduce = self.coll("replicate_all_reduce", "backward", b, None, DR, [here])
+        reductions = [t for t in (all_reduce, columns) if t is not None]
         self.unlanded += reductions
         if self.muon_in(b):
             self.launches.append(_Launch(b, "R", reductions))
@@ -695,8 +723,9 @@ class _Builder:
         """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
         inp, tl = self.inp, self.tl
         for launch in self.launches:  # BackwardLaunches.take: every hop issued, in launch order
-            if launch.stage == "R":
-                self.send_after_reduction(launch, C)
+            if launch.stage == "R":  # the last block: its hop A alone
+                self.directions_after_reduction(launch, C)
+                self.hop_a_alone(launch)
             if launch.stage == "A":
                 landed = self.wait(f"hop A {launch.block} landed", C, [launch.hop_a])
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])

@@ -49,6 +49,7 @@ class MuonCallbacks(StepCallbacks):
         groups = self._groups()
         for group in {id(g): g for g in groups.values()}.values():
             self.opt.check_ns_keys(group)
+            self.opt.check_rule_keys(group)
         return sorted(groups)
 
     @torch.no_grad()
@@ -87,7 +88,9 @@ class MuonCallbacks(StepCallbacks):
         for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
             apply_update(self._local(i, info.param), update, lr=group["lr"], weight_decay=group["weight_decay"],
-                         adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape)
+                         adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape,
+                         extra_scale_factor=group["extra_scale_factor"],
+                         cautious_weight_decay=group["cautious_weight_decay"])
 
     def independent(self) -> None:
         for group in self.opt.param_groups:

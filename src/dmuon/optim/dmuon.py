@@ -34,7 +34,7 @@ from dmuon.ortho.owner import GROUP_KEYS
 from dmuon.plan.plan import Plan
 from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
-from dmuon.rules.muon import ADJUST_LR_FNS
+from dmuon.rules.muon import RULE_DEFAULTS, check_rule_settings
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
@@ -48,7 +48,7 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", *GROUP_KEYS)
+MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", *RULE_DEFAULTS, *GROUP_KEYS)
 """Param-group keys only the Muon half of a group reads (``eps`` is Muon's NS eps, as in torch.optim.Muon)."""
 ADAMW_KEYS = ("betas", "foreach", "fused", "amsgrad", "maximize", "capturable", "differentiable",
               "decoupled_weight_decay")
@@ -105,7 +105,14 @@ class DMuon(torch.optim.Optimizer):
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
         nesterov: Nesterov momentum for Muon.
-        adjust_lr_fn: ``None``/``"original"`` (Keller's scaling) or ``"match_rms_adamw"``.
+        adjust_lr_fn: The step's shape scaling for an ``(m, n)`` matrix: ``None``/``"original"``
+            (``sqrt(max(1, m/n))``, Keller's), ``"match_rms_adamw"`` (``0.2 sqrt(max(m, n))``),
+            ``"spectral_unclamped"`` (``sqrt(m/n)``: torchtitan's name, dion's ``"spectral_norm"``)
+            or ``"unscaled"`` (1: dion's ``None``). See README, "Settings from other Muon libraries".
+        extra_scale_factor: Multiplies the step (not the weight decay), as NVIDIA
+            Emerging-Optimizers' ``extra_scale_factor``.
+        cautious_weight_decay: Decay only the entries where the update and the weight share a sign
+            (or one is zero), as dion's ``cautious_wd=True``.
         ns: How the owners run Newton-Schulz (:class:`~dmuon.ortho.config.NSConfig`):
             method (``"auto"``: the fastest passing the accuracy bar per shape),
             coefficients, steps, eps, dtype (directions and updates travel in it).
@@ -160,6 +167,8 @@ class DMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         adjust_lr_fn: str | None = None,
+        extra_scale_factor: float = 1.0,
+        cautious_weight_decay: bool = False,
         ns: NSConfig | None = None,
         ns_coefficients: tuple[float, float, float] | str | None = None,
         eps: float | None = None,
@@ -187,8 +196,7 @@ class DMuon(torch.optim.Optimizer):
         execution = ExecutionConfig.from_keywords(
             execution, overlap=overlap, nonfinite=nonfinite, ns_in_backward=ns_in_backward,
             post_optim_event=post_optim_event, return_waves=return_waves)
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
@@ -213,6 +221,7 @@ class DMuon(torch.optim.Optimizer):
         self._muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
+            extra_scale_factor=extra_scale_factor, cautious_weight_decay=cautious_weight_decay,
             **self._rule_defaults(),
         )
         self._adamw_defaults = dict(
@@ -463,6 +472,22 @@ class DMuon(torch.optim.Optimizer):
                     "set them with DMuon(ns=dmuon.NSConfig(...)) or dmuon.prepare(ns=...)"
                     + ("; AdamW's epsilon is the group key adamw_eps" if key == "eps" else ""))
 
+    def check_rule_keys(self, group: dict[str, Any]) -> None:
+        """Raises ``ValueError`` naming the group and key for a Muon group's bad ``adjust_lr_fn``,
+        ``extra_scale_factor`` or ``cautious_weight_decay``."""
+        index = next((k for k, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
+        check_rule_settings(group["adjust_lr_fn"], group["extra_scale_factor"], group["cautious_weight_decay"],
+                            f"param group {index}: ")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch.optim's way for keys added later (Adam's amsgrad, ...): a state dict saved before
+        # them loads with the values that reproduce what it was trained with.
+        super().__setstate__(state)
+        for group in self.__dict__.get("param_groups", []):
+            if group.get("algorithm") == "muon":
+                for key, value in RULE_DEFAULTS.items():
+                    group.setdefault(key, value)
+
     # -------------------------------------------------------------- param groups
     def _is_muon(self, param: torch.Tensor, name: str | None) -> bool:
         """Whether ``param`` is a Muon matrix: in the plan, or before setup chosen by the default rule."""
@@ -478,7 +503,8 @@ class DMuon(torch.optim.Optimizer):
         names of its parameters as ``"param_names"`` (given ones, else the model's).
         The group's keys go where torch.optim users mean them:
 
-        * ``momentum``, ``nesterov``, ``adjust_lr_fn`` and the NS keys (``ns_steps``,
+        * ``momentum``, ``nesterov``, ``adjust_lr_fn``, ``extra_scale_factor``,
+          ``cautious_weight_decay`` and the NS keys (``ns_steps``,
           ``ns_coefficients``, ``eps``: torch.optim.Muon's): the Muon half.
         * ``adamw_<key>``: the AdamW half's ``<key>``; AdamW-only keys (``betas``,
           ``foreach``, ``fused``, ...): the AdamW half.
@@ -571,6 +597,7 @@ class DMuon(torch.optim.Optimizer):
             param_group.setdefault(key, value)
         if algorithm == "muon":
             self.check_ns_keys(param_group)
+            self.check_rule_keys(param_group)
         saved, self.defaults = self.defaults, {}
         try:
             super().add_param_group(param_group)

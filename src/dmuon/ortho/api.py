@@ -37,8 +37,8 @@ def orthogonalize(
             bfloat16 2-D input), ``"standard32"`` (the same iteration in float32,
             rounded to ``dtype``), ``"gram"`` (Gram Newton–Schulz), or ``"auto"`` (the
             fastest that passes the accuracy bar, from the autotune cache).
-        coefficients: An ``(a, b, c)`` triple, a per-iteration schedule, or
-            ``"polar_express"``.
+        coefficients: An ``(a, b, c)`` triple, a per-iteration schedule, or a schedule
+            name (``"polar_express"``, ``"polar_express_5"``, ...: :func:`resolve_schedule`).
         steps: Number of iterations.
         eps: Lower clamp of each matrix's normalising norm.
         dtype: Compute dtype of the standard path; dtype of the result.

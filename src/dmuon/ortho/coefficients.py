@@ -15,7 +15,14 @@ Sources of the constants:
   Optimal Matrix Sign Methods and Their Application to the Muon Algorithm",
   arXiv:2505.16932 (2025), Algorithm 1 (degree 5, lower spectral bound 1e-3). The raw
   table below is copied from the paper; after its last entry the optimal polynomial
-  is numerically constant, so that entry repeats for any further iteration.
+  is numerically constant, so that entry repeats for any further iteration. Named
+  ``"polar_express"`` (alias ``"polar_express_8"``).
+* Polar Express, five steps (``"polar_express_5"``) — the other polynomial sequence
+  that KellerJordan/modded-nanogpt (``train_gpt.py``), microsoft/dion
+  (``dion/polar_express.py``) and karpathy/nanochat (``nanochat/optim.py``) ship:
+  computed with the paper's method for exactly five iterations ("num_iters=5,
+  safety_factor=2e-2, cushion=2"), its safety factor already inside the table, and
+  run after dividing the input by ``1.02 * ||X||_F`` instead of ``||X||_F``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,22 @@ POLAR_EXPRESS_RAW: tuple[Coeffs, ...] = (
 )
 
 POLAR_EXPRESS_SAFETY = 1.01
+
+# The five-step table, quoted exactly from KellerJordan/modded-nanogpt train_gpt.py
+# (commit f411b3d, "Computed for num_iters=5, safety_factor=2e-2, cushion=2"); microsoft/dion
+# dion/polar_express.py (commit 0a059a4) and karpathy/nanochat nanochat/optim.py hold the same
+# numbers. Not the paper's eight-entry table: a different polynomial at every step.
+POLAR_EXPRESS_5: tuple[Coeffs, ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+# modded-nanogpt and dion divide the input by ``||X||_F * (1 + 2e-2) + eps`` (nanochat by 1.01) before
+# the five polynomials, so the table's safety margin holds after a bf16 normalisation.
+POLAR_EXPRESS_5_NORM_SAFETY = 1.02
 
 
 def _check_triple(coeffs: Sequence[float], where: str = "coefficients") -> Coeffs:
@@ -111,6 +134,40 @@ def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> 
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
 
+def polar_express_5_schedule(steps: int = 5, norm_safety: float = POLAR_EXPRESS_5_NORM_SAFETY) -> Schedule:
+    """The five-step Polar Express schedule of modded-nanogpt and dion (:data:`POLAR_EXPRESS_5`).
+
+    Those libraries divide the input by ``norm_safety * ||X||_F``; every NS path here divides by
+    ``||X||_F``, so the division by ``s = norm_safety`` is folded into the first polynomial:
+    ``p1(X / s) = (a/s) X + (b/s**3) (X Xᵀ) X + (c/s**5) (X Xᵀ)² X``, the same map in exact
+    arithmetic. The other four entries are the table's as they are.
+
+    Args:
+        steps: Iterations, at most 5 (fewer: the first ``steps`` entries, as nanochat's
+            ``polar_express_coeffs[:ns_steps]``).
+        norm_safety: ``s >= 1``: 1.02 as modded-nanogpt and dion, 1.01 as nanochat, 1.0 for the
+            bare table.
+
+    Raises:
+        ValueError: If ``steps`` is above 5 (the table is computed for exactly five iterations
+            and its last entry is no fixed point, so it does not extend) or ``norm_safety`` is not
+            a finite number >= 1.
+    """
+    _check_steps(steps)
+    if steps > len(POLAR_EXPRESS_5):
+        raise ValueError(f"'polar_express_5' is a five-iteration schedule; steps={steps} (use steps <= 5, or "
+                         "'polar_express' for the paper's table, which extends)")
+    if not (isinstance(norm_safety, (int, float)) and math.isfinite(norm_safety) and norm_safety >= 1.0):
+        raise ValueError(f"norm_safety must be a finite number >= 1, got {norm_safety!r}")
+    s = float(norm_safety)
+    (a, b, c), *rest = POLAR_EXPRESS_5
+    return [(a / s, b / s**3, c / s**5), *rest][:steps]
+
+
+SCHEDULE_NAMES = ("keller", "polar_express", "polar_express_8", "polar_express_5")
+"""The names :func:`resolve_schedule` takes (``"polar_express"`` and ``"polar_express_8"`` are one table)."""
+
+
 def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
     """Turns any accepted coefficient specification into an explicit schedule.
 
@@ -119,8 +176,9 @@ def resolve_schedule(spec: CoefficientSpec, steps: int) -> Schedule:
 
     Args:
         spec: One ``(a, b, c)`` triple (repeated ``steps`` times), a sequence of triples
-            (its first ``steps`` entries are used), or the string ``"polar_express"``
-            (``"keller"`` is accepted too).
+            (its first ``steps`` entries are used), or a name: ``"polar_express"`` (the
+            paper's eight-entry table; alias ``"polar_express_8"``), ``"polar_express_5"``
+            (modded-nanogpt's and dion's five-step set, at most 5 steps) or ``"keller"``.
         steps: Number of iterations.
 
     Returns:
@@ -147,11 +205,13 @@ def _resolve(spec: CoefficientSpec, steps: int) -> Schedule:
     _check_steps(steps)
     if isinstance(spec, str):
         name = spec.lower().replace("-", "_")
-        if name == "polar_express":
+        if name in ("polar_express", "polar_express_8"):
             return polar_express_schedule(steps)
+        if name == "polar_express_5":
+            return polar_express_5_schedule(steps)
         if name == "keller":
             return fixed_schedule(KELLER, steps)
-        raise ValueError(f"unknown coefficient schedule {spec!r}; use 'polar_express' or 'keller'")
+        raise ValueError(f"unknown coefficient schedule {spec!r}; use one of {', '.join(map(repr, SCHEDULE_NAMES))}")
     if not isinstance(spec, Sequence) or len(spec) == 0:
         raise ValueError(f"coefficients must be a triple, a schedule or a name, got {spec!r}")
     # A flat triple of numbers is a fixed schedule; a sequence of sequences is explicit.

@@ -38,7 +38,9 @@ class NSConfig:
     rounded to ``dtype``), ``"gram"`` (Gram NS) or ``"auto"`` (the fastest that passes the
     accuracy bar, measured per device, shape and batch)."""
     coefficients: CoefficientSpec = KELLER
-    """An ``(a, b, c)`` triple, a per-iteration schedule, or ``"polar_express"``."""
+    """An ``(a, b, c)`` triple, a per-iteration schedule, or a name: ``"polar_express"`` (alias
+    ``"polar_express_8"``: the paper's eight-entry table), ``"polar_express_5"`` (modded-nanogpt's
+    and dion's five-step set, ``steps <= 5``), ``"keller"``."""
     steps: int = 5
     """Iterations."""
     eps: float = 1e-7

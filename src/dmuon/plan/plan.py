@@ -68,7 +68,7 @@ class MatrixInfo:
     stack_starts: tuple[int, ...] = ()
     """For a stack: the first expert of each shard position's local shard."""
     group: int | None = None
-    """For one row group of a ``"rows:K"`` view: which group (rows ``group * shape[0]`` on)."""
+    """For one row group of a ``"rows:..."`` view: which group (its rows follow the earlier groups')."""
     group_starts: tuple[int, ...] = ()
     """For a row group: where its piece starts in each shard position's local rows."""
     replicate: int = 1

@@ -8,21 +8,47 @@ import torch
 from torch import nn
 
 SelectFn = Callable[[str, nn.Parameter], bool]
-ViewFn = Callable[[str, nn.Parameter], str]
-MATRIX_VIEWS = ("flatten", "stack", "rows:K")
+ViewFn = Callable[[str, nn.Parameter], "str | tuple[int, ...]"]
+MATRIX_VIEWS = ("flatten", "stack", "rows:K", "rows:a,b,...")
 """How a parameter is seen: one ``(shape[0], prod(shape[1:]))`` matrix (``"flatten"``,
 Keller Jordan's rule for conv kernels), ``shape[0]`` matrices of ``shape[1:]``
-(``"stack"``: experts in the grouped-GEMM layout, each orthogonalized on its own), or
+(``"stack"``: experts in the grouped-GEMM layout, each orthogonalized on its own),
 ``"rows:K"`` for any integer K dividing ``shape[0]``: K equal row groups of the flattened
-matrix, each its own NS (a fused QKV projection per part or per head)."""
+matrix, each its own NS (a fused QKV projection per part or per head), or row groups of
+the sizes given, ``"rows:a,b,..."`` (two or more) or a tuple of ints, summing to
+``shape[0]``: a fused GQA QKV as ``(q_rows, k_rows, v_rows)`` (dion's ``split_sizes``)."""
 
 
-def row_groups(view: str) -> int | None:
-    """K of a ``"rows:K"`` view (None for the other views)."""
-    if not view.startswith("rows:"):
+def row_sizes(view: object, rows: int) -> tuple[int, ...] | None:
+    """The row count of each group of a row-group view of a parameter with ``rows`` rows, in order
+    (None for ``"flatten"`` and ``"stack"``).
+
+    Raises:
+        ValueError: A malformed view, K not dividing ``rows``, or sizes not summing to ``rows``
+            (the message names the view, not the parameter: the caller prefixes that).
+    """
+    if isinstance(view, (tuple, list)):
+        sizes = tuple(view)
+        if len(sizes) < 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+            raise ValueError(f"matrix_view {view!r}: row group sizes must be two or more integers >= 1 "
+                             "(one group of all rows is 'flatten')")
+    elif isinstance(view, str) and view.startswith("rows:"):
+        parts = view[len("rows:"):].split(",")
+        if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"matrix_view must be one of {MATRIX_VIEWS} (K and the sizes integers >= 1), "
+                             f"got {view!r}")
+        if len(parts) == 1:
+            groups = int(parts[0])
+            if rows % groups:
+                raise ValueError(f"matrix_view {view!r} needs K to divide its {rows} rows")
+            return (rows // groups,) * groups
+        sizes = tuple(int(p) for p in parts)
+    else:
         return None
-    count = view[len("rows:"):]
-    return int(count) if count.isdigit() and int(count) >= 1 else 0
+    if sum(sizes) != rows:
+        raise ValueError(f"matrix_view {view!r}: row group sizes {' + '.join(map(str, sizes))} = {sum(sizes)} "
+                         f"but it has {rows} rows")
+    return sizes
 
 HEAD_NAMES = frozenset({"lm_head", "output", "head"})
 
@@ -109,12 +135,14 @@ def matrix_views(model: nn.Module, chosen: list[tuple[str, nn.Parameter]],
             view = matrix_view[name]
         else:
             view = default(name, param)
-        groups = row_groups(view) if isinstance(view, str) else None
-        if view not in MATRIX_VIEWS[:2] and not groups:
-            raise ValueError(f"parameter {name!r}: matrix_view must be one of {MATRIX_VIEWS} (K an integer >= 1), "
-                             f"got {view!r}")
-        if groups and param.shape[0] % groups:
-            raise ValueError(f"parameter {name!r}: matrix_view {view!r} needs K to divide its {param.shape[0]} rows")
+        try:
+            sizes = row_sizes(view, param.shape[0])
+        except ValueError as err:
+            raise ValueError(f"parameter {name!r}: {err}") from None
+        if sizes is None and view not in MATRIX_VIEWS[:2]:
+            raise ValueError(f"parameter {name!r}: matrix_view must be one of {MATRIX_VIEWS}, got {view!r}")
+        if isinstance(view, (tuple, list)):
+            view = "rows:" + ",".join(map(str, view))  # one spelling: the plan fingerprint compares strings
         if view == "stack" and param.ndim < 3:
             raise ValueError(f"parameter {name!r}: matrix_view 'stack' needs >= 3 dims, got {param.ndim}")
         out[name] = view

@@ -10,17 +10,51 @@ import math
 
 import torch
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped", "unscaled")
+"""The shape scalings of the step, for an ``(m, n)`` matrix (rows ``m`` = fan-out):
+
+* ``None``/``"original"``: ``sqrt(max(1, m / n))`` (torch.optim.Muon's default, Keller Jordan's rule);
+* ``"match_rms_adamw"``: ``0.2 * sqrt(max(m, n))`` (torch.optim.Muon; Moonshot's rule);
+* ``"spectral_unclamped"``: ``sqrt(m / n)``, below 1 for wide matrices too (torchtitan's
+  ``adjust_lr_fn`` of that name, dion's ``adjust_lr="spectral_norm"``, Emerging-Optimizers'
+  ``scale_mode="unit_rms_norm"``);
+* ``"unscaled"``: 1 (dion's ``adjust_lr=None``; torch's ``None`` means ``"original"``).
+"""
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, matrix_shape: tuple[int, int]) -> float:
-    """The learning rate scaled for a matrix's shape, as ``torch.optim.Muon`` does."""
+    """The learning rate scaled for a matrix's shape (:data:`ADJUST_LR_FNS`).
+
+    Raises:
+        ValueError: For an ``adjust_lr_fn`` not in :data:`ADJUST_LR_FNS`.
+    """
     rows, cols = matrix_shape
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
+    if adjust_lr_fn == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
+    if adjust_lr_fn == "unscaled":
+        return lr
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+RULE_DEFAULTS = {"extra_scale_factor": 1.0, "cautious_weight_decay": False}
+"""Muon group keys added after torch.optim.Muon's, and the value a state dict saved without them means
+(torch's rule: ``apply_update``'s defaults)."""
+
+
+def check_rule_settings(adjust_lr_fn: object, extra_scale_factor: object, cautious_weight_decay: object,
+                        where: str = "") -> None:
+    """Raises ``ValueError`` naming the setting (after ``where``, e.g. ``"param group 2: "``) for a bad value."""
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"{where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    if isinstance(extra_scale_factor, bool) or not isinstance(extra_scale_factor, (int, float)) \
+            or not math.isfinite(extra_scale_factor) or extra_scale_factor < 0:
+        raise ValueError(f"{where}extra_scale_factor must be a finite number >= 0, got {extra_scale_factor!r}")
+    if not isinstance(cautious_weight_decay, bool):
+        raise ValueError(f"{where}cautious_weight_decay must be True or False, got {cautious_weight_decay!r}")
 
 
 def momentum_update(
@@ -53,8 +87,25 @@ def apply_update(
     weight_decay: float,
     adjust_lr_fn: str | None,
     matrix_shape: tuple[int, int],
+    extra_scale_factor: float = 1.0,
+    cautious_weight_decay: bool = False,
 ) -> None:
-    """Decoupled weight decay with the raw lr, then the shape-adjusted step."""
-    param.mul_(1 - lr * weight_decay)
-    # As torch.optim.Muon: the NS-dtype update added as is (promoted inside the kernel, no copy).
-    param.add_(ortho.view(param.shape), alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape))
+    """Decoupled weight decay with the raw lr, then the shape-adjusted step.
+
+    ``param <- param - lr * weight_decay * mask * param - adjusted_lr * extra_scale_factor * ortho``,
+    ``mask`` all ones, or with ``cautious_weight_decay`` 1 where ``param * ortho >= 0`` (the update
+    and the weight share a sign, or one is zero) and 0 elsewhere, taken before either change:
+    microsoft/dion's ``cautious_wd=True`` (``muon_update_post_orthogonalize``), modded-nanogpt's
+    and nanochat's mask (Chen et al., arXiv:2510.12402). ``extra_scale_factor`` multiplies the step
+    only, not the decay (NVIDIA Emerging-Optimizers' ``extra_scale_factor``).
+    """
+    ortho = ortho.view(param.shape)
+    if cautious_weight_decay:
+        if lr * weight_decay:
+            # The mask from the weight before decay, as dion and modded-nanogpt take it.
+            param.sub_(param * ((param * ortho) >= 0) * (lr * weight_decay))
+    else:
+        param.mul_(1 - lr * weight_decay)
+    # As torch.optim.Muon: the NS-dtype update added as is (promoted inside the kernel, no copy);
+    # extra_scale_factor=1.0 leaves alpha, so the result stays bit-identical to torch's.
+    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape) * extra_scale_factor)

@@ -166,30 +166,43 @@ class BackwardLaunches:
         landed = {id(p) for p in self._landed.pop(unit)}
         if self._current == unit:
             self._current = None
-        # The earlier launches' next hops (their first has had a block's backward to land).
-        self._advance()
+        if self.replicate is None:
+            self._advance()
+            self._launch(unit, landed)
+            return
+        # Hop A of the unit before and this unit's column reduce-scatter go to the same peers
+        # now: one collective across nodes instead of two (one latency per peer saved a block).
+        with self.exchange.across.coalesced():
+            self._advance()
+            reduction = self._launch(unit, landed)
+        self.replicate.start_mean(reduction)
+
+    def _launch(self, unit: int, landed: set[int]) -> Reduction | None:
+        """Starts what a completed unit sends: its reduction across replicas (the caller issues its
+        other parameters' all-reduce), its directions."""
         first = unit not in self._fired
         self._fired.add(unit)
         block = self._units[unit].block
         # A matrix outside the optimizer's param groups is not stepped: nothing to send.
         members = [i for i in self._managed() if id(self.plan.infos[i].param) in landed] if block is not None else []
         if self.replicate is not None:
-            reduction = self.replicate.start([p for p in self._units[unit].params if id(p) in landed])
+            reduction = self.replicate.start_columns([p for p in self._units[unit].params if id(p) in landed])
             if first and members and self._directions:
                 launch = Launch(block, members, {}, None)  # type: ignore[arg-type]
                 launch.pending = Pending([], _no_result, self.exchange.stats,
                                          then=lambda: self._send_after(reduction, launch))
                 self._add(launch)
-            return
+            return reduction
         if not first or not members:
             # A second reduction in one step (accumulation without FSDP2's no-sync): the
             # launch is stale, and step()'s check will redo it.
-            return
+            return None
         for i in members:
             self._check(i)
         sent = self._peek(members, self._grad_parts(members))
         rows = self._rows_sent(members)
         self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows))
+        return None
 
     def _end_of_backward(self) -> None:
         """Autograd final callback (replicate level): the last unit completes, every reduction lands."""
@@ -224,6 +237,7 @@ class BackwardLaunches:
             self._early[launch.block] = self._worker.submit(self._block_work, launch)
 
     def _advance(self) -> None:
+        """The earlier launches' next hops (their first has had a block's backward to land)."""
         for earlier in self._launches.values():
             earlier.pending.forward()
         if self.replicate is not None:

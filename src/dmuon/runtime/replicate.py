@@ -53,10 +53,10 @@ class Reduction:
     """Their matrices (plan order)."""
     issued: dict[int, int] = field(repr=False)
     """Per parameter (id), the id of the gradient the reduction read (written back only into it)."""
-    mean: Pending = field(repr=False)
-    """The all-reduce: ``{k: mean of others[k]}``."""
     columns: Pending = field(repr=False)
     """The column reduce-scatter: ``{i: this rank's slice, summed over replicas}``."""
+    mean: Pending | None = field(default=None, repr=False)
+    """The all-reduce: ``{k: mean of others[k]}`` (issued by :meth:`ReplicateLevel.start_mean`)."""
     landed: bool = False
 
 
@@ -109,6 +109,14 @@ class ReplicateLevel:
 
     def start(self, params: list[torch.Tensor]) -> Reduction:
         """Issues the reduction of ``params``' gradients (the same list on every rank)."""
+        reduction = self.start_columns(params)
+        self.start_mean(reduction)
+        return reduction
+
+    def start_columns(self, params: list[torch.Tensor]) -> Reduction:
+        """The Muon matrices' part of :meth:`start` (the column all-to-all; inside
+        ``GroupAllToAll.coalesced()`` it joins what else goes to the same peers); the caller
+        issues the rest with :meth:`start_mean`."""
         params = [p for p in params if p.grad is not None]
         others = [p for p in params if id(p) not in self._matrices]
         matrices = [p for p in params if id(p) in self._matrices]
@@ -117,11 +125,16 @@ class ReplicateLevel:
         infos = self.plan.infos
         reduction = Reduction(
             others, matrices, members, {id(p): id(p.grad) for p in params},
-            self.reduce.all_reduce_mean([local_tensor(p.grad) for p in others]),
             self.reduce.reduce_columns(members, {i: infos[i].local_view(local_tensor(infos[i].param.grad), s)
                                                  for i in members}))
         self._inflight.append(reduction)
         return reduction
+
+    def start_mean(self, reduction: Reduction) -> None:
+        """The other parameters' all-reduce of a reduction :meth:`start_columns` began. After the column
+        all-to-all on the same group: the directions' hop A it may carry is on the way to the owners'
+        NS, while the other gradients are needed only by ``step()``'s AdamW."""
+        reduction.mean = self.reduce.all_reduce_mean([local_tensor(p.grad) for p in reduction.others])
 
     def land(self, reduction: Reduction) -> None:
         """Writes a landed reduction into the gradients it read, where they have not changed since."""

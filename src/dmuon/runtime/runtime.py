@@ -100,7 +100,8 @@ class ShardRuntime:
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
         if plan.reduces_replicas:
-            self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device))
+            self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device,
+                                                                   self.exchange.across))
         self.backward: BackwardLaunches | None = None
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, self.grad_parts, callbacks.matrices,

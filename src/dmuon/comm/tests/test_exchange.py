@@ -210,6 +210,23 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
 
     if topo.replicate > 1:
         members = _members(0)
+        # Hop A joined with another all-to-all of another dtype on the replicate group: one
+        # collective, each part landing what it would alone.
+        start = len(stats.log)
+        mine = torch.arange(topo.replicate * 3, dtype=torch.bfloat16) + 10 * topo.rank  # exact in bf16
+        theirs = torch.empty_like(mine)
+        with exchange.across.coalesced():
+            pending = exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})
+            extra = exchange.across(theirs, mine, [3] * topo.replicate, [3] * topo.replicate, 7, 11)
+            try:
+                extra[0].wait()
+                early = "returned"
+            except RuntimeError as e:
+                early = str(e)
+        extra[0].wait()
+        pending.forward()
+        out["joined"] = {"directions": pending.wait(), "extra": theirs.float(), "early": early,
+                         "log": stats.log[start:]}
         out["two_hop"] = {
             "directions": _landed_by_a_side_thread(
                 stats, lambda: exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})),
@@ -342,6 +359,28 @@ def test_flags_sent_with_the_return_reach_every_rank(mesh):
             _check_rows(got["rows"], members, infos, s, where)
             plain = res["all_return_log"] if block == "all" else res["blocks"][block]["return_log"]
             assert _bytes_by_level(got["log"]) == _bytes_by_level(plain), where
+
+
+def test_hop_a_joined_with_another_all_to_all_lands_both_in_one_collective():
+    """``GroupAllToAll.coalesced``: hop A and a bf16 all-to-all on the replicate group go out as one
+    collective counted once with both parts' bytes; each part lands what it would alone; waiting on a
+    queued part before the block issued it raises instead of reading an empty buffer."""
+    results = _results("2x2")
+    separate = {res["plan_rank"]: res["blocks"][0] for res in results}
+    for res in results:
+        r, s = res["coords"]
+        joined = res["joined"]
+        assert "waited on before the block ended" in joined["early"]
+        assert set(joined["directions"]) == set(separate[res["plan_rank"]]["directions"])
+        for k, full in joined["directions"].items():
+            assert torch.equal(full, separate[res["plan_rank"]]["directions"][k])
+        # Every replica q sent this rank its segment r of arange(6) + 10 * (its plan rank).
+        expected = torch.cat([torch.arange(3 * r, 3 * r + 3) + 10 * (q * 2 + s) for q in range(2)]).float()
+        assert torch.equal(joined["extra"], expected)
+        hop_a = [entry for entry in separate[res["plan_rank"]]["send_log"] if entry[0] == "inter"]
+        inter = [entry for entry in joined["log"] if entry[0] == "inter"]
+        assert len(inter) == 1
+        assert inter[0] == ("inter", sum(e[1] for e in hop_a) + 7, sum(e[2] for e in hop_a) + 11)
 
 
 def test_a_replica_owning_none_of_a_block_skips_its_collectives():

@@ -214,6 +214,70 @@ def test_every_strategy_schedules_every_collective_and_adds_up(replicate, shard,
                 assert f["exposed_comm_seconds"] >= -1e-12 and f["optimizer_seconds"] >= 0
 
 
+@pytest.mark.parametrize("tokens,bound", [(20, "reduce-scatter"), (1, "columns")])
+def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound):
+    """Design (b), 2 x 2 mesh, two blocks of one 2 x 4 matrix each (block 2's owned by (0, 1), block 1's
+    by (1, 0)): block 2's hop A leaves in block 1's gradient-column all_to_all, which starts once block
+    1's reduce-scatter has landed and block 2's directions are computed, whichever is later."""
+    inputs = StepInputs(shapes=[(2, 4), (2, 4)], owners=[1, 2], blocks=[2, 1], replicate=2, shard=2,
+                        ns_batches={1: [[0]], 2: [[1]]}, zero=2)
+    # Free intra-node links (FSDP2's collectives and hop B take no time), 1 byte/s and 2 s a message
+    # across nodes; forward of a block = 2 x 8 x tokens / 16 = tokens s, backward twice that; block 2's
+    # directions 10 B x 8 / 4 ranks at 10 B/s = 2 s.
+    hw = Hardware("hand", compute_flops=16.0, ns_flops=1.0, elementwise_bytes=10.0,
+                  links=AlphaBeta(intra_bandwidth=1e30, inter_bandwidth=1.0, intra_latency=0.0, inter_latency=2.0))
+    timeline, _ = build_step("dmuon", inputs, hw, SimOptions(tokens_per_gpu=tokens, ns_method="standard"))
+    timeline.run()
+    task = {t.name: t for t in timeline.tasks}
+    columns = task["dmuon gradient columns block 2"]
+    merged = task["dmuon gradient columns block 1 + direction slices block 2"]
+    hop_b = task["dmuon directions block 2"]
+    # Block 2's backward ends at 2 t + 2 t (forward of both, its own backward); its column slices
+    # (fp32, 1 row x 2 columns each way) take 2 + 8 s. Block 1's backward ends 2 t later.
+    t = float(tokens)
+    block_2, block_1 = 4 * t, 6 * t
+    assert all(v == pytest.approx(block_2 + 10) for v in columns.end.values())
+    if bound == "reduce-scatter":  # 6 t = 120 > 90: block 1's reduce-scatter lands last
+        assert block_1 > block_2 + 10
+        start = block_1 + 2
+    else:  # 6 = 6 t < 14: block 2's column slices land last
+        assert block_1 < block_2 + 10
+        start = block_2 + 10 + 2
+    assert all(v == pytest.approx(start) for v in merged.start.values())
+    # One latency, then each rank's larger direction: block 1's columns 8 bytes each way plus block 2's
+    # hop A, 1 row x 2 columns in bf16 = 4 bytes from replica 1 to replica 0: 12 bytes.
+    assert [merged.collective.ranks[k] for k in range(4)] == [(8, 12), (8, 12), (12, 8), (12, 8)]
+    assert all(v == pytest.approx(start + 2 + 12) for v in merged.end.values())
+    # Block 2's hop B waits for it; block 1's hop A goes alone in step().
+    assert min(hop_b.start.values()) >= start + 14 - 1e-9
+    assert task["dmuon direction slices block 1"].collective.role == "hop_a"
+
+
+def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
+    # Muon blocks 3 and 1, block 2 (between them in backward) and the root only other parameters:
+    # block 3's hop A goes alone when block 2 lands, before block 2's all-reduce (one queue: the
+    # replicate group's), block 1's columns carry nothing, block 1's hop A goes alone when the root lands.
+    inputs = StepInputs(shapes=[(6, 5), (5, 7)], owners=[1, 2], blocks=[3, 1], replicate=2, shard=2,
+                        ns_batches={1: [[0]], 2: [[1]]}, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 2])
+    listed = step_collectives("dmuon", inputs.shapes, inputs.owners, inputs.blocks, 2, 2, waves=inputs.waves(),
+                              other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks)
+    assert [(c.role, c.block, c.carries_hop_a) for c in listed if c.role in ("grad_columns", "hop_a")] == [
+        ("grad_columns", 3, None), ("hop_a", 3, None), ("grad_columns", 1, None), ("hop_a", 1, None)]
+    timeline, _ = build_step("dmuon", inputs, HW, SimOptions(tokens_per_gpu=1000))
+    timeline.run()
+    task = {t.name: t for t in timeline.tasks}
+    reduced_2 = task["dmuon all_reduce of the other parameters block 2"]
+    alone_3 = task["dmuon direction slices block 3"]
+    assert min(reduced_2.start.values()) >= max(alone_3.end.values())
+    # Serialised without compute: the alpha-beta sum of what step_collectives lists, plus the agreement.
+    options = SimOptions(overlap=False, compute=False)
+    timeline, _ = build_step("dmuon", inputs, HW, options)
+    used = [t.collective for t in timeline.tasks if t.collective is not None]
+    assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
+    assert simulate("dmuon", inputs, HW, options)["step_seconds"] == pytest.approx(
+        step_figures(used, LINKS)["seconds"]["total"])
+
+
 def test_hand_step_on_one_rank_per_strategy():
     # One rank, no communication: the step is the sum of its work.
     inputs = StepInputs(shapes=[(4, 8)], owners=[0], blocks=[1], replicate=1, shard=1, ns_batches={0: [[0]]},

@@ -268,6 +268,41 @@ def test_design_b_column_all_to_all_by_hand():
         owner_exchange_collectives([(5, 7)], [1], [3], 2, 2, 2, gradient_bytes=0)
 
 
+def test_design_b_hop_a_rides_with_the_next_blocks_columns():
+    # Two 5 x 7 matrices on a 2 x 2 mesh: block 3's owned by (0, 1), block 2's by (1, 0); backward
+    # lands block 3 first. Columns [4, 3] over the replicas, rows [3, 2] over the shard positions.
+    backward, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2, gradient_bytes=4)
+    assert [c.label for c in backward] == [
+        "dmuon gradient columns block 3",                              # block 3 lands: nothing to carry
+        "dmuon gradient columns block 2 + direction slices block 3",   # block 2 lands: one all_to_all
+        "dmuon directions block 3",                                    # step(): hop B of block 3,
+        "dmuon direction slices block 2",                              # the last block's hop A alone,
+        "dmuon directions block 2"]                                    # and its hop B
+    first, merged, b3, a2, b2 = backward
+    columns = [(36, 48), (24, 32), (48, 36), (32, 24)]  # as test_design_b_column_all_to_all_by_hand's
+    assert first.ranks == columns and first.carries_hop_a is None and first.role == "grad_columns"
+    # Block 3's hop A: replica 1 sends its slices 1 (3 x 3 and 2 x 3, bf16) to replica 0.
+    hop_a_3 = [(0, 18), (0, 12), (18, 0), (12, 0)]
+    assert merged.ranks == [(c[0] + a[0], c[1] + a[1]) for c, a in zip(columns, hop_a_3)]
+    assert (merged.role, merged.block, merged.carries_hop_a, merged.level) == ("grad_columns", 2, 3, "inter")
+    # The same peer (the other replica of the column) for both parts: one message.
+    assert merged.messages == 1 and merged.critical == 66
+    # Block 2's hop A to replica 1: replica 0 sends its slices 0 (3 x 4 and 2 x 4).
+    assert (a2.role, a2.ranks) == ("hop_a", [(24, 0), (16, 0), (0, 24), (0, 16)])
+    assert b3.ranks == [(42, 0), (0, 42), None, None] and b2.ranks == [None, None, (0, 28), (28, 0)]
+    # The same bytes per rank as two collectives of their own, one collective fewer.
+    apart, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2)
+    assert _summed(backward, 4) == _summed(apart + [first, first], 4) and len(backward) == len(apart) + 1
+    # A unit with no Muon matrix between them (block 9: another parameter's FSDP2 unit) carries
+    # block 3's hop A alone; block 2's columns then have nothing to carry.
+    backward, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2, block_order=[3, 9, 2],
+                                             gradient_bytes=4)
+    assert [(c.role, c.block, c.carries_hop_a) for c in backward] == [
+        ("grad_columns", 3, None), ("hop_a", 3, None), ("hop_b", 3, None), ("grad_columns", 2, None),
+        ("hop_a", 2, None), ("hop_b", 2, None)]
+    assert backward[1].ranks == hop_a_3 and backward[3].ranks == columns
+
+
 def test_design_b_column_all_to_all_with_an_empty_slice_and_an_empty_column():
     # 2 columns over 3 replicas: slices [1, 1, 0]; 1 row over 2 positions: position 1 holds nothing.
     backward, _ = owner_exchange_collectives([(1, 2)], [0], [0], 3, 2, 2, gradient_bytes=4)
@@ -609,9 +644,10 @@ def test_step_strategies_and_step_comm_keys():
         if replicate == 1:
             assert comm["dmuon"] == comm["dmuon_native_hsdp"]
         else:
-            # Design (b) trades FSDP2's all-reduce (2 (R-1) ring steps a block) for one all_to_all a block.
+            # Design (b) trades FSDP2's all-reduce (2 (R-1) ring steps a block) for one all_to_all a
+            # block, which carries the block before's hop A: one collective fewer a block but the first.
             a, b = comm["dmuon_native_hsdp"], comm["dmuon"]
-            assert b["collectives"]["total"] == a["collectives"]["total"]
+            assert b["collectives"]["total"] == a["collectives"]["total"] - (len(set(blocks)) - 1)
             assert b["critical_bytes"]["intra"] == a["critical_bytes"]["intra"]
             assert b["critical_bytes"]["inter"] < a["critical_bytes"]["inter"]
 
