@@ -14,10 +14,11 @@ sets when the runtime moves and computes.
 """
 
 from dmuon.optim.dmuon import DMuon
+from dmuon.optim.normuon import NorMuon
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.runtime.config import ExecutionConfig
 
-__all__ = ["DMuon", "ExecutionConfig", "NSConfig", "Plan", "prepare"]
+__all__ = ["DMuon", "ExecutionConfig", "NSConfig", "NorMuon", "Plan", "prepare"]
 __version__ = "0.1.0"

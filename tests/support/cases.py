@@ -65,9 +65,14 @@ class Case:
     ``"dmuon"`` (fully_shard over ``mesh["shard"]`` and ``hsdp_mesh=mesh``: dmuon's replicate level)."""
     clip_with: str = "torch"
     """``"torch"`` (``torch.nn.utils.clip_grad_norm_``) or ``"dmuon"`` (``DMuon.clip_grad_norm_``)."""
+    rule: str = "muon"
+    """The matrices' rule: ``"muon"`` (``DMuon``) or ``"normuon"`` (``NorMuon`` with
+    ``NORMUON_BETA2``; the gather oracle runs the same rule)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+NORMUON_BETA2 = 0.9
+"""Not NorMuon's default (0.95): a run that ignored the keyword would not match its reference."""
 
 
 def make_mesh(world_size: int, mesh_shape: tuple[int, int] | None = None):
@@ -103,9 +108,10 @@ def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, comp
 
 def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
                    bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False,
-                   column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", **dmuon_kwargs):
+                   column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", rule: str = "muon",
+                   **dmuon_kwargs):
     """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise
-    (``hsdp``: as :attr:`Case.hsdp`).
+    (``hsdp``, ``rule``: as :attr:`Case.hsdp`, :attr:`Case.rule`).
 
     Returns:
         ``(model, plan, optimizer)``.
@@ -120,6 +126,8 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
     plan = dmuon.prepare(model, balancer=balancer, hsdp_mesh=mesh if dmuon_level else None,
                          ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
+    if rule == "normuon":
+        return model, plan, dmuon.NorMuon(model, plan, **({"beta2": NORMUON_BETA2} | kw))
     return model, plan, dmuon.DMuon(model, plan, **kw)
 
 
@@ -138,7 +146,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                                           compile=case.compile, column_sharded=case.column_sharded,
                                           overlap=case.overlap, hsdp=case.hsdp,
                                           ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
-                                          **kw)
+                                          rule=case.rule, **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)
@@ -146,7 +154,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         freeze(model, case.frozen)
         shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile,
                      column_sharded=case.column_sharded)
-        opt = GatherThenCompute(model, **kw)
+        opt = GatherThenCompute(model, **kw, **({"beta2": NORMUON_BETA2} if case.rule == "normuon" else {}))
     model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []
     for step in range(case.steps):
@@ -174,6 +182,11 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
     params = full_params(model)
     state_numel = {n: (opt.state[p]["momentum_buffer"].to_local().numel() if "momentum_buffer" in opt.state[p] else 0)
                    for n, p in model.named_parameters() if p in opt.state}
+    # NorMuon: each matrix's second moment, whole (a collective for DTensors), and this rank's share.
+    seconds = {n: opt.state[p]["second_momentum_buffer"] for n, p in model.named_parameters()
+               if p in opt.state and "second_momentum_buffer" in opt.state[p]}
+    second_moments = {n: (v.full_tensor() if isinstance(v, DTensor) else v).reshape(-1).clone()
+                      for n, v in seconds.items()}
     return {
         "params": params if rank == 0 else None,
         "losses": losses,
@@ -182,6 +195,9 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         "owners": {i.name: i.owner for i in plan.infos} if plan else None,
         "shapes": {i.name: i.shape for i in plan.infos} if plan else None,
         "momentum_numel": state_numel,
+        "second_moments": second_moments if rank == 0 else None,
+        "second_moment_numel": {n: (v.to_local() if isinstance(v, DTensor) else v).numel()
+                                for n, v in seconds.items()},
         "state_keys": sorted(n for n, p in model.named_parameters() if p in opt.state and "momentum_buffer" in opt.state[p]),
     }
 

@@ -9,7 +9,8 @@ from support.models import lm_loss, odd_batch
 
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
-                 zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2") -> dict:
+                 zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
+                 rule: str = "muon") -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
     Returns:
@@ -20,7 +21,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         blocks that step exchanged in backward.
     """
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype,
-                                      return_waves=return_waves, hsdp=hsdp)
+                                      return_waves=return_waves, hsdp=hsdp, rule=rule)
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))

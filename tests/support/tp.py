@@ -12,6 +12,8 @@ dp = 2, and ``WIDTH = 7`` rows are 4 + 3. The colwise head is AdamW's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -135,9 +137,11 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf
 
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
-          sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2") -> dict:
+          sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2", beta2: float | None = None) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
-    value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``)."""
+    value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``).
+    ``beta2``: NorMuon (``dmuon.NorMuon``, the oracle's NorMuon rule) instead of Muon, and each
+    matrix's whole second moment and this rank's share of it."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
@@ -148,14 +152,16 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
     if optimizer == "dmuon":
         plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
                              hsdp_mesh=mesh if hsdp == "dmuon" else None)
-        opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                          adamw_weight_decay=ADAMW["weight_decay"])
+        rule = dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)
+        opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                   adamw_weight_decay=ADAMW["weight_decay"])
     else:
         from dmuon.baselines import GatherThenCompute
 
         plan = None
         opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
-                                ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
+                                ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"],
+                                beta2=beta2)
     orthogonalized = 0
     for step in range(steps):
         loss_of(model, batch(step, dp_rank, dp, seq=seq)).backward()
@@ -169,6 +175,10 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         out["pieces"] = {i.name: i.pieces for i in plan.infos}
         out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in matrices}
         out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in matrices}
+        if beta2 is not None:
+            out["second_moments"] = {n: full(opt.state[named[n]]["second_momentum_buffer"]) for n in matrices}
+            out["second_moment_numel"] = {n: opt.state[named[n]]["second_momentum_buffer"].to_local().numel()
+                                          for n in matrices}
     return out
 
 

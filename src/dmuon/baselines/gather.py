@@ -18,6 +18,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import apply_update, check_rule_settings, fill_rule_defaults, momentum_update
+from dmuon.rules.normuon import normalize_rows
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
@@ -34,7 +35,9 @@ class GatherThenCompute(torch.optim.Optimizer):
     plus ``select`` to override which parameters are Muon matrices and
     ``matrix_view`` (as :func:`dmuon.prepare`'s: stacks of experts are
     orthogonalized slice by slice, row groups, equal or not, group by group,
-    each group's step scaled for its own shape).
+    each group's step scaled for its own shape). ``beta2`` runs NorMuon's rule
+    instead (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole
+    per-row second moment and normalizes its whole update.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         select: SelectFn | None = None,
         matrix_view: ViewFn | dict[str, str] | None = None,
+        beta2: float | None = None,
     ) -> None:
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
         chosen = select_matrices(model, select)
@@ -76,7 +80,7 @@ class GatherThenCompute(torch.optim.Optimizer):
             dict(params=matrices, algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                  nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                  adjust_lr_fn=adjust_lr_fn, extra_scale_factor=extra_scale_factor,
-                 cautious_weight_decay=cautious_weight_decay),
+                 cautious_weight_decay=cautious_weight_decay, beta2=beta2),
             dict(params=others, algorithm="adamw", lr=lr if adamw_lr is None else adamw_lr,
                  betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=None),
         ]
@@ -122,6 +126,17 @@ class GatherThenCompute(torch.optim.Optimizer):
                     inputs = list(full.reshape(slices, *mshape))
                 t0 = time.perf_counter()
                 orthos = owner_update(inputs, self.ns, group)
+                if group["beta2"] is not None:
+                    # One second moment per row of the parameter: each slice's or group's rows in turn.
+                    heights = [o.shape[0] for o in orthos]
+                    if "second_momentum_buffer" not in state:
+                        state["second_momentum_buffer"] = torch.zeros(sum(heights), 1, device=full.device)
+                    normalized = []
+                    for ortho, second in zip(orthos, state["second_momentum_buffer"].split(heights)):
+                        (update,), (moment,) = normalize_rows([ortho], [second], [group["beta2"]])
+                        second.copy_(moment)
+                        normalized.append(update)
+                    orthos = normalized
                 ns_seconds += time.perf_counter() - t0
                 ortho = torch.cat(orthos).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):

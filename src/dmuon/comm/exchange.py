@@ -34,6 +34,18 @@ destination's share is one contiguous slice. The speculative step's update
 return also carries its agreement: a few 0/1 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
 hop 1's maximum, so every rank ends with the whole mesh's).
+
+**Row state** (``row_width > 0``; none for Muon, whose exchange is unchanged): a
+rule's small per-row state (NorMuon's second moment, ``row_width`` float32 values
+per matrix row) rides with its matrix. Every holder of a row keeps a copy of the
+row's state (replicated over TP's column split and over HSDP's replicas), so on
+the way out it travels once per row, appended to the piece of the sending position
+whose box starts at column 0, in hop B only (the owner's replica holds the same
+copy, so hop A carries none); the owner gets the whole ``(m, row_width)`` state
+beside the whole direction. On the way back every holder of a row receives the
+owner's new state of its rows, appended to its piece of the update in hop 1 and
+forwarded with it in hop 2. In a 16-bit wire dtype each float32 travels bit for
+bit as two wire elements, so the state is exact whatever the NS dtype.
 """
 
 from __future__ import annotations
@@ -73,6 +85,8 @@ class Pending:
     result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
     flags: torch.Tensor | None = field(default=None, repr=False)
     """What ``finish`` found of the flags that rode along (see :meth:`ShardExchange.return_updates`)."""
+    rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    """What ``finish`` found of the row state that rode along (see :meth:`row_states`)."""
     _next: "Pending | None" = field(default=None, repr=False)
     _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -109,6 +123,14 @@ class Pending:
         self.wait()
         return self._next.agreed() if self._next is not None else self.flags
 
+    def row_states(self) -> dict[int, torch.Tensor]:
+        """Lands the exchange; the ``(rows, row_width)`` float32 row state that travelled with each
+        matrix of the result (empty without a row state)."""
+        self.wait()
+        if self._next is not None:
+            return self._next.row_states()
+        return {} if self.rows is None else self.rows
+
     def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
         """Lands the exchange.
 
@@ -144,10 +166,12 @@ class ShardExchange:
         stats: Counters to update.
         wire_dtype: Dtype of everything sent (NS's input and output dtype).
         device: Device of the buffers.
+        row_width: float32 values of row state per matrix row that travel with the
+            matrices (see the module docstring); 0: none.
     """
 
     def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats,
-                 wire_dtype: torch.dtype, device: torch.device) -> None:
+                 wire_dtype: torch.dtype, device: torch.device, row_width: int = 0) -> None:
         self.infos = infos
         self.topo = topology
         self.stats = stats
@@ -159,6 +183,34 @@ class ShardExchange:
         self.across = GroupAllToAll(topology.replicate_group, r, topology.replicate, "inter", stats)
         """All-to-alls across replicas (this shard position's replicate group); the replicate
         level's reductions share it, so that :meth:`GroupAllToAll.coalesced` can join theirs with hop A."""
+        self.row_width = row_width
+        self.row_elems = row_width * row_state_ratio(wire_dtype)
+        """Wire elements per matrix row of the row state."""
+
+    # ------------------------------------------------------------ row state
+    def _encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 row state as wire elements, bit for bit (flat)."""
+        rows = rows.to(device=self.device, dtype=torch.float32).contiguous().reshape(-1)
+        if self.wire_dtype.itemsize >= 4:
+            return rows.to(self.wire_dtype)  # float32 and wider hold every float32 exactly
+        return rows.view(self.wire_dtype)
+
+    def _decode(self, flat: torch.Tensor, rows: int) -> torch.Tensor:
+        """The ``(rows, row_width)`` float32 row state from its wire elements."""
+        if self.wire_dtype.itemsize >= 4:
+            return flat.to(torch.float32).view(rows, self.row_width)
+        # A slice of a receive buffer may start at an odd element: copy before reinterpreting.
+        return flat.clone().view(torch.float32).view(rows, self.row_width)
+
+    def _row_sent(self, i: int, s: int) -> int:
+        """Wire elements of row state position ``s`` sends with its piece: its rows' state when it
+        sends its piece and the piece starts at column 0 (each row's state once)."""
+        p = self.infos[i].pieces[s]
+        return p.rows * self.row_elems if p.sends and p.col == 0 else 0
+
+    def _row_back(self, i: int, s: int) -> int:
+        """Wire elements of row state that come back to position ``s``: every row it holds."""
+        return self.infos[i].pieces[s].rows * self.row_elems
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.wire_dtype, device=self.device)
@@ -187,23 +239,28 @@ class ShardExchange:
                      (sum(out_splits) - out_splits[me] - peers * flags) * elem)
 
     # ----------------------------------------------------------- to the owner
-    def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
+    def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor],
+                        rows: dict[int, torch.Tensor] | None = None) -> Pending:
         """Sends this rank's piece of each member's direction to the member's owner.
 
         Args:
             members: Matrix indices, identical and in the same order on every rank.
             local: This rank's part of each member's direction (piece ``s``'s column slice
                 ``r``, any view of it), in the wire dtype.
+            rows: With a row state: this rank's rows of each member's state, ``(rows, row_width)``
+                (every member this rank holds rows of; only some positions send theirs).
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives ``{index: full (m, n) direction}``
-            for the members this rank owns.
+            for the members this rank owns (and :meth:`Pending.row_states` their whole
+            ``(m, row_width)`` row state).
         """
         if self.topo.replicate == 1:
-            return self._rows_to_owners(members, local)
-        return self._columns_to_owner_replica(members, local)
+            return self._rows_to_owners(members, local, rows)
+        return self._columns_to_owner_replica(members, local, rows)
 
-    def _columns_to_owner_replica(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
+    def _columns_to_owner_replica(self, members: Sequence[int], local: dict[int, torch.Tensor],
+                                  rows: dict[int, torch.Tensor] | None) -> Pending:
         """Hop A: column slices to the owner's replica; then hop B (:meth:`_rows_to_owners`) from there."""
         topo, infos = self.topo, self.infos
         r, s = topo.coords
@@ -211,7 +268,7 @@ class ShardExchange:
         if sum(self._sent(i, s) for i in members) == 0:
             # This shard position sends nothing of these members: nothing crosses its replicate group.
             nothing = {i: self._empty(0) for i in ours}
-            return Pending([], _no_result, self.stats, then=lambda: self._rows_to_owners(members, nothing))
+            return Pending([], _no_result, self.stats, then=lambda: self._rows_to_owners(members, nothing, rows))
         to_replica = sorted(members, key=lambda i: (self._owner(i)[0], i))
         in_splits = [0] * topo.replicate
         for i in members:
@@ -230,46 +287,72 @@ class ShardExchange:
                                                     infos[i].inner))
             # The R column slices side by side are this position's piece of the direction.
             pieces = {i: torch.cat(slices[i], dim=1).reshape(-1) for i in ours if self._sent(i, s)}
-            return self._rows_to_owners(members, pieces)
+            # The row state does not cross replicas: this replica holds the same copy.
+            return self._rows_to_owners(members, pieces, rows)
 
         return Pending(works, _no_result, self.stats, then=then)
 
-    def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor]) -> Pending:
-        """Hop B: inside each replica, its ranks' pieces of the members it owns go to their owners.
+    def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor],
+                        rows: dict[int, torch.Tensor] | None = None) -> Pending:
+        """Hop B: inside each replica, its ranks' pieces of the members it owns go to their owners
+        (each followed by its row state, where it carries one).
 
         ``local`` needs only the members owned in this rank's replica that this position sends.
         """
-        topo = self.topo
+        topo, infos = self.topo, self.infos
         r, s = topo.coords
-        mine = [i for i in members if self.infos[i].owner == topo.rank]
+        mine = [i for i in members if infos[i].owner == topo.rank]
         if topo.shard == 1:
-            return Pending([], lambda: {i: local[i].reshape(self.infos[i].matrix_shape) for i in mine}, self.stats)
+            pending = Pending([], lambda: {i: local[i].reshape(infos[i].matrix_shape) for i in mine}, self.stats)
+            if self.row_elems:
+                pending.rows = {i: rows[i].reshape(infos[i].shape[0], self.row_width) for i in mine}
+            return pending
         in_replica = [i for i in members if self._owner(i)[0] == r]
         if not in_replica:
             # No matrix of these members is owned in this replica: the whole shard group skips.
             return Pending([], _no_result, self.stats)
+
+        def size(i: int, src: int) -> int:
+            return self._sent(i, src) + self._row_sent(i, src)
+
         by_column = sorted(in_replica, key=lambda i: (self._owner(i)[1], i))
         in_splits = [0] * topo.shard
         for i in in_replica:
-            in_splits[self._owner(i)[1]] += self._sent(i, s)
-        out_splits = [sum(self._sent(i, src) for i in mine) for src in range(topo.shard)]
-        send = self._cat([local[i].reshape(-1) for i in by_column if self._sent(i, s)])
+            in_splits[self._owner(i)[1]] += size(i, s)
+        out_splits = [sum(size(i, src) for i in mine) for src in range(topo.shard)]
+        parts = []
+        for i in by_column:
+            if self._sent(i, s):
+                parts.append(local[i].reshape(-1))
+            if self._row_sent(i, s):
+                parts.append(self._encode(rows[i]))
+        send = self._cat(parts)
         recv = self._empty(sum(out_splits))
         works = self._all_to_all("intra", recv, send, out_splits, in_splits, s)
+        pending = Pending(works, _no_result, self.stats)
 
         def finish() -> dict[int, torch.Tensor]:
             pieces: dict[int, dict[int, torch.Tensor]] = {i: {} for i in mine}
+            row_parts: dict[int, dict[int, torch.Tensor]] = {i: {} for i in mine}
             for src, segment in enumerate(recv.split(out_splits)):
-                for i, piece in zip(mine, segment.split([self._sent(i, src) for i in mine])):
-                    if self._sent(i, src):
-                        pieces[i][src] = piece
-            return {i: self.infos[i].assemble(pieces[i]) for i in mine}
+                for i, piece in zip(mine, segment.split([size(i, src) for i in mine])):
+                    sent = self._sent(i, src)
+                    if sent:
+                        pieces[i][src] = piece[:sent]
+                    if self._row_sent(i, src):
+                        row_parts[i][src] = self._decode(piece[sent:], infos[i].pieces[src].rows)
+            if self.row_elems:
+                pending.rows = {i: torch.cat([row_parts[i][src] for src in
+                                              sorted(row_parts[i], key=lambda src: infos[i].pieces[src].row)])
+                                for i in mine}
+            return {i: infos[i].assemble(pieces[i]) for i in mine}
 
-        return Pending(works, finish, self.stats)
+        pending.finish = finish
+        return pending
 
     # ------------------------------------------------------------- back again
     def return_updates(self, members: Sequence[int], owned: dict[int, torch.Tensor],
-                       flags: torch.Tensor | None = None) -> Pending:
+                       flags: torch.Tensor | None = None, rows: dict[int, torch.Tensor] | None = None) -> Pending:
         """Sends each shard position its piece of the owners' updates (then across replicas).
 
         Args:
@@ -279,58 +362,77 @@ class ShardExchange:
                 along so that no collective of its own is needed: every hop then issues, even
                 one with no rows to move, and :meth:`Pending.agreed` gives their elementwise
                 maximum over every rank.
+            rows: With a row state: the whole ``(m, row_width)`` new row state of each member
+                this rank owns.
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives this rank's piece ``(rows, cols * inner)``
-            of every member's update (no entry where it holds nothing of a member). On HSDP it has two hops: :meth:`Pending.forward`
-            (main thread) issues the second once the first has landed.
+            of every member's update (no entry where it holds nothing of a member), and
+            :meth:`Pending.row_states` its rows of their row state. On HSDP it has two hops:
+            :meth:`Pending.forward` (main thread) issues the second once the first has landed.
         """
         topo = self.topo
         if topo.world_size == 1:
-            return Pending([], lambda: dict(owned), self.stats, flags=flags)
-        hop1 = self._updates_to_columns(members, owned, flags)
+            return Pending([], lambda: dict(owned), self.stats, flags=flags,
+                           rows=dict(rows) if self.row_elems else None)
+        hop1 = self._updates_to_columns(members, owned, flags, rows)
         if topo.replicate == 1:
             return hop1
         return Pending([], _no_result, self.stats,
-                       then=lambda: self._rows_to_replicas(members, hop1.wait(), hop1.flags))
+                       then=lambda: self._rows_to_replicas(members, hop1.wait(), hop1.flags, hop1.row_states()))
 
     def _with_flags(self, parts: list[torch.Tensor], flags: torch.Tensor | None) -> list[torch.Tensor]:
         # 0/1 are exact in every wire dtype.
         return parts if flags is None else [*parts, flags.to(device=self.device, dtype=self.wire_dtype)]
 
+    def _update_parts(self, i: int, update: torch.Tensor, rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """What travels back of one member's piece: its update, then (with a row state) its rows' state."""
+        return [update.reshape(-1)] if not self.row_elems else [update.reshape(-1), self._encode(rows)]
+
     def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor],
-                            flags: torch.Tensor | None) -> Pending:
+                            flags: torch.Tensor | None, rows: dict[int, torch.Tensor] | None) -> Pending:
         """Hop 1: inside each replica, the owners send every shard position its piece of the members
         the replica owns; ``wait()`` gives this rank's rows of those."""
         topo, infos = self.topo, self.infos
         r, s = topo.coords
         in_replica = [i for i in members if self._owner(i)[0] == r]
         if topo.shard == 1 or (not in_replica and flags is None):
-            return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats, flags=flags)
+            return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats, flags=flags,
+                           rows={i: rows[i] for i in in_replica} if self.row_elems else None)
 
         nflags = 0 if flags is None else flags.numel()
         mine = [i for i in members if infos[i].owner == topo.rank]
         from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
-        in_splits = [sum(self._piece(i, dst) for i in mine) + nflags for dst in range(topo.shard)]
-        out_splits = [sum(self._piece(i, s) for i in from_column[c]) + nflags for c in range(topo.shard)]
-        send = self._cat([part for dst in range(topo.shard)
-                          for part in self._with_flags([infos[i].cut(owned[i], dst) for i in mine], flags)])
+        in_splits = [sum(self._piece(i, dst) + self._row_back(i, dst) for i in mine) + nflags
+                     for dst in range(topo.shard)]
+        out_splits = [sum(self._piece(i, s) + self._row_back(i, s) for i in from_column[c]) + nflags
+                      for c in range(topo.shard)]
+        parts = []
+        for dst in range(topo.shard):
+            box = {i: infos[i].pieces[dst] for i in mine}
+            pieces = [part for i in mine for part in self._update_parts(
+                i, infos[i].cut(owned[i], dst),
+                rows[i][box[i].row : box[i].row + box[i].rows] if self.row_elems else None)]
+            parts += self._with_flags(pieces, flags)
+        send = self._cat(parts)
         recv = self._empty(sum(out_splits))
         works = self._all_to_all("intra", recv, send, out_splits, in_splits, s, nflags)
         return self._landing(works, recv, out_splits, from_column, s, nflags)
 
-    def _rows_to_replicas(self, members: Sequence[int], rows: dict[int, torch.Tensor],
-                          flags: torch.Tensor | None) -> Pending:
+    def _rows_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
+                          flags: torch.Tensor | None, rows: dict[int, torch.Tensor]) -> Pending:
         """Hop 2: my rows of the members owned in my replica go to my column of every other replica
-        (with hop 1's flags, the maximum over my replica)."""
+        (with hop 1's flags, the maximum over my replica, and their row state)."""
         topo = self.topo
         r, s = topo.coords
         nflags = 0 if flags is None else flags.numel()
         from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
-        out_splits = [sum(self._piece(i, s) for i in from_replica[q]) + nflags for q in range(topo.replicate)]
+        out_splits = [sum(self._piece(i, s) + self._row_back(i, s) for i in from_replica[q]) + nflags
+                      for q in range(topo.replicate)]
         if sum(out_splits) == 0:
-            return Pending([], lambda: rows, self.stats)
-        own = self._cat(self._with_flags([rows[i].reshape(-1) for i in from_replica[r] if i in rows], flags))
+            return Pending([], lambda: updates, self.stats, rows=rows if self.row_elems else None)
+        own = self._cat(self._with_flags([part for i in from_replica[r] if i in updates
+                                          for part in self._update_parts(i, updates[i], rows.get(i))], flags))
         recv = self._empty(sum(out_splits))
         works = self._all_to_all("inter", recv, own.repeat(topo.replicate), out_splits,
                                  [own.numel()] * topo.replicate, r, nflags)
@@ -346,19 +448,32 @@ class ShardExchange:
             if nflags:
                 pending.flags = torch.stack([seg[-nflags:] for seg in segments]).amax(0).to(torch.int32).cpu()
                 segments = [seg[: seg.numel() - nflags] for seg in segments]
-            return self._rows_by_source(segments, members_of, s)
+            updates, rows = self._rows_by_source(segments, members_of, s)
+            if self.row_elems:
+                pending.rows = rows
+            return updates
 
         pending.finish = finish
         return pending
 
     def _rows_by_source(self, segments: Sequence[torch.Tensor], members_of: dict[int, list[int]],
-                        s: int) -> dict[int, torch.Tensor]:
+                        s: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Cuts the landed segments (one per source) into this position's piece ``(rows, cols * inner)`` of
-        each member; members this position holds nothing of get no entry."""
-        out = {}
+        each member and its rows' state; members this position holds nothing of get no entry."""
+        updates, rows = {}, {}
         for source, segment in enumerate(segments):
             members = members_of[source]
-            for i, piece in zip(members, segment.split([self._piece(i, s) for i in members])):
-                if self._piece(i, s):
-                    out[i] = piece.view(self.infos[i].rows[s], self.infos[i].pieces[s].cols * self.infos[i].inner)
-        return out
+            for i, piece in zip(members, segment.split([self._piece(i, s) + self._row_back(i, s) for i in members])):
+                numel = self._piece(i, s)
+                if numel:
+                    info = self.infos[i]
+                    updates[i] = piece[:numel].view(info.rows[s], info.pieces[s].cols * info.inner)
+                    if self.row_elems:
+                        rows[i] = self._decode(piece[numel:], info.rows[s])
+        return updates, rows
+
+
+def row_state_ratio(wire_dtype: torch.dtype) -> int:
+    """Wire elements per float32 value of row state: 1 in a wire dtype of 4 bytes or more (converted
+    exactly), else ``4 // itemsize`` (the float32's bits reinterpreted)."""
+    return 1 if wire_dtype.itemsize >= 4 else 4 // wire_dtype.itemsize

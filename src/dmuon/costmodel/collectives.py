@@ -189,6 +189,7 @@ def owner_exchange_collectives(
     waves: Sequence[Sequence[int]] | None = None,
     pieces: Sequence[Sequence] | None = None,
     gradient_bytes: int | None = None,
+    row_bytes: int = 0,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -250,12 +251,21 @@ def owner_exchange_collectives(
     segment: ``(r, s)`` sends every slice ``q != r`` of its piece and
     receives ``R - 1`` copies of slice ``r``.
 
+    ``row_bytes``: a rule's per-row state on the wire, bytes per matrix row
+    (NorMuon: one float32; 0 for Muon), as :class:`dmuon.comm.ShardExchange`
+    moves it: in hop B each row's once, with the direction piece of the sending
+    position whose box starts at column 0 (hop A carries none: every replica
+    holds the same copy); in hops 1 and 2 with every position's piece of the
+    update, for each row it holds.
+
     Returns:
         ``(backward, step)``: the direction exchanges (and design (b)'s
         column reduce-scatters) in issue order, and the step's return
         exchanges, wave by wave.
     """
     check_mesh(replicate, shard, elem_bytes)
+    if row_bytes < 0:
+        raise ValueError(f"row_bytes must be >= 0, got {row_bytes}")
     if gradient_bytes is not None and gradient_bytes < 1:
         raise ValueError(f"gradient_bytes must be >= 1, got {gradient_bytes}")
     check_owners(shapes, owners, replicate, shard)
@@ -265,14 +275,23 @@ def owner_exchange_collectives(
     tables = [piece_table(shp, shard, None if pieces is None else pieces[i]) for i, shp in enumerate(shapes)]
     inner = [math.prod(int(d) for d in shp[2:]) for shp in shapes]  # a conv kernel's elements per column
 
+    first_col = [[True] * shard if pieces is None else [p.col == 0 for p in pieces[i]] for i in range(len(shapes))]
+
     def piece(i: int, s: int) -> int:
-        """Bytes of matrix ``i``'s update that come back to position ``s``."""
+        """Bytes of matrix ``i``'s update that come back to position ``s`` (with its rows' state)."""
         rows, cols, _ = tables[i][s]
-        return rows * cols * inner[i] * elem_bytes
+        return rows * cols * inner[i] * elem_bytes + rows * row_bytes
+
+    def direction_bytes(i: int, s: int) -> int:
+        """Bytes of matrix ``i``'s direction position ``s`` sends (none from a copy)."""
+        rows, cols, sends = tables[i][s]
+        return rows * cols * inner[i] * elem_bytes if sends else 0
 
     def sent_bytes(i: int, s: int) -> int:
-        """Bytes of matrix ``i``'s direction position ``s`` sends (none from a copy)."""
-        return piece(i, s) if tables[i][s][2] else 0
+        """Bytes position ``s`` sends the owner of matrix ``i``: its direction piece and, from the
+        box at column 0, its rows' state."""
+        rows, _, sends = tables[i][s]
+        return direction_bytes(i, s) + (rows * row_bytes if sends and first_col[i][s] else 0)
 
     def fresh():
         return [0] * world, [0] * world, [set() for _ in range(world)], [set() for _ in range(world)]
@@ -297,7 +316,7 @@ def owner_exchange_collectives(
                         received[dst] += moved
                         out[src].add(dst)
                         inn[dst].add(src)
-        return sent, received, out, inn, [any(sent_bytes(i, k % shard) for i in members) for k in range(world)]
+        return sent, received, out, inn, [any(direction_bytes(i, k % shard) for i in members) for k in range(world)]
 
     def hop_a_alone(b: int, members: list[int]) -> Collective:
         return _a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
@@ -488,6 +507,7 @@ def step_collectives(
     other_shapes: Sequence[Sequence[int]] = (),
     other_blocks: Sequence[int] = (),
     max_concurrent: int = 3,
+    row_bytes: int = 0,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -539,6 +559,7 @@ def step_collectives(
         other_shapes, other_blocks: The parameters Muon does not optimize and their blocks
             (default: none, the Muon matrices' collectives alone).
         max_concurrent: The peer's batches in flight (its ``AsyncRuntime``'s limit, 3).
+        row_bytes: dmuon's per-row state on the wire (:func:`owner_exchange_collectives`; NorMuon's).
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
@@ -558,7 +579,8 @@ def step_collectives(
         # Every FSDP2 unit in backward order: on design (b) a unit's landing carries the hop A before it.
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
                                                        block_order=order[::-1], waves=waves,
-                                                       gradient_bytes=reduce_bytes if design_b else None)
+                                                       gradient_bytes=reduce_bytes if design_b else None,
+                                                       row_bytes=row_bytes)
     by_block: dict[int | None, list[Collective]] = {}
     for c in exchange:
         by_block.setdefault(c.block, []).append(c)

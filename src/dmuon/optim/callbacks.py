@@ -1,4 +1,5 @@
-"""torch.optim.Muon's rule as the runtime's callbacks, on DMuon's param groups and state."""
+"""The matrix rules as the runtime's callbacks, on the optimizer's param groups and state:
+torch.optim.Muon's (:class:`MuonCallbacks`) and NorMuon's (:class:`NorMuonCallbacks`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from dmuon.ortho.owner import owner_update
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import apply_update, momentum_update, peek_direction
+from dmuon.rules.normuon import normalize_rows
 from dmuon.runtime.callbacks import StepCallbacks
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ class MuonCallbacks(StepCallbacks):
 
     # ----------------------------------------------------------------- helpers
     def _groups(self) -> dict[int, dict]:
-        """Plan index -> its param group, for every Muon matrix."""
+        """Plan index -> its param group, for every matrix of the matrix rule (``"muon"`` groups)."""
         opt = self.opt
         return {i: g for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]
                 for i in opt.matrix_indices(p)}
@@ -80,11 +82,12 @@ class MuonCallbacks(StepCallbacks):
         return owner_update(directions, self.opt.ns)
 
     @torch.no_grad()
-    def apply(self, updates: dict[int, torch.Tensor]) -> None:
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        # Muon keeps no row state (``rows`` is None).
         groups = self._groups()
-        for i, rows in updates.items():
+        for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
-            apply_update(self._local(i, info.param), rows, lr=group["lr"], weight_decay=group["weight_decay"],
+            apply_update(self._local(i, info.param), update, lr=group["lr"], weight_decay=group["weight_decay"],
                          adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape,
                          extra_scale_factor=group["extra_scale_factor"],
                          cautious_weight_decay=group["cautious_weight_decay"])
@@ -98,3 +101,62 @@ class MuonCallbacks(StepCallbacks):
         names = self.opt.param_names
         return [(names.get(id(p), "?"), p.grad) for g in self.opt.param_groups if g["algorithm"] == "adamw"
                 for p in g["params"]]
+
+
+class NorMuonCallbacks(MuonCallbacks):
+    """NorMuon: Muon's momentum and step, with the owner normalizing each output row
+    (:mod:`dmuon.rules.normuon`) by a per-row second moment that travels as the row state.
+
+    The second moment (``state["second_momentum_buffer"]``, float32, one value per output
+    row: ``(*param.shape[:param_dim], 1)``) is sharded with the parameter's rows and kept by
+    every holder of a row (:meth:`dmuon.optim.momentum.MomentumLayout.row_layout_for`).
+    """
+
+    row_width = 1
+    STATE = "second_momentum_buffer"
+
+    def __init__(self, optimizer: DMuon) -> None:
+        super().__init__(optimizer)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _state_rows(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Matrix ``index``'s rows of this rank's shard of a second-moment buffer, ``(rows, 1)``.
+
+        Kept per buffer object (a DTensor's ``to_local`` costs more than the rest of a row's work;
+        a state load puts in new buffers, which get new views)."""
+        cached = self._views.get(index)
+        if cached is not None and cached[0] is buffer:
+            return cached[1]
+        view = self.plan.infos[index].local_view(local_tensor(buffer), self._column)
+        self._views[index] = (buffer, view)
+        return view
+
+    def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param].get(self.STATE)
+            # A matrix not stepped yet: the zeros its buffer will start from.
+            out[i] = (torch.zeros(info.pieces[self._column].rows, 1, device=self.plan.device) if buf is None
+                      else self._state_rows(i, buf))
+        return out
+
+    @torch.no_grad()
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        for i in members:
+            info = self.plan.infos[i]
+            state = self.opt.state[info.param]
+            if self.STATE not in state:
+                state[self.STATE] = self.opt.momentum.new_row_buffer(info, self.row_width)
+        return super().commit(members, grads)
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor],
+                   rows: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        groups = self._groups()
+        return normalize_rows(owner_update(directions, self.opt.ns), rows, [groups[i]["beta2"] for i in batch])
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        super().apply(updates)
+        for i, new in rows.items():
+            self._state_rows(i, self.opt.state[self.plan.infos[i].param][self.STATE]).copy_(new)

@@ -146,6 +146,16 @@ class DMuon(torch.optim.Optimizer):
         TypeError: Parameters or groups without ``module=`` (the message says what to pass).
     """
 
+    rule_callbacks = MuonCallbacks
+    """The matrix rule the runtime runs (:class:`~dmuon.runtime.StepCallbacks`), built on this optimizer."""
+    matrix_state = {"momentum_buffer": MomentumLayout.layout_for}
+    """The matrix rule's float32 state: key -> its ``(mesh, placements)`` for a matrix
+    (``layout(momentum_layout, info)``); kept in float32 and in that layout on load."""
+
+    def _rule_defaults(self) -> dict[str, Any]:
+        """The matrix rule's own param-group keys and their defaults (none for Muon)."""
+        return {}
+
     def __init__(
         self,
         model: nn.Module | Iterable[Any] | None = None,
@@ -212,6 +222,7 @@ class DMuon(torch.optim.Optimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
             extra_scale_factor=extra_scale_factor, cautious_weight_decay=cautious_weight_decay,
+            **self._rule_defaults(),
         )
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
@@ -302,7 +313,7 @@ class DMuon(torch.optim.Optimizer):
 
     def _start_runtime(self) -> None:
         model = self.model
-        self.runtime = ShardRuntime(self.plan, MuonCallbacks(self), self.execution,
+        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
 
     def _first_forward_hook(self):
@@ -535,7 +546,8 @@ class DMuon(torch.optim.Optimizer):
             out.append(self._half(params, labels, muon, "muon", g))
         if other:
             g = {k: v for k, v in extra.items()
-                 if not k.startswith("adamw_") and k not in MUON_KEYS and k not in ("lr", "weight_decay")}
+                 if not k.startswith("adamw_") and k not in MUON_KEYS + tuple(self._rule_defaults())
+                 and k not in ("lr", "weight_decay")}
             if "weight_decay" in extra:
                 g["weight_decay"] = extra["weight_decay"]
             if "lr" in extra and not self._adamw_lr_given:
@@ -592,7 +604,8 @@ class DMuon(torch.optim.Optimizer):
 
         torch casts floating-point state to its parameter's dtype on load; Muon's
         momentum is fp32 whatever the parameter's dtype (as torch.optim.Muon's would
-        be for fp32 parameters), so it is taken again from the incoming values. A
+        be for fp32 parameters), so it is taken again from the incoming values (so is
+        the rest of :attr:`matrix_state`: NorMuon's second moment). A
         momentum DTensor laid out otherwise (a state dict built by hand for
         another mesh) is redistributed to the runtime's layout, on every rank in
         the same order. Built before sharding, DMuon sets itself up first (a
@@ -602,7 +615,7 @@ class DMuon(torch.optim.Optimizer):
         """
         if not self.is_set_up:
             if _waits_for_sharding(self.model):
-                if any(isinstance(v, dict) and "momentum_buffer" in v for v in state_dict["state"].values()):
+                if any(isinstance(v, dict) and set(self.matrix_state) & v.keys() for v in state_dict["state"].values()):
                     raise ValueError("DMuon was built before fully_shard and the model is not sharded yet: load "
                                      "optimizer checkpoints after sharding (after accelerator.prepare, fabric.setup "
                                      "or fully_shard)")
@@ -610,16 +623,17 @@ class DMuon(torch.optim.Optimizer):
                 return
             self._ready()
         order = [k for g in state_dict["param_groups"] for k in g["params"]]
-        momenta = {k: v["momentum_buffer"] for k, v in state_dict["state"].items()
-                   if isinstance(v, dict) and "momentum_buffer" in v}
+        kept = [(k, name, v[name]) for k, v in state_dict["state"].items() if isinstance(v, dict)
+                for name in self.matrix_state if name in v]
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        for key, value in sorted(momenta.items(), key=lambda kv: order.index(kv[0])):
+        for key, name, value in sorted(kept, key=lambda kv: (order.index(kv[0]), kv[1])):
             param = params[order.index(key)]
-            mesh, placements = self.momentum.layout_for(self.plan.infos[self._index[id(param)][0]])
+            info = self.plan.infos[self._index[id(param)][0]]
+            mesh, placements = self.matrix_state[name](self.momentum, info)
             if isinstance(value, DTensor) and value.device_mesh == mesh and tuple(value.placements) != placements:
                 value = value.redistribute(mesh, placements)
-            self.state[param]["momentum_buffer"] = value.to(device=param.device, dtype=torch.float32)
+            self.state[param][name] = value.to(device=param.device, dtype=torch.float32)
 
     # --------------------------------------------------------------------- step
     @torch.no_grad()

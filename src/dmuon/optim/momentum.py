@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dmuon.plan.plan import MatrixInfo, Plan
@@ -45,3 +46,34 @@ class MomentumLayout:
         buffer = torch.zeros(shape, dtype=torch.float32, device=param.device)
         return DTensor.from_local(buffer, mesh, placements, run_check=False,
                                   shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
+
+    def row_layout_for(self, info: MatrixInfo) -> tuple:
+        """``(mesh, placements)`` of a per-row state of ``info``'s parameter (NorMuon's second moment,
+        shaped ``(*param.shape[:param_dim], width)``): the parameter's rows, whole on every holder of
+        a row: the parameter's placements with every split of a column dim (TP's, FSDP2's
+        ``Shard(1)``) made ``Replicate``, on the parameter's mesh (on HSDP each replica keeps a
+        copy, which the owner's return keeps equal)."""
+        param = info.param
+        if not isinstance(param, DTensor):
+            return None, ()
+        # Splits of the rows (FSDP2's Shard(0), its _StridedShard inside TP's) stay the parameter's.
+        return param.device_mesh, tuple(Replicate() if isinstance(p, (Shard, _StridedShard))
+                                        and p.dim >= info.param_dim else p
+                                        for p in param.placements)
+
+    def new_row_buffer(self, info: MatrixInfo, width: int) -> torch.Tensor:
+        """A zero float32 per-row state of ``info``'s whole parameter, ``width`` values a row, in
+        :meth:`row_layout_for`'s layout."""
+        param = info.param
+        shape = (*param.shape[: info.param_dim], width)
+        if not isinstance(param, DTensor):
+            return torch.zeros(shape, dtype=torch.float32, device=param.device)
+        mesh, placements = self.row_layout_for(info)
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        rows = param.to_local().shape[: info.param_dim]
+        if tuple(local_shape[: info.param_dim]) != tuple(rows):
+            raise ValueError(f"parameter {info.name!r}: its per-row state would hold rows {tuple(local_shape)} "
+                             f"on this rank, its shard holds {tuple(rows)}; this layout is not supported")
+        buffer = torch.zeros(local_shape, dtype=torch.float32, device=param.device)
+        return DTensor.from_local(buffer, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())

@@ -49,11 +49,13 @@ class Launch:
     """This rank's part of each member's direction, as sent."""
     pending: Pending
     """The exchange; ``wait()`` gives the owned whole directions."""
+    rows: dict[int, torch.Tensor] | None = None
+    """With a row state: this rank's rows of each member's row state, as sent."""
 
 
-EarlyWork = dict[int, tuple[dict[int, torch.Tensor], float]]
-"""Per block: this rank's owner results computed ahead of the step, and the seconds they took
-(on the block that paid for them)."""
+EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]]
+"""Per block: this rank's owner results computed ahead of the step (updates, new row states: empty
+without a row state), and the seconds they took (on the block that paid for them)."""
 
 
 @dataclass
@@ -87,12 +89,15 @@ class BackwardLaunches:
         directions: Launch the direction exchanges (``overlap``); without, with ``replicate``
             the hooks only start the reductions.
         replicate: dmuon's replicate level, or None.
+        row_states: With a row state: this rank's rows of each member's row state (sent beside
+            the directions); None: none.
     """
 
     def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
                  grad_parts: Directions, managed: Callable[[], list[int]], check: Callable[[int], None],
                  owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
-                 replicate: ReplicateLevel | None = None) -> None:
+                 replicate: ReplicateLevel | None = None,
+                 row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek
@@ -103,6 +108,7 @@ class BackwardLaunches:
         self._work = work
         self._directions = directions
         self.replicate = replicate
+        self._row_states = row_states
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns") if owner_work else None
         self._early: dict[int, Future] = {}
         self._matrices: dict[int, list[int]] = {}
@@ -194,7 +200,8 @@ class BackwardLaunches:
         for i in members:
             self._check(i)
         sent = self._peek(members, self._grad_parts(members))
-        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent)))
+        rows = self._rows_sent(members)
+        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows))
         return None
 
     def _end_of_backward(self) -> None:
@@ -211,7 +218,18 @@ class BackwardLaunches:
             self._check(i)
         sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
         launch.sent.update(sent)
-        return self.exchange.send_directions(launch.members, sent)
+        launch.rows = self._rows_sent(launch.members)
+        return self.exchange.send_directions(launch.members, sent, launch.rows)
+
+    def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
+        """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until
+        ``step()`` compares it with the state then (the rule hands out views of its state)."""
+        if self._row_states is None:
+            return None
+        rows = self._row_states(members)
+        # One copy for the block (the views split it), not one per matrix.
+        copies = torch.cat([rows[i].reshape(-1) for i in members]).split([rows[i].numel() for i in members])
+        return {i: copy.view(rows[i].shape) for i, copy in zip(members, copies)}
 
     def _add(self, launch: Launch) -> None:
         self._launches[launch.block] = launch
@@ -226,13 +244,16 @@ class BackwardLaunches:
             self.replicate.land_all()
 
     @torch.no_grad()
-    def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], float]:
+    def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.
         assert self._owner_work is not None
         full = launch.pending.wait(exposed=False)
+        # Landed: row_states() reads what wait() found, it issues nothing.
+        rows = None if self._row_states is None else launch.pending.row_states()
         start = time.perf_counter()
-        return self._work.run(self._owner_work, sorted(full), full), time.perf_counter() - start
+        updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
+        return updates, new_rows, time.perf_counter() - start
 
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
         """The launches since the last call (a partly landed unit completes now), every hop of

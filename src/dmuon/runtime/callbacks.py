@@ -13,6 +13,14 @@ computed. A matrix rule splits into four pieces of work, each a callback:
 * ``independent``: work that needs nothing the exchange produces (AdamW on the
   other parameters), run while transfers are in flight.
 
+A rule may also keep a small **row state**: ``row_width`` float32 values per
+matrix row (NorMuon's second moment), kept by every holder of the row and
+sharded with the rows like the parameter. ``row_states`` gives this rank's rows
+of it; the runtime sends each row's state once beside the direction, the owner's
+``owner_work`` gets the whole ``(m, row_width)`` state and returns the new one,
+and ``apply`` gets this rank's rows of it back with its rows of the update (see
+:mod:`dmuon.comm.exchange`). With ``row_width = 0`` (Muon) nothing extra moves.
+
 Contract, for every callback:
 
 1. **No collectives, no waiting on other ranks.** The runtime issues every
@@ -59,6 +67,9 @@ class StepCallbacks(abc.ABC):
     state in the same parts.
     """
 
+    row_width: int = 0
+    """float32 values of row state per matrix row that travel with the matrices (0: none)."""
+
     @abc.abstractmethod
     def matrices(self) -> list[int]:
         """The plan indices this optimizer steps now (its matrix param groups), ascending.
@@ -85,21 +96,38 @@ class StepCallbacks(abc.ABC):
         Called once per step for the members the step updates (never for a skipped step).
         """
 
+    def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """With ``row_width > 0``: this rank's rows of each member's row state, ``(rows, row_width)``
+        float32 (rows of its piece; ``(0, row_width)`` where it holds none), as the rule's state is
+        now (read-only: the runtime only sends it).
+
+        Called beside :meth:`peek` and :meth:`commit` for the same members; for the same state it
+        must give bit-identical values (a launch is kept only if both agree, contract 4).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has row_width={self.row_width} but no row_states")
+
     @abc.abstractmethod
-    def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor],
+                   rows: list[torch.Tensor] | None = None):
         """On the owner: the whole ``(m, n)`` update of each whole direction, in the wire dtype.
 
         ``batch`` holds matrices of one shape, in the batch the plan's balancer priced;
         ``directions[k]`` is matrix ``batch[k]``'s whole direction (every rank's part
         assembled). May run on the worker thread (contract 2).
+
+        With ``row_width > 0`` the runtime also passes ``rows``, each matrix's whole
+        ``(m, row_width)`` row state, and expects ``(updates, new_rows)``: the updates and
+        each matrix's new ``(m, row_width)`` float32 row state. Without, it returns the
+        list of updates.
         """
 
     @abc.abstractmethod
-    def apply(self, updates: dict[int, torch.Tensor]) -> None:
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
         """This rank's rows of each returned update, shaped ``(rows, cols * inner)`` of its piece.
 
         A matrix of which this rank holds nothing has no entry. Called once per return
-        wave, in wave order.
+        wave, in wave order. With ``row_width > 0``, ``rows`` holds this rank's rows of each
+        returned matrix's new row state, ``(rows, row_width)``, for the rule to store.
         """
 
     def independent(self) -> None:

@@ -14,8 +14,12 @@ import torch
 from dmuon.plan.batches import return_waves
 from dmuon.plan.plan import Plan
 
-OwnerFn = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
-"""A batch of matrices and their whole directions -> their whole updates."""
+OwnerFn = Callable[..., "list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]"]
+"""A batch of matrices and their whole directions -> their whole updates; with a row state
+(:attr:`StepCallbacks.row_width`) also their whole row states in, and ``(updates, new row states)`` out."""
+
+Results = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]
+"""The owner's work on some matrices: each one's whole update, and its new row state (empty without one)."""
 
 
 class OwnerWork:
@@ -70,13 +74,22 @@ class OwnerWork:
             mine[min(k, self.max_waves - 1)].append(batch)
         return [(w, b) for w, b in zip(waves, mine) if w]
 
-    def run_batch(self, work: OwnerFn, batch: list[int], directions: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One call of the owner's work for a batch."""
-        return dict(zip(batch, work(batch, directions)))
+    def run_batch(self, work: OwnerFn, batch: list[int], directions: list[torch.Tensor],
+                  rows: list[torch.Tensor] | None = None) -> Results:
+        """One call of the owner's work for a batch (``rows``: their whole row states, with a row state)."""
+        if rows is None:
+            return dict(zip(batch, work(batch, directions))), {}
+        updates, new_rows = work(batch, directions, rows)
+        return dict(zip(batch, updates)), dict(zip(batch, new_rows))
 
-    def run(self, work: OwnerFn, indices: list[int], directions: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def run(self, work: OwnerFn, indices: list[int], directions: dict[int, torch.Tensor],
+            rows: dict[int, torch.Tensor] | None = None) -> Results:
         """The owner's work on this rank's whole ``directions`` of ``indices``, in its batches."""
-        out: dict[int, torch.Tensor] = {}
+        updates: dict[int, torch.Tensor] = {}
+        new_rows: dict[int, torch.Tensor] = {}
         for batch in self.batches(indices, self.plan.rank):
-            out.update(self.run_batch(work, batch, [directions[i] for i in batch]))
-        return out
+            done, done_rows = self.run_batch(work, batch, [directions[i] for i in batch],
+                                             None if rows is None else [rows[i] for i in batch])
+            updates.update(done)
+            new_rows.update(done_rows)
+        return updates, new_rows

@@ -54,6 +54,8 @@ class _Settled(NamedTuple):
     agreement: Agreement
     directions: dict[int, torch.Tensor]
     """This rank's part of each active matrix's direction (empty for a skipped step)."""
+    rows: dict[int, torch.Tensor] | None
+    """With a row state: this rank's rows of each active matrix's row state (None without one)."""
     independent_done: bool
     """``independent`` already ran (while the flags travelled)."""
     speculative: EarlyWork | None = None
@@ -89,7 +91,10 @@ class ShardRuntime:
             raise ValueError("post_optim_event=True needs the fully_shard-ed root module (FSDPModule)")
         self._root = root if config.post_optim_event else None
         self.stats = CommStats()
-        self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
+        self.row_width = callbacks.row_width
+        if not (isinstance(self.row_width, int) and self.row_width >= 0):
+            raise ValueError(f"the rule's row_width must be an int >= 0, got {self.row_width!r}")
+        self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device, self.row_width)
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
         self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
         self.replicate: ReplicateLevel | None = None
@@ -101,7 +106,8 @@ class ShardRuntime:
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, self.grad_parts, callbacks.matrices,
                                              self._check_grad, callbacks.owner_work if config.ns_in_backward else None,
-                                             self.work, directions=config.overlap, replicate=self.replicate)
+                                             self.work, directions=config.overlap, replicate=self.replicate,
+                                             row_states=callbacks.row_states if self.row_width else None)
 
     @property
     def column(self) -> int:
@@ -150,11 +156,11 @@ class ShardRuntime:
             kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
             if settled.speculative is not None:
                 early = settled.speculative
-                report.orthogonalized_while_agreeing = sum(len(o) for o, _ in early.values())
+                report.orthogonalized_while_agreeing = sum(len(o) for o, _, _ in early.values())
             self._exchange_and_apply(settled, launches, kept, early, report)
             report.blocks_exchanged_in_backward = len(kept)
             if self.config.ns_in_backward:
-                report.orthogonalized_in_backward = sum(len(o) for b, (o, _) in early.items() if b in kept)
+                report.orthogonalized_in_backward = sum(len(o) for b, (o, _, _) in early.items() if b in kept)
             if self._root is not None:
                 event = torch.Event(device=self.device)
                 event.record()  # after every update of this step, on the current stream
@@ -170,8 +176,9 @@ class ShardRuntime:
         agreement settles both the active set and the launches' verdicts."""
         cb = self.callbacks
         directions = cb.commit(here, self.grad_parts(here))
+        rows = self._row_states(here)
         flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, None, (),
-                                        self._stale(launches, here, directions))
+                                        self._stale(launches, here, directions, rows))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
         # collective of its own: on shared cores each one issued costs the issuing rank its turn);
         # kept only if the flags keep every launch and the launches cover every active matrix
@@ -180,16 +187,17 @@ class ShardRuntime:
         if launches and not early and self.work.max_waves == 1:
             speculative = self._speculate(launches)
             members = sorted(i for launch in launches.values() for i in launch.members)
-            owned = {i: o for orthos, _ in speculative.values() for i, o in orthos.items()}
-            returned = self.exchange.return_updates(members, owned, flags)
+            owned = {i: o for orthos, _, _ in speculative.values() for i, o in orthos.items()}
+            owned_rows = {i: o for _, new_rows, _ in speculative.values() for i, o in new_rows.items()}
+            returned = self.exchange.return_updates(members, owned, flags, owned_rows if self.row_width else None)
             cb.independent()  # nothing can skip the step: it runs while updates and flags travel
             agreement = settle(returned.agreed().tolist())
             if not any(agreement.stale) and all(self.plan.infos[i].block in launches for i in agreement.active):
-                return _Settled(agreement, directions, True, speculative, returned)
-            return _Settled(agreement, directions, True)  # landed unused; every rank drops it alike
+                return _Settled(agreement, directions, rows, True, speculative, returned)
+            return _Settled(agreement, directions, rows, True)  # landed unused; every rank drops it alike
         decide = self._start_all_reduce_max(flags)
         cb.independent()  # while the flags travel
-        return _Settled(settle(decide().tolist()), directions, True)
+        return _Settled(settle(decide().tolist()), directions, rows, True)
 
     def _settle_checked(self, launches: dict[int, Launch], managed: list[int], here: list[int]) -> _Settled:
         """``nonfinite=`` set: agree on the step (skip or raise) before any state advances, then on
@@ -199,10 +207,15 @@ class ShardRuntime:
                                         checked, None)
         agreement = settle(self._start_all_reduce_max(flags)().tolist())
         if agreement.skipped:
-            return _Settled(agreement, {}, False)
+            return _Settled(agreement, {}, None, False)
         directions = self.callbacks.commit(agreement.active, self.grad_parts(agreement.active))
-        stale = self._start_all_reduce_max(self._stale(launches, agreement.active, directions))().tolist()
-        return _Settled(agreement._replace(stale=stale), directions, False)
+        rows = self._row_states(agreement.active)
+        stale = self._start_all_reduce_max(self._stale(launches, agreement.active, directions, rows))().tolist()
+        return _Settled(agreement._replace(stale=stale), directions, rows, False)
+
+    def _row_states(self, members: list[int]) -> dict[int, torch.Tensor] | None:
+        """With a row state, the rule's rows of it for ``members`` (what travels beside their directions)."""
+        return self.callbacks.row_states(members) if self.row_width else None
 
     def _speculate(self, launches: dict[int, Launch]) -> EarlyWork:
         """The owners' work on every launched block, before the step's agreement is known.
@@ -213,18 +226,23 @@ class ShardRuntime:
         ``ns_in_backward``'s are (the time on the first block).
         """
         full: dict[int, torch.Tensor] = {}
+        full_rows: dict[int, torch.Tensor] = {}
         for b in sorted(launches):
             full.update(launches[b].pending.wait())
+            full_rows.update(launches[b].pending.row_states())
         start = time.perf_counter()
-        orthos = self.work.run(self.callbacks.owner_work, sorted(full), full)
+        orthos, new_rows = self.work.run(self.callbacks.owner_work, sorted(full), full,
+                                         full_rows if self.row_width else None)
         spent = time.perf_counter() - start
         infos = self.plan.infos
-        return {b: ({i: o for i, o in orthos.items() if infos[i].block == b}, spent if k == 0 else 0.0)
+        return {b: ({i: o for i, o in orthos.items() if infos[i].block == b},
+                    {i: o for i, o in new_rows.items() if infos[i].block == b}, spent if k == 0 else 0.0)
                 for k, b in enumerate(sorted(launches))}
 
-    def _stale(self, launches: dict[int, Launch], active: list[int],
-               directions: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Per launch (block order), 1 unless it sent exactly these matrices and, bit for bit, these directions."""
+    def _stale(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
+               rows: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Per launch (block order), 1 unless it sent exactly these matrices and, bit for bit, these
+        directions (and row states)."""
         by_block: dict[int, list[int]] = {}
         for i in active:
             by_block.setdefault(self.plan.infos[i].block, []).append(i)
@@ -232,7 +250,9 @@ class ShardRuntime:
         for b in sorted(launches):
             launch = launches[b]
             same = launch.members == by_block.get(b, []) and all(
-                bitwise_equal(launch.sent[i], directions[i]) for i in launch.members)
+                bitwise_equal(launch.sent[i], directions[i]) for i in launch.members) and (
+                rows is None or bitwise_equal(*(torch.cat([r[i].reshape(-1) for i in launch.members])
+                                                for r in (launch.rows, rows))))
             stale.append(int(not same))
         return torch.tensor(stale, dtype=torch.int32)
 
@@ -249,37 +269,50 @@ class ShardRuntime:
         for b in launches:
             if b not in kept:
                 launches[b].pending.wait()  # stale: lands unused
-        ns_seconds = sum(spent for b, (_, spent) in early.items() if b in kept)
+        ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in kept)
         done = kept & early.keys()
         orthos: dict[int, torch.Tensor] = {}
+        new_rows: dict[int, torch.Tensor] = {}
         for b in done:
             orthos.update(early[b][0])  # this rank's own
+            new_rows.update(early[b][1])
         if settled.returned is not None:
             returns = [settled.returned]
             report.return_waves = [list(active)]
         else:
             rest = [i for i in active if infos[i].block not in kept]
             pending = [launches[b].pending for b in sorted(kept) if b not in early]
-            pending.append(self.exchange.send_directions(rest, settled.directions))
+            pending.append(self.exchange.send_directions(rest, settled.directions, settled.rows))
             ns_start = time.perf_counter()
             full: dict[int, torch.Tensor] = {}
+            full_rows: dict[int, torch.Tensor] = {}
             for p in pending:
                 full.update(p.wait())
+                full_rows.update(p.row_states())
             # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
             waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
             report.return_waves = [members for members, _ in waves]
             returns = []
             for members, batches in waves:
                 for batch in batches:
-                    orthos.update(self.work.run_batch(cb.owner_work, batch, [full.pop(i) for i in batch]))
+                    done, done_rows = self.work.run_batch(
+                        cb.owner_work, batch, [full.pop(i) for i in batch],
+                        [full_rows.pop(i) for i in batch] if self.row_width else None)
+                    orthos.update(done)
+                    new_rows.update(done_rows)
                 for earlier in returns:
                     earlier.forward()  # HSDP: hop 2 of the earlier waves, behind this wave's work
-                returns.append(self.exchange.return_updates(members, {i: orthos[i] for i in members if i in orthos}))
+                returns.append(self.exchange.return_updates(
+                    members, {i: orthos[i] for i in members if i in orthos}, None,
+                    {i: new_rows[i] for i in members if i in new_rows} if self.row_width else None))
             ns_seconds += time.perf_counter() - ns_start
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
         for wave in returns:
-            cb.apply(wave.wait())
+            if self.row_width:
+                cb.apply(wave.wait(), wave.row_states())
+            else:
+                cb.apply(wave.wait())
         report.orthogonalized = len(orthos)
         report.ns_seconds = ns_seconds
 

@@ -114,6 +114,15 @@ def _members(block: int) -> list[int]:
     return [k for k in range(len(SHAPES)) if BLOCKS[k] == block]
 
 
+ROW_STATE_RUNS = [(torch.float32, 2), (torch.bfloat16, 1)]
+"""(wire dtype, row_width) of the row-state exchanges."""
+
+
+def _row_state(k: int, width: int, seed: int) -> torch.Tensor:
+    """Matrix ``k``'s whole ``(m, width)`` float32 row state (values no 16-bit dtype holds exactly)."""
+    return torch.randn(SHAPES[k][0], width, generator=torch.Generator().manual_seed(seed + 7 * k)) + 1 / 3
+
+
 def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
     """Issues a two-hop exchange, has a side thread ``wait(exposed=False)`` on it, and only then
     (after giving that thread time to misbehave) calls ``forward()`` on the main thread."""
@@ -181,6 +190,23 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
         pending = exchange.return_updates(members, owned(members), flags)
         out["flagged"][block] = {"rows": pending.wait(), "agreed": pending.agreed().tolist(),
                                  "log": stats.log[start:]}
+
+    # A per-row state riding along (NorMuon's): every member at once, in float32 and (bit for bit,
+    # two wire elements a value) in bfloat16; fresh counters, so the logs hold these alone.
+    out["row_state"] = {}
+    for wire, width in ROW_STATE_RUNS:
+        row_stats = CommStats()
+        rows_exchange = ShardExchange(infos, topo, row_stats, wire, torch.device("cpu"), row_width=width)
+        held = {k: _row_state(k, width, 0)[infos[k].pieces[s].row:][:infos[k].pieces[s].rows] for k in everything}
+        pending = rows_exchange.send_directions(
+            everything, {k: _piece(infos[k], r, s).to(wire) for k in everything}, held)
+        got = {"directions": pending.wait(), "states": pending.row_states(), "send_log": list(row_stats.log)}
+        middle = len(row_stats.log)
+        mine = [k for k in everything if infos[k].owner == topo.rank]
+        pending = rows_exchange.return_updates(everything, {k: _update(infos[k]).to(wire) for k in mine},
+                                               rows={k: _row_state(k, width, 1000) for k in mine})
+        got.update(rows=pending.wait(), returned_states=pending.row_states(), return_log=row_stats.log[middle:])
+        out["row_state"][str(wire)] = got
 
     if topo.replicate > 1:
         members = _members(0)
@@ -272,6 +298,41 @@ def test_counted_bytes_are_the_traffic_models(mesh):
         _, back = _expected_log(list(range(len(SHAPES))), rank, mesh)
         assert res["all_return_log"] == back, f"{mesh} rank {rank}: all updates at once"
         assert any(sent or received for _, sent, received in res["all_return_log"]), f"{mesh} rank {rank}"
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_row_state_travels_with_the_matrices_exactly(mesh):
+    """With ``row_width``: each owner gets the whole row state of what it owns beside the whole
+    direction, every holder of a row (TP's column boxes, copies, every replica) gets the owner's new
+    state of its rows, bit for bit in a 16-bit wire too, and the bytes counted per collective are
+    the model's with ``row_bytes``."""
+    infos = _infos(mesh)
+    replicate, shard = _grid(mesh)
+    everything = list(range(len(SHAPES)))
+    for res in _results(mesh):
+        rank, s = res["plan_rank"], res["coords"][1]
+        for wire, width in ROW_STATE_RUNS:
+            got = res["row_state"][str(wire)]
+            where = f"{mesh} rank {rank} wire {wire}"
+            mine = [k for k in everything if OWNERS[k] == rank]
+            assert sorted(got["directions"]) == sorted(got["states"]) == mine, where
+            for k in mine:
+                assert torch.equal(got["directions"][k], _direction(k).reshape(infos[k].matrix_shape).to(wire)), where
+                assert torch.equal(got["states"][k], _row_state(k, width, 0)), f"{where}: matrix {k}'s state"
+            assert set(got["returned_states"]) == set(got["rows"]), where
+            for k in everything:
+                p = infos[k].pieces[s]
+                if p.rows:
+                    expected = _row_state(k, width, 1000)[p.row : p.row + p.rows]
+                    assert torch.equal(got["returned_states"][k], expected), f"{where}: matrix {k}'s rows"
+                    assert torch.equal(got["rows"][k], _rows(infos[k], s, _update(infos[k])).to(wire)), where
+            backward, step = owner_exchange_collectives(
+                SHAPES, OWNERS, BLOCKS, replicate, shard, elem_bytes=wire.itemsize,
+                pieces=[i.pieces for i in infos], row_bytes=4 * width)
+            # All blocks at once: one direction exchange of the model's per block, summed.
+            send = [(c.level, *c.ranks[rank]) for c in backward if c.ranks[rank] is not None]
+            assert _bytes_by_level(got["send_log"]) == _bytes_by_level(send), where
+            assert got["return_log"] == [(c.level, *c.ranks[rank]) for c in step if c.ranks[rank] is not None], where
 
 
 def _bytes_by_level(log) -> dict[str, tuple[int, int]]:

@@ -10,6 +10,14 @@ FSDP2 makes them fire. Each scenario checks every rank's applied rows against
 the expected ones computed here from the full matrices, and what the step
 report says it did: speculation kept or dropped, launches kept, return waves,
 skipped and failed steps.
+
+A second fake rule keeps a row state (``row_width = 2`` values per row, held by
+every holder of a row): the owner adds each row's first value to the update
+and returns ``(state[:, 0] / 2 + rowsum(D), state[:, 1] + 1)``, so both are right
+only if the owner got every row's state and the whole direction, and every
+holder stores what came back. Its "edit" doubles one matrix's state on every
+holder between backward and ``step()``: the launch sent the old state, so it
+must go stale.
 """
 
 from __future__ import annotations
@@ -87,6 +95,21 @@ def _owner_fn(d: torch.Tensor) -> torch.Tensor:
     return d + d.sum(0, keepdim=True) * 0.5 + d.sum(1, keepdim=True) * 0.25
 
 
+ROW_EDITED = 0
+"""The matrix whose row state the row rule's "edit" doubles between backward and step()."""
+
+
+def _initial_rows(k: int) -> torch.Tensor:
+    """Matrix ``k``'s whole row state before the first step."""
+    return torch.arange(SHAPES[k][0] * 2, dtype=torch.float32).view(-1, 2) / 7 + k
+
+
+def _row_update(d: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row rule's owner work on one whole matrix: its update and its new row state."""
+    new = torch.stack([rows[:, 0] / 2 + d.sum(1), rows[:, 1] + 1], dim=1)
+    return _owner_fn(d) + rows[:, :1], new
+
+
 class FakeRule(StepCallbacks):
     """Direction = gradient + steps committed so far; the owner mixes rows and columns."""
 
@@ -137,6 +160,32 @@ class FakeRule(StepCallbacks):
         return [(f"other{k}", g) for k, g in enumerate(self.checked)]
 
 
+class FakeRowRule(FakeRule):
+    """:class:`FakeRule` with a row state (see the module docstring), stored as views like NorMuon's."""
+
+    row_width = 2
+
+    def __init__(self, infos: list[MatrixInfo], coords: tuple[int, int], checked: list[torch.Tensor]) -> None:
+        super().__init__(infos, coords, checked)
+        s = coords[1]
+        self.rows = {k: _initial_rows(k)[infos[k].pieces[s].row:][: infos[k].pieces[s].rows].clone()
+                     for k in range(len(SHAPES))}
+
+    def row_states(self, members):
+        return {i: self.rows[i] for i in members}
+
+    def owner_work(self, batch, directions, rows=None):
+        assert rows is not None and all(r.shape == (d.shape[0], 2) for r, d in zip(rows, directions))
+        done = [_row_update(d, r) for d, r in zip(directions, rows)]
+        return [u for u, _ in done], [n for _, n in done]
+
+    def apply(self, updates, rows=None):
+        super().apply(updates)
+        assert set(rows) == set(updates), (sorted(rows), sorted(updates))
+        for i, new in rows.items():
+            self.rows[i].copy_(new)
+
+
 def _scenario(mesh: str, name: str) -> tuple[dict, list]:
     """(ExecutionConfig keywords, per step: edit?, NaN where) of a named scenario."""
     plain = [{}] * STEPS
@@ -149,10 +198,18 @@ def _scenario(mesh: str, name: str) -> tuple[dict, list]:
         "skip": (dict(nonfinite="skip"), [{}, {"nan_other": 2}, {"edit": True}]),
         "skip_matrix": (dict(nonfinite="skip"), [{"nan_matrix": (3, 3)}, {}, {}]),
         "raise": (dict(nonfinite="raise"), [{}, {"nan_matrix": (0, 3)}]),
+        "rows speculative": ({}, plain),
+        "rows edited": ({}, [{}, {"edit_rows": True}, {}]),
+        "rows waves": (dict(return_waves=3), [{}, {"edit_rows": True}, {}]),
+        "rows ns_in_backward": (dict(ns_in_backward=True), [{}, {"edit_rows": True}, {}]),
+        "rows skip": (dict(nonfinite="skip"), [{}, {"nan_other": 2}, {"edit_rows": True}]),
     }[name]
 
 
-SCENARIOS = ["speculative", "edited", "sync", "waves", "ns_in_backward", "skip", "skip_matrix", "raise"]
+SCENARIOS = ["speculative", "edited", "sync", "waves", "ns_in_backward", "skip", "skip_matrix", "raise",
+             "rows speculative", "rows edited", "rows waves", "rows ns_in_backward", "rows skip"]
+ROW_EDIT_STEP = 1
+"""The step of the row scenarios whose row state is edited (all but "rows speculative")."""
 
 
 def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
@@ -173,7 +230,7 @@ def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
         plan.topology, plan.device, plan.ns = topo, torch.device("cpu"), NSConfig(method="standard", dtype=torch.float32)
         config, steps = _scenario(mesh, name)
         other = torch.zeros(3)
-        rule = FakeRule(infos, (r, s), [other])
+        rule = (FakeRowRule if name.startswith("rows") else FakeRule)(infos, (r, s), [other])
         runtime = ShardRuntime(plan, rule, ExecutionConfig(**config))
         record = []
         for step, what in enumerate(steps):
@@ -191,6 +248,8 @@ def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
                 for k in range(len(SHAPES)):
                     if k != UNUSED:
                         params[k].grad.copy_(_grad_piece(infos[k], r, s, step, scale_edit=True))
+            if what.get("edit_rows"):
+                rule.rows[ROW_EDITED].mul_(2)  # in place, on every holder alike
             if "nan_matrix" in what and what["nan_matrix"][0] == topo.rank:
                 k = what["nan_matrix"][1]
                 if params[k].grad.numel():
@@ -202,7 +261,8 @@ def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
                 record.append({"raised": str(err)})
                 break
             record.append({"applied": rule.applied, "events": list(rule.events), "report": report.as_dict(),
-                           "count": dict(rule.count)})
+                           "count": dict(rule.count),
+                           "rows": {k: v.clone() for k, v in getattr(rule, "rows", {}).items()}})
         out[name] = {"steps": record, "worker_threads": sorted(rule.worker_threads)}
         runtime.close()
     return out
@@ -222,9 +282,8 @@ def _results(mesh: str) -> list[dict]:
     return [r[mesh] for r in _every_layout()]
 
 
-def _expected(mesh: str, step: int, count: int, edited: bool) -> dict[int, torch.Tensor]:
-    """Every managed matrix's whole update at ``step``, its state at ``count`` (the count is the
-    same for every matrix here: each one steps whenever the step is not skipped)."""
+def _directions(mesh: str, step: int, count: int, edited: bool) -> dict[int, torch.Tensor]:
+    """Every managed matrix's whole direction at ``step``, its state at ``count``, ``(m, n)``."""
     replicate, shard = _grid(mesh)
     infos = _infos(mesh)
     out = {}
@@ -241,8 +300,14 @@ def _expected(mesh: str, step: int, count: int, edited: bool) -> dict[int, torch
                 part = _kept(info, r, s, _grad_piece(info, r, s, step, edited)) + count
                 start = p.col + info.column_start(r, s)
                 d[p.row : p.row + p.rows, start : start + part.shape[1]] = part
-        out[k] = _owner_fn(d.reshape(info.matrix_shape))
+        out[k] = d.reshape(info.matrix_shape)
     return out
+
+
+def _expected(mesh: str, step: int, count: int, edited: bool) -> dict[int, torch.Tensor]:
+    """Every managed matrix's whole update at ``step``, its state at ``count`` (the count is the
+    same for every matrix here: each one steps whenever the step is not skipped)."""
+    return {k: _owner_fn(d) for k, d in _directions(mesh, step, count, edited).items()}
 
 
 def _check_applied(mesh: str, res: dict, name: str, step: int, count: int, edited: bool) -> None:
@@ -331,3 +396,57 @@ def test_nonfinite_gradients_skip_or_fail_every_rank_alike(mesh):
         raised = res["raise"]["steps"][-1]
         assert "m3" in raised.get("raised", ""), raised
         _check_applied(mesh, res, "raise", 0, 0, edited=False)
+
+
+def _expected_with_rows(mesh: str, step: int, edit_at: int | None, skipped: int | None = None) -> tuple[dict, dict]:
+    """The row rule: every stepped matrix's whole update at ``step`` and every matrix's whole row
+    state after it (``edit_at``: the step before whose ``step()`` matrix ROW_EDITED's state doubled;
+    ``skipped``: a step that a non-finite gradient skipped, nothing applied, no state advanced)."""
+    rows = {k: _initial_rows(k) for k in range(len(SHAPES))}
+    updates: dict = {}
+    count = 0
+    for t in range(step + 1):
+        if t == edit_at:
+            rows[ROW_EDITED] = rows[ROW_EDITED] * 2
+        updates = {}
+        if t == skipped:
+            continue
+        for k, d in _directions(mesh, t, count, edited=False).items():
+            updates[k], rows[k] = _row_update(d, rows[k])
+        count += 1
+    return updates, rows
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_row_state_travels_with_its_matrix_and_back_to_every_holder(mesh):
+    """The row rule on every path (speculative, waves, NS in backward, a launch made stale by an
+    edit of the row state alone, a step skipped for a non-finite gradient): every holder of a row
+    applies the update made with the whole state and ends with the owner's new state of its rows."""
+    infos = _infos(mesh)
+    results = _results(mesh)
+    blocks = len(set(BLOCKS))
+    for name in ("rows speculative", "rows edited", "rows waves", "rows ns_in_backward", "rows skip"):
+        edit_at = {"rows speculative": None, "rows skip": 2}.get(name, ROW_EDIT_STEP)
+        skipped = 1 if name == "rows skip" else None
+        for step in range(STEPS):
+            updates, rows = _expected_with_rows(mesh, step, edit_at, skipped)
+            for res in results:
+                s = res["coords"][1]
+                got = res[name]["steps"][step]
+                where = f"{mesh} {name} rank {res['plan_rank']} step {step}"
+                holds = {k for k in updates if infos[k].piece_numel(s)}
+                assert set(got["applied"]) == holds, where
+                for k in holds:
+                    want = infos[k].cut(updates[k], s).view(got["applied"][k].shape)
+                    assert torch.allclose(got["applied"][k], want, rtol=1e-6, atol=1e-5), f"{where}: matrix {k}"
+                for k in range(len(SHAPES)):
+                    p = infos[k].pieces[s]
+                    assert torch.allclose(got["rows"][k], rows[k][p.row : p.row + p.rows], rtol=1e-6,
+                                          atol=1e-5), f"{where}: matrix {k}'s row state"
+            reports = _reports(results, name, step)
+            assert all(rep["skipped_nonfinite"] == (step == skipped) for rep in reports), (name, step)
+            if step == skipped:
+                continue
+            kept = {rep["blocks_exchanged_in_backward"] for rep in reports}
+            # Editing the row state alone makes the edited matrix's launch stale on every rank.
+            assert kept == {blocks - (1 if step == edit_at else 0)}, (name, step, kept)
