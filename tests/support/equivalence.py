@@ -14,14 +14,9 @@ SKIP = {1: {1}}  # block 1 is unused at step 1 on every rank
 N_MATRICES = 12  # conv, 3 per block x 3 blocks, gate, lift
 
 
-def reference(world_size: int, ns_dtype: torch.dtype, frozen: tuple[str, ...] = ()):
-    """One process training OddNet (seed 0) on all ``world_size`` ranks' batches of ``STEPS`` steps,
-    ``SKIP`` applied, with torch.optim.Muon + AdamW: ``(params, losses)``."""
-    torch.manual_seed(0)
-    model = OddNet()
-    for name, p in model.named_parameters():
-        if name.startswith(frozen):
-            p.requires_grad_(False)
+def all_ranks_batches(world_size: int):
+    """Every rank's OddNet batches of ``STEPS`` steps joined into one per step, and the loss that
+    leaves ``SKIP``'s blocks out: what one process trains on to equal ``world_size`` ranks."""
     batches = []
     for step in range(STEPS):
         parts = [odd_batch(step, r) for r in range(world_size)]
@@ -32,6 +27,18 @@ def reference(world_size: int, ns_dtype: torch.dtype, frozen: tuple[str, ...] = 
         _step[0] += 1
         return lm_loss(m, batch)
 
+    return batches, loss_fn
+
+
+def reference(world_size: int, ns_dtype: torch.dtype, frozen: tuple[str, ...] = ()):
+    """One process training OddNet (seed 0) on all ``world_size`` ranks' batches of ``STEPS`` steps,
+    ``SKIP`` applied, with torch.optim.Muon + AdamW: ``(params, losses)``."""
+    torch.manual_seed(0)
+    model = OddNet()
+    for name, p in model.named_parameters():
+        if name.startswith(frozen):
+            p.requires_grad_(False)
+    batches, loss_fn = all_ranks_batches(world_size)
     return reference_training(
         model, batches, loss_fn, muon_kwargs=MUON_KW,
         adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=ns_dtype,

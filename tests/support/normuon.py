@@ -11,11 +11,10 @@ from torch import nn
 from dmuon.plan.selection import select_matrices
 
 from support.cases import MUON_KW, NORMUON_BETA2, Case, run_cases
-from support.models import OddNet, lm_loss, odd_batch
+from support.equivalence import SKIP, STEPS, all_ranks_batches  # block 1 unused at step 1: its matrices keep their state
+from support.models import OddNet, lm_loss
 from support.reference import _fp32_zeropower
 
-STEPS = 3
-SKIP = {1: {1}}  # block 1 is unused at step 1 on every rank: its matrices keep their state
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
 ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
 SAVED_AT, MORE = 2, 2
@@ -79,16 +78,7 @@ def oddnet_reference(world_size: int) -> tuple[dict, list[float], dict]:
     """OddNet (seed 0) on all ``world_size`` ranks' batches of ``STEPS`` steps, ``SKIP`` applied."""
     torch.manual_seed(0)
     model = OddNet()
-    batches = []
-    for step in range(STEPS):
-        parts = [odd_batch(step, r) for r in range(world_size)]
-        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
-
-    def loss_fn(m, batch, _step=[0]):
-        m.skip = SKIP.get(_step[0], set())
-        _step[0] += 1
-        return lm_loss(m, batch)
-
+    batches, loss_fn = all_ranks_batches(world_size)
     return normuon_reference_training(model, select_matrices(model), batches, loss_fn, **MUON_KW,
                                       beta2=NORMUON_BETA2, adamw_kwargs=ADAMW_KW)
 
