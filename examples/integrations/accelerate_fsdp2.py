@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dmuon  # noqa: E402
-from tiny import TinyLM, batch, full_params, launch, scratch_dir  # noqa: E402
+from tiny import TinyLM, assert_runs_equal, batch, full_params, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
 KW = dict(lr=0.02, adamw_lr=3e-3)
@@ -87,10 +87,7 @@ def run(rank: int, world_size: int, directory: str) -> dict:
 
 
 def check(out: dict) -> None:
-    ref = out["before"]["params"]
-    for mode in ("resume", "after"):
-        differ = [n for n in ref if not torch.equal(out[mode]["params"][n], ref[n])]
-        assert not differ, (mode, differ)
+    assert_runs_equal(out, "before", "resume", "after")
 
 
 if __name__ == "__main__":

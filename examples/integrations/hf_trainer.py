@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dmuon  # noqa: E402
-from tiny import TinyLM, batch, full_params, launch, scratch_dir  # noqa: E402
+from tiny import TinyLM, assert_runs_equal, batch, full_params, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_EVERY = 4, 2
 
@@ -111,9 +111,7 @@ def run(rank: int, world_size: int, directory: str) -> dict:
 
 
 def check(out: dict) -> None:
-    ref = out["first"]["params"]
-    differ = [n for n in ref if not torch.equal(out["resumed"]["params"][n], ref[n])]
-    assert not differ, differ
+    assert_runs_equal(out, "first", "resumed")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dmuon  # noqa: E402
-from tiny import TinyLM, batch, full_params, fully_shard_tiny, launch, scratch_dir  # noqa: E402
+from tiny import TinyLM, assert_runs_equal, batch, full_params, fully_shard_tiny, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
 
@@ -95,9 +95,7 @@ def run(rank: int, world_size: int, directory: str) -> dict:
 
 
 def check(out: dict) -> None:
-    ref = out["whole"]["params"]
-    differ = [n for n in ref if not torch.equal(out["resume"]["params"][n], ref[n])]
-    assert not differ, differ
+    assert_runs_equal(out, "whole", "resume")
 
 
 if __name__ == "__main__":

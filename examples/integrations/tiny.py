@@ -72,6 +72,14 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
+def assert_runs_equal(out: dict, ref: str, *modes: str) -> None:
+    """Each run in ``modes`` ended with run ``ref``'s parameters, bit for bit (the names that differ)."""
+    want = out[ref]["params"]
+    for mode in modes:
+        differ = [n for n in want if not torch.equal(out[mode]["params"][n], want[n])]
+        assert not differ, (mode, ref, differ)
+
+
 def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
     """Under torchrun: ``fn(rank, world_size, *args)`` here; else on ``world_size`` spawned gloo ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

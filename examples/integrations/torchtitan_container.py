@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dmuon  # noqa: E402
-from tiny import TinyLM, batch, full_params, fully_shard_tiny, launch, scratch_dir  # noqa: E402
+from tiny import TinyLM, assert_runs_equal, batch, full_params, fully_shard_tiny, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
 GROUP = {"lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.1, "adamw_weight_decay": 0.01}
@@ -111,10 +111,8 @@ def run(rank: int, world_size: int, directory: str) -> dict:
 
 
 def check(out: dict) -> None:
-    for mode, ref in (("resume", "container"), ("plain", "direct")):
-        want = out[ref]["params"]
-        differ = [n for n in want if not torch.equal(out[mode]["params"][n], want[n])]
-        assert not differ, (mode, ref, differ)
+    assert_runs_equal(out, "container", "resume")
+    assert_runs_equal(out, "direct", "plain")
 
 
 if __name__ == "__main__":
