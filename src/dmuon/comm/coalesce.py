@@ -102,8 +102,12 @@ class GroupAllToAll:
             handle = _Queued()
             self._batch.append((_Part(out, inp, list(out_splits), list(in_splits), handle), sent, received))
             return [handle]
+        return [self._issue(out, inp, out_splits, in_splits, sent, received)]
+
+    def _issue(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               sent: int, received: int):
         self.stats.add(self.level, sent, received)
-        return [dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)]
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
 
     @contextlib.contextmanager
     def coalesced(self) -> Iterator[None]:
@@ -120,9 +124,7 @@ class GroupAllToAll:
         batch, self._batch = self._batch, None
         if len(batch) == 1:
             (part, sent, received), = batch
-            self.stats.add(self.level, sent, received)
-            part.handle.work = dist.all_to_all_single(part.out, part.inp, part.out_splits, part.in_splits,
-                                                      group=self.group, async_op=True)
+            part.handle.work = self._issue(part.out, part.inp, part.out_splits, part.in_splits, sent, received)
         elif batch:
             self._issue_joined([p for p, _, _ in batch], sum(s for _, s, _ in batch), sum(r for _, _, r in batch))
 
@@ -141,8 +143,6 @@ class GroupAllToAll:
         # Where each part's segment from peer q starts in the joined receive buffer.
         offsets = [[sum(out_splits[:q]) + sum(recv_bytes[j][q] for j in range(k)) for q in peers]
                    for k in range(len(parts))]
-        self.stats.add(self.level, sent, received)
-        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True)
-        joined = _JoinedWork(work, recv, parts, offsets)
+        joined = _JoinedWork(self._issue(recv, send, out_splits, in_splits, sent, received), recv, parts, offsets)
         for part in parts:
             part.handle.work = joined
