@@ -24,9 +24,13 @@ import torch.multiprocessing as mp
 # then takes a fraction of a second instead of seconds of CPU per rank. The server imports but
 # runs nothing (no threads, no process group), so forking it is safe; each rank gets the caller's
 # sys.path and working directory (multiprocessing's preparation data) and its environment (below).
-_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-if _START_METHOD == "forkserver":
+def _start_method() -> str:
+    """``"forkserver"`` where the platform has it, its preload set here (at the first start, not at
+    import: importing dmuon leaves a program's own multiprocessing settings alone); else ``"spawn"``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "dmuon"])
+    return "forkserver"
 
 
 def free_port() -> int:
@@ -97,7 +101,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
                                           dict(os.environ)),
-                           nprocs=world_size, join=True, start_method=_START_METHOD)
+                           nprocs=world_size, join=True, start_method=_start_method())
         results = []
         for rank in range(world_size):
             with open(_result_path(out_dir, rank), "rb") as f:
@@ -136,7 +140,7 @@ def run_with_crashes(fn: Callable[..., Any], world_size: int, *args: Any,
         ctx = mp.start_processes(
             _crashable_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
                                      dict(os.environ)),
-            nprocs=world_size, join=False, start_method=_START_METHOD,
+            nprocs=world_size, join=False, start_method=_start_method(),
         )
         end = time.monotonic() + deadline_s
         for proc in ctx.processes:
