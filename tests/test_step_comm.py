@@ -16,7 +16,8 @@ from support.step_comm import counted_step
 RUNS = {"fsdp-fp32": (None, torch.float32, 3, None), "fsdp-bf16-waves": (None, torch.bfloat16, 3, 4),
         "hsdp2x2-fp32": ((2, 2), torch.float32, 3, None), "hsdp2x2-bf16-waves": ((2, 2), torch.bfloat16, 3, 4),
         "hsdp2x2-bf16-zero2-waves": ((2, 2), torch.bfloat16, 2, 4),
-        "replicate-level-2x2": ((2, 2), torch.bfloat16, 3, None, "dmuon")}
+        "replicate-level-2x2": ((2, 2), torch.bfloat16, 3, None, "dmuon"),
+        "replicate-level-2x2-spread1": ((2, 2), torch.bfloat16, 3, None, "dmuon", "muon", 1)}
 
 
 def _every_run(rank: int, world: int) -> dict:
@@ -70,29 +71,37 @@ def test_counted_collectives_equal_the_model_per_rank(run):
     assert any(c.critical for c in backward) and all(c.critical for c in step)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)],
-                         ids=["2x2", "2x4"])  # 2x4: eight processes on two cores (-m slow)
-def test_replicate_level_counted_bytes_equal_the_model(mesh_shape):
+@pytest.mark.parametrize("mesh_shape,spread", [((2, 2), 8), ((2, 2), 1), pytest.param((2, 4), 8, marks=pytest.mark.slow)],
+                         ids=["2x2", "2x2-spread1", "2x4"])  # 2x4: eight processes on two cores (-m slow)
+def test_replicate_level_counted_bytes_equal_the_model(mesh_shape, spread):
     """dmuon's replicate level (``hsdp_mesh``): every collective dmuon issues, per rank and level, is one
     the model prices (``step_collectives("dmuon")``: FSDP2's all-reduce replaced by dmuon's column
-    reduce-scatter, in the gradient's 4 bytes), plus the other parameters' all-reduce (a ring's bytes)."""
+    reduce-scatter, in the gradient's 4 bytes, carrying the hop A chunks the spreader chose), plus the
+    other parameters' all-reduce (a ring's bytes)."""
     replicate, shard = mesh_shape
     world = replicate * shard
-    results = [r["replicate-level-2x2"] for r in _runs()] if world == 4 else \
+    run = "replicate-level-2x2" + ("" if spread == 8 else f"-spread{spread}")
+    results = [r[run] for r in _runs()] if world == 4 else \
         run_distributed(counted_step, world, mesh_shape, torch.bfloat16, 3, 2, None, "dmuon", timeout_s=300)
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
     waves = results[0]["waves"]
     backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves,
-                                                gradient_bytes=4)
+                                                gradient_bytes=4, hop_a_spread=spread)
     modelled = backward + step
     in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, replicate, shard, wire_bytes=2,
-                                           waves=waves) if c.label.startswith("dmuon")]
+                                           waves=waves, hop_a_spread=spread) if c.label.startswith("dmuon")]
     assert sorted(c.label for c in in_step) == sorted(c.label for c in modelled)
-    # Per block two exchanges: across replicas its gradient column slices, carrying the direction slices
-    # of the block before (one all_to_all), and rows inside one replica; the last block's direction
-    # slices go alone.
+    # Per block two exchanges: across replicas its gradient column slices, carrying direction slices
+    # of earlier blocks (one all_to_all), and rows inside one replica; what is left of the slices at
+    # the end of backward goes alone.
     assert len(backward) == 2 * len(set(blocks)) + 1
+    rides = [b for c in backward for b in c.carries_hop_a]
+    assert sorted(set(rides)) == sorted(set(blocks))
+    if spread == 1:  # each block's slices all in one collective
+        assert len(rides) == len(set(blocks))
+    else:  # some block's slices spread over several collectives
+        assert len(rides) > len(set(blocks))
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
     for r in results:
         k = r["plan_rank"]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+import dmuon
+
 from support.cases import sharded_oddnet
 from support.models import lm_loss, odd_batch
 
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
                  zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
-                 rule: str = "muon") -> dict:
+                 rule: str = "muon", hop_a_spread: int = 8) -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
     Returns:
@@ -20,8 +22,9 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         matrix's ``(shape, owner, block, rows)`` from the plan; and how many
         blocks that step exchanged in backward.
     """
-    model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype,
-                                      return_waves=return_waves, hsdp=hsdp, rule=rule)
+    model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype, hsdp=hsdp,
+                                      rule=rule, execution=dmuon.ExecutionConfig(return_waves=return_waves,
+                                                                                 hop_a_spread=hop_a_spread))
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))

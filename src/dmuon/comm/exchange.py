@@ -61,6 +61,7 @@ import torch.distributed as dist
 from dmuon.comm.coalesce import GroupAllToAll
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
+from dmuon.plan.hop_a import UNITS
 from dmuon.plan.plan import MatrixInfo
 
 
@@ -240,7 +241,8 @@ class ShardExchange:
 
     # ----------------------------------------------------------- to the owner
     def send_directions(self, members: Sequence[int], local: dict[int, torch.Tensor],
-                        rows: dict[int, torch.Tensor] | None = None) -> Pending:
+                        rows: dict[int, torch.Tensor] | None = None,
+                        spread: Callable[[], dict[int, int]] | None = None) -> Pending:
         """Sends this rank's piece of each member's direction to the member's owner.
 
         Args:
@@ -249,6 +251,11 @@ class ShardExchange:
                 ``r``, any view of it), in the wire dtype.
             rows: With a row state: this rank's rows of each member's state, ``(rows, row_width)``
                 (every member this rank holds rows of; only some positions send theirs).
+            spread: On HSDP, hop A in row chunks: called before each chunk, it gives the units
+                (:data:`dmuon.plan.hop_a.UNITS` per matrix) of each member to have sent once
+                the chunk has gone (the same on every rank; :class:`dmuon.plan.hop_a.HopASpreader`);
+                each :meth:`Pending.forward` issues the next chunk, then hop B once all have
+                landed. None: all of it at once.
 
         Returns:
             A :class:`Pending` whose ``wait()`` gives ``{index: full (m, n) direction}``
@@ -257,40 +264,14 @@ class ShardExchange:
         """
         if self.topo.replicate == 1:
             return self._rows_to_owners(members, local, rows)
-        return self._columns_to_owner_replica(members, local, rows)
+        return self._columns_to_owner_replica(members, local, rows, spread)
 
     def _columns_to_owner_replica(self, members: Sequence[int], local: dict[int, torch.Tensor],
-                                  rows: dict[int, torch.Tensor] | None) -> Pending:
-        """Hop A: column slices to the owner's replica; then hop B (:meth:`_rows_to_owners`) from there."""
-        topo, infos = self.topo, self.infos
-        r, s = topo.coords
-        ours = [i for i in members if self._owner(i)[0] == r]
-        if sum(self._sent(i, s) for i in members) == 0:
-            # This shard position sends nothing of these members: nothing crosses its replicate group.
-            nothing = {i: self._empty(0) for i in ours}
-            return Pending([], _no_result, self.stats, then=lambda: self._rows_to_owners(members, nothing, rows))
-        to_replica = sorted(members, key=lambda i: (self._owner(i)[0], i))
-        in_splits = [0] * topo.replicate
-        for i in members:
-            in_splits[self._owner(i)[0]] += infos[i].slice_numel(r, s)
-        out_splits = [sum(infos[i].slice_numel(q, s) for i in ours) for q in range(topo.replicate)]
-        send = self._cat([local[i].reshape(-1) for i in to_replica if infos[i].slice_numel(r, s)])
-        recv = self._empty(sum(out_splits))
-        works = self._all_to_all("inter", recv, send, out_splits, in_splits, r)
-
-        def then() -> Pending:
-            slices: dict[int, list[torch.Tensor]] = {i: [] for i in ours}
-            for q, segment in enumerate(recv.split(out_splits)):
-                for i, piece in zip(ours, segment.split([infos[i].slice_numel(q, s) for i in ours])):
-                    if self._sent(i, s):
-                        slices[i].append(piece.view(infos[i].rows[s], infos[i].replica_columns(s)[q],
-                                                    infos[i].inner))
-            # The R column slices side by side are this position's piece of the direction.
-            pieces = {i: torch.cat(slices[i], dim=1).reshape(-1) for i in ours if self._sent(i, s)}
-            # The row state does not cross replicas: this replica holds the same copy.
-            return self._rows_to_owners(members, pieces, rows)
-
-        return Pending(works, _no_result, self.stats, then=then)
+                                  rows: dict[int, torch.Tensor] | None,
+                                  spread: Callable[[], dict[int, int]] | None = None) -> Pending:
+        """Hop A: column slices to the owner's replica, in one or several row chunks
+        (:class:`_SlicesToOwnerReplica`); then hop B (:meth:`_rows_to_owners`) from there."""
+        return _SlicesToOwnerReplica(self, members, local, rows, spread).issue()
 
     def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor],
                         rows: dict[int, torch.Tensor] | None = None) -> Pending:
@@ -471,6 +452,87 @@ class ShardExchange:
                     if self.row_elems:
                         rows[i] = self._decode(piece[numel:], info.rows[s])
         return updates, rows
+
+
+class _SlicesToOwnerReplica:
+    """Hop A of one exchange: every rank's column slice of each member's direction to the same shard
+    position of the member's owner replica, whose rank there joins the R slices into its piece.
+
+    It goes in chunks of rows (unit ranges, :mod:`dmuon.plan.hop_a`): each :meth:`issue` sends
+    rows ``[rows_s * a // UNITS, rows_s * b // UNITS)`` of every member's slice, from the units
+    already sent ``a`` to what ``spread()`` asks for ``b`` (everything without ``spread``), as one
+    uneven ``all_to_all`` on the replicate group (none where this position moves no row: its whole
+    group agrees). Landed chunks are pasted into the receiving pieces; once every unit has gone
+    and landed, hop B starts from the pieces.
+    """
+
+    def __init__(self, exchange: ShardExchange, members: Sequence[int], local: dict[int, torch.Tensor],
+                 rows: dict[int, torch.Tensor] | None, spread: Callable[[], dict[int, int]] | None) -> None:
+        self.ex = exchange
+        self.members = list(members)
+        self.local = local
+        self.rows = rows
+        self.spread = spread
+        r, s = exchange.topo.coords
+        infos = exchange.infos
+        # Members owned in this replica, whose slices this position receives (where it sends its piece).
+        self.ours = [i for i in self.members if exchange._owner(i)[0] == r and exchange._sent(i, s)]
+        self.to_replica = sorted(self.members, key=lambda i: (exchange._owner(i)[0], i))
+        self.sent = {i: 0 for i in self.members}
+        self.pieces = {i: exchange._empty(exchange._sent(i, s)).view(infos[i].rows[s], -1) for i in self.ours}
+
+    def _rows(self, i: int, a: int, b: int) -> tuple[int, int]:
+        """The rows of this position's piece of member ``i`` in the unit range ``[a, b)`` (none from a copy)."""
+        s = self.ex.topo.coords[1]
+        held = self.ex.infos[i].rows[s] if self.ex._sent(i, s) else 0
+        return held * a // UNITS, held * b // UNITS
+
+    def issue(self) -> Pending:
+        ex, infos = self.ex, self.ex.infos
+        topo = ex.topo
+        r, s = topo.coords
+        upto = self.spread() if self.spread is not None else {i: UNITS for i in self.members}
+        span = {i: self._rows(i, self.sent[i], upto[i]) for i in self.members}
+        self.sent = {i: upto[i] for i in self.members}
+        last = all(units == UNITS for units in self.sent.values())
+        if all(stop == start for start, stop in span.values()):
+            # No row of this position moves in this chunk (on any replica: they hold the same rows).
+            return Pending([], _no_result, ex.stats, then=self._next if not last else self._hop_b)
+
+        def width(i: int, q: int) -> int:
+            return infos[i].replica_columns(s)[q] * infos[i].inner
+
+        in_splits = [0] * topo.replicate
+        parts = []
+        for i in self.to_replica:
+            start, stop = span[i]
+            if stop > start and width(i, r):
+                in_splits[ex._owner(i)[0]] += (stop - start) * width(i, r)
+                parts.append(self.local[i].reshape(infos[i].rows[s], -1)[start:stop].reshape(-1))
+        out_splits = [sum((span[i][1] - span[i][0]) * width(i, q) for i in self.ours) for q in range(topo.replicate)]
+        recv = ex._empty(sum(out_splits))
+        works = ex._all_to_all("inter", recv, ex._cat(parts), out_splits, in_splits, r)
+
+        def landed() -> Pending:
+            for q, segment in enumerate(recv.split(out_splits)):
+                sizes = [(span[i][1] - span[i][0]) * width(i, q) for i in self.ours]
+                for i, chunk in zip(self.ours, segment.split(sizes)):
+                    start, stop = span[i]
+                    if stop > start and width(i, q):
+                        column = infos[i].column_start(q, s) * infos[i].inner
+                        self.pieces[i][start:stop, column:column + width(i, q)] = chunk.view(stop - start, -1)
+            return self._hop_b() if last else self._next()
+
+        return Pending(works, _no_result, ex.stats, then=landed)
+
+    def _next(self) -> Pending:
+        return self.issue()
+
+    def _hop_b(self) -> Pending:
+        # The R column slices side by side are this position's piece of the direction; the row
+        # state does not cross replicas (this replica holds the same copy).
+        return self.ex._rows_to_owners(self.members, {i: piece.reshape(-1) for i, piece in self.pieces.items()},
+                                       self.rows)
 
 
 def row_state_ratio(wire_dtype: torch.dtype) -> int:

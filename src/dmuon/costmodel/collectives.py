@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, row_width
+from dmuon.plan.hop_a import HopASpreader, slice_shape
 from dmuon.plan.layout import shard_rows as _shard_rows
 
 
@@ -81,10 +82,20 @@ class Collective:
     """What it is in the step (:data:`ROLES`), for the timeline model (:mod:`dmuon.costmodel.simulate`)."""
     index: int | None = None
     """Which one of its role: the return wave, the gathered matrix, the all-to-all batch (None: per block)."""
-    carries_hop_a: int | None = None
-    """Design (b), a ``"grad_columns"`` collective: the block whose hop A travels in it (the runtime
-    sends a block's direction slices in the same all_to_all as the next block's gradient columns:
-    one collective on the same replicate group, its bytes per rank the sum of both), or None."""
+    carries_hop_a: tuple[int, ...] = ()
+    """Design (b), a ``"grad_columns"`` or ``"hop_a"`` collective: the blocks whose direction slices
+    (hop A chunks, :mod:`dmuon.plan.hop_a`) travel in it (the runtime sends them in the same
+    all_to_all as the next unit's gradient columns: one collective on the replicate group, its
+    bytes per rank the sum of both)."""
+    completes_hop_a: tuple[int, ...] = ()
+    """Design (b): the blocks whose last hop A chunk is in it (their hop B goes at the next landing)."""
+    issued_at: int | None = None
+    """dmuon's exchange: the block whose landing in backward issues it (None: ``step()``); by
+    default its own block."""
+
+    def __post_init__(self) -> None:
+        if self.issued_at is None and self.phase == "backward":
+            self.issued_at = self.block
 
     @property
     def critical(self) -> int:
@@ -190,6 +201,7 @@ def owner_exchange_collectives(
     pieces: Sequence[Sequence] | None = None,
     gradient_bytes: int | None = None,
     row_bytes: int = 0,
+    hop_a_spread: int = 8,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -347,36 +359,8 @@ def owner_exchange_collectives(
             if members:
                 backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
     else:
-        # The runtime's launches as a state machine: ``reducing``, the block whose columns are in
-        # flight (its hop A waits for them, so it rides with the next landing's columns);
-        # ``forwarded``, the block whose hop A has gone (its hop B goes at the next landing).
-        reducing: tuple[int, list[int]] | None = None
-        forwarded: tuple[int, list[int]] | None = None
-        for b in order:
-            members = [i for i in range(len(shapes)) if blocks[i] == b]
-            if forwarded is not None:
-                backward += hop_b(*forwarded)
-            forwarded = reducing
-            if members and reducing is not None:
-                prev = reducing[0]
-                backward.append(_a2a("inter", "backward", b, world,
-                                     *_merge(_gradient_columns(members, tables, inner, replicate, shard,
-                                                               gradient_bytes), hop_a(reducing[1])),
-                                     f"dmuon gradient columns block {b} + direction slices block {prev}",
-                                     "grad_columns"))
-                backward[-1].carries_hop_a = prev
-            elif members:
-                backward.append(_a2a("inter", "backward", b, world,
-                                     *_gradient_columns(members, tables, inner, replicate, shard, gradient_bytes),
-                                     f"dmuon gradient columns block {b}", "grad_columns"))
-            elif reducing is not None:
-                backward.append(hop_a_alone(*reducing))
-            reducing = (b, members) if members else None
-        # step() takes the launches, in order: the remaining hop B, the last hop A and its hop B.
-        if forwarded is not None:
-            backward += hop_b(*forwarded)
-        if reducing is not None:
-            backward += [hop_a_alone(*reducing)] + hop_b(*reducing)
+        backward = _spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
+                                    gradient_bytes, hop_a_spread, hop_b)
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
@@ -421,6 +405,104 @@ def owner_exchange_collectives(
                              [column_rows[k % shard] > 0 for k in range(world)],
                              "dmuon updates to the replicas" + label, "return_replicas", w))
     return backward, step
+
+
+def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: Sequence[int],
+                     owners: Sequence[int], replicate: int, shard: int, elem_bytes: int, gradient_bytes: int,
+                     hop_a_spread: int, hop_b) -> list[Collective]:
+    """Design (b)'s backward collectives as ``dmuon.runtime.backward.BackwardLaunches`` issues them, with
+    the same :class:`~dmuon.plan.hop_a.HopASpreader` choosing each hop A chunk.
+
+    When unit ``b`` lands (blocks in ``order``): hop B of every block whose last chunk went in the
+    previous collective (launch order), then one all_to_all across replicas carrying ``b``'s
+    gradient columns (role ``"grad_columns"``) and the chunks the spreader chose (a unit with no
+    Muon matrix: the chunks alone, role ``"hop_a"``); ``b``'s directions can go from the next one.
+    In ``step()``: what is left of every block in one last all_to_all (role ``"hop_a"``, block
+    None), the hop B of blocks completed before it first, then the others', in launch order.
+    """
+    world = replicate * shard
+    spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i], shard_rows)
+                             for i in range(len(blocks))}, replicate, shard, elem_bytes, hop_a_spread)
+    launched: list[tuple[int, list[int]]] = []
+    sent_units: dict[int, int] = {}
+    completed: list[int] = []  # blocks whose last chunk went in the collective before
+    out: list[Collective] = []
+
+    def chunks(blocks_now: list[int]) -> tuple[Parts, list[int], list[int]]:
+        """The chunks the spreader just chose, as one all_to_all's parts; the blocks riding, completing."""
+        sent, received = [0] * world, [0] * world
+        peers_out: list[set] = [set() for _ in range(world)]
+        peers_in: list[set] = [set() for _ in range(world)]
+        part = [False] * world
+        riding, completing = [], []
+        for blk in blocks_now:
+            upto = spreader.upto(blk)
+            for i, units in upto.items():
+                shape, start = spreader.shapes[i], sent_units.get(i, 0)
+                sent_units[i] = units
+                for s in range(shard):
+                    rows = shape.moved_rows(s, start, units)
+                    if not rows:
+                        continue
+                    if blk not in riding:
+                        riding.append(blk)
+                    r_o = shape.owner_replica
+                    for r, width in enumerate(shape.widths[s]):
+                        part[r * shard + s] = True
+                        moved = rows * width * elem_bytes
+                        if r != r_o and moved:
+                            src, dst = r * shard + s, r_o * shard + s
+                            sent[src] += moved
+                            received[dst] += moved
+                            peers_out[src].add(dst)
+                            peers_in[dst].add(src)
+            if spreader.complete(blk):
+                completing.append(blk)
+        return (sent, received, peers_out, peers_in, part), riding, completing
+
+    def hop_b_of(done: Sequence[int], at: int | None) -> None:
+        for blk, members in launched:
+            if blk in done:
+                for c in hop_b(blk, members):
+                    c.issued_at = at
+                    out.append(c)
+
+    for b in order:
+        members = [i for i in range(len(blocks)) if blocks[i] == b]
+        hop_b_of(completed, b)
+        columns = _gradient_columns(members, tables, inner, replicate, shard, gradient_bytes) if members else None
+        pending = spreader.pending()
+        spreader.decide([[0, 0] for _ in range(world)] if columns is None else
+                        [[columns[0][k], columns[1][k]] for k in range(world)])
+        moving, riding, completed = chunks(pending)
+        if columns is not None:
+            label = f"dmuon gradient columns block {b}" + (f" + direction slices of blocks {riding}" if riding else "")
+            out.append(_a2a("inter", "backward", b, world, *(_merge(columns, moving) if riding else columns),
+                            label, "grad_columns"))
+        elif riding:
+            out.append(_a2a("inter", "backward", b, world, *moving, f"dmuon direction slices of blocks {riding}",
+                            "hop_a"))
+        if columns is not None or riding:
+            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(completed)
+            out[-1].issued_at = b
+        if members:
+            spreader.add(b, members)
+            launched.append((b, members))
+    # step(): BackwardLaunches.take
+    pending = spreader.pending()
+    if pending:
+        spreader.decide([[0, 0] for _ in range(world)], final=True)
+        hop_b_of(completed, None)
+        moving, riding, last = chunks(pending)
+        if riding:
+            out.append(_a2a("inter", "backward", None, world, *moving,
+                            f"dmuon direction slices of blocks {riding} left at the end of backward", "hop_a"))
+            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(last)
+            out[-1].issued_at = None
+        hop_b_of(last, None)
+    else:
+        hop_b_of(completed, None)
+    return out
 
 
 def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:
@@ -508,6 +590,7 @@ def step_collectives(
     other_blocks: Sequence[int] = (),
     max_concurrent: int = 3,
     row_bytes: int = 0,
+    hop_a_spread: int = 8,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -560,6 +643,8 @@ def step_collectives(
             (default: none, the Muon matrices' collectives alone).
         max_concurrent: The peer's batches in flight (its ``AsyncRuntime``'s limit, 3).
         row_bytes: dmuon's per-row state on the wire (:func:`owner_exchange_collectives`; NorMuon's).
+        hop_a_spread: Design (b): the collectives a block's hop A may spread over
+            (``ExecutionConfig.hop_a_spread``; :func:`owner_exchange_collectives`).
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
@@ -580,10 +665,10 @@ def step_collectives(
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
                                                        block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
-                                                       row_bytes=row_bytes)
-    by_block: dict[int | None, list[Collective]] = {}
+                                                       row_bytes=row_bytes, hop_a_spread=hop_a_spread)
+    by_block: dict[int | None, list[Collective]] = {}  # by the landing that issues them
     for c in exchange:
-        by_block.setdefault(c.block, []).append(c)
+        by_block.setdefault(c.issued_at, []).append(c)
     out: list[Collective] = []
     for b in order:
         out += fsdp2_block_collectives(of[b] + rest[b], replicate, shard, phase="forward", block=b,
@@ -604,6 +689,7 @@ def step_collectives(
                 c.label, c.role = f"dmuon all_reduce of the other parameters block {b}", "replicate_all_reduce"
                 out.append(c)
         out += by_block.get(b, [])
+    out += by_block.get(None, [])  # design (b): what step() issues of the exchange (hop A left, hop B)
     out += returns
     if strategy == "gather" and shard > 1:
         world = replicate * shard

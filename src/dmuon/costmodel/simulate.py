@@ -456,6 +456,8 @@ class StepInputs:
     root_block: int = 0
     """The root module's block: gathered first, its compute (the head) after the layers', its
     gradients reduced last."""
+    hop_a_spread: int = 8
+    """Design (b): the collectives a block's hop A may spread over (``ExecutionConfig.hop_a_spread``)."""
 
     @property
     def world(self) -> int:
@@ -478,19 +480,22 @@ def _numel(shape: Sequence[int]) -> int:
 
 class _Launch:
     """A block's direction exchange in backward, hop by hop (``stage``: ``"R"`` reducing across replicas,
-    ``"D"`` directions computed and hop A not yet issued (design (b), within one hook), ``"A"`` or
-    ``"B"`` in flight)."""
+    ``"A"`` hop A under way (design (b): directions computed, chunks going with the following
+    collectives until ``complete``), ``"B"`` hop B in flight)."""
 
     def __init__(self, block: int, stage: str, reductions: list[Task] | None = None):
         self.block, self.stage = block, stage
         self.reductions = reductions or []
         self.directions: Task | None = None
-        self.hop_a: Task | None = None
+        self.hop_a: list[Task] = []
+        """The collectives carrying its hop A (design (b): its chunks), in order."""
+        self.complete = False
+        """Design (b): its last hop A chunk has been issued."""
         self.hop_b: Task | None = None
 
     def landing(self) -> list[Task]:
         """What the owners wait for: hop B (hop A where the shard level has one rank)."""
-        return [t for t in (self.hop_b if self.hop_b is not None else self.hop_a,) if t is not None]
+        return [self.hop_b] if self.hop_b is not None else self.hop_a
 
 
 class _Builder:
@@ -506,7 +511,8 @@ class _Builder:
             strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
             wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
             zero=inputs.zero, root_block=inputs.root_block, waves=self.waves, other_shapes=inputs.other_shapes,
-            other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency)
+            other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
+            hop_a_spread=inputs.hop_a_spread)
         self.collectives: dict[tuple, Collective] = {}
         for c in collectives:
             key = (c.role, c.phase, c.block, c.index)
@@ -627,29 +633,44 @@ class _Builder:
 
     def advance(self, stream: str) -> None:
         """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``): hop B behind a
-        landed hop A; design (b)'s launch still reducing gets its directions (stage ``"D"``), whose hop A
-        the caller then issues."""
+        landed hop A (design (b): behind its last chunk; a launch with chunks to go waits for the one
+        in flight); design (b)'s launch still reducing gets its directions (stage ``"A"``)."""
         for launch in self.launches:
             if launch.stage == "A":
-                landed = self.wait(f"hop A {launch.block} landed", stream, [launch.hop_a], "backward")
-                launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
-                launch.stage = "B"
+                landed = self.wait(f"hop A {launch.block} landed", stream, launch.hop_a[-1:], "backward")
+                if launch.complete or not self.design_b:
+                    launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
+                    launch.stage = "B"
             elif launch.stage == "R":
                 self.directions_after_reduction(launch, stream)
 
     def directions_after_reduction(self, launch: _Launch, stream: str) -> None:
-        """Design (b): the block's reduction has landed; its directions (hop A not yet issued)."""
+        """Design (b): the block's reduction has landed; its directions (hop A chunks to follow)."""
         landed = self.wait(f"block {launch.block} reduced", stream, launch.reductions, "backward")
         members = self.muon_in(launch.block)
         launch.directions = self.elementwise(f"directions block {launch.block}", stream,
                                              PEEK_BYTES * self.kept_elements(members), [landed], phase="backward")
-        launch.stage = "D"
-
-    def hop_a_alone(self, launch: _Launch) -> None:
-        """Design (b): hop A with no gradient columns to travel with (the last block's, or before a unit
-        with no Muon matrix)."""
-        launch.hop_a = self.coll("hop_a", "backward", launch.block, None, DR, [launch.directions])
         launch.stage = "A"
+
+    def carry(self, collective: Task | None, what: str) -> None:
+        """Design (b): the launches whose hop A chunks ride in ``collective`` (as the schedule says)."""
+        if collective is None:
+            return
+        riding, completing = collective.collective.carries_hop_a, collective.collective.completes_hop_a
+        under_way = {launch.block: launch for launch in self.launches if launch.stage == "A"}
+        if not set(riding) | set(completing) <= set(under_way):
+            raise AssertionError(f"{what} carries hop A of blocks {riding} (completing {completing}), "
+                                 f"the launches under way are {sorted(under_way)}")
+        for b in riding:
+            under_way[b].hop_a.append(collective)
+        for b in completing:
+            under_way[b].complete = True
+
+    def riding(self, key: tuple) -> list[Task]:
+        """The directions the collective at ``key`` waits for: those of the blocks whose chunks ride in it."""
+        c = self.collectives.get(key)
+        blocks = () if c is None else c.carries_hop_a
+        return [launch.directions for launch in self.launches if launch.block in blocks and launch.directions]
 
     def send(self, b: int, stream: str) -> None:
         """Design (a), or one replica: the block's directions from the reduced gradient, hop A or hop B."""
@@ -659,10 +680,12 @@ class _Builder:
         peek = self.elementwise(f"directions block {b}", stream, PEEK_BYTES * self.kept_elements(members),
                                 phase="backward")
         launch = _Launch(b, "A")
-        launch.hop_a = self.coll("hop_a", "backward", b, None, DR, [peek])
-        if launch.hop_a is None:
+        hop_a = self.coll("hop_a", "backward", b, None, DR, [peek])
+        if hop_a is None:
             launch.hop_b = self.coll("hop_b", "backward", b, None, DS, [peek])
             launch.stage = "B"
+        else:
+            launch.hop_a = [hop_a]
         self.launches.append(launch)
 
     def dmuon_hook(self, b: int) -> None:
@@ -679,22 +702,17 @@ class _Builder:
             self.wait("reductions landed", p, self.unlanded, "backward")
             self.unlanded = []
         here = self.wait(f"block {b} reduce-scattered", p, [], "backward")
-        carried = [launch for launch in self.launches if launch.stage == "D"]  # the block landed before
-        columns = self.coll("grad_columns", "backward", b, None, DR,
-                            [here] + [launch.directions for launch in carried])
-        carries = None if columns is None else columns.collective.carries_hop_a
-        if columns is not None and [launch.block for launch in carried] != ([] if carries is None else [carries]):
-            raise AssertionError(f"block {b}'s gradient columns carry hop A of {carries}, the schedule has "
-                                 f"{[launch.block for launch in carried]}")
-        for launch in carried:
-            if columns is not None:
-                launch.hop_a, launch.stage = columns, "A"
-            else:
-                self.hop_a_alone(launch)  # a unit with no Muon matrix: the hop A alone, before its all-reduce
+        # One all_to_all across replicas: this unit's gradient columns and the hop A chunks the
+        # spreader chose (a unit with no Muon matrix: the chunks alone).
+        key = ("grad_columns", "backward", b, None)
+        if key not in self.collectives:
+            key = ("hop_a", "backward", b, None)
+        columns = self.coll(*key, DR, [here] + self.riding(key))
+        self.carry(columns, f"unit {b}'s collective")
         # ReplicateLevel.start_mean: the other parameters' all-reduce after the column all-to-all
         # (which may carry hop A, on its way to the owners' NS).
         all_reduce = self.coll("replicate_all_reduce", "backward", b, None, DR, [here])
-        reductions = [t for t in (all_reduce, columns) if t is not None]
+        reductions = [t for t in (all_reduce, columns) if t is not None and t.collective.role != "hop_a"]
         self.unlanded += reductions
         if self.muon_in(b):
             self.launches.append(_Launch(b, "R", reductions))
@@ -722,12 +740,15 @@ class _Builder:
     def step_dmuon(self) -> None:
         """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
         inp, tl = self.inp, self.tl
-        for launch in self.launches:  # BackwardLaunches.take: every hop issued, in launch order
-            if launch.stage == "R":  # the last block: its hop A alone
-                self.directions_after_reduction(launch, C)
-                self.hop_a_alone(launch)
+        # BackwardLaunches.take: design (b) sends what is left of every block's hop A in one
+        # collective (a launch complete before it sends its hop B first), then every hop in launch order.
+        if self.design_b:
+            self.advance(C)
+            final = self.coll("hop_a", "backward", None, None, DR, self.riding(("hop_a", "backward", None, None)))
+            self.carry(final, "the last hop A collective")
+        for launch in self.launches:
             if launch.stage == "A":
-                landed = self.wait(f"hop A {launch.block} landed", C, [launch.hop_a])
+                landed = self.wait(f"hop A {launch.block} landed", C, launch.hop_a[-1:])
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                 launch.stage = "B"
         everything = list(range(len(inp.shapes)))

@@ -21,6 +21,7 @@ takes the launches), so the order is ``A(b), B(b), A(b+1), ...`` on every rank.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +31,9 @@ from typing import Any, Callable
 import torch
 
 from dmuon.comm import Pending, ShardExchange
-from dmuon.plan.plan import Plan
+from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
+from dmuon.plan.layout import shard_rows
+from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 
@@ -91,13 +94,16 @@ class BackwardLaunches:
         replicate: dmuon's replicate level, or None.
         row_states: With a row state: this rank's rows of each member's row state (sent beside
             the directions); None: none.
+        hop_a_spread: With ``replicate``: the most collectives across replicas a block's direction
+            slices spread over (:class:`~dmuon.plan.hop_a.HopASpreader`; 1: all with the next).
     """
 
     def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
                  grad_parts: Directions, managed: Callable[[], list[int]], check: Callable[[int], None],
                  owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
                  replicate: ReplicateLevel | None = None,
-                 row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None) -> None:
+                 row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None,
+                 hop_a_spread: int = 8) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek
@@ -109,6 +115,10 @@ class BackwardLaunches:
         self._directions = directions
         self.replicate = replicate
         self._row_states = row_states
+        self._spreader: HopASpreader | None = None
+        if replicate is not None and directions:
+            self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
+                                          plan.replicate, plan.shard, exchange.wire_dtype.itemsize, hop_a_spread)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns") if owner_work else None
         self._early: dict[int, Future] = {}
         self._matrices: dict[int, list[int]] = {}
@@ -170,28 +180,47 @@ class BackwardLaunches:
             self._advance()
             self._launch(unit, landed)
             return
-        # Hop A of the unit before and this unit's column reduce-scatter go to the same peers
-        # now: one collective across nodes instead of two (one latency per peer saved a block).
+        # The pending blocks' hop A chunks and this unit's column reduce-scatter go to the same
+        # peers now: one collective across nodes (one latency per peer, not one per part); the
+        # spreader sizes the chunks so that no replica receives much more than the others.
+        params = self._reduced_params(unit, landed)
         with self.exchange.across.coalesced():
+            if self._spreader is not None:
+                self._spreader.decide(self._column_loads(params))
             self._advance()
-            reduction = self._launch(unit, landed)
+            reduction = self._launch(unit, landed, params)
         self.replicate.start_mean(reduction)
 
-    def _launch(self, unit: int, landed: set[int]) -> Reduction | None:
-        """Starts what a completed unit sends: its reduction across replicas (the caller issues its
-        other parameters' all-reduce), its directions."""
+    def _reduced_params(self, unit: int, landed: set[int]) -> list[torch.Tensor]:
+        """The parameters of a completed unit whose gradients its reduction across replicas reads."""
+        return [p for p in self._units[unit].params if id(p) in landed and p.grad is not None]
+
+    def _column_loads(self, params: list[torch.Tensor]) -> list[list[float]]:
+        """Every rank's bytes in the column reduce-scatter of ``params``' Muon matrices (the same on
+        every rank: the spreader's decision must be)."""
+        infos = [self.plan.infos[i] for p in params for i in self._matrices.get(id(p), ())]
+        gradient_bytes = {torch.promote_types(p.dtype, torch.float32).itemsize for p in params}
+        return column_reduce_loads([[(q.rows, q.cols, q.sends) for q in info.pieces] for info in infos],
+                                   [info.inner for info in infos], self.plan.replicate, self.plan.shard,
+                                   max(gradient_bytes, default=4), shard_rows)
+
+    def _launch(self, unit: int, landed: set[int], params: list[torch.Tensor] | None = None) -> Reduction | None:
+        """Starts what a completed unit sends: its reduction across replicas of ``params`` (the caller
+        issues its other parameters' all-reduce), its directions."""
         first = unit not in self._fired
         self._fired.add(unit)
         block = self._units[unit].block
         # A matrix outside the optimizer's param groups is not stepped: nothing to send.
         members = [i for i in self._managed() if id(self.plan.infos[i].param) in landed] if block is not None else []
         if self.replicate is not None:
-            reduction = self.replicate.start_columns([p for p in self._units[unit].params if id(p) in landed])
+            reduction = self.replicate.start_columns(params)
             if first and members and self._directions:
                 launch = Launch(block, members, {}, None)  # type: ignore[arg-type]
                 launch.pending = Pending([], _no_result, self.exchange.stats,
                                          then=lambda: self._send_after(reduction, launch))
                 self._add(launch)
+                if self._spreader is not None:
+                    self._spreader.add(block, members)
             return reduction
         if not first or not members:
             # A second reduction in one step (accumulation without FSDP2's no-sync): the
@@ -219,7 +248,8 @@ class BackwardLaunches:
         sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
         launch.sent.update(sent)
         launch.rows = self._rows_sent(launch.members)
-        return self.exchange.send_directions(launch.members, sent, launch.rows)
+        spread = None if self._spreader is None else functools.partial(self._spreader.upto, launch.block)
+        return self.exchange.send_directions(launch.members, sent, launch.rows, spread)
 
     def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until
@@ -263,6 +293,14 @@ class BackwardLaunches:
         launches, self._launches = self._launches, {}
         self._landed.clear()
         self._fired.clear()
+        if self._spreader is not None:
+            if self._spreader.pending():
+                # The last collective of the step's hop A: what every block has left, at once.
+                self._spreader.decide([[0, 0]] * (self.plan.replicate * self.plan.shard), final=True)
+                with self.exchange.across.coalesced():
+                    for launch in launches.values():
+                        launch.pending.forward()
+            self._spreader.reset()
         for launch in launches.values():
             launch.pending.issue_all()
         early = {b: f.result() for b, f in sorted(self._early.items())}
@@ -284,3 +322,9 @@ class BackwardLaunches:
 
 def _no_result() -> dict:
     return {}
+
+
+def _slice_shape(info: MatrixInfo, shard: int):
+    """What the matrix's hop A moves (:class:`~dmuon.plan.hop_a.SliceShape`)."""
+    return slice_shape(info.owner // shard, [(p.rows, p.cols, p.sends) for p in info.pieces], info.replicate,
+                       info.inner, shard_rows)

@@ -37,6 +37,13 @@ class ExecutionConfig:
     """The step's update returns go in up to this many waves, wave ``k`` right after every
     owner's ``k``-th NS batch, so the transfers overlap the owners' NS. None: 4 on an
     accelerator, 1 on CPU, where transfers and NS share the cores."""
+    hop_a_spread: int = 8
+    """On dmuon's replicate level (``hsdp_mesh``): each block's direction slices cross to the owners'
+    replicas in row chunks over at most this many of the following collectives across replicas
+    (each also carrying a block's gradient columns), sized so that every replica receives about
+    the same in each (:mod:`dmuon.plan.hop_a`); 1 sends them all with the next one, where the
+    replica owning the block's largest matrix receives much more than the others. A block's NS
+    waits for its last chunk."""
     post_optim_event: bool = False
     """On an accelerator (CUDA), record an event after the step's last update and hand it to
     FSDP2's root (``FSDPModule.set_post_optim_event``), so the next forward's all-gathers wait
@@ -53,6 +60,9 @@ class ExecutionConfig:
         waves = self.return_waves
         if waves is not None and (isinstance(waves, bool) or not isinstance(waves, int) or waves < 1):
             raise ValueError(f"return_waves must be an int >= 1 or None, got {waves!r}")
+        spread = self.hop_a_spread
+        if isinstance(spread, bool) or not isinstance(spread, int) or spread < 1:
+            raise ValueError(f"hop_a_spread must be an int >= 1, got {spread!r}")
         if self.ns_in_backward and not self.overlap:
             raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
                              "during backward only with overlap")

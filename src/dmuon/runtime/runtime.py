@@ -107,7 +107,8 @@ class ShardRuntime:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, self.grad_parts, callbacks.matrices,
                                              self._check_grad, callbacks.owner_work if config.ns_in_backward else None,
                                              self.work, directions=config.overlap, replicate=self.replicate,
-                                             row_states=callbacks.row_states if self.row_width else None)
+                                             row_states=callbacks.row_states if self.row_width else None,
+                                             hop_a_spread=config.hop_a_spread)
 
     @property
     def column(self) -> int:

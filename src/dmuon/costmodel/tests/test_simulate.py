@@ -217,10 +217,11 @@ def test_every_strategy_schedules_every_collective_and_adds_up(replicate, shard,
 @pytest.mark.parametrize("tokens,bound", [(20, "reduce-scatter"), (1, "columns")])
 def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound):
     """Design (b), 2 x 2 mesh, two blocks of one 2 x 4 matrix each (block 2's owned by (0, 1), block 1's
-    by (1, 0)): block 2's hop A leaves in block 1's gradient-column all_to_all, which starts once block
-    1's reduce-scatter has landed and block 2's directions are computed, whichever is later."""
+    by (1, 0)), hop A all at once (``hop_a_spread=1``): block 2's hop A leaves in block 1's
+    gradient-column all_to_all, which starts once block 1's reduce-scatter has landed and block 2's
+    directions are computed, whichever is later."""
     inputs = StepInputs(shapes=[(2, 4), (2, 4)], owners=[1, 2], blocks=[2, 1], replicate=2, shard=2,
-                        ns_batches={1: [[0]], 2: [[1]]}, zero=2)
+                        ns_batches={1: [[0]], 2: [[1]]}, zero=2, hop_a_spread=1)
     # Free intra-node links (FSDP2's collectives and hop B take no time), 1 byte/s and 2 s a message
     # across nodes; forward of a block = 2 x 8 x tokens / 16 = tokens s, backward twice that; block 2's
     # directions 10 B x 8 / 4 ranks at 10 B/s = 2 s.
@@ -230,7 +231,7 @@ def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound
     timeline.run()
     task = {t.name: t for t in timeline.tasks}
     columns = task["dmuon gradient columns block 2"]
-    merged = task["dmuon gradient columns block 1 + direction slices block 2"]
+    merged = task["dmuon gradient columns block 1 + direction slices of blocks [2]"]
     hop_b = task["dmuon directions block 2"]
     # Block 2's backward ends at 2 t + 2 t (forward of both, its own backward); its column slices
     # (fp32, 1 row x 2 columns each way) take 2 + 8 s. Block 1's backward ends 2 t later.
@@ -250,7 +251,7 @@ def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound
     assert all(v == pytest.approx(start + 2 + 12) for v in merged.end.values())
     # Block 2's hop B waits for it; block 1's hop A goes alone in step().
     assert min(hop_b.start.values()) >= start + 14 - 1e-9
-    assert task["dmuon direction slices block 1"].collective.role == "hop_a"
+    assert task["dmuon direction slices of blocks [1] left at the end of backward"].collective.role == "hop_a"
 
 
 def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
@@ -258,16 +259,17 @@ def test_design_b_a_unit_without_muon_matrices_carries_the_hop_a_alone():
     # block 3's hop A goes alone when block 2 lands, before block 2's all-reduce (one queue: the
     # replicate group's), block 1's columns carry nothing, block 1's hop A goes alone when the root lands.
     inputs = StepInputs(shapes=[(6, 5), (5, 7)], owners=[1, 2], blocks=[3, 1], replicate=2, shard=2,
-                        ns_batches={1: [[0]], 2: [[1]]}, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 2])
+                        ns_batches={1: [[0]], 2: [[1]]}, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 2],
+                        hop_a_spread=1)
     listed = step_collectives("dmuon", inputs.shapes, inputs.owners, inputs.blocks, 2, 2, waves=inputs.waves(),
-                              other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks)
+                              other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks, hop_a_spread=1)
     assert [(c.role, c.block, c.carries_hop_a) for c in listed if c.role in ("grad_columns", "hop_a")] == [
-        ("grad_columns", 3, None), ("hop_a", 3, None), ("grad_columns", 1, None), ("hop_a", 1, None)]
+        ("grad_columns", 3, ()), ("hop_a", 2, (3,)), ("grad_columns", 1, ()), ("hop_a", 0, (1,))]
     timeline, _ = build_step("dmuon", inputs, HW, SimOptions(tokens_per_gpu=1000))
     timeline.run()
     task = {t.name: t for t in timeline.tasks}
     reduced_2 = task["dmuon all_reduce of the other parameters block 2"]
-    alone_3 = task["dmuon direction slices block 3"]
+    alone_3 = task["dmuon direction slices of blocks [3]"]
     assert min(reduced_2.start.values()) >= max(alone_3.end.values())
     # Serialised without compute: the alpha-beta sum of what step_collectives lists, plus the agreement.
     options = SimOptions(overlap=False, compute=False)

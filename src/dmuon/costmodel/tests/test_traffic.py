@@ -271,24 +271,27 @@ def test_design_b_column_all_to_all_by_hand():
 def test_design_b_hop_a_rides_with_the_next_blocks_columns():
     # Two 5 x 7 matrices on a 2 x 2 mesh: block 3's owned by (0, 1), block 2's by (1, 0); backward
     # lands block 3 first. Columns [4, 3] over the replicas, rows [3, 2] over the shard positions.
-    backward, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2, gradient_bytes=4)
+    # Hop A all at once (hop_a_spread=1).
+    backward, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2, gradient_bytes=4,
+                                             hop_a_spread=1)
     assert [c.label for c in backward] == [
-        "dmuon gradient columns block 3",                              # block 3 lands: nothing to carry
-        "dmuon gradient columns block 2 + direction slices block 3",   # block 2 lands: one all_to_all
-        "dmuon directions block 3",                                    # step(): hop B of block 3,
-        "dmuon direction slices block 2",                              # the last block's hop A alone,
-        "dmuon directions block 2"]                                    # and its hop B
+        "dmuon gradient columns block 3",                                  # block 3 lands: nothing to carry
+        "dmuon gradient columns block 2 + direction slices of blocks [3]",  # block 2 lands: one all_to_all
+        "dmuon directions block 3",                                        # step(): hop B of block 3,
+        "dmuon direction slices of blocks [2] left at the end of backward",  # the last block's hop A alone,
+        "dmuon directions block 2"]                                        # and its hop B
     first, merged, b3, a2, b2 = backward
     columns = [(36, 48), (24, 32), (48, 36), (32, 24)]  # as test_design_b_column_all_to_all_by_hand's
-    assert first.ranks == columns and first.carries_hop_a is None and first.role == "grad_columns"
+    assert first.ranks == columns and first.carries_hop_a == () and first.role == "grad_columns"
     # Block 3's hop A: replica 1 sends its slices 1 (3 x 3 and 2 x 3, bf16) to replica 0.
     hop_a_3 = [(0, 18), (0, 12), (18, 0), (12, 0)]
     assert merged.ranks == [(c[0] + a[0], c[1] + a[1]) for c, a in zip(columns, hop_a_3)]
-    assert (merged.role, merged.block, merged.carries_hop_a, merged.level) == ("grad_columns", 2, 3, "inter")
+    assert (merged.role, merged.block, merged.carries_hop_a, merged.completes_hop_a, merged.level) == (
+        "grad_columns", 2, (3,), (3,), "inter")
     # The same peer (the other replica of the column) for both parts: one message.
     assert merged.messages == 1 and merged.critical == 66
     # Block 2's hop A to replica 1: replica 0 sends its slices 0 (3 x 4 and 2 x 4).
-    assert (a2.role, a2.ranks) == ("hop_a", [(24, 0), (16, 0), (0, 24), (0, 16)])
+    assert (a2.role, a2.block, a2.ranks) == ("hop_a", None, [(24, 0), (16, 0), (0, 24), (0, 16)])
     assert b3.ranks == [(42, 0), (0, 42), None, None] and b2.ranks == [None, None, (0, 28), (28, 0)]
     # The same bytes per rank as two collectives of their own, one collective fewer.
     apart, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2)
@@ -296,11 +299,34 @@ def test_design_b_hop_a_rides_with_the_next_blocks_columns():
     # A unit with no Muon matrix between them (block 9: another parameter's FSDP2 unit) carries
     # block 3's hop A alone; block 2's columns then have nothing to carry.
     backward, _ = owner_exchange_collectives([(5, 7), (5, 7)], [1, 2], [3, 2], 2, 2, 2, block_order=[3, 9, 2],
-                                             gradient_bytes=4)
+                                             gradient_bytes=4, hop_a_spread=1)
     assert [(c.role, c.block, c.carries_hop_a) for c in backward] == [
-        ("grad_columns", 3, None), ("hop_a", 3, None), ("hop_b", 3, None), ("grad_columns", 2, None),
-        ("hop_a", 2, None), ("hop_b", 2, None)]
+        ("grad_columns", 3, ()), ("hop_a", 9, (3,)), ("hop_b", 3, ()), ("grad_columns", 2, ()),
+        ("hop_a", None, (2,)), ("hop_b", 2, ())]
     assert backward[1].ranks == hop_a_3 and backward[3].ranks == columns
+
+
+def test_design_b_hop_a_spread_over_later_collectives_by_hand():
+    # Three blocks, each one 8 x 4 matrix on a 2 x 1 mesh (R = 2, S = 1), all owned by replica 0:
+    # every block's hop A (replica 1's 8 x 2 slice, 32 bf16 bytes) lands on replica 0. The column
+    # reduce-scatter of a block (fp32) moves 8 x 2 x 4 = 64 bytes each way on both ranks.
+    shapes, owners, blocks = [(8, 4)] * 3, [0, 0, 0], [3, 2, 1]
+    backward, _ = owner_exchange_collectives(shapes, owners, blocks, 2, 1, 2, gradient_bytes=4, hop_a_spread=2)
+    roles = [(c.role, c.block, c.carries_hop_a, c.completes_hop_a) for c in backward]
+    # Block 2's collective may rise by the average hop A per rank and block so far (32 / 2 ranks = 16
+    # bytes): block 3 sends half of its rows. Block 1's must carry the rest of block 3's (its last
+    # chance), which already reaches that level (64 + 16): block 2's waits. The last collective carries
+    # block 2's and block 1's whole. No hop B: one rank per replica.
+    assert roles == [("grad_columns", 3, (), ()), ("grad_columns", 2, (3,), ()),
+                     ("grad_columns", 1, (3,), (3,)), ("hop_a", None, (2, 1), (2, 1))]
+    assert [c.ranks for c in backward] == [[(64, 64), (64, 64)], [(64, 80), (80, 64)], [(64, 80), (80, 64)],
+                                           [(0, 64), (64, 0)]]
+    # Every byte of hop A goes once: 3 x 32 in all.
+    assert sum(c.ranks[0][1] for c in backward) - 3 * 64 == 3 * 32
+    # hop_a_spread=1 sends each block's whole hop A with the next collective.
+    once, _ = owner_exchange_collectives(shapes, owners, blocks, 2, 1, 2, gradient_bytes=4, hop_a_spread=1)
+    assert [c.ranks for c in once] == [[(64, 64), (64, 64)], [(64, 96), (96, 64)], [(64, 96), (96, 64)],
+                                       [(0, 32), (32, 0)]]
 
 
 def test_design_b_column_all_to_all_with_an_empty_slice_and_an_empty_column():
