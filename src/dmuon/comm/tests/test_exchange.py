@@ -27,6 +27,7 @@ from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import from_mesh
 from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
 from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows
+from dmuon.plan.hop_a import UNITS
 from dmuon.util.spawn import run_distributed
 
 WORLD = 4
@@ -227,6 +228,15 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
         pending.forward()
         out["joined"] = {"directions": pending.wait(), "extra": theirs.float(), "early": early,
                          "log": stats.log[start:]}
+        # Hop A in row chunks: a third of the units, nothing more, two thirds and one, the rest.
+        steps = [UNITS // 3, UNITS // 3, 2 * UNITS // 3 + 1, UNITS]
+        schedule = iter([{k: units for k in members} for units in steps])
+        start = len(stats.log)
+        pending = exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members},
+                                           spread=lambda: next(schedule))
+        for _ in steps[1:]:
+            pending.forward()
+        out["chunked"] = {"directions": pending.wait(), "log": stats.log[start:], "steps": steps}
         out["two_hop"] = {
             "directions": _landed_by_a_side_thread(
                 stats, lambda: exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})),
@@ -381,6 +391,47 @@ def test_hop_a_joined_with_another_all_to_all_lands_both_in_one_collective():
         inter = [entry for entry in joined["log"] if entry[0] == "inter"]
         assert len(inter) == 1
         assert inter[0] == ("inter", sum(e[1] for e in hop_a) + 7, sum(e[2] for e in hop_a) + 11)
+
+
+def test_hop_a_in_row_chunks_lands_the_same_directions():
+    """``send_directions(spread=)``: hop A in unit ranges (rows pro rata on every position), one
+    all_to_all per chunk that moves a row of this position, hop B once all have landed."""
+    mesh = "2x2"
+    infos = _infos(mesh)
+    replicate, shard = _grid(mesh)
+    members = _members(0)
+    for res in _results(mesh):
+        rank, (r, s) = res["plan_rank"], res["coords"]
+        got = res["chunked"]
+        mine = [k for k in members if OWNERS[k] == rank]
+        assert sorted(got["directions"]) == mine
+        for k in mine:
+            assert torch.equal(got["directions"][k], _direction(k).reshape(infos[k].matrix_shape)), f"rank {rank}"
+        # Each chunk's bytes, from the unit ranges (written here from the rows each range moves).
+        steps, expected, before = got["steps"], [], 0
+        for units in steps:
+            sent = received = 0
+            for k in members:
+                info, r_o = infos[k], OWNERS[k] // shard
+                rows = info.rows[s] if info.sent_numel(s) else 0
+                moved = rows * units // UNITS - rows * before // UNITS
+                widths = [c * info.inner * ELEM for c in info.replica_columns(s)]
+                sent += moved * widths[r] if r != r_o else 0
+                received += moved * sum(w for q, w in enumerate(widths) if q != r_o) if r == r_o else 0
+            moves = any((infos[k].rows[s] if infos[k].sent_numel(s) else 0) * units // UNITS
+                        != (infos[k].rows[s] if infos[k].sent_numel(s) else 0) * before // UNITS for k in members)
+            if moves:
+                expected.append(("inter", sent, received))
+            before = units
+        assert [e for e in got["log"] if e[0] == "inter"] == expected, f"rank {rank}"
+        # The chunks move what hop A moves at once (the same rank's log in the per-block run).
+        at_once = [e for e in res["blocks"][0]["send_log"] if e[0] == "inter"]
+        assert [sum(e[1] for e in expected), sum(e[2] for e in expected)] == \
+            [sum(e[1] for e in at_once), sum(e[2] for e in at_once)]
+        assert [e for e in got["log"] if e[0] == "intra"] == [e for e in res["blocks"][0]["send_log"]
+                                                             if e[0] == "intra"]
+    # The empty second chunk moved no row anywhere, the others did somewhere.
+    assert max(len([e for e in res["chunked"]["log"] if e[0] == "inter"]) for res in _results(mesh)) == 3
 
 
 def test_a_replica_owning_none_of_a_block_skips_its_collectives():
