@@ -14,9 +14,13 @@ edited in between fails that check, and the block is exchanged again in
 
 Collective order: hooks fire in FSDP2's post-backward order, which FSDP2
 itself requires to be the same on every rank. On HSDP a block's directions
-take two hops (across replicas, then inside the owner's replica); the second
-is issued from the main thread when the next block launches (or ``step()``
-takes the launches), so the order is ``A(b), B(b), A(b+1), ...`` on every rank.
+take two hops (across replicas, then inside the owner's replica); each next
+hop is issued from the main thread when the next block launches (or ``step()``
+takes the launches), so every rank issues them in the same order. On dmuon's
+replicate level hop A goes in row chunks over the following launches, each
+joined with that unit's gradient column reduce-scatter, as the
+:class:`~dmuon.plan.hop_a.HopASpreader` decides (the same on every rank), and
+hop B at the launch after the last chunk.
 """
 
 from __future__ import annotations
