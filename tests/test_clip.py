@@ -1,6 +1,9 @@
-"""torch.nn.utils.clip_grad_norm_ on the FSDP2 model, as is, equals it on one process."""
+"""Clipping (torch's ``clip_grad_norm_`` on the FSDP2 model, or DMuon's) equals it on one process,
+and the launches from backward survive it."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -8,37 +11,92 @@ import torch
 from dmuon.util.spawn import run_distributed
 
 from support.cases import MUON_KW, Case, run_cases
+from support.clipping import resumed_clipping
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
 
 CLIP = 0.3  # below the gradient norms of this model, so clipping acts every step
+STEPS = 3
+BLOCKS = 4  # OddNet: the root and three layers, each its own FSDP2 group
+CASES = {
+    "no overlap": Case(zero=3, overlap=False),
+    "clipped_overlap=False": Case(zero=3, overlap=True, clipped_overlap=False),
+    "overlap": Case(zero=3),
+    "zero2 ns_in_backward 3 waves": Case(zero=2, ns_in_backward=True, return_waves=3),
+    "DMuon.clip_grad_norm_": Case(zero=3, clip_with="dmuon"),
+}
 
 
-@pytest.mark.parametrize("world_size,mesh_shape", [(3, None), (4, (2, 2))])
-def test_torch_clip_matches_one_process(world_size, mesh_shape):
-    steps = 2
-    cases = [Case(zero=z, ns_dtype=torch.float32, steps=steps, clip=CLIP, mesh_shape=mesh_shape, overlap=o)
-             for z, o in ((2, True), (3, False))]
-    results = run_distributed(run_cases, world_size, cases, timeout_s=180)
+@functools.cache
+def _runs(world_size: int, mesh_shape, hsdp: str) -> dict[str, list[dict]]:
+    cases = [Case(**{**c.__dict__, "ns_dtype": torch.float32, "steps": STEPS, "clip": CLIP,
+                     "mesh_shape": mesh_shape, "hsdp": hsdp}) for c in CASES.values()]
+    results = run_distributed(run_cases, world_size, cases, timeout_s=300)
+    return {name: [r[k] for r in results] for k, name in enumerate(CASES)}
+
+
+@functools.cache
+def _reference(world_size: int):
     torch.manual_seed(0)
     model = OddNet()
     batches = []
-    for step in range(steps):
+    for step in range(STEPS):
         parts = [odd_batch(step, r) for r in range(world_size)]
         batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
     ref, _ = reference_training(model, batches, lm_loss, muon_kwargs=MUON_KW,
-                                adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
-                                ns_dtype=torch.float32, clip=CLIP)
-    ref_norms = reference_training.norms
+                                adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), ns_dtype=torch.float32, clip=CLIP)
+    return ref, list(reference_training.norms)
+
+
+MESHES = [(3, None, "fsdp2"), (4, (2, 2), "fsdp2"), (4, (2, 2), "dmuon")]
+IDS = ["3 ranks", "2x2 native HSDP", "2x2 replicate level"]
+
+
+@pytest.mark.parametrize("world_size,mesh_shape,hsdp", MESHES, ids=IDS)
+def test_clipped_training_matches_one_process(world_size, mesh_shape, hsdp):
+    runs = _runs(world_size, mesh_shape, hsdp)
+    ref, ref_norms = _reference(world_size)
     assert min(ref_norms) > CLIP
-    for k in range(len(cases)):
+    for name, results in runs.items():
         for r in results:
-            assert r[k]["norms"] == pytest.approx(ref_norms, rel=1e-5)
-            # The clipped gradients differ from what backward launched: step() exchanged them again.
-            assert all(s["blocks_exchanged_in_backward"] == 0 for s in r[k]["stats"])
-            # Nothing orthogonalized while agreeing was kept: the launches went stale.
-            assert all(s["orthogonalized_while_agreeing"] == 0 for s in r[k]["stats"])
-        got = results[0][k]["params"]
+            assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), name
+        got = results[0]["params"]
         worst = max(got, key=lambda n: (got[n] - ref[n]).abs().max().item())
-        assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, worst
+        assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, (name, worst)
+
+
+@pytest.mark.parametrize("world_size,mesh_shape,hsdp", MESHES, ids=IDS)
+def test_launches_survive_clipping(world_size, mesh_shape, hsdp):
+    runs = _runs(world_size, mesh_shape, hsdp)
+    for name in ("overlap", "zero2 ns_in_backward 3 waves", "DMuon.clip_grad_norm_"):
+        for r in runs[name]:
+            # Every block's launch stood for its clipped gradients: the owners rescaled, no new exchange.
+            assert [s["blocks_exchanged_in_backward"] for s in r["stats"]] == [BLOCKS] * STEPS, name
+            assert all(s["rescaled_launches"] >= BLOCKS - 1 for s in r["stats"]), name
+    for r in runs["clipped_overlap=False"]:
+        # Without the owners' momenta the clipped gradients go stale: step() exchanges them again,
+        # and the result is overlap=False's bit for bit.
+        assert all(s["blocks_exchanged_in_backward"] == 0 and not s["rescaled_launches"] for s in r["stats"])
+    same, other = runs["clipped_overlap=False"][0]["params"], runs["no overlap"][0]["params"]
+    assert all(torch.equal(same[n], other[n]) for n in same)
+    # The rescaled directions are the ranks' up to float32 rounding: not bit-identical, but close.
+    rescaled = runs["overlap"][0]["params"]
+    assert max((rescaled[n] - other[n]).abs().max().item() for n in other) <= 1e-6
+
+
+@pytest.mark.parametrize("world_size,mesh_shape,hsdp", [(3, None, "fsdp2"), (4, (2, 2), "dmuon")],
+                         ids=["3 ranks", "2x2 replicate level"])
+def test_owners_momentum_after_a_state_load(world_size, mesh_shape, hsdp):
+    """A loaded state replaces the momentum the owners' copies followed: the first step after it
+    exchanges the clipped gradients again and then sends the momentum to the owners (float32, once),
+    after which the launches survive clipping again; the run equals the one never interrupted."""
+    results = run_distributed(resumed_clipping, world_size, mesh_shape, hsdp, timeout_s=120)
+    for r in results:
+        stats = r["resumed"]["stats"]
+        assert [s["rescaled_launches"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS]
+        assert [s["blocks_exchanged_in_backward"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS]
+        # The one float32 exchange of the momentum: more bytes than the step without it.
+        assert stats[2]["bytes_sent"] + stats[2]["bytes_received"] > 0
+    straight, resumed = results[0]["straight"]["params"], results[0]["resumed"]["params"]
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= 1e-6

@@ -14,10 +14,11 @@ from support.models import OddNet, lm_loss, odd_batch
 KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
 
 
-def _trained(overlap: bool, backwards_per_step: int, clip: float | None = None):
+def _trained(overlap: bool, backwards_per_step: int, clip: float | None = None, clipped_overlap: bool = True):
     torch.manual_seed(0)
     model = OddNet()
-    opt = dmuon.DMuon(model, overlap=overlap, **KW)
+    opt = dmuon.DMuon(model, execution=dmuon.ExecutionConfig(overlap=overlap, clipped_overlap=clipped_overlap),
+                      **KW)
     kept = []
     for step in range(2):
         for k in range(backwards_per_step):
@@ -33,14 +34,21 @@ def _trained(overlap: bool, backwards_per_step: int, clip: float | None = None):
 def test_a_launch_stands_only_for_the_gradients_step_uses():
     plain, kept = _trained(overlap=True, backwards_per_step=1)
     assert kept == [1, 1]  # one block in a single process, launched from backward and kept
-    for backwards, clip in ((2, None), (1, 0.1)):
-        # A second backward (accumulating without FSDP2's no-sync) or a clip changes the
-        # gradients after the launch: step() exchanges again, and the result is exact.
-        on, kept = _trained(overlap=True, backwards_per_step=backwards, clip=clip)
+    for backwards, clip, clipped_overlap in ((2, None, True), (1, 0.1, False)):
+        # A second backward (accumulating without FSDP2's no-sync), or a clip without the owners'
+        # momentum copies, changes the gradients after the launch: step() exchanges again, and the
+        # result is exact.
+        on, kept = _trained(overlap=True, backwards_per_step=backwards, clip=clip, clipped_overlap=clipped_overlap)
         off, _ = _trained(overlap=False, backwards_per_step=backwards, clip=clip)
         assert kept == [0, 0]
         assert all(torch.equal(on[n], off[n]) for n in on)
         assert any(not torch.equal(on[n], plain[n]) for n in on)
+    # With them (the default) the launch stands for the clipped gradients: the owner forms their
+    # direction from the launched one, equal up to float32 rounding.
+    on, kept = _trained(overlap=True, backwards_per_step=1, clip=0.1)
+    off, _ = _trained(overlap=False, backwards_per_step=1, clip=0.1)
+    assert kept == [1, 1]
+    assert max((on[n] - off[n]).abs().max().item() for n in on) <= 1e-6
 
 
 def test_a_replaced_optimizer_leaves_no_hooks_behind():

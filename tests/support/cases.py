@@ -38,6 +38,8 @@ class Case:
     ns_method: str = "standard"
     overlap: bool = True
     """DMuon's overlap mode."""
+    clipped_overlap: bool = True
+    """``ExecutionConfig.clipped_overlap``: owners keep the momentum, launches survive clipping."""
     clip: float | None = None
     """``torch.nn.utils.clip_grad_norm_`` on all parameters before each step."""
     mesh_shape: tuple[int, int] | None = None
@@ -144,9 +146,11 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
                                           balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
                                           compile=case.compile, column_sharded=case.column_sharded,
-                                          overlap=case.overlap, hsdp=case.hsdp,
-                                          ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
-                                          rule=case.rule, **kw)
+                                          hsdp=case.hsdp, rule=case.rule,
+                                          execution=dmuon.ExecutionConfig(
+                                              overlap=case.overlap, clipped_overlap=case.clipped_overlap,
+                                              ns_in_backward=case.ns_in_backward, return_waves=case.return_waves),
+                                          **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)

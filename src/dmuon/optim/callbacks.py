@@ -9,7 +9,7 @@ import torch
 
 from dmuon.ortho.owner import owner_update
 from dmuon.rules.adamw import adamw_group_step, local_tensor
-from dmuon.rules.muon import apply_update, momentum_update, peek_direction
+from dmuon.rules.muon import apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
 from dmuon.rules.normuon import normalize_rows
 from dmuon.runtime.callbacks import StepCallbacks
 
@@ -23,6 +23,8 @@ class MuonCallbacks(StepCallbacks):
     Reads the optimizer's param groups and state at each call (a state-dict load
     replaces both), so it holds the optimizer, not its containers.
     """
+
+    rescalable = True
 
     def __init__(self, optimizer: DMuon) -> None:
         self.opt = optimizer
@@ -80,6 +82,25 @@ class MuonCallbacks(StepCallbacks):
 
     def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
         return owner_update(directions, self.opt.ns)
+
+    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        group = self._groups()[index]
+        return rescaled_direction(launched, momentum, scale, group["momentum"], group["nesterov"])
+
+    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
+        group = self._groups()[index]
+        momentum_after(momentum, direction, group["momentum"], group["nesterov"])
+
+    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        r = divmod(self.plan.rank, self.plan.shard)[0]
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param].get("momentum_buffer")
+            out[i] = (torch.zeros(info.momentum_numel(r, self._column), device=self.plan.device) if buf is None
+                      else self._local(i, buf))
+        return out
 
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:

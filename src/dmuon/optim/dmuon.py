@@ -634,6 +634,8 @@ class DMuon(torch.optim.Optimizer):
             if isinstance(value, DTensor) and value.device_mesh == mesh and tuple(value.placements) != placements:
                 value = value.redistribute(mesh, placements)
             self.state[param][name] = value.to(device=param.device, dtype=torch.float32)
+        if self.runtime.owner_momentum is not None:
+            self.runtime.owner_momentum.invalidate()  # the owners' copies follow the old momentum
 
     # --------------------------------------------------------------------- step
     @torch.no_grad()

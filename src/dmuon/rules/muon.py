@@ -119,3 +119,32 @@ def apply_update(
     # As torch.optim.Muon: the NS-dtype update added as is (promoted inside the kernel, no copy);
     # extra_scale_factor=1.0 leaves alpha, so the result stays bit-identical to torch's.
     param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape) * extra_scale_factor)
+
+
+def rescaled_direction(launched: torch.Tensor, momentum_before: torch.Tensor, scale: float, momentum: float,
+                       nesterov: bool) -> torch.Tensor:
+    """The direction for the gradient ``scale * g`` from the one :func:`peek_direction` gave for ``g``.
+
+    Both are linear in the gradient with the same momentum part: with ``buf`` the momentum
+    before the step, Nesterov's direction is ``mu^2 buf + (1 - mu^2) g`` and the plain one
+    ``mu buf + (1 - mu) g``, so the direction for ``scale * g`` is
+    ``scale * launched + (1 - scale) * K * buf`` with ``K = mu^2`` (Nesterov) or ``mu``
+    (float32; equal to torch's up to rounding, see :func:`momentum_after`).
+    """
+    k = momentum * momentum if nesterov else momentum
+    return launched.float().mul(scale).add_(momentum_before, alpha=(1.0 - scale) * k)
+
+
+def momentum_after(momentum_before: torch.Tensor, direction: torch.Tensor, momentum: float,
+                   nesterov: bool) -> torch.Tensor:
+    """Advances ``momentum_before`` in place to the momentum after a step whose direction was
+    ``direction``, without the gradient: ``(mu buf + d) / (1 + mu)`` (Nesterov, since
+    ``d = mu^2 buf + (1 - mu^2) g`` and the new ``buf = mu buf + (1 - mu) g``), ``d`` (plain).
+
+    An owner keeps its matrices' whole momentum this way from the directions it receives: an error
+    ``e`` in it (the wire's rounding of ``d``) shrinks by ``mu / (1 + mu) < 1/2`` a step, so it stays
+    within the largest rounding of the recent directions.
+    """
+    if nesterov:
+        return momentum_before.mul_(momentum).add_(direction.float()).div_(1.0 + momentum)
+    return momentum_before.copy_(direction)

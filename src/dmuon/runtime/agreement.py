@@ -11,12 +11,14 @@ the flags, landed with them, keep them).
 
 from __future__ import annotations
 
+import struct
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from dmuon.plan.plan import MatrixInfo
 from dmuon.rules.adamw import local_tensor
+from dmuon.util.bits import bitwise_equal
 
 
 class Agreement(NamedTuple):
@@ -28,6 +30,11 @@ class Agreement(NamedTuple):
     """The whole step is skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
     stale: list[int]
     """Per launch from backward (block order): 1 where some rank's directions differ from those sent."""
+    rescaled: list[int] = []
+    """Per launch (block order): 1 where it stands for its gradients scaled by :attr:`scale` since it
+    was sent (clipping; the owners form the directions), 0 where it stands as sent or is stale."""
+    scale: float | None = None
+    """The one factor every rescaled launch's gradients were scaled by (:func:`uniform_scale`)."""
 
 
 def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[int], here: Sequence[int],
@@ -82,10 +89,67 @@ def _decide(flags: list[int], infos: Sequence[MatrixInfo], managed: Sequence[int
                            "gradients on every rank or on none")
     active = [i for i in sorted(managed) if flags[i]]
     agreed_stale = flags[2 * n + count:]
+    unscaled = [0] * len(agreed_stale)
     if nonfinite is None or not any(flags[2 * n : 2 * n + count]):
-        return Agreement(active, False, agreed_stale)
+        return Agreement(active, False, agreed_stale, unscaled)
     if nonfinite == "raise":
         names = [infos[i].name for i in range(n) if flags[2 * n + i]]
         names += [checked_names[k] for k in range(len(checked_names)) if flags[3 * n + k]]
         raise FloatingPointError(f"non-finite gradients in {names}")
-    return Agreement(active, True, agreed_stale)
+    return Agreement(active, True, agreed_stale, unscaled)
+
+
+NONUNIFORM = "nonuniform"
+"""A rank's gradients changed since the launches, but not by one factor."""
+
+SCALE_FLAGS = 10
+"""Flags :func:`scale_flags` adds: proposed, non-uniform, the factor's 4 bytes and their complements."""
+
+
+def uniform_scale(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | str | None:
+    """The one float32 factor ``c`` with ``now == fl(launched * c)``, bit for bit, for every pair
+    (this rank's gradient parts as launched and as they are now), as ``clip_grad_norm_``'s
+    ``mul_`` by its coefficient leaves them.
+
+    Returns:
+        ``1.0`` if nothing changed (and something is nonzero), the factor, ``None`` when every
+        launched part is zero (any factor fits), or :data:`NONUNIFORM`.
+    """
+    changed = [(g0, g1) for g0, g1 in pairs if not bitwise_equal(g0, g1)]
+    nonzero = [g0 for g0, _ in pairs if g0.numel() and bool(g0.ne(0).any())]
+    if not changed:
+        return 1.0 if nonzero else None
+    g0, g1 = changed[0]
+    flat0, flat1 = g0.reshape(-1).float(), g1.reshape(-1).float()
+    j = int(flat0.abs().argmax())
+    if not flat0[j] or not torch.isfinite(flat0[j]):
+        return NONUNIFORM
+    guess = (flat1[j] / flat0[j]).reshape(1)
+    for c in (guess, torch.nextafter(guess, guess + 1), torch.nextafter(guess, guess - 1)):
+        if bool(torch.isfinite(c)) and all(bitwise_equal(a * c.to(a.dtype), b) for a, b in pairs):
+            return float(c)
+    return NONUNIFORM
+
+
+def scale_flags(proposal: float | str | None) -> list[int]:
+    """This rank's :data:`SCALE_FLAGS` flags for its :func:`uniform_scale`: integers 0-255, exact in every
+    wire dtype, whose maxima over the ranks tell whether every rank proposed the same factor (each byte's
+    maximum, and its complement's, give the byte's maximum and minimum)."""
+    if proposal is None:
+        return [0] * SCALE_FLAGS
+    if proposal == NONUNIFORM:
+        return [1, 1] + [0] * 8
+    raw = struct.pack("<f", proposal)
+    return [1, 0, *raw, *(255 - b for b in raw)]
+
+
+def agreed_scale(flags: Sequence[int]) -> float | str | None:
+    """From the maxima of every rank's :func:`scale_flags`: the factor every proposing rank gave,
+    ``None`` when none proposed one, or :data:`NONUNIFORM` (a rank saw a non-uniform change, or
+    two ranks proposed different factors)."""
+    proposed, nonuniform, high, complement = flags[0], flags[1], flags[2:6], flags[6:10]
+    if not proposed:
+        return None
+    if nonuniform or any(h != 255 - c for h, c in zip(high, complement)):
+        return NONUNIFORM
+    return struct.unpack("<f", bytes(int(b) for b in high))[0]

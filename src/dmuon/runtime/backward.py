@@ -38,6 +38,7 @@ from dmuon.comm import Pending, ShardExchange
 from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.layout import shard_rows
 from dmuon.plan.plan import MatrixInfo, Plan
+from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 
@@ -58,6 +59,9 @@ class Launch:
     """The exchange; ``wait()`` gives the owned whole directions."""
     rows: dict[int, torch.Tensor] | None = None
     """With a row state: this rank's rows of each member's row state, as sent."""
+    grads: dict[int, torch.Tensor] | None = None
+    """With ``keep_gradients``: a copy of this rank's part of each member's local gradient as launched
+    (on the replicate level its reduced form), for ``step()`` to recognise a uniform rescale."""
 
 
 EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]]
@@ -100,6 +104,7 @@ class BackwardLaunches:
             the directions); None: none.
         hop_a_spread: With ``replicate``: the most collectives across replicas a block's direction
             slices spread over (:class:`~dmuon.plan.hop_a.HopASpreader`; 1: all with the next).
+        keep_gradients: Keep a copy of each launch's gradient parts (:attr:`Launch.grads`).
     """
 
     def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
@@ -107,7 +112,7 @@ class BackwardLaunches:
                  owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
                  replicate: ReplicateLevel | None = None,
                  row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None,
-                 hop_a_spread: int = 8) -> None:
+                 hop_a_spread: int = 8, keep_gradients: bool = False) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek
@@ -119,6 +124,7 @@ class BackwardLaunches:
         self._directions = directions
         self.replicate = replicate
         self._row_states = row_states
+        self._keep_gradients = keep_gradients
         self._spreader: HopASpreader | None = None
         if replicate is not None and directions:
             self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
@@ -140,17 +146,22 @@ class BackwardLaunches:
         self._fired: set[int] = set()
         self._in_backward = False
         self._launches: dict[int, Launch] = {}
+        self._ref = weakref.ref(self)
+        for u in self._units:
+            for p in u.params:
+                p._dmuon_launches = self._ref  # the newest launches on a parameter take its hooks
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._hook())
                                   for u in self._units for p in u.params]
 
     def _hook(self):
-        # The hook outlives nothing: once these launches (and their runtime) are gone,
-        # e.g. replaced by a new optimizer on resume, the hook does nothing.
-        launches = weakref.ref(self)
+        # The hook outlives nothing: once these launches (and their runtime) are gone, or newer
+        # launches hooked the same parameter (a new optimizer on resume, whether or not the old one
+        # has been garbage-collected yet, which can differ between ranks), the hook does nothing.
+        launches = self._ref
 
         def hook(param: torch.Tensor) -> None:
             me = launches()
-            if me is not None:
+            if me is not None and getattr(param, "_dmuon_launches", None) is launches:
                 me._landed_one(param)
 
         return hook
@@ -234,7 +245,8 @@ class BackwardLaunches:
             self._check(i)
         sent = self._peek(members, self._grad_parts(members))
         rows = self._rows_sent(members)
-        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows))
+        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows,
+                         self._gradient_copies(members)))
         return None
 
     def _end_of_backward(self) -> None:
@@ -252,8 +264,22 @@ class BackwardLaunches:
         sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
         launch.sent.update(sent)
         launch.rows = self._rows_sent(launch.members)
+        # What the directions came from: the reduction's sums (a clip since scaled the gradients, not them).
+        launch.grads = self._gradient_copies(launch.members, reduction.columns.wait())
         spread = None if self._spreader is None else functools.partial(self._spreader.upto, launch.block)
         return self.exchange.send_directions(launch.members, sent, launch.rows, spread)
+
+    def _gradient_copies(self, members: list[int], sums: dict[int, torch.Tensor] | None = None
+                         ) -> dict[int, torch.Tensor] | None:
+        """With ``keep_gradients``: a copy of this rank's part of each member's local gradient (``sums``:
+        on the replicate level, the landed reduction's, where the gradient holds them)."""
+        if not self._keep_gradients:
+            return None
+        r, s = divmod(self.plan.rank, self.plan.shard)
+        infos = self.plan.infos
+        sums = sums or {}
+        return {i: (sums[i] if i in sums else infos[i].kept_view(local_tensor(infos[i].param.grad), r, s)).clone()
+                for i in members}
 
     def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until

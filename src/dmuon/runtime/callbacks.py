@@ -69,6 +69,11 @@ class StepCallbacks(abc.ABC):
 
     row_width: int = 0
     """float32 values of row state per matrix row that travel with the matrices (0: none)."""
+    rescalable: bool = False
+    """The rule's direction is linear in the gradient with a momentum part, and it implements
+    :meth:`rescale_direction`, :meth:`advance_momentum` and :meth:`momentum_parts`: then (with
+    ``ExecutionConfig.clipped_overlap``) each owner keeps its matrices' whole momentum, and a launch
+    whose gradients were since scaled by one factor (clipping) still stands."""
 
     @abc.abstractmethod
     def matrices(self) -> list[int]:
@@ -129,6 +134,24 @@ class StepCallbacks(abc.ABC):
         wave, in wave order. With ``row_width > 0``, ``rows`` holds this rank's rows of each
         returned matrix's new row state, ``(rows, row_width)``, for the rule to store.
         """
+
+    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """With :attr:`rescalable`, on the owner: matrix ``index``'s whole direction for the gradient
+        ``scale * g``, from the whole direction launched for ``g`` (wire dtype) and the momentum
+        before the step (whole, float32, read-only). Returns a float32 ``(m, n)`` tensor."""
+        raise NotImplementedError
+
+    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
+        """With :attr:`rescalable`, on the owner: advances the whole float32 momentum of matrix ``index``
+        in place to what it is after a step whose whole direction was ``direction``."""
+        raise NotImplementedError
+
+    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """With :attr:`rescalable`: this rank's part of each member's momentum, float32 (zeros where the
+        rule has none yet), read-only; the runtime sends them to the owners once, after the state was
+        loaded from a checkpoint."""
+        raise NotImplementedError
 
     def independent(self) -> None:
         """Work that needs nothing the exchange produces (AdamW), run while transfers travel.

@@ -24,6 +24,16 @@ class ExecutionConfig:
     block's reduced gradients. ``step()`` checks that the final gradients still give the
     directions sent (a clipped or edited gradient does not, and its block is exchanged again),
     so ``overlap=False`` (every exchange inside ``step()``) gives bit-identical results."""
+    clipped_overlap: bool = True
+    """With ``overlap``: each owner keeps a float32 copy of its matrices' whole momentum
+    (:mod:`dmuon.runtime.owner_momentum`), so that when every gradient was scaled by one factor
+    after the launches (``torch.nn.utils.clip_grad_norm_``, ``DMuon.clip_grad_norm_``) the
+    launches still stand: the owners form the clipped directions from the launched ones instead
+    of a new exchange in ``step()``. Costs owners that copy (about the Muon momentum's size per
+    rank, on average) and an elementwise pass over their matrices a step; the clipped directions
+    then equal the ranks' up to rounding (README, "Clipping"). False: a clipped step exchanges
+    every block again, bit-identical to ``overlap=False``. Only for rules that support it
+    (``StepCallbacks.rescalable``: Muon, NorMuon)."""
     ns_in_backward: bool = False
     """Also run the owners' NS for each block on a worker thread during backward, as soon as its
     directions have arrived (needs ``overlap``). Blocks whose directions fail ``step()``'s check
@@ -52,7 +62,7 @@ class ExecutionConfig:
     backend has no events: True there is an error."""
 
     def __post_init__(self) -> None:
-        for name in ("overlap", "ns_in_backward", "post_optim_event"):
+        for name in ("overlap", "clipped_overlap", "ns_in_backward", "post_optim_event"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.nonfinite not in NONFINITE_MODES:

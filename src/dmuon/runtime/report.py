@@ -28,6 +28,9 @@ class StepReport:
     travelling with their return, and was kept."""
     step_seconds: float = 0.0
     """Wall time of ``step()``."""
+    rescaled_launches: int = 0
+    """Launches kept that stood for gradients scaled by one factor since they were sent (clipping):
+    the owners formed their directions from the launched ones (``ExecutionConfig.clipped_overlap``)."""
     skipped_nonfinite: bool = False
     """The whole step was skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
     return_waves: list[list[int]] = field(default_factory=list)

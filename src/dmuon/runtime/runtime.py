@@ -38,10 +38,12 @@ from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
-from dmuon.runtime.agreement import Agreement, agreement_flags
+from dmuon.runtime.agreement import (NONUNIFORM, SCALE_FLAGS, Agreement, agreed_scale, agreement_flags,
+                                     scale_flags, uniform_scale)
 from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
 from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.owner_work import OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
@@ -102,13 +104,20 @@ class ShardRuntime:
         if plan.reduces_replicas:
             self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device,
                                                                    self.exchange.across))
+        self.owner_momentum: OwnerMomentum | None = None
+        """With ``clipped_overlap`` (and a rescalable rule): the owners' copies of their whole momenta."""
+        if config.overlap and config.clipped_overlap and callbacks.rescalable:
+            self.owner_momentum = OwnerMomentum(plan, self.device)
+        self._last_scaled = False
+        """The last step's launches stood for rescaled gradients (the same on every rank)."""
         self.backward: BackwardLaunches | None = None
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks.peek, self.grad_parts, callbacks.matrices,
                                              self._check_grad, callbacks.owner_work if config.ns_in_backward else None,
                                              self.work, directions=config.overlap, replicate=self.replicate,
                                              row_states=callbacks.row_states if self.row_width else None,
-                                             hop_a_spread=config.hop_a_spread)
+                                             hop_a_spread=config.hop_a_spread,
+                                             keep_gradients=self.owner_momentum is not None)
 
     @property
     def column(self) -> int:
@@ -161,11 +170,18 @@ class ShardRuntime:
             self._exchange_and_apply(settled, launches, kept, early, report)
             report.blocks_exchanged_in_backward = len(kept)
             if self.config.ns_in_backward:
-                report.orthogonalized_in_backward = sum(len(o) for b, (o, _, _) in early.items() if b in kept)
+                rescaled = {b for k, b in enumerate(sorted(launches)) if settled.agreement.rescaled[k]}
+                # A rescaled launch's early NS ran on the launched directions: redone in step().
+                report.orthogonalized_in_backward = sum(len(o) for b, (o, _, _) in early.items()
+                                                        if b in kept - rescaled)
             if self._root is not None:
                 event = torch.Event(device=self.device)
                 event.record()  # after every update of this step, on the current stream
                 self._root.set_post_optim_event(event)
+        self._last_scaled = any(settled.agreement.rescaled)
+        report.rescaled_launches = sum(settled.agreement.rescaled)
+        if self.owner_momentum is not None and not self.owner_momentum.ready:
+            self._send_momentum_to_owners(managed)
         report.traffic = CommStats(**self.stats.as_dict())
         report.step_seconds = time.perf_counter() - start
         self.stats.reset()
@@ -179,13 +195,16 @@ class ShardRuntime:
         directions = cb.commit(here, self.grad_parts(here))
         rows = self._row_states(here)
         flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, None, (),
-                                        self._stale(launches, here, directions, rows))
+                                        self._verdicts(launches, here, directions, rows))
+        settle = self._with_scale(settle, len(launches))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
         # collective of its own: on shared cores each one issued costs the issuing rank its turn);
         # kept only if the flags keep every launch and the launches cover every active matrix
         # (else the batches would differ). Only with one return wave: several waves return each
         # batch as soon as it is done instead.
-        if launches and not early and self.work.max_waves == 1:
+        # Not after a step whose launches stood for rescaled gradients (clipping usually goes on): the
+        # owners' work would then run on directions the agreement replaces.
+        if launches and not early and self.work.max_waves == 1 and not self._last_scaled:
             speculative = self._speculate(launches)
             members = sorted(i for launch in launches.values() for i in launch.members)
             owned = {i: o for orthos, _, _ in speculative.values() for i, o in orthos.items()}
@@ -193,7 +212,8 @@ class ShardRuntime:
             returned = self.exchange.return_updates(members, owned, flags, owned_rows if self.row_width else None)
             cb.independent()  # nothing can skip the step: it runs while updates and flags travel
             agreement = settle(returned.agreed().tolist())
-            if not any(agreement.stale) and all(self.plan.infos[i].block in launches for i in agreement.active):
+            if not any(agreement.stale) and not any(agreement.rescaled) and \
+                    all(self.plan.infos[i].block in launches for i in agreement.active):
                 return _Settled(agreement, directions, rows, True, speculative, returned)
             return _Settled(agreement, directions, rows, True)  # landed unused; every rank drops it alike
         decide = self._start_all_reduce_max(flags)
@@ -211,8 +231,9 @@ class ShardRuntime:
             return _Settled(agreement, {}, None, False)
         directions = self.callbacks.commit(agreement.active, self.grad_parts(agreement.active))
         rows = self._row_states(agreement.active)
-        stale = self._start_all_reduce_max(self._stale(launches, agreement.active, directions, rows))().tolist()
-        return _Settled(agreement._replace(stale=stale), directions, rows, False)
+        verdicts = self._start_all_reduce_max(self._verdicts(launches, agreement.active, directions, rows))().tolist()
+        stale, scaled, scale = self._launch_verdict(verdicts, len(launches))
+        return _Settled(agreement._replace(stale=stale, rescaled=scaled, scale=scale), directions, rows, False)
 
     def _row_states(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """With a row state, the rule's rows of it for ``members`` (what travels beside their directions)."""
@@ -257,6 +278,74 @@ class ShardRuntime:
             stale.append(int(not same))
         return torch.tensor(stale, dtype=torch.int32)
 
+    def _verdicts(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
+                  rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """This rank's flags on the launches (block order): :meth:`_stale`'s and, with ``clipped_overlap``,
+        per launch whether its gradients are now those launched times a factor other than 1, whether
+        they are unchanged and not all zero, whether neither (nor are its members and row states the
+        same), then :func:`scale_flags` of the one factor the rescaled launches share.
+
+        A launch's directions may have been formed after a clip (the last unit's, on the replicate
+        level, in ``step()``), so each launch is judged against its own copy."""
+        stale = self._stale(launches, active, directions, rows)
+        if self.owner_momentum is None or not launches:
+            return stale
+        r, s = self.topo.coords
+        infos = self.plan.infos
+        now = {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in active}
+        factors = []
+        for b in sorted(launches):
+            launch = launches[b]
+            ok = launch.members == sorted(i for i in active if infos[i].block == b) and (
+                rows is None or all(bitwise_equal(launch.rows[i], rows[i]) for i in launch.members))
+            factors.append(uniform_scale([(launch.grads[i], now[i]) for i in launch.members]) if ok else NONUNIFORM)
+        scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
+        proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
+        rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]
+        unchanged = [int(f == 1.0) for f in factors]
+        incompatible = [int(f == NONUNIFORM or (f not in (None, 1.0) and f != proposal)) for f in factors]
+        return torch.cat([stale, torch.tensor(rescaled + unchanged + incompatible + scale_flags(proposal),
+                                              dtype=torch.int32)])
+
+    def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
+        """From the maxima of every rank's :meth:`_verdicts`: per launch 1 where it is stale, per launch
+        1 where it stands for gradients scaled by the returned factor (its directions formed by the
+        owners), and that factor (None: no launch is rescaled)."""
+        if self.owner_momentum is None or not launches:
+            return flags, [0] * launches, None
+        n = launches
+        stale, rescaled, unchanged, incompatible = (flags[k * n:(k + 1) * n] for k in range(4))
+        scale = agreed_scale(flags[4 * n:])
+        if scale is None or scale == NONUNIFORM or not self.owner_momentum.ready:
+            return stale, [0] * n, None
+        # Rescaled on some rank, unchanged (and not zero) on none, compatible everywhere.
+        scaled = [int(rescaled[k] and not unchanged[k] and not incompatible[k]) for k in range(n)]
+        stale = [int(stale[k] and not scaled[k]) for k in range(n)]
+        return stale, scaled, (scale if any(scaled) else None)
+
+    def _with_scale(self, settle: Callable[[list[int]], Agreement], launches: int) -> Callable[[list[int]], Agreement]:
+        """``settle`` whose agreement's stale flags, rescaled launches and factor come from
+        :meth:`_launch_verdict`."""
+        if self.owner_momentum is None or not launches:
+            return settle
+        n = 4 * launches + SCALE_FLAGS
+
+        def decide(flags: list[int]) -> Agreement:
+            agreement = settle(flags[: len(flags) - n] + flags[len(flags) - n : len(flags) - n + launches])
+            stale, scaled, scale = self._launch_verdict(flags[len(flags) - n :], launches)
+            return agreement._replace(stale=stale, rescaled=scaled, scale=scale)
+
+        return decide
+
+    def _send_momentum_to_owners(self, managed: list[int]) -> None:
+        """After a state load: every rank's part of each managed matrix's momentum to its owner, in
+        float32 (once), so the owners' copies are the rule's momentum again."""
+        exchange = ShardExchange(self.plan.infos, self.topo, self.stats, torch.float32, self.device)
+        parts = self.callbacks.momentum_parts(managed)
+        pending = exchange.send_directions(managed, {i: p.float() for i, p in parts.items()})
+        pending.issue_all()
+        self.owner_momentum.replace(pending.wait())
+
     def _exchange_and_apply(self, settled: _Settled, launches: dict[int, Launch], kept: set[int],
                             early: EarlyWork, report: StepReport) -> None:
         """Step 3, once the agreement is in: the owners' work and the updates' way back.
@@ -267,11 +356,18 @@ class ShardRuntime:
         """
         infos, cb = self.plan.infos, self.callbacks
         active = settled.agreement.active
+        scale = settled.agreement.scale
+        rescaled = {b for k, b in enumerate(sorted(launches)) if settled.agreement.rescaled[k]}
         for b in launches:
             if b not in kept:
                 launches[b].pending.wait()  # stale: lands unused
-        ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in kept)
-        done = kept & early.keys()
+        # Launches standing for rescaled gradients: their early NS ran on the launched directions.
+        done = (kept & early.keys()) - rescaled
+        ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in done)
+        used: dict[int, torch.Tensor] = {}  # with owner momenta: each owned matrix's direction this step
+        if self.owner_momentum is not None:
+            for b in sorted(done if settled.returned is None else kept):
+                used.update(launches[b].pending.wait())
         orthos: dict[int, torch.Tensor] = {}
         new_rows: dict[int, torch.Tensor] = {}
         for b in done:
@@ -282,7 +378,7 @@ class ShardRuntime:
             report.return_waves = [list(active)]
         else:
             rest = [i for i in active if infos[i].block not in kept]
-            pending = [launches[b].pending for b in sorted(kept) if b not in early]
+            pending = [launches[b].pending for b in sorted(kept) if b not in done]
             pending.append(self.exchange.send_directions(rest, settled.directions, settled.rows))
             ns_start = time.perf_counter()
             full: dict[int, torch.Tensor] = {}
@@ -290,6 +386,15 @@ class ShardRuntime:
             for p in pending:
                 full.update(p.wait())
                 full_rows.update(p.row_states())
+            if rescaled:
+                # The directions for the clipped gradients, from the launched ones and the momentum.
+                for i in full:
+                    if infos[i].block in rescaled:
+                        used[i] = cb.rescale_direction(i, full[i], self.owner_momentum.of(i), scale)
+                        full[i] = used[i].to(full[i].dtype)
+            if self.owner_momentum is not None:
+                for i, d in full.items():
+                    used.setdefault(i, d)
             # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
             waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
             report.return_waves = [members for members, _ in waves]
@@ -307,6 +412,9 @@ class ShardRuntime:
                     members, {i: orthos[i] for i in members if i in orthos}, None,
                     {i: new_rows[i] for i in members if i in new_rows} if self.row_width else None))
             ns_seconds += time.perf_counter() - ns_start
+        if self.owner_momentum is not None and self.owner_momentum.ready:
+            for i, d in used.items():  # NS does not modify its inputs; nothing reads the copies after this
+                cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
         for wave in returns:

@@ -1,0 +1,36 @@
+"""Rank function for ``tests/test_clip.py``: clipped training resumed from an optimizer state dict."""
+
+from __future__ import annotations
+
+import torch
+
+import dmuon
+
+from support.cases import full_params, sharded_oddnet
+from support.models import lm_loss, odd_batch
+
+CLIP = 0.3
+
+
+def resumed_clipping(rank: int, world_size: int, mesh_shape, hsdp: str, steps: int = 4, resume_at: int = 2) -> dict:
+    """Trains OddNet ``steps`` clipped steps twice: straight through, and with the optimizer replaced by a
+    new one loaded from the first's state dict after ``resume_at`` steps. Returns both runs' parameters
+    (rank 0) and the resumed run's per-step stats."""
+    runs = {}
+    for resumed in (False, True):
+        model, plan, opt = sharded_oddnet(world_size, mesh_shape=mesh_shape, hsdp=hsdp)
+        stats = []
+        for step in range(steps):
+            if resumed and step == resume_at:
+                state = opt.state_dict()
+                opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard",
+                                  ns_dtype=torch.float32)
+                opt.load_state_dict(state)
+            lm_loss(model, odd_batch(step, rank)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            stats.append(opt.last_step_stats())
+        params = full_params(model)  # a collective: on every rank
+        runs[resumed] = {"params": params if rank == 0 else None, "stats": stats}
+    return {"straight": runs[False], "resumed": runs[True]}
