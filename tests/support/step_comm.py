@@ -10,8 +10,10 @@ from support.models import lm_loss, odd_batch
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
                  zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
-                 rule: str = "muon") -> dict:
+                 rule: str = "muon", publication: str | None = None) -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
+
+    ``publication`` forces the updates' route across replicas (``ShardExchange.publication``).
 
     Returns:
         ``{"plan_rank", "log", "infos", "blocks_in_backward"}``: this rank's plan
@@ -22,6 +24,8 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
     """
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype,
                                       return_waves=return_waves, hsdp=hsdp, rule=rule)
+    if publication is not None:
+        opt.runtime.exchange.publication = publication
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))
