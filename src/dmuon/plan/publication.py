@@ -34,6 +34,7 @@ picks the same route.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,12 +65,13 @@ def state_rows(rows: int, replicate: int) -> list[int]:
     return shard_rows(rows, replicate)
 
 
-def part_sizes(rows: int, cols: int, inner: int, replicate: int, elem: int, row: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # a model repeats its few shapes layer after layer
+def part_sizes(rows: int, cols: int, inner: int, replicate: int, elem: int, row: int) -> tuple[int, ...]:
     """Size of each replica's part of one piece on the scatter route: its column slice of the update
     (``rows x shard_rows(cols, R)[q] x inner`` elements of ``elem`` each) and its row chunk of the row
     state (``row`` per row). In bytes or wire elements, as ``elem`` and ``row`` are."""
     columns, chunks = shard_rows(cols, replicate), state_rows(rows, replicate)
-    return [rows * columns[q] * inner * elem + chunks[q] * row for q in range(replicate)]
+    return tuple(rows * columns[q] * inner * elem + chunks[q] * row for q in range(replicate))
 
 
 @dataclass

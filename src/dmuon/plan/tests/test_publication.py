@@ -47,7 +47,7 @@ def test_three_replicas_and_a_row_state():
     # R = 3, S = 1, one 6 x 6 bf16 matrix owned in replica 2, 4 bytes of row state a row: each part
     # is a 6 x 2 column slice (24 bytes) and the state of a 2-row chunk (8).
     wave = [_matrix(6, 6, 2, 1)]
-    assert part_sizes(6, 6, 1, 3, 2, 4) == [32, 32, 32]
+    assert part_sizes(6, 6, 1, 3, 2, 4) == (32, 32, 32)
     direct, = route_stages(DIRECT, wave, 3, 1, 2, row_bytes=4)
     assert _per_rank(direct) == [(0, 96), (0, 96), (192, 0)]
     scatter, gather = route_stages(SCATTER, wave, 3, 1, 2, row_bytes=4)
