@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows, step_collectives
+from dmuon.util.bits import bitwise_equal
 from dmuon.util.spawn import run_distributed
 
 from support.step_comm import counted_step
@@ -79,6 +80,18 @@ def test_counted_collectives_equal_the_model_per_rank(run):
         assert r["collectives"] == len(expected)
     # Something was actually exchanged on both levels.
     assert any(c.critical for c in backward) and all(c.critical for c in step)
+
+
+@pytest.mark.parametrize("scatter,direct", [("hsdp2x2-fp32-scatter", "hsdp2x2-fp32"),
+                                            ("hsdp2x2-bf16-waves-scatter", "hsdp2x2-bf16-waves"),
+                                            ("replicate-level-2x2-scatter", "replicate-level-2x2")])
+def test_the_scatter_route_trains_bit_for_bit_as_the_direct_one(scatter, direct):
+    """The route across replicas moves the same update rows, so training ends bit for bit the same (the
+    replicate level's scatter run also returns in waves, which change nothing either)."""
+    for r in _runs():
+        assert r[scatter]["params"].keys() == r[direct]["params"].keys()
+        for name, value in r[scatter]["params"].items():
+            assert bitwise_equal(value, r[direct]["params"][name]), f"plan rank {r[direct]['plan_rank']}: {name}"
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)],

@@ -460,14 +460,15 @@ def _publication_returns() -> list[tuple[str, list[int]]]:
 
 
 def publication_on_ranks(rank: int, world_size: int, layout: str) -> dict:
-    """Worker: each route (forced), wire and row state: every block's return, all matrices at once, and
-    the blocks as return waves pipelined as the runtime does; what landed and each one's log."""
+    """Worker: each route (forced, or None: the exchange's choice), wire and row state: every block's
+    return, all matrices at once, and the blocks as return waves pipelined as the runtime does; what
+    landed, each one's log and the route chosen for each."""
     mesh_shape = PUBLICATION_LAYOUTS[layout][0]
     topo = from_mesh(init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")), replicated=True)
     infos = _publication_infos(layout)
     flags = torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
     out: dict = {"plan_rank": topo.rank, "coords": topo.coords, "runs": {}}
-    for route in ROUTES:
+    for route in (*ROUTES, None):
         for wire, width, flagged in PUBLICATION_RUNS:
             stats = CommStats()
             exchange = ShardExchange(infos, topo, stats, wire, torch.device("cpu"), row_width=width,
@@ -485,7 +486,8 @@ def publication_on_ranks(rank: int, world_size: int, layout: str) -> dict:
                 pending = start(members)
                 agreed = pending.agreed()
                 got[name] = {"rows": pending.wait(), "states": pending.row_states(),
-                             "agreed": None if agreed is None else agreed.tolist(), "log": stats.log[begin:]}
+                             "agreed": None if agreed is None else agreed.tolist(), "log": stats.log[begin:],
+                             "route": exchange.route(members)}
             # The blocks as return waves, as ShardRuntime pipelines them (no flags: several waves are
             # never speculative): before each new wave, every return in flight advances one hop, the
             # round's hops across replicas in one all-to-all.
@@ -516,7 +518,7 @@ def _publication_results(layout: str) -> list[dict]:
 
 @pytest.mark.parametrize("layout", PUBLICATION_LAYOUTS)
 def test_both_publication_routes_give_every_holder_its_rows_state_and_the_flags(layout):
-    """Forced either way, hop 2 leaves every rank exactly its piece of every member's update (the
+    """Forced either way or chosen, hop 2 leaves every rank exactly its piece of every member's update (the
     owner's, in the wire dtype), its rows' state (bit for bit, in a 16-bit wire too) and the
     maximum of every rank's flags, whichever replica owns what."""
     infos = _publication_infos(layout)
@@ -548,7 +550,9 @@ def test_both_publication_routes_count_the_models_bytes_per_collective(layout):
     """Per rank, each collective of the return is one of ``owner_exchange_collectives(publication=)``
     with the same bytes, in order: hop 1, then the direct route's one all-to-all across replicas or the
     scatter and the all-gather; pipelined waves join a wave's all-gather with the next wave's first
-    hop across replicas. The flags are not counted (a flags-only collective aside, the same bytes)."""
+    hop across replicas. The flags are not counted (a flags-only collective aside, the same bytes).
+    Left to choose, the exchange (from its plan's pieces) and the model (from its tables) pick the
+    same route: the scatter one where a replica owns a whole block of three replicas' wave."""
     infos = _publication_infos(layout)
     (replicate, shard), _, owners = PUBLICATION_LAYOUTS[layout]
     waves = [_members(b) for b in sorted(set(BLOCKS))]
@@ -568,5 +572,9 @@ def test_both_publication_routes_count_the_models_bytes_per_collective(layout):
                 else:
                     assert got[name]["log"] == expected, where
                 roles = {c.role for c in step}
-                assert roles == ({"return_shard", "return_replicas"} if route == "direct" else
-                                 {"return_shard", "return_scatter", "return_gather"}), where
+                chosen = route or got[name].get("route", route)
+                if chosen is not None:
+                    assert roles == ({"return_shard", "return_replicas"} if chosen == "direct" else
+                                     {"return_shard", "return_scatter", "return_gather"}), where
+            if route is None:
+                assert got["block 0"]["route"] == ("scatter" if replicate > 2 else "direct"), layout
