@@ -23,17 +23,30 @@ produces, in its wire dtype:
 * **Updates back, hop 1** (shard level, inside the owner's replica): the owner
   sends each shard position its piece of the orthogonalized update
   (``MatrixInfo.cut``).
-* **Updates back, hop 2** (replicate level, HSDP only): every rank of the owner's
-  replica forwards its piece to the same position of the other replicas. The
-  matrix crosses the slow network R-1 times in total, spread over S links.
+* **Updates back, hop 2** (replicate level, HSDP only): every position of the
+  other replicas gets the same piece, by one of two routes per return wave
+  (:mod:`dmuon.plan.publication`, :meth:`ShardExchange.route`: the one whose
+  collectives' critical bytes add up to less). **Direct**: every rank of the
+  owner's replica sends its piece to the same position of every other replica.
+  **Scatter**: (a) it sends part ``q`` of its piece (the column slice ``q`` the
+  momentum uses, ``MatrixInfo.replica_columns``) to replica ``q`` only; (b) an
+  all-gather: every rank sends the part ``r`` it holds of each member to every
+  replica but its own and the member's owner's, and joins the R parts into its
+  piece. Either way the matrix crosses the slow network R-1 times in total,
+  spread over S links; the direct route makes the owner's replica send all of
+  it, the scatter route spreads it over every replica (a wave whose owners
+  crowd into a few replicas is what it is for).
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
 and NCCL both support (on dmuon's replicate level the runtime joins hop A with
-the next block's gradient reduce-scatter, :mod:`dmuon.comm.coalesce`); members travel in plan-index order, so every
-destination's share is one contiguous slice. The speculative step's update
+the next block's gradient reduce-scatter, and a return wave's first hop across
+replicas with the wave before's all-gather, :mod:`dmuon.comm.coalesce`); members
+travel in plan-index order, so every destination's share is one contiguous slice. The speculative step's update
 return also carries its agreement: a few 0/1 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
-hop 1's maximum, so every rank ends with the whole mesh's).
+hop 1's maximum, so every rank ends with the whole mesh's; on the scatter
+route stage (a) carries them to every replica, even where no part moves, and
+stage (b) none).
 
 **Row state** (``row_width > 0``; none for Muon, whose exchange is unchanged): a
 rule's small per-row state (NorMuon's second moment, ``row_width`` float32 values
@@ -44,7 +57,10 @@ whose box starts at column 0, in hop B only (the owner's replica holds the same
 copy, so hop A carries none); the owner gets the whole ``(m, row_width)`` state
 beside the whole direction. On the way back every holder of a row receives the
 owner's new state of its rows, appended to its piece of the update in hop 1 and
-forwarded with it in hop 2. In a 16-bit wire dtype each float32 travels bit for
+forwarded with it in hop 2: whole on the direct route; on the scatter route split
+into R row chunks (``state_rows``, torch.chunk's rule), chunk ``q`` travelling with
+part ``q``, so the state is spread over the replicas as the update is (and moves the
+same R-1 copies in all). In a 16-bit wire dtype each float32 travels bit for
 bit as two wire elements, so the state is exact whatever the NS dtype.
 """
 

@@ -61,8 +61,8 @@ to the owner); the update's return to the shard columns (hop 1) and to the other
 on the direct route whole pieces, on the scatter route (:mod:`dmuon.plan.publication`) each
 piece's part ``q`` to replica ``q``, then every replica's part to the others (the all-gather:
 a collective of its own only for the last wave, else it rides in the next wave's hop 2, where
-:attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one direction; the peer's all-to-all to the batch's owner
-slice and back."""
+:attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one
+direction; the peer's all-to-all to the batch's owner slice and back."""
 
 
 @dataclass
@@ -439,7 +439,8 @@ def owner_exchange_collectives(
             route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
             stages = route_stages(route, published, replicate, shard, elem_bytes, row_bytes, peers=True)
             first = _stage_parts(stages[0])
-            name = ("dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas") + label
+            name = "dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas"
+            name += label
             if gathering is not None:
                 first = _merge(first, gathering[2])
                 name += f" + the slices' all-gather{gathering[1]}"
