@@ -372,6 +372,7 @@ def hsdp_design_traffic(
     elem_bytes: int = 2,
     grad_bytes: int = 4,
     reshard_after_forward: bool = True,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, list[RankTraffic]]:
     """Everything the Muon matrices move per rank and step under each HSDP design, both levels.
 
@@ -387,7 +388,8 @@ def hsdp_design_traffic(
     The non-Muon parameters' all-reduce is the same under every design
     (FSDP2's under (a), dmuon's under (b)) and not included
     (:func:`compare_hsdp_designs` adds it). Arguments as
-    :func:`owner_traffic_column_reduce`; ``grad_bytes`` is also FSDP2's
+    :func:`owner_traffic_column_reduce` (``waves``: dmuon's return waves, whose
+    routes across replicas it picks per wave); ``grad_bytes`` is also FSDP2's
     parameter element size here.
     """
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
@@ -396,8 +398,9 @@ def hsdp_design_traffic(
     world = replicate * shard
     return {
         "fsdp2_adamw": [RankTraffic(**fsdp2.as_dict()) for _ in range(world)],
-        "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes), fsdp2),
-        "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes), within),
+        "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes, waves=waves), fsdp2),
+        "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes, waves=waves),
+                   within),
     }
 
 
@@ -420,8 +423,9 @@ def compare_hsdp_designs(
     grad_bytes: int = 4,
     reshard_after_forward: bool = True,
     other_numels: Sequence[int] = (),
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> dict:
-    """The per-level figures of :func:`hsdp_design_traffic`, JSON-ready.
+    """The per-level figures of :func:`hsdp_design_traffic` (the same arguments), JSON-ready.
 
     Returns:
         ``{design: {"inter": {...}, "intra": {...}, "inter_whole_model": {...}}}``
@@ -433,7 +437,8 @@ def compare_hsdp_designs(
         (a), dmuon under (b)) added; plus
         ``"non_muon_all_reduce"``, that all-reduce's own inter figures.
     """
-    designs = hsdp_design_traffic(shapes, owners, replicate, shard, elem_bytes, grad_bytes, reshard_after_forward)
+    designs = hsdp_design_traffic(shapes, owners, replicate, shard, elem_bytes, grad_bytes, reshard_after_forward,
+                                  waves)
     rest = replicate_all_reduce_traffic(other_numels, replicate, shard, grad_bytes)
     out: dict = {}
     for name, traffic in designs.items():

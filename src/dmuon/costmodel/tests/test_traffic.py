@@ -394,6 +394,21 @@ def test_per_rank_totals_are_the_sum_of_the_collectives(replicate, shard):
         backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces)
         assert _summed(backward + step, world) == owner_traffic(shapes, owners, replicate, shard, elem,
                                                                 pieces=pieces), (shapes, owners)
+        # In return waves, each with its own route across replicas (and the scatter route's all-gather
+        # joined with the next wave's first collective): the same per-rank sums.
+        cut = sorted(rng.sample(range(1, len(shapes)), 2))
+        order = rng.sample(range(len(shapes)), len(shapes))
+        waves = [order[:cut[0]], order[cut[0]:cut[1]], order[cut[1]:]]
+        for publication in (None, "direct", "scatter"):
+            backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces,
+                                                        gradient_bytes=grad, waves=waves, publication=publication)
+            summed = _summed(backward + step, world)
+            if publication is None:
+                assert summed == owner_traffic_column_reduce(shapes, owners, replicate, shard, elem, grad,
+                                                             pieces=pieces, waves=waves), (shapes, owners, waves)
+            # Every route moves the same bytes over all ranks, only spread differently.
+            assert sum(x.inter_sent for x in summed) == sum(x.inter_sent for x in owner_traffic_column_reduce(
+                shapes, owners, replicate, shard, elem, grad, pieces=pieces))
         # Without pieces: FSDP2's row chunks, which the first four are.
         plain = owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad)
         assert plain == owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad,
