@@ -23,7 +23,9 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   hop B one block later; design (b)'s reductions across replicas, each block's
   gradient-column all_to_all carrying the hop A of the block landed before), the step's
   agreement, the owners' NS batches wave by wave with each wave's return behind
-  them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
+  them (every return in flight one hop further before each wave's hop 1, as
+  ``ShardRuntime._forward_returns`` advances them: a hop across replicas waits for
+  the return's hop before it to land), AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
   the all-to-all peer's batches in its runtime's order.
 
 Ranks given the same work in every task have the same timeline (the simulation is
