@@ -12,19 +12,24 @@ from support.models import lm_loss, odd_batch
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
                  zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
-                 rule: str = "muon", hop_a_spread: int = 8) -> dict:
+                 rule: str = "muon", hop_a_spread: int = 8, publication: str | None = None) -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
+    ``publication`` forces the updates' route across replicas (``ShardExchange.publication``).
+
     Returns:
-        ``{"plan_rank", "log", "infos", "blocks_in_backward"}``: this rank's plan
-        rank, the ``(level, sent, received)`` of every collective dmuon issued in
+        ``{"plan_rank", "log", "infos", "blocks_in_backward", "params"}``: this rank's
+        plan rank, the ``(level, sent, received)`` of every collective dmuon issued in
         the last step (its backward included), in issue order; each Muon
-        matrix's ``(shape, owner, block, rows)`` from the plan; and how many
-        blocks that step exchanged in backward.
+        matrix's ``(shape, owner, block, rows)`` from the plan; how many
+        blocks that step exchanged in backward; and this rank's shard of every
+        parameter after the last step.
     """
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype, hsdp=hsdp,
                                       rule=rule, execution=dmuon.ExecutionConfig(return_waves=return_waves,
                                                                                  hop_a_spread=hop_a_spread))
+    if publication is not None:
+        opt.runtime.exchange.publication = publication
     stats = {}
     for step in range(steps):
         loss = lm_loss(model, odd_batch(step, rank))
@@ -40,6 +45,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         "blocks": len(plan.blocks),
         "blocks_in_backward": stats["blocks_exchanged_in_backward"],
         "waves": stats["return_waves"],
+        "params": {name: p.to_local().detach().clone() for name, p in model.named_parameters()},
         # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters'
         # gradient shards (float32), which dmuon all-reduces across replicas.
         "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in {id(i.param) for i in plan.infos})

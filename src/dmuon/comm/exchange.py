@@ -23,17 +23,30 @@ produces, in its wire dtype:
 * **Updates back, hop 1** (shard level, inside the owner's replica): the owner
   sends each shard position its piece of the orthogonalized update
   (``MatrixInfo.cut``).
-* **Updates back, hop 2** (replicate level, HSDP only): every rank of the owner's
-  replica forwards its piece to the same position of the other replicas. The
-  matrix crosses the slow network R-1 times in total, spread over S links.
+* **Updates back, hop 2** (replicate level, HSDP only): every position of the
+  other replicas gets the same piece, by one of two routes per return wave
+  (:mod:`dmuon.plan.publication`, :meth:`ShardExchange.route`: the one whose
+  collectives' critical bytes add up to less). **Direct**: every rank of the
+  owner's replica sends its piece to the same position of every other replica.
+  **Scatter**: (a) it sends part ``q`` of its piece (the column slice ``q`` the
+  momentum uses, ``MatrixInfo.replica_columns``) to replica ``q`` only; (b) an
+  all-gather: every rank sends the part ``r`` it holds of each member to every
+  replica but its own and the member's owner's, and joins the R parts into its
+  piece. Either way the matrix crosses the slow network R-1 times in total,
+  spread over S links; the direct route makes the owner's replica send all of
+  it, the scatter route spreads it over every replica (a wave whose owners
+  crowd into a few replicas is what it is for).
 
 Each hop is one uneven ``all_to_all_single`` per block and level, which gloo
 and NCCL both support (on dmuon's replicate level the runtime joins hop A with
-the next block's gradient reduce-scatter, :mod:`dmuon.comm.coalesce`); members travel in plan-index order, so every
-destination's share is one contiguous slice. The speculative step's update
+the next block's gradient reduce-scatter, and a return wave's first hop across
+replicas with the wave before's all-gather, :mod:`dmuon.comm.coalesce`); members
+travel in plan-index order, so every destination's share is one contiguous slice. The speculative step's update
 return also carries its agreement: a few 0/1 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
-hop 1's maximum, so every rank ends with the whole mesh's).
+hop 1's maximum, so every rank ends with the whole mesh's; on the scatter
+route stage (a) carries them to every replica, even where no part moves, and
+stage (b) none).
 
 **Row state** (``row_width > 0``; none for Muon, whose exchange is unchanged): a
 rule's small per-row state (NorMuon's second moment, ``row_width`` float32 values
@@ -44,7 +57,10 @@ whose box starts at column 0, in hop B only (the owner's replica holds the same
 copy, so hop A carries none); the owner gets the whole ``(m, row_width)`` state
 beside the whole direction. On the way back every holder of a row receives the
 owner's new state of its rows, appended to its piece of the update in hop 1 and
-forwarded with it in hop 2. In a 16-bit wire dtype each float32 travels bit for
+forwarded with it in hop 2: whole on the direct route; on the scatter route split
+into R row chunks (``state_rows``, torch.chunk's rule), chunk ``q`` travelling with
+part ``q``, so the state is spread over the replicas as the update is (and moves the
+same R-1 copies in all). In a 16-bit wire dtype each float32 travels bit for
 bit as two wire elements, so the state is exact whatever the NS dtype.
 """
 
@@ -63,6 +79,7 @@ from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.hop_a import UNITS
 from dmuon.plan.plan import MatrixInfo
+from dmuon.plan.publication import DIRECT, ROUTES, Published, choose_route, state_rows
 
 
 @dataclass
@@ -169,10 +186,16 @@ class ShardExchange:
         device: Device of the buffers.
         row_width: float32 values of row state per matrix row that travel with the
             matrices (see the module docstring); 0: none.
+        publication: How hop 2 crosses the replicas: None picks per return wave
+            (:func:`dmuon.plan.publication.choose_route`), ``"direct"`` or ``"scatter"``
+            forces one route for every wave (tests; every rank must pass the same).
     """
 
     def __init__(self, infos: Sequence[MatrixInfo], topology: Topology, stats: CommStats,
-                 wire_dtype: torch.dtype, device: torch.device, row_width: int = 0) -> None:
+                 wire_dtype: torch.dtype, device: torch.device, row_width: int = 0,
+                 publication: str | None = None) -> None:
+        if publication is not None and publication not in ROUTES:
+            raise ValueError(f"publication must be None or one of {ROUTES}, got {publication!r}")
         self.infos = infos
         self.topo = topology
         self.stats = stats
@@ -187,6 +210,8 @@ class ShardExchange:
         self.row_width = row_width
         self.row_elems = row_width * row_state_ratio(wire_dtype)
         """Wire elements per matrix row of the row state."""
+        self.publication = publication
+        self._routes: dict[tuple[int, ...], str] = {}
 
     # ------------------------------------------------------------ row state
     def _encode(self, rows: torch.Tensor) -> torch.Tensor:
@@ -349,8 +374,9 @@ class ShardExchange:
         Returns:
             A :class:`Pending` whose ``wait()`` gives this rank's piece ``(rows, cols * inner)``
             of every member's update (no entry where it holds nothing of a member), and
-            :meth:`Pending.row_states` its rows of their row state. On HSDP it has two hops:
-            :meth:`Pending.forward` (main thread) issues the second once the first has landed.
+            :meth:`Pending.row_states` its rows of their row state. On HSDP hop 2 follows hop 1
+            (one all-to-all on the direct route, two on the scatter route: :meth:`route`); each
+            :meth:`Pending.forward` (main thread) lands the latest hop and issues the next.
         """
         topo = self.topo
         if topo.world_size == 1:
@@ -359,8 +385,26 @@ class ShardExchange:
         hop1 = self._updates_to_columns(members, owned, flags, rows)
         if topo.replicate == 1:
             return hop1
+        publish = self._rows_to_replicas if self.route(members) == DIRECT else self._slices_to_replicas
         return Pending([], _no_result, self.stats,
-                       then=lambda: self._rows_to_replicas(members, hop1.wait(), hop1.flags, hop1.row_states()))
+                       then=lambda: publish(members, hop1.wait(), hop1.flags, hop1.row_states()))
+
+    def route(self, members: Sequence[int]) -> str:
+        """The route of hop 2 for a return of ``members`` (:mod:`dmuon.plan.publication`): the forced
+        one, else the one whose collectives' critical bytes add up to less (the same on every rank)."""
+        if self.publication is not None:
+            return self.publication
+        key = tuple(members)
+        route = self._routes.get(key)
+        if route is None:
+            wave = [Published(self._owner(i)[0], tuple((p.rows, p.cols) for p in self.infos[i].pieces),
+                              self.infos[i].inner) for i in members]
+            elem = self.wire_dtype.itemsize
+            route = choose_route(wave, self.topo.replicate, self.topo.shard, elem, self.row_elems * elem)
+            if len(self._routes) >= 64:  # the waves repeat step after step; a changing active set would not
+                self._routes.clear()
+            self._routes[key] = route
+        return route
 
     def _with_flags(self, parts: list[torch.Tensor], flags: torch.Tensor | None) -> list[torch.Tensor]:
         # 0/1 are exact in every wire dtype.
@@ -418,6 +462,132 @@ class ShardExchange:
         works = self._all_to_all("inter", recv, own.repeat(topo.replicate), out_splits,
                                  [own.numel()] * topo.replicate, r, nflags)
         return self._landing(works, recv, out_splits, from_replica, s, nflags)
+
+    # ---------------------------------------------------- hop 2, scatter route
+    def _part(self, i: int, q: int, s: int) -> int:
+        """Wire elements of part ``q`` of position ``s``'s piece of matrix ``i`` on the scatter route:
+        the update's column slice ``q`` and the row state of row chunk ``q``."""
+        info, p = self.infos[i], self.infos[i].pieces[s]
+        return (p.rows * info.replica_columns(s)[q] * info.inner
+                + state_rows(p.rows, self.topo.replicate)[q] * self.row_elems)
+
+    def _cut_part(self, i: int, q: int, s: int, update: torch.Tensor, rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """Part ``q`` of this position's piece ``update`` (``(rows, cols * inner)``) and of its rows' state."""
+        info, p = self.infos[i], self.infos[i].pieces[s]
+        out = [update.reshape(p.rows, p.cols, info.inner).narrow(1, info.column_start(q, s), info.replica_columns(s)[q])
+               .reshape(-1)]
+        if self.row_elems:
+            chunks = state_rows(p.rows, self.topo.replicate)
+            out.append(self._encode(rows[sum(chunks[:q]):sum(chunks[:q + 1])]))
+        return out
+
+    def _read_part(self, i: int, q: int, s: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Part ``q`` of matrix ``i``'s piece on position ``s`` from its wire elements: the column slice
+        ``(rows, cols_q, inner)`` and the row chunk's state ``(rows_q, row_width)`` (None without one)."""
+        info, p = self.infos[i], self.infos[i].pieces[s]
+        numel = p.rows * info.replica_columns(s)[q] * info.inner
+        columns = flat[:numel].view(p.rows, info.replica_columns(s)[q], info.inner)
+        if not self.row_elems:
+            return columns, None
+        return columns, self._decode(flat[numel:], state_rows(p.rows, self.topo.replicate)[q])
+
+    def _slices_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
+                            flags: torch.Tensor | None, rows: dict[int, torch.Tensor]) -> Pending:
+        """Hop 2 on the scatter route, stage a: part ``q`` of my piece of each member owned in my replica to
+        my position in replica ``q`` (with hop 1's flags, my replica's maximum, to every replica);
+        then stage b (:meth:`_parts_to_replicas`)."""
+        topo = self.topo
+        r, s = topo.coords
+        nflags = 0 if flags is None else flags.numel()
+        owner = {i: self._owner(i)[0] for i in members}
+        held = [i for i in members if self._piece(i, s)]
+        ours = [i for i in held if owner[i] == r]
+        in_splits = [(sum(self._part(i, q, s) for i in ours) if q != r else 0) + nflags
+                     for q in range(topo.replicate)]
+        out_splits = [(sum(self._part(i, r, s) for i in held if owner[i] == q) if q != r else 0) + nflags
+                      for q in range(topo.replicate)]
+        recv = self._empty(sum(out_splits))
+        works: list = []
+        # Every rank of this replicate group sees the same wave: all issue, or none (nothing moves here).
+        if flags is not None or sum(self._piece(i, s) + self._row_back(i, s) - self._part(i, owner[i], s)
+                                    for i in held):
+            parts = []
+            for q in range(topo.replicate):
+                pieces = [] if q == r else [part for i in ours for part in
+                                            self._cut_part(i, q, s, updates[i], rows.get(i))]
+                parts += self._with_flags(pieces, flags)
+            works = self._all_to_all("inter", recv, self._cat(parts), out_splits, in_splits, r, nflags)
+
+        def then() -> Pending:
+            segments = recv.split(out_splits)
+            agreed = None
+            if nflags:
+                agreed = torch.stack([seg[-nflags:] for seg in segments]).amax(0).to(torch.int32).cpu()
+                segments = [seg[: seg.numel() - nflags] for seg in segments]
+            mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            for q, segment in enumerate(segments):
+                if q == r:
+                    continue
+                theirs = [i for i in held if owner[i] == q]
+                for i, flat in zip(theirs, segment.split([self._part(i, r, s) for i in theirs])):
+                    mine[i] = self._read_part(i, r, s, flat)
+            return self._parts_to_replicas(members, updates, rows, mine, agreed)
+
+        return Pending(works, _no_result, self.stats, then=then)
+
+    def _parts_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
+                           rows: dict[int, torch.Tensor], mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+                           flags: torch.Tensor | None) -> Pending:
+        """Hop 2 on the scatter route, stage b (an all-gather): my part ``r`` of every member's piece to my
+        position in every replica but mine and the member's owner's; ``wait()`` gives my piece of every
+        member. ``updates``/``rows``: hop 1's, the members owned in my replica; ``mine``: stage a's, part
+        ``r`` of the others; ``flags``: stage a's maximum, every rank's."""
+        topo, infos = self.topo, self.infos
+        R = topo.replicate
+        r, s = topo.coords
+        owner = {i: self._owner(i)[0] for i in members}
+        held = [i for i in members if self._piece(i, s)]
+        others = [i for i in held if owner[i] != r]
+        in_splits = [sum(self._part(i, r, s) for i in held if owner[i] != q) if q != r else 0 for q in range(R)]
+        out_splits = [sum(self._part(i, q, s) for i in others) if q != r else 0 for q in range(R)]
+        recv = self._empty(sum(out_splits))
+        works: list = []
+        if sum((R - 2) * (self._piece(i, s) + self._row_back(i, s)) + self._part(i, owner[i], s) for i in held):
+            parts = []
+            for q in range(R):
+                if q == r:
+                    continue
+                for i in held:
+                    if owner[i] == q:
+                        continue
+                    if owner[i] == r:
+                        parts += self._cut_part(i, r, s, updates[i], rows.get(i))
+                    else:
+                        columns, state = mine[i]
+                        parts += [columns.reshape(-1)] + ([self._encode(state)] if self.row_elems else [])
+            works = self._all_to_all("inter", recv, self._cat(parts), out_splits, in_splits, r)
+        pending = Pending(works, _no_result, self.stats, flags=flags)
+
+        def finish() -> dict[int, torch.Tensor]:
+            got: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {i: {r: mine[i]} for i in others}
+            for q, segment in enumerate(recv.split(out_splits)):
+                if q != r:
+                    for i, flat in zip(others, segment.split([self._part(i, q, s) for i in others])):
+                        got[i][q] = self._read_part(i, q, s, flat)
+            result = {i: updates[i] for i in held if owner[i] == r}
+            states = {i: rows[i] for i in held if owner[i] == r} if self.row_elems else {}
+            for i in others:
+                # The R parts side by side (columns) and one under the other (row state) are my piece.
+                p = infos[i].pieces[s]
+                result[i] = torch.cat([got[i][q][0] for q in range(R)], dim=1).view(p.rows, p.cols * infos[i].inner)
+                if self.row_elems:
+                    states[i] = torch.cat([got[i][q][1] for q in range(R)])
+            if self.row_elems:
+                pending.rows = states
+            return result
+
+        pending.finish = finish
+        return pending
 
     def _landing(self, works: list, recv: torch.Tensor, splits: list[int], members_of: dict[int, list[int]], s: int,
                  nflags: int) -> Pending:

@@ -24,9 +24,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, row_width
+from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
 from dmuon.plan.hop_a import HopASpreader, slice_shape
 from dmuon.plan.layout import shard_rows as _shard_rows
+from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, Stage, choose_route, route_stages
 
 
 @functools.lru_cache(maxsize=4096)
@@ -50,15 +51,19 @@ PEER_STRATEGY = "dion_all_to_all"
 
 ROLES: tuple[str, ...] = (
     "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "replicate_all_reduce", "grad_columns",
-    "hop_a", "hop_b", "return_shard", "return_replicas", "gather", "a2a_out", "a2a_back")
+    "hop_a", "hop_b", "return_shard", "return_replicas", "return_scatter", "return_gather", "gather", "a2a_out",
+    "a2a_back")
 """:attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
 gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
 (design (b)), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
 names that block; hop A (the direction's column slices to the owner's replica; on design (b) a
 collective of its own only where no column reduce-scatter follows to carry it) and hop B (the rows
-to the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2);
-gather-then-compute's all-gather of one direction; the peer's all-to-all to the batch's owner
-slice and back."""
+to the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2):
+on the direct route whole pieces, on the scatter route (:mod:`dmuon.plan.publication`) each
+piece's part ``q`` to replica ``q``, then every replica's part to the others (the all-gather:
+a collective of its own only for the last wave, else it rides in the next wave's hop 2, where
+:attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one
+direction; the peer's all-to-all to the batch's owner slice and back."""
 
 
 @dataclass
@@ -92,6 +97,10 @@ class Collective:
     issued_at: int | None = None
     """dmuon's exchange: the block whose landing in backward issues it (None: ``step()``); by
     default its own block."""
+    carries_gather: int | None = None
+    """A ``"return_replicas"`` or ``"return_scatter"`` collective: the return wave whose scatter
+    route's all-gather travels in it (the runtime advances every return in flight by one hop at
+    once, in one all_to_all on the replicate group), or None."""
 
     def __post_init__(self) -> None:
         if self.issued_at is None and self.phase == "backward":
@@ -155,6 +164,11 @@ def _merge(*parts: Parts) -> Parts:
             [any(p[4][k] for p in parts) for k in range(world)])
 
 
+def _stage_parts(stage: Stage) -> Parts:
+    """One route stage of :mod:`dmuon.plan.publication` as an all_to_all's parts."""
+    return stage.sent, stage.received, stage.peers_out, stage.peers_in, stage.taking_part
+
+
 def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
                       inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int) -> Parts:
     """Design (b)'s reduce-scatter of one block's gradient column slices over each shard column's
@@ -202,6 +216,7 @@ def owner_exchange_collectives(
     gradient_bytes: int | None = None,
     row_bytes: int = 0,
     hop_a_spread: int = 8,
+    publication: str | None = None,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -246,10 +261,21 @@ def owner_exchange_collectives(
     order, as ``DMuon.last_step_stats()["return_waves"]``; default: all in
     one) one ``all_to_all`` on each replica's shard group returns the wave's
     update rows (step 2; replicas owning none of them skip it) and, with
-    ``R > 1``, one on each shard column's replicate group forwards them to the
-    other replicas (step 3; a column with no rows of them skips it). Nothing
-    when the group has one rank. The concurrent per-replica (or per-column)
-    collectives are one entry: they run at once.
+    ``R > 1``, the shard column's replicate group publishes them to the
+    other replicas (step 3, :mod:`dmuon.plan.publication`; a column where
+    the collective moves nothing skips it), by the wave's route
+    (``publication``; None: :func:`~dmuon.plan.publication.choose_route`,
+    as the runtime picks it): direct, one ``all_to_all`` sending each
+    piece to every other replica (role ``"return_replicas"``); or scatter,
+    one sending part ``q`` of each piece to replica ``q`` (role
+    ``"return_scatter"``), then one all-gathering the parts (role
+    ``"return_gather"``). The runtime advances every return in flight by
+    one hop at once, so a wave's all-gather goes in the same ``all_to_all``
+    as the next wave's first collective across replicas (bytes summed,
+    peers united, :attr:`Collective.carries_gather`); the last wave's
+    goes alone, after it. Nothing when the group has one rank. The
+    concurrent per-replica (or per-column) collectives are one entry: they
+    run at once.
 
     ``pieces`` (per matrix, one :class:`dmuon.plan.Piece` per shard position,
     as ``MatrixInfo.pieces``) gives layouts other than FSDP2's full-width row
@@ -268,7 +294,11 @@ def owner_exchange_collectives(
     moves it: in hop B each row's once, with the direction piece of the sending
     position whose box starts at column 0 (hop A carries none: every replica
     holds the same copy); in hops 1 and 2 with every position's piece of the
-    update, for each row it holds.
+    update, for each row it holds (on the scatter route each part carries
+    the state of its row chunk, ``state_rows(rows, R)``).
+
+    ``publication``: ``"direct"`` or ``"scatter"`` forces that route for
+    every wave (``ShardExchange(publication=)``); None chooses per wave.
 
     Returns:
         ``(backward, step)``: the direction exchanges (and design (b)'s
@@ -278,6 +308,8 @@ def owner_exchange_collectives(
     check_mesh(replicate, shard, elem_bytes)
     if row_bytes < 0:
         raise ValueError(f"row_bytes must be >= 0, got {row_bytes}")
+    if publication is not None and publication not in ROUTES:
+        raise ValueError(f"publication must be None or one of {ROUTES}, got {publication!r}")
     if gradient_bytes is not None and gradient_bytes < 1:
         raise ValueError(f"gradient_bytes must be >= 1, got {gradient_bytes}")
     check_owners(shapes, owners, replicate, shard)
@@ -365,6 +397,9 @@ def owner_exchange_collectives(
     if world == 1 or not shapes:
         return backward, step
     chosen = [list(range(len(shapes)))] if waves is None else [list(w) for w in waves if w]
+    # The scatter route's all-gather of the wave before (its wave, label and parts): it travels in
+    # this wave's first collective across replicas.
+    gathering: tuple[int, str, Parts] | None = None
     for w, wave in enumerate(chosen):
         label = "" if waves is None else f" wave {w}"
         if shard > 1:
@@ -384,26 +419,22 @@ def owner_exchange_collectives(
                              [k // shard in owning for k in range(world)],
                              "dmuon updates to the shard columns" + label, "return_shard", w))
         if replicate > 1:
-            sent, received, out, inn = fresh()
-            column_rows = [0] * shard
-            for i in wave:
-                r_o = owners[i] // shard
-                for s in range(shard):
-                    moved = piece(i, s)
-                    column_rows[s] += moved
-                    if not moved:
-                        continue
-                    src = r_o * shard + s
-                    for r in range(replicate):
-                        if r != r_o:
-                            dst = r * shard + s
-                            sent[src] += moved
-                            received[dst] += moved
-                            out[src].add(dst)
-                            inn[dst].add(src)
-            step.append(_a2a("inter", "step", None, world, sent, received, out, inn,
-                             [column_rows[k % shard] > 0 for k in range(world)],
-                             "dmuon updates to the replicas" + label, "return_replicas", w))
+            published = published_wave(wave, owners, shard, tables, inner)
+            route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
+            stages = route_stages(route, published, replicate, shard, elem_bytes, row_bytes, peers=True)
+            first = _stage_parts(stages[0])
+            name = "dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas"
+            name += label
+            if gathering is not None:
+                first = _merge(first, gathering[2])
+                name += f" + the slices' all-gather{gathering[1]}"
+            step.append(_a2a("inter", "step", None, world, *first, name,
+                             "return_replicas" if route == DIRECT else "return_scatter", w))
+            step[-1].carries_gather = None if gathering is None else gathering[0]
+            gathering = (w, label, _stage_parts(stages[1])) if route == SCATTER else None
+    if gathering is not None:
+        step.append(_a2a("inter", "step", None, world, *gathering[2], "dmuon update slices' all-gather" + gathering[1],
+                         "return_gather", gathering[0]))
     return backward, step
 
 
@@ -591,6 +622,7 @@ def step_collectives(
     max_concurrent: int = 3,
     row_bytes: int = 0,
     hop_a_spread: int = 8,
+    publication: str | None = None,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -608,8 +640,9 @@ def step_collectives(
     the all_to_all reduce-scattering the gradient's column slices across
     replicas in ``reduce_bytes``, which carries the block before's hop A,
     and hop B, with the last block's hop A alone; with one replica hop B
-    alone under both. Step: dmuon's two return
-    exchanges per wave, or ``"gather"``'s all-gather of every matrix's
+    alone under both. Step: dmuon's return
+    exchanges per wave (to the shard columns, then across replicas by the
+    wave's route), or ``"gather"``'s all-gather of every matrix's
     direction over the shard group (``wire_bytes``, one per matrix in plan
     order, as :class:`dmuon.baselines.GatherThenCompute` calls
     ``full_tensor()``), or the peer's (:data:`PEER_STRATEGY`, FSDP2's native
@@ -645,6 +678,8 @@ def step_collectives(
         row_bytes: dmuon's per-row state on the wire (:func:`owner_exchange_collectives`; NorMuon's).
         hop_a_spread: Design (b): the collectives a block's hop A may spread over
             (``ExecutionConfig.hop_a_spread``; :func:`owner_exchange_collectives`).
+        publication: dmuon's route across replicas for every return wave
+            (:func:`owner_exchange_collectives`); None: chosen per wave, as the runtime does.
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
@@ -665,7 +700,8 @@ def step_collectives(
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
                                                        block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
-                                                       row_bytes=row_bytes, hop_a_spread=hop_a_spread)
+                                                       row_bytes=row_bytes, hop_a_spread=hop_a_spread,
+                                                       publication=publication)
     by_block: dict[int | None, list[Collective]] = {}  # by the landing that issues them
     for c in exchange:
         by_block.setdefault(c.issued_at, []).append(c)

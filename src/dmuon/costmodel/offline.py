@@ -205,11 +205,18 @@ def plan_offline(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
         items, offline_blocks(mats), [m.numel for m in mats], replicate)
     owners, loads = result.owners, result.loads
+    # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
+    owned: dict[int, list[int]] = {}
+    for k, o in enumerate(owners):
+        owned.setdefault(o, []).append(k)
+    ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
+    waves = return_waves(ns_batches, [], max_waves)
     # HSDP layout: replicate across nodes, shard inside a node. dmuon's exchange as the runtime
-    # issues it: on HSDP design (b), whose column reduce-scatter moves gradients (fp32 by default).
+    # issues it: on HSDP design (b), whose column reduce-scatter moves gradients (fp32 by default),
+    # each wave's updates across replicas by the route the runtime picks for it.
     shapes = [m.shape for m in mats]
-    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes)
-    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes)
+    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, waves=waves)
+    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes, waves=waves)
     ranks = []
     for r in range(world_size):
         mine = [k for k, o in enumerate(owners) if o == r]
@@ -253,12 +260,6 @@ def plan_offline(
         "ranks": ranks,
     }
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
-    # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
-    owned: dict[int, list[int]] = {}
-    for k, o in enumerate(owners):
-        owned.setdefault(o, []).append(k)
-    ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
-    waves = return_waves(ns_batches, [], max_waves)
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                                   zero=zero, root_block=0, model=alpha_beta, waves=waves)
@@ -285,7 +286,7 @@ def plan_offline(
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(
             shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
-            reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups))
+            reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups), waves=waves)
     return plan
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from dmuon.plan.layout import shard_rows
+from dmuon.plan.publication import Published, choose_route, route_stages
 
 
 @dataclass
@@ -105,7 +106,8 @@ def check_mesh(replicate: int, shard: int, elem_bytes: int) -> None:
 def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int, replicate: int, shard: int,
                         elem_bytes: int, table: Sequence[tuple[int, int, bool]],
                         grad_bytes: int | None = None) -> None:
-    """Adds one matrix's steps of :func:`owner_traffic`, in bytes, to ``out``.
+    """Adds one matrix's steps 0-2 of :func:`owner_traffic`, in bytes, to ``out`` (step 3 is per
+    return wave: :func:`_add_publication`).
 
     ``table`` is :func:`piece_table`'s. ``grad_bytes`` adds design (b)'s step
     0b first (:func:`owner_traffic_column_reduce`): the gradient's column
@@ -142,12 +144,25 @@ def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int
                 own.intra_received += moved
             own.intra_sent += moved
             peer.intra_received += moved
-        # 3: every rank of the owner's replica (the owner too) forwards its piece
-        # of the update to the same shard position of every other replica.
-        out[base + s].inter_sent += (replicate - 1) * moved
-        for r in range(replicate):
-            if r != r_o:
-                out[r * shard + s].inter_received += moved
+
+
+def published_wave(wave: Sequence[int], owners: Sequence[int], shard: int,
+                   tables: Sequence[Sequence[tuple[int, int, bool]]], inner: Sequence[int]) -> list[Published]:
+    """A return wave's matrices as :mod:`dmuon.plan.publication` takes them, from :func:`piece_table`'s
+    tables and each matrix's elements per column (``inner``)."""
+    return [Published(owners[i] // shard, tuple((rows, cols) for rows, cols, _ in tables[i]), inner[i])
+            for i in wave]
+
+
+def _add_publication(out: list[RankTraffic], wave: Sequence[int], owners: Sequence[int], replicate: int,
+                     shard: int, elem_bytes: int, tables, inner: Sequence[int]) -> None:
+    """Adds step 3 of one return wave, by the route the runtime picks for it (inter level)."""
+    published = published_wave(wave, owners, shard, tables, inner)
+    route = choose_route(published, replicate, shard, elem_bytes)
+    for stage in route_stages(route, published, replicate, shard, elem_bytes):
+        for k, t in enumerate(out):
+            t.inter_sent += stage.sent[k]
+            t.inter_received += stage.received[k]
 
 
 def check_owners(shapes: Sequence[Sequence[int]], owners: Sequence[int], replicate: int, shard: int) -> None:
@@ -166,6 +181,7 @@ def owner_traffic(
     shard: int,
     elem_bytes: int = 2,
     pieces: Sequence[Sequence] | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> list[RankTraffic]:
     """dmuon's traffic per plan rank ``r * shard + s`` for one step with every matrix active.
 
@@ -177,9 +193,12 @@ def owner_traffic(
     in design (a), by dmuon's column reduce-scatter in design (b),
     :func:`owner_traffic_column_reduce`); the ranks
     ``(r_o, s)``, ``s != s_o``, send their rows to the owner; the owner sends
-    each of them its rows of the update; with ``replicate > 1`` every
-    ``(r_o, s)`` then sends its rows of the update to ``(r, s)`` for each
-    ``r != r_o``. Steps 1-2 are counted on the intra (shard) level, steps 0 and
+    each of them its rows of the update; with ``replicate > 1`` the update's
+    rows then reach the other replicas (step 3), per return wave by the route
+    the runtime picks (:mod:`dmuon.plan.publication`): directly, every
+    ``(r_o, s)`` sending its rows to ``(r, s)`` for each ``r != r_o``, or by
+    a scatter of the parts and their all-gather (the same bytes over all
+    ranks, spread more evenly). Steps 1-2 are counted on the intra (shard) level, steps 0 and
     3 on the inter (replicate) level; a rank's bytes to itself are not
     traffic. This is HSDP design (a)'s exchange, and design (b)'s after its
     column reduce-scatter; with one replica, dmuon's whole exchange.
@@ -197,22 +216,30 @@ def owner_traffic(
             position's piece, columns split over the replicas are the piece's,
             and a copy (``sends`` False) sends nothing towards the owner but
             gets the update. None: FSDP2's row chunks.
+        waves: The return waves (matrix indices), as
+            :func:`~dmuon.costmodel.collectives.owner_exchange_collectives`
+            takes them; the route of step 3 is chosen per wave. None: one wave.
 
     Raises:
         ValueError: For mismatched lengths, an owner outside the mesh or a bad mesh.
     """
-    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, None, pieces)
+    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, None, pieces, waves)
 
 
-def _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces) -> list[RankTraffic]:
+def _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces, waves) -> list[RankTraffic]:
     check_mesh(replicate, shard, elem_bytes)
     check_owners(shapes, owners, replicate, shard)
     if pieces is not None and len(pieces) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(pieces)} piece lists")
     out = [RankTraffic() for _ in range(replicate * shard)]
+    tables = [piece_table(shape, shard, None if pieces is None else pieces[i]) for i, shape in enumerate(shapes)]
     for i, (shape, owner) in enumerate(zip(shapes, owners)):
-        table = piece_table(shape, shard, None if pieces is None else pieces[i])
-        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes, table, grad_bytes)
+        _add_owner_exchange(out, shape, owner, replicate, shard, elem_bytes, tables[i], grad_bytes)
+    if replicate > 1:
+        inner = [math.prod(int(d) for d in shape[2:]) for shape in shapes]
+        for wave in [range(len(shapes))] if waves is None else waves:
+            if wave:
+                _add_publication(out, list(wave), owners, replicate, shard, elem_bytes, tables, inner)
     return out
 
 
@@ -224,6 +251,7 @@ def owner_traffic_column_reduce(
     elem_bytes: int = 2,
     grad_bytes: int = 4,
     pieces: Sequence[Sequence] | None = None,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> list[RankTraffic]:
     """HSDP design (b)'s traffic of the Muon matrices per plan rank, one step, every matrix active.
 
@@ -245,8 +273,8 @@ def owner_traffic_column_reduce(
     1.  hop B: ``(r_o, s)``, ``s != s_o``, sends its piece of the direction to
         the owner (intra);
     2.  the owner sends each of them its piece of the update (intra);
-    3.  every ``(r_o, s)`` sends its piece of the update to ``(r, s)``,
-        ``r != r_o`` (inter).
+    3.  the update's pieces reach the other replicas (inter), per return wave
+        by the route the runtime picks (:func:`owner_traffic`).
 
     Step 0b moves ``(R-1)/R`` of each rank's piece each way (exactly: it sends
     its piece less slice ``r`` and receives ``R-1`` slices ``r``), half the
@@ -262,7 +290,7 @@ def owner_traffic_column_reduce(
     """
     if grad_bytes < 1:
         raise ValueError(f"grad_bytes must be >= 1, got {grad_bytes}")
-    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces)
+    return _owner_exchange(shapes, owners, replicate, shard, elem_bytes, grad_bytes, pieces, waves)
 
 
 def replicate_all_reduce_traffic(numels: Sequence[int], replicate: int, shard: int,
@@ -344,6 +372,7 @@ def hsdp_design_traffic(
     elem_bytes: int = 2,
     grad_bytes: int = 4,
     reshard_after_forward: bool = True,
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, list[RankTraffic]]:
     """Everything the Muon matrices move per rank and step under each HSDP design, both levels.
 
@@ -359,7 +388,8 @@ def hsdp_design_traffic(
     The non-Muon parameters' all-reduce is the same under every design
     (FSDP2's under (a), dmuon's under (b)) and not included
     (:func:`compare_hsdp_designs` adds it). Arguments as
-    :func:`owner_traffic_column_reduce`; ``grad_bytes`` is also FSDP2's
+    :func:`owner_traffic_column_reduce` (``waves``: dmuon's return waves, whose
+    routes across replicas it picks per wave); ``grad_bytes`` is also FSDP2's
     parameter element size here.
     """
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
@@ -368,8 +398,9 @@ def hsdp_design_traffic(
     world = replicate * shard
     return {
         "fsdp2_adamw": [RankTraffic(**fsdp2.as_dict()) for _ in range(world)],
-        "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes), fsdp2),
-        "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes), within),
+        "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes, waves=waves), fsdp2),
+        "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes, waves=waves),
+                   within),
     }
 
 
@@ -392,8 +423,9 @@ def compare_hsdp_designs(
     grad_bytes: int = 4,
     reshard_after_forward: bool = True,
     other_numels: Sequence[int] = (),
+    waves: Sequence[Sequence[int]] | None = None,
 ) -> dict:
-    """The per-level figures of :func:`hsdp_design_traffic`, JSON-ready.
+    """The per-level figures of :func:`hsdp_design_traffic` (the same arguments), JSON-ready.
 
     Returns:
         ``{design: {"inter": {...}, "intra": {...}, "inter_whole_model": {...}}}``
@@ -405,7 +437,8 @@ def compare_hsdp_designs(
         (a), dmuon under (b)) added; plus
         ``"non_muon_all_reduce"``, that all-reduce's own inter figures.
     """
-    designs = hsdp_design_traffic(shapes, owners, replicate, shard, elem_bytes, grad_bytes, reshard_after_forward)
+    designs = hsdp_design_traffic(shapes, owners, replicate, shard, elem_bytes, grad_bytes, reshard_after_forward,
+                                  waves)
     rest = replicate_all_reduce_traffic(other_numels, replicate, shard, grad_bytes)
     out: dict = {}
     for name, traffic in designs.items():

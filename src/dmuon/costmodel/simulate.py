@@ -23,7 +23,9 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   hop B one block later; design (b)'s reductions across replicas, each block's
   gradient-column all_to_all carrying the hop A of the block landed before), the step's
   agreement, the owners' NS batches wave by wave with each wave's return behind
-  them, AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
+  them (every return in flight one hop further before each wave's hop 1, as
+  ``ShardRuntime._forward_returns`` advances them: a hop across replicas waits for
+  the return's hop before it to land), AdamW, the applies; gather-then-compute's serial gather-NS-apply per matrix;
   the all-to-all peer's batches in its runtime's order.
 
 Ranks given the same work in every task have the same timeline (the simulation is
@@ -458,6 +460,9 @@ class StepInputs:
     gradients reduced last."""
     hop_a_spread: int = 8
     """Design (b): the collectives a block's hop A may spread over (``ExecutionConfig.hop_a_spread``)."""
+    publication: str | None = None
+    """dmuon's route across replicas for every return wave (``"direct"``, ``"scatter"``); None: the
+    runtime's choice per wave (:func:`dmuon.plan.publication.choose_route`)."""
 
     @property
     def world(self) -> int:
@@ -498,6 +503,16 @@ class _Launch:
         return [self.hop_b] if self.hop_b is not None else self.hop_a
 
 
+@dataclass
+class _Return:
+    """One return wave's hops, as ``Pending`` chains them: issued (hop 1 first), and the hops across
+    replicas still ahead (``"first"``: the direct route's one or the scatter; ``"gather"``: the all-gather)."""
+
+    w: int
+    issued: list[Task | None]
+    ahead: list[str] = field(default_factory=list)
+
+
 class _Builder:
     """Builds one strategy's step on a :class:`Timeline`, in the order the host issues it."""
 
@@ -512,7 +527,7 @@ class _Builder:
             wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
             zero=inputs.zero, root_block=inputs.root_block, waves=self.waves, other_shapes=inputs.other_shapes,
             other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
-            hop_a_spread=inputs.hop_a_spread)
+            hop_a_spread=inputs.hop_a_spread, publication=inputs.publication)
         self.collectives: dict[tuple, Collective] = {}
         for c in collectives:
             key = (c.role, c.phase, c.block, c.index)
@@ -766,29 +781,49 @@ class _Builder:
             self.wait("agreed", C, [agreement])
         self.wait("directions at the owners", C, [t for launch in self.launches for t in launch.landing()])
         mine = self.wave_batches()
-        shard_returns: list[Task | None] = []
-        replica_returns: list[Task | None] = []
+        returns: list[_Return] = []
         for w in range(len(self.waves)):
             seconds = [sum(self.ns_seconds(shape, n, owner_copy=True) for shape, n in mine[k][w])
                        for k in range(inp.world)]
             ns = tl.compute(f"NS wave {w}", C, seconds, phase="step", kind="ns")
-            if w > 0:  # hop 2 of the wave before, behind this wave's NS
-                replica_returns.append(self.forward_return(w - 1, shard_returns[w - 1]))
-            shard_returns.append(self.coll("return_shard", "step", None, w, DS, [ns]))
+            self.forward_returns(returns)  # the earlier waves' next hops, behind this wave's NS
+            returns.append(self.new_return(w, self.coll("return_shard", "step", None, w, DS, [ns])))
         if speculative or agreement is None:
             self.adamw(self.other_local())  # while the (last) return travels
         for w, wave in enumerate(self.waves):
-            if w == len(self.waves) - 1:
-                replica_returns.append(self.forward_return(w, shard_returns[w]))
-            landed = self.wait(f"wave {w} landed", C, [shard_returns[w], replica_returns[w]])
+            while returns[w].ahead:
+                self.forward_returns(returns[w:])
+            landed = self.wait(f"wave {w} landed", C, returns[w].issued)
             self.elementwise(f"apply wave {w}", C, APPLY_BYTES * self.row_elements(wave), [landed])
 
-    def forward_return(self, w: int, shard_return: Task | None) -> Task | None:
-        """``Pending.forward`` of wave ``w``'s return: land hop 1 (on the compute stream), issue hop 2."""
-        if self.inp.replicate == 1:
-            return None
-        landed = self.wait(f"wave {w} at the shard columns", C, [shard_return])
-        return self.coll("return_replicas", "step", None, w, DR, [landed])
+    def new_return(self, w: int, shard_return: Task | None) -> "_Return":
+        """Wave ``w``'s return with hop 1 issued; its hops across replicas as ``step_collectives`` lists them."""
+        ret = _Return(w, [shard_return])
+        if self.inp.replicate > 1:
+            direct = ("return_replicas", "step", None, w) in self.collectives
+            ret.ahead = ["first"] if direct else ["first", "gather"]
+        return ret
+
+    def forward_returns(self, returns: list["_Return"]) -> None:
+        """``ShardRuntime._forward_returns``: every return in flight lands its latest hop (on the compute
+        stream) and issues its next, all of them in one all_to_all on the replicate group (the
+        collective ``step_collectives`` lists under the round's first hop across replicas, or, with
+        none, the last wave's all-gather)."""
+        moving = [ret for ret in returns if ret.ahead]
+        if not moving:
+            return
+        landed = [self.wait(f"wave {ret.w} hop {len(ret.issued)} landed", C, ret.issued[-1:]) for ret in moving]
+        firsts = [ret.w for ret in moving if ret.ahead[0] == "first"]
+        if firsts:
+            w, = firsts  # the runtime advances one wave past hop 1 per round
+            role = "return_replicas" if ("return_replicas", "step", None, w) in self.collectives else "return_scatter"
+            key = (role, w)
+        else:
+            key = ("return_gather", moving[-1].w)
+        task = self.coll(key[0], "step", None, key[1], DR, landed)
+        for ret in moving:
+            ret.ahead.pop(0)
+            ret.issued.append(task)
 
     def wave_batches(self) -> list[list[list[tuple[tuple[int, int], int]]]]:
         """Per rank, per wave, its NS batches as ``(shape, count)``."""

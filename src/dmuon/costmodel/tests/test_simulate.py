@@ -165,7 +165,8 @@ def test_the_peer_batches_and_its_runtime_order():
 HW = Hardware("test", compute_flops=1e12, ns_flops=1e12, elementwise_bytes=1e11, links=LINKS)
 
 
-def _inputs(replicate: int, shard: int, return_waves: int = 4, zero: int = 3) -> StepInputs:
+def _inputs(replicate: int, shard: int, return_waves: int = 4, zero: int = 3, publication: str | None = None
+            ) -> StepInputs:
     """Five Muon matrices in blocks 1-2 and the root, two AdamW ones (an embedding in the root, one in block 1)."""
     shapes = [(6, 5), (5, 7), (8, 4), (3, 9), (6, 5)]
     blocks = [1, 1, 2, 2, 0]
@@ -176,13 +177,14 @@ def _inputs(replicate: int, shard: int, return_waves: int = 4, zero: int = 3) ->
         batches.setdefault(o, []).append([i])
     return StepInputs(shapes=shapes, owners=owners, blocks=blocks, replicate=replicate, shard=shard,
                       ns_batches=batches, other_shapes=[(16, 5), (4, 4)], other_blocks=[0, 1],
-                      return_waves=return_waves, zero=zero)
+                      return_waves=return_waves, zero=zero, publication=publication)
 
 
 @pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2), (2, 3), (3, 2)])
 @pytest.mark.parametrize("return_waves", [1, 4])
-def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, return_waves):
-    inputs = _inputs(replicate, shard, return_waves)
+@pytest.mark.parametrize("publication", [None, "direct", "scatter"])
+def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, return_waves, publication):
+    inputs = _inputs(replicate, shard, return_waves, publication=publication)
     options = SimOptions(overlap=False, compute=False)
     for strategy in SIM_STRATEGIES:
         timeline, _ = build_step(strategy, inputs, HW, options)
@@ -192,7 +194,7 @@ def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, retu
         # The collectives are step_collectives' (the same code as step_comm's), plus dmuon's agreement.
         listed = step_collectives(strategy, inputs.shapes, inputs.owners, inputs.blocks, replicate, shard,
                                   waves=inputs.waves(), other_shapes=inputs.other_shapes,
-                                  other_blocks=inputs.other_blocks)
+                                  other_blocks=inputs.other_blocks, publication=publication)
         extra = [c for c in used if c.role == "agreement"]
         assert len(extra) == (strategy.startswith("dmuon") and return_waves > 1)
         assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
@@ -205,13 +207,41 @@ def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, retu
 def test_every_strategy_schedules_every_collective_and_adds_up(replicate, shard, backend):
     for zero in (2, 3):
         for return_waves in (1, 4):
-            inputs = _inputs(replicate, shard, return_waves, zero)
-            for strategy in SIM_STRATEGIES:
-                # build_step raises if a collective of step_collectives has no place in the schedule.
-                f = simulate(strategy, inputs, HW, SimOptions(tokens_per_gpu=1000, backend=backend))
-                assert f["step_seconds"] == pytest.approx(f["forward_backward_seconds"] + f["optimizer_seconds"])
-                assert f["step_seconds"] >= f["compute_seconds"] > 0
-                assert f["exposed_comm_seconds"] >= -1e-12 and f["optimizer_seconds"] >= 0
+            for publication in (None, "scatter"):  # the route across replicas as chosen, and forced
+                inputs = _inputs(replicate, shard, return_waves, zero, publication)
+                for strategy in SIM_STRATEGIES:
+                    # build_step raises if a collective of step_collectives has no place in the schedule.
+                    f = simulate(strategy, inputs, HW, SimOptions(tokens_per_gpu=1000, backend=backend))
+                    assert f["step_seconds"] == pytest.approx(f["forward_backward_seconds"] + f["optimizer_seconds"])
+                    assert f["step_seconds"] >= f["compute_seconds"] > 0
+                    assert f["exposed_comm_seconds"] >= -1e-12 and f["optimizer_seconds"] >= 0
+
+
+def test_scatter_route_hops_wait_for_the_hop_before_and_the_all_gather_rides_with_the_next_wave():
+    """3 x 2 mesh, three return waves on the scatter route: each wave's scatter starts once its hop 1 has
+    landed, in one all_to_all with the wave before's all-gather (which needs that wave's scatter landed);
+    the last all-gather goes alone; a wave is applied once its all-gather has landed."""
+    inputs = _inputs(3, 2, publication="scatter")
+    waves = inputs.waves()
+    assert len(waves) == 3
+    timeline, _ = build_step("dmuon", inputs, HW, SimOptions(tokens_per_gpu=1000))
+    timeline.run()
+    task = {t.name: t for t in timeline.tasks}
+    hop_1 = [task[f"dmuon updates to the shard columns wave {w}"] for w in range(3)]
+    first = [task["dmuon update slices to the replicas wave 0"],
+             *(task[f"dmuon update slices to the replicas wave {w} + the slices' all-gather wave {w - 1}"]
+               for w in (1, 2))]
+    last_gather = task["dmuon update slices' all-gather wave 2"]
+    assert [c.collective.carries_gather for c in first] == [None, 0, 1]
+    gathers = [first[1], first[2], last_gather]  # where each wave's all-gather travels
+
+    def after(later, earlier) -> bool:
+        """Every rank starts ``later`` once its part of ``earlier`` has ended."""
+        return all(later.start[k] >= end - 1e-9 for k, end in earlier.end.items() if k in later.start)
+
+    for w in range(3):
+        assert after(first[w], hop_1[w]) and after(gathers[w], first[w]) and after(task[f"apply wave {w}"], gathers[w])
+        assert len(gathers[w].start) == 6  # every rank of a 3 x 2 mesh takes part in the all-gather
 
 
 @pytest.mark.parametrize("tokens,bound", [(20, "reduce-scatter"), (1, "columns")])

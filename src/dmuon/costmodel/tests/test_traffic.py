@@ -28,6 +28,7 @@ from dmuon.costmodel.traffic import (
     step_figures,
 )
 from dmuon.plan.plan import Piece
+from dmuon.plan.publication import SCATTER, Published, choose_route
 
 
 def _torch_rows(m: int, shard: int) -> list[int]:
@@ -36,8 +37,16 @@ def _torch_rows(m: int, shard: int) -> list[int]:
     return sizes + [0] * (shard - len(sizes))
 
 
+def _route(shapes, owners, replicate, shard, elem_bytes) -> str:
+    """The route the runtime takes for one wave of every matrix (FSDP2's row chunks)."""
+    return choose_route([Published(o // shard, tuple((n, shape[1] if len(shape) > 1 else 1)
+                                                     for n in _torch_rows(shape[0], shard)), math.prod(shape[2:]))
+                         for shape, o in zip(shapes, owners)], replicate, shard, elem_bytes)
+
+
 def _messages(shapes, owners, replicate, shard, elem_bytes):
     """Every (sender, receiver, bytes, level) message of the four steps, self-sends included."""
+    scatter = _route(shapes, owners, replicate, shard, elem_bytes) == SCATTER
     for shape, owner in zip(shapes, owners):
         r_o, s_o = divmod(owner, shard)
         width = math.prod(shape[1:])
@@ -52,9 +61,16 @@ def _messages(shapes, owners, replicate, shard, elem_bytes):
                 yield (r_o * shard + s, owner, rows[s] * width * elem_bytes, "intra")   # 1: to the owner
                 yield (owner, r_o * shard + s, rows[s] * width * elem_bytes, "intra")   # 2: update back
         for s in range(shard):
+            part = [rows[s] * columns[q] * (width // cols) * elem_bytes for q in range(replicate)]
             for r in range(replicate):
-                if r != r_o:                                                         # 3: other replicas
+                if r == r_o:
+                    continue
+                if not scatter:                                                      # 3: other replicas
                     yield (r_o * shard + s, r * shard + s, rows[s] * width * elem_bytes, "inter")
+                    continue
+                yield (r_o * shard + s, r * shard + s, part[r], "inter")           # 3a: part r to replica r
+                for q in range(replicate):                                           # 3b: the parts to r
+                    yield (q * shard + s, r * shard + s, part[q], "inter")
 
 
 def _simulate(shapes, owners, replicate, shard, elem_bytes) -> list[RankTraffic]:
@@ -183,6 +199,7 @@ def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed
     summed matrix and every rank its rows of the update, and returns the bytes it took."""
     gen = torch.Generator().manual_seed(seed)
     wire = _Wire(replicate, shard)
+    scatter = _route(shapes, owners, replicate, shard, elem_bytes) == SCATTER
     for shape, owner in zip(shapes, owners):
         r_o, s_o = divmod(owner, shard)
         rows = _torch_rows(shape[0], shard)
@@ -214,12 +231,20 @@ def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed
         full = torch.cat([wire.send((r_o, s), (r_o, s_o), summed[s], elem_bytes) for s in range(shard)])
         assert torch.allclose(full, total)
         update = torch.tanh(full)  # stands in for NS: any map of the whole matrix
-        # 2: the owner sends each column its rows of the update; 3: they go on to the other replicas.
+        # 2: the owner sends each column its rows of the update; 3: they go on to the other replicas,
+        # directly or (scatter route) column slice r to replica r, then every slice to every replica.
         back = {s: wire.send((r_o, s_o), (r_o, s), update[starts[s]:starts[s] + rows[s]], elem_bytes)
                 for s in range(shard)}
         for s in range(shard):
+            scattered = {q: wire.send((r_o, s), (q, s), back[s][:, first[q]:first[q] + columns[q]], elem_bytes)
+                         for q in range(replicate)} if scatter else {}
             for r in range(replicate):
-                got = back[s] if r == r_o else wire.send((r_o, s), (r, s), back[s], elem_bytes)
+                if r == r_o:
+                    got = back[s]
+                elif not scatter:
+                    got = wire.send((r_o, s), (r, s), back[s], elem_bytes)
+                else:
+                    got = torch.cat([wire.send((q, s), (r, s), scattered[q], elem_bytes) for q in range(replicate)], 1)
                 assert torch.equal(got, update[starts[s]:starts[s] + rows[s]])
     return wire.out
 
@@ -395,6 +420,21 @@ def test_per_rank_totals_are_the_sum_of_the_collectives(replicate, shard):
         backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces)
         assert _summed(backward + step, world) == owner_traffic(shapes, owners, replicate, shard, elem,
                                                                 pieces=pieces), (shapes, owners)
+        # In return waves, each with its own route across replicas (and the scatter route's all-gather
+        # joined with the next wave's first collective): the same per-rank sums.
+        cut = sorted(rng.sample(range(1, len(shapes)), 2))
+        order = rng.sample(range(len(shapes)), len(shapes))
+        waves = [order[:cut[0]], order[cut[0]:cut[1]], order[cut[1]:]]
+        for publication in (None, "direct", "scatter"):
+            backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, elem, pieces=pieces,
+                                                        gradient_bytes=grad, waves=waves, publication=publication)
+            summed = _summed(backward + step, world)
+            if publication is None:
+                assert summed == owner_traffic_column_reduce(shapes, owners, replicate, shard, elem, grad,
+                                                             pieces=pieces, waves=waves), (shapes, owners, waves)
+            # Every route moves the same bytes over all ranks, only spread differently.
+            assert sum(x.inter_sent for x in summed) == sum(x.inter_sent for x in owner_traffic_column_reduce(
+                shapes, owners, replicate, shard, elem, grad, pieces=pieces))
         # Without pieces: FSDP2's row chunks, which the first four are.
         plain = owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad)
         assert plain == owner_traffic_column_reduce(shapes[:4], owners[:4], replicate, shard, elem, grad,
@@ -466,12 +506,16 @@ def test_design_totals_for_one_evenly_divisible_matrix(replicate, shard):
     # Per element 8, 10 + 2/R and 6 + 2/R bytes per other replica.
     assert [inter[k]["total"] / (r1 * m) for k in HSDP_DESIGNS] == [8, 10 + 2 / replicate, 6 + 2 / replicate]
     # Critical paths: the all-reduce is 2 (R-1)/R of a column's M/S each way on every rank;
-    # (a)'s owner replica sends the update R-1 times more; (b)'s replaces the all-reduce by the
-    # reduce-scatter, (R-1)/R of M/S each way.
+    # (a) adds the publication, where the owner's replica sends most: with R = 2 directly its
+    # M/S once; with R >= 3 by the scatter route (one matrix: its owner's replica would send it
+    # R-1 times directly), (R-1)/R of M/S in the scatter and as much in the all-gather, which is
+    # more than another rank's M/S received. (b)'s replaces the all-reduce by the reduce-scatter,
+    # (R-1)/R of M/S each way.
     ar = 2 * r1 * (m // shard) // replicate * 4
+    published = 2 * r1 * (m // shard) // replicate * 2
     assert inter["fsdp2_adamw"]["critical"] == ar
-    assert inter["a"]["critical"] == ar + r1 * (m // shard) * 2
-    assert inter["b"]["critical"] == ar // 2 + r1 * (m // shard) * 2
+    assert inter["a"]["critical"] == ar + published
+    assert inter["b"]["critical"] == ar // 2 + published
     # The shard level: (a) and (b) both add dmuon's exchange to FSDP2's within-replica collectives.
     assert figs["a"]["intra"] == figs["b"]["intra"]
     assert figs["a"]["intra"]["total"] - figs["fsdp2_adamw"]["intra"]["total"] == 2 * (m - m // shard) * 2
@@ -485,20 +529,24 @@ def test_design_hand_numbers():
     figs = compare_hsdp_designs([(64, 64)], [9], 4, 8, other_numels=[1024, 3072])
     assert figs["fsdp2_adamw"]["inter"] == {"total": 98304, "critical": 3072}
     # (a): FSDP2's 98304, the update to 3 replicas (3 * 4096 * 2) and the 3 other replicas'
-    # column slices of the direction (3 * 1024 * 2).
-    assert figs["a"]["inter"] == {"total": 98304 + 24576 + 6144, "critical": 6144}
+    # column slices of the direction (3 * 1024 * 2). One matrix on 4 replicas takes the scatter
+    # route: the owner's replica sends 3 of its 4 column slices (3 * 128 * 2 a rank) in the
+    # scatter and its own slice to the 3 others (as much) in the all-gather, 3072 + 1536 in all.
+    assert figs["a"]["inter"] == {"total": 98304 + 24576 + 6144, "critical": 3072 + 1536}
     # (b): the column reduce-scatter (3 * 4096 * 4), (a)'s update copies and direction slices.
-    assert figs["b"]["inter"] == {"total": 49152 + 24576 + 6144, "critical": 4608}
+    assert figs["b"]["inter"] == {"total": 49152 + 24576 + 6144, "critical": 1536 + 1536}
     # 4096 non-Muon elements all-reduced alike under every design: 2 * 3 * 4096 * 4 in all, 3072 a rank.
     assert figs["non_muon_all_reduce"] == {"total": 98304, "critical": 3072}
-    assert figs["b"]["inter_whole_model"] == {"total": 79872 + 98304, "critical": 4608 + 3072}
+    assert figs["b"]["inter_whole_model"] == {"total": 79872 + 98304, "critical": 3072 + 3072}
     # Per rank, 512 elements of the matrix, 128 in each column slice: every rank sends its 3 other
     # slices of the fp32 gradient (3 * 128 * 4) and receives 3 copies of its own (1536 each way);
-    # the owner's replica receives 3 bf16 direction slices (3 * 128 * 2) and sends 3 update copies
-    # (3 * 512 * 2); the other replicas send one slice (256) and receive one update (1024).
+    # the owner's replica receives 3 bf16 direction slices (3 * 128 * 2) and sends 3 slices of the
+    # update in the scatter and its own to 3 replicas in the all-gather (768 + 768); the other
+    # replicas send one direction slice (256) and their update slice to the 2 replicas other than
+    # the owner's (512), and receive their slice (256) and the 3 others (768).
     b = hsdp_design_traffic([(64, 64)], [9], 4, 8)["b"]
-    assert {(x.inter_sent, x.inter_received) for x in b[8:16]} == {(1536 + 3072, 1536 + 768)}
-    assert {(x.inter_sent, x.inter_received) for x in b[:8] + b[16:]} == {(1536 + 256, 1536 + 1024)}
+    assert {(x.inter_sent, x.inter_received) for x in b[8:16]} == {(1536 + 768 + 768, 1536 + 768)}
+    assert {(x.inter_sent, x.inter_received) for x in b[:8] + b[16:]} == {(1536 + 256 + 512, 1536 + 256 + 768)}
 
 
 def test_design_traffic_is_fsdp2_plus_the_exchange():
