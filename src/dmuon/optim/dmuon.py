@@ -673,6 +673,7 @@ class DMuon(torch.optim.Optimizer):
                 self._qk.reset()  # a step's reports are its own, applied or skipped
         return loss
 
+    @torch.compiler.disable  # bookkeeping on a buffer outside the graph; a compiled forward breaks here
     def report_attention_logits(self, layer: str, max_logits: torch.Tensor, first_head: int = 0) -> None:
         """QK-clip: this rank's largest pre-softmax attention logit per query head of ``layer``.
 

@@ -81,7 +81,7 @@ class AttentionClip:
         self.device: torch.device | None = None
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         """Plan index -> this rank's rows of the matrix: each local row's key head (-1: not
-        scaled), its power, and the key heads it has rows of."""
+        scaled) and its power (on the device), and the key heads it has rows of (on the host)."""
         self.last_maxima: dict[str, torch.Tensor] = {}
         """Layer key -> the last applied step's agreed maximum per key head (float32, CPU)."""
 
@@ -144,7 +144,8 @@ class AttentionClip:
                     power = torch.zeros(piece.rows)
                     head[rows[here] - low] = heads[here]
                     power[rows[here] - low] = powers[here]
-                    self.rows[i] = (head, power, heads[here].unique())
+                    # The map on the device (the clip computes there), its key heads on the host (checked there).
+                    self.rows[i] = (head.to(self.device), power.to(self.device), heads[here].unique())
                 first += info.shape[0] if info.group is not None else 0
 
     # ---------------------------------------------------------------- reports
@@ -202,13 +203,15 @@ class AttentionClip:
         if not clipped.any():
             return
         column = plan.rank % plan.shard
+        on_device = None  # one small copy to the device per step that clips anything
         for i in active:
             if i not in self.rows:
                 continue
             head, power, heads = self.rows[i]
             if not clipped[heads].any():
                 continue
+            if on_device is None:
+                on_device = gamma.to(head.device)
             info = plan.infos[i]
             view = info.local_view(local_tensor(info.param), column)
-            factor = row_factors(gamma, head, power).to(view.device)
-            view.mul_(factor.view(-1, *[1] * (view.ndim - 1)))
+            view.mul_(row_factors(on_device, head, power).view(-1, *[1] * (view.ndim - 1)))
