@@ -4,7 +4,7 @@ head ``gamma = tau / S`` where ``S > tau``, query rows times ``gamma ** alpha``,
 ``gamma ** (1 - alpha)``, with ``S`` the maximum over every rank's reports.
 
 One process and 4 gloo ranks (one spawn, every run in it): 1-D FSDP2 on the speculative step, a
-skipped step, overlap=False with accumulation micro-batches, NorMuon, a bf16 wire, FSDP2's native
+skipped step, overlap=False with accumulation micro-batches, return waves with NS in backward, NorMuon, a bf16 wire, FSDP2's native
 2x2 HSDP and dmuon's replicate level, a (dp, tp) mesh with TP-split heads; GQA, a fused QKV as row
 groups and MLA; maxima that differ per rank (the model's own and extra reports), a clip on some heads
 only, NaN/inf/negative reports; 1e-5 with fp32 NS. The agreed maxima are bit for bit the maximum of
@@ -140,6 +140,7 @@ RUNS = {
     "1-D": dict(),
     "1-D skip": dict(skip=True, nonfinite="skip"),
     "1-D overlap=False, accumulation": dict(overlap=False, micro_batches=2),
+    "1-D waves, NS in backward": dict(return_waves=3, ns_in_backward=True),
     "1-D NorMuon": dict(rule="normuon"),
     "bf16 wire": dict(ns_dtype=torch.bfloat16),
     "hsdp 2x2": dict(mesh_shape=(2, 2)),

@@ -678,8 +678,9 @@ class DMuon(torch.optim.Optimizer):
         """QK-clip: this rank's largest pre-softmax attention logit per query head of ``layer``.
 
         Call it from the layer's forward (or anywhere before ``step()``) with the maximum over
-        this rank's tokens of ``q . k * softmax_scale`` (masked positions left out): FlexAttention's
-        ``max_scores`` reduced over batch and positions, or an eager ``scores.amax((0, 2, 3))``.
+        this rank's tokens of ``q . k * softmax_scale`` (masked positions left out): an eager
+        ``scores.amax((0, 2, 3))``, or FlexAttention's ``max_scores`` (accelerators only) reduced
+        over batch and positions once checked to be on that scale.
         Every call between two ``step()`` calls counts (accumulation micro-batches,
         recomputation): the step takes their maximum, and then the maximum over every rank,
         carried with the step's agreement (no collective of its own). It issues no collective and
