@@ -240,7 +240,8 @@ def _normuon_step(weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, v
 
 def reference(world: int, names: tuple[str, ...] = ("gqa", "fused", "mla"), steps: int = STEPS,
               skipped: tuple[int, ...] = (), rule: str = "muon", clip: bool = True, tau: float = TAU,
-              alpha: float = ALPHA, global_maxima: bool = True) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+              alpha: float = ALPHA, global_maxima: bool = True,
+              ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """One process on every rank's batch: the rule on the matrices, AdamW on the rest, then the clip
     with each head's maximum over every rank's reports (``global_maxima=False``: rank 0's only, the
     ranks-diverging mistake). ``skipped`` steps change nothing and their reports are dropped.

@@ -52,7 +52,8 @@ class AttentionClip:
         heads_to_kv: list[int] = []
         for key in config.order:
             layer = config.layers[key]
-            query, keys = (self._resolve(key, which, getattr(layer, which), params, names) for which in ("query", "key"))
+            query, keys = (self._resolve(key, which, getattr(layer, which), params, names)
+                           for which in ("query", "key"))
             spans = (("query", query, layer.query_rows, layer.num_heads, layer.head_dim + layer.rope_dim),
                      ("key", keys, layer.key_rows, layer.kv_heads, layer.head_dim + layer.value_dim))
             for which, name, (start, stop), count, span in spans:
