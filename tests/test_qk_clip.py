@@ -7,8 +7,9 @@ One process and 4 gloo ranks (one spawn, every run in it): 1-D FSDP2 on the spec
 skipped step, overlap=False with accumulation micro-batches, return waves with NS in backward,
 NorMuon, a bf16 wire, FSDP2's native 2x2 HSDP and dmuon's replicate level, a (dp, tp) mesh with
 TP-split heads; GQA, a fused QKV as row groups and MLA; maxima that differ per rank (the model's own
-and extra reports), a clip on some heads only, NaN/inf/negative reports; 1e-5 with fp32 NS. The agreed maxima are bit for bit the maximum of
-every rank's, on every rank, and the clip adds no collective to the step.
+and extra reports), a clip on some heads only, NaN/inf/negative reports; 1e-5 with fp32 NS. The
+agreed maxima are bit for bit the maximum of every rank's, on every rank, and the clip adds no
+collective to the step.
 """
 
 from __future__ import annotations
