@@ -10,7 +10,8 @@ Typical use, exactly as for AdamW plus one line::
 ``dmuon.prepare(model, balancer=..., profile=..., ns=dmuon.NSConfig(...))``
 (after ``fully_shard``) makes a plan with non-default options to pass as
 ``DMuon(model, plan)``; ``DMuon(..., execution=dmuon.ExecutionConfig(...))``
-sets when the runtime moves and computes.
+sets when the runtime moves and computes; ``DMuon(..., qk_clip=dmuon.QKClip(...))``
+adds QK-clip (MuonClip) to the step.
 """
 
 from dmuon.optim.dmuon import DMuon
@@ -18,7 +19,8 @@ from dmuon.optim.normuon import NorMuon
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
+from dmuon.rules.qk_clip import AttentionHeads, QKClip
 from dmuon.runtime.config import ExecutionConfig
 
-__all__ = ["DMuon", "ExecutionConfig", "NSConfig", "NorMuon", "Plan", "prepare"]
+__all__ = ["AttentionHeads", "DMuon", "ExecutionConfig", "NSConfig", "NorMuon", "Plan", "QKClip", "prepare"]
 __version__ = "0.1.0"

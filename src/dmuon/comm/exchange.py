@@ -42,11 +42,15 @@ and NCCL both support (on dmuon's replicate level the runtime joins hop A with
 the next block's gradient reduce-scatter, and a return wave's first hop across
 replicas with the wave before's all-gather, :mod:`dmuon.comm.coalesce`); members
 travel in plan-index order, so every destination's share is one contiguous slice. The speculative step's update
-return also carries its agreement: a few 0/1 flags at the end of every
+return also carries its agreement: a few int32 flags at the end of every
 destination's share, maximised over the sources on landing (hop 2 forwards
 hop 1's maximum, so every rank ends with the whole mesh's; on the scatter
 route stage (a) carries them to every replica, even where no part moves, and
-stage (b) none).
+stage (b) none). The flags travel bit for bit whatever the wire dtype (an
+int32 is two elements of a 16-bit wire, one of a 32- or 64-bit one) and are
+maximised as integers after landing, so besides 0/1 they can carry
+non-negative float32 values as their bit patterns (the agreement's logit
+maxima, :mod:`dmuon.runtime.agreement`).
 
 **Row state** (``row_width > 0``; none for Muon, whose exchange is unchanged): a
 rule's small per-row state (NorMuon's second moment, ``row_width`` float32 values
@@ -364,10 +368,10 @@ class ShardExchange:
         Args:
             members: Matrix indices, identical and in the same order on every rank.
             owned: The full ``(m, n)`` update of each member this rank owns.
-            flags: The step's agreement (0/1 integers, the same length on every rank), sent
-                along so that no collective of its own is needed: every hop then issues, even
-                one with no rows to move, and :meth:`Pending.agreed` gives their elementwise
-                maximum over every rank.
+            flags: The step's agreement (int32, the same length on every rank: 0/1 flags and
+                non-negative float32 bit patterns), sent along bit for bit so that no collective
+                of its own is needed: every hop then issues, even one with no rows to move, and
+                :meth:`Pending.agreed` gives their elementwise maximum over every rank (int32).
             rows: With a row state: the whole ``(m, row_width)`` new row state of each member
                 this rank owns.
 
@@ -406,9 +410,27 @@ class ShardExchange:
             self._routes[key] = route
         return route
 
+    def _flag_elems(self, flags: torch.Tensor | None) -> int:
+        """Wire elements the flags take in every destination's share (0 without flags)."""
+        return 0 if flags is None else flags.numel() * row_state_ratio(self.wire_dtype)
+
     def _with_flags(self, parts: list[torch.Tensor], flags: torch.Tensor | None) -> list[torch.Tensor]:
-        # 0/1 are exact in every wire dtype.
-        return parts if flags is None else [*parts, flags.to(device=self.device, dtype=self.wire_dtype)]
+        # Bit for bit, not converted: a converted 0/1 would be exact, but a float32's bit pattern
+        # (a logit maximum) is not representable in a 16-bit float, nor above 2**24 in float32.
+        if flags is None:
+            return parts
+        flags = flags.to(device=self.device, dtype=torch.int32).reshape(-1)
+        if self.wire_dtype.itemsize > 4:
+            flags = flags.to(_INT_OF_SIZE[self.wire_dtype.itemsize])  # one wire element per flag, sign kept
+        return [*parts, flags.view(self.wire_dtype)]
+
+    def _flags_landed(self, wire: torch.Tensor) -> torch.Tensor:
+        """One source's flags from their wire elements (:meth:`_with_flags`), as int32."""
+        # A slice of a receive buffer may start at an odd element: copy before reinterpreting.
+        wire = wire.clone()
+        if self.wire_dtype.itemsize > 4:
+            return wire.view(_INT_OF_SIZE[self.wire_dtype.itemsize]).to(torch.int32)
+        return wire.view(torch.int32)
 
     def _update_parts(self, i: int, update: torch.Tensor, rows: torch.Tensor | None) -> list[torch.Tensor]:
         """What travels back of one member's piece: its update, then (with a row state) its rows' state."""
@@ -425,7 +447,7 @@ class ShardExchange:
             return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats, flags=flags,
                            rows={i: rows[i] for i in in_replica} if self.row_elems else None)
 
-        nflags = 0 if flags is None else flags.numel()
+        nflags = self._flag_elems(flags)
         mine = [i for i in members if infos[i].owner == topo.rank]
         from_column = {c: [i for i in in_replica if self._owner(i)[1] == c] for c in range(topo.shard)}
         in_splits = [sum(self._piece(i, dst) + self._row_back(i, dst) for i in mine) + nflags
@@ -450,7 +472,7 @@ class ShardExchange:
         (with hop 1's flags, the maximum over my replica, and their row state)."""
         topo = self.topo
         r, s = topo.coords
-        nflags = 0 if flags is None else flags.numel()
+        nflags = self._flag_elems(flags)
         from_replica = {q: [i for i in members if self._owner(i)[0] == q] for q in range(topo.replicate)}
         out_splits = [sum(self._piece(i, s) + self._row_back(i, s) for i in from_replica[q]) + nflags
                       for q in range(topo.replicate)]
@@ -498,7 +520,7 @@ class ShardExchange:
         then stage b (:meth:`_parts_to_replicas`)."""
         topo = self.topo
         r, s = topo.coords
-        nflags = 0 if flags is None else flags.numel()
+        nflags = self._flag_elems(flags)
         owner = {i: self._owner(i)[0] for i in members}
         held = [i for i in members if self._piece(i, s)]
         ours = [i for i in held if owner[i] == r]
@@ -522,7 +544,8 @@ class ShardExchange:
             segments = recv.split(out_splits)
             agreed = None
             if nflags:
-                agreed = torch.stack([seg[-nflags:] for seg in segments]).amax(0).to(torch.int32).cpu()
+                agreed = torch.stack([self._flags_landed(seg[seg.numel() - nflags:])
+                                      for seg in segments]).amax(0).cpu()
                 segments = [seg[: seg.numel() - nflags] for seg in segments]
             mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
             for q, segment in enumerate(segments):
@@ -597,7 +620,8 @@ class ShardExchange:
         def finish() -> dict[int, torch.Tensor]:
             segments = recv.split(splits)
             if nflags:
-                pending.flags = torch.stack([seg[-nflags:] for seg in segments]).amax(0).to(torch.int32).cpu()
+                pending.flags = torch.stack([self._flags_landed(seg[seg.numel() - nflags:])
+                                             for seg in segments]).amax(0).cpu()
                 segments = [seg[: seg.numel() - nflags] for seg in segments]
             updates, rows = self._rows_by_source(segments, members_of, s)
             if self.row_elems:
@@ -703,6 +727,10 @@ class _SlicesToOwnerReplica:
         # state does not cross replicas (this replica holds the same copy).
         return self.ex._rows_to_owners(self.members, {i: piece.reshape(-1) for i, piece in self.pieces.items()},
                                        self.rows)
+
+
+_INT_OF_SIZE = {8: torch.int64}
+"""The integer dtype a flag widens to in a wire dtype wider than int32 (one element per flag)."""
 
 
 def row_state_ratio(wire_dtype: torch.dtype) -> int:

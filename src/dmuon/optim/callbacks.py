@@ -118,6 +118,15 @@ class MuonCallbacks(StepCallbacks):
             if group["algorithm"] == "adamw":
                 adamw_group_step(group, self.opt.state)
 
+    def step_maxima(self) -> torch.Tensor | None:
+        # QK-clip's per-key-head logit maxima, agreed over every rank with the step's flags.
+        qk = self.opt._qk
+        return None if qk is None else qk.step_maxima()
+
+    def finish_step(self, active: list[int], maxima: torch.Tensor) -> None:
+        if self.opt._qk is not None:
+            self.opt._qk.clip(self.plan, active, maxima)
+
     def checked_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
         names = self.opt.param_names
         return [(names.get(id(p), "?"), p.grad) for g in self.opt.param_groups if g["algorithm"] == "adamw"

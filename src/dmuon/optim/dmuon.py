@@ -29,12 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
 from dmuon.optim.momentum import MomentumLayout
+from dmuon.optim.qk_clip import AttentionClip
 from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import GROUP_KEYS
 from dmuon.plan.plan import Plan
 from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
 from dmuon.rules.muon import RULE_DEFAULTS, check_rule_settings, fill_rule_defaults
+from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
@@ -141,6 +143,11 @@ class DMuon(torch.optim.Optimizer):
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
             far as its owner needs (:func:`dmuon.prepare`). With a plan, the plan's.
+        qk_clip: QK-clip (MuonClip) inside the step (:class:`~dmuon.rules.qk_clip.QKClip`: the
+            attention layers, ``tau``, ``alpha``): after each applied step's update, the query and
+            key rows of every head whose largest pre-softmax logit (over every rank's tokens, as
+            :meth:`report_attention_logits` reported them) exceeds ``tau`` are scaled back to it.
+            None: no clip.
 
     Raises:
         TypeError: Parameters or groups without ``module=`` (the message says what to pass).
@@ -187,6 +194,7 @@ class DMuon(torch.optim.Optimizer):
         post_optim_event: bool | None = None,
         return_waves: int | None = None,
         hsdp_mesh=None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         model, param_groups = self._model_and_groups(model, module, param_groups)
         if plan is not None and not isinstance(plan, Plan):
@@ -202,6 +210,8 @@ class DMuon(torch.optim.Optimizer):
             _check_nonnegative(name, value)
         if plan is not None and hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:
             raise ValueError("hsdp_mesh differs from the plan's; pass it to dmuon.prepare(hsdp_mesh=...)")
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
         self.model = model
         """The model this optimizer steps (the same object before and after ``fully_shard``)."""
         self.ns = ns
@@ -236,6 +246,10 @@ class DMuon(torch.optim.Optimizer):
         else:
             self._adopt_plan(plan if plan is not None else prepare(model, ns=ns, hsdp_mesh=hsdp_mesh))
         named = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        self.qk_clip = qk_clip
+        """QK-clip's configuration (None: no clip)."""
+        self._qk: AttentionClip | None = None if qk_clip is None else AttentionClip(
+            qk_clip, {canonical_name(n): p for n, p in model.named_parameters()}, named)
         user_groups = param_groups if param_groups is not None else [{"params": list(model.parameters())}]
         groups = []
         for k, g in enumerate(user_groups):
@@ -313,6 +327,9 @@ class DMuon(torch.optim.Optimizer):
 
     def _start_runtime(self) -> None:
         model = self.model
+        if self._qk is not None:
+            self._qk.bind(self.plan, self.matrix_indices,
+                          {canonical_name(n): p for n, p in model.named_parameters()})
         self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
 
@@ -651,8 +668,53 @@ class DMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ready()
-        self._last_report = self.runtime.step()
+        try:
+            self._last_report = self.runtime.step()
+        finally:
+            if self._qk is not None:
+                self._qk.reset()  # a step's reports are its own, applied or skipped
         return loss
+
+    @torch.compiler.disable  # bookkeeping on a buffer outside the graph; a compiled forward breaks here
+    def report_attention_logits(self, layer: str, max_logits: torch.Tensor, first_head: int = 0) -> None:
+        """QK-clip: this rank's largest pre-softmax attention logit per query head of ``layer``.
+
+        Call it from the layer's forward (or anywhere before ``step()``) with the maximum over
+        this rank's tokens of ``q . k * softmax_scale`` (masked positions left out): an eager
+        ``scores.amax((0, 2, 3))``, or FlexAttention's ``max_scores`` (accelerators only) reduced
+        over batch and positions once checked to be on that scale.
+        Every call between two ``step()`` calls counts (accumulation micro-batches,
+        recomputation): the step takes their maximum, and then the maximum over every rank,
+        carried with the step's agreement (no collective of its own). It issues no collective and
+        does not synchronize the device.
+
+        Args:
+            layer: The layer's key in ``qk_clip.layers``.
+            max_logits: 1-D, one value per query head, heads ``first_head, first_head + 1, ...``;
+                any float dtype and device, detached here.
+            first_head: The first head ``max_logits`` covers (tensor parallelism: this rank's first
+                local head), so a rank may report only the heads it computes.
+
+        What is left out, by design: a NaN or infinite value (the forward already overflowed, and
+        ``tau / inf`` would zero the head for good), a value ``<= tau`` (nothing to clip), a head
+        nobody reported, a layer with no report this step: those heads are not clipped. A skipped
+        step (``nonfinite="skip"``) clips nothing and its reports are dropped.
+
+        Raises:
+            ValueError: Without ``qk_clip``, for an unknown layer or heads past its ``num_heads``
+                (naming the layer); TypeError for a DTensor (pass ``to_local()`` and ``first_head``).
+        """
+        me = self._me()
+        if me._qk is None:
+            raise ValueError("report_attention_logits needs QK-clip: build the optimizer with "
+                             "qk_clip=dmuon.QKClip(layers={...})")
+        me._qk.report(layer, max_logits, first_head)
+
+    def last_attention_logits(self) -> dict[str, torch.Tensor]:
+        """QK-clip: per layer, the last applied step's largest logit per key head over every rank
+        (what its factors came from; float32, on the CPU). Empty before the first applied step."""
+        me = self._me()
+        return {} if me._qk is None else dict(me._qk.last_maxima)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -7,6 +7,15 @@ depends on them. Nothing here communicates: the runtime all-reduces the
 flags, or, on the speculative step, sends them with its update return (that
 return is the one collective depending on them, and its rows are used only if
 the flags, landed with them, keep them).
+
+The same maximum also agrees the rule's **step maxima** (QK-clip's per-head
+attention logit maxima, :meth:`~dmuon.runtime.callbacks.StepCallbacks.step_maxima`)
+at no collective of their own: each value rides as the int32 bit pattern of a
+float32. Non-negative float32 values order like their bit patterns read as
+integers (+inf above every finite one), so the integer maximum is the float
+maximum, exactly; NaN and negative values are sent as 0, so that a NaN on one
+rank cannot win over another rank's value (a NaN's bit pattern is above +inf's)
+and a negative's (sign bit set) cannot be read as a huge one.
 """
 
 from __future__ import annotations
@@ -35,11 +44,15 @@ class Agreement(NamedTuple):
     was sent (clipping; the owners form the directions), 0 where it stands as sent or is stale."""
     scale: float | None = None
     """The one factor every rescaled launch's gradients were scaled by (:func:`uniform_scale`)."""
+    maxima: torch.Tensor = torch.zeros(0)
+    """The rule's step maxima (float32, CPU): per value the maximum over every rank (NaN and negative
+    values counted as 0); empty when the rule has none."""
 
 
 def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[int], here: Sequence[int],
                     nonfinite: str | None, checked: Sequence[tuple[str, torch.Tensor | None]],
-                    stale: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
+                    stale: torch.Tensor | None, maxima: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
     """This rank's flags, and the decision from their maximum over every rank (however that travelled).
 
     Args:
@@ -50,6 +63,9 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
         nonfinite: ``None``, ``"skip"`` or ``"raise"``.
         checked: With ``nonfinite``, the other gradients to check (name, local gradient or None).
         stale: Per launch, 1 where this rank's directions differ from those sent (None: no launches).
+        maxima: The rule's step maxima on this rank (float32 values, the same count on every rank,
+            on any device; None: none). They go last, as bit patterns (:func:`maxima_bits`), and
+            the flags are then on their device.
 
     Returns:
         The flags (int32), and a function of their elementwise maximum over every rank
@@ -76,12 +92,25 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
             if grad is not None:
                 values[3 * n + k] = int(not torch.isfinite(local_tensor(grad)).all())
     flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale.to(torch.int32)])
+    extra = 0 if maxima is None else maxima.numel()
+    if extra:
+        # Beside the values, on their device: reading them to the host here would wait for the device.
+        flags = torch.cat([flags.to(maxima.device), maxima_bits(maxima)])
     names = [name for name, _ in checked]
-    return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count)
+    return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count, extra)
+
+
+def maxima_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as int32 bit patterns whose integer maximum is their float maximum: NaN and
+    negative values (and -0.0) become 0 first (see the module docstring)."""
+    values = values.detach().to(torch.float32).reshape(-1)
+    return torch.where(values > 0, values, 0.0).contiguous().view(torch.int32)
 
 
 def _decide(flags: list[int], infos: Sequence[MatrixInfo], managed: Sequence[int], nonfinite: str | None,
-            checked_names: list[str], count: int) -> Agreement:
+            checked_names: list[str], count: int, extra: int = 0) -> Agreement:
+    maxima = torch.tensor(flags[len(flags) - extra:], dtype=torch.int32).view(torch.float32)
+    flags = flags[: len(flags) - extra]
     n = len(infos)
     uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
     if uneven:
@@ -91,12 +120,12 @@ def _decide(flags: list[int], infos: Sequence[MatrixInfo], managed: Sequence[int
     agreed_stale = flags[2 * n + count:]
     unscaled = [0] * len(agreed_stale)
     if nonfinite is None or not any(flags[2 * n : 2 * n + count]):
-        return Agreement(active, False, agreed_stale, unscaled)
+        return Agreement(active, False, agreed_stale, unscaled, maxima=maxima)
     if nonfinite == "raise":
         names = [infos[i].name for i in range(n) if flags[2 * n + i]]
         names += [checked_names[k] for k in range(len(checked_names)) if flags[3 * n + k]]
         raise FloatingPointError(f"non-finite gradients in {names}")
-    return Agreement(active, True, agreed_stale, unscaled)
+    return Agreement(active, True, agreed_stale, unscaled, maxima=maxima)
 
 
 NONUNIFORM = "nonuniform"

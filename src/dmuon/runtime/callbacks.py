@@ -11,7 +11,9 @@ computed. A matrix rule splits into four pieces of work, each a callback:
 * ``apply``, on every rank: this rank's rows of the returned updates into its
   parameter shard (learning rate, weight decay);
 * ``independent``: work that needs nothing the exchange produces (AdamW on the
-  other parameters), run while transfers are in flight.
+  other parameters), run while transfers are in flight;
+* ``finish_step``, on every rank: after the step's last ``apply``, with the step's
+  agreed maxima (below).
 
 A rule may also keep a small **row state**: ``row_width`` float32 values per
 matrix row (NorMuon's second moment), kept by every holder of the row and
@@ -20,6 +22,14 @@ of it; the runtime sends each row's state once beside the direction, the owner's
 ``owner_work`` gets the whole ``(m, row_width)`` state and returns the new one,
 and ``apply`` gets this rank's rows of it back with its rows of the update (see
 :mod:`dmuon.comm.exchange`). With ``row_width = 0`` (Muon) nothing extra moves.
+
+A rule may also need a few values **agreed as a maximum over every rank** each
+step (QK-clip's per-head attention logit maxima: every rank must scale the same
+heads by the same factor, and data-parallel ranks see different tokens).
+``step_maxima`` gives this rank's values at the start of ``step()``; the runtime
+carries them with the step's agreement, exactly and without a collective of its
+own (:mod:`dmuon.runtime.agreement`), and hands their maximum over every rank to
+``finish_step``, which runs once per step that is not skipped.
 
 Contract, for every callback:
 
@@ -157,6 +167,26 @@ class StepCallbacks(abc.ABC):
         """Work that needs nothing the exchange produces (AdamW), run while transfers travel.
 
         Called exactly once per step that is not skipped, before the first ``apply``.
+        """
+
+    def step_maxima(self) -> torch.Tensor | None:
+        """This rank's values to agree on by their maximum over every rank (float32, on any device),
+        or None for none.
+
+        Called once per ``step()``, at its start, on every rank; every rank must return the same
+        number of values (it sizes the agreement's collective). The maximum is exact for
+        non-negative values (+inf included); NaN and negative values count as 0. It reaches
+        :meth:`finish_step`, also on a step the speculative path redoes, and is dropped with a
+        skipped step.
+        """
+        return None
+
+    def finish_step(self, active: list[int], maxima: torch.Tensor) -> None:
+        """After the last :meth:`apply` of a step that is not skipped (before the post-optimizer event).
+
+        ``active`` holds the matrices the step updated (plan order); ``maxima`` the elementwise
+        maximum over every rank of :meth:`step_maxima` (float32, on the CPU; empty without).
+        Called exactly once per step that is not skipped, and never for a skipped one.
         """
 
     def checked_gradients(self) -> list[tuple[str, torch.Tensor | None]]:

@@ -20,7 +20,9 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 3. exchange what was not kept from backward, run the owners' work in the
    balancer's batches, return the updates in waves
    (:meth:`_exchange_and_apply`), running ``independent`` (AdamW) while
-   transfers travel, and hand each wave's rows to ``apply``.
+   transfers travel, and hand each wave's rows to ``apply``;
+4. hand the rule the step's agreed maxima (``finish_step``: QK-clip), then
+   record the post-optimizer event.
 """
 
 from __future__ import annotations
@@ -153,10 +155,11 @@ class ShardRuntime:
         here = [i for i in managed if self.plan.infos[i].param.grad is not None]
         for i in here:
             self._check_grad(i)
+        maxima = cb.step_maxima()
         if self.config.nonfinite is None:
-            settled = self._settle_unchecked(launches, early, managed, here)
+            settled = self._settle_unchecked(launches, early, managed, here, maxima)
         else:
-            settled = self._settle_checked(launches, managed, here)
+            settled = self._settle_checked(launches, managed, here, maxima)
         report = StepReport(skipped_nonfinite=settled.agreement.skipped)
         if settled.agreement.skipped:
             for launch in launches.values():
@@ -174,6 +177,8 @@ class ShardRuntime:
                 # A rescaled launch's early NS ran on the launched directions: redone in step().
                 report.orthogonalized_in_backward = sum(len(o) for b, (o, _, _) in early.items()
                                                         if b in kept - rescaled)
+            # Part of the step: before the event, so the next forward's all-gathers wait for it too.
+            cb.finish_step(settled.agreement.active, settled.agreement.maxima)
             if self._root is not None:
                 event = torch.Event(device=self.device)
                 event.record()  # after every update of this step, on the current stream
@@ -188,14 +193,14 @@ class ShardRuntime:
         return report
 
     def _settle_unchecked(self, launches: dict[int, Launch], early: EarlyWork, managed: list[int],
-                          here: list[int]) -> _Settled:
+                          here: list[int], maxima: torch.Tensor | None) -> _Settled:
         """``nonfinite=None``: nothing can skip the step, so the state advances first and one
-        agreement settles both the active set and the launches' verdicts."""
+        agreement settles the active set, the launches' verdicts and the rule's maxima."""
         cb = self.callbacks
         directions = cb.commit(here, self.grad_parts(here))
         rows = self._row_states(here)
         flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, None, (),
-                                        self._verdicts(launches, here, directions, rows))
+                                        self._verdicts(launches, here, directions, rows), maxima)
         settle = self._with_scale(settle, len(launches))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
         # collective of its own: on shared cores each one issued costs the issuing rank its turn);
@@ -220,12 +225,13 @@ class ShardRuntime:
         cb.independent()  # while the flags travel
         return _Settled(settle(decide().tolist()), directions, rows, True)
 
-    def _settle_checked(self, launches: dict[int, Launch], managed: list[int], here: list[int]) -> _Settled:
-        """``nonfinite=`` set: agree on the step (skip or raise) before any state advances, then on
-        the launches' verdicts."""
+    def _settle_checked(self, launches: dict[int, Launch], managed: list[int], here: list[int],
+                        maxima: torch.Tensor | None) -> _Settled:
+        """``nonfinite=`` set: agree on the step (skip or raise) and the rule's maxima before any
+        state advances, then on the launches' verdicts."""
         checked = self.callbacks.checked_gradients()
         flags, settle = agreement_flags(self.plan.infos, self.column, managed, here, self.config.nonfinite,
-                                        checked, None)
+                                        checked, None, maxima)
         agreement = settle(self._start_all_reduce_max(flags)().tolist())
         if agreement.skipped:
             return _Settled(agreement, {}, None, False)
@@ -325,14 +331,14 @@ class ShardRuntime:
 
     def _with_scale(self, settle: Callable[[list[int]], Agreement], launches: int) -> Callable[[list[int]], Agreement]:
         """``settle`` whose agreement's stale flags, rescaled launches and factor come from
-        :meth:`_launch_verdict`."""
+        :meth:`_launch_verdict` (of the launch flags :meth:`_verdicts` added, which ``settle``
+        returns as its stale flags)."""
         if self.owner_momentum is None or not launches:
             return settle
-        n = 4 * launches + SCALE_FLAGS
 
         def decide(flags: list[int]) -> Agreement:
-            agreement = settle(flags[: len(flags) - n] + flags[len(flags) - n : len(flags) - n + launches])
-            stale, scaled, scale = self._launch_verdict(flags[len(flags) - n :], launches)
+            agreement = settle(flags)
+            stale, scaled, scale = self._launch_verdict(list(agreement.stale), launches)
             return agreement._replace(stale=stale, rescaled=scaled, scale=scale)
 
         return decide

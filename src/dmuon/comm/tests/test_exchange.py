@@ -120,6 +120,16 @@ ROW_STATE_RUNS = [(torch.float32, 2), (torch.bfloat16, 1)]
 """(wire dtype, row_width) of the row-state exchanges."""
 
 
+FLOAT_FLAG_WIRES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+def _float_flags(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s non-negative float32 values sent as flags: the maximum of each is on another rank,
+    none of them is exact in bf16, and one is a subnormal (its bit pattern a small integer)."""
+    return torch.tensor([3.0 + rank / 3, 1e30 / (rank + 1), 2.0 ** 24 + 2 * rank + 1, 1e-40 * (rank + 1), 0.0],
+                        dtype=torch.float32)
+
+
 def _row_state(k: int, width: int, seed: int) -> torch.Tensor:
     """Matrix ``k``'s whole ``(m, width)`` float32 row state (values no 16-bit dtype holds exactly)."""
     return torch.randn(SHAPES[k][0], width, generator=torch.Generator().manual_seed(seed + 7 * k)) + 1 / 3
@@ -192,6 +202,16 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
         pending = exchange.return_updates(members, owned(members), flags)
         out["flagged"][block] = {"rows": pending.wait(), "agreed": pending.agreed().tolist(),
                                  "log": stats.log[start:]}
+
+    # Flags that are float32 bit patterns (the agreement's logit maxima), in every wire dtype: they
+    # must travel bit for bit and be maximised as integers (a bf16 wire cannot hold them as values).
+    out["float_flags"] = {}
+    for wire in FLOAT_FLAG_WIRES:
+        flag_exchange = ShardExchange(infos, topo, CommStats(), wire, torch.device("cpu"))
+        mine = [k for k in everything if infos[k].owner == topo.rank]
+        sent = torch.cat([flags, _float_flags(topo.rank).view(torch.int32)])
+        pending = flag_exchange.return_updates(everything, {k: _update(infos[k]).to(wire) for k in mine}, sent)
+        out["float_flags"][str(wire)] = {"rows": pending.wait(), "agreed": pending.agreed()}
 
     # A per-row state riding along (NorMuon's): every member at once, in float32 and (bit for bit,
     # two wire elements a value) in bfloat16; fresh counters, so the logs hold these alone.
@@ -370,6 +390,26 @@ def test_flags_sent_with_the_return_reach_every_rank(mesh):
             _check_rows(got["rows"], members, infos, s, where)
             plain = res["all_return_log"] if block == "all" else res["blocks"][block]["return_log"]
             assert _bytes_by_level(got["log"]) == _bytes_by_level(plain), where
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_float32_bit_patterns_ride_as_flags_exactly_in_every_wire_dtype(mesh):
+    """Flags holding float32 bit patterns come back as the bit pattern of the elementwise maximum of the
+    floats over every rank, in a float32, bfloat16 and float64 wire alike, beside the 0/1 flags."""
+    infos = _infos(mesh)
+    results = _results(mesh)
+    expected = torch.stack([_float_flags(k) for k in range(len(results))]).amax(0)
+    for res in results:
+        rank, s = res["plan_rank"], res["coords"][1]
+        for wire in FLOAT_FLAG_WIRES:
+            got = res["float_flags"][str(wire)]
+            where = f"{mesh} rank {rank} wire {wire}"
+            assert got["agreed"].dtype == torch.int32, where
+            assert got["agreed"][: len(results) + 1].tolist() == [1] * (len(results) + 1), where
+            assert torch.equal(got["agreed"][len(results) + 1:].view(torch.float32), expected), where
+            for k in range(len(SHAPES)):
+                if infos[k].pieces[s].rows:
+                    assert torch.equal(got["rows"][k], _rows(infos[k], s, _update(infos[k])).to(wire)), where
 
 
 def test_hop_a_joined_with_another_all_to_all_lands_both_in_one_collective():

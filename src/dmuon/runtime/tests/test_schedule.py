@@ -18,6 +18,12 @@ only if the owner got every row's state and the whole direction, and every
 holder stores what came back. Its "edit" doubles one matrix's state on every
 holder between backward and ``step()``: the launch sent the old state, so it
 must go stale.
+
+Both rules also have step maxima (``step_maxima``, as QK-clip's logit maxima):
+each rank's values differ, with a NaN and negative values on some ranks and
+values no 16-bit float holds, so ``finish_step`` must get, once per applied
+step and never for a skipped one, the exact maximum over every rank, on every
+path the step takes.
 """
 
 from __future__ import annotations
@@ -110,6 +116,19 @@ def _row_update(d: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torc
     return _owner_fn(d) + rows[:, :1], new
 
 
+def _step_maxima(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s step maxima at ``step``: each value's maximum is on another rank; a NaN (rank 1)
+    and negative values count as 0; one +inf; none of the finite ones is exact in bf16."""
+    return torch.tensor([100.0 + step + rank / 3, 1e30 / (rank + 1 + step),
+                         float("nan") if rank == 1 else 2.0 + rank / 3, -1.0 - rank,
+                         float("inf") if (rank, step) == (2, 1) else 0.5], dtype=torch.float32)
+
+
+def _agreed_maxima(step: int) -> torch.Tensor:
+    values = torch.stack([_step_maxima(rank, step) for rank in range(WORLD)])
+    return torch.where(values > 0, values, 0.0).amax(0)
+
+
 class FakeRule(StepCallbacks):
     """Direction = gradient + steps committed so far; the owner mixes rows and columns."""
 
@@ -120,6 +139,8 @@ class FakeRule(StepCallbacks):
         self.events: list[str] = []
         self.checked = checked
         self.worker_threads: set[str] = set()
+        self.step_index = 0
+        self.finished: list[tuple[list[int], torch.Tensor]] = []
 
     def _part(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         # The runtime's part must be this rank's kept columns of its piece of the gradient.
@@ -155,6 +176,13 @@ class FakeRule(StepCallbacks):
 
     def independent(self):
         self.events.append("independent")
+
+    def step_maxima(self):
+        return _step_maxima(self.coords[0] * len(self.infos[0].pieces) + self.coords[1], self.step_index)
+
+    def finish_step(self, active, maxima):
+        self.events.append("finish")
+        self.finished.append((list(active), maxima.clone()))
 
     def checked_gradients(self):
         return [(f"other{k}", g) for k, g in enumerate(self.checked)]
@@ -254,14 +282,14 @@ def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
                 k = what["nan_matrix"][1]
                 if params[k].grad.numel():
                     params[k].grad.view(-1)[0] = float("nan")
-            rule.applied, rule.events = {}, []
+            rule.applied, rule.events, rule.finished, rule.step_index = {}, [], [], step
             try:
                 report = runtime.step()
             except FloatingPointError as err:
                 record.append({"raised": str(err)})
                 break
             record.append({"applied": rule.applied, "events": list(rule.events), "report": report.as_dict(),
-                           "count": dict(rule.count),
+                           "count": dict(rule.count), "finished": list(rule.finished),
                            "rows": {k: v.clone() for k, v in getattr(rule, "rows", {}).items()}})
         out[name] = {"steps": record, "worker_threads": sorted(rule.worker_threads)}
         runtime.close()
@@ -375,6 +403,27 @@ def test_an_edit_on_one_rank_drops_that_launch_on_every_rank(mesh):
         done = sum(rep["orthogonalized_in_backward"] for rep in reports)
         outside_block_0 = sum(1 for k in MANAGED if k != UNUSED and BLOCKS[k] != 0)
         assert done == (outside_block_0 if step == 1 else len(MANAGED) - 1), (step, done)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_step_maxima_reach_finish_step_exactly_once_per_applied_step(mesh):
+    """Every scenario (speculation kept and dropped, overlap=False, waves, NS in backward, skipped
+    steps, row state): ``finish_step`` runs once, last, with the exact maximum over every rank of
+    the step's maxima, on every rank of an applied step, and not at all on a skipped one."""
+    active = [k for k in MANAGED if k != UNUSED]
+    for res in _results(mesh):
+        for name in SCENARIOS:
+            for step, record in enumerate(res[name]["steps"]):
+                where = f"{mesh} {name} rank {res['plan_rank']} step {step}"
+                if "raised" in record:
+                    continue
+                if record["report"]["skipped_nonfinite"]:
+                    assert record["finished"] == [] and "finish" not in record["events"], where
+                    continue
+                assert record["events"][-1] == "finish" and record["events"].count("finish") == 1, where
+                [(got_active, maxima)] = record["finished"]
+                assert got_active == active, where
+                assert torch.equal(maxima, _agreed_maxima(step)), (where, maxima, _agreed_maxima(step))
 
 
 @pytest.mark.parametrize("mesh", MESHES)
