@@ -100,3 +100,52 @@ def test_owners_momentum_after_a_state_load(world_size, mesh_shape, hsdp):
         assert stats[2]["bytes_sent"] + stats[2]["bytes_received"] > 0
     straight, resumed = results[0]["straight"]["params"], results[0]["resumed"]["params"]
     assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= 1e-6
+
+
+VARIANTS = {
+    # name: (case fields, launches kept per step with overlap, of which rescaled)
+    "clipped on step 1 only": (dict(clip_steps=(1,)), [BLOCKS] * STEPS, [0, BLOCKS, 0]),
+    "accumulation": (dict(micro_batches=2), [BLOCKS] * STEPS, [BLOCKS] * STEPS),
+    "nonfinite=skip": (dict(nonfinite="skip"), [BLOCKS] * STEPS, [BLOCKS] * STEPS),
+    "clip_grad_value_": (dict(clip_with="value", clip=1e-3), [0] * STEPS, [0] * STEPS),
+}
+
+
+def _variants(hsdp: str) -> list[str]:
+    # On the replicate level a Muon gradient is Partial("avg"): DTensor refuses clip_grad_value_ there.
+    return [name for name in VARIANTS if not (hsdp == "dmuon" and name == "clip_grad_value_")]
+
+
+@functools.cache
+def _variant_runs(world_size: int, mesh_shape, hsdp: str) -> dict[str, list[list[dict]]]:
+    cases = []
+    for fields, _, _ in (VARIANTS[name] for name in _variants(hsdp)):
+        for overlap in (True, False):
+            cases.append(Case(**{"ns_dtype": torch.float32, "steps": STEPS, "clip": CLIP, "mesh_shape": mesh_shape,
+                                 "hsdp": hsdp, "overlap": overlap, **fields}))
+    results = run_distributed(run_cases, world_size, cases, timeout_s=300)
+    return {name: [[r[2 * k] for r in results], [r[2 * k + 1] for r in results]]
+            for k, name in enumerate(_variants(hsdp))}
+
+
+VARIANT_MESHES = {"3 ranks": (3, None, "fsdp2"), "2x2 replicate level": (4, (2, 2), "dmuon")}
+
+
+@pytest.mark.parametrize("mesh,variant", [(mesh, variant) for mesh, (_, _, hsdp) in VARIANT_MESHES.items()
+                                          for variant in _variants(hsdp)])
+def test_clipping_variants_against_overlap_false(mesh, variant):
+    """Clipping on some steps only, with accumulation (FSDP2's no-sync micro-batches), with
+    ``nonfinite="skip"`` (the verdicts in the second all-reduce), and an edit that is no one factor
+    (``clip_grad_value_``, exchanged again): the launches kept are the ones expected, and the result is
+    ``overlap=False``'s, bit for bit where nothing was rescaled, within float32 rounding where it was."""
+    on, off = _variant_runs(*VARIANT_MESHES[mesh])[variant]
+    _, kept, rescaled = VARIANTS[variant]
+    for r in on:
+        assert [s["blocks_exchanged_in_backward"] for s in r["stats"]] == kept, variant
+        assert [s["rescaled_launches"] for s in r["stats"]] == rescaled, variant
+    got, want = on[0]["params"], off[0]["params"]
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    if any(rescaled):
+        assert worst <= 1e-6, variant
+    else:
+        assert worst == 0.0, variant

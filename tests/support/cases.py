@@ -66,7 +66,12 @@ class Case:
     """On a ``mesh_shape``: ``"fsdp2"`` (fully_shard over the 2-D mesh: FSDP2's native HSDP) or
     ``"dmuon"`` (fully_shard over ``mesh["shard"]`` and ``hsdp_mesh=mesh``: dmuon's replicate level)."""
     clip_with: str = "torch"
-    """``"torch"`` (``torch.nn.utils.clip_grad_norm_``) or ``"dmuon"`` (``DMuon.clip_grad_norm_``)."""
+    """``"torch"`` (``torch.nn.utils.clip_grad_norm_``), ``"dmuon"`` (``DMuon.clip_grad_norm_``) or
+    ``"value"`` (``torch.nn.utils.clip_grad_value_`` at ``clip``: an edit that is no one factor)."""
+    clip_steps: tuple[int, ...] | None = None
+    """The steps that clip (None: every step)."""
+    nonfinite: str | None = None
+    """DMuon's ``nonfinite``."""
     rule: str = "muon"
     """The matrices' rule: ``"muon"`` (``DMuon``) or ``"normuon"`` (``NorMuon`` with
     ``NORMUON_BETA2``; the gather oracle runs the same rule)."""
@@ -149,7 +154,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                                           hsdp=case.hsdp, rule=case.rule,
                                           execution=dmuon.ExecutionConfig(
                                               overlap=case.overlap, clipped_overlap=case.clipped_overlap,
-                                              ns_in_backward=case.ns_in_backward, return_waves=case.return_waves),
+                                              ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
+                                              nonfinite=case.nonfinite),
                                           **kw)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
@@ -172,8 +178,11 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
             loss = lm_loss(model, part) / case.micro_batches
             loss.backward()
             total += loss.detach().float()
-        if case.clip is not None:
-            if case.clip_with == "dmuon":
+        if case.clip is not None and (case.clip_steps is None or step in case.clip_steps):
+            if case.clip_with == "value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), case.clip)
+                norms.append(float("nan"))
+            elif case.clip_with == "dmuon":
                 norms.append(opt.clip_grad_norm_(case.clip).item())
             else:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
