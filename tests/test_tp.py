@@ -29,7 +29,9 @@ def _on_four(rank: int, world: int) -> dict:
             ("dp2-tp2", "counted"): counted_tp_step(rank, world, shape),
             "sequence parallel": train(rank, world, STEPS, shape, "dmuon", True),
             ("bf16", "dmuon"): train(rank, world, STEPS, shape, "dmuon", False, True),
-            ("bf16", "gather"): train(rank, world, STEPS, shape, "gather", False, True)}
+            ("bf16", "gather"): train(rank, world, STEPS, shape, "gather", False, True),
+            ("clip", "overlap"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP),
+            ("clip", "off"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False)}
 
 
 def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
@@ -173,3 +175,21 @@ def test_tiling_check_catches_gaps_overlaps_and_bounds():
     # Strided rows {0, 2} and {1, 3} seen as boxes from their first row overlap: caught.
     assert not _tiles({(0, 2, 0, 4), (1, 2, 0, 4)}, 4, 4)
     assert _tiles({(k * 7, 7, 0, 50) for k in range(1024)}, 7168, 50)
+
+
+CLIP = 1e-3  # below every gradient norm of TPNet here: every step clips
+
+
+def test_launches_survive_clipping_under_tensor_parallelism():
+    """``DMuon.clip_grad_norm_`` on the (dp, tp) mesh every step: every block's launch stands for the
+    clipped gradients (the owners rescale), and the result is ``overlap=False``'s within float32
+    rounding (fp32 NS)."""
+    runs = _four()
+    blocks = None
+    for r in runs:
+        kept = r[("clip", "overlap")]["launches"]
+        blocks = kept[0][0]
+        assert blocks > 0 and all(k == (blocks, blocks) for k in kept), kept
+        assert all(k == (0, 0) for k in r[("clip", "off")]["launches"])
+    got, want = runs[0][("clip", "overlap")]["params"], runs[0][("clip", "off")]["params"]
+    assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6

@@ -137,11 +137,14 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf
 
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
-          sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2", beta2: float | None = None) -> dict:
+          sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2", beta2: float | None = None,
+          clip: float | None = None, overlap: bool = True) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
     value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``).
     ``beta2``: NorMuon (``dmuon.NorMuon``, the oracle's NorMuon rule) instead of Muon, and each
-    matrix's whole second moment and this rank's share of it."""
+    matrix's whole second moment and this rank's share of it. ``clip``: ``DMuon.clip_grad_norm_`` before
+    each step (torch's refuses parameters on different meshes), the launches kept and rescaled per step
+    reported."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
@@ -154,7 +157,7 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
                              hsdp_mesh=mesh if hsdp == "dmuon" else None)
         rule = dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)
         opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                   adamw_weight_decay=ADAMW["weight_decay"])
+                   adamw_weight_decay=ADAMW["weight_decay"], overlap=overlap)
     else:
         from dmuon.baselines import GatherThenCompute
 
@@ -162,14 +165,19 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], ns_method="standard",
                                 ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"],
                                 beta2=beta2)
-    orthogonalized = 0
+    orthogonalized, launches = 0, []
     for step in range(steps):
         loss_of(model, batch(step, dp_rank, dp, seq=seq)).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
         opt.step()
-        orthogonalized = opt.last_step_stats()["orthogonalized"]
+        stats = opt.last_step_stats()
+        orthogonalized = stats["orthogonalized"]
+        launches.append((stats.get("blocks_exchanged_in_backward"), stats.get("rescaled_launches")))
         opt.zero_grad()
     named = dict(model.named_parameters())
-    out = {"params": {n: full(p) for n, p in named.items()}, "orthogonalized": orthogonalized}
+    out = {"params": {n: full(p) for n, p in named.items()}, "orthogonalized": orthogonalized,
+           "launches": launches}
     if plan is not None:
         out["owners"] = {i.name: i.owner for i in plan.infos}
         out["pieces"] = {i.name: i.pieces for i in plan.infos}
