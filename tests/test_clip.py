@@ -11,7 +11,7 @@ import torch
 from dmuon.util.spawn import run_distributed
 
 from support.cases import MUON_KW, Case, run_cases
-from support.clipping import resumed_clipping
+from support.clipping import resumed_clipping, state_dict_on_one_rank
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
@@ -88,18 +88,20 @@ def test_launches_survive_clipping(world_size, mesh_shape, hsdp):
 @pytest.mark.parametrize("world_size,mesh_shape,hsdp", [(3, None, "fsdp2"), (4, (2, 2), "dmuon")],
                          ids=["3 ranks", "2x2 replicate level"])
 def test_owners_momentum_after_a_state_load(world_size, mesh_shape, hsdp):
-    """A loaded state replaces the momentum the owners' copies followed: the first step after it
-    exchanges the clipped gradients again and then sends the momentum to the owners (float32, once),
-    after which the launches survive clipping again; the run equals the one never interrupted."""
+    """A state saved or loaded makes the owners' copies stale: the first step after it exchanges the
+    clipped gradients again and then sends the momentum to the owners (float32, once), after which the
+    launches survive clipping again. The run resumed from the state and the one that went on after
+    saving it take the same steps, bit for bit."""
     results = run_distributed(resumed_clipping, world_size, mesh_shape, hsdp, timeout_s=120)
     for r in results:
-        stats = r["resumed"]["stats"]
-        assert [s["rescaled_launches"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS]
-        assert [s["blocks_exchanged_in_backward"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS]
-        # The one float32 exchange of the momentum: more bytes than the step without it.
-        assert stats[2]["bytes_sent"] + stats[2]["bytes_received"] > 0
+        for run in ("straight", "resumed"):
+            stats = r[run]["stats"]
+            assert [s["rescaled_launches"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS], run
+            assert [s["blocks_exchanged_in_backward"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS], run
+        # The step after the state: the clipped blocks again, then the momentum to the owners in float32.
+        assert r["resumed"]["stats"][2]["bytes_sent"] > r["resumed"]["stats"][1]["bytes_sent"]
     straight, resumed = results[0]["straight"]["params"], results[0]["resumed"]["params"]
-    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= 1e-6
+    assert all(torch.equal(straight[n], resumed[n]) for n in straight)
 
 
 VARIANTS = {
@@ -149,3 +151,13 @@ def test_clipping_variants_against_overlap_false(mesh, variant):
         assert worst <= 1e-6, variant
     else:
         assert worst == 0.0, variant
+
+
+def test_a_state_dict_taken_on_one_rank_only():
+    """``state_dict()`` issues no collective and may run on rank 0 alone: the next step's agreement
+    tells every rank that the owners' copies must be sent again, and every rank does so."""
+    results = run_distributed(state_dict_on_one_rank, 3, timeout_s=120)
+    for stats in results:
+        assert [s["rescaled_launches"] for s in stats] == [BLOCKS, BLOCKS, 0, BLOCKS]
+        # Every rank sent its momentum to the owners after step 2 (more collectives than step 1's).
+        assert stats[2]["collectives"] > stats[1]["collectives"]

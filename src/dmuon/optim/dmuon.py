@@ -616,6 +616,17 @@ class DMuon(torch.optim.Optimizer):
         finally:
             self.defaults = saved
 
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``. With ``ExecutionConfig.clipped_overlap`` it also marks
+        the owners' momentum copies stale: a run resumed from this state starts them from the exact
+        momentum, so the run that goes on does too (the next step exchanges clipped blocks again and
+        sends the momentum to the owners once), and both take the same steps bit for bit. No
+        collective: it may be taken on some ranks only."""
+        out = super().state_dict()
+        if self.runtime is not None and self.runtime.owner_momentum is not None:
+            self.runtime.owner_momentum.invalidate()
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in float32 and in its layout.
 

@@ -10,9 +10,11 @@ matrix's whole momentum before the step. The ranks hold the momentum split by
 rows (and on HSDP by columns); the owner keeps a copy of its own matrices'
 whole momentum instead, advanced after every step from the direction the step
 used (``StepCallbacks.advance_momentum``), which needs no gradient and no
-traffic. The copy starts at zero with the rule's momentum; after a checkpoint
-load the ranks send their parts of the momentum to the owners once, in float32,
-at the end of the next step.
+traffic. The copy starts at zero with the rule's momentum; after a state dict
+is saved or loaded the ranks send their parts of the momentum to the owners
+once, in float32, at the end of the next step (which exchanges clipped blocks
+again), so a resumed run and the one that went on take the same steps, bit
+for bit.
 
 The copy follows the directions as they arrived: in a 16-bit wire dtype each
 carries its rounding, and an error in the copy shrinks by ``mu / (1 + mu)`` a
@@ -37,8 +39,10 @@ class OwnerMomentum:
         self.device = device
         self._copies: dict[int, torch.Tensor] = {}
         self.ready = True
-        """Whether the copies are the rule's momentum (False after a state load, until the next
-        step sends the momentum to the owners; the same on every rank)."""
+        """Whether the copies can be used (the same on every rank: set False only by the step's
+        agreement, when some rank's copies were invalidated; True again once the momentum was sent)."""
+        self.invalidated = False
+        """This rank's copies were invalidated since the last step's agreement (a state saved or loaded)."""
 
     def of(self, index: int) -> torch.Tensor:
         """The whole ``(m, n)`` float32 momentum of owned matrix ``index`` (zeros before its first step)."""
@@ -52,11 +56,15 @@ class OwnerMomentum:
         self._copies = {i: whole.to(device=self.device, dtype=torch.float32).reshape(self.plan.infos[i].matrix_shape)
                         for i, whole in wholes.items()}
         self.ready = True
+        self.invalidated = False
 
     def invalidate(self) -> None:
-        """The rule's momentum was replaced (a state load): the copies are stale until sent again."""
+        """The rule's momentum was loaded, or saved (a run resumed from it starts from the exact
+        momentum, so the run that goes on does too): the copies are stale until sent again. Local
+        and collective-free (a state dict may be taken on one rank only); the next step's
+        agreement carries it to every rank."""
         self._copies.clear()
-        self.ready = False
+        self.invalidated = True
 
     def numel(self) -> int:
         """Elements held (float32)."""

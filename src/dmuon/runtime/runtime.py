@@ -289,12 +289,13 @@ class ShardRuntime:
         """This rank's flags on the launches (block order): :meth:`_stale`'s and, with ``clipped_overlap``,
         per launch whether its gradients are now those launched times a factor other than 1, whether
         they are unchanged and not all zero, whether neither (nor are its members and row states the
-        same), then :func:`scale_flags` of the one factor the rescaled launches share.
+        same), then :func:`scale_flags` of the one factor the rescaled launches share, and whether this
+        rank's owner momenta were invalidated.
 
         A launch's directions may have been formed after a clip (the last unit's, on the replicate
         level, in ``step()``), so each launch is judged against its own copy."""
         stale = self._stale(launches, active, directions, rows)
-        if self.owner_momentum is None or not launches:
+        if self.owner_momentum is None:
             return stale
         r, s = self.topo.coords
         infos = self.plan.infos
@@ -310,18 +311,21 @@ class ShardRuntime:
         rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]
         unchanged = [int(f == 1.0) for f in factors]
         incompatible = [int(f == NONUNIFORM or (f not in (None, 1.0) and f != proposal)) for f in factors]
-        return torch.cat([stale, torch.tensor(rescaled + unchanged + incompatible + scale_flags(proposal),
-                                              dtype=torch.int32)])
+        return torch.cat([stale, torch.tensor(rescaled + unchanged + incompatible + scale_flags(proposal)
+                                              + [int(self.owner_momentum.invalidated)], dtype=torch.int32)])
 
     def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
         """From the maxima of every rank's :meth:`_verdicts`: per launch 1 where it is stale, per launch
         1 where it stands for gradients scaled by the returned factor (its directions formed by the
-        owners), and that factor (None: no launch is rescaled)."""
-        if self.owner_momentum is None or not launches:
+        owners), and that factor (None: no launch is rescaled). Marks the owner momenta not ready
+        on every rank when some rank's were invalidated."""
+        if self.owner_momentum is None:
             return flags, [0] * launches, None
         n = launches
         stale, rescaled, unchanged, incompatible = (flags[k * n:(k + 1) * n] for k in range(4))
-        scale = agreed_scale(flags[4 * n:])
+        scale = agreed_scale(flags[4 * n:4 * n + SCALE_FLAGS])
+        if flags[4 * n + SCALE_FLAGS]:
+            self.owner_momentum.ready = False
         if scale is None or scale == NONUNIFORM or not self.owner_momentum.ready:
             return stale, [0] * n, None
         # Rescaled on some rank, unchanged (and not zero) on none, compatible everywhere.
@@ -331,9 +335,9 @@ class ShardRuntime:
 
     def _with_scale(self, settle: Callable[[list[int]], Agreement], launches: int) -> Callable[[list[int]], Agreement]:
         """``settle`` whose agreement's stale flags, rescaled launches and factor come from
-        :meth:`_launch_verdict` (of the launch flags :meth:`_verdicts` added, which ``settle``
-        returns as its stale flags)."""
-        if self.owner_momentum is None or not launches:
+        :meth:`_launch_verdict` (of the flags :meth:`_verdicts` added, which ``settle`` returns as its
+        stale flags)."""
+        if self.owner_momentum is None:
             return settle
 
         def decide(flags: list[int]) -> Agreement:
