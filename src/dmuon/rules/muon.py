@@ -146,5 +146,6 @@ def momentum_after(momentum_before: torch.Tensor, direction: torch.Tensor, momen
     within the largest rounding of the recent directions.
     """
     if nesterov:
-        return momentum_before.mul_(momentum).add_(direction.float()).div_(1.0 + momentum)
+        # buf + (d - buf) / (1 + mu) = (mu buf + d) / (1 + mu), in one pass.
+        return momentum_before.lerp_(direction.float(), 1.0 / (1.0 + momentum))
     return momentum_before.copy_(direction)

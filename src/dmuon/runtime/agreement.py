@@ -145,9 +145,8 @@ def uniform_scale(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float |
         launched part is zero (any factor fits), or :data:`NONUNIFORM`.
     """
     changed = [(g0, g1) for g0, g1 in pairs if not bitwise_equal(g0, g1)]
-    nonzero = [g0 for g0, _ in pairs if g0.numel() and bool(g0.ne(0).any())]
     if not changed:
-        return 1.0 if nonzero else None
+        return 1.0 if any(g0.numel() and bool(g0.ne(0).any()) for g0, _ in pairs) else None
     g0, g1 = changed[0]
     flat0, flat1 = g0.reshape(-1).float(), g1.reshape(-1).float()
     j = int(flat0.abs().argmax())
