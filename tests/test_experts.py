@@ -62,7 +62,9 @@ def _on_four(rank: int, world: int) -> dict:
             "stacks hsdp-2x2-waves": train(rank, world, STEPS, 3, (2, 2), None, 4),
             "expert parallel": train_expert_parallel(rank, world, STEPS),
             "qkv 3": train_qkv(rank, world, STEPS, 3, "dmuon", None),
-            "qkv 6": train_qkv(rank, world, STEPS, 6, "dmuon", (2, 2))}
+            "qkv 6": train_qkv(rank, world, STEPS, 6, "dmuon", (2, 2)),
+            "stacks clipped": train(rank, world, STEPS, 3, None, None, None, clip=CLIP),
+            "stacks clipped, overlap off": train(rank, world, STEPS, 3, None, None, None, clip=CLIP, overlap=False)}
 
 
 @functools.cache
@@ -135,3 +137,18 @@ def test_row_groups_must_divide_the_rows():
         dmuon.prepare(model, matrix_view={"qkv.weight": "rows:4"})
     with pytest.raises(ValueError, match="'qkv.weight': matrix_view must be one of"):
         dmuon.prepare(model, matrix_view={"qkv.weight": "rows:x"})
+
+
+CLIP = 1e-3  # below every gradient norm here: every step clips
+
+
+def test_launches_of_expert_stacks_survive_clipping():
+    """Each expert its own matrix and owner: after torch's clip_grad_norm_ every launch stands for the
+    clipped gradients (the owners rescale), within float32 rounding of ``overlap=False``."""
+    runs = _four()
+    for r in runs:
+        kept, rescaled = r["stacks clipped"]["launches"]
+        assert kept == rescaled > 0
+        assert r["stacks clipped, overlap off"]["launches"] == (0, 0)
+    got, want = runs[0]["stacks clipped"]["params"], runs[0]["stacks clipped, overlap off"]["params"]
+    assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6

@@ -64,10 +64,14 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
 ADAMW = dict(lr=3e-3, weight_decay=0.01)
 
 
-def _run(model: nn.Module, opt, data_rank: int, data_world: int, steps: int) -> dict[str, torch.Tensor]:
-    """``steps`` training steps on data-parallel rank ``data_rank``'s batches; every parameter's full value."""
+def _run(model: nn.Module, opt, data_rank: int, data_world: int, steps: int,
+         clip: float | None = None) -> dict[str, torch.Tensor]:
+    """``steps`` training steps on data-parallel rank ``data_rank``'s batches (``clip``: torch's
+    ``clip_grad_norm_`` before each step); every parameter's full value."""
     for step in range(steps):
         loss_of(model, batch(step, data_rank, data_world)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
@@ -110,7 +114,8 @@ def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> 
 
 
 def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
-          return_waves: int | None = None, hsdp: str = "fsdp2") -> dict:
+          return_waves: int | None = None, hsdp: str = "fsdp2", clip: float | None = None,
+          overlap: bool = True) -> dict:
     """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan
     (``hsdp="dmuon"`` on a ``mesh_shape``: FSDP2 over the shard dim, dmuon's replicate level)."""
     torch.manual_seed(0)
@@ -126,12 +131,15 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
                          hsdp_mesh=hsdp_mesh)
     opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves)
-    params = _run(model, opt, rank, world, steps)
+                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves,
+                      overlap=overlap)
+    params = _run(model, opt, rank, world, steps, clip)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],
             "momentum_numel": momentum.to_local().numel() if isinstance(momentum, DTensor) else momentum.numel(),
-            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
+            "orthogonalized": opt.last_step_stats()["orthogonalized"],
+            "launches": (opt.last_step_stats()["blocks_exchanged_in_backward"],
+                         opt.last_step_stats()["rescaled_launches"])}
 
 
 def train_gather(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None) -> dict:
@@ -166,7 +174,9 @@ def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, e
     return {"params": params, "placements": str(model.moe.experts.placements),
             "pieces": {i.name: [(p.row, p.rows) for p in i.pieces] for i in plan.infos if i.expert is not None},
             "owners": [i.owner for i in plan.infos], "momentum_numel": momentum.to_local().numel(),
-            "orthogonalized": opt.last_step_stats()["orthogonalized"]}
+            "orthogonalized": opt.last_step_stats()["orthogonalized"],
+            "launches": (opt.last_step_stats()["blocks_exchanged_in_backward"],
+                         opt.last_step_stats()["rescaled_launches"])}
 
 
 class FusedQKV(nn.Module):
