@@ -26,9 +26,17 @@ direction within ``(1 - c) K`` of that of the one computed on the ranks (README,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dmuon.plan.plan import Plan
+from dmuon.rules.adamw import local_tensor
+from dmuon.runtime.agreement import NONUNIFORM, SCALE_FLAGS, agreed_scale, scale_flags, uniform_scale
+from dmuon.util.bits import bitwise_equal
+
+if TYPE_CHECKING:
+    from dmuon.runtime.backward import Launch
 
 
 class OwnerMomentum:
@@ -69,3 +77,46 @@ class OwnerMomentum:
     def numel(self) -> int:
         """Elements held (float32)."""
         return sum(c.numel() for c in self._copies.values())
+
+    # ------------------------------------------------------------ the launches' verdict
+    def launch_flags(self, launches: dict[int, "Launch"], active: list[int], rows: dict[int, torch.Tensor] | None,
+                     coords: tuple[int, int]) -> list[int]:
+        """This rank's flags on the launches (block order), beside the runtime's stale flags: per
+        launch whether its gradients are now those launched times a factor other than 1, whether
+        they are unchanged and not all zero, whether neither (nor are its members and row states
+        the same), then :func:`scale_flags` of the one factor the rescaled launches share, and
+        whether this rank's copies were invalidated.
+
+        A launch's directions may have been formed after a clip (the last unit's, on the replicate
+        level, in ``step()``), so each launch is judged against its own copy of its gradients."""
+        r, s = coords
+        infos = self.plan.infos
+        now = {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in active}
+        factors = []
+        for b in sorted(launches):
+            launch = launches[b]
+            ok = launch.members == sorted(i for i in active if infos[i].block == b) and (
+                rows is None or all(bitwise_equal(launch.rows[i], rows[i]) for i in launch.members))
+            factors.append(uniform_scale([(launch.grads[i], now[i]) for i in launch.members]) if ok else NONUNIFORM)
+        scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
+        proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
+        rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]
+        unchanged = [int(f == 1.0) for f in factors]
+        incompatible = [int(f == NONUNIFORM or (f not in (None, 1.0) and f != proposal)) for f in factors]
+        return rescaled + unchanged + incompatible + scale_flags(proposal) + [int(self.invalidated)]
+
+    def verdict(self, stale: list[int], flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
+        """From the maxima over every rank of the stale flags and :meth:`launch_flags`: per launch 1
+        where it is stale, per launch 1 where it stands for its gradients scaled by the returned
+        factor (the owners form its directions), and that factor (None: no launch is rescaled).
+        When some rank's copies were invalidated, they are not ready on any rank from here on."""
+        n = launches
+        rescaled, unchanged, incompatible = (flags[k * n:(k + 1) * n] for k in range(3))
+        scale = agreed_scale(flags[3 * n:3 * n + SCALE_FLAGS])
+        if flags[3 * n + SCALE_FLAGS]:
+            self.ready = False
+        if scale is None or scale == NONUNIFORM or not self.ready:
+            return stale, [0] * n, None
+        # Rescaled on some rank, unchanged (and not zero) on none, compatible everywhere.
+        scaled = [int(rescaled[k] and not unchanged[k] and not incompatible[k]) for k in range(n)]
+        return [int(stale[k] and not scaled[k]) for k in range(n)], scaled, (scale if any(scaled) else None)

@@ -40,8 +40,7 @@ from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
-from dmuon.runtime.agreement import (NONUNIFORM, SCALE_FLAGS, Agreement, agreed_scale, agreement_flags,
-                                     scale_flags, uniform_scale)
+from dmuon.runtime.agreement import Agreement, agreement_flags
 from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
 from dmuon.runtime.config import ExecutionConfig
@@ -286,52 +285,20 @@ class ShardRuntime:
 
     def _verdicts(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
                   rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
-        """This rank's flags on the launches (block order): :meth:`_stale`'s and, with ``clipped_overlap``,
-        per launch whether its gradients are now those launched times a factor other than 1, whether
-        they are unchanged and not all zero, whether neither (nor are its members and row states the
-        same), then :func:`scale_flags` of the one factor the rescaled launches share, and whether this
-        rank's owner momenta were invalidated.
-
-        A launch's directions may have been formed after a clip (the last unit's, on the replicate
-        level, in ``step()``), so each launch is judged against its own copy."""
+        """This rank's flags on the launches (block order): :meth:`_stale`'s, then with ``clipped_overlap``
+        :meth:`OwnerMomentum.launch_flags`."""
         stale = self._stale(launches, active, directions, rows)
         if self.owner_momentum is None:
             return stale
-        r, s = self.topo.coords
-        infos = self.plan.infos
-        now = {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in active}
-        factors = []
-        for b in sorted(launches):
-            launch = launches[b]
-            ok = launch.members == sorted(i for i in active if infos[i].block == b) and (
-                rows is None or all(bitwise_equal(launch.rows[i], rows[i]) for i in launch.members))
-            factors.append(uniform_scale([(launch.grads[i], now[i]) for i in launch.members]) if ok else NONUNIFORM)
-        scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
-        proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
-        rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]
-        unchanged = [int(f == 1.0) for f in factors]
-        incompatible = [int(f == NONUNIFORM or (f not in (None, 1.0) and f != proposal)) for f in factors]
-        return torch.cat([stale, torch.tensor(rescaled + unchanged + incompatible + scale_flags(proposal)
-                                              + [int(self.owner_momentum.invalidated)], dtype=torch.int32)])
+        extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.coords)
+        return torch.cat([stale, torch.tensor(extra, dtype=torch.int32)])
 
     def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
         """From the maxima of every rank's :meth:`_verdicts`: per launch 1 where it is stale, per launch
-        1 where it stands for gradients scaled by the returned factor (its directions formed by the
-        owners), and that factor (None: no launch is rescaled). Marks the owner momenta not ready
-        on every rank when some rank's were invalidated."""
+        1 where it stands for rescaled gradients, and their factor (:meth:`OwnerMomentum.verdict`)."""
         if self.owner_momentum is None:
             return flags, [0] * launches, None
-        n = launches
-        stale, rescaled, unchanged, incompatible = (flags[k * n:(k + 1) * n] for k in range(4))
-        scale = agreed_scale(flags[4 * n:4 * n + SCALE_FLAGS])
-        if flags[4 * n + SCALE_FLAGS]:
-            self.owner_momentum.ready = False
-        if scale is None or scale == NONUNIFORM or not self.owner_momentum.ready:
-            return stale, [0] * n, None
-        # Rescaled on some rank, unchanged (and not zero) on none, compatible everywhere.
-        scaled = [int(rescaled[k] and not unchanged[k] and not incompatible[k]) for k in range(n)]
-        stale = [int(stale[k] and not scaled[k]) for k in range(n)]
-        return stale, scaled, (scale if any(scaled) else None)
+        return self.owner_momentum.verdict(flags[:launches], flags[launches:], launches)
 
     def _with_scale(self, settle: Callable[[list[int]], Agreement], launches: int) -> Callable[[list[int]], Agreement]:
         """``settle`` whose agreement's stale flags, rescaled launches and factor come from
