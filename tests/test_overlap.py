@@ -63,8 +63,9 @@ def test_ns_in_backward_matches_the_reference(mesh_shape):
     # the worker's NS ran on the unclipped ones and is redone in step(), so the result is exact.
     diff, worst = max_diff(results[0][2]["params"], results[0][3]["params"])
     assert diff <= 1e-6, worst
-    assert all(s["orthogonalized_in_backward"] == 0 and s["blocks_exchanged_in_backward"] == 4
-               and s["rescaled_launches"] == 4 for r in results for s in r[2]["stats"])
+    assert all(s["orthogonalized_in_backward"] == 0 for r in results for s in r[2]["stats"])
+    # The first clip exchanges again and starts the owners' copies; then every launch stands.
+    assert all([s["rescaled_launches"] for s in r[2]["stats"]] == [0] + [4] * (STEPS - 1) for r in results)
 
 
 def test_ns_in_backward_needs_overlap():

@@ -17,12 +17,16 @@ from dmuon.rules.adamw import local_tensor
 
 
 def state_tensors(optimizer):
-    """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair)."""
+    """Every tensor in the optimizer's per-parameter state (both optimizers of a Muon + AdamW pair), and
+    DMuon's owners' momentum copies while it keeps them (``ExecutionConfig.clipped_overlap``)."""
     for opt in getattr(optimizer, "opts", (optimizer,)):
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     yield value
+    owner_momentum = getattr(getattr(optimizer, "runtime", None), "owner_momentum", None)
+    if owner_momentum is not None:
+        yield from owner_momentum.tensors()
 
 
 def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -29,8 +29,10 @@ class ExecutionConfig:
     (:mod:`dmuon.runtime.owner_momentum`), so that when every gradient was scaled by one factor
     after the launches (``torch.nn.utils.clip_grad_norm_``, ``DMuon.clip_grad_norm_``) the
     launches still stand: the owners form the clipped directions from the launched ones instead
-    of a new exchange in ``step()``. Costs owners that copy (about the Muon momentum's size per
-    rank, on average) and an elementwise pass over their matrices a step; the clipped directions
+    of a new exchange in ``step()``. While clipping goes on (from the first clipped step, which
+    exchanges again, until 100 steps without one) owners keep that copy (about the Muon
+    momentum's size per rank, on average) and make an elementwise pass over their matrices a
+    step; the clipped directions
     then equal the ranks' up to rounding (README, "Clipping"). False: a clipped step exchanges
     every block again, bit-identical to ``overlap=False``. Only for rules that support it
     (``StepCallbacks.rescalable``: Muon, NorMuon)."""

@@ -10,11 +10,18 @@ matrix's whole momentum before the step. The ranks hold the momentum split by
 rows (and on HSDP by columns); the owner keeps a copy of its own matrices'
 whole momentum instead, advanced after every step from the direction the step
 used (``StepCallbacks.advance_momentum``), which needs no gradient and no
-traffic. The copy starts at zero with the rule's momentum; after a state dict
-is saved or loaded the ranks send their parts of the momentum to the owners
-once, in float32, at the end of the next step (which exchanges clipped blocks
-again), so a resumed run and the one that went on take the same steps, bit
-for bit.
+traffic.
+
+The copies cost memory (about the Muon momentum's size per rank, on average),
+so they exist only while clipping does: a run starts without them; the first
+step whose gradients every rank finds scaled by one factor exchanges its
+clipped blocks again (as without copies) and then has every rank send its part
+of the momentum to the owners, once, in float32; from then on clipped steps
+keep their launches. After :data:`IDLE_STEPS` steps without a clip the copies
+are dropped (the next clip starts them again). Saving or loading a state dict
+drops them too (the next clip sends the momentum again), so a run resumed from
+a checkpoint and the one that saved it take the same steps, bit for bit. Every
+one of these decisions comes from the step's agreement, the same on every rank.
 
 The copy follows the directions as they arrived: in a 16-bit wire dtype each
 carries its rounding, and an error in the copy shrinks by ``mu / (1 + mu)`` a
@@ -38,6 +45,9 @@ from dmuon.util.bits import bitwise_equal
 if TYPE_CHECKING:
     from dmuon.runtime.backward import Launch
 
+IDLE_STEPS = 100
+"""Steps without a clip after which the owners drop their copies (their memory)."""
+
 
 class OwnerMomentum:
     """This rank's copies of the whole momentum of the matrices it owns."""
@@ -46,11 +56,16 @@ class OwnerMomentum:
         self.plan = plan
         self.device = device
         self._copies: dict[int, torch.Tensor] = {}
-        self.ready = True
-        """Whether the copies can be used (the same on every rank: set False only by the step's
-        agreement, when some rank's copies were invalidated; True again once the momentum was sent)."""
+        self.ready = False
+        """Whether the copies are the rule's momentum and can be used (the same on every rank: set by
+        the step's agreement and the momentum's sending, never by one rank alone)."""
         self.invalidated = False
         """This rank's copies were invalidated since the last step's agreement (a state saved or loaded)."""
+        self.wanted = False
+        """The last step's agreement found a clip the copies would have served (they were not ready):
+        the runtime sends the momentum to the owners at the end of the step."""
+        self.idle = 0
+        """Steps since the last clip (while ready)."""
 
     def of(self, index: int) -> torch.Tensor:
         """The whole ``(m, n)`` float32 momentum of owned matrix ``index`` (zeros before its first step)."""
@@ -60,11 +75,20 @@ class OwnerMomentum:
         return copy
 
     def replace(self, wholes: dict[int, torch.Tensor]) -> None:
-        """Takes the whole momenta the ranks sent (float32), and is ready again."""
-        self._copies = {i: whole.to(device=self.device, dtype=torch.float32).reshape(self.plan.infos[i].matrix_shape)
-                        for i, whole in wholes.items()}
-        self.ready = True
-        self.invalidated = False
+        """Takes the whole momenta the ranks sent (float32), and is ready. Copies them: with one rank (or
+        a piece the owner holds whole) they may be views of the rule's own momentum."""
+        self._copies = {i: whole.to(device=self.device, dtype=torch.float32, copy=True)
+                        .reshape(self.plan.infos[i].matrix_shape) for i, whole in wholes.items()}
+        self.ready, self.wanted, self.invalidated, self.idle = True, False, False, 0
+
+    def drop(self) -> None:
+        """Frees the copies (every rank at once: after :data:`IDLE_STEPS` agreed steps without a clip)."""
+        self._copies.clear()
+        self.ready = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The copies held (for live-memory measurements)."""
+        return list(self._copies.values())
 
     def invalidate(self) -> None:
         """The rule's momentum was loaded, or saved (a run resumed from it starts from the exact
@@ -114,8 +138,16 @@ class OwnerMomentum:
         rescaled, unchanged, incompatible = (flags[k * n:(k + 1) * n] for k in range(3))
         scale = agreed_scale(flags[3 * n:3 * n + SCALE_FLAGS])
         if flags[3 * n + SCALE_FLAGS]:
-            self.ready = False
-        if scale is None or scale == NONUNIFORM or not self.ready:
+            self.drop()
+        clipped = scale not in (None, NONUNIFORM, 1.0)
+        self.idle = 0 if clipped else self.idle + 1
+        if not self.ready:
+            self.wanted = clipped  # send the momentum after this step: the next clip keeps its launches
+            return stale, [0] * n, None
+        if self.idle > IDLE_STEPS:
+            self.drop()
+            return stale, [0] * n, None
+        if not clipped:
             return stale, [0] * n, None
         # Rescaled on some rank, unchanged (and not zero) on none, compatible everywhere.
         scaled = [int(rescaled[k] and not unchanged[k] and not incompatible[k]) for k in range(n)]

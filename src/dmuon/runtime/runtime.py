@@ -184,7 +184,7 @@ class ShardRuntime:
                 self._root.set_post_optim_event(event)
         self._last_scaled = any(settled.agreement.rescaled)
         report.rescaled_launches = sum(settled.agreement.rescaled)
-        if self.owner_momentum is not None and not self.owner_momentum.ready:
+        if self.owner_momentum is not None and self.owner_momentum.wanted:
             self._send_momentum_to_owners(managed)
         report.traffic = CommStats(**self.stats.as_dict())
         report.step_seconds = time.perf_counter() - start
