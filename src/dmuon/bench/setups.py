@@ -18,7 +18,8 @@ CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 """The default side-by-side set."""
 EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
                  "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
-                 "dmuon_z3_clip", "dmuon_z2_normuon", "dmuon_z3_normuon")
+                 "dmuon_z3_clip", "dmuon_z2_clip_refresh", "dmuon_z3_clip_refresh", "dmuon_z2_normuon",
+                 "dmuon_z3_normuon")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
@@ -36,6 +37,9 @@ On a 1-D mesh the ``_native`` configurations are the plain ones.
 ``adamw_clip``, ``dmuon_z2_clip``, ``dmuon_z3_clip``: ``torch.nn.utils.clip_grad_norm_`` on every
 parameter between backward and ``step()`` (timed with the optimizer), with a ``max_norm``
 (:data:`CLIP_MAX_NORM`) below every gradient norm of the bench's models, so it rescales on every step.
+``dmuon_z2_clip_refresh``, ``dmuon_z3_clip_refresh``: the same with ``clipped_overlap=False`` (no owner
+momentum copies: every clipped block is exchanged again in ``step()``), the reference for what the
+copies buy.
 
 ``dmuon_z2_normuon``, ``dmuon_z3_normuon``: :class:`dmuon.NorMuon` (its default ``beta2``) in place of
 ``DMuon``, otherwise ``dmuon_z2``/``dmuon_z3``: what NorMuon's per-row state and owner-side
@@ -50,7 +54,8 @@ SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
 
 def clip_norm(config: str) -> float | None:
     """The ``max_norm`` ``config`` clips with before each step, or None."""
-    return CLIP_MAX_NORM if config.partition("@")[0].endswith("_clip") else None
+    base = config.partition("@")[0]
+    return CLIP_MAX_NORM if base.endswith("_clip") or base.endswith("_clip_refresh") else None
 
 
 def is_muon_config(config: str) -> bool:
@@ -190,5 +195,7 @@ def build(config: str, workload, mesh, hyper: Hyper):
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
                          hsdp_mesh=mesh if replicate_level else None)
     rule = dmuon.NorMuon if base.endswith("_normuon") else dmuon.DMuon
-    return rule(model, plan, overlap=not base.endswith("_sync"), ns_in_backward=base.endswith("_nsbwd"),
-                post_optim_event=base.endswith("_event"), **kw), plan
+    execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"), ns_in_backward=base.endswith("_nsbwd"),
+                                      post_optim_event=base.endswith("_event"),
+                                      clipped_overlap=not base.endswith("_refresh"))
+    return rule(model, plan, execution=execution, **kw), plan
