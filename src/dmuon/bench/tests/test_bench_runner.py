@@ -17,7 +17,7 @@ def test_reshard_after_forward_per_config():
     """ZeRO-2 configurations keep the gathered weights; the rest keep FSDP2's default."""
     z2 = {c for c in ALL_CONFIGS if not reshard_after_forward(c)}
     assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd", "dmuon_z2_native", "dmuon_z2_clip",
-                  "dmuon_z2_normuon"}
+                  "dmuon_z2_clip_refresh", "dmuon_z2_normuon"}
     assert reshard_after_forward("adamw") and reshard_after_forward("adamw_local")
     assert not reshard_after_forward("dmuon_z2_sync@lpt") and reshard_after_forward("dmuon_z3@milp")
     assert CONFIGS == ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
@@ -47,6 +47,7 @@ def test_clipping_configs_compare_like_for_like():
 
     assert clip_norm("dmuon_z3_clip") == clip_norm("adamw_clip") == CLIP_MAX_NORM
     assert clip_norm("dmuon_z3") is None and clip_norm("dmuon_z2_clip@lpt") == CLIP_MAX_NORM
+    assert clip_norm("dmuon_z3_clip_refresh") == CLIP_MAX_NORM
     row = dict(step_s=1.0, optimizer_s=0.1, fwd_bwd_s=0.9, final_loss=2.0)
     results = [dict(row, config="adamw_clip", step_s=0.5), dict(row, config="dmuon_z3_clip"),
                dict(row, config="dmuon_z3", final_loss=3.0), dict(row, config="dmuon_z2", final_loss=3.0)]
