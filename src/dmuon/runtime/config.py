@@ -22,8 +22,9 @@ class ExecutionConfig:
     overlap: bool = True
     """Start each block's exchange with the owners in backward, as soon as FSDP2 has written the
     block's reduced gradients. ``step()`` checks that the final gradients still give the
-    directions sent (a clipped or edited gradient does not, and its block is exchanged again),
-    so ``overlap=False`` (every exchange inside ``step()``) gives bit-identical results."""
+    directions sent (an edited gradient does not, and its block is exchanged again; a clip is
+    ``clipped_overlap``'s), so ``overlap=False`` (every exchange inside ``step()``) gives
+    bit-identical results (with ``clipped_overlap=False`` under clipping too)."""
     clipped_overlap: bool = True
     """With ``overlap``: each owner keeps a float32 copy of its matrices' whole momentum
     (:mod:`dmuon.runtime.owner_momentum`), so that when every gradient was scaled by one factor
