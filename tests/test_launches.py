@@ -68,3 +68,22 @@ def test_a_replaced_optimizer_leaves_no_hooks_behind():
     lm_loss(model, odd_batch(1, 0)).backward()
     second.step()
     assert second.last_step_stats()["blocks_exchanged_in_backward"] == 1
+
+
+def test_a_newer_optimizer_takes_the_hooks_even_while_the_old_one_lives():
+    """A second DMuon on the same model (a resume that keeps the old optimizer referenced, or one not yet
+    garbage-collected: on several ranks that moment differs) takes the parameters' hooks: the old one's
+    launch nothing, so every rank issues the same collectives whatever its garbage collector does."""
+    torch.manual_seed(0)
+    model = OddNet()
+    first = dmuon.DMuon(model, **KW)
+    lm_loss(model, odd_batch(0, 0)).backward()
+    first.step()
+    first.zero_grad()
+    second = dmuon.DMuon(model, **KW)
+    second.load_state_dict(first.state_dict())
+    lm_loss(model, odd_batch(1, 0)).backward()
+    assert not first.runtime.backward._launches  # the old optimizer's hooks did nothing
+    assert second.runtime.backward._launches
+    second.step()
+    assert second.last_step_stats()["blocks_exchanged_in_backward"] == 1
