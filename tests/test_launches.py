@@ -51,16 +51,22 @@ def test_a_launch_stands_only_for_the_gradients_step_uses():
     assert max((on[n] - off[n]).abs().max().item() for n in on) <= 1e-6
 
 
-def test_a_replaced_optimizer_leaves_no_hooks_behind():
+def _replaced_after_one_step():
+    """A model trained one step by a DMuon, and a second DMuon loaded from the first's state."""
     torch.manual_seed(0)
     model = OddNet()
     first = dmuon.DMuon(model, **KW)
     lm_loss(model, odd_batch(0, 0)).backward()
     first.step()
     first.zero_grad()
-    runtime = weakref.ref(first.runtime)
     second = dmuon.DMuon(model, **KW)
     second.load_state_dict(first.state_dict())
+    return model, first, second
+
+
+def test_a_replaced_optimizer_leaves_no_hooks_behind():
+    model, first, second = _replaced_after_one_step()
+    runtime = weakref.ref(first.runtime)
     del first
     gc.collect()
     assert runtime() is None
@@ -74,14 +80,7 @@ def test_a_newer_optimizer_takes_the_hooks_even_while_the_old_one_lives():
     """A second DMuon on the same model (a resume that keeps the old optimizer referenced, or one not yet
     garbage-collected: on several ranks that moment differs) takes the parameters' hooks: the old one's
     launch nothing, so every rank issues the same collectives whatever its garbage collector does."""
-    torch.manual_seed(0)
-    model = OddNet()
-    first = dmuon.DMuon(model, **KW)
-    lm_loss(model, odd_batch(0, 0)).backward()
-    first.step()
-    first.zero_grad()
-    second = dmuon.DMuon(model, **KW)
-    second.load_state_dict(first.state_dict())
+    model, first, second = _replaced_after_one_step()
     lm_loss(model, odd_batch(1, 0)).backward()
     assert not first.runtime.backward._launches  # the old optimizer's hooks did nothing
     assert second.runtime.backward._launches

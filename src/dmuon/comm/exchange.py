@@ -691,7 +691,7 @@ class _SlicesToOwnerReplica:
         last = all(units == UNITS for units in self.sent.values())
         if all(stop == start for start, stop in span.values()):
             # No row of this position moves in this chunk (on any replica: they hold the same rows).
-            return Pending([], _no_result, ex.stats, then=self._next if not last else self._hop_b)
+            return Pending([], _no_result, ex.stats, then=self._hop_b if last else self.issue)
 
         def width(i: int, q: int) -> int:
             return infos[i].replica_columns(s)[q] * infos[i].inner
@@ -715,12 +715,9 @@ class _SlicesToOwnerReplica:
                     if stop > start and width(i, q):
                         column = infos[i].column_start(q, s) * infos[i].inner
                         self.pieces[i][start:stop, column:column + width(i, q)] = chunk.view(stop - start, -1)
-            return self._hop_b() if last else self._next()
+            return self._hop_b() if last else self.issue()
 
         return Pending(works, _no_result, ex.stats, then=landed)
-
-    def _next(self) -> Pending:
-        return self.issue()
 
     def _hop_b(self) -> Pending:
         # The R column slices side by side are this position's piece of the direction; the row

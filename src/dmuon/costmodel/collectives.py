@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
-from dmuon.plan.hop_a import HopASpreader, slice_shape
+from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.layout import shard_rows as _shard_rows
 from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, Stage, choose_route, route_stages
 
@@ -452,7 +452,7 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
     None), the hop B of blocks completed before it first, then the others', in launch order.
     """
     world = replicate * shard
-    spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i], shard_rows)
+    spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i])
                              for i in range(len(blocks))}, replicate, shard, elem_bytes, hop_a_spread)
     launched: list[tuple[int, list[int]]] = []
     sent_units: dict[int, int] = {}
@@ -503,8 +503,9 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
         hop_b_of(completed, b)
         columns = _gradient_columns(members, tables, inner, replicate, shard, gradient_bytes) if members else None
         pending = spreader.pending()
-        spreader.decide([[0, 0] for _ in range(world)] if columns is None else
-                        [[columns[0][k], columns[1][k]] for k in range(world)])
+        # The runtime's own loads of the column reduce-scatter: its decisions are the same.
+        spreader.decide(column_reduce_loads([tables[i] for i in members], [inner[i] for i in members], replicate,
+                                            shard, gradient_bytes))
         moving, riding, completed = chunks(pending)
         if columns is not None:
             label = f"dmuon gradient columns block {b}" + (f" + direction slices of blocks {riding}" if riding else "")

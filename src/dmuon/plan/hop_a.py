@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from dmuon.plan.layout import shard_rows
+
 UNITS = 1 << 12
 """A matrix's hop A in units: a chunk is a unit range (rows of each position pro rata)."""
 
@@ -199,17 +201,17 @@ class HopASpreader:
         return all(blk.upto[i] == UNITS for i in blk.members)
 
 
-def slice_shape(owner_replica: int, pieces: Sequence[tuple[int, int, bool]], replicate: int, inner: int,
-                split) -> SliceShape:
-    """A :class:`SliceShape` from per-position ``(rows, cols, sends)`` and the column split
-    ``split(cols, replicate)`` (torch.chunk's rule, as ``MatrixInfo.replica_columns``)."""
+def slice_shape(owner_replica: int, pieces: Sequence[tuple[int, int, bool]], replicate: int,
+                inner: int) -> SliceShape:
+    """A :class:`SliceShape` from per-position ``(rows, cols, sends)``, the columns split over the
+    replicas by torch.chunk's rule (as ``MatrixInfo.replica_columns``)."""
     rows = tuple(r if sends and r and c else 0 for r, c, sends in pieces)
-    widths = tuple(tuple(w * inner for w in split(c, replicate)) for _, c, _ in pieces)
+    widths = tuple(tuple(w * inner for w in shard_rows(c, replicate)) for _, c, _ in pieces)
     return SliceShape(owner_replica, rows, widths)
 
 
 def column_reduce_loads(pieces: Sequence[Sequence[tuple[int, int, bool]]], inners: Sequence[int], replicate: int,
-                        shard: int, gradient_bytes: int, split) -> Loads:
+                        shard: int, gradient_bytes: int) -> Loads:
     """Every rank's ``[sent, received]`` bytes in one block's gradient column reduce-scatter across
     replicas (``dmuon.comm.replicate.ReplicateReduce.reduce_columns``): rank ``(r, s)`` sends column
     slice ``q`` of its pieces to ``(q, s)`` and receives ``R - 1`` copies of slice ``r``.
@@ -218,14 +220,13 @@ def column_reduce_loads(pieces: Sequence[Sequence[tuple[int, int, bool]]], inner
         pieces: Per member, per shard position ``(rows, cols, sends)``.
         inners: Per member, elements per column (a conv kernel's; 1 for a matrix).
         gradient_bytes: The gradient's element size on the wire.
-        split: ``split(cols, replicate)``, the column split (torch.chunk's rule).
     """
     loads: Loads = [[0, 0] for _ in range(replicate * shard)]
     for s in range(shard):
         slices = [0] * replicate
         for member, inner in zip(pieces, inners):
             rows, cols, _ = member[s]
-            for q, c in enumerate(split(cols, replicate)):
+            for q, c in enumerate(shard_rows(cols, replicate)):
                 slices[q] += rows * c * inner * gradient_bytes
         whole = sum(slices)
         if not whole:

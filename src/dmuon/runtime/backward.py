@@ -36,7 +36,6 @@ import torch
 
 from dmuon.comm import Pending, ShardExchange
 from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
-from dmuon.plan.layout import shard_rows
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
@@ -217,7 +216,7 @@ class BackwardLaunches:
         gradient_bytes = {torch.promote_types(p.dtype, torch.float32).itemsize for p in params}
         return column_reduce_loads([[(q.rows, q.cols, q.sends) for q in info.pieces] for info in infos],
                                    [info.inner for info in infos], self.plan.replicate, self.plan.shard,
-                                   max(gradient_bytes, default=4), shard_rows)
+                                   max(gradient_bytes, default=4))
 
     def _launch(self, unit: int, landed: set[int], params: list[torch.Tensor] | None = None) -> Reduction | None:
         """Starts what a completed unit sends: its reduction across replicas of ``params`` (the caller
@@ -357,4 +356,4 @@ def _no_result() -> dict:
 def _slice_shape(info: MatrixInfo, shard: int):
     """What the matrix's hop A moves (:class:`~dmuon.plan.hop_a.SliceShape`)."""
     return slice_shape(info.owner // shard, [(p.rows, p.cols, p.sends) for p in info.pieces], info.replicate,
-                       info.inner, shard_rows)
+                       info.inner)

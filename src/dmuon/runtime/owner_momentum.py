@@ -98,10 +98,6 @@ class OwnerMomentum:
         self._copies.clear()
         self.invalidated = True
 
-    def numel(self) -> int:
-        """Elements held (float32)."""
-        return sum(c.numel() for c in self._copies.values())
-
     # ------------------------------------------------------------ the launches' verdict
     def launch_flags(self, launches: dict[int, "Launch"], active: list[int], rows: dict[int, torch.Tensor] | None,
                      coords: tuple[int, int]) -> list[int]:

@@ -14,7 +14,7 @@ R, S, WIRE = 4, 2, 2
 
 def _shape(rows: int, cols: int, owner_replica: int) -> SliceShape:
     pieces = [(m, cols, True) for m in shard_rows(rows, S)]
-    return slice_shape(owner_replica, pieces, R, 1, shard_rows)
+    return slice_shape(owner_replica, pieces, R, 1)
 
 
 def _blocks(seed: int) -> list[list[tuple[int, int, int]]]:
@@ -39,8 +39,7 @@ def _run(blocks, max_delay: int):
     for j, mats in enumerate(members + [None]):
         final = mats is None
         base = [[0, 0] for _ in range(R * S)] if final else column_reduce_loads(
-            [[(m, cols, True) for m in shard_rows(rows, S)] for _, rows, cols in mats], [1] * len(mats), R, S, 4,
-            shard_rows)
+            [[(m, cols, True) for m in shard_rows(rows, S)] for _, rows, cols in mats], [1] * len(mats), R, S, 4)
         before = {b: spreader.upto(b) for b in spreader.pending()}
         loads.append(spreader.decide(base, final=final))
         bases.append(base)
