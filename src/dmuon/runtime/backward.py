@@ -212,8 +212,10 @@ class BackwardLaunches:
     def _column_loads(self, params: list[torch.Tensor]) -> list[list[float]]:
         """Every rank's bytes in the column reduce-scatter of ``params``' Muon matrices (the same on
         every rank: the spreader's decision must be)."""
-        infos = [self.plan.infos[i] for p in params for i in self._matrices.get(id(p), ())]
-        gradient_bytes = {torch.promote_types(p.dtype, torch.float32).itemsize for p in params}
+        matrices = [p for p in params if id(p) in self._matrices]
+        infos = [self.plan.infos[i] for p in matrices for i in self._matrices[id(p)]]
+        # As ReplicateReduce.reduce_columns sends them: float32 or wider.
+        gradient_bytes = {torch.promote_types(p.dtype, torch.float32).itemsize for p in matrices}
         return column_reduce_loads([[(q.rows, q.cols, q.sends) for q in info.pieces] for info in infos],
                                    [info.inner for info in infos], self.plan.replicate, self.plan.shard,
                                    max(gradient_bytes, default=4))

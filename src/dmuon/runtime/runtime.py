@@ -315,8 +315,9 @@ class ShardRuntime:
         return decide
 
     def _send_momentum_to_owners(self, managed: list[int]) -> None:
-        """After a state load: every rank's part of each managed matrix's momentum to its owner, in
-        float32 (once), so the owners' copies are the rule's momentum again."""
+        """At the end of a step that clipped while the owners kept no copies (the first clip, or the first
+        after a state dict or a long run without one): every rank's part of each managed matrix's
+        momentum to its owner, in float32, once; the owners' copies start from it."""
         exchange = ShardExchange(self.plan.infos, self.topo, self.stats, torch.float32, self.device)
         parts = self.callbacks.momentum_parts(managed)
         pending = exchange.send_directions(managed, {i: p.float() for i, p in parts.items()})
@@ -341,8 +342,10 @@ class ShardRuntime:
         # Launches standing for rescaled gradients: their early NS ran on the launched directions.
         done = (kept & early.keys()) - rescaled
         ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in done)
-        used: dict[int, torch.Tensor] = {}  # with owner momenta: each owned matrix's direction this step
-        if self.owner_momentum is not None:
+        # With the owners' copies kept: each owned matrix's direction this step, to advance its copy.
+        tracking = self.owner_momentum is not None and self.owner_momentum.ready
+        used: dict[int, torch.Tensor] = {}
+        if tracking:
             for b in sorted(done if settled.returned is None else kept):
                 used.update(launches[b].pending.wait())
         orthos: dict[int, torch.Tensor] = {}
@@ -369,7 +372,7 @@ class ShardRuntime:
                     if infos[i].block in rescaled:
                         used[i] = cb.rescale_direction(i, full[i], self.owner_momentum.of(i), scale)
                         full[i] = used[i].to(full[i].dtype)
-            if self.owner_momentum is not None:
+            if tracking:
                 for i, d in full.items():
                     used.setdefault(i, d)
             # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
@@ -378,17 +381,17 @@ class ShardRuntime:
             returns = []
             for members, batches in waves:
                 for batch in batches:
-                    done, done_rows = self.work.run_batch(
+                    batch_updates, batch_rows = self.work.run_batch(
                         cb.owner_work, batch, [full.pop(i) for i in batch],
                         [full_rows.pop(i) for i in batch] if self.row_width else None)
-                    orthos.update(done)
-                    new_rows.update(done_rows)
+                    orthos.update(batch_updates)
+                    new_rows.update(batch_rows)
                 self._forward_returns(returns)  # HSDP: the earlier waves' next hops, behind this wave's work
                 returns.append(self.exchange.return_updates(
                     members, {i: orthos[i] for i in members if i in orthos}, None,
                     {i: new_rows[i] for i in members if i in new_rows} if self.row_width else None))
             ns_seconds += time.perf_counter() - ns_start
-        if self.owner_momentum is not None and self.owner_momentum.ready:
+        if tracking:
             for i, d in used.items():  # NS does not modify its inputs; nothing reads the copies after this
                 cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
