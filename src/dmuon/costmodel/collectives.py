@@ -469,24 +469,18 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
         for blk in blocks_now:
             upto = spreader.upto(blk)
             for i, units in upto.items():
-                shape, start = spreader.shapes[i], sent_units.get(i, 0)
+                start = sent_units.get(i, 0)
                 sent_units[i] = units
-                for s in range(shard):
-                    rows = shape.moved_rows(s, start, units)
-                    if not rows:
-                        continue
+                for s, src, dst, moved in spreader.shapes[i].moves(start, units, shard, elem_bytes):
                     if blk not in riding:
                         riding.append(blk)
-                    r_o = shape.owner_replica
-                    for r, width in enumerate(shape.widths[s]):
+                    for r in range(replicate):  # the position's whole replicate group takes part
                         part[r * shard + s] = True
-                        moved = rows * width * elem_bytes
-                        if r != r_o and moved:
-                            src, dst = r * shard + s, r_o * shard + s
-                            sent[src] += moved
-                            received[dst] += moved
-                            peers_out[src].add(dst)
-                            peers_in[dst].add(src)
+                    if moved:
+                        sent[src] += moved
+                        received[dst] += moved
+                        peers_out[src].add(dst)
+                        peers_in[dst].add(src)
             if spreader.complete(blk):
                 completing.append(blk)
         return (sent, received, peers_out, peers_in, part), riding, completing

@@ -30,7 +30,7 @@ run the same spreader.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from dmuon.plan.layout import shard_rows
 
@@ -57,18 +57,27 @@ class SliceShape:
         rows = self.rows[s]
         return rows * b // UNITS - rows * a // UNITS
 
-    def add_bytes(self, loads: Loads, a: int, b: int, shard: int, wire_bytes: int) -> None:
-        """Adds the exact bytes of the unit range ``[a, b)`` to every rank's ``[sent, received]``."""
+    def moves(self, a: int, b: int, shard: int, wire_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+        """The transfers of the unit range ``[a, b)``: ``(position, sending rank, receiving rank, bytes)``,
+        ranks as plan ranks ``r * shard + s``; a position moving rows but no bytes (an empty column
+        slice) yields ``(s, -1, -1, 0)`` once, since it takes part all the same."""
         r_o = self.owner_replica
         for s, widths in enumerate(self.widths):
             rows = self.moved_rows(s, a, b)
             if not rows:
                 continue
-            for q, width in enumerate(widths):
-                if q != r_o and width:
-                    moved = rows * width * wire_bytes
-                    loads[q * shard + s][0] += moved
-                    loads[r_o * shard + s][1] += moved
+            moving = [(q, rows * width * wire_bytes) for q, width in enumerate(widths) if q != r_o and width]
+            if not moving:
+                yield s, -1, -1, 0
+            for q, moved in moving:
+                yield s, q * shard + s, r_o * shard + s, moved
+
+    def add_bytes(self, loads: Loads, a: int, b: int, shard: int, wire_bytes: int) -> None:
+        """Adds the exact bytes of the unit range ``[a, b)`` to every rank's ``[sent, received]``."""
+        for _, src, dst, moved in self.moves(a, b, shard, wire_bytes):
+            if moved:
+                loads[src][0] += moved
+                loads[dst][1] += moved
 
     def unit_rates(self, shard: int, wire_bytes: int) -> dict[tuple[int, int], float]:
         """Bytes per unit on each ``(rank, direction)`` it loads (direction 0 sent, 1 received)."""
