@@ -113,6 +113,11 @@ VARIANTS = {
     "accumulation": (dict(micro_batches=2), [0, BLOCKS, BLOCKS], [0, BLOCKS, BLOCKS]),
     "nonfinite=skip": (dict(nonfinite="skip"), [0, BLOCKS, BLOCKS], [0, BLOCKS, BLOCKS]),
     "clip_grad_value_": (dict(clip_with="value", clip=1e-3), [0] * STEPS, [0] * STEPS),
+    # bf16 MixedPrecisionPolicy: two steps, so that step 1's forward ran on bit-identical parameters
+    # (step 0 exchanged again) and only step 1's rescale separates the runs.
+    "bf16 mixed precision": (dict(bf16=True, steps=2), [0, BLOCKS], [0, BLOCKS]),
+    "activation checkpointing, a frozen matrix": (dict(activation_checkpointing="full", frozen=("layers.1.mid",)),
+                                                  [0, BLOCKS, BLOCKS], [0, BLOCKS, BLOCKS]),
 }
 
 
@@ -140,9 +145,10 @@ VARIANT_MESHES = {"3 ranks": (3, None, "fsdp2"), "2x2 replicate level": (4, (2, 
                                           for variant in _variants(hsdp)])
 def test_clipping_variants_against_overlap_false(mesh, variant):
     """Clipping on some steps only, with accumulation (FSDP2's no-sync micro-batches), with
-    ``nonfinite="skip"`` (the verdicts in the second all-reduce), and an edit that is no one factor
-    (``clip_grad_value_``, exchanged again): the launches kept are the ones expected, and the result is
-    ``overlap=False``'s, bit for bit where nothing was rescaled, within float32 rounding where it was."""
+    ``nonfinite="skip"`` (the verdicts in the second all-reduce), an edit that is no one factor
+    (``clip_grad_value_``, exchanged again), bf16 mixed precision, activation checkpointing with a frozen
+    matrix: the launches kept are the ones expected, and the result is ``overlap=False``'s, bit for bit
+    where nothing was rescaled, within float32 rounding where it was."""
     on, off = _variant_runs(*VARIANT_MESHES[mesh])[variant]
     _, kept, rescaled = VARIANTS[variant]
     for r in on:
