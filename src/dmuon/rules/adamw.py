@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adam import adam
 
 
@@ -12,10 +15,39 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _same_layout(p: torch.Tensor, grad: torch.Tensor) -> bool:
+def aligned(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad``'s local tensor is, element for element, the gradient of ``p``'s local tensor.
+
+    True for the same layout, and for a gradient kept on a larger mesh whose extra leading dims
+    hold copies: ``(Replicate(), ..., *p.placements)`` over ``(extra dims, *p's mesh dims)``, where
+    this rank's slice of the larger mesh is ``p``'s mesh. That is how native HSDP (FSDP2 on a 2-D
+    mesh) and dmuon's replicate level leave a gradient reduced across replicas, so AdamW reads it
+    in place instead of building a DTensor per parameter on ``p``'s mesh (which costs more host
+    time than AdamW's arithmetic on a small parameter).
+    """
     if not isinstance(p, DTensor):
         return not isinstance(grad, DTensor)
-    return isinstance(grad, DTensor) and grad.placements == p.placements and grad.device_mesh == p.device_mesh
+    if not isinstance(grad, DTensor):
+        return False
+    if grad.device_mesh == p.device_mesh:
+        return grad.placements == p.placements
+    extra = grad.device_mesh.ndim - p.device_mesh.ndim
+    return (extra > 0 and all(isinstance(pl, Replicate) for pl in grad.placements[:extra])
+            and tuple(grad.placements[extra:]) == tuple(p.placements)
+            and _copies_over_leading_dims(grad.device_mesh, p.device_mesh, extra))
+
+
+@functools.lru_cache(maxsize=64)
+def _copies_over_leading_dims(outer: DeviceMesh, inner: DeviceMesh, extra: int) -> bool:
+    """Whether ``outer``'s trailing dims are ``inner`` (by name) and this rank's slice of ``outer``
+    over its ``extra`` leading dims is ``inner``'s ranks in ``inner``'s order."""
+    names, inner_names = outer.mesh_dim_names, inner.mesh_dim_names
+    if names is None or inner_names is None or tuple(names[extra:]) != tuple(inner_names):
+        return False
+    coordinate = outer.get_coordinate()
+    if coordinate is None:
+        return False
+    return torch.equal(outer.mesh[tuple(coordinate[:extra])], inner.mesh)
 
 
 @torch.no_grad()
@@ -48,7 +80,7 @@ def adamw_group_step(group: dict, state: dict) -> None:
     if not params:
         return
     foreach = group.get("foreach")
-    if all(_same_layout(p, g) for p, g in zip(params, grads)):
+    if all(aligned(p, g) for p, g in zip(params, grads)):
         # AdamW is elementwise, so each rank may update its own shards directly:
         # the same kernels on the same numbers, without DTensor's per-op dispatch
         # (which costs more than the arithmetic at these sizes).

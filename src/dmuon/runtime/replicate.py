@@ -215,13 +215,3 @@ class ReplicateLevel:
                 info = self.plan.infos[i]
                 out[i] = info.kept_view(local_tensor(info.param.grad), *self.coords).float()
         return out
-
-    def to_param_layout(self) -> None:
-        """After :meth:`finish`: the other parameters' gradients (the mean on every replica) on their
-        parameter's own mesh, as AdamW reads them."""
-        for p in self.params:
-            if p.grad is not None and id(p) not in self._matrices:
-                local = local_tensor(p.grad)
-                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
-                self._reduced.pop(id(p), None)

@@ -149,7 +149,6 @@ class ShardRuntime:
         launches, early = self.backward.take() if self.backward is not None else ({}, {})
         if self.replicate is not None:
             self.replicate.finish()
-            self.replicate.to_param_layout()
         managed = cb.matrices()
         here = [i for i in managed if self.plan.infos[i].param.grad is not None]
         for i in here:

@@ -54,3 +54,51 @@ def test_local_shard_adamw_is_bitwise_torch_adamw_on_dtensors():
     for world_size in (2, 3):
         for same in run_distributed(compare_on_ranks, world_size):
             assert all(same)
+
+
+def aligned_cases(rank: int, world_size: int) -> dict[str, bool]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from dmuon.rules.adamw import aligned
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "shard"))
+    flipped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+    shard = hsdp["shard"]
+    p = DTensor.from_local(torch.zeros(3, 4), shard, (Shard(0),), run_check=False)
+
+    def grad(mesh, placements):
+        return DTensor.from_local(torch.zeros(3, 4), mesh, placements, run_check=False)
+
+    return {
+        "same layout": aligned(p, grad(shard, (Shard(0),))),
+        "copies over the replicate dim (native HSDP's layout)": aligned(p, grad(hsdp, (Replicate(), Shard(0)))),
+        "other placements": aligned(p, grad(shard, (Replicate(),))),
+        "a partial replicate dim": aligned(p, grad(hsdp, (Partial("avg"), Shard(0)))),
+        "sharded over the replicate dim": aligned(p, grad(hsdp, (Shard(1), Shard(0)))),
+        # The same dim names, but this rank's slice of the larger mesh is not p's mesh.
+        "another mesh's trailing dim": aligned(p, grad(flipped["replicate"], (Shard(0),))),
+        "a mesh whose trailing dim is not p's ranks": aligned(p, grad(flipped, (Replicate(), Shard(0)))),
+        "a plain gradient of a DTensor": aligned(p, torch.zeros(3, 4)),
+        "plain and plain": aligned(torch.zeros(2), torch.zeros(2)),
+        "another outer mesh with p's ranks": aligned(p, grad(other, (Replicate(), Shard(0)))),
+    }
+
+
+def test_aligned_layouts_are_exactly_those_whose_local_tensors_match():
+    expected = {
+        "same layout": True,
+        "copies over the replicate dim (native HSDP's layout)": True,
+        "other placements": False,
+        "a partial replicate dim": False,
+        "sharded over the replicate dim": False,
+        "another mesh's trailing dim": False,
+        "a mesh whose trailing dim is not p's ranks": False,
+        "a plain gradient of a DTensor": False,
+        "plain and plain": True,
+        # The trailing dim has p's name and, on this rank, p's ranks in p's order: the local
+        # tensors match element for element whatever the leading dim is called.
+        "another outer mesh with p's ranks": True,
+    }
+    for result in run_distributed(aligned_cases, 4):
+        assert result == expected
