@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.coalesce import GroupAllToAll
-from dmuon.comm.exchange import Pending
+from dmuon.comm.pending import Pending
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo

@@ -206,7 +206,6 @@ class ReplicateLevel:
     def mean_parts_of(self, reduction: Reduction, members: list[int]) -> dict[int, torch.Tensor]:
         """``members``' mean parts from ``reduction``'s landed sums (whatever the gradients hold now)."""
         sums = reduction.columns.wait()
-        s = self.coords[1]
         out = {}
         for i in members:
             if i in sums:

@@ -1,0 +1,106 @@
+"""An exchange in flight: the handle every dmuon collective returns, landed once, hop by hop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dmuon.comm.stats import CommStats
+
+
+@dataclass
+class Pending:
+    """An exchange in flight; ``wait()`` lands it and returns its result (once computed, kept).
+
+    A multi-hop exchange issued in backward has ``then``: the next hop can only
+    start once the previous one has landed, and only the main thread issues
+    collectives (every rank must issue them in the same order), so the runtime
+    calls :meth:`forward` when it launches the next block and :meth:`issue_all`
+    when it enters ``step()``.
+    """
+
+    works: list
+    """Handles of the collectives issued so far."""
+    finish: Callable[[], dict[int, torch.Tensor]] = field(repr=False)
+    """Turns the landed buffers into the result (may issue a second hop)."""
+    stats: CommStats = field(repr=False)
+    then: Callable[[], "Pending"] | None = field(default=None, repr=False)
+    """Issues the next hop from the landed buffers; its result is this exchange's."""
+    result: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    flags: torch.Tensor | None = field(default=None, repr=False)
+    """What ``finish`` found of the flags that rode along (see :meth:`dmuon.comm.exchange.ShardExchange.return_updates`)."""
+    rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    """What ``finish`` found of the row state that rode along (see :meth:`row_states`)."""
+    _next: "Pending | None" = field(default=None, repr=False)
+    _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def _land(self, exposed: bool) -> None:
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if exposed:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def forward(self) -> None:
+        """Main thread: advances the exchange by one hop: lands the latest issued hop and issues the
+        one after it (nothing once every hop is issued)."""
+        if self._next is not None:
+            self._next.forward()
+        elif self.then is not None:
+            self._land(exposed=True)
+            self._next = self.then()
+            self._forwarded.set()
+
+    def issued(self) -> bool:
+        """Whether every hop has been issued."""
+        return self.then is None or (self._next is not None and self._next.issued())
+
+    def issue_all(self) -> None:
+        """Main thread: issues every remaining hop (landing each one before it)."""
+        while not self.issued():
+            self.forward()
+
+    def agreed(self) -> torch.Tensor | None:
+        """Lands the exchange; the elementwise maximum over every rank of the flags sent with it
+        (``None`` when none were)."""
+        self.wait()
+        return self._next.agreed() if self._next is not None else self.flags
+
+    def row_states(self) -> dict[int, torch.Tensor]:
+        """Lands the exchange; the ``(rows, row_width)`` float32 row state that travelled with each
+        matrix of the result (empty without a row state)."""
+        self.wait()
+        if self._next is not None:
+            return self._next.row_states()
+        return {} if self.rows is None else self.rows
+
+    def wait(self, exposed: bool = True) -> dict[int, torch.Tensor]:
+        """Lands the exchange.
+
+        Args:
+            exposed: False when a side thread waits: its time is not counted as
+                blocking, and it issues nothing (it waits for the main thread's
+                :meth:`forward` instead).
+        """
+        if self.result is None:
+            if self.then is not None:
+                if exposed:
+                    self.forward()
+                else:
+                    self._forwarded.wait()
+                assert self._next is not None
+                self.result = self._next.wait(exposed)
+            else:
+                self._land(exposed)
+                self.result = self.finish()
+        return self.result
+
+
+def no_result() -> dict[int, torch.Tensor]:
+    """The result of a hop whose data lands through a later one (or not at all)."""
+    return {}
