@@ -6,8 +6,10 @@ head ``gamma = tau / S`` where ``S > tau``, query rows times ``gamma ** alpha``,
 One process and 4 gloo ranks (one spawn, every run in it): 1-D FSDP2 on the speculative step, a
 skipped step, overlap=False with accumulation micro-batches, return waves with NS in backward,
 NorMuon, a bf16 wire, FSDP2's native 2x2 HSDP and dmuon's replicate level, a (dp, tp) mesh with
-TP-split heads; GQA, a fused QKV as row groups and MLA; maxima that differ per rank (the model's own
-and extra reports), a clip on some heads only, NaN/inf/negative reports; 1e-5 with fp32 NS. The
+TP-split heads, bf16 mixed precision against the gather-then-compute oracle (whose naive clip, an
+all-reduce of its own, equals the formula in float32 too); GQA, a fused QKV as row groups and MLA;
+maxima that differ per rank (the model's own and extra reports), a clip on some heads only,
+NaN/inf/negative reports; 1e-5 with fp32 NS. The
 agreed maxima are bit for bit the maximum of every rank's, on every rank, and the clip adds no
 collective to the step.
 """
@@ -147,7 +149,12 @@ RUNS = {
     "hsdp 2x2": dict(mesh_shape=(2, 2)),
     "hsdp 2x2 replicate level": dict(mesh_shape=(2, 2), hsdp="dmuon"),
     "tp": dict(tp=True, names=("gqa",)),
+    "1-D gather oracle": dict(oracle=True),
+    "bf16 mixed precision": dict(mixed_precision=True),
+    "bf16 mixed precision, gather oracle": dict(mixed_precision=True, oracle=True),
 }
+AGAINST_THE_ORACLE = ("bf16 wire", "bf16 mixed precision", "bf16 mixed precision, gather oracle")
+"""Runs a bf16 rounding keeps from the float32 formula: checked against the gather-then-compute oracle."""
 COUNTED = ("1-D", "1-D skip", "hsdp 2x2 replicate level")
 """Runs repeated without the clip, to compare the collectives each step issues."""
 
@@ -170,10 +177,25 @@ def _expected(label: str) -> dict[str, torch.Tensor]:
                       rule=kw.get("rule", "muon"))[0]
 
 
-@pytest.mark.parametrize("label", [label for label in RUNS if label != "bf16 wire"])
+@pytest.mark.parametrize("label", [label for label in RUNS if label not in AGAINST_THE_ORACLE])
 def test_on_ranks_equals_the_formula(label):
     name, err = _worst(_results()[0][label]["params"], _expected(label))
     assert err <= 1e-5, (label, name, err)
+
+
+def test_bf16_mixed_precision_equals_gather_then_compute_with_its_naive_clip():
+    """bf16 parameters in forward (the maxima computed in bf16): the same parameters as the oracle, which
+    all-reduces the maxima in a collective of its own and scales its rows after the update."""
+    results = _results()[0]
+    got, oracle = results["bf16 mixed precision"], results["bf16 mixed precision, gather oracle"]
+    name, err = _worst(got["params"], oracle["params"])
+    assert err <= 1e-5, (name, err)
+    for step in range(STEPS):
+        assert got["agreed"][step].keys() == oracle["agreed"][step].keys()
+        for key in got["agreed"][step]:
+            assert torch.equal(got["agreed"][step][key], oracle["agreed"][step][key]), (step, key)
+    # The clip acted (some head over tau), or the comparison proves little about it.
+    assert any((m > TAU).any() for step in oracle["agreed"] for m in step.values())
 
 
 def test_each_ranks_own_maxima_would_diverge_from_the_formula():

@@ -25,11 +25,12 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
+from dmuon.baselines import GatherThenCompute
 
 from support.reference import _fp32_zeropower, ns_precision
 
@@ -353,10 +354,13 @@ class CountCollectives:
 
 
 def build(world: int, *, names=("gqa", "fused", "mla"), mesh_shape=None, hsdp: str = "fsdp2", tp: bool = False,
-          rule: str = "muon", clip: bool = True, ns_dtype=torch.float32, **execution):
+          rule: str = "muon", clip: bool = True, ns_dtype=torch.float32, mixed_precision: bool = False,
+          oracle: bool = False, **execution):
     """QKNet (seed 0) under FSDP2 (each attention layer, then the root; HSDP on ``mesh_shape``: FSDP2's
     native or dmuon's replicate level; ``tp``: a (dp, tp) = (2, 2) mesh, ``gqa``'s q, k, v colwise and
-    its out rowwise) with DMuon or NorMuon and QK-clip. Returns ``(model, optimizer, dp_rank, dp)``."""
+    its out rowwise; ``mixed_precision``: bf16 parameters, float32 reductions) with DMuon or NorMuon and
+    QK-clip (``oracle``: gather-then-compute with its naive clip instead). Returns
+    ``(model, optimizer, dp_rank, dp)``."""
     model_mesh = None
     dp_rank, dp = torch.distributed.get_rank(), world
     if tp:
@@ -377,10 +381,19 @@ def build(world: int, *, names=("gqa", "fused", "mla"), mesh_shape=None, hsdp: s
                                                "v": ColwiseParallel(), "out": RowwiseParallel()})
         layer.heads, layer.kv_heads = GQA["num_heads"] // 2, GQA["num_kv_heads"] // 2
         layer.first_head = tp_rank * layer.heads
+    mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+        if mixed_precision else {}
     for layer in model.attention():
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, **mp)
+    fully_shard(model, mesh=dp_mesh, **mp)
     views = {"fused.qkv.weight": "rows:8,8,8"} if "fused" in names else None
+    if oracle:
+        assert rule == "muon" and model_mesh is None and not execution, "the oracle runs Muon on FSDP2's meshes"
+        opt = GatherThenCompute(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
+                                      adamw_weight_decay=ADAMW["weight_decay"], ns_method="standard",
+                                      ns_dtype=ns_dtype, matrix_view=views,
+                                      qk_clip=dmuon.QKClip(layers_of(names), tau=TAU, alpha=ALPHA) if clip else None)
+        return model, opt, dp_rank, dp
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=ns_dtype),
                          hsdp_mesh=model_mesh)
     settings = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
@@ -423,7 +436,7 @@ def train(world: int, *, steps: int = STEPS, skip: bool = False, micro_batches: 
             opt.step()
         opt.zero_grad()
         counts.append(dict(counter.counts))
-        skipped.append(opt.last_step_stats()["skipped_nonfinite"])
+        skipped.append(opt.last_step_stats().get("skipped_nonfinite", False))
         agreed.append(opt.last_attention_logits())
     out = {"params": {n: full(p) for n, p in model.named_parameters()}, "local": local, "agreed": agreed,
            "skipped": skipped}

@@ -12,16 +12,20 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dmuon.rules.adamw import adamw_group_step, local_tensor
-from dmuon.rules.muon import apply_update, check_rule_settings, fill_rule_defaults, momentum_update
-from dmuon.rules.normuon import normalize_rows
+from dmuon.optim.dmuon import canonical_name
+from dmuon.optim.qk_clip import AttentionClip
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
+from dmuon.rules.adamw import adamw_group_step, local_tensor
+from dmuon.rules.muon import apply_update, check_rule_settings, fill_rule_defaults, momentum_update
+from dmuon.rules.normuon import normalize_rows
+from dmuon.rules.qk_clip import QKClip, clip_factors
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -37,7 +41,10 @@ class GatherThenCompute(torch.optim.Optimizer):
     orthogonalized slice by slice, row groups, equal or not, group by group,
     each group's step scaled for its own shape). ``beta2`` runs NorMuon's rule
     instead (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole
-    per-row second moment and normalizes its whole update.
+    per-row second moment and normalizes its whole update. ``qk_clip`` runs QK-clip after the
+    update the naive way (:meth:`report_attention_logits` as :class:`dmuon.DMuon`'s; the maxima
+    all-reduced over every rank in a collective of their own; each rank scales its rows of the
+    query and key parameters), the oracle for dmuon's clip inside the step.
     """
 
     def __init__(
@@ -63,8 +70,15 @@ class GatherThenCompute(torch.optim.Optimizer):
         select: SelectFn | None = None,
         matrix_view: ViewFn | dict[str, str] | None = None,
         beta2: float | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
+        self.qk_clip = qk_clip
+        self._params_by_name = {canonical_name(n): p for n, p in model.named_parameters()}
+        self._qk = None if qk_clip is None else AttentionClip(
+            qk_clip, self._params_by_name, {id(p): n for n, p in self._params_by_name.items()})
         chosen = select_matrices(model, select)
         views = matrix_views(model, chosen, matrix_view)
         # Stacks of experts and row groups: each slice orthogonalized on its own, as DMuon does.
@@ -150,6 +164,8 @@ class GatherThenCompute(torch.optim.Optimizer):
                 else:
                     apply_update(p, ortho, matrix_shape=mshape, **rule)
                 orthogonalized += len(inputs)
+        if self._qk is not None:
+            self._clip_qk()
         self._last_stats = {
             "orthogonalized": orthogonalized, "bytes_sent": sent, "bytes_received": received,
             "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
@@ -163,6 +179,44 @@ class GatherThenCompute(torch.optim.Optimizer):
     def last_step_stats(self) -> dict[str, Any]:
         """Same keys as :meth:`dmuon.DMuon.last_step_stats` (bytes estimated from the gathers)."""
         return dict(self._last_stats)
+
+    def report_attention_logits(self, layer: str, max_logits: torch.Tensor, first_head: int = 0) -> None:
+        """As :meth:`dmuon.DMuon.report_attention_logits`."""
+        if self._qk is None:
+            raise ValueError("report_attention_logits needs QK-clip: build the optimizer with "
+                             "qk_clip=dmuon.QKClip(layers={...})")
+        self._qk.report(layer, max_logits, first_head)
+
+    def last_attention_logits(self) -> dict[str, torch.Tensor]:
+        """As :meth:`dmuon.DMuon.last_attention_logits`."""
+        return {} if self._qk is None else dict(self._qk.last_maxima)
+
+    @torch.no_grad()
+    def _clip_qk(self) -> None:
+        """QK-clip after the update: the maxima over every rank by an all-reduce of their own, then
+        per parameter one factor per row, cut to each rank's box like the update (any placements)."""
+        qk, config = self._qk, self.qk_clip
+        maxima = qk.step_maxima()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        qk.reset()
+        maxima = maxima.cpu()
+        qk.last_maxima = {key: maxima[qk.kv_start[key] : qk.kv_start[key] + config.layers[key].kv_heads]
+                          for key in config.order}
+        gamma = clip_factors(maxima, config.tau)
+        factors: dict[str, torch.Tensor] = {}  # parameter name -> one float32 factor per row
+        for key in config.order:
+            scaled = config.layers[key].scaled_rows(config.alpha)
+            for which, name in zip(("query", "key"), qk.param_names[key]):
+                rows, heads, powers = scaled[which]
+                factor = factors.setdefault(name, torch.ones(self._params_by_name[name].shape[0]))
+                factor[rows] = gamma[heads + qk.kv_start[key]] ** powers
+        for name, factor in factors.items():
+            p = self._params_by_name[name]
+            full = factor.view(-1, *[1] * (p.ndim - 1)).expand(p.shape).contiguous().to(p.device)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            local_tensor(p).mul_(local_tensor(full))
 
 
 def _apply_by_row_group(param: torch.Tensor, ortho: torch.Tensor, sizes: tuple[int, ...], rule: dict) -> None:
