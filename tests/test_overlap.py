@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dmuon
 from dmuon.util.spawn import run_distributed
 
 from support.cases import Case, run_cases
@@ -75,3 +76,49 @@ def test_ns_in_backward_needs_overlap():
     model = OddNet()
     with pytest.raises(ValueError, match="overlap=True"):
         dmuon.DMuon(model, ns_in_backward=True, overlap=False)
+
+
+@pytest.mark.parametrize("mesh_shape,hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")])
+def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, hsdp):
+    """``returns_in_backward``: the blocks whose launches stand apply updates that came back during backward;
+    the parameters are those of ``ns_in_backward`` alone bit for bit (the same per-block NS), with an unused
+    block, with clipping (every launch then stands for rescaled gradients: the returns from backward land
+    unused and the step redoes NS) and with NorMuon's row state riding the returns."""
+    world_size = 3 if mesh_shape is None else 4
+    # Hop A in one chunk on the replicate level: OddNet's four units leave no room to spread it and return too.
+    base = dict(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape,
+                hsdp=hsdp, hop_a_spread=1)
+    variants = [dict(), dict(clip=0.3, return_waves=2), dict(rule="normuon"), dict(nonfinite="skip")]
+    cases = [Case(returns_in_backward=back, **base, **v) for v in variants for back in (True, False)]
+    results = run_distributed(run_cases, world_size, cases, timeout_s=240)
+    ref, _ = reference(world_size, torch.float32)
+    for k in range(0, len(cases), 2):
+        back, step_only = results[0][k]["params"], results[0][k + 1]["params"]
+        for name in back:
+            assert torch.equal(back[name], step_only[name]), (variants[k // 2], name)
+        for step in range(STEPS):
+            returned = [r[k]["stats"][step]["blocks_returned_in_backward"] for r in results]
+            assert len(set(returned)) == 1  # every rank applied the same blocks from backward
+            assert all(r[k + 1]["stats"][step]["blocks_returned_in_backward"] == 0 for r in results)
+            assert [r[k]["stats"][step]["orthogonalized"] for r in results] == \
+                   [r[k + 1]["stats"][step]["orthogonalized"] for r in results]
+            if "clip" in variants[k // 2]:
+                assert returned[0] == 0  # rescaled (or, the first clip, stale): every return redone in step()
+            else:
+                # Every launched block (one fewer with block 1 unused) but the last few came back in backward:
+                # 1-D the last (one direction hop), native HSDP the last two (hops A and B), the replicate
+                # level the last three (its hop A goes with the next unit's reduction, then hop B).
+                launched = results[0][k]["stats"][step]["blocks_exchanged_in_backward"]
+                late = 1 if mesh_shape is None else 2 if hsdp == "fsdp2" else 3
+                assert returned[0] == max(launched - late, 0), (step, returned, launched)
+        if "clip" not in variants[k // 2]:
+            assert sum(results[0][k]["stats"][step]["blocks_returned_in_backward"] for step in range(STEPS)) > 0
+    diff, worst = max_diff(results[0][0]["params"], ref)
+    assert diff <= 1e-5, worst
+
+
+def test_returns_in_backward_need_ns_in_backward():
+    with pytest.raises(ValueError, match="returns_in_backward=True needs ns_in_backward=True"):
+        dmuon.ExecutionConfig(returns_in_backward=True)
+    with pytest.raises(ValueError, match="returns_in_backward must be True or False"):
+        dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=1)

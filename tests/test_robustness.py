@@ -24,6 +24,9 @@ def _on_three(rank: int, world: int) -> dict:
     """The 3-rank cases in one process group."""
     return {"kernel": faults.kernel_sharded(rank, world), "blocks": faults.fsdp_blocks(rank, world),
             "skip": faults.nonfinite(rank, world, "skip"), "raise": faults.nonfinite(rank, world, "raise"),
+            # The updates of the blocks launched first come back in backward; the skip drops them too.
+            "skip, returns in backward": faults.nonfinite(rank, world, "skip", ns_in_backward=True,
+                                                          returns_in_backward=True),
             "milp": faults.milp_owners(rank, world)}
 
 
@@ -71,12 +74,12 @@ def test_blocks_are_the_fsdp2_modules_and_rows_follow_shard0():
         assert o["rows"]["gate.weight"] == (1, 0, 0) and o["rows"]["lift.weight"] == (13, 13, 11)
 
 
-@pytest.mark.parametrize("mode", ["skip", "raise"])
+@pytest.mark.parametrize("mode", ["skip", "raise", "skip, returns in backward"])
 def test_nonfinite_gradient_is_handled_on_every_rank(mode):
     out = [r[mode] for r in _three()]
     for o in out:
         assert o["outcome"][0] == ("stepped", True)
-        if mode == "skip":
+        if mode.startswith("skip"):
             assert o["outcome"][1] == ("skipped", False)
         else:
             assert o["outcome"][1][0] == "raised" and "layers.1." in o["outcome"][1][1]

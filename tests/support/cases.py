@@ -46,6 +46,10 @@ class Case:
     """``(replicate, shard)`` for HSDP; None for a 1-D mesh over all ranks."""
     ns_in_backward: bool = False
     """DMuon's ``ns_in_backward``."""
+    returns_in_backward: bool = False
+    """``ExecutionConfig.returns_in_backward`` (with ``ns_in_backward``)."""
+    hop_a_spread: int = 8
+    """``ExecutionConfig.hop_a_spread`` (dmuon's replicate level)."""
     return_waves: int | None = None
     """DMuon's ``return_waves`` (None: its default, 1 on CPU)."""
     activation_checkpointing: str | None = None
@@ -155,6 +159,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                                           execution=dmuon.ExecutionConfig(
                                               overlap=case.overlap, clipped_overlap=case.clipped_overlap,
                                               ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
+                                              returns_in_backward=case.returns_in_backward,
+                                              hop_a_spread=case.hop_a_spread,
                                               nonfinite=case.nonfinite),
                                           **kw)
     else:

@@ -100,9 +100,10 @@ def traffic(rank: int, world_size: int, mesh_shape, ns_dtype: torch.dtype) -> di
     }
 
 
-def nonfinite(rank: int, world_size: int, mode: str) -> dict:
-    """Rank 1 gets a NaN in one matrix's gradient at step 1; report what every rank did."""
-    model, plan, opt = sharded_oddnet(world_size, nonfinite=mode)
+def nonfinite(rank: int, world_size: int, mode: str, **execution) -> dict:
+    """Rank 1 gets a NaN in one matrix's gradient at step 1; report what every rank did (``execution``:
+    more :class:`dmuon.ExecutionConfig` switches)."""
+    model, plan, opt = sharded_oddnet(world_size, execution=dmuon.ExecutionConfig(nonfinite=mode, **execution))
     outcome = []
     for step in range(2):
         handle = None

@@ -19,11 +19,12 @@ CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
                  "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
                  "dmuon_z3_clip", "dmuon_z2_clip_refresh", "dmuon_z3_clip_refresh", "dmuon_z2_normuon",
-                 "dmuon_z3_normuon")
+                 "dmuon_z3_normuon", "dmuon_z2_rbwd", "dmuon_z3_rbwd")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
-(every collective inside ``step()``) and with ``ns_in_backward=True`` (owners
-start NS while backward runs); ``adamw_local``: FSDP2 + AdamW on each rank's
+(every collective inside ``step()``), with ``ns_in_backward=True`` (owners
+start NS while backward runs) and, ``*_rbwd``, with ``returns_in_backward=True`` too (the updates
+of the blocks launched first come back while backward runs); ``adamw_local``: FSDP2 + AdamW on each rank's
 local shards, the kernel dmuon runs for its non-matrix parameters (``DMuon``
 with no Muon matrices), a stricter AdamW reference than ``torch.optim.AdamW``'s
 per-parameter DTensor dispatch; ``dmuon_z3_event``: ``post_optim_event=True`` (accelerators only:
@@ -195,7 +196,10 @@ def build(config: str, workload, mesh, hyper: Hyper):
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
                          hsdp_mesh=mesh if replicate_level else None)
     rule = dmuon.NorMuon if base.endswith("_normuon") else dmuon.DMuon
-    execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"), ns_in_backward=base.endswith("_nsbwd"),
+    in_backward = base.endswith("_rbwd")
+    execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"),
+                                      ns_in_backward=base.endswith("_nsbwd") or in_backward,
+                                      returns_in_backward=in_backward,
                                       post_optim_event=base.endswith("_event"),
                                       clipped_overlap=not base.endswith("_refresh"))
     return rule(model, plan, execution=execution, **kw), plan

@@ -61,6 +61,12 @@ class Launch:
     grads: dict[int, torch.Tensor] | None = None
     """With ``keep_gradients``: a copy of this rank's part of each member's local gradient as launched
     (on the replicate level its reduced form), for ``step()`` to recognise a uniform rescale."""
+    returned: Pending | None = None
+    """With ``returns_in_backward``: the return of the owners' updates from this launch's directions,
+    issued in backward (``wait()`` gives this rank's rows of them); None until then."""
+    hops_issued: bool = False
+    """Every hop of the directions has been issued (by the last block landing, or the launch itself):
+    with ``returns_in_backward`` the return follows at the next landing."""
 
 
 EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]]
@@ -104,6 +110,9 @@ class BackwardLaunches:
         hop_a_spread: With ``replicate``: the most collectives across replicas a block's direction
             slices spread over (:class:`~dmuon.plan.hop_a.HopASpreader`; 1: all with the next).
         keep_gradients: Keep a copy of each launch's gradient parts (:attr:`Launch.grads`).
+        returns_in_backward: With ``owner_work``: return each block's updates in backward
+            (:attr:`Launch.returned`), at the block landing after the one that issued its directions'
+            last hop; the main thread waits there for the worker's results of it.
     """
 
     def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
@@ -111,7 +120,7 @@ class BackwardLaunches:
                  owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
                  replicate: ReplicateLevel | None = None,
                  row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None,
-                 hop_a_spread: int = 8, keep_gradients: bool = False) -> None:
+                 hop_a_spread: int = 8, keep_gradients: bool = False, returns_in_backward: bool = False) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek
@@ -124,6 +133,7 @@ class BackwardLaunches:
         self.replicate = replicate
         self._row_states = row_states
         self._keep_gradients = keep_gradients
+        self._returns = returns_in_backward and owner_work is not None
         self._spreader: HopASpreader | None = None
         if replicate is not None and directions:
             self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
@@ -293,16 +303,39 @@ class BackwardLaunches:
         return {i: copy.view(rows[i].shape) for i, copy in zip(members, copies)}
 
     def _add(self, launch: Launch) -> None:
+        launch.hops_issued = launch.pending.issued()
         self._launches[launch.block] = launch
         if self._worker is not None:
             self._early[launch.block] = self._worker.submit(self._block_work, launch)
 
     def _advance(self) -> None:
-        """The earlier launches' next hops (their first has had a block's backward to land)."""
+        """The earlier launches' next hops (their first has had a block's backward to land); with
+        ``returns_in_backward`` their returns' next hops, and the returns now due.
+
+        Which return is issued when depends only on the order of the landings (every rank issues
+        the same collectives in the same order): a launch's return goes at the landing after the
+        one that issued its directions' last hop, a block's backward later, so that its
+        directions have landed and the owners' NS has had that time (the main thread waits here
+        for the worker's result).
+        """
         for earlier in self._launches.values():
             earlier.pending.forward()
+            if earlier.returned is not None:
+                earlier.returned.forward()
+        if self._returns:
+            for block in sorted(self._launches):
+                launch = self._launches[block]
+                if launch.returned is None and launch.hops_issued:
+                    launch.returned = self._return(launch)
+                launch.hops_issued = launch.pending.issued()
         if self.replicate is not None:
             self.replicate.land_all()
+
+    def _return(self, launch: Launch) -> Pending:
+        """Main thread: issues the return of the owners' updates from ``launch``'s directions."""
+        updates, new_rows, _ = self._early[launch.block].result()
+        return self.exchange.return_updates(launch.members, updates, None,
+                                            new_rows if self._row_states is not None else None)
 
     @torch.no_grad()
     def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
@@ -334,6 +367,8 @@ class BackwardLaunches:
             self._spreader.reset()
         for launch in launches.values():
             launch.pending.issue_all()
+            if launch.returned is not None:
+                launch.returned.issue_all()
         early = {b: f.result() for b, f in sorted(self._early.items())}
         self._early.clear()
         return launches, early

@@ -41,6 +41,18 @@ class ExecutionConfig:
     """Also run the owners' NS for each block on a worker thread during backward, as soon as its
     directions have arrived (needs ``overlap``). Blocks whose directions fail ``step()``'s check
     are recomputed there. NS then runs in per-block batches."""
+    returns_in_backward: bool = False
+    """With ``ns_in_backward``: also send each block's updates back to every holder during backward
+    (its return, and on HSDP its publication to the other replicas), issued at the block landing
+    after the one that issued the block's last direction hop (on HSDP the publication joined with a
+    later landing's collective across replicas), so a step whose launches all stand only applies
+    what has arrived. The returns are speculative, like the launches: a block whose launch does not stand
+    (an edited gradient, or one rescaled by a clip: NS is not linear, so the owners' rescaled
+    direction needs NS again) lands unused and is redone in ``step()``, which then costs what it
+    costs without this switch plus the wasted transfers, made while backward ran. The blocks
+    whose directions are still on their way when backward ends return in ``step()`` (1-D: the
+    last one; on HSDP the last few, hop A being spread, ``hop_a_spread``). The switch for runs that clip rarely
+    (``clip_grad_norm_`` rescales only above ``max_norm``) or not at all."""
     nonfinite: str | None = None
     """What a NaN/Inf in any gradient does. ``None``: nothing is checked, as in torch.optim;
     ``"skip"``: every rank skips the whole step (parameters and optimizer state unchanged);
@@ -65,7 +77,7 @@ class ExecutionConfig:
     backend has no events: True there is an error."""
 
     def __post_init__(self) -> None:
-        for name in ("overlap", "clipped_overlap", "ns_in_backward", "post_optim_event"):
+        for name in ("overlap", "clipped_overlap", "ns_in_backward", "returns_in_backward", "post_optim_event"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.nonfinite not in NONFINITE_MODES:
@@ -79,6 +91,9 @@ class ExecutionConfig:
         if self.ns_in_backward and not self.overlap:
             raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
                              "during backward only with overlap")
+        if self.returns_in_backward and not self.ns_in_backward:
+            raise ValueError("returns_in_backward=True needs ns_in_backward=True: a block's updates exist "
+                             "during backward only when its NS runs there")
 
     @classmethod
     def from_keywords(cls, base: ExecutionConfig | None = None, **keywords: Any) -> ExecutionConfig:

@@ -23,6 +23,9 @@ class StepReport:
     """Launches from backward that the step kept (their directions stood the check)."""
     orthogonalized_in_backward: int = 0
     """Matrices whose owner work ran on the worker during backward (``ns_in_backward``) and was kept."""
+    blocks_returned_in_backward: int = 0
+    """Kept launches whose updates came back during backward (``returns_in_backward``): the step
+    only applied them."""
     orthogonalized_while_agreeing: int = 0
     """Matrices whose owner work ran before the step's agreement was known, its flags
     travelling with their return, and was kept."""

@@ -118,7 +118,8 @@ class ShardRuntime:
                                              self.work, directions=config.overlap, replicate=self.replicate,
                                              row_states=callbacks.row_states if self.row_width else None,
                                              hop_a_spread=config.hop_a_spread,
-                                             keep_gradients=self.owner_momentum is not None)
+                                             keep_gradients=self.owner_momentum is not None,
+                                             returns_in_backward=config.returns_in_backward)
 
     @property
     def column(self) -> int:
@@ -162,6 +163,8 @@ class ShardRuntime:
         if settled.agreement.skipped:
             for launch in launches.values():
                 launch.pending.wait()  # lands unused, on every rank alike
+                if launch.returned is not None:
+                    launch.returned.wait()
         else:
             stale = settled.agreement.stale
             kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
@@ -340,6 +343,11 @@ class ShardRuntime:
                 launches[b].pending.wait()  # stale: lands unused
         # Launches standing for rescaled gradients: their early NS ran on the launched directions.
         done = (kept & early.keys()) - rescaled
+        # Returns issued in backward (returns_in_backward): those of launches done stand, the others land unused.
+        back = {b: launches[b].returned for b in sorted(launches) if launches[b].returned is not None}
+        for b in back.keys() - done:
+            back.pop(b).wait()
+        report.blocks_returned_in_backward = len(back)
         ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in done)
         # With the owners' copies kept: each owned matrix's direction this step, to advance its copy.
         tracking = self.owner_momentum is not None and self.owner_momentum.ready
@@ -356,6 +364,8 @@ class ShardRuntime:
             returns = [settled.returned]
             report.return_waves = [list(active)]
         else:
+            # Matrices whose updates came back in backward take no part in the step's waves.
+            active = [i for i in active if infos[i].block not in back]
             rest = [i for i in active if infos[i].block not in kept]
             pending = [launches[b].pending for b in sorted(kept) if b not in done]
             pending.append(self.exchange.send_directions(rest, settled.directions, settled.rows))
@@ -377,7 +387,7 @@ class ShardRuntime:
             # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
             waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
             report.return_waves = [members for members, _ in waves]
-            returns = []
+            returns = list(back.values())
             for members, batches in waves:
                 for batch in batches:
                     batch_updates, batch_rows = self.work.run_batch(
