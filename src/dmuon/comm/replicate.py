@@ -29,14 +29,10 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.coalesce import GroupAllToAll
-from dmuon.comm.pending import Pending
+from dmuon.comm.pending import Pending, no_result
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
-
-
-def _no_result() -> dict:
-    return {}
 
 
 class ReplicateReduce:
@@ -68,7 +64,7 @@ class ReplicateReduce:
             where the input was a lower precision, else its dtype; shaped as the input).
         """
         if not tensors:
-            return Pending([], _no_result, self.stats)
+            return Pending([], no_result, self.stats)
         dtype = torch.promote_types(tensors[0].dtype, torch.float32)
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         replicate = self.topo.replicate
@@ -106,7 +102,7 @@ class ReplicateReduce:
         r, s = topo.coords
         held = [i for i in members if infos[i].pieces[s].rows]
         if not held:
-            return Pending([], _no_result, self.stats)  # the whole replicate group of this column skips
+            return Pending([], no_result, self.stats)  # the whole replicate group of this column skips
         dtype = torch.promote_types(pieces[held[0]].dtype, torch.float32)
         in_splits = [sum(self._slice_numel(i, q, s) for i in held) for q in range(topo.replicate)]
         own = sum(self._slice_numel(i, r, s) for i in held)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from dmuon.comm import Pending, ShardExchange
+from dmuon.comm.pending import no_result
 from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
@@ -242,7 +243,7 @@ class BackwardLaunches:
             reduction = self.replicate.start_columns(params)
             if first and members and self._directions:
                 launch = Launch(block, members, {}, None)  # type: ignore[arg-type]
-                launch.pending = Pending([], _no_result, self.exchange.stats,
+                launch.pending = Pending([], no_result, self.exchange.stats,
                                          then=lambda: self._send_after(reduction, launch))
                 self._add(launch)
                 if self._spreader is not None:
@@ -385,9 +386,6 @@ class BackwardLaunches:
     def __del__(self) -> None:
         self.close()
 
-
-def _no_result() -> dict:
-    return {}
 
 
 def _slice_shape(info: MatrixInfo, shard: int):
