@@ -52,7 +52,11 @@ def _single(rule: str = "muon", nonfinite=None, skip: bool = False, **qk) -> dic
     kw = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
               adamw_weight_decay=ADAMW["weight_decay"], nonfinite=nonfinite,
               qk_clip=dmuon.QKClip(layers_of(), **({"tau": TAU, "alpha": ALPHA} | qk)))
-    opt = dmuon.DMuon(model, plan, **kw) if rule == "muon" else dmuon.NorMuon(model, plan, beta2=BETA2, **kw)
+    if rule == "dion2":  # Dion2's own keywords, its weight decay the reference's (MUON's)
+        from support.cases import DION2_KW
+        opt = dmuon.Dion2(model, plan, **kw, fraction=DION2_KW["fraction"], ef_decay=DION2_KW["ef_decay"])
+    else:
+        opt = dmuon.DMuon(model, plan, **kw) if rule == "muon" else dmuon.NorMuon(model, plan, beta2=BETA2, **kw)
     for layer in model.attention():
         layer.report = opt.report_attention_logits
     for step in range(STEPS):
@@ -75,7 +79,7 @@ def test_the_reference_clips_some_heads_only_and_the_clip_matters():
     assert _worst(params, _reference(1, clip=False)[0])[1] > 0.1
 
 
-@pytest.mark.parametrize("rule", ["muon", "normuon"])
+@pytest.mark.parametrize("rule", ["muon", "normuon", "dion2"])
 def test_one_process_equals_the_formula(rule):
     name, err = _worst(_single(rule), _reference(1, rule=rule)[0])
     assert err <= 1e-5, (rule, name, err)

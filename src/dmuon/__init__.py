@@ -11,10 +11,13 @@ Typical use, exactly as for AdamW plus one line::
 (after ``fully_shard``) makes a plan with non-default options to pass as
 ``DMuon(model, plan)``; ``DMuon(..., execution=dmuon.ExecutionConfig(...))``
 sets when the runtime moves and computes; ``DMuon(..., qk_clip=dmuon.QKClip(...))``
-adds QK-clip (MuonClip) to the step.
+adds QK-clip (MuonClip) to the step. ``dmuon.NorMuon``, ``dmuon.MuonH`` and ``dmuon.Dion2``
+run those rules on the same runtime.
 """
 
+from dmuon.optim.dion2 import Dion2
 from dmuon.optim.dmuon import DMuon
+from dmuon.optim.muonh import MuonH
 from dmuon.optim.normuon import NorMuon
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
@@ -22,5 +25,6 @@ from dmuon.prepare import prepare
 from dmuon.rules.qk_clip import AttentionHeads, QKClip
 from dmuon.runtime.config import ExecutionConfig
 
-__all__ = ["AttentionHeads", "DMuon", "ExecutionConfig", "NSConfig", "NorMuon", "Plan", "QKClip", "prepare"]
+__all__ = ["AttentionHeads", "DMuon", "Dion2", "ExecutionConfig", "MuonH", "NSConfig", "NorMuon", "Plan", "QKClip",
+           "prepare"]
 __version__ = "0.1.0"

@@ -77,13 +77,30 @@ class Case:
     nonfinite: str | None = None
     """DMuon's ``nonfinite``."""
     rule: str = "muon"
-    """The matrices' rule: ``"muon"`` (``DMuon``) or ``"normuon"`` (``NorMuon`` with
-    ``NORMUON_BETA2``; the gather oracle runs the same rule)."""
+    """The matrices' rule: ``"muon"`` (``DMuon``), ``"normuon"`` (``NorMuon`` with
+    ``NORMUON_BETA2``; the gather oracle runs the same rule), ``"muonh"`` or ``"dion2"``
+    (:func:`rule_optimizer`; no gather oracle)."""
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 NORMUON_BETA2 = 0.9
 """Not NorMuon's default (0.95): a run that ignored the keyword would not match its reference."""
+DION2_KW = dict(fraction=0.3, ef_decay=0.9, weight_decay=0.05)
+"""Not Dion2's defaults (0.25, 0.95, 0.01): a run that ignored a keyword would not match its reference."""
+
+
+def rule_optimizer(rule: str, model, plan, **kw):
+    """The optimizer of ``rule`` (:attr:`Case.rule`) with the tests' settings, ``kw`` DMuon's keywords
+    (MuonH: ``weight_decay`` dropped, it has none; Dion2: :data:`DION2_KW` under ``kw``)."""
+    if rule == "normuon":
+        return dmuon.NorMuon(model, plan, **({"beta2": NORMUON_BETA2} | kw))
+    if rule == "muonh":
+        kw.pop("weight_decay", None)
+        return dmuon.MuonH(model, plan, **kw)
+    if rule == "dion2":
+        return dmuon.Dion2(model, plan, **(DION2_KW | kw))
+    assert rule == "muon", rule
+    return dmuon.DMuon(model, plan, **kw)
 
 
 def make_mesh(world_size: int, mesh_shape: tuple[int, int] | None = None):
@@ -137,9 +154,7 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
     plan = dmuon.prepare(model, balancer=balancer, hsdp_mesh=mesh if dmuon_level else None,
                          ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
-    if rule == "normuon":
-        return model, plan, dmuon.NorMuon(model, plan, **({"beta2": NORMUON_BETA2} | kw))
-    return model, plan, dmuon.DMuon(model, plan, **kw)
+    return model, plan, rule_optimizer(rule, model, plan, **kw)
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -206,8 +221,17 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                if p in opt.state and "second_momentum_buffer" in opt.state[p]}
     second_moments = {n: (v.full_tensor() if isinstance(v, DTensor) else v).reshape(-1).clone()
                       for n, v in seconds.items()}
+    # MuonH: each matrix parameter's radii; Dion2: its error-feedback buffer, whole (collectives).
+    rule_state = {}
+    if case.rule in ("muonh", "dion2"):
+        key = "initial_norm" if case.rule == "muonh" else "momentum_buffer"
+        for n, p in model.named_parameters():
+            if p in opt.state and key in opt.state[p]:
+                v = opt.state[p][key]
+                rule_state[n] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
     return {
         "params": params if rank == 0 else None,
+        "rule_state": rule_state if rank == 0 else None,
         "losses": losses,
         "norms": norms,
         "stats": stats,

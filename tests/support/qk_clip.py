@@ -239,6 +239,19 @@ def _normuon_step(weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, v
     weight.add_(o2, alpha=-MUON["lr"] * math.sqrt(max(1, m / n)))
 
 
+def _dion2_step(weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor) -> None:
+    """Dion2's rule written out (fp32 NS, ``support.cases.DION2_KW``, lr sqrt(m/n)), in place."""
+    from support.cases import DION2_KW
+
+    m, n = weight.shape
+    buf.add_(grad)
+    rows = torch.topk(buf.abs().sum(dim=-1), max(1, math.ceil(DION2_KW["fraction"] * m))).indices.sort().values
+    o = _fp32_zeropower(buf[rows], (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    buf[rows] *= DION2_KW["ef_decay"]
+    weight.mul_(1 - MUON["lr"] * MUON["weight_decay"])
+    weight[rows] -= MUON["lr"] * math.sqrt(m / n) * o
+
+
 def reference(world: int, names: tuple[str, ...] = ("gqa", "fused", "mla"), steps: int = STEPS,
               skipped: tuple[int, ...] = (), rule: str = "muon", clip: bool = True, tau: float = TAU,
               alpha: float = ALPHA, global_maxima: bool = True,
@@ -297,6 +310,10 @@ def reference(world: int, names: tuple[str, ...] = ("gqa", "fused", "mla"), step
         if rule == "muon":
             with ns_precision(torch.float32):
                 muon.step()
+        elif rule == "dion2":
+            with torch.no_grad():
+                for p in muon_params:
+                    _dion2_step(p.data, p.grad, buffers[id(p)][0])
         else:
             with torch.no_grad():
                 for p in muon_params:

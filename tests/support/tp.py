@@ -138,11 +138,12 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
           sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2", beta2: float | None = None,
-          clip: float | None = None, overlap: bool = True) -> dict:
+          clip: float | None = None, overlap: bool = True, rule: str | None = None) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
     value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``).
     ``beta2``: NorMuon (``dmuon.NorMuon``, the oracle's NorMuon rule) instead of Muon, and each
-    matrix's whole second moment and this rank's share of it. ``clip``: ``DMuon.clip_grad_norm_`` before
+    matrix's whole second moment and this rank's share of it. ``rule``: ``"muonh"`` or ``"dion2"``
+    (``support.cases.rule_optimizer``; MuonH's radii too). ``clip``: ``DMuon.clip_grad_norm_`` before
     each step (torch's refuses parameters on different meshes), the launches kept and rescaled per step
     reported."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
@@ -155,7 +156,10 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
     if optimizer == "dmuon":
         plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
                              hsdp_mesh=mesh if hsdp == "dmuon" else None)
-        rule = dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)
+        from support.cases import rule_optimizer
+
+        rule = (dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)) if rule is None \
+            else functools.partial(rule_optimizer, rule)
         opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
                    adamw_weight_decay=ADAMW["weight_decay"], overlap=overlap)
     else:
@@ -183,6 +187,8 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         out["pieces"] = {i.name: i.pieces for i in plan.infos}
         out["momentum_numel"] = {n: opt.state[named[n]]["momentum_buffer"].to_local().numel() for n in matrices}
         out["momentum"] = {n: full(opt.state[named[n]]["momentum_buffer"]) for n in matrices}
+        if "initial_norm" in opt.state[named[matrices[0]]]:  # MuonH
+            out["radii"] = {n: full(opt.state[named[n]]["initial_norm"]) for n in matrices}
         if beta2 is not None:
             out["second_moments"] = {n: full(opt.state[named[n]]["second_momentum_buffer"]) for n in matrices}
             out["second_moment_numel"] = {n: opt.state[named[n]]["second_momentum_buffer"].to_local().numel()

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {ALL_CONFIGS} (*_z2: fully_shard with reshard_after_forward="
                         "False, ZeRO-2; *_z3 and the others: FSDP2's default True, ZeRO-3; adamw_z2: "
                         "torch.optim.AdamW on ZeRO-2, the reference for dmuon_z2; *_sync: dmuon with "
-                        "overlap=False; *_nsbwd: with ns_in_backward=True; *_rbwd: also returns_in_backward=True; adamw_local: AdamW on the local "
-                        "shards, dmuon's kernel for non-matrix parameters; *_normuon: dmuon.NorMuon in place of DMuon)")
+                        "overlap=False; *_nsbwd: with ns_in_backward=True; *_rbwd: also returns_in_backward=True; "
+                        "adamw_local: AdamW on the local shards, dmuon's kernel for non-matrix parameters; "
+                        "*_normuon, *_muonh, *_dion2: dmuon.NorMuon, dmuon.MuonH, dmuon.Dion2 in place of DMuon)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first")
     p.add_argument("--rounds", type=int, default=2,

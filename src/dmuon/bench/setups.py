@@ -19,7 +19,7 @@ CONFIGS = ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
 EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd", "dmuon_z3_nsbwd", "adamw_local",
                  "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
                  "dmuon_z3_clip", "dmuon_z2_clip_refresh", "dmuon_z3_clip_refresh", "dmuon_z2_normuon",
-                 "dmuon_z3_normuon", "dmuon_z2_rbwd", "dmuon_z3_rbwd")
+                 "dmuon_z3_normuon", "dmuon_z2_muonh", "dmuon_z2_dion2", "dmuon_z2_rbwd", "dmuon_z3_rbwd")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``), with ``ns_in_backward=True`` (owners
@@ -44,7 +44,11 @@ copies buy.
 
 ``dmuon_z2_normuon``, ``dmuon_z3_normuon``: :class:`dmuon.NorMuon` (its default ``beta2``) in place of
 ``DMuon``, otherwise ``dmuon_z2``/``dmuon_z3``: what NorMuon's per-row state and owner-side
-normalization cost."""
+normalization cost.
+
+``dmuon_z2_muonh``, ``dmuon_z2_dion2``: :class:`dmuon.MuonH` (no weight decay, its one weight-norm
+all-reduce a step) and :class:`dmuon.Dion2` (its defaults: a quarter of the rows orthogonalized) in
+place of ``DMuon``, otherwise ``dmuon_z2``."""
 CLIP_MAX_NORM = 1e-3
 """The ``_clip`` configurations' ``max_norm``: the bench's gradient norms are far above it."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
@@ -195,7 +199,8 @@ def build(config: str, workload, mesh, hyper: Hyper):
     ns = dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype"))
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
                          hsdp_mesh=mesh if replicate_level else None)
-    rule = dmuon.NorMuon if base.endswith("_normuon") else dmuon.DMuon
+    rule = {"_normuon": dmuon.NorMuon, "_muonh": dmuon.MuonH, "_dion2": dmuon.Dion2}.get(
+        "_" + base.rpartition("_")[2], dmuon.DMuon)
     in_backward = base.endswith("_rbwd")
     execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"),
                                       ns_in_backward=base.endswith("_nsbwd") or in_backward,

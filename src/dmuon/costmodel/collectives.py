@@ -52,7 +52,7 @@ PEER_STRATEGY = "dion_all_to_all"
 ROLES: tuple[str, ...] = (
     "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "replicate_all_reduce", "grad_columns",
     "hop_a", "hop_b", "return_shard", "return_replicas", "return_scatter", "return_gather", "gather", "a2a_out",
-    "a2a_back")
+    "a2a_back", "weight_norms")
 """:attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
 gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
 (design (b)), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
@@ -63,7 +63,8 @@ on the direct route whole pieces, on the scatter route (:mod:`dmuon.plan.publica
 piece's part ``q`` to replica ``q``, then every replica's part to the others (the all-gather:
 a collective of its own only for the last wave, else it rides in the next wave's hop 2, where
 :attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one
-direction; the peer's all-to-all to the batch's owner slice and back."""
+direction; the peer's all-to-all to the batch's owner slice and back. ``"weight_norms"``: a rule's per-matrix sums over the weight (MuonH's norms), one
+all-reduce over the shard level after the step's last update (:func:`weight_norm_collective`)."""
 
 
 @dataclass
@@ -598,6 +599,22 @@ def _all_to_all_peer(shapes: Sequence[Sequence[int]], replicate: int, shard: int
     return out
 
 
+def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_bytes: int = 4,
+                           values: int = 1) -> list[Collective]:
+    """The all-reduce of a rule's per-matrix sums over the weight (:mod:`dmuon.runtime.matrix_norms`):
+    ``values`` float32 per matrix for ``matrices`` matrices, one ring all-reduce over each replica's
+    shard group (FSDP2's shards and TP together; not across replicas, which hold the same weights),
+    ``2 (S-1)/S`` of the buffer each way. Empty with one shard position or no matrix. MuonH issues
+    one per step after its last update (and once more at a matrix's first step, for its radius,
+    which this steady-state step leaves out)."""
+    if shard == 1 or matrices == 0:
+        return []
+    nbytes = matrices * values * value_bytes
+    return [_uniform_collective("all_reduce", "intra", "step", None, replicate * shard,
+                                2 * (shard - 1) * nbytes // shard, 2 * (shard - 1), "dmuon weight norms",
+                                "weight_norms")]
+
+
 def step_collectives(
     strategy: str,
     shapes: Sequence[Sequence[int]],
@@ -618,6 +635,7 @@ def step_collectives(
     row_bytes: int = 0,
     hop_a_spread: int = 8,
     publication: str | None = None,
+    weight_norms: bool = False,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -675,6 +693,8 @@ def step_collectives(
             (``ExecutionConfig.hop_a_spread``; :func:`owner_exchange_collectives`).
         publication: dmuon's route across replicas for every return wave
             (:func:`owner_exchange_collectives`); None: chosen per wave, as the runtime does.
+        weight_norms: dmuon with a rule that needs each matrix's weight norm after the update
+            (MuonH): its all-reduce after the returns (:func:`weight_norm_collective`).
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
@@ -722,6 +742,8 @@ def step_collectives(
         out += by_block.get(b, [])
     out += by_block.get(None, [])  # design (b): what step() issues of the exchange (hop A left, hop B)
     out += returns
+    if weight_norms and strategy in ("dmuon", "dmuon_native_hsdp"):
+        out += weight_norm_collective(len(shapes), replicate, shard)
     if strategy == "gather" and shard > 1:
         world = replicate * shard
         for i, shape in enumerate(shapes):

@@ -25,6 +25,7 @@ from dmuon.costmodel.collectives import (
     step_collectives,
     step_comm,
     step_figures,
+    weight_norm_collective,
 )
 from dmuon.costmodel.rank_traffic import (
     HSDP_DESIGNS,
@@ -64,4 +65,5 @@ __all__ = [
     "step_collectives",
     "step_comm",
     "step_figures",
+    "weight_norm_collective",
 ]

@@ -1,5 +1,6 @@
 """The matrix rules as the runtime's callbacks, on the optimizer's param groups and state:
-torch.optim.Muon's (:class:`MuonCallbacks`) and NorMuon's (:class:`NorMuonCallbacks`)."""
+torch.optim.Muon's (:class:`MuonCallbacks`), NorMuon's (:class:`NorMuonCallbacks`), MuonH's
+(:class:`MuonHCallbacks`) and Dion2's (:class:`Dion2Callbacks`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dmuon.ortho.owner import owner_update
+from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step, local_tensor
-from dmuon.rules.muon import apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
+from dmuon.rules.muon import adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
 from dmuon.rules.normuon import normalize_rows
 from dmuon.runtime.callbacks import StepCallbacks
 
@@ -190,3 +192,100 @@ class NorMuonCallbacks(MuonCallbacks):
         super().apply(updates)
         for i, new in rows.items():
             self._state_rows(i, self.opt.state[self.plan.infos[i].param][self.STATE]).copy_(new)
+
+
+class MuonHCallbacks(MuonCallbacks):
+    """MuonH (:mod:`dmuon.rules.muonh`): Muon's momentum and NS, the owner dividing each update by its
+    Frobenius norm, every rank stepping its rows by ``adjusted_lr * R`` and then putting its piece
+    back on the sphere with the whole matrix's norm (the runtime's sums over the weight).
+
+    ``R`` (``state["initial_norm"]``: float32, one value per matrix of the parameter, ``(1,)`` for a
+    matrix, ``(E,)`` for a stack of ``E`` experts or row groups) is the weight's norm before the
+    matrix's first applied step, kept on every rank (a ``Replicate`` DTensor on the parameter's
+    mesh: DCP saves and reshards it). Momentum, Nesterov and the clipping rescale are Muon's.
+    """
+
+    STATE = "initial_norm"
+
+    def _radius(self, index: int) -> torch.Tensor:
+        info = self.plan.infos[index]
+        state = local_tensor(self.opt.state[info.param][self.STATE])
+        return state[self.opt.matrix_indices(info.param).index(index)]
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        return muonh.normalize(owner_update(directions, self.opt.ns), self.opt.ns.eps)
+
+    def weight_sums(self, active: list[int], applied: bool) -> dict[int, torch.Tensor]:
+        infos, state = self.plan.infos, self.opt.state
+        wanted = active if applied else [i for i in active if self.STATE not in state[infos[i].param]]
+        return {i: muonh.sum_of_squares(self._local(i, infos[i].param)) for i in wanted}
+
+    @torch.no_grad()
+    def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
+        infos, eps = self.plan.infos, self.opt.ns.eps
+        for i, total in totals.items():
+            info = infos[i]
+            if applied:
+                muonh.project(self._local(i, info.param), self._radius(i), total, eps)
+                continue
+            state = self.opt.state[info.param]
+            if self.STATE not in state:
+                state[self.STATE] = self.opt.momentum.new_scalar_buffer(info, len(self.opt.matrix_indices(info.param)))
+            local_tensor(state[self.STATE])[self.opt.matrix_indices(info.param).index(i)] = muonh.radius(total, eps)
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        groups = self._groups()
+        for i, update in updates.items():
+            info, group = self.plan.infos[i], groups[i]
+            scaled = adjusted_lr(group["lr"], group["adjust_lr_fn"], info.matrix_shape) * group["extra_scale_factor"]
+            muonh.step(self._local(i, info.param), update, self._radius(i), scaled)
+
+
+class Dion2Callbacks(MuonCallbacks):
+    """Dion2 (:mod:`dmuon.rules.dion2`): ``M += G`` on every rank (``state["momentum_buffer"]``, Muon's
+    layout), the owner selecting the top rows of the whole ``M`` and orthogonalizing them, every rank
+    decaying the selected rows of its part of ``M`` (the nonzero rows of its returned update) and
+    applying Muon's decoupled decay and step (``adjust_lr_fn``, default ``"spectral_unclamped"``).
+
+    Not rescalable: the owners' momentum copies of ``clipped_overlap`` would have to follow the
+    owners' selection; a launch whose gradients were since scaled is exchanged again instead.
+    """
+
+    rescalable = False
+
+    @torch.no_grad()
+    def peek(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            buf = self.opt.state[self.plan.infos[i].param].get("momentum_buffer")
+            g = grads[i].to(torch.float32)
+            # The same kernel as commit's add_ on the same numbers (a fresh buffer is zeros): bit-identical.
+            out[i] = self._wire((torch.zeros_like(g) if buf is None else self._local(i, buf)).add(g))
+        return out
+
+    @torch.no_grad()
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            state = self.opt.state[info.param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = self.opt.momentum.new_buffer(info)
+            buf = self._local(i, state["momentum_buffer"])
+            out[i] = self._wire(buf.add_(grads[i].to(torch.float32)))
+        return out
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        groups = self._groups()
+        return dion2.owner_updates(directions, [groups[i]["fraction"] for i in batch],
+                                   lambda subs: owner_update(subs, self.opt.ns))
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        groups = self._groups()
+        for i, update in updates.items():
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param]["momentum_buffer"]
+            dion2.decay_selected(self._local(i, buf), dion2.selected_rows(update), groups[i]["ef_decay"])
+        super().apply(updates)

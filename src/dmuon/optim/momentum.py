@@ -77,3 +77,22 @@ class MomentumLayout:
         buffer = torch.zeros(local_shape, dtype=torch.float32, device=param.device)
         return DTensor.from_local(buffer, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
+
+    def scalar_layout_for(self, info: MatrixInfo) -> tuple:
+        """``(mesh, placements)`` of a per-matrix state of ``info``'s parameter (MuonH's radius, one value
+        per matrix of the parameter): whole on every rank, ``Replicate`` on the parameter's mesh."""
+        param = info.param
+        if not isinstance(param, DTensor):
+            return None, ()
+        return param.device_mesh, (Replicate(),) * param.device_mesh.ndim
+
+    def new_scalar_buffer(self, info: MatrixInfo, count: int) -> torch.Tensor:
+        """A zero float32 per-matrix state of ``info``'s parameter, ``count`` values (its matrices), in
+        :meth:`scalar_layout_for`'s layout."""
+        param = info.param
+        buffer = torch.zeros(count, dtype=torch.float32, device=param.device)
+        if not isinstance(param, DTensor):
+            return buffer
+        mesh, placements = self.scalar_layout_for(info)
+        return DTensor.from_local(buffer, mesh, placements, run_check=False, shape=torch.Size((count,)),
+                                  stride=(1,))

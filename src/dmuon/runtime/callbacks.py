@@ -23,6 +23,13 @@ of it; the runtime sends each row's state once beside the direction, the owner's
 and ``apply`` gets this rank's rows of it back with its rows of the update (see
 :mod:`dmuon.comm.exchange`). With ``row_width = 0`` (Muon) nothing extra moves.
 
+A rule may also need **per-matrix sums over the weight** (MuonH's Frobenius norm of
+each updated matrix): ``weight_sums`` gives this rank's partial sums over its part of each
+matrix's weight, once before the step's first ``apply`` and once after its last; the
+runtime adds them over exactly the ranks that split the matrix in ONE all-reduce per call
+(:mod:`dmuon.runtime.matrix_norms`) and hands the totals to ``weight_totals``. With no
+sums asked for nothing moves.
+
 A rule may also need a few values **agreed as a maximum over every rank** each
 step (QK-clip's per-head attention logit maxima: every rank must scale the same
 heads by the same factor, and data-parallel ranks see different tokens).
@@ -188,6 +195,27 @@ class StepCallbacks(abc.ABC):
         maximum over every rank of :meth:`step_maxima` (float32, on the CPU; empty without).
         Called exactly once per step that is not skipped, and never for a skipped one.
         """
+
+    def weight_sums(self, active: list[int], applied: bool) -> dict[int, torch.Tensor]:
+        """This rank's partial sums over its part of some matrices' weight (float32, any small shape,
+        on any device), by plan index; empty: none (the default, and nothing moves).
+
+        Called on every rank of a step that is not skipped, twice: with ``applied=False`` before
+        the step's first :meth:`apply` (the weights as the previous step left them) and with
+        ``applied=True`` after its last (before :meth:`finish_step`). ``active`` holds the matrices
+        the step updates. Every rank must return the same keys with the same shapes (they size the
+        collective). A rank sums over its part of the weight (``MatrixInfo.local_view`` of its
+        local shard: the whole piece, every column of it, also on HSDP); the runtime counts each
+        piece once (a copy of a piece another position also holds, TP's ``Replicate``, counts 0)
+        and adds over the ranks that split the matrix (the shard level: FSDP2's shards and TP),
+        not over HSDP's replicas, which hold the same weights. No collective, no device sync.
+        """
+        return {}
+
+    def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
+        """The totals of :meth:`weight_sums` (same keys and shapes, float32, on the runtime's device),
+        each the sum over the whole matrix, the same on every rank; called right after the
+        :meth:`weight_sums` call that asked for them, when it asked for any."""
 
     def checked_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
         """With ``ExecutionConfig.nonfinite``: the other gradients (name, this rank's local

@@ -21,7 +21,10 @@ One step (:meth:`ShardRuntime.step`), on every rank:
    balancer's batches, return the updates in waves
    (:meth:`_exchange_and_apply`), running ``independent`` (AdamW) while
    transfers travel, and hand each wave's rows to ``apply``;
-4. hand the rule the step's agreed maxima (``finish_step``: QK-clip), then
+4. with a rule that asks for sums over the weight (MuonH's norms), add them over the
+   ranks that split each matrix, before the first ``apply`` and after the last
+   (:mod:`dmuon.runtime.matrix_norms`: one all-reduce each, none when no sums are asked);
+5. hand the rule the step's agreed maxima (``finish_step``: QK-clip), then
    record the post-optimizer event.
 """
 
@@ -44,6 +47,7 @@ from dmuon.runtime.agreement import Agreement, agreement_flags
 from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
 from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.owner_work import OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
@@ -98,6 +102,8 @@ class ShardRuntime:
         if not (isinstance(self.row_width, int) and self.row_width >= 0):
             raise ValueError(f"the rule's row_width must be an int >= 0, got {self.row_width!r}")
         self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device, self.row_width)
+        self.norms = MatrixNorms(plan, self.stats)
+        """The rule's per-matrix sums over the weight, added over the ranks that split each matrix."""
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
         self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
         self.replicate: ReplicateLevel | None = None
@@ -171,7 +177,10 @@ class ShardRuntime:
             if settled.speculative is not None:
                 early = settled.speculative
                 report.orthogonalized_while_agreeing = sum(len(o) for o, _, _ in early.values())
+            # The weights as the last step left them (MuonH: a new matrix's radius), then the updated ones.
+            self.norms.run(cb, settled.agreement.active, applied=False)
             self._exchange_and_apply(settled, launches, kept, early, report)
+            self.norms.run(cb, settled.agreement.active, applied=True)
             report.blocks_exchanged_in_backward = len(kept)
             if self.config.ns_in_backward:
                 rescaled = {b for k, b in enumerate(sorted(launches)) if settled.agreement.rescaled[k]}

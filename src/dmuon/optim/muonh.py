@@ -1,0 +1,78 @@
+"""MuonH (Muon Hyperball): Muon's direction, each matrix kept on the sphere of its initial norm, exactly
+on FSDP2/HSDP/TP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmuon.optim.callbacks import MuonHCallbacks
+from dmuon.optim.dmuon import DMuon
+from dmuon.optim.momentum import MomentumLayout
+
+
+class MuonH(DMuon):
+    """MuonH (Wen et al., arXiv 2606.16899) on the matrices, AdamW for everything else; everything
+    else as :class:`DMuon`.
+
+    Per matrix, each step (:mod:`dmuon.rules.muonh`)::
+
+        R = max(||W_0||_F, eps)                        # at the matrix's first applied step
+        M.lerp_(G, 1 - momentum);  D = G.lerp(M, momentum) if nesterov else M
+        u = NS(D)                                       # on the matrix's owner
+        N = u / max(||u||_F, eps)                       # on the owner (the whole u)
+        W = W - adjusted_lr(lr) * R * N                 # every rank, its rows
+        W = R * W / max(||W||_F, eps)                   # ||W||: one all-reduce per step
+
+    ``eps`` is the NS epsilon (1e-7) and ``adjusted_lr`` Muon's shape scaling (``adjust_lr_fn``,
+    torch's default ``sqrt(max(1, m/n))``; ``"unscaled"`` gives the paper's formula without it):
+    the authors' reference implementation's conventions. No weight decay (the sphere replaces it):
+    a nonzero ``weight_decay`` of a matrix group is refused, naming the group.
+
+    ``||W||`` needs every rank's piece of the weight: each rank adds its piece's squares and the
+    runtime sums them over the ranks that split the matrix (FSDP2's shards and TP; not across HSDP's
+    replicas, which hold the same weights) in one float32 all-reduce of one value per updated matrix,
+    after the step's last update (:mod:`dmuon.runtime.matrix_norms`); a matrix's first step adds one
+    more, before its update, for ``R``. ``R`` is ``state["initial_norm"]`` (float32, one value per
+    matrix of the parameter; a ``Replicate`` DTensor: DCP saves it, a resumed run keeps its sphere).
+    A skipped step (``nonfinite="skip"``) updates nothing and renormalizes nothing (and sets no ``R``).
+
+    Args:
+        model, plan, module: As :class:`DMuon`.
+        lr: Learning rate of the matrices (the step is ``adjusted_lr * R`` long).
+        momentum: Momentum (``beta1``).
+        nesterov: Nesterov momentum.
+        weight_decay: Must be 0 (the matrices' groups too); the other parameters' is ``adamw_weight_decay``.
+        **kwargs: :class:`DMuon`'s other keywords (``adjust_lr_fn``, ``extra_scale_factor``, the NS
+            keywords and ``ns``, the AdamW keywords, ``param_groups``, ``execution`` and its keywords,
+            ``hsdp_mesh``). Not ``qk_clip``: clipping scales rows off the sphere the next step would
+            put them back on; refused.
+
+    Raises:
+        ValueError: A nonzero ``weight_decay`` (naming the group), or ``qk_clip``.
+    """
+
+    rule_callbacks = MuonHCallbacks
+    matrix_state = {**DMuon.matrix_state, MuonHCallbacks.STATE: MomentumLayout.scalar_layout_for}
+
+    def __init__(self, model=None, plan=None, *, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, **kwargs: Any) -> None:
+        _check_no_decay("weight_decay", weight_decay)
+        if kwargs.get("qk_clip") is not None:
+            raise ValueError("MuonH does not support qk_clip: the clip scales query/key rows off the sphere "
+                             "||W|| = R that MuonH keeps each matrix on; use DMuon or Dion2 for QK-clip")
+        super().__init__(model, plan, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         **kwargs)
+
+    def check_rule_keys(self, group: dict[str, Any]) -> None:
+        """As :meth:`DMuon.check_rule_keys`; a matrix group's ``weight_decay`` must also be 0."""
+        super().check_rule_keys(group)
+        index = next((k for k, g in enumerate(self.__dict__.get("param_groups", [])) if g is group),
+                     len(self.__dict__.get("param_groups", [])))
+        _check_no_decay(f"param group {index}: weight_decay", group["weight_decay"])
+
+
+def _check_no_decay(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0:
+        raise ValueError(f"{name}={value!r}: MuonH keeps each matrix on the sphere of its initial norm, which "
+                         "replaces weight decay; set it to 0 for the matrices (adamw_weight_decay sets the other "
+                         "parameters')")

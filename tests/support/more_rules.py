@@ -1,0 +1,237 @@
+"""MuonH's and Dion2's single-process references, written from the rules' formulas (torch's NS in
+fp32, nothing of dmuon's), and the rank functions of ``tests/test_muonh.py`` and ``tests/test_dion2.py``:
+each world size's runs of both rules in one process group (a spawn costs more than the work), cached
+here so both test files share them."""
+
+from __future__ import annotations
+
+import functools
+import math
+import tempfile
+
+import torch
+from torch import nn
+
+from dmuon.plan.selection import select_matrices
+from dmuon.util.spawn import run_distributed
+
+from support.cases import DION2_KW, MUON_KW, Case, run_cases
+from support.equivalence import SKIP, STEPS, all_ranks_batches
+from support.models import OddNet, lm_loss
+from support.reference import _fp32_zeropower
+
+KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
+EPS = 1e-7
+ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
+SAVED_AT, MORE = 2, 2
+RULES = ("muonh", "dion2")
+
+
+def _matrix(p: torch.Tensor, part) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight (a view) and gradient of one matrix as ``(m, n)``."""
+    weight, grad = part(p.data), part(p.grad)
+    m = weight.shape[0]
+    return weight.view(m, -1), grad.reshape(m, -1).float()
+
+
+def reference_training(rule: str, model: nn.Module, matrices: list[tuple], batches: list, loss_fn, *,
+                       lr: float, adamw_kwargs: dict, momentum: float = 0.95, nesterov: bool = True,
+                       fraction: float = 0.25, ef_decay: float = 0.95, weight_decay: float = 0.0,
+                       clip: float | None = None) -> tuple[dict, list[float], dict]:
+    """One process: ``rule`` on ``matrices`` (``(name, param)`` or ``(name, param, part)``), AdamW on the rest.
+
+    MuonH (fp32, torch's Muon momentum, fp32 NS)::
+
+        R = max(||W||_F, eps) at the matrix's first step
+        M.lerp_(G, 1-mu); D = G.lerp(M, mu) if nesterov else M; u = NS(D)
+        W -= lr * sqrt(max(1, m/n)) * R * u / max(||u||_F, eps);  W *= R / max(||W||_F, eps)
+
+    Dion2::
+
+        M += G; S = topk(||M[row]||_1, max(1, ceil(fraction m))) in row order; O = NS(M[S]); M[S] *= ef_decay
+        W *= 1 - lr wd; W[S] -= lr * sqrt(m/n) * O
+
+    A matrix without a gradient is left alone; ``clip``: ``clip_grad_norm_`` over every gradient first. Returns the final parameters, each step's loss and
+    per matrix its state (MuonH: ``R``; Dion2: ``M``, flat).
+    """
+    ids = {id(entry[1]) for entry in matrices}
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], **adamw_kwargs)
+    state: dict[str, torch.Tensor] = {}
+    radii: dict[str, torch.Tensor] = {}
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with torch.no_grad():
+            for name, p, *part in matrices:
+                if p.grad is None:
+                    continue
+                w, g = _matrix(p, part[0] if part else (lambda t: t))
+                m, n = w.shape
+                buf = state.setdefault(name, torch.zeros(m, n))
+                if rule == "muonh":
+                    r = radii.setdefault(name, w.norm().clamp_min(EPS))
+                    buf.lerp_(g, 1 - momentum)
+                    d = g.lerp(buf, momentum) if nesterov else buf
+                    u = _fp32_zeropower(d, KELLER, 5, EPS)
+                    w.add_(u / u.norm().clamp_min(EPS) * r, alpha=-lr * math.sqrt(max(1, m / n)))
+                    w.mul_(r / w.norm().clamp_min(EPS))
+                else:
+                    buf.add_(g)
+                    k = max(1, math.ceil(fraction * m))
+                    rows = torch.topk(buf.abs().sum(dim=-1), k).indices.sort().values
+                    o = _fp32_zeropower(buf[rows], KELLER, 5, EPS)
+                    buf[rows] *= ef_decay
+                    w.mul_(1 - lr * weight_decay)
+                    w[rows] -= lr * math.sqrt(m / n) * o
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kept = radii if rule == "muonh" else state
+    return params, losses, {n: v.reshape(-1).clone() for n, v in kept.items()}
+
+
+def rule_kwargs(rule: str) -> dict:
+    """The settings the OddNet runs use (``support.cases.rule_optimizer``: lr 0.02, Muon's momentum)."""
+    if rule == "muonh":
+        return dict(lr=MUON_KW["lr"], momentum=MUON_KW["momentum"], nesterov=MUON_KW["nesterov"])
+    return dict(lr=MUON_KW["lr"], **DION2_KW)
+
+
+@functools.cache
+def oddnet_reference(rule: str, world_size: int, clip: float | None = None) -> tuple[dict, list[float], dict]:
+    """OddNet (seed 0) on all ``world_size`` ranks' batches of ``STEPS`` steps, ``SKIP`` applied."""
+    torch.manual_seed(0)
+    model = OddNet()
+    batches, loss_fn = all_ranks_batches(world_size)
+    return reference_training(rule, model, select_matrices(model), batches, loss_fn, adamw_kwargs=ADAMW_KW,
+                              clip=clip, **rule_kwargs(rule))
+
+
+def checkpoint_reference(rule: str) -> dict:
+    """OddNet trained without interruption on the checkpoint runs' global batches."""
+    from support.checkpoint import global_batch
+
+    torch.manual_seed(0)
+    model = OddNet()
+    batches = [global_batch(s) for s in range(SAVED_AT + MORE)]
+    return reference_training(rule, model, select_matrices(model), batches, lm_loss, adamw_kwargs=ADAMW_KW,
+                              **rule_kwargs(rule))[0]
+
+
+def tp_reference(rule: str, dp: int, steps: int) -> tuple[dict, dict]:
+    """``support.tp``'s TPNet in one process under the formula (its settings: wd 0.1 for Dion2)."""
+    from support.tp import ADAMW, MATRICES, MUON, TPNet, batch, loss_of
+
+    torch.manual_seed(0)
+    model = TPNet()
+    named = dict(model.named_parameters())
+    batches = [torch.cat([batch(step, d, dp) for d in range(dp)]) for step in range(steps)]
+    kw = rule_kwargs(rule) | ({"weight_decay": MUON["weight_decay"]} if rule == "dion2" else {})
+    params, _, state = reference_training(rule, model, [(n, named[n]) for n in MATRICES], batches, loss_of,
+                                          adamw_kwargs=ADAMW, **kw)
+    return params, state
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+def equivalence_cases(world_size: int) -> dict[str, Case]:
+    """Per rule the OddNet runs compared with the single-process reference, spread over the world sizes."""
+    cases = {}
+    for rule in RULES:
+        cases[f"{rule} zero3"] = Case(rule=rule, steps=STEPS, skip=SKIP)
+    if world_size == 2:
+        cases["muonh zero2, 4 return waves, no overlap"] = Case(rule="muonh", steps=STEPS, skip=SKIP, zero=2,
+                                                                return_waves=4, overlap=False)
+        cases["dion2 zero2, 4 return waves, ns_in_backward"] = Case(rule="dion2", steps=STEPS, skip=SKIP, zero=2,
+                                                                    return_waves=4, ns_in_backward=True)
+    if world_size == 3:
+        for rule in RULES:
+            cases[f"{rule} bf16 mixed precision"] = Case(rule=rule, steps=STEPS, skip=SKIP, bf16=True)
+            # Clipping every step: MuonH's launches stand rescaled (Muon's momentum), Dion2's go again.
+            cases[f"{rule} clipped"] = Case(rule=rule, steps=STEPS, skip=SKIP, clip=0.05, clip_with="dmuon")
+    if world_size == 4:
+        for rule in RULES:
+            cases[f"{rule} hsdp 2x2 (FSDP2's)"] = Case(rule=rule, steps=STEPS, skip=SKIP, mesh_shape=(2, 2))
+            cases[f"{rule} hsdp 2x2 (replicate level)"] = Case(rule=rule, steps=STEPS, skip=SKIP, mesh_shape=(2, 2),
+                                                                hsdp="dmuon")
+        cases["dion2 column-sharded"] = Case(rule="dion2", steps=STEPS, skip=SKIP,
+                                             column_sharded=("layers.1.down.weight", "layers.2.down.weight"))
+        cases["muonh column-sharded, nonfinite skip"] = Case(
+            rule="muonh", steps=STEPS, skip=SKIP, nonfinite="skip",
+            column_sharded=("layers.1.down.weight", "layers.2.down.weight"))
+    return cases
+
+
+COUNTED = {"1-D bf16 NS, 4 waves": (None, torch.bfloat16, 4, "fsdp2"),
+           "hsdp 2x2 fp32": ((2, 2), torch.float32, None, "fsdp2"),
+           "replicate level 2x2 bf16 NS": ((2, 2), torch.bfloat16, None, "dmuon")}
+"""The 4-rank runs whose counted bytes are compared with the model: (mesh, NS dtype, return waves, hsdp)."""
+
+
+def save_rule(rank: int, world_size: int, path: str, rule: str) -> None:
+    from support.cases import sharded_oddnet
+    from support.checkpoint import _train, save
+
+    model, _, opt = sharded_oddnet(world_size, rule=rule)
+    _train(model, opt, rank, world_size, range(SAVED_AT))
+    save(model, opt, path)
+
+
+def resume_rule(rank: int, world_size: int, path: str, rule: str, mesh_shape=None, hsdp: str = "fsdp2") -> dict:
+    """A fresh model on this cluster resumes ``rule`` from ``path`` and trains ``MORE`` steps: its full
+    parameters (rank 0) and the layout its rule state came back in."""
+    from torch.distributed.tensor import DTensor
+
+    from support.cases import full_params, sharded_oddnet
+    from support.checkpoint import _train, load
+
+    model, _, opt = sharded_oddnet(world_size, mesh_shape=mesh_shape, hsdp=hsdp, rule=rule)
+    load(model, opt, path)
+    key = "initial_norm" if rule == "muonh" else "momentum_buffer"
+    state = opt.state[model.layers[0].mid.weight][key]
+    layout = (isinstance(state, DTensor), state.dtype, str(getattr(state, "placements", None)))
+    _train(model, opt, rank, world_size, range(SAVED_AT, SAVED_AT + MORE))
+    params = full_params(model)
+    return {"params": params if rank == 0 else None, "layout": layout}
+
+
+def rule_runs(rank: int, world_size: int, directory: str) -> dict:
+    """Every run of both test files on ``world_size`` ranks, in one process group.
+
+    2 ranks save each rule's checkpoint that 3 ranks and 4 (dmuon's replicate level on 2x2) resume;
+    4 ranks also run TP (dp2 x tp2) and the counted-byte steps."""
+    from support.step_comm import counted_step
+    from support.tp import train
+
+    cases = equivalence_cases(world_size)
+    out = {"cases": dict(zip(cases, run_cases(rank, world_size, list(cases.values())))), "resumed": {}}
+    for rule in RULES:
+        path = f"{directory}/{rule}"
+        if world_size == 2:
+            save_rule(rank, world_size, path, rule)
+        elif world_size == 3:
+            out["resumed"][rule] = resume_rule(rank, world_size, path, rule)
+        else:
+            out["resumed"][rule] = resume_rule(rank, world_size, path, rule, (2, 2), "dmuon")
+    if world_size == 4:
+        out["counted"] = {(rule, name): counted_step(rank, world_size, mesh, dtype, 3, 2, waves, hsdp, rule)
+                          for rule in RULES for name, (mesh, dtype, waves, hsdp) in COUNTED.items()}
+        out["counted"][("muon", "1-D bf16 NS, 4 waves")] = counted_step(rank, world_size, None, torch.bfloat16, 3,
+                                                                        2, 4, "fsdp2", "muon")
+        out["tp"] = {rule: train(rank, world_size, STEPS, (2, 2), rule=rule) for rule in RULES}
+    return out
+
+
+_DIRECTORY = tempfile.TemporaryDirectory()
+
+
+@functools.cache
+def runs(world_size: int) -> list[dict]:
+    """:func:`rule_runs` on ``world_size`` ranks (2 first: it saves the checkpoints the others resume)."""
+    if world_size != 2:
+        runs(2)
+    return run_distributed(rule_runs, world_size, _DIRECTORY.name, timeout_s=600)

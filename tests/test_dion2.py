@@ -1,0 +1,176 @@
+"""dmuon.Dion2 equals Dion2's rule with exact global row selection in one process, written here from its
+formula, on any mesh: 1-4 ranks (3: the mesh divides no shape), FSDP2's HSDP and dmuon's replicate level
+on 2x2, TP (dp2 x tp2), FSDP2's column shards, NS in backward, clipping (launches exchanged again); bf16
+mixed precision near the fp32 formula; a checkpoint saved on 2 ranks resumes exactly on 3 and on 2x2;
+the counted bytes are Muon's.
+
+Each world size's runs (both MuonH's and Dion2's) share one process group (``support.more_rules.runs``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmuon
+from dmuon.costmodel.traffic import owner_exchange_collectives
+
+from support.cases import DION2_KW
+from support.equivalence import N_MATRICES, max_diff
+from support.models import OddNet, lm_loss, odd_batch
+from support.more_rules import (
+    COUNTED, SKIP, STEPS, checkpoint_reference, equivalence_cases, oddnet_reference, reference_training, runs,
+    tp_reference,
+)
+
+RULE = "dion2"
+
+
+# ------------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("kw,match", [({"fraction": 0.0}, "fraction"), ({"fraction": 1.5}, "fraction"),
+                                      ({"fraction": True}, "fraction"), ({"ef_decay": -0.1}, "ef_decay"),
+                                      ({"ef_decay": float("nan")}, "ef_decay"), ({"momentum": 0.9}, "momentum"),
+                                      ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn")])
+def test_bad_settings_are_refused_naming_them(kw, match):
+    with pytest.raises(ValueError, match=match):
+        dmuon.Dion2(OddNet(), **kw)
+
+
+def test_group_keys_are_the_matrix_groups_and_checked_naming_the_group():
+    model = OddNet()
+    opt = dmuon.Dion2(model, param_groups=[{"params": list(model.parameters()), "fraction": 0.5}])
+    by = {g["algorithm"]: g for g in opt.param_groups}
+    assert by["muon"]["fraction"] == 0.5 and by["muon"]["ef_decay"] == 0.95
+    assert by["muon"]["adjust_lr_fn"] == "spectral_unclamped" and by["muon"]["weight_decay"] == 0.01
+    assert "fraction" not in by["adamw"] and "ef_decay" not in by["adamw"]
+    with pytest.raises(ValueError, match="param group 2: ef_decay"):
+        opt.add_param_group({"params": [model.layers[0].mid.weight], "algorithm": "muon", "ef_decay": -1.0})
+    with pytest.raises(ValueError, match="param group 2: fraction"):
+        opt.add_param_group({"params": [model.layers[0].mid.weight], "algorithm": "muon", "fraction": 2})
+
+
+# ------------------------------------------------------------------------ one process
+
+def test_single_process_equals_the_formula():
+    torch.manual_seed(0)
+    model = OddNet()
+    opt = dmuon.Dion2(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32, **DION2_KW)
+    losses = []
+    for step in range(STEPS):
+        model.skip = SKIP.get(step, set())
+        loss = lm_loss(model, odd_batch(step, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref, ref_losses, ref_buffers = oddnet_reference(RULE, 1)
+    diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
+    assert diff <= 1e-5, (worst, diff)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    named = dict(model.named_parameters())
+    diff, worst = max_diff({n: opt.state[named[n]]["momentum_buffer"].reshape(-1) for n in ref_buffers}, ref_buffers)
+    assert diff <= 1e-5, (worst, diff)
+
+
+def test_expert_stacks_and_row_groups_select_per_matrix():
+    from support.experts import ExpertNet, batch, loss_of
+
+    def build():
+        torch.manual_seed(0)
+        return ExpertNet(3)
+
+    model = build()
+    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
+                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW)
+    for step in range(STEPS):
+        loss_of(model, batch(step, 0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_model = build()
+    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
+    half = down.shape[0] // 2
+    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
+        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
+    ref, _, _ = reference_training(RULE, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)], loss_of,
+                                   lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), **DION2_KW)
+    diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
+    assert diff <= 1e-5, (worst, diff)
+
+
+# ----------------------------------------------------------------------- on 2, 3, 4 ranks
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_equals_the_formula_on_every_mesh(world_size):
+    results = runs(world_size)
+    per_step_active = [N_MATRICES - 3 * len(SKIP.get(s, ())) for s in range(STEPS)]
+    for label, case in equivalence_cases(world_size).items():
+        if case.rule != RULE or case.bf16:
+            continue
+        out = results[0]["cases"][label]
+        ref, ref_losses, ref_buffers = oddnet_reference(RULE, world_size, case.clip)
+        diff, worst = max_diff(out["params"], ref)
+        assert diff <= 1e-5, f"{label}: {worst} differs by {diff:.3g}"
+        assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), label
+        diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_buffers)
+        assert diff <= 1e-5, f"{label}: buffer of {worst} differs by {diff:.3g}"
+        for step in range(STEPS):
+            assert sum(r["cases"][label]["stats"][step]["orthogonalized"] for r in results) == per_step_active[step]
+        if case.clip is not None:  # not rescalable: clipped launches go again, none stands rescaled
+            assert all(s["rescaled_launches"] == 0 for s in out["stats"]), label
+
+
+def test_bf16_mixed_precision_near_the_formula():
+    out = runs(3)[0]["cases"]["dion2 bf16 mixed precision"]
+    ref, ref_losses, _ = oddnet_reference(RULE, 3)
+    diff, worst = max_diff(out["params"], ref)
+    # bf16 gradients: AdamW's first steps move by ~lr each, and Dion2 may pick other near-tied rows; an
+    # error in the rule (a step of lr * sqrt(m/n) ~ 0.03 on whole rows) shows well above this.
+    assert diff <= 2e-2, (worst, diff)
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-2)
+
+
+def test_tp_equals_the_formula():
+    got = runs(4)[0]["tp"][RULE]
+    params, buffers = tp_reference(RULE, 2, STEPS)
+    diff, worst = max_diff(got["params"], params)
+    assert diff <= 1e-5, (worst, diff)
+    diff, worst = max_diff({n: v.reshape(-1) for n, v in got["momentum"].items()}, buffers)
+    assert diff <= 1e-5, (worst, diff)
+
+
+@pytest.mark.parametrize("where", [3, 4], ids=["3 ranks", "replicate level 2x2"])
+def test_checkpoint_saved_on_two_ranks_resumes_exactly(where):
+    got = runs(where)[0]["resumed"][RULE]
+    is_dtensor, dtype, _ = got["layout"]
+    assert is_dtensor and dtype == torch.float32
+    diff, worst = max_diff(got["params"], checkpoint_reference(RULE))
+    assert diff <= 1e-5, (where, worst, diff)
+
+
+@pytest.mark.parametrize("run", COUNTED)
+def test_counted_bytes_are_muons(run):
+    """Every collective dmuon issues in a steady step, per rank: Muon's exchange model's, nothing more (the
+    update travels full-size, its unselected rows zero; no mask, no norm)."""
+    mesh_shape, ns_dtype, _, hsdp = COUNTED[run]
+    results = [r["counted"][(RULE, run)] for r in runs(4)]
+    replicate, shard = mesh_shape or (1, 4)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
+                                                waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
+        if hsdp == "dmuon":
+            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
+                         for b in r["other_bytes"] if b]
+            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+        else:
+            assert r["log"] == expected, f"plan rank {k}"
+    if run == "1-D bf16 NS, 4 waves":  # and the same as Muon's own run, collective by collective
+        muon = [r["counted"][("muon", run)] for r in runs(4)]
+        assert [r["log"] for r in results] == [m["log"] for m in muon]

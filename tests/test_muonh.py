@@ -1,0 +1,201 @@
+"""dmuon.MuonH equals MuonH's rule in one process, written here from its formula, on any mesh: 1-4 ranks
+(3: the mesh divides no shape), FSDP2's HSDP and dmuon's replicate level on 2x2, TP (dp2 x tp2), FSDP2's
+column shards, a skipped step, clipping (launches rescaled); bf16 mixed precision stays on the sphere
+and near the fp32 formula; a checkpoint saved on 2 ranks resumes exactly on 3 and on 2x2; the counted
+bytes are the traffic model's plus the one weight-norm all-reduce.
+
+Each world size's runs (both MuonH's and Dion2's) share one process group (``support.more_rules.runs``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmuon
+from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, weight_norm_collective
+
+from support.equivalence import N_MATRICES, max_diff
+from support.models import OddNet, lm_loss, odd_batch
+from support.more_rules import (
+    COUNTED, SKIP, STEPS, checkpoint_reference, equivalence_cases, oddnet_reference, reference_training, runs,
+    tp_reference,
+)
+
+RULE = "muonh"
+
+
+def _on_sphere(params: dict, radii: dict, where: str) -> None:
+    """Every MuonH matrix's Frobenius norm is its radius R."""
+    for name, r in radii.items():
+        assert abs(params[name].norm().item() - r.item()) <= 1e-5 * r.item(), (where, name)
+
+
+# ------------------------------------------------------------------------ errors
+
+def test_weight_decay_is_refused_naming_the_group():
+    model = OddNet()
+    with pytest.raises(ValueError, match=r"weight_decay=0.1: MuonH"):
+        dmuon.MuonH(model, weight_decay=0.1)
+    with pytest.raises(ValueError, match=r"param group 0: weight_decay=0.1"):
+        dmuon.MuonH(model, param_groups=[{"params": list(model.parameters()), "weight_decay": 0.1}])
+    # The other parameters' decay is AdamW's.
+    opt = dmuon.MuonH(model, param_groups=[{"params": list(model.parameters()), "adamw_weight_decay": 0.1}])
+    assert {g["algorithm"]: g["weight_decay"] for g in opt.param_groups} == {"muon": 0.0, "adamw": 0.1}
+    with pytest.raises(ValueError, match="param group 2: weight_decay"):
+        opt.add_param_group({"params": [model.layers[0].mid.weight], "algorithm": "muon", "weight_decay": 1e-3})
+    with pytest.raises(ValueError, match="qk_clip"):
+        dmuon.MuonH(model, qk_clip=dmuon.QKClip(layers={}))
+
+
+# ------------------------------------------------------------------------ one process
+
+def test_single_process_equals_the_formula_and_stays_on_the_sphere():
+    torch.manual_seed(0)
+    model = OddNet()
+    opt = dmuon.MuonH(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    initial = {n: p.detach().norm() for n, p in model.named_parameters()}
+    losses = []
+    for step in range(STEPS):
+        model.skip = SKIP.get(step, set())
+        loss = lm_loss(model, odd_batch(step, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref, ref_losses, ref_radii = oddnet_reference(RULE, 1)
+    diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
+    assert diff <= 1e-5, (worst, diff)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    named = dict(model.named_parameters())
+    radii = {n: opt.state[named[n]]["initial_norm"] for n in ref_radii}
+    assert len(radii) == N_MATRICES
+    for n, r in radii.items():
+        assert r.dtype == torch.float32 and r.shape == (1,)
+        assert r.item() == pytest.approx(initial[n].item(), rel=1e-6) == pytest.approx(ref_radii[n].item(), rel=1e-6)
+    _on_sphere({n: p.detach() for n, p in named.items()}, radii, "one process")
+
+
+def test_expert_stacks_and_row_groups_each_on_their_own_sphere():
+    """One process: a stack of 3 experts and a matrix viewed as 2 row groups, each its own matrix with
+    its own radius (the stack's ``(3,)``, the groups' ``(2,)``)."""
+    from support.experts import ExpertNet, batch, loss_of
+
+    def build():
+        torch.manual_seed(0)
+        return ExpertNet(3)
+
+    model = build()
+    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
+                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3)
+    for step in range(STEPS):
+        loss_of(model, batch(step, 0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_model = build()
+    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
+    half = down.shape[0] // 2
+    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
+        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
+    ref, _, ref_radii = reference_training(RULE, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)],
+                                           loss_of, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01))
+    diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
+    assert diff <= 1e-5, (worst, diff)
+    stack = opt.state[model.moe.experts]["initial_norm"]
+    groups = opt.state[model.moe.down.weight]["initial_norm"]
+    assert stack.shape == (3,) and groups.shape == (2,)
+    got = {f"expert{e}": stack[e:e + 1] for e in range(3)} | {f"group{g}": groups[g:g + 1] for g in range(2)}
+    diff, worst = max_diff(got, ref_radii)
+    assert diff <= 1e-6, (worst, diff)
+    for e in range(3):
+        assert model.moe.experts[e].norm().item() == pytest.approx(stack[e].item(), rel=1e-5)
+
+
+# ----------------------------------------------------------------------- on 2, 3, 4 ranks
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_equals_the_formula_on_every_mesh(world_size):
+    results = runs(world_size)
+    per_step_active = [N_MATRICES - 3 * len(SKIP.get(s, ())) for s in range(STEPS)]
+    for label, case in equivalence_cases(world_size).items():
+        if case.rule != RULE or case.bf16:
+            continue
+        out = results[0]["cases"][label]
+        ref, ref_losses, ref_radii = oddnet_reference(RULE, world_size, case.clip)
+        diff, worst = max_diff(out["params"], ref)
+        assert diff <= 1e-5, f"{label}: {worst} differs by {diff:.3g}"
+        assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), label
+        diff, worst = max_diff(out["rule_state"], ref_radii)
+        assert diff <= 1e-5, f"{label}: radius of {worst} differs by {diff:.3g}"
+        _on_sphere(out["params"], out["rule_state"], label)
+        for step in range(STEPS):
+            assert sum(r["cases"][label]["stats"][step]["orthogonalized"] for r in results) == per_step_active[step]
+        if case.clip is not None:  # MuonH keeps Muon's momentum: clipped launches stand, rescaled
+            assert sum(s["rescaled_launches"] for s in out["stats"]) > 0, label
+
+
+def test_bf16_mixed_precision_stays_on_the_sphere_near_the_formula():
+    out = runs(3)[0]["cases"]["muonh bf16 mixed precision"]
+    ref, ref_losses, ref_radii = oddnet_reference(RULE, 3)
+    # bf16 compute (FSDP2's param_dtype) moves the gradients, not the radii (taken from fp32 weights).
+    diff, worst = max_diff(out["rule_state"], ref_radii)
+    assert diff <= 1e-5, (worst, diff)
+    _on_sphere(out["params"], out["rule_state"], "bf16")
+    diff, worst = max_diff(out["params"], ref)
+    # bf16 gradients: AdamW's first steps move by ~lr each, and Dion2 may pick other near-tied rows; an
+    # error in the rule (a step of lr * sqrt(m/n) ~ 0.03 on whole rows) shows well above this.
+    assert diff <= 2e-2, (worst, diff)
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-2)
+
+
+def test_tp_equals_the_formula():
+    got = runs(4)[0]["tp"][RULE]
+    params, radii = tp_reference(RULE, 2, STEPS)
+    diff, worst = max_diff(got["params"], params)
+    assert diff <= 1e-5, (worst, diff)
+    diff, worst = max_diff({n: v.reshape(-1) for n, v in got["radii"].items()}, radii)
+    assert diff <= 1e-6, (worst, diff)
+    _on_sphere(got["params"], radii, "tp")
+
+
+@pytest.mark.parametrize("where", [3, 4], ids=["3 ranks", "replicate level 2x2"])
+def test_checkpoint_saved_on_two_ranks_resumes_exactly(where):
+    got = runs(where)[0]["resumed"][RULE]
+    is_dtensor, dtype, placements = got["layout"]
+    assert is_dtensor and dtype == torch.float32 and "Shard" not in placements
+    diff, worst = max_diff(got["params"], checkpoint_reference(RULE))
+    assert diff <= 1e-5, (where, worst, diff)
+
+
+@pytest.mark.parametrize("run", COUNTED)
+def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
+    """Every collective dmuon issues in a steady step, per rank: the exchange model's, then one float32
+    all-reduce of one value per matrix over the shard level (the step model's ``weight_norms``)."""
+    mesh_shape, ns_dtype, _, hsdp = COUNTED[run]
+    results = [r["counted"][(RULE, run)] for r in runs(4)]
+    replicate, shard = mesh_shape or (1, 4)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
+                                                waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
+    norms = weight_norm_collective(len(shapes), replicate, shard)
+    assert len(norms) == 1 and norms[0].ranks[0] == (2 * (shard - 1) * 4 * len(shapes) // shard,) * 2
+    strategy = "dmuon" if hsdp == "dmuon" or replicate == 1 else "dmuon_native_hsdp"
+    modelled = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard,
+                                            wire_bytes=ns_dtype.itemsize, waves=waves, weight_norms=True)
+                if c.label.startswith("dmuon") and c.role != "replicate_all_reduce"]
+    assert modelled[-1].label == "dmuon weight norms"
+    assert sorted(c.label for c in modelled) == sorted(c.label for c in backward + step + norms)
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in backward + step + norms if c.ranks[k] is not None]
+        assert r["log"][-1] == expected[-1], f"plan rank {k}: the norms' all-reduce comes last"
+        if hsdp == "dmuon":
+            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
+                         for b in r["other_bytes"] if b]
+            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+        else:
+            assert r["log"] == expected, f"plan rank {k}"
