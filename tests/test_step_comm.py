@@ -22,7 +22,14 @@ RUNS = {"fsdp-fp32": (None, torch.float32, 3, None), "fsdp-bf16-waves": (None, t
         # The updates across replicas by the scatter route, forced (two replicas choose the direct one).
         "hsdp2x2-fp32-scatter": ((2, 2), torch.float32, 3, None, "fsdp2", "muon", 8, "scatter"),
         "hsdp2x2-bf16-waves-scatter": ((2, 2), torch.bfloat16, 3, 4, "fsdp2", "muon", 8, "scatter"),
-        "replicate-level-2x2-scatter": ((2, 2), torch.bfloat16, 3, 4, "dmuon", "muon", 8, "scatter")}
+        "replicate-level-2x2-scatter": ((2, 2), torch.bfloat16, 3, 4, "dmuon", "muon", 8, "scatter"),
+        # ExecutionConfig.returns_in_backward: the first blocks' updates come back during backward.
+        "fsdp-fp32-rbwd": (None, torch.float32, 3, None, "fsdp2", "muon", 8, None, True),
+        "hsdp2x2-bf16-rbwd": ((2, 2), torch.bfloat16, 3, None, "fsdp2", "muon", 8, None, True),
+        "hsdp2x2-fp32-scatter-rbwd": ((2, 2), torch.float32, 3, None, "fsdp2", "muon", 8, "scatter", True),
+        # Seven blocks: room for returns to travel across replicas inside the landings' all_to_alls.
+        "replicate-level-2x2-rbwd": ((2, 2), torch.bfloat16, 3, None, "dmuon", "muon", 1, None, True, 7),
+        "replicate-level-2x2-scatter-rbwd": ((2, 2), torch.bfloat16, 3, None, "dmuon", "muon", 1, "scatter", True, 7)}
 
 
 def _every_run(rank: int, world: int) -> dict:
@@ -36,7 +43,7 @@ def _runs() -> list[dict]:
     return run_distributed(_every_run, 4, timeout_s=300)
 
 
-@pytest.mark.parametrize("run", [k for k in RUNS if not k.startswith("replicate")])
+@pytest.mark.parametrize("run", [k for k in RUNS if not k.startswith("replicate") and not k.endswith("-rbwd")])
 def test_counted_collectives_equal_the_model_per_rank(run):
     # dmuon's exchange is the same under ZeRO-2 and ZeRO-3 (reshard_after_forward changes FSDP2's gathers only).
     mesh_shape, ns_dtype, zero, waves, *forced = RUNS[run]
@@ -164,3 +171,46 @@ def _check_replicate_level(results: list[dict], replicate: int, shard: int, publ
             assert sum(e[1] for e in r["log"] if e[0] == level) == sum(e[1] for e in expected if e[0] == level)
     assert any(c.critical for c in backward if c.label.startswith("dmuon gradient columns"))
     return step
+
+
+@pytest.mark.parametrize("run", [k for k in RUNS if k.endswith("-rbwd")])
+def test_returns_in_backward_counted_collectives_equal_the_model(run):
+    """``returns_in_backward``: each block's return issued at the landing after its directions' last hop,
+    its hops across replicas one landing apart (on the replicate level inside that landing's all_to_all),
+    the rest in ``step()``: per rank, the model's collectives (1-D and native HSDP in issue order)."""
+    mesh_shape, ns_dtype, zero, _, hsdp, _, spread, publication, *_ = RUNS[run]
+    results = [r[run] for r in _runs()]
+    replicate, shard = mesh_shape or (1, 4)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["waves"] == waves for r in results)
+    design_b = hsdp == "dmuon"
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
+                                                waves=waves, gradient_bytes=4 if design_b else None,
+                                                hop_a_spread=spread, publication=publication, returns_in_backward=True)
+    returned = sorted({c.block for c in backward if c.role == "return_shard"})
+    # Some blocks came back in backward, the others in step()'s waves, each matrix once.
+    assert returned and all(r["blocks_returned_in_backward"] == len(returned) for r in results)
+    assert sorted(sum(waves, [])) == [i for i, b in enumerate(blocks) if b not in returned]
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    in_step = [c for c in step_collectives("dmuon" if design_b or replicate == 1 else "dmuon_native_hsdp", shapes,
+                                           owners, blocks, replicate, shard, wire_bytes=ns_dtype.itemsize,
+                                           waves=waves, hop_a_spread=spread, publication=publication,
+                                           returns_in_backward=True)
+               if c.label.startswith("dmuon")]
+    assert sorted(c.label for c in in_step) == sorted(c.label for c in backward + step)
+    if publication == "scatter":
+        assert {"return_scatter", "return_gather"} <= {c.role for c in backward}
+    if design_b:
+        assert any(c.carries_returns for c in backward)
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
+        if design_b:
+            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
+                         for b in r["other_bytes"] if b]
+            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+        else:
+            assert r["log"] == expected, f"plan rank {k}"
+

@@ -136,17 +136,17 @@ def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, comp
 
 def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
                    bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False,
-                   column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", rule: str = "muon",
+                   column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", rule: str = "muon", blocks: int = 3,
                    **dmuon_kwargs):
     """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise
-    (``hsdp``, ``rule``: as :attr:`Case.hsdp`, :attr:`Case.rule`).
+    (``hsdp``, ``rule``: as :attr:`Case.hsdp`, :attr:`Case.rule`; ``blocks``: OddNet's).
 
     Returns:
         ``(model, plan, optimizer)``.
     """
     mesh = make_mesh(world_size, mesh_shape)
     torch.manual_seed(0)
-    model = OddNet()
+    model = OddNet(blocks=blocks)
     freeze(model, frozen)
     dmuon_level = mesh_shape is not None and hsdp == "dmuon"
     shard_oddnet(model, mesh["shard"] if dmuon_level else mesh, zero=zero, bf16=bf16, compile=compile,

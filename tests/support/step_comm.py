@@ -12,10 +12,13 @@ from support.models import lm_loss, odd_batch
 
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
                  zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
-                 rule: str = "muon", hop_a_spread: int = 8, publication: str | None = None) -> dict:
+                 rule: str = "muon", hop_a_spread: int = 8, publication: str | None = None,
+                 returns_in_backward: bool = False, blocks: int = 3) -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
-    ``publication`` forces the updates' route across replicas (``ShardExchange.publication``).
+    ``publication`` forces the updates' route across replicas (``ShardExchange.publication``);
+    ``returns_in_backward``: with ``ns_in_backward``, the updates of the blocks launched first come
+    back in backward; ``blocks``: OddNet's.
 
     Returns:
         ``{"plan_rank", "log", "infos", "blocks_in_backward", "params"}``: this rank's
@@ -26,8 +29,9 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         parameter after the last step.
     """
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype, hsdp=hsdp,
-                                      rule=rule, execution=dmuon.ExecutionConfig(return_waves=return_waves,
-                                                                                 hop_a_spread=hop_a_spread))
+                                      rule=rule, blocks=blocks, execution=dmuon.ExecutionConfig(
+                                          return_waves=return_waves, hop_a_spread=hop_a_spread,
+                                          ns_in_backward=returns_in_backward, returns_in_backward=returns_in_backward))
     if publication is not None:
         opt.runtime.exchange.publication = publication
     stats = {}
@@ -44,6 +48,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         "infos": [(tuple(i.shape), i.owner, i.block, tuple(i.rows)) for i in plan.infos],
         "blocks": len(plan.blocks),
         "blocks_in_backward": stats["blocks_exchanged_in_backward"],
+        "blocks_returned_in_backward": stats["blocks_returned_in_backward"],
         "waves": stats["return_waves"],
         "params": {name: p.to_local().detach().clone() for name, p in model.named_parameters()},
         # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters'

@@ -102,6 +102,9 @@ class Collective:
     """A ``"return_replicas"`` or ``"return_scatter"`` collective: the return wave whose scatter
     route's all-gather travels in it (the runtime advances every return in flight by one hop at
     once, in one all_to_all on the replicate group), or None."""
+    carries_returns: tuple[int, ...] = ()
+    """``returns_in_backward`` on dmuon's replicate level: the blocks whose return's hop across
+    replicas travels in this collective of a landing (joined with its gradient columns)."""
 
     def __post_init__(self) -> None:
         if self.issued_at is None and self.phase == "backward":
@@ -218,6 +221,7 @@ def owner_exchange_collectives(
     row_bytes: int = 0,
     hop_a_spread: int = 8,
     publication: str | None = None,
+    returns_in_backward: bool = False,
 ) -> tuple[list[Collective], list[Collective]]:
     """dmuon's exchange collective by collective, as ``src/dmuon/comm/exchange.py`` issues it.
 
@@ -300,6 +304,18 @@ def owner_exchange_collectives(
 
     ``publication``: ``"direct"`` or ``"scatter"`` forces that route for
     every wave (``ShardExchange(publication=)``); None chooses per wave.
+
+    ``returns_in_backward`` (``ExecutionConfig.returns_in_backward``, every
+    launch standing): each block's return goes in backward, as
+    ``BackwardLaunches`` issues it: at the landing after the one that issued
+    its directions' last hop, its hop 1 (role ``"return_shard"``, phase
+    ``"backward"``); each later landing advances it by one hop across
+    replicas (``"return_replicas"``, or ``"return_scatter"`` then
+    ``"return_gather"``, by its route), on the replicate level in the same
+    all_to_all as that landing's gradient columns
+    (:attr:`Collective.carries_returns`); ``step()`` issues what is left of
+    each launch's hops, in launch order. ``waves`` then covers the other
+    blocks' matrices only (as the runtime reports them; default: those in one).
 
     Returns:
         ``(backward, step)``: the direction exchanges (and design (b)'s
@@ -385,45 +401,64 @@ def owner_exchange_collectives(
         return [_a2a("intra", "backward", b, world, sent, received, out, inn, part,
                      f"dmuon directions block {b}", "hop_b")]
 
+    def return_shard(wave: Sequence[int]) -> Parts | None:
+        """Hop 1 of a return: each owner's update pieces to its replica's shard positions."""
+        if shard == 1:
+            return None
+        sent, received, out, inn = fresh()
+        for i in wave:
+            r_o, s_o = divmod(owners[i], shard)
+            for s in range(shard):
+                moved = piece(i, s)
+                if s != s_o and moved:
+                    dst = r_o * shard + s
+                    sent[owners[i]] += moved
+                    received[dst] += moved
+                    out[owners[i]].add(dst)
+                    inn[dst].add(owners[i])
+        owning = {owners[i] // shard for i in wave}
+        return sent, received, out, inn, [k // shard in owning for k in range(world)]
+
+    def across(wave: Sequence[int]) -> tuple[str, list[Parts]]:
+        """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather)."""
+        published = published_wave(wave, owners, shard, tables, inner)
+        route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
+        return route, [_stage_parts(st) for st in route_stages(route, published, replicate, shard, elem_bytes,
+                                                                row_bytes, peers=True)]
+
+    back: list[int] = []  # blocks whose return goes in backward
     backward: list[Collective] = []
-    if replicate == 1 or gradient_bytes is None:
+    if returns_in_backward and world > 1:
+        backward, back = _backward_with_returns(order, blocks, replicate, shard, world, gradient_bytes, hop_a_spread,
+                                                hop_a_alone, hop_b, return_shard, across, lambda: _spread_backward(
+                                                    order, blocks, tables, inner, owners, replicate, shard,
+                                                    elem_bytes, gradient_bytes, hop_a_spread, hop_b,
+                                                    returns=(return_shard, across)))
+    elif replicate == 1 or gradient_bytes is None:
         for b in order:
             members = [i for i in range(len(shapes)) if blocks[i] == b]
             if members:
                 backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
     else:
-        backward = _spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
-                                    gradient_bytes, hop_a_spread, hop_b)
+        backward, _ = _spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
+                                       gradient_bytes, hop_a_spread, hop_b)
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
-    chosen = [list(range(len(shapes)))] if waves is None else [list(w) for w in waves if w]
+    rest = [i for i in range(len(shapes)) if blocks[i] not in back]
+    chosen = ([rest] if rest else []) if waves is None else [list(w) for w in waves if w]
     # The scatter route's all-gather of the wave before (its wave, label and parts): it travels in
     # this wave's first collective across replicas.
     gathering: tuple[int, str, Parts] | None = None
     for w, wave in enumerate(chosen):
         label = "" if waves is None else f" wave {w}"
-        if shard > 1:
-            sent, received, out, inn = fresh()
-            for i in wave:
-                r_o, s_o = divmod(owners[i], shard)
-                for s in range(shard):
-                    moved = piece(i, s)
-                    if s != s_o and moved:
-                        dst = r_o * shard + s
-                        sent[owners[i]] += moved
-                        received[dst] += moved
-                        out[owners[i]].add(dst)
-                        inn[dst].add(owners[i])
-            owning = {owners[i] // shard for i in wave}
-            step.append(_a2a("intra", "step", None, world, sent, received, out, inn,
-                             [k // shard in owning for k in range(world)],
-                             "dmuon updates to the shard columns" + label, "return_shard", w))
+        hop1 = return_shard(wave)
+        if hop1 is not None:
+            step.append(_a2a("intra", "step", None, world, *hop1, "dmuon updates to the shard columns" + label,
+                             "return_shard", w))
         if replicate > 1:
-            published = published_wave(wave, owners, shard, tables, inner)
-            route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
-            stages = route_stages(route, published, replicate, shard, elem_bytes, row_bytes, peers=True)
-            first = _stage_parts(stages[0])
+            route, stages = across(wave)
+            first = stages[0]
             name = "dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas"
             name += label
             if gathering is not None:
@@ -432,16 +467,75 @@ def owner_exchange_collectives(
             step.append(_a2a("inter", "step", None, world, *first, name,
                              "return_replicas" if route == DIRECT else "return_scatter", w))
             step[-1].carries_gather = None if gathering is None else gathering[0]
-            gathering = (w, label, _stage_parts(stages[1])) if route == SCATTER else None
+            gathering = (w, label, stages[1]) if route == SCATTER else None
     if gathering is not None:
         step.append(_a2a("inter", "step", None, world, *gathering[2], "dmuon update slices' all-gather" + gathering[1],
                          "return_gather", gathering[0]))
     return backward, step
 
 
+_RETURN_ROLES = {(DIRECT, 0): "return_replicas", (SCATTER, 0): "return_scatter", (SCATTER, 1): "return_gather"}
+_RETURN_NAMES = {"return_replicas": "to the replicas", "return_scatter": "slices to the replicas",
+                 "return_gather": "slices' all-gather"}
+
+
+def _backward_with_returns(order, blocks, replicate: int, shard: int, world: int, gradient_bytes, hop_a_spread: int,
+                           hop_a_alone, hop_b, return_shard, across, spread) -> tuple[list[Collective], list[int]]:
+    """``returns_in_backward``'s backward list and the blocks it returns, as ``BackwardLaunches``
+    issues them (see :func:`owner_exchange_collectives`); the replicate level's from ``spread()``
+    (:func:`_spread_backward` with its returns), the others' here."""
+    if replicate > 1 and gradient_bytes is not None:
+        return spread()
+    out: list[Collective] = []
+    # Per launch, in launch order: its block, direction hops left, return hops left (None: not issued),
+    # whether every direction hop was issued by the last landing.
+    launches: list[list] = []
+
+    def issue(c: Collective | None, at) -> None:
+        if c is not None:  # None: a hop the runtime takes without a collective (one shard position)
+            c.issued_at = at
+            out.append(c)
+
+    def return_hops(b: int, members: list[int]) -> list[Collective | None]:
+        hop1 = return_shard(members)
+        hops = [None if hop1 is None else _a2a("intra", "backward", b, world, *hop1,
+                                                f"dmuon updates of block {b} to the shard columns", "return_shard")]
+        if replicate > 1:
+            route, stages = across(members)
+            for k, parts in enumerate(stages):
+                role = _RETURN_ROLES[route, k]
+                hops.append(_a2a("inter", "backward", b, world, *parts,
+                                 f"dmuon updates of block {b}: {_RETURN_NAMES[role]}", role))
+        return hops
+
+    for b in order:
+        members = [i for i in range(len(blocks)) if blocks[i] == b]
+        if not members:
+            continue
+        # BackwardLaunches._advance, then the launch of b.
+        for launch in launches:
+            if launch[1]:
+                issue(launch[1].pop(0), b)
+            if launch[2]:
+                issue(launch[2].pop(0), b)
+        for launch in launches:
+            if launch[2] is None and launch[3]:
+                launch[2] = return_hops(launch[0], launch[4])
+                if launch[2]:
+                    issue(launch[2].pop(0), b)
+            launch[3] = not launch[1]
+        hops = [hop_a_alone(b, members), (hop_b(b, members) or [None])[0]] if replicate > 1 else hop_b(b, members)
+        issue(hops.pop(0), b)
+        launches.append([b, hops, None, not hops, members])
+    for launch in launches:  # step(): BackwardLaunches.take
+        for c in launch[1] + (launch[2] or []):
+            issue(c, None)
+    return out, [launch[0] for launch in launches if launch[2] is not None]
+
+
 def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: Sequence[int],
                      owners: Sequence[int], replicate: int, shard: int, elem_bytes: int, gradient_bytes: int,
-                     hop_a_spread: int, hop_b) -> list[Collective]:
+                     hop_a_spread: int, hop_b, returns=None) -> tuple[list[Collective], list[int]]:
     """Design (b)'s backward collectives as ``dmuon.runtime.backward.BackwardLaunches`` issues them, with
     the same :class:`~dmuon.plan.hop_a.HopASpreader` choosing each hop A chunk.
 
@@ -451,6 +545,15 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
     Muon matrix: the chunks alone, role ``"hop_a"``); ``b``'s directions can go from the next one.
     In ``step()``: what is left of every block in one last all_to_all (role ``"hop_a"``, block
     None), the hop B of blocks completed before it first, then the others', in launch order.
+
+    ``returns``: ``(return_shard, across)`` of :func:`owner_exchange_collectives` for
+    ``returns_in_backward``: at each landing, after the hop B's, the hop 1 of every block whose hop
+    B went at an earlier landing, and the landing's all_to_all across replicas also carries the next
+    hop of every return in flight (:attr:`Collective.carries_returns`); in ``step()`` the rest of
+    each, after the hop B's.
+
+    Returns:
+        The collectives, and the blocks whose return went in backward.
     """
     world = replicate * shard
     spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i])
@@ -493,24 +596,58 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
                     c.issued_at = at
                     out.append(c)
 
+    # returns_in_backward: blocks whose hop B went at the last landing (their hop 1 goes at this one),
+    # and per block returning, its hops across replicas still to go (route stages' parts, role).
+    ready: list[int] = []
+    in_flight: dict[int, list[tuple[Parts, str]]] = {}
+    back: list[int] = []
+    members_of = {blk: [i for i in range(len(blocks)) if blocks[i] == blk] for blk in set(blocks)}
+
+    def hop_1(blk: int, at: int) -> None:
+        return_shard, across = returns
+        parts = return_shard(members_of[blk])
+        if parts is not None:
+            out.append(_a2a("intra", "backward", blk, world, *parts, f"dmuon updates of block {blk} to the shard columns",
+                            "return_shard"))
+            out[-1].issued_at = at
+        route, stages = across(members_of[blk])
+        in_flight[blk] = [(st, _RETURN_ROLES[route, k]) for k, st in enumerate(stages)]
+        back.append(blk)
+
     for b in order:
         members = [i for i in range(len(blocks)) if blocks[i] == b]
         hop_b_of(completed, b)
+        riding_returns = []
+        if returns is not None:
+            # BackwardLaunches._advance: every return in flight one hop across (joined below), then the due hop 1's.
+            for blk, hops in in_flight.items():
+                if hops:
+                    riding_returns.append((blk, *hops.pop(0)))
+            for blk in ready:
+                hop_1(blk, b)
+            ready = [blk for blk, _ in launched if blk in completed]
         columns = _gradient_columns(members, tables, inner, replicate, shard, gradient_bytes) if members else None
         pending = spreader.pending()
         # The runtime's own loads of the column reduce-scatter: its decisions are the same.
         spreader.decide(column_reduce_loads([tables[i] for i in members], [inner[i] for i in members], replicate,
                                             shard, gradient_bytes))
         moving, riding, completed = chunks(pending)
+        returning = [parts for _, parts, _ in riding_returns]
         if columns is not None:
             label = f"dmuon gradient columns block {b}" + (f" + direction slices of blocks {riding}" if riding else "")
-            out.append(_a2a("inter", "backward", b, world, *(_merge(columns, moving) if riding else columns),
-                            label, "grad_columns"))
-        elif riding:
-            out.append(_a2a("inter", "backward", b, world, *moving, f"dmuon direction slices of blocks {riding}",
-                            "hop_a"))
-        if columns is not None or riding:
+            parts = [columns] + ([moving] if riding else []) + returning
+            out.append(_a2a("inter", "backward", b, world, *_merge(*parts), label, "grad_columns"))
+        elif riding or returning:
+            parts = ([moving] if riding else []) + returning
+            label = f"dmuon direction slices of blocks {riding}" if riding else \
+                f"dmuon updates of blocks {[blk for blk, _, _ in riding_returns]} across replicas"
+            out.append(_a2a("inter", "backward", b, world, *_merge(*parts), label,
+                            "hop_a" if riding else riding_returns[0][2]))
+        if columns is not None or riding or returning:
             out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(completed)
+            out[-1].carries_returns = tuple(blk for blk, _, _ in riding_returns)
+            if riding_returns:
+                out[-1].label += f" + updates of blocks {list(out[-1].carries_returns)} across replicas"
             out[-1].issued_at = b
         if members:
             spreader.add(b, members)
@@ -529,7 +666,12 @@ def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner:
         hop_b_of(last, None)
     else:
         hop_b_of(completed, None)
-    return out
+    for blk in back:  # take(): what is left of the returns, in launch order
+        for parts, role in in_flight[blk]:
+            out.append(_a2a("inter", "backward", blk, world, *parts,
+                            f"dmuon updates of block {blk}: {_RETURN_NAMES[role]}", role))
+            out[-1].issued_at = None
+    return out, back
 
 
 def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:
@@ -636,6 +778,7 @@ def step_collectives(
     hop_a_spread: int = 8,
     publication: str | None = None,
     weight_norms: bool = False,
+    returns_in_backward: bool = False,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -695,6 +838,8 @@ def step_collectives(
             (:func:`owner_exchange_collectives`); None: chosen per wave, as the runtime does.
         weight_norms: dmuon with a rule that needs each matrix's weight norm after the update
             (MuonH): its all-reduce after the returns (:func:`weight_norm_collective`).
+        returns_in_backward: dmuon's ``ExecutionConfig.returns_in_backward`` (every launch
+            standing): the blocks' returns issued in backward (:func:`owner_exchange_collectives`).
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
@@ -716,7 +861,7 @@ def step_collectives(
                                                        block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
                                                        row_bytes=row_bytes, hop_a_spread=hop_a_spread,
-                                                       publication=publication)
+                                                       publication=publication, returns_in_backward=returns_in_backward)
     by_block: dict[int | None, list[Collective]] = {}  # by the landing that issues them
     for c in exchange:
         by_block.setdefault(c.issued_at, []).append(c)

@@ -324,8 +324,7 @@ class BackwardLaunches:
             if earlier.returned is not None:
                 earlier.returned.forward()
         if self._returns:
-            for block in sorted(self._launches):
-                launch = self._launches[block]
+            for launch in self._launches.values():  # in launch order
                 if launch.returned is None and launch.hops_issued:
                     launch.returned = self._return(launch)
                 launch.hops_issued = launch.pending.issued()
