@@ -53,6 +53,7 @@ from dmuon.costmodel.collectives import (
     async_runtime_order,
     step_collectives,
 )
+from dmuon.costmodel.host import HostOps, OpCount, host_seconds, with_host
 from dmuon.costmodel.rank_traffic import row_width
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 
@@ -80,11 +81,32 @@ class Hardware:
     """Bytes/s of memory-bound elementwise work (AdamW, momentum, applying updates)."""
     links: AlphaBeta = field(default_factory=AlphaBeta)
     """Latency and per-direction bandwidth inside a node (intra) and across nodes (inter)."""
+    op_links: dict[str, AlphaBeta] = field(default_factory=dict)
+    """Per collective kind (:attr:`Collective.op`: ``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_reduce"``, ``"all_to_all"``), its own latency and bandwidth in place of :attr:`links`'
+    (gloo reduce-scatters by an all-reduce of the whole input: its bytes cost about three times an
+    all-gather's); a kind not listed takes :attr:`links`. The link a kind's transfer occupies is
+    still the level's one, shared with every other transfer on it."""
+    dispatch_seconds: float = 0.0
+    """Host seconds per operation on plain tensors (an ATen op; a kernel launch on a GPU), for the
+    code paths that dispatch per tensor (:class:`~dmuon.costmodel.host.HostOps`); 0: not modelled."""
+    dtensor_dispatch_seconds: float = 0.0
+    """Host seconds per operation on a DTensor (DTensor's dispatch and the plain op under it); 0: not modelled."""
+    fsdp_unit_seconds: float = 0.0
+    """Host seconds of FSDP2's own work per unit and pass (forward: unshard and reshard; backward:
+    unshard, reduce-scatter's copy-in, the gradients' views): on the rank's compute stream, added to
+    each unit's forward and backward; 0: not modelled (or inside :attr:`compute_flops`, an effective rate)."""
 
     def __post_init__(self) -> None:
         for name in ("compute_flops", "ns_flops", "elementwise_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "fsdp_unit_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        unknown = set(self.op_links) - {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+        if unknown:
+            raise ValueError(f"op_links: unknown collective kinds {sorted(unknown)}")
 
     def as_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "links"}, **self.links.as_dict()}
@@ -128,14 +150,20 @@ class SimOptions:
     """Bytes per flag of dmuon's agreement all-reduce (int32; one flag per matrix and block)."""
     peer_concurrency: int = 3
     """The all-to-all peer's batches in flight (its ``AsyncRuntime``'s limit)."""
+    host_ops: HostOps = field(default_factory=HostOps)
+    """Operations per unit of work of the code paths that dispatch per tensor, priced at the
+    hardware's dispatch figures (all 0 by default: no host work)."""
+    unlisted_tensors: int = 0
+    """Parameter tensors the shape lists leave out (norm weights, biases: their bytes are negligible,
+    but per-tensor dispatch counts each), updated by AdamW."""
 
     def __post_init__(self) -> None:
         if self.ns_method not in NS_METHODS:
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {self.ns_method!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.tokens_per_gpu < 0 or self.ns_steps < 1:
-            raise ValueError("tokens_per_gpu must be >= 0 and ns_steps >= 1")
+        if self.tokens_per_gpu < 0 or self.ns_steps < 1 or self.unlisted_tensors < 0:
+            raise ValueError("tokens_per_gpu and unlisted_tensors must be >= 0 and ns_steps >= 1")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -192,8 +220,10 @@ class Task:
 class Timeline:
     """Tasks on ``world`` ranks and a run of them (:meth:`run`)."""
 
-    def __init__(self, world: int, links: AlphaBeta, overlap: bool = True):
+    def __init__(self, world: int, links: AlphaBeta, overlap: bool = True,
+                 op_links: dict[str, AlphaBeta] | None = None):
         self.world, self.links, self.overlap = world, links, overlap
+        self.op_links = op_links or {}
         self.tasks: list[Task] = []
 
     def _add(self, task: Task) -> Task:
@@ -250,7 +280,8 @@ class Timeline:
             if task.collective is not None:
                 arrived[n] += 1
                 if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
-                    push(now + _latency(task.collective, self.links), "moved", n)
+                    push(now + _latency(task.collective, self.op_links.get(task.collective.op, self.links)),
+                         "moved", n)
             elif task.seconds[k] == 0:
                 push(now, "done", (n, k))
             else:
@@ -290,7 +321,9 @@ class Timeline:
                 n = payload
                 c = self.tasks[n].collective
                 self.tasks[n].moving = now
-                bandwidth = self.links.intra_bandwidth if c.level == "intra" else self.links.inter_bandwidth
+                bandwidth = _bandwidth(c, self.links)
+                # A kind with its own bandwidth occupies the level's link for bytes x (link's / its own).
+                scale = bandwidth / _bandwidth(c, self.op_links[c.op]) if c.op in self.op_links else 1.0
                 for k in self.tasks[n].ranks:
                     flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
                     parts_left[(n, k)] = len(flows)
@@ -298,7 +331,7 @@ class Timeline:
                         done(n, k)
                     for direction, nbytes in flows:
                         link = shared.setdefault((k, c.level, direction), _Shared(bandwidth))
-                        link.join(now, nbytes, (n, k))
+                        link.join(now, nbytes * scale, (n, k))
                         link.schedule(push, (k, c.level, direction))
             elif what == "share":
                 key, version = payload
@@ -380,6 +413,10 @@ def _runs_somewhere(task: Task) -> bool:
 
 def _latency(c: Collective, links: AlphaBeta) -> float:
     return c.messages * (links.intra_latency if c.level == "intra" else links.inter_latency)
+
+
+def _bandwidth(c: Collective, links: AlphaBeta) -> float:
+    return links.intra_bandwidth if c.level == "intra" else links.inter_bandwidth
 
 
 class _Shared:
@@ -520,7 +557,7 @@ class _Builder:
         if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
             raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
-        self.tl = Timeline(inputs.world, hardware.links, options.overlap)
+        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links)
         self.waves = inputs.waves()
         collectives = step_collectives(
             strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
@@ -560,9 +597,20 @@ class _Builder:
     def seconds(self, flops: float, rate: float) -> float:
         return flops / rate if self.opt.compute else 0.0
 
-    def elementwise(self, name: str, stream: str, nbytes: float, deps=(), *, phase: str = "step") -> Task:
-        return self.tl.compute(name, self.s[stream], self.seconds(nbytes, self.hw.elementwise_bytes), deps,
-                               phase=phase, kind="elementwise")
+    def elementwise(self, name: str, stream: str, nbytes: float, deps=(), *, phase: str = "step",
+                    host: OpCount | None = None) -> Task:
+        """Memory-bound work of ``nbytes``, with the host's ``host`` operations (:meth:`with_host`)."""
+        seconds = self.with_host(self.seconds(nbytes, self.hw.elementwise_bytes), host)
+        return self.tl.compute(name, self.s[stream], seconds, deps, phase=phase, kind="elementwise")
+
+    def with_host(self, seconds: float, host: OpCount | float | None) -> float:
+        """``seconds`` of device work with the host's work (operations at the hardware's dispatch
+        figures, or seconds), as :func:`~dmuon.costmodel.host.with_host` combines them."""
+        if host is None or not self.opt.compute:
+            return seconds
+        if isinstance(host, OpCount):
+            host = host_seconds(host, self.hw.dispatch_seconds, self.hw.dtensor_dispatch_seconds)
+        return with_host(seconds, host, self.opt.backend)
 
     def wait(self, name: str, stream: str, deps, phase: str = "step") -> Task:
         return self.tl.wait(name, self.s[stream], deps, phase=phase)
@@ -592,6 +640,7 @@ class _Builder:
         layers = [b for b in order if b != root]
         tokens = self.opt.tokens_per_gpu
         fwd = {b: self.seconds(2.0 * self.block_numel(b) * tokens, self.hw.compute_flops) for b in order}
+        unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
         sequence: list[Task] = []  # every forward and backward compute task, in order
 
         def prefetched() -> list[Task]:
@@ -605,20 +654,21 @@ class _Builder:
 
         if root is not None:
             gathered = self.coll("fsdp_all_gather", "forward", root, None, AG)
-            run(tl.compute("embedding", C, 0.0, [gathered], phase="forward"))
+            run(tl.compute("embedding", C, self.with_host(0.0, unit), [gathered], phase="forward"))
         for b in layers:
             gathered = self.coll("fsdp_all_gather", "forward", b, None, AG, prefetched())
-            run(tl.compute(f"forward block {b}", C, fwd[b], [gathered], phase="forward"))
+            run(tl.compute(f"forward block {b}", C, self.with_host(fwd[b], unit), [gathered], phase="forward"))
         if root is not None:
             # The root's parameters (the head) compute after the layers and stay gathered for backward.
             run(tl.compute("forward head", C, fwd[root], phase="forward"))
             run(tl.compute("backward head", C, 2 * fwd[root], phase="backward"))
         for b in reversed(layers):
             gathered = self.coll("fsdp_all_gather", "backward", b, None, AG, prefetched()) if inp.zero == 3 else None
-            done = run(tl.compute(f"backward block {b}", C, 2 * fwd[b], [gathered], phase="backward"))
+            done = run(tl.compute(f"backward block {b}", C, self.with_host(2 * fwd[b], unit), [gathered],
+                                  phase="backward"))
             self.reduce(b, done, hook)
         if root is not None:
-            done = run(tl.compute("backward embedding", C, 0.0, phase="backward"))
+            done = run(tl.compute("backward embedding", C, self.with_host(0.0, unit), phase="backward"))
             self.reduce(root, done, hook)
         # FSDP2's final callback: the compute stream waits for every reduction (and what the hooks queued).
         drained = [self.wait(f"{s} drained", s, [], "backward") for s in (RS, AR) if self.s[s] != C]
@@ -733,24 +783,39 @@ class _Builder:
             self.launches.append(_Launch(b, "R", reductions))
 
     # -- the steps
-    def adamw(self, numel: float, deps=()) -> Task:
-        return self.elementwise("adamw", C, ADAMW_BYTES * numel, deps)
+    def adamw(self, numel: float, deps=(), host: OpCount | None = None) -> Task:
+        return self.elementwise("adamw", C, ADAMW_BYTES * numel, deps, host=host)
 
     def other_local(self) -> float:
         return sum(_numel(s) for s in self.inp.other_shapes) / self.inp.shard
 
+    def other_tensors(self) -> int:
+        """The parameter tensors AdamW updates besides the Muon matrices (listed or not)."""
+        return len(self.inp.other_shapes) + self.opt.unlisted_tensors
+
+    def local_adamw_ops(self) -> OpCount:
+        """dmuon's (gather's) AdamW on the other parameters' local shards: foreach."""
+        ops = self.opt.host_ops
+        return ops.local_foreach_adamw + ops.foreach_adamw_per_tensor * self.other_tensors()
+
     def step_fsdp_adamw(self) -> None:
-        self.adamw(self.other_local() + sum(_numel(s) for s in self.inp.shapes) / self.inp.shard)
+        # torch.optim.AdamW over DTensors: its per-tensor loop on CPU, foreach on accelerators.
+        ops, tensors = self.opt.host_ops, len(self.inp.shapes) + self.other_tensors()
+        host = (ops.adamw_per_tensor * tensors if self.opt.backend == "gloo"
+                else ops.foreach_adamw + ops.foreach_adamw_per_tensor * tensors)
+        self.adamw(self.other_local() + sum(_numel(s) for s in self.inp.shapes) / self.inp.shard, host=host)
 
     def step_gather(self) -> None:
         """GatherThenCompute: per matrix its momentum, the all-gather, NS on every rank, the apply."""
         for i, shape in enumerate(self.inp.shapes):
-            momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard)
+            # The matrix's DTensor and plain operations (NS's aside), all on the host before its all-gather.
+            momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard,
+                                        host=self.opt.host_ops.gather_per_matrix)
             gathered = self.coll("gather", "step", self.inp.blocks[i], i, GATHER, [momentum])
             ns = self.tl.compute(f"NS {i}", C, self.ns_seconds(shape, 1, owner_copy=False), [gathered],
                                  phase="step", kind="ns")
             self.elementwise(f"apply {i}", C, APPLY_BYTES * _numel(shape) / self.inp.shard, [ns])
-        self.adamw(self.other_local())
+        self.adamw(self.other_local(), host=self.local_adamw_ops())
 
     def step_dmuon(self) -> None:
         """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
@@ -767,7 +832,10 @@ class _Builder:
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                 launch.stage = "B"
         everything = list(range(len(inp.shapes)))
-        self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything))
+        # step()'s host operations (its AdamW's included), counted per step and matrix, with the momentum.
+        ops = self.opt.host_ops
+        self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything),
+                         host=ops.dmuon_per_step + ops.dmuon_per_matrix * len(inp.shapes))
         checked = self.elementwise("launch check", C, STALE_BYTES * self.kept_elements(everything))
         speculative = inp.return_waves == 1
         agreement = None
