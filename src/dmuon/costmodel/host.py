@@ -26,14 +26,17 @@ class OpCount:
     """Operations on plain tensors (an ATen op; a kernel launch on a GPU)."""
     dtensor: float = 0.0
     """Operations on DTensors (DTensor's dispatch around the plain op: sharding propagation, wrapping)."""
+    layout: float = 0.0
+    """DTensor calls that make or change a layout (``full_tensor()``, ``distribute_tensor``): their
+    redistribution planning and functional-collective wrapping, beyond the collective itself."""
 
     def __mul__(self, n: float) -> "OpCount":
-        return OpCount(self.plain * n, self.dtensor * n)
+        return OpCount(self.plain * n, self.dtensor * n, self.layout * n)
 
     __rmul__ = __mul__
 
     def __add__(self, other: "OpCount") -> "OpCount":
-        return OpCount(self.plain + other.plain, self.dtensor + other.dtensor)
+        return OpCount(self.plain + other.plain, self.dtensor + other.dtensor, self.layout + other.layout)
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,11 @@ class HostOps:
     """The same nine on the local shards: dmuon's AdamW (``rules/adamw.py``), gather-then-compute's too."""
     foreach_adamw_per_tensor: OpCount = OpCount(plain=2, dtensor=0)
     """Either foreach path, per parameter: its step tensor's value read twice (``.item()``)."""
-    gather_per_matrix: OpCount = OpCount(plain=13, dtensor=6)
+    gather_per_matrix: OpCount = OpCount(plain=13, dtensor=6, layout=2)
     """``GatherThenCompute.step`` per matrix, NS aside: ``lerp_``, ``lerp`` (momentum), ``_to_copy`` (to
     bf16), ``view``, ``mul_``, ``add_`` (apply) on DTensors; ``full_tensor()``'s all-gather, wrap and
-    wait, ``unbind``, ``cat``, ``_to_copy``, ``split``, ``clone``, ``detach`` and views on plain tensors."""
+    wait, ``unbind``, ``cat``, ``_to_copy``, ``split``, ``clone``, ``detach`` and views on plain tensors;
+    the layout calls ``full_tensor()`` and ``distribute_tensor``."""
     dmuon_per_matrix: OpCount = OpCount(plain=30, dtensor=0)
     """dmuon's ``step()`` per Muon matrix on 2 ranks (momentum, checks, pieces in and out of the
     exchange buffers, apply), on local tensors: from 741 operations with 14 matrices (qwen2 tiny) to
@@ -72,10 +76,12 @@ class HostOps:
         return asdict(self)
 
 
-def host_seconds(ops: OpCount, dispatch_seconds: float, dtensor_dispatch_seconds: float) -> float:
+def host_seconds(ops: OpCount, dispatch_seconds: float, dtensor_dispatch_seconds: float,
+                 layout_seconds: float = 0.0) -> float:
     """Host seconds of ``ops``: each plain operation ``dispatch_seconds``, each DTensor one
-    ``dtensor_dispatch_seconds`` (which includes the plain operation under it)."""
-    return ops.plain * dispatch_seconds + ops.dtensor * dtensor_dispatch_seconds
+    ``dtensor_dispatch_seconds`` (which includes the plain operation under it), each layout call
+    ``layout_seconds`` (beyond its operations and collective, which are counted apart)."""
+    return ops.plain * dispatch_seconds + ops.dtensor * dtensor_dispatch_seconds + ops.layout * layout_seconds
 
 
 def with_host(device_seconds: float, host: float, backend: str) -> float:

@@ -92,6 +92,9 @@ class Hardware:
     code paths that dispatch per tensor (:class:`~dmuon.costmodel.host.HostOps`); 0: not modelled."""
     dtensor_dispatch_seconds: float = 0.0
     """Host seconds per operation on a DTensor (DTensor's dispatch and the plain op under it); 0: not modelled."""
+    dtensor_layout_seconds: float = 0.0
+    """Host seconds per DTensor layout call (``full_tensor()``, ``distribute_tensor``) beyond its
+    collective and operations: redistribution planning, functional-collective wrapping; 0: not modelled."""
     fsdp_unit_seconds: float = 0.0
     """Host seconds of FSDP2's own work per unit and pass (forward: unshard and reshard; backward:
     unshard, reduce-scatter's copy-in, the gradients' views): on the rank's compute stream, added to
@@ -101,7 +104,7 @@ class Hardware:
         for name in ("compute_flops", "ns_flops", "elementwise_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "fsdp_unit_seconds"):
+        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         unknown = set(self.op_links) - {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
@@ -609,7 +612,8 @@ class _Builder:
         if host is None or not self.opt.compute:
             return seconds
         if isinstance(host, OpCount):
-            host = host_seconds(host, self.hw.dispatch_seconds, self.hw.dtensor_dispatch_seconds)
+            host = host_seconds(host, self.hw.dispatch_seconds, self.hw.dtensor_dispatch_seconds,
+                                self.hw.dtensor_layout_seconds)
         return with_host(seconds, host, self.opt.backend)
 
     def wait(self, name: str, stream: str, deps, phase: str = "step") -> Task:
