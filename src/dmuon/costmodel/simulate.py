@@ -125,6 +125,13 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # (40%, 61%, 60%); NVLink capped at 400 GB/s bidirectional (200 each way); one 200 Gb/s
     # HDR NIC per GPU (25 GB/s each way); the same latencies.
     "a800": Hardware("a800", 125e12, 190e12, 1.2e12, AlphaBeta(intra_bandwidth=200e9, inter_bandwidth=25e9)),
+    # Both presets: one link figure for every collective kind (NCCL's ring all-gather and
+    # reduce-scatter move the same bytes at the same rate), and no host work (dispatch figures 0):
+    # on a GPU the host queues kernels ahead of the device. A GPU host's own figures would be a few
+    # microseconds per kernel launch (the CUDA launch overhead usually quoted, 3-5 us; not measured
+    # here) and tens per DTensor operation (host Python: 26-34 us measured on this machine's CPU);
+    # `dmuon plan --simulate --dispatch-us 5 --dtensor-dispatch-us 30` prices them, with each
+    # task taking the longer of its host and device work (docs/benchmarks.md says what that changes).
 }
 """Hardware presets of ``dmuon plan --simulate --hardware NAME``."""
 
