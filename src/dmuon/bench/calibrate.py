@@ -12,15 +12,24 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    6 x parameters x tokens, the sense of the presets' effective rates; the elementwise rate
    of dmuon's AdamW kernel (``torch.optim.adam.adam``, foreach) over tensors shaped like one
    rank's shards; the owners' NS per shape and batch size with the bench's NS settings (bf16,
-   ``auto``); and the gloo link: all-gather, reduce-scatter and all-to-all of 16 KiB to 4 MiB
-   per rank, one latency and one bandwidth fitted to all of them (relative least squares of
-   ``time = latency + bytes / bandwidth``, bytes being what each rank sends). Collectives make
-   the ranks wait for each other every block, so at each point the slower rank counts.
+   ``auto``); the gloo link per collective kind: all-gather, reduce-scatter, all-to-all and
+   all-reduce of 16 KiB to 4 MiB per rank and peer, one latency per message and one bandwidth
+   fitted to each kind (relative least squares of ``time = messages x latency + bytes /
+   bandwidth``, bytes and messages as the step model counts them; gloo reduce-scatters by an
+   all-reduce of the whole input, ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``, so its
+   bytes cost more than an all-gather's); and the host: seconds per operation on plain tensors
+   and on DTensors (tiny elementwise operations), per DTensor layout call (``full_tensor()``
+   less a plain all-gather, ``distribute_tensor``), and FSDP2's work per unit and pass (the
+   model's tiny twin under FSDP2 on a one-rank mesh less without). Collectives make the
+   ranks wait for each other every block, so at each point the slower rank counts.
 3. **The simulation** (:mod:`dmuon.costmodel.simulate`, ``backend="gloo"``: FSDP2's
-   collectives block the rank's thread, one speculative return wave, the CPU default) of the
-   same four configurations, forward and backward at the matmul rate (the check) and at the
+   collectives block the rank's thread, one speculative return wave, the CPU default, host and
+   device work adding up on the rank's one thread) of the same four configurations, with the
+   operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
+   counted from the code), forward and backward at the matmul rate (the check) and at the
    effective rate (which shows how much of the error is the compute model), beside the
-   measured medians, with each prediction's error and the two orders by step time.
+   measured medians, with each prediction's error, the orders by step time and the pairs the
+   rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
 
 Nothing is fitted to the bench's timings: the same machine figures serve every configuration.
 """
@@ -55,8 +64,10 @@ from dmuon.util.spawn import run_distributed
 LINK_SIZES = tuple(16384 * 2**k for k in range(9))
 """Bytes per rank of the link measurements: 16 KiB to 4 MiB, the range of the bench's collectives
 (the default workload's blocks all-gather and reduce-scatter 0.4-4 MiB per rank; dmuon's exchanges less)."""
-DISPATCH_LOOP = 200
-"""Rounds of the three in-place operations timed per dispatch measurement."""
+DISPATCH_TENSORS = 48
+"""Tensor pairs, each of its own shape, of the dispatch measurement."""
+DISPATCH_OPS = 8
+"""Operations per pair in it (:meth:`_Meter.dispatch`)."""
 LAYOUT_LOOP = 20
 """Rounds of ``full_tensor()`` and ``distribute_tensor`` timed per layout measurement."""
 
@@ -104,12 +115,17 @@ class _Meter:
         self.counted = 6.0 * tokens * sum(g.numel for g in groups)
         # Per-tensor dispatch counts every parameter tensor, the 1-D ones the shape lists leave out too.
         self.unlisted_tensors = len(list(self.workload.model.parameters())) - sum(g.count for g in groups)
-        # The host's cost per operation: in-place elementwise operations, as AdamW's, on 8-element tensors
-        # (the arithmetic negligible), plain and as FSDP2's Shard(0) DTensors on the one-rank mesh.
+        # The host's cost per operation: elementwise operations on tiny tensors (the arithmetic negligible),
+        # plain and as FSDP2's Shard(0) DTensors on the one-rank mesh, each pair of its own shape as a
+        # model's parameters are (DTensor caches its sharding propagation per shape), half of them in
+        # place and half making a new tensor (which costs DTensor a new wrapper): the mix of
+        # torch.optim.AdamW's per-tensor loop, the largest user of DTensor operations modelled.
         from torch.distributed.tensor import DTensor, Shard
 
-        self.plain_pair = (torch.ones(8), torch.ones(8))
-        self.dtensor_pair = tuple(DTensor.from_local(torch.ones(8), mesh, [Shard(0)]) for _ in range(2))
+        shapes = [(4 + k, 3) for k in range(DISPATCH_TENSORS)]
+        self.plain_pairs = [(torch.ones(s), torch.ones(s)) for s in shapes]
+        self.dtensor_pairs = [tuple(DTensor.from_local(torch.ones(s), mesh, [Shard(0)]) for _ in range(2))
+                              for s in shapes]
         # DTensor's layout calls as gather-then-compute makes them per matrix, on every rank's mesh, on 8
         # elements per rank: full_tensor() less a plain all-gather of the same bytes, and distribute_tensor
         # (each rank cuts its piece, no collective): their host path beyond the collective.
@@ -157,12 +173,17 @@ class _Meter:
         twin.model.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def dispatch(self, pair) -> None:
-        x, y = pair
-        for _ in range(DISPATCH_LOOP):
+    def dispatch(self, pairs) -> None:
+        """:data:`DISPATCH_OPS` operations per pair: four in place, four making a new tensor."""
+        for x, y in pairs:
             x.mul_(0.999)
-            x.add_(y)
-            x.addcmul_(y, y, value=1e-3)
+            y.lerp_(x, 0.1)
+            y.addcmul_(x, x, value=1e-3)
+            z = y.sqrt()
+            z = z / 0.5
+            z = z + 1e-8
+            z = x * z
+            x.sub_(z)
 
     def layout_calls(self) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -188,10 +209,10 @@ class _Meter:
         out = {"matmul_flops": self.gemm_flops / _median_seconds(self.gemms, self.repeats),
                "effective_flops": self.counted / _median_seconds(self.forward_backward, self.repeats),
                "elementwise_bytes": self.adam_bytes / _median_seconds(self.adamw, self.repeats),
-               "dispatch_seconds": _median_seconds(lambda: self.dispatch(self.plain_pair), self.repeats)
-               / (3 * DISPATCH_LOOP),
-               "dtensor_dispatch_seconds": _median_seconds(lambda: self.dispatch(self.dtensor_pair), self.repeats)
-               / (3 * DISPATCH_LOOP),
+               "dispatch_seconds": _median_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
+               / (DISPATCH_OPS * DISPATCH_TENSORS),
+               "dtensor_dispatch_seconds": _median_seconds(lambda: self.dispatch(self.dtensor_pairs), self.repeats)
+               / (DISPATCH_OPS * DISPATCH_TENSORS),
                "dtensor_layout_seconds": max(0.0, _median_seconds(self.layout_calls, self.repeats)
                                              - _median_seconds(self.layout_collectives, self.repeats))
                / (2 * LAYOUT_LOOP),

@@ -184,8 +184,8 @@ def figures_line(figures: dict, compute: str = "matmul") -> str:
     host = ""
     if "dtensor_dispatch_seconds" in figures:
         host = (f"; host: {figures['dispatch_seconds'] * 1e6:.1f} us per plain op, "
-                f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (in-place elementwise on a "
-                f"one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
+                f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (tiny elementwise ops, half in "
+                f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
                 f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
                 f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), "
                 f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
