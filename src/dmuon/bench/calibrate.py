@@ -64,6 +64,8 @@ from dmuon.util.spawn import run_distributed
 LINK_SIZES = tuple(16384 * 2**k for k in range(9))
 """Bytes per rank of the link measurements: 16 KiB to 4 MiB, the range of the bench's collectives
 (the default workload's blocks all-gather and reduce-scatter 0.4-4 MiB per rank; dmuon's exchanges less)."""
+SKEW_BLOCKS = 8
+"""Blocks of GEMMs, each followed by a meeting of the ranks, per drift measurement."""
 DISPATCH_TENSORS = 48
 """Tensor pairs, each of its own shape, of the dispatch measurement."""
 DISPATCH_OPS = 8
@@ -99,6 +101,10 @@ class _Meter:
                                                                                    generator=gen), g.count)
                      for g in groups if "embed" not in g.name]
         self.gemm_flops = sum(6.0 * tokens * w.shape[0] * w.shape[1] * n for _, w, n in self.mats)
+        # The ranks' drift between meetings: one block's GEMMs (the groups every layer has) between tiny
+        # all-reduces, as FSDP2 makes the ranks meet every block.
+        self.block = [(x, w) for x, w, n in self.mats if n > 1] or [(x, w) for x, w, _ in self.mats]
+        self.flag = torch.zeros(1)
         # Effective rate: a forward and backward of the bench model under FSDP2 (ZeRO-3) on a one-rank
         # mesh: FSDP2's own work on the rank (copies in and out, hooks) without communication, counted as
         # the simulation counts it, 6 x parameters x tokens: the sense of the presets' effective rates.
@@ -167,6 +173,27 @@ class _Meter:
         self.workload.loss_fn(self.workload.model, self.batch).backward()
         self.workload.model.zero_grad(set_to_none=True)
 
+    def block_gemms(self, meet: bool) -> None:
+        for _ in range(SKEW_BLOCKS):
+            for x, w in self.block:
+                y = x @ w.T
+                _ = y @ w
+                _ = y.T @ x
+            if meet:
+                dist.all_reduce(self.flag)
+
+    def meetings(self) -> None:
+        for _ in range(SKEW_BLOCKS):
+            dist.all_reduce(self.flag)
+
+    def sync_skew(self) -> float:
+        """The later rank's delay per meeting over the compute between meetings: blocks of GEMMs with
+        an all-reduce after each, less the GEMMs alone and the all-reduces alone (each timed from a
+        barrier, so only the drift within a run counts)."""
+        alone = _median_seconds(lambda: self.block_gemms(False), self.repeats)
+        met = _median_seconds(lambda: self.block_gemms(True), self.repeats)
+        return max(0.0, met - alone - _median_seconds(self.meetings, self.repeats)) / alone
+
     def twin_forward_backward(self, k: int) -> None:
         twin, batch = self.twins[k]
         twin.loss_fn(twin.model, batch).backward()
@@ -219,6 +246,7 @@ class _Meter:
                "fsdp_unit_seconds": max(0.0, _median_seconds(lambda: self.twin_forward_backward(0), self.repeats)
                                         - _median_seconds(lambda: self.twin_forward_backward(1), self.repeats))
                / (2 * self.units),
+               "sync_skew": self.sync_skew(),
                "unlisted_tensors": self.unlisted_tensors,
                "ns_seconds": {}}
         for shape, count in sorted(self.counts.items()):
@@ -332,12 +360,13 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
     effective = predict(figures, args.model, size, args.world_size, tokens, compute="effective_flops")
-    # What each mechanism adds, at the matmul rate: the one shared link fit and no host work (the
-    # model before per-kind links and dispatch), then per-kind links alone.
-    ablation = {"shared link, no host": predict(figures, args.model, size, args.world_size, tokens, per_kind=False,
-                                                host=False),
-                "per-kind links, no host": predict(figures, args.model, size, args.world_size, tokens, host=False),
-                "per-kind links and host": predicted}
+    # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
+    # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift.
+    ablation = {"shared link, no host, no drift": predict(figures, args.model, size, args.world_size, tokens,
+                                                          per_kind=False, host=False, skew=False),
+                "per-kind links": predict(figures, args.model, size, args.world_size, tokens, host=False, skew=False),
+                "and host": predict(figures, args.model, size, args.world_size, tokens, skew=False),
+                "and drift (all)": predicted}
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
                "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
                "predicted_at_effective_rate": effective, "ablation": ablation}

@@ -16,7 +16,7 @@ CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dm
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
 RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "dispatch_seconds", "dtensor_dispatch_seconds",
-         "dtensor_layout_seconds", "fsdp_unit_seconds")
+         "dtensor_layout_seconds", "fsdp_unit_seconds", "sync_skew")
 """Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
 
 
@@ -91,10 +91,10 @@ def _ns_lookup(ns: dict):
 
 
 def calibrated_hardware(figures: dict, compute: str = "matmul_flops", per_kind: bool = True,
-                        host: bool = True) -> Hardware:
+                        host: bool = True, skew: bool = True) -> Hardware:
     """This machine as the simulation's :class:`Hardware`: forward and backward at ``figures[compute]``;
     the link per collective kind (``per_kind``) or the one shared fit; the host's dispatch figures
-    (``host``). FSDP2's per-unit host work only at the matmul rate: the effective rate, FSDP2's
+    (``host``); the ranks' drift between meetings (``skew``). FSDP2's per-unit host work only at the matmul rate: the effective rate, FSDP2's
     forward and backward on a one-rank mesh, has it inside already."""
     def links(latency: float, bandwidth: float) -> AlphaBeta:
         return AlphaBeta(intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency,
@@ -108,15 +108,16 @@ def calibrated_hardware(figures: dict, compute: str = "matmul_flops", per_kind: 
         dispatch_seconds=figures.get("dispatch_seconds", 0.0) if host else 0.0,
         dtensor_dispatch_seconds=figures.get("dtensor_dispatch_seconds", 0.0) if host else 0.0,
         dtensor_layout_seconds=figures.get("dtensor_layout_seconds", 0.0) if host else 0.0,
-        fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and compute == "matmul_flops" else 0.0)
+        fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and compute == "matmul_flops" else 0.0,
+        sync_skew=figures.get("sync_skew", 0.0) if skew else 0.0)
 
 
 def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
-            compute: str = "matmul_flops", per_kind: bool = True, host: bool = True) -> dict:
+            compute: str = "matmul_flops", per_kind: bool = True, host: bool = True, skew: bool = True) -> dict:
     """The simulated step of each bench configuration on ``world_size`` ranks (1-D FSDP), with
     :func:`calibrated_hardware`'s figures."""
     groups = bench_model_shapes(model, size)
-    hardware = calibrated_hardware(figures, compute, per_kind, host)
+    hardware = calibrated_hardware(figures, compute, per_kind, host, skew)
     # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
     options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo",
                          unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0)
@@ -187,7 +188,9 @@ def figures_line(figures: dict, compute: str = "matmul") -> str:
                 f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (tiny elementwise ops, half in "
                 f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
                 f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
-                f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), "
+                f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), the "
+                f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings (blocks of GEMMs "
+                f"with an all-reduce after each, less both alone), "
                 f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
     return (f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
             f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "

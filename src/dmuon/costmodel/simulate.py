@@ -95,6 +95,10 @@ class Hardware:
     dtensor_layout_seconds: float = 0.0
     """Host seconds per DTensor layout call (``full_tensor()``, ``distribute_tensor``) beyond its
     collective and operations: redistribution planning, functional-collective wrapping; 0: not modelled."""
+    sync_skew: float = 0.0
+    """Ranks of a shared host drifting apart between the collectives that block their threads (gloo):
+    the later rank's delay at each, as a fraction of the compute seconds since the one before
+    (:class:`Timeline`); 0: ranks in lockstep (GPUs, an idle host)."""
     fsdp_unit_seconds: float = 0.0
     """Host seconds of FSDP2's own work per unit and pass (forward: unshard and reshard; backward:
     unshard, reduce-scatter's copy-in, the gradients' views): on the rank's compute stream, added to
@@ -104,7 +108,8 @@ class Hardware:
         for name in ("compute_flops", "ns_flops", "elementwise_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds"):
+        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds",
+                     "sync_skew"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         unknown = set(self.op_links) - {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
@@ -227,13 +232,23 @@ class Task:
     """A collective: when its latency was paid and its bytes started moving."""
 
 
+BLOCKING_STREAM = "compute"
+"""The rank's compute stream: a collective on it blocks the rank's thread (gloo), so the ranks meet there."""
+
+
 class Timeline:
-    """Tasks on ``world`` ranks and a run of them (:meth:`run`)."""
+    """Tasks on ``world`` ranks and a run of them (:meth:`run`).
+
+    ``sync_skew``: at a collective on :data:`BLOCKING_STREAM` the ranks meet; on a shared host they
+    drift apart between meetings (the scheduler preempts each at its own moments), so the later
+    one is behind by ``sync_skew`` x the compute seconds each ran since its previous meeting,
+    added to the collective's latency (0: identical ranks meet at once)."""
 
     def __init__(self, world: int, links: AlphaBeta, overlap: bool = True,
-                 op_links: dict[str, AlphaBeta] | None = None):
+                 op_links: dict[str, AlphaBeta] | None = None, sync_skew: float = 0.0):
         self.world, self.links, self.overlap = world, links, overlap
         self.op_links = op_links or {}
+        self.sync_skew = sync_skew
         self.tasks: list[Task] = []
 
     def _add(self, task: Task) -> Task:
@@ -277,6 +292,10 @@ class Timeline:
         classes = self._symmetry_classes()
         queues, unmet, after, after_all, left = self._wiring()
         arrived = [0] * len(self.tasks)
+        # Compute seconds each rank has run since it last reached a collective on its compute stream
+        # (one that blocks its thread), and per such collective the skew its latest rank brings.
+        since = [0.0] * self.world
+        skew: dict[int, float] = {}
         parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
         shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
         now = 0.0
@@ -289,9 +308,12 @@ class Timeline:
             task.start[k] = now
             if task.collective is not None:
                 arrived[n] += 1
+                if task.stream == BLOCKING_STREAM and self.sync_skew:
+                    skew[n] = max(skew.get(n, 0.0), self.sync_skew * since[k])
+                    since[k] = 0.0
                 if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
-                    push(now + _latency(task.collective, self.op_links.get(task.collective.op, self.links)),
-                         "moved", n)
+                    push(now + _latency(task.collective, self.op_links.get(task.collective.op, self.links))
+                         + skew.get(n, 0.0), "moved", n)
             elif task.seconds[k] == 0:
                 push(now, "done", (n, k))
             else:
@@ -305,6 +327,8 @@ class Timeline:
         def done(n: int, k: int) -> None:
             task = self.tasks[n]
             task.end[k] = now
+            if task.seconds is not None and task.seconds[k]:
+                since[k] += task.seconds[k]
             queue = queues[(k, task.stream)]
             queue.popleft()
             if queue:
@@ -567,7 +591,7 @@ class _Builder:
         if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
             raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
-        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links)
+        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew)
         self.waves = inputs.waves()
         collectives = step_collectives(
             strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
