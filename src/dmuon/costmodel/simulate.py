@@ -242,7 +242,9 @@ class Timeline:
     ``sync_skew``: at a collective on :data:`BLOCKING_STREAM` the ranks meet; on a shared host they
     drift apart between meetings (the scheduler preempts each at its own moments), so the later
     one is behind by ``sync_skew`` x the compute seconds each ran since its previous meeting,
-    added to the collective's latency (0: identical ranks meet at once)."""
+    added to the latency of every collective it issues until the next meeting (one on another
+    stream, which the thread does not wait for, hides it if its landing is not waited for; 0:
+    identical ranks meet at once)."""
 
     def __init__(self, world: int, links: AlphaBeta, overlap: bool = True,
                  op_links: dict[str, AlphaBeta] | None = None, sync_skew: float = 0.0):
@@ -308,9 +310,12 @@ class Timeline:
             task.start[k] = now
             if task.collective is not None:
                 arrived[n] += 1
-                if task.stream == BLOCKING_STREAM and self.sync_skew:
+                if self.sync_skew:
+                    # A collective cannot end before its later rank has issued it; one that blocks the
+                    # threads (on the compute stream) also brings the ranks back in step.
                     skew[n] = max(skew.get(n, 0.0), self.sync_skew * since[k])
-                    since[k] = 0.0
+                    if task.stream == BLOCKING_STREAM:
+                        since[k] = 0.0
                 if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
                     push(now + _latency(task.collective, self.op_links.get(task.collective.op, self.links))
                          + skew.get(n, 0.0), "moved", n)

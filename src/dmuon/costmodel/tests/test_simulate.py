@@ -464,16 +464,20 @@ def test_host_figures_are_checked():
         SimOptions(unlisted_tensors=-1)
 
 
-def test_ranks_drifting_apart_meet_late_at_blocking_collectives_only():
-    # sync_skew 0.5: a collective on the compute stream starts 0.5 x the compute each rank ran since
-    # its previous one later; one on another stream (a thread beside the rank's) does not wait for it.
+def test_ranks_drifting_apart_meet_late_and_blocking_collectives_bring_them_back_in_step():
+    # sync_skew 0.5: a collective starts 0.5 x the compute each rank ran since the ranks last met (at a
+    # collective on the compute stream, which blocks their threads) later.
     tl = Timeline(2, LINKS, sync_skew=0.5)
     tl.compute("a", "compute", 4.0, phase="forward")
     first = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "compute", phase="forward")
     tl.compute("b", "compute", 2.0, phase="forward")
     second = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "compute", phase="forward")
     beside = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "other", [second], phase="forward")
+    c = tl.compute("c", "compute", 4.0, [second], phase="forward")
+    issued = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "other", [c], phase="forward")
     tl.run()
     assert first.end[0] == pytest.approx(4.0 + 1.0 + 0.5 * 4.0 + 1.0)          # 8
     assert second.end[0] == pytest.approx(8.0 + 2.0 + 1.0 + 0.5 * 2.0 + 1.0)   # 13: only b since the first
-    assert beside.end[0] == pytest.approx(13.0 + 1.0 + 1.0)
+    assert beside.end[0] == pytest.approx(13.0 + 1.0 + 1.0)                     # met at 13: no drift yet
+    # Issued beside the thread after c (4 s since the meeting): its later rank issues it 2 s late.
+    assert issued.end[0] == pytest.approx(17.0 + 1.0 + 0.5 * 4.0 + 1.0)
