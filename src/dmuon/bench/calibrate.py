@@ -12,7 +12,8 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    6 x parameters x tokens, the sense of the presets' effective rates; the elementwise rate
    of dmuon's AdamW kernel (``torch.optim.adam.adam``, foreach) over tensors shaped like one
    rank's shards; the owners' NS per shape and batch size with the bench's NS settings (bf16,
-   ``auto``); the gloo link per collective kind: all-gather, reduce-scatter, all-to-all and
+   ``auto``; each measurement the mean of its timed runs, preemptions included as a step
+   takes them); the gloo link per collective kind: all-gather, reduce-scatter, all-to-all and
    all-reduce of 16 KiB to 4 MiB per rank and peer, one latency per message and one bandwidth
    fitted to each kind (relative least squares of ``time = messages x latency + bytes /
    bandwidth``, bytes and messages as the step model counts them; gloo reduce-scatters by an
@@ -64,6 +65,8 @@ from dmuon.util.spawn import run_distributed
 LINK_SIZES = tuple(16384 * 2**k for k in range(9))
 """Bytes per rank of the link measurements: 16 KiB to 4 MiB, the range of the bench's collectives
 (the default workload's blocks all-gather and reduce-scatter 0.4-4 MiB per rank; dmuon's exchanges less)."""
+NS_REPEATS = 3
+"""Timed runs of each NS entry (shape, batch size)."""
 SKEW_BLOCKS = 8
 """Blocks of GEMMs, each followed by a meeting of the ranks, per drift measurement."""
 DISPATCH_TENSORS = 48
@@ -74,7 +77,12 @@ LAYOUT_LOOP = 20
 """Rounds of ``full_tensor()`` and ``distribute_tensor`` timed per layout measurement."""
 
 
-def _median_seconds(fn, repeats: int, barrier: bool = True) -> float:
+def _mean_seconds(fn, repeats: int, barrier: bool = True) -> float:
+    """Mean seconds of ``fn`` over ``repeats`` runs after a warm-up, each from a barrier.
+
+    The mean, not the median: on a shared machine the scheduler preempts a rank now and then, and a
+    training step, hundreds of milliseconds long, takes those preemptions at their average rate; a
+    median of short runs would leave them out and price everything as on an idle machine."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -83,7 +91,7 @@ def _median_seconds(fn, repeats: int, barrier: bool = True) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 class _Meter:
@@ -162,6 +170,15 @@ class _Meter:
             if g.muon:
                 self.counts[tuple(g.shape)] = self.counts.get(tuple(g.shape), 0) + g.count
 
+    def ns_seconds(self, shape: tuple[int, int], batch: int) -> float:
+        """The owners' update of ``batch`` directions of ``shape`` (bf16, as the exchange delivers them), as
+        :func:`dmuon.plan.profile.measure_update` times it, its mean over :data:`NS_REPEATS` runs."""
+        from dmuon.ortho.owner import owner_update
+
+        gen = torch.Generator().manual_seed(1234 + 7 * batch)
+        directions = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(batch)]
+        return _mean_seconds(lambda: owner_update(directions, self.ns), NS_REPEATS)
+
     def gemms(self) -> None:
         for x, w, n in self.mats:
             for _ in range(n):
@@ -190,9 +207,9 @@ class _Meter:
         """The later rank's delay per meeting over the compute between meetings: blocks of GEMMs with
         an all-reduce after each, less the GEMMs alone and the all-reduces alone (each timed from a
         barrier, so only the drift within a run counts)."""
-        alone = _median_seconds(lambda: self.block_gemms(False), self.repeats)
-        met = _median_seconds(lambda: self.block_gemms(True), self.repeats)
-        return max(0.0, met - alone - _median_seconds(self.meetings, self.repeats)) / alone
+        alone = _mean_seconds(lambda: self.block_gemms(False), self.repeats)
+        met = _mean_seconds(lambda: self.block_gemms(True), self.repeats)
+        return max(0.0, met - alone - _mean_seconds(self.meetings, self.repeats)) / alone
 
     def twin_forward_backward(self, k: int) -> None:
         twin, batch = self.twins[k]
@@ -231,20 +248,18 @@ class _Meter:
              eps=1e-8, maximize=False)
 
     def measure(self) -> dict:
-        from dmuon.plan.profile import measure_update
-
-        out = {"matmul_flops": self.gemm_flops / _median_seconds(self.gemms, self.repeats),
-               "effective_flops": self.counted / _median_seconds(self.forward_backward, self.repeats),
-               "elementwise_bytes": self.adam_bytes / _median_seconds(self.adamw, self.repeats),
-               "dispatch_seconds": _median_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
+        out = {"matmul_flops": self.gemm_flops / _mean_seconds(self.gemms, self.repeats),
+               "effective_flops": self.counted / _mean_seconds(self.forward_backward, self.repeats),
+               "elementwise_bytes": self.adam_bytes / _mean_seconds(self.adamw, self.repeats),
+               "dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
                / (DISPATCH_OPS * DISPATCH_TENSORS),
-               "dtensor_dispatch_seconds": _median_seconds(lambda: self.dispatch(self.dtensor_pairs), self.repeats)
+               "dtensor_dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.dtensor_pairs), self.repeats)
                / (DISPATCH_OPS * DISPATCH_TENSORS),
-               "dtensor_layout_seconds": max(0.0, _median_seconds(self.layout_calls, self.repeats)
-                                             - _median_seconds(self.layout_collectives, self.repeats))
+               "dtensor_layout_seconds": max(0.0, _mean_seconds(self.layout_calls, self.repeats)
+                                             - _mean_seconds(self.layout_collectives, self.repeats))
                / (2 * LAYOUT_LOOP),
-               "fsdp_unit_seconds": max(0.0, _median_seconds(lambda: self.twin_forward_backward(0), self.repeats)
-                                        - _median_seconds(lambda: self.twin_forward_backward(1), self.repeats))
+               "fsdp_unit_seconds": max(0.0, _mean_seconds(lambda: self.twin_forward_backward(0), self.repeats)
+                                        - _mean_seconds(lambda: self.twin_forward_backward(1), self.repeats))
                / (2 * self.units),
                "sync_skew": self.sync_skew(),
                "unlisted_tensors": self.unlisted_tensors,
@@ -252,9 +267,7 @@ class _Meter:
         for shape, count in sorted(self.counts.items()):
             for batch in range(1, count + 1):
                 dist.barrier()
-                out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = measure_update(
-                    shape, batch, dtype=torch.float32, ns_kwargs=self.ns.kwargs(), device=torch.device("cpu"),
-                    repeats=3)
+                out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
         out["link_samples"], out["unsupported"] = self.link()
         return out
 
@@ -280,7 +293,7 @@ class _Meter:
             for op, fn in ops.items():
                 sent = 2 * n * (world_size - 1) if op == "all_reduce" else n * (world_size - 1)
                 try:
-                    samples.append((op, sent, _median_seconds(fn, self.repeats)))
+                    samples.append((op, sent, _mean_seconds(fn, self.repeats)))
                 except RuntimeError as err:  # a collective this gloo build lacks
                     unsupported[op] = str(err).splitlines()[0]
         return samples, unsupported
@@ -327,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks, one thread each (default 2)")
     p.add_argument("--steps", type=int, default=8, help="timed bench steps per configuration (default 8)")
     p.add_argument("--rounds", type=int, default=4, help="bench rounds (default 4)")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs of each machine measurement (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each machine measurement (their mean)")
     p.add_argument("--measure-only", action="store_true", help="print the machine's figures, run no bench")
     p.add_argument("--json", default=None, metavar="PATH")
     return p
