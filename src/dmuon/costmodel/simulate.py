@@ -134,7 +134,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # reduce-scatter move the same bytes at the same rate), and no host work (dispatch figures 0):
     # on a GPU the host queues kernels ahead of the device. A GPU host's own figures would be a few
     # microseconds per kernel launch (the CUDA launch overhead usually quoted, 3-5 us; not measured
-    # here) and tens per DTensor operation (host Python: 26-34 us measured on this machine's CPU);
+    # here) and tens per DTensor operation (host Python: 15-34 us measured on this machine's CPU);
     # `dmuon plan --simulate --dispatch-us 5 --dtensor-dispatch-us 30` prices them, with each
     # task taking the longer of its host and device work (docs/benchmarks.md says what that changes).
 }
