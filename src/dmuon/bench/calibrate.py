@@ -77,6 +77,11 @@ LAYOUT_LOOP = 20
 """Rounds of ``full_tensor()`` and ``distribute_tensor`` timed per layout measurement."""
 
 
+# torch 2.13 names them *_single (FSDP2 calls reduce_scatter_single); older releases have only the *_tensor names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _mean_seconds(fn, repeats: int, barrier: bool = True) -> float:
     """Mean seconds of ``fn`` over ``repeats`` runs after a warm-up, each from a barrier.
 
@@ -238,7 +243,7 @@ class _Meter:
 
     def layout_collectives(self) -> None:
         for _ in range(LAYOUT_LOOP):
-            dist.all_gather_into_tensor(self.layout_full, self.layout_piece.to_local())
+            _ALL_GATHER(self.layout_full, self.layout_piece.to_local())
 
     def adamw(self) -> None:
         from torch.optim.adam import adam
@@ -279,15 +284,15 @@ class _Meter:
         world_size, samples, unsupported = self.world_size, [], {}
         for _ in range(3):  # first uses of the pairs and buffers, untimed
             dist.all_to_all_single(torch.empty(4096 * world_size), torch.ones(4096 * world_size))
-            dist.all_gather_into_tensor(torch.empty(4096 * world_size), torch.ones(4096))
-            dist.reduce_scatter_tensor(torch.empty(4096), torch.ones(4096 * world_size))
+            _ALL_GATHER(torch.empty(4096 * world_size), torch.ones(4096))
+            _REDUCE_SCATTER(torch.empty(4096), torch.ones(4096 * world_size))
             dist.all_reduce(torch.ones(4096 * world_size))
         for n in LINK_SIZES:
             elems = n // 4
             send, gathered, big, out = (torch.ones(elems), torch.empty(elems * world_size),
                                         torch.ones(elems * world_size), torch.empty(elems))
-            ops = {"all_gather": lambda: dist.all_gather_into_tensor(gathered, send),
-                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, big),
+            ops = {"all_gather": lambda: _ALL_GATHER(gathered, send),
+                   "reduce_scatter": lambda: _REDUCE_SCATTER(out, big),
                    "all_to_all": lambda: dist.all_to_all_single(gathered, big),
                    "all_reduce": lambda: dist.all_reduce(big)}
             for op, fn in ops.items():
