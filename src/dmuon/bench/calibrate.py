@@ -53,10 +53,7 @@ from dmuon.bench.calibrate_fit import (  # noqa: F401 (the arithmetic, importabl
     compare,
     figures_line,
     fit_link,
-    fit_links,
     format_comparison,
-    link_messages,
-    order_lines,
     predict,
 )
 from dmuon.bench.shapes import bench_model_shapes
