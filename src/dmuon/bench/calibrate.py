@@ -12,15 +12,25 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    6 x parameters x tokens, the sense of the presets' effective rates; the elementwise rate
    of dmuon's AdamW kernel (``torch.optim.adam.adam``, foreach) over tensors shaped like one
    rank's shards; the owners' NS per shape and batch size with the bench's NS settings (bf16,
-   ``auto``); and the gloo link: all-gather, reduce-scatter and all-to-all of 16 KiB to 4 MiB
-   per rank, one latency and one bandwidth fitted to all of them (relative least squares of
-   ``time = latency + bytes / bandwidth``, bytes being what each rank sends). Collectives make
-   the ranks wait for each other every block, so at each point the slower rank counts.
+   ``auto``; each measurement the mean of its timed runs, preemptions included as a step
+   takes them); the gloo link per collective kind: all-gather, reduce-scatter, all-to-all and
+   all-reduce of 16 KiB to 4 MiB per rank and peer, one latency per message and one bandwidth
+   fitted to each kind (relative least squares of ``time = messages x latency + bytes /
+   bandwidth``, bytes and messages as the step model counts them; gloo reduce-scatters by an
+   all-reduce of the whole input, ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``, so its
+   bytes cost more than an all-gather's); and the host: seconds per operation on plain tensors
+   and on DTensors (tiny elementwise operations), per DTensor layout call (``full_tensor()``
+   less a plain all-gather, ``distribute_tensor``), and FSDP2's work per unit and pass (the
+   model's tiny twin under FSDP2 on a one-rank mesh less without). Collectives make the
+   ranks wait for each other every block, so at each point the slower rank counts.
 3. **The simulation** (:mod:`dmuon.costmodel.simulate`, ``backend="gloo"``: FSDP2's
-   collectives block the rank's thread, one speculative return wave, the CPU default) of the
-   same four configurations, forward and backward at the matmul rate (the check) and at the
+   collectives block the rank's thread, one speculative return wave, the CPU default, host and
+   device work adding up on the rank's one thread) of the same four configurations, with the
+   operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
+   counted from the code), forward and backward at the matmul rate (the check) and at the
    effective rate (which shows how much of the error is the compute model), beside the
-   measured medians, with each prediction's error and the two orders by step time.
+   measured medians, with each prediction's error, the orders by step time and the pairs the
+   rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
 
 Nothing is fitted to the bench's timings: the same machine figures serve every configuration.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,20 +47,44 @@ import time
 import torch
 import torch.distributed as dist
 
+from dmuon.bench.calibrate_fit import (  # noqa: F401 (the arithmetic, importable from here too)
+    CONFIGS,
+    combine,
+    compare,
+    figures_line,
+    fit_link,
+    format_comparison,
+    predict,
+)
 from dmuon.bench.shapes import bench_model_shapes
-from dmuon.costmodel.offline import plan_offline
-from dmuon.costmodel.simulate import Hardware, SimOptions
-from dmuon.costmodel.traffic import AlphaBeta
 from dmuon.util.spawn import run_distributed
 
-CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dmuon", 2), "dmuon_z3": ("dmuon", 3)}
-"""Bench configuration -> (simulated strategy, ZeRO level)."""
 LINK_SIZES = tuple(16384 * 2**k for k in range(9))
 """Bytes per rank of the link measurements: 16 KiB to 4 MiB, the range of the bench's collectives
 (the default workload's blocks all-gather and reduce-scatter 0.4-4 MiB per rank; dmuon's exchanges less)."""
+NS_REPEATS = 3
+"""Timed runs of each NS entry (shape, batch size)."""
+SKEW_BLOCKS = 8
+"""Blocks of GEMMs, each followed by a meeting of the ranks, per drift measurement."""
+DISPATCH_TENSORS = 48
+"""Tensor pairs, each of its own shape, of the dispatch measurement."""
+DISPATCH_OPS = 8
+"""Operations per pair in it (:meth:`_Meter.dispatch`)."""
+LAYOUT_LOOP = 20
+"""Rounds of ``full_tensor()`` and ``distribute_tensor`` timed per layout measurement."""
 
 
-def _median_seconds(fn, repeats: int, barrier: bool = True) -> float:
+# torch 2.13 names them *_single (FSDP2 calls reduce_scatter_single); older releases have only the *_tensor names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _mean_seconds(fn, repeats: int, barrier: bool = True) -> float:
+    """Mean seconds of ``fn`` over ``repeats`` runs after a warm-up, each from a barrier.
+
+    The mean, not the median: on a shared machine the scheduler preempts a rank now and then, and a
+    training step, hundreds of milliseconds long, takes those preemptions at their average rate; a
+    median of short runs would leave them out and price everything as on an idle machine."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -58,7 +93,7 @@ def _median_seconds(fn, repeats: int, barrier: bool = True) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 class _Meter:
@@ -76,6 +111,10 @@ class _Meter:
                                                                                    generator=gen), g.count)
                      for g in groups if "embed" not in g.name]
         self.gemm_flops = sum(6.0 * tokens * w.shape[0] * w.shape[1] * n for _, w, n in self.mats)
+        # The ranks' drift between meetings: one block's GEMMs (the groups every layer has) between tiny
+        # all-reduces, as FSDP2 makes the ranks meet every block.
+        self.block = [(x, w) for x, w, n in self.mats if n > 1] or [(x, w) for x, w, _ in self.mats]
+        self.flag = torch.zeros(1)
         # Effective rate: a forward and backward of the bench model under FSDP2 (ZeRO-3) on a one-rank
         # mesh: FSDP2's own work on the rank (copies in and out, hooks) without communication, counted as
         # the simulation counts it, 6 x parameters x tokens: the sense of the presets' effective rates.
@@ -90,6 +129,36 @@ class _Meter:
         fully_shard(self.workload.model, mesh=mesh, reshard_after_forward=True)
         self.batch = self.workload.make_batch(0, rank)
         self.counted = 6.0 * tokens * sum(g.numel for g in groups)
+        # Per-tensor dispatch counts every parameter tensor, the 1-D ones the shape lists leave out too.
+        self.unlisted_tensors = len(list(self.workload.model.parameters())) - sum(g.count for g in groups)
+        # The host's cost per operation: elementwise operations on tiny tensors (the arithmetic negligible),
+        # plain and as FSDP2's Shard(0) DTensors on the one-rank mesh, each pair of its own shape as a
+        # model's parameters are (DTensor caches its sharding propagation per shape), half of them in
+        # place and half making a new tensor (which costs DTensor a new wrapper): the mix of
+        # torch.optim.AdamW's per-tensor loop, the largest user of DTensor operations modelled.
+        from torch.distributed.tensor import DTensor, Shard
+
+        shapes = [(4 + k, 3) for k in range(DISPATCH_TENSORS)]
+        self.plain_pairs = [(torch.ones(s), torch.ones(s)) for s in shapes]
+        self.dtensor_pairs = [tuple(DTensor.from_local(torch.ones(s), mesh, [Shard(0)]) for _ in range(2))
+                              for s in shapes]
+        # DTensor's layout calls as gather-then-compute makes them per matrix, on every rank's mesh, on 8
+        # elements per rank: full_tensor() less a plain all-gather of the same bytes, and distribute_tensor
+        # (each rank cuts its piece, no collective): their host path beyond the collective.
+        self.world_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        self.layout_piece = DTensor.from_local(torch.ones(8, dtype=torch.bfloat16), self.world_mesh, [Shard(0)])
+        self.layout_full = torch.empty(8 * world_size, dtype=torch.bfloat16)
+        # FSDP2's per-unit host work: the model's tiny twin (its blocks and tensors, tiny widths) under
+        # FSDP2 on the one-rank mesh, less the same without FSDP2, per unit and pass.
+        self.twins = []
+        for sharded in (True, False):
+            twin = build_workload(model, size="tiny", seed=0)
+            if sharded:
+                for block in twin.blocks:
+                    fully_shard(block, mesh=mesh, reshard_after_forward=True)
+                fully_shard(twin.model, mesh=mesh, reshard_after_forward=True)
+            self.twins.append((twin, twin.make_batch(0, rank)))
+        self.units = len(self.twins[0][0].blocks) + 1
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.
         shards = [(-(-g.shape[0] // world_size), g.shape[1]) for g in groups for _ in range(g.count)]
         self.adam_state = [[torch.randn(shape, generator=gen) for shape in shards] for _ in range(4)]
@@ -103,6 +172,15 @@ class _Meter:
             if g.muon:
                 self.counts[tuple(g.shape)] = self.counts.get(tuple(g.shape), 0) + g.count
 
+    def ns_seconds(self, shape: tuple[int, int], batch: int) -> float:
+        """The owners' update of ``batch`` directions of ``shape`` (bf16, as the exchange delivers them), as
+        :func:`dmuon.plan.profile.measure_update` times it, its mean over :data:`NS_REPEATS` runs."""
+        from dmuon.ortho.owner import owner_update
+
+        gen = torch.Generator().manual_seed(1234 + 7 * batch)
+        directions = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(batch)]
+        return _mean_seconds(lambda: owner_update(directions, self.ns), NS_REPEATS)
+
     def gemms(self) -> None:
         for x, w, n in self.mats:
             for _ in range(n):
@@ -114,6 +192,56 @@ class _Meter:
         self.workload.loss_fn(self.workload.model, self.batch).backward()
         self.workload.model.zero_grad(set_to_none=True)
 
+    def block_gemms(self, meet: bool) -> None:
+        for _ in range(SKEW_BLOCKS):
+            for x, w in self.block:
+                y = x @ w.T
+                _ = y @ w
+                _ = y.T @ x
+            if meet:
+                dist.all_reduce(self.flag)
+
+    def meetings(self) -> None:
+        for _ in range(SKEW_BLOCKS):
+            dist.all_reduce(self.flag)
+
+    def sync_skew(self) -> float:
+        """The later rank's delay per meeting over the compute between meetings: blocks of GEMMs with
+        an all-reduce after each, less the GEMMs alone and the all-reduces alone (each timed from a
+        barrier, so only the drift within a run counts)."""
+        alone = _mean_seconds(lambda: self.block_gemms(False), self.repeats)
+        met = _mean_seconds(lambda: self.block_gemms(True), self.repeats)
+        return max(0.0, met - alone - _mean_seconds(self.meetings, self.repeats)) / alone
+
+    def twin_forward_backward(self, k: int) -> None:
+        twin, batch = self.twins[k]
+        twin.loss_fn(twin.model, batch).backward()
+        twin.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def dispatch(self, pairs) -> None:
+        """:data:`DISPATCH_OPS` operations per pair: four in place, four making a new tensor."""
+        for x, y in pairs:
+            x.mul_(0.999)
+            y.lerp_(x, 0.1)
+            y.addcmul_(x, x, value=1e-3)
+            z = y.sqrt()
+            z = z / 0.5
+            z = z + 1e-8
+            z = x * z
+            x.sub_(z)
+
+    def layout_calls(self) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for _ in range(LAYOUT_LOOP):
+            full = self.layout_piece.full_tensor()
+            distribute_tensor(full, self.world_mesh, [Shard(0)], src_data_rank=None)
+
+    def layout_collectives(self) -> None:
+        for _ in range(LAYOUT_LOOP):
+            _ALL_GATHER(self.layout_full, self.layout_piece.to_local())
+
     def adamw(self) -> None:
         from torch.optim.adam import adam
         params, grads, m1, m2 = self.adam_state
@@ -122,38 +250,52 @@ class _Meter:
              eps=1e-8, maximize=False)
 
     def measure(self) -> dict:
-        from dmuon.plan.profile import measure_update
-
-        out = {"matmul_flops": self.gemm_flops / _median_seconds(self.gemms, self.repeats),
-               "effective_flops": self.counted / _median_seconds(self.forward_backward, self.repeats),
-               "elementwise_bytes": self.adam_bytes / _median_seconds(self.adamw, self.repeats),
+        out = {"matmul_flops": self.gemm_flops / _mean_seconds(self.gemms, self.repeats),
+               "effective_flops": self.counted / _mean_seconds(self.forward_backward, self.repeats),
+               "elementwise_bytes": self.adam_bytes / _mean_seconds(self.adamw, self.repeats),
+               "dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
+               / (DISPATCH_OPS * DISPATCH_TENSORS),
+               "dtensor_dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.dtensor_pairs), self.repeats)
+               / (DISPATCH_OPS * DISPATCH_TENSORS),
+               "dtensor_layout_seconds": max(0.0, _mean_seconds(self.layout_calls, self.repeats)
+                                             - _mean_seconds(self.layout_collectives, self.repeats))
+               / (2 * LAYOUT_LOOP),
+               "fsdp_unit_seconds": max(0.0, _mean_seconds(lambda: self.twin_forward_backward(0), self.repeats)
+                                        - _mean_seconds(lambda: self.twin_forward_backward(1), self.repeats))
+               / (2 * self.units),
+               "sync_skew": self.sync_skew(),
+               "unlisted_tensors": self.unlisted_tensors,
                "ns_seconds": {}}
         for shape, count in sorted(self.counts.items()):
             for batch in range(1, count + 1):
                 dist.barrier()
-                out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = measure_update(
-                    shape, batch, dtype=torch.float32, ns_kwargs=self.ns.kwargs(), device=torch.device("cpu"),
-                    repeats=3)
+                out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
         out["link_samples"], out["unsupported"] = self.link()
         return out
 
     def link(self) -> tuple[list, dict]:
-        """The gloo link: three collectives, each rank sending n bytes to each peer, n from 16 KiB to 4 MiB."""
+        """The gloo link: four collectives, each rank sending n bytes to each peer, n from 16 KiB to 4 MiB;
+        the all-reduce of the reduce-scatter's input (n per rank, ``W n`` in all). Each sample's bytes
+        are what each rank sends as the step model counts it: ``(W - 1) n``, the all-reduce (a ring)
+        ``2 (W - 1) / W`` of its ``W n``."""
         world_size, samples, unsupported = self.world_size, [], {}
         for _ in range(3):  # first uses of the pairs and buffers, untimed
             dist.all_to_all_single(torch.empty(4096 * world_size), torch.ones(4096 * world_size))
-            dist.all_gather_into_tensor(torch.empty(4096 * world_size), torch.ones(4096))
-            dist.reduce_scatter_tensor(torch.empty(4096), torch.ones(4096 * world_size))
+            _ALL_GATHER(torch.empty(4096 * world_size), torch.ones(4096))
+            _REDUCE_SCATTER(torch.empty(4096), torch.ones(4096 * world_size))
+            dist.all_reduce(torch.ones(4096 * world_size))
         for n in LINK_SIZES:
             elems = n // 4
             send, gathered, big, out = (torch.ones(elems), torch.empty(elems * world_size),
                                         torch.ones(elems * world_size), torch.empty(elems))
-            ops = {"all_gather": lambda: dist.all_gather_into_tensor(gathered, send),
-                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, big),
-                   "all_to_all": lambda: dist.all_to_all_single(gathered, big)}
+            ops = {"all_gather": lambda: _ALL_GATHER(gathered, send),
+                   "reduce_scatter": lambda: _REDUCE_SCATTER(out, big),
+                   "all_to_all": lambda: dist.all_to_all_single(gathered, big),
+                   "all_reduce": lambda: dist.all_reduce(big)}
             for op, fn in ops.items():
+                sent = 2 * n * (world_size - 1) if op == "all_reduce" else n * (world_size - 1)
                 try:
-                    samples.append((op, n * (world_size - 1), _median_seconds(fn, self.repeats)))
+                    samples.append((op, sent, _mean_seconds(fn, self.repeats)))
                 except RuntimeError as err:  # a collective this gloo build lacks
                     unsupported[op] = str(err).splitlines()[0]
         return samples, unsupported
@@ -193,108 +335,6 @@ def _bench_between_measurements(rank: int, world_size: int, configs: list[str], 
     return [run.result() for run in runs], figures
 
 
-def fit_link(samples: list[tuple[str, int, float]]) -> tuple[float, float]:
-    """``time = latency + bytes / bandwidth`` over ``(op, bytes, seconds)`` samples, least squares of the
-    relative error (each sample weighted by 1 / time², so the small sizes set the latency and the large
-    ones the bandwidth)."""
-    # Minimise sum(((a + b x - y) / y)^2): the normal equations of a weighted linear fit.
-    w = [1.0 / t**2 for _, _, t in samples]
-    xs, ys = [float(b) for _, b, _ in samples], [t for _, _, t in samples]
-    sw = sum(w)
-    sx, sy = sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    latency = (sy - slope * sx) / sw
-    if latency < 0:  # no latency: refit the bandwidth through the origin
-        latency, slope = 0.0, sxy / sxx
-    return latency, 1.0 / slope
-
-
-def combine(per_rank: list[list[dict]]) -> dict:
-    """Machine figures from ``per_rank[rank][point]`` measurements. Collectives make the ranks wait for
-    each other every block, so at each point in time the slower rank counts (the lowest rate, the
-    highest NS time); the figures are the means over the points, and ``spread`` each rate's lowest
-    and highest point. The link is fitted to every sample of every rank and point."""
-    rates = ("matmul_flops", "effective_flops", "elementwise_bytes")
-    points = list(zip(*per_rank))
-    bound = [{k: min(m[k] for m in point) for k in rates}
-             | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
-             for point in points]
-    samples = [s for point in points for m in point for s in m["link_samples"]]
-    latency, bandwidth = fit_link(samples)
-    return {
-        **{k: statistics.mean(b[k] for b in bound) for k in rates},
-        "spread": {k: [min(b[k] for b in bound), max(b[k] for b in bound)] for k in rates},
-        "ns_seconds": {key: statistics.mean(b["ns_seconds"][key] for b in bound) for key in bound[0]["ns_seconds"]},
-        "link_latency": latency,
-        "link_bandwidth": bandwidth,
-        "link_samples": samples,
-        "unsupported": per_rank[0][0].get("unsupported", {}),
-        "points": len(points),
-    }
-
-
-def _ns_lookup(ns: dict):
-    def seconds(shape: tuple[int, int], batch: int) -> float:
-        key = f"{shape[0]}x{shape[1]}x{batch}"
-        return ns[key] if key in ns else batch * ns[f"{shape[0]}x{shape[1]}x1"]
-    return seconds
-
-
-def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
-            compute: str = "matmul_flops") -> dict:
-    """The simulated step of each bench configuration on ``world_size`` ranks (1-D FSDP), forward and
-    backward at ``figures[compute]`` FLOP/s."""
-    groups = bench_model_shapes(model, size)
-    # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
-    hardware = Hardware("this machine (dmuon bench --calibrate)", figures[compute], figures["matmul_flops"],
-                        figures["elementwise_bytes"],
-                        AlphaBeta(intra_bandwidth=figures["link_bandwidth"], inter_bandwidth=figures["link_bandwidth"],
-                                  intra_latency=figures["link_latency"], inter_latency=figures["link_latency"]))
-    options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo")
-    plans = {zero: plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4, reduce_bytes=4,
-                                hardware=hardware, sim_options=options, max_waves=1)
-             for zero in (2, 3)}
-    return {config: plans[zero]["simulation"][strategy] for config, (strategy, zero) in CONFIGS.items()}
-
-
-def compare(measured: dict, predicted: dict) -> dict:
-    """Per configuration the measured and predicted step and optimizer phase and their errors; the orders."""
-    rows = {}
-    for config in CONFIGS:
-        m, p = measured[config], predicted[config]
-        row = {}
-        for key, mkey, pkey in (("step", "step_s", "step_seconds"), ("forward_backward", "fwd_bwd_s",
-                                                                      "forward_backward_seconds"),
-                                ("optimizer", "optimizer_s", "optimizer_seconds")):
-            row[key] = {"measured": m[mkey], "predicted": p[pkey], "error": p[pkey] / m[mkey] - 1}
-        rows[config] = row
-    order = {k: sorted(CONFIGS, key=lambda c: rows[c]["step"][k]) for k in ("measured", "predicted")}
-    return {"configs": rows, "order_by_step": order, "same_order": order["measured"] == order["predicted"]}
-
-
-def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "matmul") -> str:
-    lines = [header] if header else []
-    lines += [f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
-             f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "
-             f"6 x parameters x tokens), elementwise "
-             f"{figures['elementwise_bytes'] / 1e9:.2f} GB/s (AdamW kernel on one rank's shards), gloo link "
-             f"{figures['link_latency'] * 1e6:.0f} us + bytes / {figures['link_bandwidth'] / 1e9:.2f} GB/s "
-             f"(fit over {len(figures['link_samples'])} all-gather, reduce-scatter and all-to-all samples of 16 KiB "
-             f"to 4 MiB per rank), NS "
-             f"profiled per shape and batch (bf16, auto); forward+backward predicted at the {compute} rate",
-             "| config | step ms: measured / predicted (error) | fwd+bwd ms | optimizer ms |",
-             "|---|---|---|---|"]
-    for config, row in comparison["configs"].items():
-        cells = [f"{row[k]['measured'] * 1e3:.1f} / {row[k]['predicted'] * 1e3:.1f} ({row[k]['error']:+.0%})"
-                 for k in ("step", "forward_backward", "optimizer")]
-        lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
-    order = comparison["order_by_step"]
-    lines.append(f"order by step time: measured {', '.join(order['measured'])}; predicted "
-                 f"{', '.join(order['predicted'])} ({'same' if comparison['same_order'] else 'different'})")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dmuon bench --calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2", choices=["qwen2", "vla", "tiny"])
@@ -302,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks, one thread each (default 2)")
     p.add_argument("--steps", type=int, default=8, help="timed bench steps per configuration (default 8)")
     p.add_argument("--rounds", type=int, default=4, help="bench rounds (default 4)")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs of each machine measurement (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each machine measurement (their mean)")
     p.add_argument("--measure-only", action="store_true", help="print the machine's figures, run no bench")
     p.add_argument("--json", default=None, metavar="PATH")
     return p
@@ -317,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     size = resolve_size(args.model, args.size)
     with torch.device("meta"):
         tokens = build_workload(args.model, size=size).tokens_per_rank
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()
     if args.measure_only:
         per_rank = run_distributed(_measure, args.world_size, args.model, size, tokens, args.repeats, timeout_s=900)
         measured = None
@@ -329,35 +369,48 @@ def main(argv: list[str] | None = None) -> int:
                                    _options(bench_args), args.model, size, tokens, args.repeats, timeout_s=1800)
         measured = {r["config"]: r for r in per_rank[0][0]}
         per_rank = [points for _, points in per_rank]
-    figures = combine(per_rank)
+    figures = combine(per_rank, args.world_size)
+    load = {"start": load_start, "end": os.getloadavg()}
     print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
     effective = predict(figures, args.model, size, args.world_size, tokens, compute="effective_flops")
+    # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
+    # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift.
+    ablation = {"shared link, no host, no drift": predict(figures, args.model, size, args.world_size, tokens,
+                                                          per_kind=False, host=False, skew=False),
+                "per-kind links": predict(figures, args.model, size, args.world_size, tokens, host=False, skew=False),
+                "and host": predict(figures, args.model, size, args.world_size, tokens, skew=False),
+                "and drift (all)": predicted}
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
-               "machine": machine_description(), "figures": figures, "predicted": predicted,
-               "predicted_at_effective_rate": effective}
+               "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
+               "predicted_at_effective_rate": effective, "ablation": ablation}
+    loads = (f"load average (1, 5, 15 min) {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
+             f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end ({os.cpu_count()} cores)")
     if measured is not None:
         payload["bench"] = {"steps": args.steps, "rounds": args.rounds, "results": list(measured.values())}
         payload["comparison"] = compare(measured, predicted)
         payload["comparison_at_effective_rate"] = compare(measured, effective)
         spread = ", ".join(f"{k.split('_')[0]} {lo / 1e9:.1f}-{hi / 1e9:.1f}"
-                           for k, (lo, hi) in figures["spread"].items())
+                           for k, (lo, hi) in figures["spread"].items() if k.endswith(("_flops", "_bytes")))
         header = (f"{args.model} ({size}), {args.world_size} gloo ranks, {tokens} tokens per rank; bench: "
                   f"{args.steps} timed steps in {args.rounds} rounds, medians; machine measured on every rank before "
                   f"each round and after the last, the slower rank at each of the {figures['points']} points "
-                  f"(range over them, G/s: {spread}); {payload['machine']}")
+                  f"(range over them, G/s: {spread}); {payload['machine']}; {loads}")
         print(format_comparison(figures, payload["comparison"], header))
         print("\nthe same, forward+backward at the effective rate (FSDP2's own work on a rank and the model's "
               "non-GEMM work in the rate, as in the presets):")
         print("\n".join(format_comparison(figures, payload["comparison_at_effective_rate"], "",
                                            "effective").splitlines()[1:]))
+        print("\nrounds' step medians, ms: " + "; ".join(
+            f"{c} " + " ".join(f"{t * 1e3:.0f}" for t in measured[c]["step_s_by_round"]) for c in CONFIGS))
     else:
+        print(loads)
         print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds")}, indent=1))
-        for rate, table in (("matmul", predicted), ("effective", effective)):
-            for config, p in table.items():
-                print(f"{config} ({rate} rate): predicted step {p['step_seconds'] * 1e3:.1f} ms, fwd+bwd "
-                      f"{p['forward_backward_seconds'] * 1e3:.1f}, optimizer {p['optimizer_seconds'] * 1e3:.1f}")
+        print(figures_line(figures))
+    print("what each mechanism adds (matmul rate), predicted step / optimizer ms: " + "; ".join(
+        f"{name}: " + ", ".join(f"{c} {p[c]['step_seconds'] * 1e3:.1f} / {p[c]['optimizer_seconds'] * 1e3:.1f}"
+                                for c in CONFIGS) for name, p in ablation.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

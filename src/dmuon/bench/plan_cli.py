@@ -115,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--elementwise-gbps", type=_positive_float, default=None, metavar="GB/S",
                      help="memory bandwidth of elementwise work (AdamW, momentum, applies) in GB/s (default: the "
                           "preset's)")
+    sim.add_argument("--dispatch-us", type=_nonnegative_float, default=None, metavar="US",
+                     help="host microseconds per operation on plain tensors, where the modelled code dispatches "
+                          "per tensor (default: the preset's; 0: no host work)")
+    sim.add_argument("--dtensor-dispatch-us", type=_nonnegative_float, default=None, metavar="US",
+                     help="host microseconds per operation on a DTensor (default: the preset's)")
+    sim.add_argument("--layout-us", type=_nonnegative_float, default=None, metavar="US",
+                     help="host microseconds per DTensor layout call, full_tensor() or distribute_tensor, beyond "
+                          "its collective (default: the preset's)")
+    sim.add_argument("--fsdp-unit-us", type=_nonnegative_float, default=None, metavar="US",
+                     help="host microseconds of FSDP2's own work per unit and pass (default: the preset's)")
     sim.add_argument("--tokens-per-gpu", type=int, default=4096, metavar="N",
                      help="tokens each GPU runs forward and backward per step (default 4096)")
     sim.add_argument("--sim-ns", default="auto", choices=NS_METHODS + ("profile",),
@@ -331,16 +341,22 @@ def hardware_from_args(args) -> Hardware:
         inter_bandwidth=links.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
         intra_latency=links.intra_latency if args.intra_latency is None else args.intra_latency / 1e6,
         inter_latency=links.inter_latency if args.inter_latency is None else args.inter_latency / 1e6)
+    host = {"dispatch_seconds": getattr(args, "dispatch_us", None),
+            "dtensor_dispatch_seconds": getattr(args, "dtensor_dispatch_us", None),
+            "dtensor_layout_seconds": getattr(args, "layout_us", None),
+            "fsdp_unit_seconds": getattr(args, "fsdp_unit_us", None)}
     given = [name for name, value in (("compute", args.compute_tflops), ("ns", args.ns_tflops),
                                       ("elementwise", args.elementwise_gbps), ("links", args.intra_bandwidth),
                                       ("links", args.inter_bandwidth), ("links", args.intra_latency),
-                                      ("links", args.inter_latency)) if value is not None]
+                                      ("links", args.inter_latency), *(("host", v) for v in host.values()))
+             if value is not None]
     return Hardware(
         preset.name + (f" ({', '.join(sorted(set(given)))} overridden)" if given else ""),
         preset.compute_flops if args.compute_tflops is None else args.compute_tflops * 1e12,
         preset.ns_flops if args.ns_tflops is None else args.ns_tflops * 1e12,
         preset.elementwise_bytes if args.elementwise_gbps is None else args.elementwise_gbps * 1e9,
-        links)
+        links, op_links=dict(preset.op_links),
+        **{k: getattr(preset, k) if v is None else v / 1e6 for k, v in host.items()})
 
 
 def _profiled(table: CostTable | None):

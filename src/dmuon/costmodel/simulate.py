@@ -32,15 +32,14 @@ Ranks given the same work in every task have the same timeline (the simulation i
 deterministic), so one of each such class is simulated (FSDP2 + AdamW's 256 ranks are one).
 With ``overlap=False`` every task waits for the one before it on every rank: with no
 compute the step is then :func:`~dmuon.costmodel.collectives.step_figures`' alpha-beta
-total. Only ``dmuon plan`` (:mod:`dmuon.bench.plan_cli`) and the bench's calibration use
-this module.
+total. The event loop (tasks, streams, shared links and engines) is
+:mod:`dmuon.costmodel.timeline`, the host's work per code path :mod:`dmuon.costmodel.host`.
+Only ``dmuon plan`` (:mod:`dmuon.bench.plan_cli`) and the bench's calibration use this module.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -53,6 +52,8 @@ from dmuon.costmodel.collectives import (
     async_runtime_order,
     step_collectives,
 )
+from dmuon.costmodel.host import HostOps, OpCount, host_seconds, with_host
+from dmuon.costmodel.timeline import Task, Timeline
 from dmuon.costmodel.rank_traffic import row_width
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 
@@ -80,11 +81,40 @@ class Hardware:
     """Bytes/s of memory-bound elementwise work (AdamW, momentum, applying updates)."""
     links: AlphaBeta = field(default_factory=AlphaBeta)
     """Latency and per-direction bandwidth inside a node (intra) and across nodes (inter)."""
+    op_links: dict[str, AlphaBeta] = field(default_factory=dict)
+    """Per collective kind (:attr:`Collective.op`: ``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_reduce"``, ``"all_to_all"``), its own latency and bandwidth in place of :attr:`links`'
+    (gloo reduce-scatters by an all-reduce of the whole input: its bytes cost about three times an
+    all-gather's); a kind not listed takes :attr:`links`. The link a kind's transfer occupies is
+    still the level's one, shared with every other transfer on it."""
+    dispatch_seconds: float = 0.0
+    """Host seconds per operation on plain tensors (an ATen op; a kernel launch on a GPU), for the
+    code paths that dispatch per tensor (:class:`~dmuon.costmodel.host.HostOps`); 0: not modelled."""
+    dtensor_dispatch_seconds: float = 0.0
+    """Host seconds per operation on a DTensor (DTensor's dispatch and the plain op under it); 0: not modelled."""
+    dtensor_layout_seconds: float = 0.0
+    """Host seconds per DTensor layout call (``full_tensor()``, ``distribute_tensor``) beyond its
+    collective and operations: redistribution planning, functional-collective wrapping; 0: not modelled."""
+    sync_skew: float = 0.0
+    """Ranks of a shared host drifting apart between the collectives that block their threads (gloo):
+    the later rank's delay at each, as a fraction of the compute seconds since the one before
+    (:class:`Timeline`); 0: ranks in lockstep (GPUs, an idle host)."""
+    fsdp_unit_seconds: float = 0.0
+    """Host seconds of FSDP2's own work per unit and pass (forward: unshard and reshard; backward:
+    unshard, reduce-scatter's copy-in, the gradients' views): on the rank's compute stream, added to
+    each unit's forward and backward; 0: not modelled (or inside :attr:`compute_flops`, an effective rate)."""
 
     def __post_init__(self) -> None:
         for name in ("compute_flops", "ns_flops", "elementwise_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds",
+                     "sync_skew"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        unknown = set(self.op_links) - {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+        if unknown:
+            raise ValueError(f"op_links: unknown collective kinds {sorted(unknown)}")
 
     def as_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "links"}, **self.links.as_dict()}
@@ -100,6 +130,13 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # (40%, 61%, 60%); NVLink capped at 400 GB/s bidirectional (200 each way); one 200 Gb/s
     # HDR NIC per GPU (25 GB/s each way); the same latencies.
     "a800": Hardware("a800", 125e12, 190e12, 1.2e12, AlphaBeta(intra_bandwidth=200e9, inter_bandwidth=25e9)),
+    # Both presets: one link figure for every collective kind (NCCL's ring all-gather and
+    # reduce-scatter move the same bytes at the same rate), and no host work (dispatch figures 0):
+    # on a GPU the host queues kernels ahead of the device. A GPU host's own figures would be a few
+    # microseconds per kernel launch (the CUDA launch overhead usually quoted, 3-5 us; not measured
+    # here) and tens per DTensor operation (host Python: 15-34 us measured on this machine's CPU);
+    # `dmuon plan --simulate --dispatch-us 5 --dtensor-dispatch-us 30` prices them, with each
+    # task taking the longer of its host and device work (docs/benchmarks.md says what that changes).
 }
 """Hardware presets of ``dmuon plan --simulate --hardware NAME``."""
 
@@ -128,14 +165,20 @@ class SimOptions:
     """Bytes per flag of dmuon's agreement all-reduce (int32; one flag per matrix and block)."""
     peer_concurrency: int = 3
     """The all-to-all peer's batches in flight (its ``AsyncRuntime``'s limit)."""
+    host_ops: HostOps = field(default_factory=HostOps)
+    """Operations per unit of work of the code paths that dispatch per tensor, priced at the
+    hardware's dispatch figures (all 0 by default: no host work)."""
+    unlisted_tensors: int = 0
+    """Parameter tensors the shape lists leave out (norm weights, biases: their bytes are negligible,
+    but per-tensor dispatch counts each), updated by AdamW."""
 
     def __post_init__(self) -> None:
         if self.ns_method not in NS_METHODS:
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {self.ns_method!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.tokens_per_gpu < 0 or self.ns_steps < 1:
-            raise ValueError("tokens_per_gpu must be >= 0 and ns_steps >= 1")
+        if self.tokens_per_gpu < 0 or self.ns_steps < 1 or self.unlisted_tensors < 0:
+            raise ValueError("tokens_per_gpu and unlisted_tensors must be >= 0 and ns_steps >= 1")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -156,271 +199,6 @@ APPLY_BYTES = 10
 """Applying an update: the fp32 parameter read and written, the bf16 update read."""
 OWNER_COPY_BYTES = 8
 """An owner pastes the pieces into the full direction and cuts the update (bf16, read and written)."""
-
-
-# ------------------------------------------------------------------ the event loop
-@dataclass(eq=False)
-class Task:
-    """One piece of work: compute on some ranks, or one collective."""
-
-    name: str
-    """What it is (a collective's label)."""
-    stream: str
-    """Per-rank FIFO queue it runs on."""
-    seconds: list[float | None] | None
-    """Compute seconds per rank (None where it does not run); None for a collective."""
-    collective: Collective | None
-    """The collective it runs (its ranks, bytes per rank, level, messages), or None for compute."""
-    deps: list["Task"]
-    """Done on a rank before this starts there (nothing, where the dependency does not run)."""
-    barrier: list["Task"]
-    """Done on every rank before this starts anywhere."""
-    phase: str
-    """``"forward"``, ``"backward"`` or ``"step"``."""
-    kind: str
-    """``"compute"``, ``"ns"``, ``"elementwise"``, ``"wait"`` or ``"collective"``."""
-    ranks: list[int] = field(default_factory=list)
-    """The ranks it runs on (set by :meth:`Timeline.run`)."""
-    start: dict[int, float] = field(default_factory=dict)
-    """Per rank, when it started (a collective: when the rank reached it)."""
-    end: dict[int, float] = field(default_factory=dict)
-    """Per rank, when it ended."""
-    moving: float | None = None
-    """A collective: when its latency was paid and its bytes started moving."""
-
-
-class Timeline:
-    """Tasks on ``world`` ranks and a run of them (:meth:`run`)."""
-
-    def __init__(self, world: int, links: AlphaBeta, overlap: bool = True):
-        self.world, self.links, self.overlap = world, links, overlap
-        self.tasks: list[Task] = []
-
-    def _add(self, task: Task) -> Task:
-        if not self.overlap:
-            # Serialised: one queue, each task after the previous one (that runs anywhere) has ended everywhere.
-            task.stream = "serial"
-            previous = next((t for t in reversed(self.tasks) if _runs_somewhere(t)), None)
-            task.barrier = task.barrier + ([previous] if previous is not None else [])
-        self.tasks.append(task)
-        return task
-
-    def compute(self, name: str, stream: str, seconds: float | Sequence[float | None], deps=(), *,
-                phase: str, kind: str = "compute") -> Task:
-        """Compute on every rank (``seconds`` a number) or per rank (a list, None: not there)."""
-        per_rank = [float(seconds)] * self.world if isinstance(seconds, (int, float)) else list(seconds)
-        return self._add(Task(name, stream, per_rank, None, _present(deps), [], phase, kind))
-
-    def wait(self, name: str, stream: str, deps=(), *, phase: str) -> Task:
-        """A point on ``stream`` (every rank) after its earlier work and ``deps``: takes no time."""
-        return self._add(Task(name, stream, [0.0] * self.world, None, _present(deps), [], phase, "wait"))
-
-    def collective(self, c: Collective, stream: str, deps=(), *, phase: str) -> Task:
-        return self._add(Task(c.label, stream, None, c, _present(deps), [], phase, "collective"))
-
-    # -- the run
-    def run(self) -> None:
-        """Runs every task; fills each task's per-rank ``start`` and ``end``.
-
-        Events are ``(time, seq, what, payload)`` on one heap. Links share their bandwidth
-        equally among the transfers on them (processor sharing), and a rank's compute engine
-        its time among the compute tasks running at once, tracked in *virtual time*: the
-        resource's virtual clock advances at ``rate / tasks``, and work W that joined at
-        virtual time V ends when the clock reaches V + W.
-        """
-        events, seq = [], [0]
-
-        def push(t: float, what: str, payload) -> None:
-            seq[0] += 1
-            heapq.heappush(events, (t, seq[0], what, payload))
-
-        classes = self._symmetry_classes()
-        queues, unmet, after, after_all, left = self._wiring()
-        arrived = [0] * len(self.tasks)
-        parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
-        shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
-        now = 0.0
-
-        def ready(n: int, k: int) -> None:
-            """Starts task n on rank k if it heads its stream there and nothing it needs is missing."""
-            task = self.tasks[n]
-            if unmet[n][k] or queues[(k, task.stream)][0] != n or k in task.start:
-                return
-            task.start[k] = now
-            if task.collective is not None:
-                arrived[n] += 1
-                if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
-                    push(now + _latency(task.collective, self.links), "moved", n)
-            elif task.seconds[k] == 0:
-                push(now, "done", (n, k))
-            else:
-                # The rank's compute engine is shared by whatever runs on it at once (kernels of
-                # several streams interleave), like a link's bandwidth: seconds of work at rate 1.
-                parts_left[(n, k)] = 1
-                engine = shared.setdefault((k, "engine", ""), _Shared(1.0))
-                engine.join(now, task.seconds[k], (n, k))
-                engine.schedule(push, (k, "engine", ""))
-
-        def done(n: int, k: int) -> None:
-            task = self.tasks[n]
-            task.end[k] = now
-            queue = queues[(k, task.stream)]
-            queue.popleft()
-            if queue:
-                ready(queue[0], k)
-            for m in after[n]:
-                if k in unmet[m]:
-                    unmet[m][k] -= 1
-                    ready(m, k)
-            left[n] -= 1
-            if left[n] == 0:
-                for m in after_all[n]:
-                    for j in self.tasks[m].ranks:
-                        unmet[m][j] -= 1
-                        ready(m, j)
-
-        for n, task in enumerate(self.tasks):
-            for k in task.ranks:
-                ready(n, k)
-        while events:
-            now, _, what, payload = heapq.heappop(events)
-            if what == "done":
-                done(*payload)
-            elif what == "moved":  # latency paid: every rank's bytes start moving
-                n = payload
-                c = self.tasks[n].collective
-                self.tasks[n].moving = now
-                bandwidth = self.links.intra_bandwidth if c.level == "intra" else self.links.inter_bandwidth
-                for k in self.tasks[n].ranks:
-                    flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
-                    parts_left[(n, k)] = len(flows)
-                    if not flows:
-                        done(n, k)
-                    for direction, nbytes in flows:
-                        link = shared.setdefault((k, c.level, direction), _Shared(bandwidth))
-                        link.join(now, nbytes, (n, k))
-                        link.schedule(push, (k, c.level, direction))
-            elif what == "share":
-                key, version = payload
-                resource = shared[key]
-                if version != resource.version:
-                    continue  # rescheduled since
-                for n, k in resource.finish(now):
-                    parts_left[(n, k)] -= 1
-                    if parts_left[(n, k)] == 0:
-                        done(n, k)
-                resource.schedule(push, key)
-        stuck = [t.name for t in self.tasks if len(t.end) < len(t.ranks)]
-        if stuck:
-            raise RuntimeError(f"simulation deadlocked; first unfinished tasks: {stuck[:5]}")
-        # Every rank of a class has its representative's times.
-        for members in classes:
-            for task in self.tasks:
-                if members[0] in task.end:
-                    for k in members[1:]:
-                        task.start[k], task.end[k] = task.start[members[0]], task.end[members[0]]
-        for task in self.tasks:
-            task.ranks = [k for k, part in enumerate(_parts(task)) if part is not None]
-
-    def _symmetry_classes(self) -> list[list[int]]:
-        """Ranks given the same work in every task run the same timeline: one of each class (its
-        lowest rank) is simulated, which sets every task's ``ranks`` to the representatives it runs on."""
-        classes: dict[tuple, list[int]] = {}
-        for k in range(self.world):
-            classes.setdefault(tuple(_parts(t)[k] for t in self.tasks), []).append(k)
-        simulated = sorted(members[0] for members in classes.values())
-        for task in self.tasks:
-            parts = _parts(task)
-            task.ranks = [k for k in simulated if parts[k] is not None]
-        return list(classes.values())
-
-    def _wiring(self):
-        """Per (rank, stream) its queue of task indices in issue order; per task and rank its number of
-        unmet dependencies; per task who waits for it on the same rank (``after``) and everywhere
-        (``after_all``, barriers); per task on how many ranks it still has to end (``left``)."""
-        index = {id(t): n for n, t in enumerate(self.tasks)}
-        here = [set(t.ranks) for t in self.tasks]
-        queues: dict[tuple[int, str], deque] = {}
-        for n, task in enumerate(self.tasks):
-            for k in task.ranks:
-                queues.setdefault((k, task.stream), deque()).append(n)
-        unmet = [dict.fromkeys(t.ranks, 0) for t in self.tasks]
-        after: list[list[int]] = [[] for _ in self.tasks]
-        after_all: list[list[int]] = [[] for _ in self.tasks]
-        left = [len(t.ranks) for t in self.tasks]
-        for n, task in enumerate(self.tasks):
-            for d in task.deps:
-                m = index[id(d)]
-                after[m].append(n)
-                for k in task.ranks:
-                    if k in here[m]:  # a dependency that does not run on k does not hold k up
-                        unmet[n][k] += 1
-            for d in task.barrier:
-                m = index[id(d)]
-                if left[m]:
-                    after_all[m].append(n)
-                    for k in task.ranks:
-                        unmet[n][k] += 1
-        return queues, unmet, after, after_all, left
-
-
-def _parts(task: Task) -> list:
-    """Per rank what the task gives it: compute seconds, or a collective's (sent, received); None: nothing."""
-    return task.seconds if task.collective is None else task.collective.ranks
-
-
-def _present(deps) -> list[Task]:
-    """The dependencies that exist (a collective a strategy does not issue here is None)."""
-    return [d for d in deps if d is not None]
-
-
-def _runs_somewhere(task: Task) -> bool:
-    return any(p is not None for p in _parts(task))
-
-
-def _latency(c: Collective, links: AlphaBeta) -> float:
-    return c.messages * (links.intra_latency if c.level == "intra" else links.inter_latency)
-
-
-class _Shared:
-    """A resource shared equally by the work on it: one direction of one rank's link at one level
-    (bytes/s), or one rank's compute engine (seconds of work per second)."""
-
-    def __init__(self, bandwidth: float):
-        self.bandwidth = bandwidth
-        self.virtual = 0.0   # work each task on it has had done since it was created
-        self.at = 0.0        # real time of ``virtual``
-        self.flows: list = []  # (virtual end, seq, owner)
-        self.seq = 0
-        self.version = 0
-
-    def _advance(self, now: float) -> None:
-        if self.flows:
-            self.virtual += (now - self.at) * self.bandwidth / len(self.flows)
-        self.at = now
-
-    def join(self, now: float, nbytes: float, owner) -> None:
-        self._advance(now)
-        self.seq += 1
-        heapq.heappush(self.flows, (self.virtual + nbytes, self.seq, owner))
-
-    def finish(self, now: float) -> list:
-        """The owners of the transfers that have ended by ``now``."""
-        self._advance(now)
-        # What would end within a negligible time (1e-12 of the clock) ends now: with fast
-        # resources the remaining time can fall below the clock's resolution.
-        slack = 1e-12 * max(now, 1e-9) * self.bandwidth / max(len(self.flows), 1)
-        out = []
-        while self.flows and self.flows[0][0] <= self.virtual + slack:
-            out.append(heapq.heappop(self.flows)[2])
-        return out
-
-    def schedule(self, push, key) -> None:
-        """Queues the next end of a transfer (any earlier queued one is void)."""
-        self.version += 1
-        if self.flows:
-            remaining = max(self.flows[0][0] - self.virtual, 0.0)
-            push(self.at + remaining * len(self.flows) / self.bandwidth, "share", (key, self.version))
 
 
 # ------------------------------------------------------------------ one step's schedule
@@ -520,7 +298,7 @@ class _Builder:
         if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
             raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
-        self.tl = Timeline(inputs.world, hardware.links, options.overlap)
+        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew)
         self.waves = inputs.waves()
         collectives = step_collectives(
             strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
@@ -560,9 +338,21 @@ class _Builder:
     def seconds(self, flops: float, rate: float) -> float:
         return flops / rate if self.opt.compute else 0.0
 
-    def elementwise(self, name: str, stream: str, nbytes: float, deps=(), *, phase: str = "step") -> Task:
-        return self.tl.compute(name, self.s[stream], self.seconds(nbytes, self.hw.elementwise_bytes), deps,
-                               phase=phase, kind="elementwise")
+    def elementwise(self, name: str, stream: str, nbytes: float, deps=(), *, phase: str = "step",
+                    host: OpCount | None = None) -> Task:
+        """Memory-bound work of ``nbytes``, with the host's ``host`` operations (:meth:`with_host`)."""
+        seconds = self.with_host(self.seconds(nbytes, self.hw.elementwise_bytes), host)
+        return self.tl.compute(name, self.s[stream], seconds, deps, phase=phase, kind="elementwise")
+
+    def with_host(self, seconds: float, host: OpCount | float | None) -> float:
+        """``seconds`` of device work with the host's work (operations at the hardware's dispatch
+        figures, or seconds), as :func:`~dmuon.costmodel.host.with_host` combines them."""
+        if host is None or not self.opt.compute:
+            return seconds
+        if isinstance(host, OpCount):
+            host = host_seconds(host, self.hw.dispatch_seconds, self.hw.dtensor_dispatch_seconds,
+                                self.hw.dtensor_layout_seconds)
+        return with_host(seconds, host, self.opt.backend)
 
     def wait(self, name: str, stream: str, deps, phase: str = "step") -> Task:
         return self.tl.wait(name, self.s[stream], deps, phase=phase)
@@ -592,6 +382,7 @@ class _Builder:
         layers = [b for b in order if b != root]
         tokens = self.opt.tokens_per_gpu
         fwd = {b: self.seconds(2.0 * self.block_numel(b) * tokens, self.hw.compute_flops) for b in order}
+        unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
         sequence: list[Task] = []  # every forward and backward compute task, in order
 
         def prefetched() -> list[Task]:
@@ -605,20 +396,21 @@ class _Builder:
 
         if root is not None:
             gathered = self.coll("fsdp_all_gather", "forward", root, None, AG)
-            run(tl.compute("embedding", C, 0.0, [gathered], phase="forward"))
+            run(tl.compute("embedding", C, self.with_host(0.0, unit), [gathered], phase="forward"))
         for b in layers:
             gathered = self.coll("fsdp_all_gather", "forward", b, None, AG, prefetched())
-            run(tl.compute(f"forward block {b}", C, fwd[b], [gathered], phase="forward"))
+            run(tl.compute(f"forward block {b}", C, self.with_host(fwd[b], unit), [gathered], phase="forward"))
         if root is not None:
             # The root's parameters (the head) compute after the layers and stay gathered for backward.
             run(tl.compute("forward head", C, fwd[root], phase="forward"))
             run(tl.compute("backward head", C, 2 * fwd[root], phase="backward"))
         for b in reversed(layers):
             gathered = self.coll("fsdp_all_gather", "backward", b, None, AG, prefetched()) if inp.zero == 3 else None
-            done = run(tl.compute(f"backward block {b}", C, 2 * fwd[b], [gathered], phase="backward"))
+            done = run(tl.compute(f"backward block {b}", C, self.with_host(2 * fwd[b], unit), [gathered],
+                                  phase="backward"))
             self.reduce(b, done, hook)
         if root is not None:
-            done = run(tl.compute("backward embedding", C, 0.0, phase="backward"))
+            done = run(tl.compute("backward embedding", C, self.with_host(0.0, unit), phase="backward"))
             self.reduce(root, done, hook)
         # FSDP2's final callback: the compute stream waits for every reduction (and what the hooks queued).
         drained = [self.wait(f"{s} drained", s, [], "backward") for s in (RS, AR) if self.s[s] != C]
@@ -733,24 +525,39 @@ class _Builder:
             self.launches.append(_Launch(b, "R", reductions))
 
     # -- the steps
-    def adamw(self, numel: float, deps=()) -> Task:
-        return self.elementwise("adamw", C, ADAMW_BYTES * numel, deps)
+    def adamw(self, numel: float, deps=(), host: OpCount | None = None) -> Task:
+        return self.elementwise("adamw", C, ADAMW_BYTES * numel, deps, host=host)
 
     def other_local(self) -> float:
         return sum(_numel(s) for s in self.inp.other_shapes) / self.inp.shard
 
+    def other_tensors(self) -> int:
+        """The parameter tensors AdamW updates besides the Muon matrices (listed or not)."""
+        return len(self.inp.other_shapes) + self.opt.unlisted_tensors
+
+    def local_adamw_ops(self) -> OpCount:
+        """dmuon's (gather's) AdamW on the other parameters' local shards: foreach."""
+        ops = self.opt.host_ops
+        return ops.local_foreach_adamw + ops.foreach_adamw_per_tensor * self.other_tensors()
+
     def step_fsdp_adamw(self) -> None:
-        self.adamw(self.other_local() + sum(_numel(s) for s in self.inp.shapes) / self.inp.shard)
+        # torch.optim.AdamW over DTensors: its per-tensor loop on CPU, foreach on accelerators.
+        ops, tensors = self.opt.host_ops, len(self.inp.shapes) + self.other_tensors()
+        host = (ops.adamw_per_tensor * tensors if self.opt.backend == "gloo"
+                else ops.foreach_adamw + ops.foreach_adamw_per_tensor * tensors)
+        self.adamw(self.other_local() + sum(_numel(s) for s in self.inp.shapes) / self.inp.shard, host=host)
 
     def step_gather(self) -> None:
         """GatherThenCompute: per matrix its momentum, the all-gather, NS on every rank, the apply."""
         for i, shape in enumerate(self.inp.shapes):
-            momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard)
+            # The matrix's DTensor and plain operations (NS's aside), all on the host before its all-gather.
+            momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard,
+                                        host=self.opt.host_ops.gather_per_matrix)
             gathered = self.coll("gather", "step", self.inp.blocks[i], i, GATHER, [momentum])
             ns = self.tl.compute(f"NS {i}", C, self.ns_seconds(shape, 1, owner_copy=False), [gathered],
                                  phase="step", kind="ns")
             self.elementwise(f"apply {i}", C, APPLY_BYTES * _numel(shape) / self.inp.shard, [ns])
-        self.adamw(self.other_local())
+        self.adamw(self.other_local(), host=self.local_adamw_ops())
 
     def step_dmuon(self) -> None:
         """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
@@ -767,7 +574,10 @@ class _Builder:
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                 launch.stage = "B"
         everything = list(range(len(inp.shapes)))
-        self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything))
+        # step()'s host operations (its AdamW's included), counted per step and matrix, with the momentum.
+        ops = self.opt.host_ops
+        self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything),
+                         host=ops.dmuon_per_step + ops.dmuon_per_matrix * len(inp.shapes))
         checked = self.elementwise("launch check", C, STALE_BYTES * self.kept_elements(everything))
         speculative = inp.return_waves == 1
         agreement = None

@@ -76,3 +76,17 @@ def test_compare_errors_and_orders():
     assert result["configs"]["gather"]["optimizer"]["error"] == pytest.approx(0.2)
     assert result["same_order"] and result["order_by_step"]["measured"] == ["adamw", "dmuon_z2", "dmuon_z3",
                                                                              "gather"]
+
+
+def test_plan_simulate_host_figures_override_the_preset(tmp_path):
+    argv = ["--model", "pi0", "--world-size", "8", "--zero", "3", "--simulate"]
+    base, host = tmp_path / "base.json", tmp_path / "host.json"
+    assert plan_cli.main(argv + ["--json", str(base)]) == 0
+    assert plan_cli.main(argv + ["--dispatch-us", "5", "--dtensor-dispatch-us", "30", "--json", str(host)]) == 0
+    base_plan, host_plan = json.loads(base.read_text()), json.loads(host.read_text())
+    hardware = host_plan["simulation_model"]["hardware"]
+    assert hardware["dispatch_seconds"] == pytest.approx(5e-6) and hardware["dtensor_dispatch_seconds"] == 30e-6
+    assert "host overridden" in hardware["name"]
+    assert base_plan["simulation_model"]["hardware"]["dispatch_seconds"] == 0.0  # the presets: no host work
+    # gather-then-compute's per-matrix DTensor operations lengthen its optimizer phase.
+    assert host_plan["simulation"]["gather"]["optimizer_seconds"] > base_plan["simulation"]["gather"]["optimizer_seconds"]

@@ -1,0 +1,235 @@
+"""``dmuon bench --calibrate``'s arithmetic: the link fits, the machine figures over ranks and points,
+the predictions, and the comparison with the bench (no ranks, no timing: the tests run it on
+constructed samples)."""
+
+from __future__ import annotations
+
+import statistics
+
+from dmuon.bench.shapes import bench_model_shapes
+from dmuon.costmodel.offline import plan_offline
+from dmuon.costmodel.simulate import Hardware, SimOptions
+from dmuon.costmodel.traffic import AlphaBeta
+
+CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dmuon", 2), "dmuon_z3": ("dmuon", 3)}
+"""Bench configuration -> (simulated strategy, ZeRO level)."""
+LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+"""The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
+RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "dispatch_seconds", "dtensor_dispatch_seconds",
+         "dtensor_layout_seconds", "fsdp_unit_seconds", "sync_skew")
+"""Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
+
+
+def link_messages(op: str, world_size: int) -> int:
+    """Latency terms of one collective on ``world_size`` ranks as the step model counts them
+    (:mod:`dmuon.costmodel.collectives`): ring steps, ``W - 1`` (an all-reduce ``2 (W - 1)``), or the
+    peers of an all_to_all."""
+    return 2 * (world_size - 1) if op == "all_reduce" else world_size - 1
+
+
+def fit_link(samples: list[tuple[str, int, float]]) -> tuple[float, float]:
+    """``time = latency + bytes / bandwidth`` over ``(op, bytes, seconds)`` samples, least squares of the
+    relative error (each sample weighted by 1 / time², so the small sizes set the latency and the large
+    ones the bandwidth)."""
+    # Minimise sum(((a + b x - y) / y)^2): the normal equations of a weighted linear fit.
+    w = [1.0 / t**2 for _, _, t in samples]
+    xs, ys = [float(b) for _, b, _ in samples], [t for _, _, t in samples]
+    sw = sum(w)
+    sx, sy = sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    latency = (sy - slope * sx) / sw
+    if latency < 0:  # no latency: refit the bandwidth through the origin
+        latency, slope = 0.0, sxy / sxx
+    return latency, 1.0 / slope
+
+
+def fit_links(samples: list[tuple[str, int, float]], world_size: int) -> dict[str, tuple[float, float]]:
+    """Per collective kind, ``(latency per message, bandwidth)``: :func:`fit_link` on its own samples
+    (bytes as the step model counts what each rank sends), the fitted latency spread over the
+    kind's :func:`link_messages`, as the simulation charges ``messages x latency``."""
+    out = {}
+    for op in sorted({s[0] for s in samples}):
+        latency, bandwidth = fit_link([s for s in samples if s[0] == op])
+        out[op] = (latency / link_messages(op, world_size), bandwidth)
+    return out
+
+
+def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
+    """Machine figures from ``per_rank[rank][point]`` measurements. Collectives make the ranks wait for
+    each other every block, so at each point in time the slower rank counts (the lowest rate, the
+    highest time); the figures are the means over the points, and ``spread`` each figure's lowest
+    and highest point. The link is fitted to every sample of every rank and point: once over every
+    kind (``link_latency``, ``link_bandwidth``), and per kind (``link_kinds``)."""
+    world_size = world_size or len(per_rank)
+    points = list(zip(*per_rank))
+    present = [k for k in RATES if k in points[0][0]]
+    bound = [{k: (min if k.endswith(("_flops", "_bytes")) else max)(m[k] for m in point) for k in present}
+             | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
+             for point in points]
+    samples = [tuple(s) for point in points for m in point for s in m["link_samples"]]
+    latency, bandwidth = fit_link(samples)
+    return {
+        **{k: statistics.mean(b[k] for b in bound) for k in present},
+        "spread": {k: [min(b[k] for b in bound), max(b[k] for b in bound)] for k in present},
+        "ns_seconds": {key: statistics.mean(b["ns_seconds"][key] for b in bound) for key in bound[0]["ns_seconds"]},
+        "link_latency": latency,
+        "link_bandwidth": bandwidth,
+        "link_kinds": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fit_links(samples, world_size).items()},
+        "link_samples": samples,
+        "unsupported": per_rank[0][0].get("unsupported", {}),
+        "points": len(points),
+        **{k: per_rank[0][0][k] for k in ("unlisted_tensors",) if k in per_rank[0][0]},
+    }
+
+
+def _ns_lookup(ns: dict):
+    def seconds(shape: tuple[int, int], batch: int) -> float:
+        key = f"{shape[0]}x{shape[1]}x{batch}"
+        return ns[key] if key in ns else batch * ns[f"{shape[0]}x{shape[1]}x1"]
+    return seconds
+
+
+def calibrated_hardware(figures: dict, compute: str = "matmul_flops", per_kind: bool = True,
+                        host: bool = True, skew: bool = True) -> Hardware:
+    """This machine as the simulation's :class:`Hardware`: forward and backward at ``figures[compute]``;
+    the link per collective kind (``per_kind``) or the one shared fit; the host's dispatch figures
+    (``host``); the ranks' drift between meetings (``skew``). FSDP2's per-unit host work only at the matmul rate: the effective rate, FSDP2's
+    forward and backward on a one-rank mesh, has it inside already."""
+    def links(latency: float, bandwidth: float) -> AlphaBeta:
+        return AlphaBeta(intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency,
+                         inter_latency=latency)
+
+    kinds = {op: links(f["latency"], f["bandwidth"]) for op, f in figures.get("link_kinds", {}).items()}
+    return Hardware(
+        "this machine (dmuon bench --calibrate)", figures[compute], figures["matmul_flops"],
+        figures["elementwise_bytes"], links(figures["link_latency"], figures["link_bandwidth"]),
+        op_links=kinds if per_kind else {},
+        dispatch_seconds=figures.get("dispatch_seconds", 0.0) if host else 0.0,
+        dtensor_dispatch_seconds=figures.get("dtensor_dispatch_seconds", 0.0) if host else 0.0,
+        dtensor_layout_seconds=figures.get("dtensor_layout_seconds", 0.0) if host else 0.0,
+        fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and compute == "matmul_flops" else 0.0,
+        sync_skew=figures.get("sync_skew", 0.0) if skew else 0.0)
+
+
+def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
+            compute: str = "matmul_flops", per_kind: bool = True, host: bool = True, skew: bool = True) -> dict:
+    """The simulated step of each bench configuration on ``world_size`` ranks (1-D FSDP), with
+    :func:`calibrated_hardware`'s figures."""
+    groups = bench_model_shapes(model, size)
+    hardware = calibrated_hardware(figures, compute, per_kind, host, skew)
+    # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
+    options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo",
+                         unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0)
+    plans = {zero: plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4, reduce_bytes=4,
+                                hardware=hardware, sim_options=options, max_waves=1)
+             for zero in (2, 3)}
+    return {config: plans[zero]["simulation"][strategy] for config, (strategy, zero) in CONFIGS.items()}
+
+
+def separated(a: list[float], b: list[float]) -> int:
+    """-1 if configuration a was faster than b in every round, 1 if slower in every round, 0 (tied) otherwise.
+
+    The bench interleaves the configurations round by round, so within a round they share the
+    machine's state (other work on the shared cores, its clock), which moves more between rounds
+    than between configurations: the rounds pair them. A pair counts as ordered by the
+    measurement when every round agrees, a sign test of two-sided p = 2^(1 - rounds) (0.125 with
+    4 rounds, 0.008 with 8); anything less consistent is a tie no model can be held to."""
+    signs = {(x > y) - (x < y) for x, y in zip(a, b)}
+    return signs.pop() if len(signs) == 1 and 0 not in signs and len(a) > 1 else 0
+
+
+def order_check(measured: dict, predicted: dict) -> dict:
+    """The orders by step time, and the pairs the measurement separates (:func:`separated`, on the
+    per-round medians ``step_s_by_round``): ``agree`` when the prediction orders each of them the same."""
+    names = list(CONFIGS)
+    order = {"measured": sorted(names, key=lambda c: measured[c]["step_s"]),
+             "predicted": sorted(names, key=lambda c: predicted[c]["step_seconds"])}
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            sign = separated(measured[a].get("step_s_by_round", []), measured[b].get("step_s_by_round", []))
+            p = predicted[a]["step_seconds"] - predicted[b]["step_seconds"]
+            pairs.append({"pair": [a, b], "measured": sign, "predicted": (p > 0) - (p < 0)})
+    ordered = [p for p in pairs if p["measured"]]
+    wrong = [p["pair"] for p in ordered if p["predicted"] != p["measured"]]
+    return {**{k: v for k, v in order.items()}, "pairs": pairs, "separated": len(ordered), "disagree": wrong,
+            "agree": not wrong, "same_order": order["measured"] == order["predicted"]}
+
+
+def compare(measured: dict, predicted: dict) -> dict:
+    """Per configuration the measured and predicted step and optimizer phase and their errors; the orders."""
+    rows = {}
+    for config in CONFIGS:
+        m, p = measured[config], predicted[config]
+        row = {}
+        for key, mkey, pkey in (("step", "step_s", "step_seconds"), ("forward_backward", "fwd_bwd_s",
+                                                                      "forward_backward_seconds"),
+                                ("optimizer", "optimizer_s", "optimizer_seconds")):
+            row[key] = {"measured": m[mkey], "predicted": p[pkey], "error": p[pkey] / m[mkey] - 1}
+        rows[config] = row
+    orders = order_check(measured, predicted)
+    within = all(abs(row[k]["error"]) <= 0.2 for row in rows.values() for k in ("step", "optimizer"))
+    return {"configs": rows, "order_by_step": {k: orders[k] for k in ("measured", "predicted")},
+            "same_order": orders["same_order"], "order": orders, "within_20_percent": within}
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us"
+
+
+def figures_line(figures: dict, compute: str = "matmul") -> str:
+    """The machine's figures the prediction ran with, in one paragraph."""
+    kinds = "; ".join(f"{op} {_us(f['latency'])} per message + bytes / {f['bandwidth'] / 1e9:.2f} GB/s"
+                      for op, f in figures.get("link_kinds", {}).items())
+    host = ""
+    if "dtensor_dispatch_seconds" in figures:
+        host = (f"; host: {figures['dispatch_seconds'] * 1e6:.1f} us per plain op, "
+                f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (tiny elementwise ops, half in "
+                f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
+                f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
+                f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), the "
+                f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings (blocks of GEMMs "
+                f"with an all-reduce after each, less both alone), "
+                f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
+    return (f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
+            f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "
+            f"6 x parameters x tokens), elementwise {figures['elementwise_bytes'] / 1e9:.2f} GB/s (AdamW kernel on "
+            f"one rank's shards), gloo link per kind ({len(figures['link_samples'])} samples of 16 KiB to 4 MiB per "
+            f"rank and peer, bytes each rank sends as the step model counts them): {kinds or '-'} (one fit over "
+            f"all: {_us(figures['link_latency'])} + bytes / {figures['link_bandwidth'] / 1e9:.2f} GB/s){host}; "
+            f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at the {compute} rate")
+
+
+def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "matmul") -> str:
+    lines = [header] if header else []
+    lines += [figures_line(figures, compute),
+              "| config | step ms: measured / predicted (error) | fwd+bwd ms | optimizer ms |",
+              "|---|---|---|---|"]
+    for config, row in comparison["configs"].items():
+        cells = [f"{row[k]['measured'] * 1e3:.1f} / {row[k]['predicted'] * 1e3:.1f} ({row[k]['error']:+.0%})"
+                 for k in ("step", "forward_backward", "optimizer")]
+        lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
+    lines.extend(order_lines(comparison))
+    return "\n".join(lines)
+
+
+def order_lines(comparison: dict) -> list[str]:
+    """The orders, the pairs the rounds separate, and the verdicts."""
+    o = comparison["order"]
+    sign = {-1: "<", 1: ">", 0: "~"}
+    pairs = ", ".join(f"{a} {sign[p['measured']]} {b}" + ("" if not p["measured"] or p["measured"] == p["predicted"]
+                                                          else " (predicted the reverse)")
+                      for p in o["pairs"] for a, b in [p["pair"]])
+    rounds = "every round agrees"
+    return [f"order by step time: measured {', '.join(o['measured'])}; predicted {', '.join(o['predicted'])} "
+            f"({'same' if o['same_order'] else 'different'})",
+            f"pairs by round ('<': faster in every round, '~': the rounds disagree, a tie): {pairs}; "
+            f"the prediction orders {o['separated'] - len(o['disagree'])} of the {o['separated']} pairs the "
+            f"measurement separates ({rounds}) as measured: {'no disagreement' if o['agree'] else 'DISAGREES'}",
+            f"within 20% (step and optimizer phase of every configuration): "
+            f"{'yes' if comparison['within_20_percent'] else 'no'}"]
+
+
+__all__ = ["CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
+           "format_comparison", "link_messages", "order_check", "predict", "separated"]

@@ -1,0 +1,125 @@
+"""``dmuon bench --calibrate``'s arithmetic on constructed samples (no ranks spawned, nothing timed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmuon.bench.calibrate_fit import (
+    CONFIGS,
+    calibrated_hardware,
+    combine,
+    compare,
+    fit_links,
+    link_messages,
+    order_check,
+    predict,
+    separated,
+)
+
+SIZES = (16384, 65536, 262144, 1048576, 4194304)
+
+
+def _samples(op: str, latency: float, bandwidth: float, world: int = 2) -> list[tuple[str, int, float]]:
+    """Exact samples of ``messages x latency + bytes / bandwidth`` at the calibration's sizes."""
+    return [(op, n, link_messages(op, world) * latency + n / bandwidth) for n in SIZES]
+
+
+def test_each_kind_gets_its_own_latency_per_message_and_bandwidth():
+    truth = {"all_gather": (2e-4, 1.3e9), "reduce_scatter": (3e-4, 0.45e9), "all_to_all": (1.5e-4, 1.2e9),
+             "all_reduce": (1.2e-4, 1.5e9)}
+    for world in (2, 4):
+        samples = [s for op, (a, b) in truth.items() for s in _samples(op, a, b, world)]
+        fitted = fit_links(samples, world)
+        for op, (a, b) in truth.items():
+            assert fitted[op] == pytest.approx((a, b))
+    # An all-reduce pays 2 (W - 1) latencies (a ring's two passes), the others W - 1.
+    assert (link_messages("all_reduce", 4), link_messages("all_gather", 4)) == (6, 3)
+
+
+def _point(flops: float, dispatch: float, layout: float) -> dict:
+    return {"matmul_flops": flops, "effective_flops": flops / 2, "elementwise_bytes": 1.0,
+            "dispatch_seconds": dispatch, "dtensor_dispatch_seconds": 10 * dispatch,
+            "dtensor_layout_seconds": layout, "fsdp_unit_seconds": 1e-3, "unlisted_tensors": 5,
+            "ns_seconds": {"4x4x1": 1.0},
+            "link_samples": _samples("all_gather", 1e-4, 1e9) + _samples("reduce_scatter", 1e-4, 0.5e9)}
+
+
+def test_combine_takes_the_slower_rank_for_rates_and_times_and_fits_every_kind():
+    figures = combine([[_point(10.0, 2e-6, 1e-4), _point(30.0, 1e-6, 3e-4)],
+                       [_point(20.0, 4e-6, 2e-4), _point(40.0, 1e-6, 1e-4)]], world_size=2)
+    assert figures["matmul_flops"] == pytest.approx((10.0 + 30.0) / 2)        # the lower rate at each point
+    assert figures["dispatch_seconds"] == pytest.approx((4e-6 + 1e-6) / 2)    # the longer time at each point
+    assert figures["dtensor_layout_seconds"] == pytest.approx((2e-4 + 3e-4) / 2)
+    assert figures["link_kinds"]["reduce_scatter"] == pytest.approx({"latency": 1e-4, "bandwidth": 0.5e9})
+    assert figures["link_kinds"]["all_gather"] == pytest.approx({"latency": 1e-4, "bandwidth": 1e9})
+    assert figures["unlisted_tensors"] == 5 and figures["points"] == 2
+
+
+def test_calibrated_hardware_options():
+    figures = combine([[_point(10.0, 2e-6, 1e-4)], [_point(20.0, 2e-6, 1e-4)]], world_size=2)
+    full = calibrated_hardware(figures)
+    assert set(full.op_links) == {"all_gather", "reduce_scatter"} and full.fsdp_unit_seconds == 1e-3
+    assert full.dtensor_dispatch_seconds == pytest.approx(2e-5)
+    # At the effective rate FSDP2's per-unit work is inside the rate already.
+    assert calibrated_hardware(figures, "effective_flops").fsdp_unit_seconds == 0.0
+    bare = calibrated_hardware(figures, per_kind=False, host=False)
+    assert bare.op_links == {} and bare.dispatch_seconds == bare.dtensor_dispatch_seconds == 0.0
+
+
+def test_per_kind_links_equal_to_the_shared_fit_predict_what_the_shared_fit_does():
+    from dmuon.bench.shapes import bench_model_shapes
+
+    ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
+          for r, c in [g.shape] for b in range(1, g.count + 1)}
+    shared = {"matmul_flops": 5e10, "effective_flops": 4e10, "elementwise_bytes": 5e9, "link_latency": 2e-4,
+              "link_bandwidth": 1e9, "ns_seconds": ns,
+              "link_kinds": {op: {"latency": 2e-4, "bandwidth": 1e9} for op in ("all_gather", "reduce_scatter",
+                                                                             "all_to_all", "all_reduce")}}
+    with_kinds = predict(shared, "qwen2", "tiny", 2, 64)
+    without = predict(shared, "qwen2", "tiny", 2, 64, per_kind=False)
+    for config in CONFIGS:
+        assert with_kinds[config]["step_seconds"] == pytest.approx(without[config]["step_seconds"])
+    # A slower reduce-scatter lengthens every configuration's forward+backward (FSDP2 reduce-scatters).
+    slow = dict(shared, link_kinds=dict(shared["link_kinds"], reduce_scatter={"latency": 2e-4, "bandwidth": 3e8}))
+    slower = predict(slow, "qwen2", "tiny", 2, 64)
+    assert all(slower[c]["forward_backward_seconds"] > without[c]["forward_backward_seconds"] for c in CONFIGS)
+
+
+def test_a_pair_is_ordered_only_when_every_round_agrees():
+    assert separated([1.0, 2.0, 3.0], [2.0, 3.0, 4.0]) == -1
+    assert separated([3.0, 4.0], [1.0, 2.0]) == 1
+    assert separated([1.0, 5.0, 3.0], [2.0, 3.0, 4.0]) == 0   # the rounds disagree: a tie
+    assert separated([1.0], [2.0]) == 0                       # one round decides nothing
+    assert separated([1.0, 2.0], [1.0, 3.0]) == 0             # an equal round is no evidence
+
+
+def _measured(rounds: dict[str, list[float]]) -> dict:
+    return {c: {"step_s": sorted(r)[len(r) // 2], "fwd_bwd_s": 1.0, "optimizer_s": 0.1, "step_s_by_round": r}
+            for c, r in rounds.items()}
+
+
+def test_orders_agree_when_no_separated_pair_is_reversed():
+    # gather is slower than everything in every round; adamw and the dmuon pair swap between rounds (ties).
+    measured = _measured({"adamw": [4.0, 5.0, 4.5], "gather": [9.0, 9.5, 9.2], "dmuon_z2": [4.2, 4.8, 4.1],
+                          "dmuon_z3": [4.9, 4.4, 4.6]})
+    predicted = {c: {"step_seconds": s, "forward_backward_seconds": 1.0, "optimizer_seconds": 0.1}
+                 for c, s in (("adamw", 3.9), ("gather", 8.0), ("dmuon_z2", 4.0), ("dmuon_z3", 4.3))}
+    check = order_check(measured, predicted)
+    assert check["separated"] == 3 and check["agree"] and not check["same_order"]
+    # gather predicted the fastest: the three pairs with it disagree.
+    predicted["gather"]["step_seconds"] = 1.0
+    check = order_check(measured, predicted)
+    assert not check["agree"] and len(check["disagree"]) == 3
+
+
+def test_compare_errors_orders_and_the_20_percent_verdict():
+    measured = _measured({"adamw": [10.0, 10.0], "gather": [20.0, 20.0], "dmuon_z2": [11.0, 11.0],
+                          "dmuon_z3": [12.0, 12.0]})
+    predicted = {c: {"step_seconds": m["step_s"] * 0.9, "forward_backward_seconds": 1.0, "optimizer_seconds": 0.11}
+                 for c, m in measured.items()}
+    result = compare(measured, predicted)
+    assert result["configs"]["adamw"]["step"]["error"] == pytest.approx(-0.1)
+    assert result["configs"]["gather"]["optimizer"]["error"] == pytest.approx(0.1)
+    assert result["same_order"] and result["order"]["agree"] and result["within_20_percent"]
+    predicted["gather"]["optimizer_seconds"] = 0.05
+    assert not compare(measured, predicted)["within_20_percent"]
