@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--return-waves", type=int, default=RETURN_WAVES, metavar="K",
                      help=f"dmuon's update returns (ExecutionConfig.return_waves; default {RETURN_WAVES}, the "
                           "accelerator default; 1 makes the step speculative, the CPU default)")
+    sim.add_argument("--hop-a-spread", type=int, default=8, metavar="N",
+                     help="dmuon's ExecutionConfig.hop_a_spread on HSDP (default 8; 1: a block's direction slices "
+                          "all with the next landing, which lets more blocks return in backward)")
     sim.add_argument("--serial", action="store_true",
                      help="no overlap: every task after the previous one on every rank")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -222,7 +225,7 @@ def _step_lines(plan: dict) -> list[str]:
 
 SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
               "dmuon": "dmuon (design (b) on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
-              "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
+              "dmuon_rbwd": "dmuon, returns in backward", "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
 """Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
 
 
@@ -385,6 +388,8 @@ def sim_options_from_args(args, table: CostTable | None) -> SimOptions:
 def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta) -> dict:
     if args.return_waves < 1:
         raise ValueError(f"--return-waves must be >= 1, got {args.return_waves}")
+    if args.hop_a_spread < 1:
+        raise ValueError(f"--hop-a-spread must be >= 1, got {args.hop_a_spread}")
     return plan_offline(groups, world_size, balancer, args.zero, costs=table, ns_steps=args.ns_steps,
                         time_limit_s=args.time_limit, memory_factor=args.memory_factor,
                         ranks_per_node=args.ranks_per_node, wire_bytes=_NS_DTYPES[args.ns_dtype].itemsize,
@@ -392,7 +397,7 @@ def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta)
                         reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model,
                         hardware=hardware_from_args(args) if args.simulate else None,
                         sim_options=sim_options_from_args(args, table) if args.simulate else None,
-                        max_waves=args.return_waves)
+                        max_waves=args.return_waves, hop_a_spread=args.hop_a_spread)
 
 
 def _scale_table(args, model: AlphaBeta) -> int:

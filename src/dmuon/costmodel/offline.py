@@ -125,6 +125,7 @@ def plan_offline(
     hardware: Hardware | None = None,
     sim_options: SimOptions | None = None,
     max_waves: int = RETURN_WAVES,
+    hop_a_spread: int = 8,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -153,6 +154,7 @@ def plan_offline(
             inputs, the non-Muon groups included) and ``simulation_model``, its settings.
         sim_options: The simulation's options (default :class:`~dmuon.costmodel.simulate.SimOptions`).
         max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
+        hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)).
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -277,11 +279,12 @@ def plan_offline(
     if hardware is not None:
         options = sim_options or SimOptions()
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
-                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
+                             hop_a_spread=hop_a_spread)
         plan["simulation"] = simulate_strategies(inputs, hardware, options)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
         plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
-                                    "return_waves": max_waves,
+                                    "return_waves": max_waves, "hop_a_spread": hop_a_spread,
                                     "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(
@@ -292,7 +295,7 @@ def plan_offline(
 
 def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
                 shard: int, *, zero: int = 3, max_waves: int = RETURN_WAVES, wire_bytes: int = 2,
-                param_bytes: int = 2, reduce_bytes: int = 4) -> StepInputs:
+                param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int = 8) -> StepInputs:
     """What :mod:`~dmuon.costmodel.simulate` needs of a shape list and its plan: the Muon matrices
     (in :func:`expand` order, with ``owners`` and ``ns_batches`` over those indices), the other
     groups (AdamW's: FSDP2 moves and AdamW updates them too), and every one's block
@@ -304,4 +307,4 @@ def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, l
                       replicate=replicate, shard=shard, ns_batches=ns_batches,
                       other_shapes=[m.shape for m in others], other_blocks=blocks[len(mats):],
                       return_waves=max_waves, zero=zero, wire_bytes=wire_bytes, param_bytes=param_bytes,
-                      reduce_bytes=reduce_bytes)
+                      reduce_bytes=reduce_bytes, hop_a_spread=hop_a_spread)

@@ -57,8 +57,14 @@ from dmuon.costmodel.timeline import Task, Timeline
 from dmuon.costmodel.rank_traffic import row_width
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 
-SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", PEER_STRATEGY)
+RETURNS_IN_BACKWARD = "dmuon_rbwd"
+"""dmuon (the recommended design) with ``ExecutionConfig(ns_in_backward=True, returns_in_backward=True)``
+and every launch standing: each block's NS on the worker as its directions land, its return (and
+publication across replicas) issued in backward, ``step()`` applying them."""
+SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", RETURNS_IN_BACKWARD,
+                                   PEER_STRATEGY)
 """What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
+_RETURN_ROLES = ("return_shard", "return_replicas", "return_scatter", "return_gather")
 
 NS_METHODS: tuple[str, ...] = ("auto", "standard", "gram")
 """How NS is priced: ``"standard"`` (:func:`~dmuon.plan.cost.ns_flops`), ``"gram"`` (Gram NS with
@@ -275,6 +281,14 @@ class _Launch:
         self.complete = False
         """Design (b): its last hop A chunk has been issued."""
         self.hop_b: Task | None = None
+        self.ns: Task | None = None
+        """``returns_in_backward``: the owners' NS of the block on the worker, once its directions landed."""
+        self.hops_issued = False
+        """``returns_in_backward``: every direction hop was issued by the last landing (its return is due)."""
+        self.returned: list[Task | None] | None = None
+        """``returns_in_backward``: the return's hops issued (None: not issued yet)."""
+        self.ahead: list[str] = []
+        """``returns_in_backward``: the roles of the return's hops across replicas still to go."""
 
     def landing(self) -> list[Task]:
         """What the owners wait for: hop B (hop A where the shard level has one rank)."""
@@ -295,23 +309,56 @@ class _Builder:
     """Builds one strategy's step on a :class:`Timeline`, in the order the host issues it."""
 
     def __init__(self, strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions):
-        if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
-            raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
+        known = STEP_STRATEGIES + (PEER_STRATEGY, RETURNS_IN_BACKWARD)
+        if strategy not in known:
+            raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
+        self.returns_in_backward = strategy == RETURNS_IN_BACKWARD
+        strategy = "dmuon" if self.returns_in_backward else strategy
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
         self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew)
-        self.waves = inputs.waves()
-        collectives = step_collectives(
-            strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
-            wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
-            zero=inputs.zero, root_block=inputs.root_block, waves=self.waves, other_shapes=inputs.other_shapes,
-            other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
-            hop_a_spread=inputs.hop_a_spread, publication=inputs.publication)
+        self.ns_batches = inputs.ns_batches
+        self.back: set[int] = set()
+        """``returns_in_backward``: the blocks whose updates come back in backward."""
+
+        def listed(waves):
+            return step_collectives(
+                strategy, inputs.shapes, inputs.owners, inputs.blocks, inputs.replicate, inputs.shard,
+                wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
+                zero=inputs.zero, root_block=inputs.root_block, waves=waves, other_shapes=inputs.other_shapes,
+                other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
+                hop_a_spread=inputs.hop_a_spread, publication=inputs.publication,
+                returns_in_backward=self.returns_in_backward)
+
+        if self.returns_in_backward:
+            # NS per block (the worker's batches), the returned blocks' in backward, the others' waves in step().
+            self.back = {c.block for c in listed([]) if c.phase == "backward" and c.role in _RETURN_ROLES}
+            self.ns_batches = {rank: [part for batch in batches for part in self.by_block(batch)
+                                      if inputs.blocks[part[0]] not in self.back]
+                               for rank, batches in inputs.ns_batches.items()}
+        from dmuon.plan.batches import return_waves
+        self.waves = [w for w in return_waves(self.ns_batches, [], inputs.return_waves) if w]
+        collectives = listed(self.waves)
         self.collectives: dict[tuple, Collective] = {}
+        self.landing_across: dict[int, tuple] = {}
+        """Design (b): per unit, its landing's all_to_all across replicas (gradient columns, hop A chunks
+        and, with ``returns_in_backward``, returns' hops), by key."""
+        self.across: dict[int, list[str]] = {}
+        """``returns_in_backward``: per returned block, its return's hops across replicas, in order:
+        ``"ride"`` (in a landing's all_to_all) or the role of its own collective (in ``take()``)."""
         for c in collectives:
             key = (c.role, c.phase, c.block, c.index)
             if key in self.collectives:
                 raise ValueError(f"two collectives with key {key}")
             self.collectives[key] = c
+            if c.phase == "backward" and c.level == "inter" and c.issued_at is not None and (
+                    c.role in ("grad_columns", "hop_a") or c.carries_returns):
+                self.landing_across[c.issued_at] = key
+            for b in c.carries_returns:
+                self.across.setdefault(b, []).append("ride")
+            if c.phase == "backward" and c.role in _RETURN_ROLES[1:] and not c.carries_returns:
+                self.across.setdefault(c.block, []).append(c.role)
+        for b in self.back:
+            self.across.setdefault(b, [])
         self.used: set[tuple] = set()
         self.design_b = strategy == "dmuon" and inputs.replicate > 1
         self.native_all_reduce = inputs.replicate > 1 and not self.design_b
@@ -326,6 +373,13 @@ class _Builder:
         self.backward_end: Task | None = None
 
     # -- helpers
+    def by_block(self, batch: list[int]) -> list[list[int]]:
+        """An NS batch cut by block (``ns_in_backward``'s worker batches each block alone)."""
+        parts: dict[int, list[int]] = {}
+        for i in batch:
+            parts.setdefault(self.inp.blocks[i], []).append(i)
+        return list(parts.values())
+
     def coll(self, role: str, phase: str, block, index, stream: str, deps=()) -> Task | None:
         """The collective ``step_collectives`` made for this place, on ``stream`` (None if it made none)."""
         key = (role, phase, block, index)
@@ -438,18 +492,64 @@ class _Builder:
         """Elements of this rank's rows of the matrices (1/S)."""
         return sum(_numel(self.inp.shapes[i]) for i in members) / self.inp.shard
 
-    def advance(self, stream: str) -> None:
+    def advance(self, stream: str, returns: bool = True) -> list[tuple[_Launch, Task]]:
         """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``): hop B behind a
         landed hop A (design (b): behind its last chunk; a launch with chunks to go waits for the one
-        in flight); design (b)'s launch still reducing gets its directions (stage ``"A"``)."""
+        in flight); design (b)'s launch still reducing gets its directions (stage ``"A"``).
+
+        ``returns_in_backward`` (at a landing, ``returns``): then every return in flight one hop across
+        replicas (on design (b) inside this landing's all_to_all: returned, with the landed hop
+        before, for that collective to wait for), and the hop 1 of each launch whose direction hops
+        were all issued by the last landing (behind its NS)."""
+        joining: list[Task] = []
         for launch in self.launches:
             if launch.stage == "A":
                 landed = self.wait(f"hop A {launch.block} landed", stream, launch.hop_a[-1:], "backward")
                 if launch.complete or not self.design_b:
                     launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                     launch.stage = "B"
+                    self.start_ns(launch)
             elif launch.stage == "R":
                 self.directions_after_reduction(launch, stream)
+            if returns and launch.ahead:
+                landed = self.wait(f"block {launch.block} return hop landed", stream, launch.returned[-1:], "backward")
+                if launch.ahead[0] == "ride":  # design (b): in this landing's all_to_all, set there
+                    joining.append((launch, landed))
+                    launch.returned.append(None)
+                else:
+                    launch.returned.append(self.coll(launch.ahead[0], "backward", launch.block, None, DR, [landed]))
+                launch.ahead.pop(0)
+        if returns and self.returns_in_backward:
+            for launch in self.launches:
+                if launch.returned is None and launch.hops_issued:
+                    self.start_return(launch, stream)
+                launch.hops_issued = launch.stage == "B"
+        return joining
+
+    def start_ns(self, launch: _Launch) -> None:
+        """``returns_in_backward``: the worker's NS of the block, once its directions have landed (each
+        rank its own matrices of the block, per shape)."""
+        if not self.returns_in_backward or launch.block not in self.back:
+            return
+        seconds = []
+        for k in range(self.inp.world):
+            counts: dict[tuple[int, int], int] = {}
+            for i in self.muon_in(launch.block):
+                if self.inp.owners[i] == k:
+                    counts[self.inp.shapes[i]] = counts.get(self.inp.shapes[i], 0) + 1
+            seconds.append(sum(self.ns_seconds(shape, n, owner_copy=True) for shape, n in counts.items()))
+        launch.ns = self.tl.compute(f"NS block {launch.block}", "ns_worker", seconds, launch.landing(),
+                                    phase="backward", kind="ns")
+
+    def start_return(self, launch: _Launch, stream: str) -> None:
+        """``BackwardLaunches._return``: the main thread waits for the worker's NS, then hop 1."""
+        if self.inp.world == 1:
+            return  # nothing to send: the step applies the worker's results
+        if launch.block not in self.back:
+            raise AssertionError(f"block {launch.block} returns in backward here, not in step_collectives' list")
+        ready = self.wait(f"NS block {launch.block} done", stream, [launch.ns], "backward")
+        launch.returned = [self.coll("return_shard", "backward", launch.block, None, DS, [ready])]
+        launch.ahead = list(self.across[launch.block])
 
     def directions_after_reduction(self, launch: _Launch, stream: str) -> None:
         """Design (b): the block's reduction has landed; its directions (hop A chunks to follow)."""
@@ -491,6 +591,8 @@ class _Builder:
         if hop_a is None:
             launch.hop_b = self.coll("hop_b", "backward", b, None, DS, [peek])
             launch.stage = "B"
+            launch.hops_issued = True
+            self.start_ns(launch)
         else:
             launch.hop_a = [hop_a]
         self.launches.append(launch)
@@ -501,7 +603,9 @@ class _Builder:
         the block landed before (one collective: it starts once this unit's reduce-scatter has landed
         and that block's directions are computed), then its other parameters' all-reduce."""
         p = self.post_reduce
-        self.advance(p)
+        if not self.design_b and not self.muon_in(b):
+            return  # no unit of the runtime's: only blocks with Muon matrices are hooked (no landing)
+        joining = self.advance(p)
         if not self.design_b:
             self.send(b, p)
             return
@@ -510,11 +614,12 @@ class _Builder:
             self.unlanded = []
         here = self.wait(f"block {b} reduce-scattered", p, [], "backward")
         # One all_to_all across replicas: this unit's gradient columns and the hop A chunks the
-        # spreader chose (a unit with no Muon matrix: the chunks alone).
-        key = ("grad_columns", "backward", b, None)
-        if key not in self.collectives:
-            key = ("hop_a", "backward", b, None)
-        columns = self.coll(*key, DR, [here] + self.riding(key))
+        # spreader chose (a unit with no Muon matrix: the chunks alone), with returns_in_backward the
+        # returns' hops across replicas.
+        key = self.landing_across.get(b, ("grad_columns", "backward", b, None))
+        columns = self.coll(*key, DR, [here] + self.riding(key) + [landed for _, landed in joining])
+        for launch, _ in joining:
+            launch.returned[-1] = columns
         self.carry(columns, f"unit {b}'s collective")
         # ReplicateLevel.start_mean: the other parameters' all-reduce after the column all-to-all
         # (which may carry hop A, on its way to the owners' NS).
@@ -565,7 +670,7 @@ class _Builder:
         # BackwardLaunches.take: design (b) sends what is left of every block's hop A in one
         # collective (a launch complete before it sends its hop B first), then every hop in launch order.
         if self.design_b:
-            self.advance(C)
+            self.advance(C, returns=False)
             final = self.coll("hop_a", "backward", None, None, DR, self.riding(("hop_a", "backward", None, None)))
             self.carry(final, "the last hop A collective")
         for launch in self.launches:
@@ -573,13 +678,17 @@ class _Builder:
                 landed = self.wait(f"hop A {launch.block} landed", C, launch.hop_a[-1:])
                 launch.hop_b = self.coll("hop_b", "backward", launch.block, None, DS, [landed])
                 launch.stage = "B"
+            while launch.ahead:  # returns_in_backward: what is left of the return, hop by hop
+                landed = self.wait(f"block {launch.block} return hop landed", C, launch.returned[-1:])
+                launch.returned.append(self.coll(launch.ahead.pop(0), "backward", launch.block, None, DR, [landed]))
         everything = list(range(len(inp.shapes)))
         # step()'s host operations (its AdamW's included), counted per step and matrix, with the momentum.
         ops = self.opt.host_ops
         self.elementwise("momentum", C, MOMENTUM_BYTES * self.kept_elements(everything),
                          host=ops.dmuon_per_step + ops.dmuon_per_matrix * len(inp.shapes))
         checked = self.elementwise("launch check", C, STALE_BYTES * self.kept_elements(everything))
-        speculative = inp.return_waves == 1
+        # ns_in_backward (returns_in_backward) leaves the speculative step: the agreement goes alone.
+        speculative = inp.return_waves == 1 and not self.returns_in_backward
         agreement = None
         if not speculative and inp.world > 1:
             flags = self.opt.agreement_bytes * (len(inp.shapes) + len(set(inp.blocks)))
@@ -600,6 +709,11 @@ class _Builder:
             returns.append(self.new_return(w, self.coll("return_shard", "step", None, w, DS, [ns])))
         if speculative or agreement is None:
             self.adamw(self.other_local())  # while the (last) return travels
+        for launch in self.launches:  # returns_in_backward: the updates that came back in backward first
+            if launch.returned is not None:
+                landed = self.wait(f"block {launch.block} returned", C, launch.returned[-1:])
+                self.elementwise(f"apply block {launch.block}", C,
+                                 APPLY_BYTES * self.row_elements(self.muon_in(launch.block)), [landed])
         for w, wave in enumerate(self.waves):
             while returns[w].ahead:
                 self.forward_returns(returns[w:])
@@ -639,7 +753,7 @@ class _Builder:
         """Per rank, per wave, its NS batches as ``(shape, count)``."""
         last = len(self.waves) - 1
         out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
-        for rank, batches in self.inp.ns_batches.items():
+        for rank, batches in self.ns_batches.items():
             for k, batch in enumerate(batches):
                 if batch:
                     out[rank][min(k, last)].append((self.inp.shapes[batch[0]], len(batch)))

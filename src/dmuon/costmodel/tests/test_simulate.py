@@ -14,11 +14,13 @@ from dmuon.costmodel.collectives import (
     step_figures,
 )
 from dmuon.costmodel.simulate import (
+    RETURNS_IN_BACKWARD,
     SIM_STRATEGIES,
     Hardware,
     SimOptions,
     StepInputs,
     Timeline,
+    _Builder,
     build_step,
     simulate,
 )
@@ -192,11 +194,14 @@ def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, retu
         figures = simulate(strategy, inputs, HW, options)
         assert figures["step_seconds"] == pytest.approx(step_figures(used, LINKS)["seconds"]["total"]), strategy
         # The collectives are step_collectives' (the same code as step_comm's), plus dmuon's agreement.
-        listed = step_collectives(strategy, inputs.shapes, inputs.owners, inputs.blocks, replicate, shard,
-                                  waves=inputs.waves(), other_shapes=inputs.other_shapes,
-                                  other_blocks=inputs.other_blocks, publication=publication)
+        rbwd = strategy == RETURNS_IN_BACKWARD
+        listed = step_collectives("dmuon" if rbwd else strategy, inputs.shapes, inputs.owners, inputs.blocks,
+                                  replicate, shard, waves=_Builder(strategy, inputs, HW, options).waves,
+                                  other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks,
+                                  publication=publication, returns_in_backward=rbwd)
         extra = [c for c in used if c.role == "agreement"]
-        assert len(extra) == (strategy.startswith("dmuon") and return_waves > 1)
+        # NS in backward leaves the speculative step (its flags on the return): the agreement goes alone.
+        assert len(extra) == (strategy.startswith("dmuon") and (return_waves > 1 or rbwd))
         assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
         if not extra:
             assert figures["step_seconds"] == pytest.approx(step_figures(listed, LINKS)["seconds"]["total"])
@@ -481,3 +486,32 @@ def test_ranks_drifting_apart_meet_late_and_blocking_collectives_bring_them_back
     assert beside.end[0] == pytest.approx(13.0 + 1.0 + 1.0)                     # met at 13: no drift yet
     # Issued beside the thread after c (4 s since the meeting): its later rank issues it 2 s late.
     assert issued.end[0] == pytest.approx(17.0 + 1.0 + 0.5 * 4.0 + 1.0)
+
+
+@pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2), (4, 2)])
+def test_returns_in_backward_move_the_returns_behind_backward(replicate, shard):
+    """With backward long enough to hide them, the blocks returned in backward leave the optimizer phase
+    only the other blocks' NS and returns and the applies: a shorter phase than dmuon's, and their NS
+    runs in backward (on the worker's stream, sharing the engine)."""
+    # Eight layers of two matrices and a root: the replicate level's hops A and B take two landings
+    # before a block can return, so the first blocks do.
+    shapes = [(6 + k % 3, 5 + k % 4) for k in range(16)] + [(6, 5)]
+    blocks = [1 + k // 2 for k in range(16)] + [0]
+    world = replicate * shard
+    owners = [(3 * i + 1) % world for i in range(len(shapes))]
+    batches: dict[int, list[list[int]]] = {}
+    for i, o in enumerate(owners):
+        batches.setdefault(o, []).append([i])
+    inputs = StepInputs(shapes=shapes, owners=owners, blocks=blocks, replicate=replicate, shard=shard,
+                        ns_batches=batches, other_shapes=[(16, 5)], other_blocks=[0], return_waves=4,
+                        hop_a_spread=1)
+    options = SimOptions(tokens_per_gpu=20000)
+    plain, back = (simulate(s, inputs, HW, options) for s in ("dmuon", RETURNS_IN_BACKWARD))
+    assert back["optimizer_seconds"] < plain["optimizer_seconds"]
+    builder = _Builder(RETURNS_IN_BACKWARD, inputs, HW, options)
+    assert builder.back and builder.back < set(inputs.blocks)  # some blocks, not all
+    timeline = builder.build()
+    in_backward = [t for t in timeline.tasks if t.kind == "ns" and t.phase == "backward"]
+    assert {int(t.name.split()[-1]) for t in in_backward} == builder.back
+    returns = [t.collective for t in timeline.tasks if t.collective is not None and t.collective.role == "return_shard"]
+    assert {c.block for c in returns if c.phase == "backward"} == builder.back
