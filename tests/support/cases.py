@@ -103,6 +103,18 @@ def rule_optimizer(rule: str, model, plan, **kw):
     return dmuon.DMuon(model, plan, **kw)
 
 
+def oracle_rule(rule: str) -> dict:
+    """The gather-then-compute oracle's keywords for the rule :func:`rule_optimizer` builds."""
+    if rule == "normuon":
+        return {"beta2": NORMUON_BETA2}
+    if rule == "muonh":
+        return {"rule": "muonh", "weight_decay": 0.0}
+    if rule == "dion2":
+        return {"rule": "dion2", "adjust_lr_fn": "spectral_unclamped", **DION2_KW}
+    assert rule == "muon", rule
+    return {}
+
+
 def make_mesh(world_size: int, mesh_shape: tuple[int, int] | None = None):
     """A 1-D CPU mesh over every rank, or a ``(replicate, shard)`` HSDP mesh."""
     if mesh_shape is None:
@@ -185,7 +197,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         freeze(model, case.frozen)
         shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile,
                      column_sharded=case.column_sharded)
-        opt = GatherThenCompute(model, **kw, **({"beta2": NORMUON_BETA2} if case.rule == "normuon" else {}))
+        opt = GatherThenCompute(model, **kw, **oracle_rule(case.rule))
     model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []
     for step in range(case.steps):

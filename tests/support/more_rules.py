@@ -151,6 +151,11 @@ def equivalence_cases(world_size: int) -> dict[str, Case]:
     if world_size == 3:
         for rule in RULES:
             cases[f"{rule} bf16 mixed precision"] = Case(rule=rule, steps=STEPS, skip=SKIP, bf16=True)
+            # The gather-then-compute oracle running the same rule: against the formula in float32, and
+            # against dmuon under bf16 mixed precision (where the formula's float32 run is no reference).
+            cases[f"{rule} gather oracle"] = Case(kind="gather", rule=rule, steps=STEPS, skip=SKIP)
+            cases[f"{rule} bf16 mixed precision, gather oracle"] = Case(kind="gather", rule=rule, steps=STEPS,
+                                                                         skip=SKIP, bf16=True)
             # Clipping every step: MuonH's launches stand rescaled (Muon's momentum), Dion2's go again.
             cases[f"{rule} clipped"] = Case(rule=rule, steps=STEPS, skip=SKIP, clip=0.05, clip_with="dmuon")
     if world_size == 4:

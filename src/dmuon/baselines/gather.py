@@ -22,8 +22,9 @@ from dmuon.optim.qk_clip import AttentionClip
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
+from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step, local_tensor
-from dmuon.rules.muon import apply_update, check_rule_settings, fill_rule_defaults, momentum_update
+from dmuon.rules.muon import adjusted_lr, apply_update, check_rule_settings, fill_rule_defaults, momentum_update
 from dmuon.rules.normuon import normalize_rows
 from dmuon.rules.qk_clip import QKClip, clip_factors
 
@@ -41,7 +42,10 @@ class GatherThenCompute(torch.optim.Optimizer):
     orthogonalized slice by slice, row groups, equal or not, group by group,
     each group's step scaled for its own shape). ``beta2`` runs NorMuon's rule
     instead (:class:`dmuon.NorMuon`'s): every rank keeps every matrix's whole
-    per-row second moment and normalizes its whole update. ``qk_clip`` runs QK-clip after the
+    per-row second moment and normalizes its whole update. ``rule="muonh"`` runs
+    :class:`dmuon.MuonH`'s (every rank gathers each weight to take its norms, no weight decay),
+    ``rule="dion2"`` :class:`dmuon.Dion2`'s (``fraction``, ``ef_decay``: every rank selects the
+    rows on the whole gathered buffer and decays its own rows of it). ``qk_clip`` runs QK-clip after the
     update the naive way (:meth:`report_attention_logits` as :class:`dmuon.DMuon`'s; the maxima
     all-reduced over every rank in a collective of their own; each rank scales its rows of the
     query and key parameters), the oracle for dmuon's clip inside the step.
@@ -71,8 +75,18 @@ class GatherThenCompute(torch.optim.Optimizer):
         matrix_view: ViewFn | dict[str, str] | None = None,
         beta2: float | None = None,
         qk_clip: QKClip | None = None,
+        rule: str = "muon",
+        fraction: float = 0.25,
+        ef_decay: float = 0.95,
     ) -> None:
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if rule == "muonh" and weight_decay:
+            raise ValueError(f"weight_decay must be 0 with rule='muonh' (the sphere replaces it), got {weight_decay!r}")
+        if rule != "muon" and beta2 is not None:
+            raise ValueError(f"beta2 is NorMuon's (rule='muon' with beta2), not rule={rule!r}'s")
+        self.rule, self._fraction, self._ef_decay = rule, fraction, ef_decay
         if qk_clip is not None and not isinstance(qk_clip, QKClip):
             raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
         self.qk_clip = qk_clip
@@ -121,7 +135,11 @@ class GatherThenCompute(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
-                direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                if self.rule == "dion2":
+                    direction = state["momentum_buffer"].add_(p.grad.to(torch.float32))  # M += G
+                else:
+                    direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"],
+                                                group["nesterov"])
                 # NS takes its input in ns_dtype, so the gather moves that.
                 direction = direction.to(self.ns.dtype)
                 if isinstance(direction, DTensor):
@@ -139,7 +157,13 @@ class GatherThenCompute(torch.optim.Optimizer):
                     slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
                     inputs = list(full.reshape(slices, *mshape))
                 t0 = time.perf_counter()
-                orthos = owner_update(inputs, self.ns, group)
+                if self.rule == "dion2":
+                    orthos = dion2.owner_updates(inputs, [self._fraction] * len(inputs),
+                                                 lambda subs: owner_update(subs, self.ns, group))
+                else:
+                    orthos = owner_update(inputs, self.ns, group)
+                if self.rule == "muonh":
+                    orthos = muonh.normalize(orthos, self.ns.eps)
                 if group["beta2"] is not None:
                     # One second moment per row of the parameter: each slice's or group's rows in turn.
                     heights = [o.shape[0] for o in orthos]
@@ -152,6 +176,10 @@ class GatherThenCompute(torch.optim.Optimizer):
                         normalized.append(update)
                     orthos = normalized
                 ns_seconds += time.perf_counter() - t0
+                if self.rule == "muonh":
+                    self._muonh_step(p, state, orthos, group, sizes)
+                    orthogonalized += len(inputs)
+                    continue
                 ortho = torch.cat(orthos).reshape(p.shape).to(p.dtype)
                 if isinstance(p, DTensor):
                     # Keep only this rank's rows; splitting locally needs no communication.
@@ -159,6 +187,11 @@ class GatherThenCompute(torch.optim.Optimizer):
                 rule = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"],
                             extra_scale_factor=group["extra_scale_factor"],
                             cautious_weight_decay=group["cautious_weight_decay"])
+                if self.rule == "dion2" and local_tensor(ortho).numel():
+                    # Each rank decays its rows of the buffer that were selected: the nonzero rows of its update.
+                    cols = _matrix_shape(p.shape)[1] if sizes is not None else mshape[1]
+                    dion2.decay_selected(local_tensor(state["momentum_buffer"]).view(-1, cols),
+                                         dion2.selected_rows(local_tensor(ortho).reshape(-1, cols)), self._ef_decay)
                 if sizes is not None:
                     _apply_by_row_group(p, ortho, sizes, rule)
                 else:
@@ -171,6 +204,26 @@ class GatherThenCompute(torch.optim.Optimizer):
             "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
         }
         return loss
+
+    def _muonh_step(self, p: torch.Tensor, state: dict, units: list[torch.Tensor], group: dict,
+                    sizes: tuple[int, ...] | None) -> None:
+        """MuonH on the whole gathered weight, every matrix of ``p`` (a slice of a stack, a row group) on
+        its own sphere; each rank keeps its rows. ``units``: each matrix's ``u / ||u||``."""
+        eps = self.ns.eps
+        weight = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(torch.float32)
+        pieces = list(weight.reshape(_matrix_shape(p.shape)).split(sizes)) if sizes is not None else \
+            list(weight.reshape(len(units), *units[0].shape))
+        if "initial_norm" not in state:
+            state["initial_norm"] = torch.stack([muonh.radius(muonh.sum_of_squares(w), eps) for w in pieces])
+        for k, (w, u) in enumerate(zip(pieces, units)):
+            r = state["initial_norm"][k]
+            scaled = adjusted_lr(group["lr"], group["adjust_lr_fn"], tuple(w.shape)) * group["extra_scale_factor"]
+            muonh.step(w, u, r, scaled)
+            muonh.project(w, r, muonh.sum_of_squares(w), eps)
+        updated = torch.cat([w.reshape(-1) for w in pieces]).view(p.shape).to(p.dtype)
+        if isinstance(p, DTensor):
+            updated = distribute_tensor(updated, p.device_mesh, p.placements, src_data_rank=None)
+        local_tensor(p).copy_(local_tensor(updated))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -217,6 +270,10 @@ class GatherThenCompute(torch.optim.Optimizer):
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             local_tensor(p).mul_(local_tensor(full))
+
+
+RULES = ("muon", "muonh", "dion2")
+"""The matrix rules the oracle runs (NorMuon: ``rule="muon"`` with ``beta2``)."""
 
 
 def _apply_by_row_group(param: torch.Tensor, ortho: torch.Tensor, sizes: tuple[int, ...], rule: dict) -> None:
