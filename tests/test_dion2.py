@@ -19,8 +19,8 @@ from support.cases import DION2_KW
 from support.equivalence import N_MATRICES, max_diff
 from support.models import OddNet, lm_loss, odd_batch
 from support.more_rules import (
-    COUNTED, SKIP, STEPS, checkpoint_reference, equivalence_cases, oddnet_reference, reference_training, runs,
-    tp_reference,
+    COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
+    reference_training, runs, tp_reference,
 )
 
 RULE = "dion2"
@@ -121,27 +121,8 @@ def test_equals_the_formula_on_every_mesh(world_size):
             assert all(s["rescaled_launches"] == 0 for s in out["stats"]), label
 
 
-def test_the_gather_oracle_equals_the_formula():
-    out = runs(3)[0]["cases"][f"{RULE} gather oracle"]
-    ref, ref_losses, ref_state = oddnet_reference(RULE, 3)
-    diff, worst = max_diff(out["params"], ref)
-    assert diff <= 1e-5, (worst, diff)
-    assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
-    assert diff <= 1e-5, (worst, diff)
-
-
-def test_bf16_mixed_precision_equals_gather_then_compute():
-    """bf16 forward and backward (FSDP2's param_dtype): the same parameters and state as the oracle
-    running the rule on the same model (a float32 formula is no reference there: a 1-ulp difference in
-    a bf16 gradient changes the step)."""
-    results = runs(3)[0]["cases"]
-    out, oracle = results[f"{RULE} bf16 mixed precision"], results[f"{RULE} bf16 mixed precision, gather oracle"]
-    diff, worst = max_diff(out["params"], oracle["params"])
-    assert diff <= 1e-5, (worst, diff)
-    assert out["losses"] == pytest.approx(oracle["losses"], rel=1e-5)
-    diff, worst = max_diff(out["rule_state"], oracle["rule_state"])
-    assert diff <= 1e-5, (worst, diff)
+def test_the_gather_oracle_equals_the_formula_and_dmuon_under_bf16_equals_the_oracle():
+    check_oracle_runs(RULE)
 
 
 def test_tp_equals_the_formula():

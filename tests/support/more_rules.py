@@ -16,7 +16,7 @@ from dmuon.plan.selection import select_matrices
 from dmuon.util.spawn import run_distributed
 
 from support.cases import DION2_KW, MUON_KW, Case, run_cases
-from support.equivalence import SKIP, STEPS, all_ranks_batches
+from support.equivalence import SKIP, STEPS, all_ranks_batches, max_diff
 from support.models import OddNet, lm_loss
 from support.reference import _fp32_zeropower
 
@@ -240,3 +240,22 @@ def runs(world_size: int) -> list[dict]:
     if world_size != 2:
         runs(2)
     return run_distributed(rule_runs, world_size, _DIRECTORY.name, timeout_s=600)
+
+
+def check_oracle_runs(rule: str) -> None:
+    """The gather-then-compute oracle running ``rule`` equals its float32 formula on 3 ranks (parameters,
+    losses, state), and dmuon under bf16 mixed precision (FSDP2's param_dtype: a float32 formula is no
+    reference there, a 1-ulp difference in a bf16 gradient changes the step) equals the oracle."""
+    results = runs(3)[0]["cases"]
+    out = results[f"{rule} gather oracle"]
+    ref, ref_losses, ref_state = oddnet_reference(rule, 3)
+    diff, worst = max_diff(out["params"], ref)
+    assert diff <= 1e-5, ("oracle", worst, diff)
+    assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for a, b in zip(out["losses"], ref_losses)), "oracle losses"
+    diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
+    assert diff <= 1e-5, ("oracle state", worst, diff)
+    got, oracle = results[f"{rule} bf16 mixed precision"], results[f"{rule} bf16 mixed precision, gather oracle"]
+    for key in ("params", "rule_state"):
+        diff, worst = max_diff(got[key], oracle[key])
+        assert diff <= 1e-5, ("bf16", key, worst, diff)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["losses"], oracle["losses"])), "bf16 losses"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
 from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
@@ -382,42 +382,33 @@ def owner_exchange_collectives(
     def hop_a_alone(b: int, members: list[int]) -> Collective:
         return _a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
 
-    def hop_b(b: int, members: list[int]) -> list[Collective]:
-        if shard == 1:
-            return []
+    def within_owner_replica(members: Sequence[int], size: Callable[[int, int], int], to_owner: bool) -> Parts:
+        """Inside each owner's replica, ``size(i, s)`` bytes of each member between every other shard
+        position ``s`` and the member's owner, to it (hop B) or from it (hop 1); a replica owning none
+        of them takes no part."""
         sent, received, out, inn = fresh()
-        owning = {owners[i] // shard for i in members}
         for i in members:
             r_o, s_o = divmod(owners[i], shard)
             for s in range(shard):
-                moved = sent_bytes(i, s)
+                moved = size(i, s)
                 if s != s_o and moved:
-                    src = r_o * shard + s
+                    src, dst = (r_o * shard + s, owners[i]) if to_owner else (owners[i], r_o * shard + s)
                     sent[src] += moved
-                    received[owners[i]] += moved
-                    out[src].add(owners[i])
-                    inn[owners[i]].add(src)
-        part = [k // shard in owning for k in range(world)]
-        return [_a2a("intra", "backward", b, world, sent, received, out, inn, part,
+                    received[dst] += moved
+                    out[src].add(dst)
+                    inn[dst].add(src)
+        owning = {owners[i] // shard for i in members}
+        return sent, received, out, inn, [k // shard in owning for k in range(world)]
+
+    def hop_b(b: int, members: list[int]) -> list[Collective]:
+        if shard == 1:
+            return []
+        return [_a2a("intra", "backward", b, world, *within_owner_replica(members, sent_bytes, True),
                      f"dmuon directions block {b}", "hop_b")]
 
     def return_shard(wave: Sequence[int]) -> Parts | None:
         """Hop 1 of a return: each owner's update pieces to its replica's shard positions."""
-        if shard == 1:
-            return None
-        sent, received, out, inn = fresh()
-        for i in wave:
-            r_o, s_o = divmod(owners[i], shard)
-            for s in range(shard):
-                moved = piece(i, s)
-                if s != s_o and moved:
-                    dst = r_o * shard + s
-                    sent[owners[i]] += moved
-                    received[dst] += moved
-                    out[owners[i]].add(dst)
-                    inn[dst].add(owners[i])
-        owning = {owners[i] // shard for i in wave}
-        return sent, received, out, inn, [k // shard in owning for k in range(world)]
+        return None if shard == 1 else within_owner_replica(wave, piece, False)
 
     def across(wave: Sequence[int]) -> tuple[str, list[Parts]]:
         """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather)."""
