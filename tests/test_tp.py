@@ -11,6 +11,7 @@ import tempfile
 import pytest
 import torch
 
+import dmuon
 from dmuon.util.spawn import run_distributed
 
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
@@ -31,7 +32,10 @@ def _on_four(rank: int, world: int) -> dict:
             ("bf16", "dmuon"): train(rank, world, STEPS, shape, "dmuon", False, True),
             ("bf16", "gather"): train(rank, world, STEPS, shape, "gather", False, True),
             ("clip", "overlap"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP),
-            ("clip", "off"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False)}
+            ("clip", "off"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False),
+            ("dp2-tp2", "returns in backward"): train(
+                rank, world, STEPS, shape, "dmuon",
+                execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True))}
 
 
 def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
@@ -187,9 +191,21 @@ def test_launches_survive_clipping_under_tensor_parallelism():
     runs = _four()
     for r in runs:
         # The first clip exchanges again and starts the owners' copies; then every launch stands.
-        kept = r[("clip", "overlap")]["launches"]
+        kept = [launch[:2] for launch in r[("clip", "overlap")]["launches"]]
         blocks = kept[-1][0]
         assert blocks > 0 and kept == [(0, 0)] + [(blocks, blocks)] * (STEPS - 1), kept
-        assert all(k == (0, 0) for k in r[("clip", "off")]["launches"])
+        assert all(k[:2] == (0, 0) for k in r[("clip", "off")]["launches"])
     got, want = runs[0][("clip", "overlap")]["params"], runs[0][("clip", "off")]["params"]
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6
+
+
+def test_returns_in_backward_under_tensor_parallelism():
+    """``returns_in_backward`` on a (dp, tp) mesh: TP's pieces and copies come back in backward for the
+    blocks launched first, and the parameters are the single-process reference's."""
+    results = _run("dp2-tp2", "returns in backward")
+    params, _ = reference(2, STEPS)
+    name, err = _worst(results[0]["params"], params)
+    assert err <= 1e-5, (name, err)
+    returned = [[launch[2] for launch in r["launches"]] for r in results]
+    assert all(per_rank == returned[0] for per_rank in returned)
+    assert all(0 < n < launched for n, (launched, _, _) in zip(returned[0], results[0]["launches"]))

@@ -138,14 +138,15 @@ def parallelize(model: TPNet, mesh, dp_mesh, sequence_parallel: bool = False, bf
 
 def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimizer: str = "dmuon",
           sequence_parallel: bool = False, bf16: bool = False, hsdp: str = "fsdp2", beta2: float | None = None,
-          clip: float | None = None, overlap: bool = True, rule: str | None = None) -> dict:
+          clip: float | None = None, overlap: bool = True, rule: str | None = None,
+          execution: dmuon.ExecutionConfig | None = None) -> dict:
     """TP + FSDP2 under DMuon (or the gather-then-compute oracle), fp32 NS: every parameter's full
     value, the plan and each matrix's momentum bytes on this rank (``hsdp``: as ``tp_mesh``).
     ``beta2``: NorMuon (``dmuon.NorMuon``, the oracle's NorMuon rule) instead of Muon, and each
     matrix's whole second moment and this rank's share of it. ``rule``: ``"muonh"`` or ``"dion2"``
     (``support.cases.rule_optimizer``; MuonH's radii too). ``clip``: ``DMuon.clip_grad_norm_`` before
     each step (torch's refuses parameters on different meshes), the launches kept and rescaled per step
-    reported."""
+    reported. ``execution``: the runtime's other switches (DMuon only)."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
@@ -161,7 +162,7 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         rule = (dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)) if rule is None \
             else functools.partial(rule_optimizer, rule)
         opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                   adamw_weight_decay=ADAMW["weight_decay"], overlap=overlap)
+                   adamw_weight_decay=ADAMW["weight_decay"], overlap=overlap, execution=execution)
     else:
         from dmuon.baselines import GatherThenCompute
 
@@ -177,7 +178,8 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         opt.step()
         stats = opt.last_step_stats()
         orthogonalized = stats["orthogonalized"]
-        launches.append((stats.get("blocks_exchanged_in_backward"), stats.get("rescaled_launches")))
+        launches.append((stats.get("blocks_exchanged_in_backward"), stats.get("rescaled_launches"),
+                         stats.get("blocks_returned_in_backward")))
         opt.zero_grad()
     named = dict(model.named_parameters())
     out = {"params": {n: full(p) for n, p in named.items()}, "orthogonalized": orthogonalized,
