@@ -51,7 +51,7 @@ class ExecutionConfig:
     direction needs NS again) lands unused and is redone in ``step()``, which then costs what it
     costs without this switch plus the wasted transfers, made while backward ran. The blocks
     whose directions are still on their way when backward ends return in ``step()`` (1-D: the
-    last one; on HSDP the last few, hop A being spread, ``hop_a_spread``). The switch for runs that clip rarely
+    last one; on HSDP the last few, hop A being spread: use ``hop_a_spread=1`` with it). The switch for runs that clip rarely
     (``clip_grad_norm_`` rescales only above ``max_norm``) or not at all."""
     nonfinite: str | None = None
     """What a NaN/Inf in any gradient does. ``None``: nothing is checked, as in torch.optim;
