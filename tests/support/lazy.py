@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dmuon
-from dmuon.optim.dmuon import canonical_name
+from dmuon.optim.groups import canonical_name
 
 from support.cases import freeze, full_params, make_mesh, shard_oddnet
 from support.models import OddNet, lm_loss, odd_batch

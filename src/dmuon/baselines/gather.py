@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dmuon.optim.dmuon import canonical_name
+from dmuon.optim.groups import canonical_name
 from dmuon.optim.qk_clip import AttentionClip
 from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
