@@ -17,10 +17,10 @@ from dmuon.costmodel.traffic import owner_exchange_collectives
 
 from support.cases import DION2_KW
 from support.equivalence import N_MATRICES, max_diff
-from support.models import OddNet, lm_loss, odd_batch
+from support.models import OddNet
 from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
-    reference_training, runs, tp_reference,
+    one_process_experts, one_process_oddnet, runs, tp_reference,
 )
 
 RULE = "dion2"
@@ -53,17 +53,8 @@ def test_group_keys_are_the_matrix_groups_and_checked_naming_the_group():
 # ------------------------------------------------------------------------ one process
 
 def test_single_process_equals_the_formula():
-    torch.manual_seed(0)
-    model = OddNet()
-    opt = dmuon.Dion2(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32, **DION2_KW)
-    losses = []
-    for step in range(STEPS):
-        model.skip = SKIP.get(step, set())
-        loss = lm_loss(model, odd_batch(step, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    model, opt, losses = one_process_oddnet(lambda model: dmuon.Dion2(
+        model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32, **DION2_KW))
     ref, ref_losses, ref_buffers = oddnet_reference(RULE, 1)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
@@ -74,27 +65,8 @@ def test_single_process_equals_the_formula():
 
 
 def test_expert_stacks_and_row_groups_select_per_matrix():
-    from support.experts import ExpertNet, batch, loss_of
-
-    def build():
-        torch.manual_seed(0)
-        return ExpertNet(3)
-
-    model = build()
-    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
-                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    opt = dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW)
-    for step in range(STEPS):
-        loss_of(model, batch(step, 0, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-    ref_model = build()
-    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
-    half = down.shape[0] // 2
-    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
-        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
-    ref, _, _ = reference_training(RULE, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)], loss_of,
-                                   lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), **DION2_KW)
+    model, opt, ref, _ = one_process_experts(
+        RULE, lambda model, plan: dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW), **DION2_KW)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
 

@@ -16,10 +16,10 @@ import dmuon
 from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, weight_norm_collective
 
 from support.equivalence import N_MATRICES, max_diff
-from support.models import OddNet, lm_loss, odd_batch
+from support.models import OddNet
 from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
-    reference_training, runs, tp_reference,
+    one_process_experts, one_process_oddnet, runs, tp_reference,
 )
 
 RULE = "muonh"
@@ -51,18 +51,13 @@ def test_weight_decay_is_refused_naming_the_group():
 # ------------------------------------------------------------------------ one process
 
 def test_single_process_equals_the_formula_and_stays_on_the_sphere():
-    torch.manual_seed(0)
-    model = OddNet()
-    opt = dmuon.MuonH(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
-    initial = {n: p.detach().norm() for n, p in model.named_parameters()}
-    losses = []
-    for step in range(STEPS):
-        model.skip = SKIP.get(step, set())
-        loss = lm_loss(model, odd_batch(step, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    initial = {}
+
+    def make(model):
+        initial.update({n: p.detach().norm() for n, p in model.named_parameters()})
+        return dmuon.MuonH(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+
+    model, opt, losses = one_process_oddnet(make)
     ref, ref_losses, ref_radii = oddnet_reference(RULE, 1)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
@@ -79,27 +74,8 @@ def test_single_process_equals_the_formula_and_stays_on_the_sphere():
 def test_expert_stacks_and_row_groups_each_on_their_own_sphere():
     """One process: a stack of 3 experts and a matrix viewed as 2 row groups, each its own matrix with
     its own radius (the stack's ``(3,)``, the groups' ``(2,)``)."""
-    from support.experts import ExpertNet, batch, loss_of
-
-    def build():
-        torch.manual_seed(0)
-        return ExpertNet(3)
-
-    model = build()
-    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
-                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    opt = dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3)
-    for step in range(STEPS):
-        loss_of(model, batch(step, 0, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-    ref_model = build()
-    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
-    half = down.shape[0] // 2
-    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
-        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
-    ref, _, ref_radii = reference_training(RULE, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)],
-                                           loss_of, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01))
+    model, opt, ref, ref_radii = one_process_experts(
+        RULE, lambda model, plan: dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
     stack = opt.state[model.moe.experts]["initial_norm"]

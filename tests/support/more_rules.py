@@ -12,6 +12,8 @@ import tempfile
 import torch
 from torch import nn
 
+import dmuon
+
 from dmuon.plan.selection import select_matrices
 from dmuon.util.spawn import run_distributed
 
@@ -259,3 +261,52 @@ def check_oracle_runs(rule: str) -> None:
         diff, worst = max_diff(got[key], oracle[key])
         assert diff <= 1e-5, ("bf16", key, worst, diff)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["losses"], oracle["losses"])), "bf16 losses"
+
+
+def one_process_oddnet(make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
+    """OddNet (seed 0) trained in one process on rank 0's batches, ``SKIP`` applied, with
+    ``make_optimizer(model)``: the model, the optimizer and the losses."""
+    from support.models import OddNet, lm_loss, odd_batch
+
+    torch.manual_seed(0)
+    model = OddNet()
+    opt = make_optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        model.skip = SKIP.get(step, set())
+        loss = lm_loss(model, odd_batch(step, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+def one_process_experts(rule: str, make_optimizer, **rule_kwargs) -> tuple[nn.Module, torch.optim.Optimizer, dict,
+                                                                          dict]:
+    """ExpertNet (3 experts, seed 0) with ``moe.down.weight`` viewed as 2 row groups, trained in one process
+    with ``make_optimizer(model, plan)``, and the reference from ``rule``'s formula over each expert and
+    group alone (``rule_kwargs``: the rule's settings): the model, the optimizer, the reference's
+    parameters and its state per matrix (``expert{e}``, ``group{g}``)."""
+    from support.experts import ExpertNet, batch, loss_of
+
+    def build():
+        torch.manual_seed(0)
+        return ExpertNet(3)
+
+    model = build()
+    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
+                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    opt = make_optimizer(model, plan)
+    for step in range(STEPS):
+        loss_of(model, batch(step, 0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_model = build()
+    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
+    half = down.shape[0] // 2
+    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
+        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
+    ref, _, state = reference_training(rule, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)],
+                                       loss_of, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), **rule_kwargs)
+    return model, opt, ref, state
