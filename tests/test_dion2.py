@@ -22,6 +22,7 @@ from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
     one_process_experts, one_process_oddnet, runs, tp_reference,
 )
+from support.step_comm import check_counted_log
 
 RULE = "dion2"
 
@@ -128,15 +129,7 @@ def test_counted_bytes_are_muons(run):
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
     backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
                                                 waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
-    for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
-        if hsdp == "dmuon":
-            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
-                         for b in r["other_bytes"] if b]
-            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
-        else:
-            assert r["log"] == expected, f"plan rank {k}"
+    check_counted_log(backward + step, results, replicate, hsdp == "dmuon")
     if run == "1-D bf16 NS, 4 waves":  # and the same as Muon's own run, collective by collective
         muon = [r["counted"][("muon", run)] for r in runs(4)]
         assert [r["log"] for r in results] == [m["log"] for m in muon]

@@ -21,6 +21,7 @@ from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
     one_process_experts, one_process_oddnet, runs, tp_reference,
 )
+from support.step_comm import check_counted_log, expected_log
 
 RULE = "muonh"
 
@@ -158,12 +159,6 @@ def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
     assert modelled[-1].label == "dmuon weight norms"
     assert sorted(c.label for c in modelled) == sorted(c.label for c in backward + step + norms)
     for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in backward + step + norms if c.ranks[k] is not None]
-        assert r["log"][-1] == expected[-1], f"plan rank {k}: the norms' all-reduce comes last"
-        if hsdp == "dmuon":
-            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
-                         for b in r["other_bytes"] if b]
-            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
-        else:
-            assert r["log"] == expected, f"plan rank {k}"
+        expected = expected_log(backward + step + norms, r, replicate, False)
+        assert r["log"][-1] == expected[-1], f"plan rank {r['plan_rank']}: the norms' all-reduce comes last"
+    check_counted_log(backward + step + norms, results, replicate, hsdp == "dmuon")

@@ -26,6 +26,7 @@ from support.models import OddNet, lm_loss, odd_batch
 from support.normuon import (
     COUNTED, SKIP, STEPS, checkpoint_reference, equivalence_cases, normuon_runs, oddnet_reference, tp_reference,
 )
+from support.step_comm import check_counted_log
 
 _DIRECTORY = tempfile.TemporaryDirectory()
 
@@ -226,15 +227,6 @@ def test_counted_bytes_equal_the_model_with_the_row_state(run):
     bare = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize, waves=waves,
                                       gradient_bytes=4 if hsdp == "dmuon" else None)
     modelled, plain = model[0] + model[1], bare[0] + bare[1]
-    for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]
-        if hsdp == "dmuon":
-            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
-                         for b in r["other_bytes"] if b]
-            # The runtime interleaves blocks' hops: the same collectives, in another order.
-            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
-        else:
-            assert r["log"] == expected, f"plan rank {k}"
+    check_counted_log(modelled, results, replicate, hsdp == "dmuon")
     assert sum(max(c.ranks[k]) for c in modelled for k in range(len(c.ranks)) if c.ranks[k]) > \
         sum(max(c.ranks[k]) for c in plain for k in range(len(c.ranks)) if c.ranks[k])

@@ -11,7 +11,7 @@ from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows, step
 from dmuon.util.bits import bitwise_equal
 from dmuon.util.spawn import run_distributed
 
-from support.step_comm import counted_step
+from support.step_comm import check_counted_log, counted_step, expected_log
 
 
 RUNS = {"fsdp-fp32": (None, torch.float32, 3, None), "fsdp-bf16-waves": (None, torch.bfloat16, 3, 4),
@@ -159,14 +159,9 @@ def _check_replicate_level(results: list[dict], replicate: int, shard: int, publ
     else:  # some block's slices spread over several collectives
         assert len(rides) > len(set(blocks))
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    check_counted_log(modelled, results, replicate, True)
     for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]
-        expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
-                     for b in r["other_bytes"] if b]
-        # The runtime interleaves blocks (a block's next hop goes out when the next block lands):
-        # the same collectives, in another order.
-        assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+        expected = expected_log(modelled, r, replicate, True)
         for level in ("intra", "inter"):
             assert sum(e[1] for e in r["log"] if e[0] == level) == sum(e[1] for e in expected if e[0] == level)
     assert any(c.critical for c in backward if c.label.startswith("dmuon gradient columns"))
@@ -204,13 +199,5 @@ def test_returns_in_backward_counted_collectives_equal_the_model(run):
         assert {"return_scatter", "return_gather"} <= {c.role for c in backward}
     if design_b:
         assert any(c.carries_returns for c in backward)
-    for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
-        if design_b:
-            expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
-                         for b in r["other_bytes"] if b]
-            assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
-        else:
-            assert r["log"] == expected, f"plan rank {k}"
+    check_counted_log(backward + step, results, replicate, design_b)
 

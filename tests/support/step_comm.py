@@ -56,3 +56,26 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in {id(i.param) for i in plan.infos})
                         for g in plan.groups] if plan.reduces_replicas else [],
     }
+
+
+def expected_log(collectives, result: dict, replicate: int, replicate_level: bool) -> list[tuple]:
+    """What a rank's counted log (:func:`counted_step`'s ``"log"``) must hold: its ``(level, sent,
+    received)`` in each of the modelled ``collectives`` it takes part in, in order, and on dmuon's
+    replicate level the other parameters' all-reduce across replicas per FSDP2 group (a ring's bytes)."""
+    k = result["plan_rank"]
+    expected = [(c.level, *c.ranks[k]) for c in collectives if c.ranks[k] is not None]
+    if replicate_level:
+        expected += [("inter", 2 * (replicate - 1) * b // replicate, 2 * (replicate - 1) * b // replicate)
+                     for b in result["other_bytes"] if b]
+    return expected
+
+
+def check_counted_log(collectives, results: list[dict], replicate: int, replicate_level: bool) -> None:
+    """Every rank's counted collectives are the modelled ones: in issue order, or on the replicate level
+    (where the runtime interleaves the blocks' hops with the reductions) as the same multiset."""
+    for r in results:
+        expected = expected_log(collectives, r, replicate, replicate_level)
+        if replicate_level:
+            assert sorted(r["log"]) == sorted(expected), f"plan rank {r['plan_rank']}"
+        else:
+            assert r["log"] == expected, f"plan rank {r['plan_rank']}"
