@@ -83,12 +83,14 @@ def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, h
     """``returns_in_backward``: the blocks whose launches stand apply updates that came back during backward;
     the parameters are those of ``ns_in_backward`` alone bit for bit (the same per-block NS), with an unused
     block, with clipping (every launch then stands for rescaled gradients: the returns from backward land
-    unused and the step redoes NS) and with NorMuon's row state riding the returns."""
+    unused and the step redoes NS), with NorMuon's row state riding the returns, a nonfinite check, MuonH
+    (its norms taken around the applies) and Dion2 (its selected rows decayed where the updates land)."""
     world_size = 3 if mesh_shape is None else 4
     # Hop A in one chunk on the replicate level: OddNet's four units leave no room to spread it and return too.
     base = dict(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape,
                 hsdp=hsdp, hop_a_spread=1)
-    variants = [dict(), dict(clip=0.3, return_waves=2), dict(rule="normuon"), dict(nonfinite="skip")]
+    variants = [dict(), dict(clip=0.3, return_waves=2), dict(rule="normuon"), dict(nonfinite="skip"),
+                dict(rule="muonh"), dict(rule="dion2")]
     cases = [Case(returns_in_backward=back, **base, **v) for v in variants for back in (True, False)]
     results = run_distributed(run_cases, world_size, cases, timeout_s=240)
     ref, _ = reference(world_size, torch.float32)
