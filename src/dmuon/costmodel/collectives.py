@@ -19,25 +19,15 @@ importable from :mod:`dmuon.costmodel.traffic`.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
+from dmuon.costmodel.backward_order import backward_with_returns, spread_backward
+from dmuon.costmodel.collective import Collective, Parts, a2a, merge_parts, shard_rows, stage_parts
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
-from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
-from dmuon.plan.layout import shard_rows as _shard_rows
-from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, Stage, choose_route, route_stages
+from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, choose_route, route_stages
 
-
-@functools.lru_cache(maxsize=4096)
-def _split(m: int, parts: int) -> tuple[int, ...]:
-    return tuple(_shard_rows(m, parts))
-
-
-def shard_rows(m: int, parts: int) -> tuple[int, ...]:
-    """:func:`dmuon.plan.layout.shard_rows`, memoised (the models ask for the same splits per rank)."""
-    return _split(int(m), int(parts))
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
 """Keys of :func:`step_comm`: ``"dmuon"`` (on HSDP design (b): FSDP2 over the shard sub-mesh,
@@ -48,73 +38,6 @@ dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_na
 PEER_STRATEGY = "dion_all_to_all"
 """The all-to-all design of microsoft/dion's ``Muon`` and torchtitan's DistMuon, a peer
 :func:`step_collectives` also builds (:func:`all_to_all_batches`); not in :func:`step_comm`."""
-
-ROLES: tuple[str, ...] = (
-    "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "replicate_all_reduce", "grad_columns",
-    "hop_a", "hop_b", "return_shard", "return_replicas", "return_scatter", "return_gather", "gather", "a2a_out",
-    "a2a_back", "weight_norms")
-""":attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
-gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
-(design (b)), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
-names that block; hop A (the direction's column slices to the owner's replica; on design (b) a
-collective of its own only where no column reduce-scatter follows to carry it) and hop B (the rows
-to the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2):
-on the direct route whole pieces, on the scatter route (:mod:`dmuon.plan.publication`) each
-piece's part ``q`` to replica ``q``, then every replica's part to the others (the all-gather:
-a collective of its own only for the last wave, else it rides in the next wave's hop 2, where
-:attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one
-direction; the peer's all-to-all to the batch's owner slice and back. ``"weight_norms"``: a rule's per-matrix sums over the weight (MuonH's norms), one
-all-reduce over the shard level after the step's last update (:func:`weight_norm_collective`)."""
-
-
-@dataclass
-class Collective:
-    """One collective of a training step, as every plan rank sees it."""
-
-    op: str
-    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``."""
-    level: str
-    """``"intra"`` (the shard group, inside a node) or ``"inter"`` (the replicate group)."""
-    phase: str
-    """``"forward"``, ``"backward"`` or ``"step"``."""
-    block: int | None
-    """The block it belongs to (None for the step's all-matrix exchanges)."""
-    ranks: list[tuple[int, int] | None]
-    """Per plan rank ``r * S + s``: ``(sent, received)`` bytes, or None where the rank issues nothing."""
-    messages: int
-    """Latency terms of the alpha-beta model: ring steps, or the most peers one rank exchanges with."""
-    label: str = ""
-    role: str = ""
-    """What it is in the step (:data:`ROLES`), for the timeline model (:mod:`dmuon.costmodel.simulate`)."""
-    index: int | None = None
-    """Which one of its role: the return wave, the gathered matrix, the all-to-all batch (None: per block)."""
-    carries_hop_a: tuple[int, ...] = ()
-    """Design (b), a ``"grad_columns"`` or ``"hop_a"`` collective: the blocks whose direction slices
-    (hop A chunks, :mod:`dmuon.plan.hop_a`) travel in it (the runtime sends them in the same
-    all_to_all as the next unit's gradient columns: one collective on the replicate group, its
-    bytes per rank the sum of both)."""
-    completes_hop_a: tuple[int, ...] = ()
-    """Design (b): the blocks whose last hop A chunk is in it (their hop B goes at the next landing)."""
-    issued_at: int | None = None
-    """dmuon's exchange: the block whose landing in backward issues it (None: ``step()``); by
-    default its own block."""
-    carries_gather: int | None = None
-    """A ``"return_replicas"`` or ``"return_scatter"`` collective: the return wave whose scatter
-    route's all-gather travels in it (the runtime advances every return in flight by one hop at
-    once, in one all_to_all on the replicate group), or None."""
-    carries_returns: tuple[int, ...] = ()
-    """``returns_in_backward`` on dmuon's replicate level: the blocks whose return's hop across
-    replicas travels in this collective of a landing (joined with its gradient columns)."""
-
-    def __post_init__(self) -> None:
-        if self.issued_at is None and self.phase == "backward":
-            self.issued_at = self.block
-
-    @property
-    def critical(self) -> int:
-        """The most bytes one rank sends or receives in this collective."""
-        return max((max(t) for t in self.ranks if t is not None), default=0)
-
 
 def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
     """Bytes of one rank's FSDP2 shard of ``shapes``: ``ceil(m / S)`` rows each (FSDP2 pads to that)."""
@@ -145,66 +68,6 @@ def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, sha
         return [_uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
                                     2 * (replicate - 1), f"fsdp2 all_reduce block {block}", "fsdp_all_reduce")]
     raise ValueError(f"unknown FSDP2 collective {op!r}")
-
-
-def _a2a(level: str, phase: str, block, world: int, sent: list[int], received: list[int],
-         peers_out: list[set], peers_in: list[set], taking_part: list[bool], label: str, role: str,
-         index: int | None = None) -> Collective:
-    ranks = [(sent[k], received[k]) if taking_part[k] else None for k in range(world)]
-    messages = max((max(len(peers_out[k]), len(peers_in[k])) for k in range(world) if taking_part[k]), default=0)
-    return Collective("all_to_all", level, phase, block, ranks, messages, label, role, index)
-
-
-Parts = tuple[list[int], list[int], list[set], list[set], list[bool]]
-"""One all_to_all's per-rank ``(sent, received, peers out, peers in, taking part)``, before :func:`_a2a`."""
-
-
-def _merge(*parts: Parts) -> Parts:
-    """Several all_to_alls' parts as one collective's: bytes summed, peers united, taking part in any."""
-    world = len(parts[0][0])
-    return ([sum(p[0][k] for p in parts) for k in range(world)], [sum(p[1][k] for p in parts) for k in range(world)],
-            [set().union(*(p[2][k] for p in parts)) for k in range(world)],
-            [set().union(*(p[3][k] for p in parts)) for k in range(world)],
-            [any(p[4][k] for p in parts) for k in range(world)])
-
-
-def _stage_parts(stage: Stage) -> Parts:
-    """One route stage of :mod:`dmuon.plan.publication` as an all_to_all's parts."""
-    return stage.sent, stage.received, stage.peers_out, stage.peers_in, stage.taking_part
-
-
-def _gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
-                      inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int) -> Parts:
-    """Design (b)'s reduce-scatter of one block's gradient column slices over each shard column's
-    replicate group (:func:`owner_exchange_collectives`): one uneven ``all_to_all``'s parts.
-
-    Every rank ``(r, s)`` of a column holds the same piece ``s``, so it sends slice ``q`` to
-    ``(q, s)`` for each ``q != r`` and receives ``R - 1`` copies of slice ``r``. Its peers are
-    the ranks of its column whose slice of some member is not empty (out), and, if its own
-    slice of some member is not empty, the other ``R - 1`` ranks (in). A column holding no rows
-    of the block takes no part.
-    """
-    world = replicate * shard
-    sent, received = [0] * world, [0] * world
-    out: list[set] = [set() for _ in range(world)]
-    inn: list[set] = [set() for _ in range(world)]
-    part = [False] * world
-    for s in range(shard):
-        if not any(tables[i][s][0] for i in members):
-            continue  # this column holds no rows of the block: it skips the collective
-        slices = [0] * replicate  # bytes of column slice q of the members' pieces on this column
-        for i in members:
-            rows, cols, _ = tables[i][s]
-            for q, c in enumerate(shard_rows(cols, replicate)):
-                slices[q] += rows * c * inner[i] * gradient_bytes
-        whole = sum(slices)
-        for r in range(replicate):
-            k = r * shard + s
-            part[k] = True
-            sent[k], received[k] = whole - slices[r], (replicate - 1) * slices[r]
-            out[k] = {q * shard + s for q in range(replicate) if q != r and slices[q]}
-            inn[k] = {q * shard + s for q in range(replicate) if q != r} if slices[r] else set()
-    return sent, received, out, inn, part
 
 
 def owner_exchange_collectives(
@@ -380,7 +243,7 @@ def owner_exchange_collectives(
         return sent, received, out, inn, [any(direction_bytes(i, k % shard) for i in members) for k in range(world)]
 
     def hop_a_alone(b: int, members: list[int]) -> Collective:
-        return _a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
+        return a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
 
     def within_owner_replica(members: Sequence[int], size: Callable[[int, int], int], to_owner: bool) -> Parts:
         """Inside each owner's replica, ``size(i, s)`` bytes of each member between every other shard
@@ -403,7 +266,7 @@ def owner_exchange_collectives(
     def hop_b(b: int, members: list[int]) -> list[Collective]:
         if shard == 1:
             return []
-        return [_a2a("intra", "backward", b, world, *within_owner_replica(members, sent_bytes, True),
+        return [a2a("intra", "backward", b, world, *within_owner_replica(members, sent_bytes, True),
                      f"dmuon directions block {b}", "hop_b")]
 
     def return_shard(wave: Sequence[int]) -> Parts | None:
@@ -414,14 +277,14 @@ def owner_exchange_collectives(
         """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather)."""
         published = published_wave(wave, owners, shard, tables, inner)
         route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
-        return route, [_stage_parts(st) for st in route_stages(route, published, replicate, shard, elem_bytes,
+        return route, [stage_parts(st) for st in route_stages(route, published, replicate, shard, elem_bytes,
                                                                 row_bytes, peers=True)]
 
     back: list[int] = []  # blocks whose return goes in backward
     backward: list[Collective] = []
     if returns_in_backward and world > 1:
-        backward, back = _backward_with_returns(order, blocks, replicate, shard, world, gradient_bytes, hop_a_spread,
-                                                hop_a_alone, hop_b, return_shard, across, lambda: _spread_backward(
+        backward, back = backward_with_returns(order, blocks, replicate, shard, world, gradient_bytes, hop_a_spread,
+                                                hop_a_alone, hop_b, return_shard, across, lambda: spread_backward(
                                                     order, blocks, tables, inner, owners, replicate, shard,
                                                     elem_bytes, gradient_bytes, hop_a_spread, hop_b,
                                                     returns=(return_shard, across)))
@@ -431,7 +294,7 @@ def owner_exchange_collectives(
             if members:
                 backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
     else:
-        backward, _ = _spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
+        backward, _ = spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
                                        gradient_bytes, hop_a_spread, hop_b)
     step: list[Collective] = []
     if world == 1 or not shapes:
@@ -445,7 +308,7 @@ def owner_exchange_collectives(
         label = "" if waves is None else f" wave {w}"
         hop1 = return_shard(wave)
         if hop1 is not None:
-            step.append(_a2a("intra", "step", None, world, *hop1, "dmuon updates to the shard columns" + label,
+            step.append(a2a("intra", "step", None, world, *hop1, "dmuon updates to the shard columns" + label,
                              "return_shard", w))
         if replicate > 1:
             route, stages = across(wave)
@@ -453,216 +316,16 @@ def owner_exchange_collectives(
             name = "dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas"
             name += label
             if gathering is not None:
-                first = _merge(first, gathering[2])
+                first = merge_parts(first, gathering[2])
                 name += f" + the slices' all-gather{gathering[1]}"
-            step.append(_a2a("inter", "step", None, world, *first, name,
+            step.append(a2a("inter", "step", None, world, *first, name,
                              "return_replicas" if route == DIRECT else "return_scatter", w))
             step[-1].carries_gather = None if gathering is None else gathering[0]
             gathering = (w, label, stages[1]) if route == SCATTER else None
     if gathering is not None:
-        step.append(_a2a("inter", "step", None, world, *gathering[2], "dmuon update slices' all-gather" + gathering[1],
+        step.append(a2a("inter", "step", None, world, *gathering[2], "dmuon update slices' all-gather" + gathering[1],
                          "return_gather", gathering[0]))
     return backward, step
-
-
-_RETURN_ROLES = {(DIRECT, 0): "return_replicas", (SCATTER, 0): "return_scatter", (SCATTER, 1): "return_gather"}
-_RETURN_NAMES = {"return_replicas": "to the replicas", "return_scatter": "slices to the replicas",
-                 "return_gather": "slices' all-gather"}
-
-
-def _backward_with_returns(order, blocks, replicate: int, shard: int, world: int, gradient_bytes, hop_a_spread: int,
-                           hop_a_alone, hop_b, return_shard, across, spread) -> tuple[list[Collective], list[int]]:
-    """``returns_in_backward``'s backward list and the blocks it returns, as ``BackwardLaunches``
-    issues them (see :func:`owner_exchange_collectives`); the replicate level's from ``spread()``
-    (:func:`_spread_backward` with its returns), the others' here."""
-    if replicate > 1 and gradient_bytes is not None:
-        return spread()
-    out: list[Collective] = []
-    # Per launch, in launch order: its block, direction hops left, return hops left (None: not issued),
-    # whether every direction hop was issued by the last landing.
-    launches: list[list] = []
-
-    def issue(c: Collective | None, at) -> None:
-        if c is not None:  # None: a hop the runtime takes without a collective (one shard position)
-            c.issued_at = at
-            out.append(c)
-
-    def return_hops(b: int, members: list[int]) -> list[Collective | None]:
-        hop1 = return_shard(members)
-        hops = [None if hop1 is None else _a2a("intra", "backward", b, world, *hop1,
-                                                f"dmuon updates of block {b} to the shard columns", "return_shard")]
-        if replicate > 1:
-            route, stages = across(members)
-            for k, parts in enumerate(stages):
-                role = _RETURN_ROLES[route, k]
-                hops.append(_a2a("inter", "backward", b, world, *parts,
-                                 f"dmuon updates of block {b}: {_RETURN_NAMES[role]}", role))
-        return hops
-
-    for b in order:
-        members = [i for i in range(len(blocks)) if blocks[i] == b]
-        if not members:
-            continue
-        # BackwardLaunches._advance, then the launch of b.
-        for launch in launches:
-            if launch[1]:
-                issue(launch[1].pop(0), b)
-            if launch[2]:
-                issue(launch[2].pop(0), b)
-        for launch in launches:
-            if launch[2] is None and launch[3]:
-                launch[2] = return_hops(launch[0], launch[4])
-                if launch[2]:
-                    issue(launch[2].pop(0), b)
-            launch[3] = not launch[1]
-        hops = [hop_a_alone(b, members), (hop_b(b, members) or [None])[0]] if replicate > 1 else hop_b(b, members)
-        issue(hops.pop(0), b)
-        launches.append([b, hops, None, not hops, members])
-    for launch in launches:  # step(): BackwardLaunches.take
-        for c in launch[1] + (launch[2] or []):
-            issue(c, None)
-    return out, [launch[0] for launch in launches if launch[2] is not None]
-
-
-def _spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: Sequence[int],
-                     owners: Sequence[int], replicate: int, shard: int, elem_bytes: int, gradient_bytes: int,
-                     hop_a_spread: int, hop_b, returns=None) -> tuple[list[Collective], list[int]]:
-    """Design (b)'s backward collectives as ``dmuon.runtime.backward.BackwardLaunches`` issues them, with
-    the same :class:`~dmuon.plan.hop_a.HopASpreader` choosing each hop A chunk.
-
-    When unit ``b`` lands (blocks in ``order``): hop B of every block whose last chunk went in the
-    previous collective (launch order), then one all_to_all across replicas carrying ``b``'s
-    gradient columns (role ``"grad_columns"``) and the chunks the spreader chose (a unit with no
-    Muon matrix: the chunks alone, role ``"hop_a"``); ``b``'s directions can go from the next one.
-    In ``step()``: what is left of every block in one last all_to_all (role ``"hop_a"``, block
-    None), the hop B of blocks completed before it first, then the others', in launch order.
-
-    ``returns``: ``(return_shard, across)`` of :func:`owner_exchange_collectives` for
-    ``returns_in_backward``: at each landing, after the hop B's, the hop 1 of every block whose hop
-    B went at an earlier landing, and the landing's all_to_all across replicas also carries the next
-    hop of every return in flight (:attr:`Collective.carries_returns`); in ``step()`` the rest of
-    each, after the hop B's.
-
-    Returns:
-        The collectives, and the blocks whose return went in backward.
-    """
-    world = replicate * shard
-    spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i])
-                             for i in range(len(blocks))}, replicate, shard, elem_bytes, hop_a_spread)
-    launched: list[tuple[int, list[int]]] = []
-    sent_units: dict[int, int] = {}
-    completed: list[int] = []  # blocks whose last chunk went in the collective before
-    out: list[Collective] = []
-
-    def chunks(blocks_now: list[int]) -> tuple[Parts, list[int], list[int]]:
-        """The chunks the spreader just chose, as one all_to_all's parts; the blocks riding, completing."""
-        sent, received = [0] * world, [0] * world
-        peers_out: list[set] = [set() for _ in range(world)]
-        peers_in: list[set] = [set() for _ in range(world)]
-        part = [False] * world
-        riding, completing = [], []
-        for blk in blocks_now:
-            upto = spreader.upto(blk)
-            for i, units in upto.items():
-                start = sent_units.get(i, 0)
-                sent_units[i] = units
-                for s, src, dst, moved in spreader.shapes[i].moves(start, units, shard, elem_bytes):
-                    if blk not in riding:
-                        riding.append(blk)
-                    for r in range(replicate):  # the position's whole replicate group takes part
-                        part[r * shard + s] = True
-                    if moved:
-                        sent[src] += moved
-                        received[dst] += moved
-                        peers_out[src].add(dst)
-                        peers_in[dst].add(src)
-            if spreader.complete(blk):
-                completing.append(blk)
-        return (sent, received, peers_out, peers_in, part), riding, completing
-
-    def hop_b_of(done: Sequence[int], at: int | None) -> None:
-        for blk, members in launched:
-            if blk in done:
-                for c in hop_b(blk, members):
-                    c.issued_at = at
-                    out.append(c)
-
-    # returns_in_backward: blocks whose hop B went at the last landing (their hop 1 goes at this one),
-    # and per block returning, its hops across replicas still to go (route stages' parts, role).
-    ready: list[int] = []
-    in_flight: dict[int, list[tuple[Parts, str]]] = {}
-    back: list[int] = []
-    members_of = {blk: [i for i in range(len(blocks)) if blocks[i] == blk] for blk in set(blocks)}
-
-    def hop_1(blk: int, at: int) -> None:
-        return_shard, across = returns
-        parts = return_shard(members_of[blk])
-        if parts is not None:
-            out.append(_a2a("intra", "backward", blk, world, *parts, f"dmuon updates of block {blk} to the shard columns",
-                            "return_shard"))
-            out[-1].issued_at = at
-        route, stages = across(members_of[blk])
-        in_flight[blk] = [(st, _RETURN_ROLES[route, k]) for k, st in enumerate(stages)]
-        back.append(blk)
-
-    for b in order:
-        members = [i for i in range(len(blocks)) if blocks[i] == b]
-        hop_b_of(completed, b)
-        riding_returns = []
-        if returns is not None:
-            # BackwardLaunches._advance: every return in flight one hop across (joined below), then the due hop 1's.
-            for blk, hops in in_flight.items():
-                if hops:
-                    riding_returns.append((blk, *hops.pop(0)))
-            for blk in ready:
-                hop_1(blk, b)
-            ready = [blk for blk, _ in launched if blk in completed]
-        columns = _gradient_columns(members, tables, inner, replicate, shard, gradient_bytes) if members else None
-        pending = spreader.pending()
-        # The runtime's own loads of the column reduce-scatter: its decisions are the same.
-        spreader.decide(column_reduce_loads([tables[i] for i in members], [inner[i] for i in members], replicate,
-                                            shard, gradient_bytes))
-        moving, riding, completed = chunks(pending)
-        returning = [parts for _, parts, _ in riding_returns]
-        if columns is not None:
-            label = f"dmuon gradient columns block {b}" + (f" + direction slices of blocks {riding}" if riding else "")
-            parts = [columns] + ([moving] if riding else []) + returning
-            out.append(_a2a("inter", "backward", b, world, *_merge(*parts), label, "grad_columns"))
-        elif riding or returning:
-            parts = ([moving] if riding else []) + returning
-            label = f"dmuon direction slices of blocks {riding}" if riding else \
-                f"dmuon updates of blocks {[blk for blk, _, _ in riding_returns]} across replicas"
-            out.append(_a2a("inter", "backward", b, world, *_merge(*parts), label,
-                            "hop_a" if riding else riding_returns[0][2]))
-        if columns is not None or riding or returning:
-            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(completed)
-            out[-1].carries_returns = tuple(blk for blk, _, _ in riding_returns)
-            if riding_returns:
-                out[-1].label += f" + updates of blocks {list(out[-1].carries_returns)} across replicas"
-            out[-1].issued_at = b
-        if members:
-            spreader.add(b, members)
-            launched.append((b, members))
-    # step(): BackwardLaunches.take
-    pending = spreader.pending()
-    if pending:
-        spreader.decide([[0, 0] for _ in range(world)], final=True)
-        hop_b_of(completed, None)
-        moving, riding, last = chunks(pending)
-        if riding:
-            out.append(_a2a("inter", "backward", None, world, *moving,
-                            f"dmuon direction slices of blocks {riding} left at the end of backward", "hop_a"))
-            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(last)
-            out[-1].issued_at = None
-        hop_b_of(last, None)
-    else:
-        hop_b_of(completed, None)
-    for blk in back:  # take(): what is left of the returns, in launch order
-        for parts, role in in_flight[blk]:
-            out.append(_a2a("inter", "backward", blk, world, *parts,
-                            f"dmuon updates of block {blk}: {_RETURN_NAMES[role]}", role))
-            out[-1].issued_at = None
-    return out, back
 
 
 def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:

@@ -9,8 +9,9 @@ Two concerns, one module each, every public name importable from here:
   :func:`compare_hsdp_designs`), and FSDP2's row split
   (:func:`shard_rows`, from :mod:`dmuon.plan.layout`);
 * :mod:`dmuon.costmodel.collectives`: one training step collective by collective, in
-  issue order, every rank's bytes in each (:class:`Collective`,
-  :func:`owner_exchange_collectives`, :func:`step_collectives`), and its
+  issue order, every rank's bytes in each (:class:`Collective`, from
+  :mod:`dmuon.costmodel.collective`; :func:`owner_exchange_collectives`, whose backward
+  order is :mod:`dmuon.costmodel.backward_order`'s; :func:`step_collectives`), and its
   alpha-beta time (:class:`AlphaBeta`, :func:`step_figures`, :func:`step_comm`).
 """
 
