@@ -386,7 +386,6 @@ class BackwardLaunches:
         self.close()
 
 
-
 def _slice_shape(info: MatrixInfo, shard: int):
     """What the matrix's hop A moves (:class:`~dmuon.plan.hop_a.SliceShape`)."""
     return slice_shape(info.owner // shard, [(p.rows, p.cols, p.sends) for p in info.pieces], info.replicate,
