@@ -5,6 +5,7 @@ design (b)'s gradient-column all_to_alls carrying hop A's chunks as the spreader
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from dmuon.costmodel.collective import Collective, Parts, a2a, merge_parts, shard_rows
@@ -47,62 +48,81 @@ def gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int
 
 
 RETURN_ROLES = {(DIRECT, 0): "return_replicas", (SCATTER, 0): "return_scatter", (SCATTER, 1): "return_gather"}
-RETURN_NAMES = {"return_replicas": "to the replicas", "return_scatter": "slices to the replicas",
+"""The role of a return's hop across replicas, by its route and stage (:mod:`dmuon.plan.publication`)."""
+_RETURN_NAMES = {"return_replicas": "to the replicas", "return_scatter": "slices to the replicas",
                  "return_gather": "slices' all-gather"}
 
 
-def backward_with_returns(order, blocks, replicate: int, shard: int, world: int, gradient_bytes, hop_a_spread: int,
-                           hop_a_alone, hop_b, return_shard, across, spread) -> tuple[list[Collective], list[int]]:
-    """``returns_in_backward``'s backward list and the blocks it returns, as ``BackwardLaunches``
-    issues them (see :func:`owner_exchange_collectives`); the replicate level's from ``spread()``
-    (:func:`_spread_backward` with its returns), the others' here."""
-    if replicate > 1 and gradient_bytes is not None:
-        return spread()
+def return_hops(block: int, members: list[int], world: int, return_shard, across
+                ) -> tuple[Collective | None, list[tuple[Parts, str]]]:
+    """A block's return as ``BackwardLaunches._return`` issues it in backward: hop 1 inside the owners'
+    replicas (None where the runtime takes that hop without a collective: one shard position) and its
+    hops across replicas still to go, as ``(parts, role)`` (``return_shard`` and ``across``: of
+    :func:`~dmuon.costmodel.collectives.owner_exchange_collectives`)."""
+    parts = return_shard(members)
+    hop1 = None if parts is None else a2a("intra", "backward", block, world, *parts,
+                                          f"dmuon updates of block {block} to the shard columns", "return_shard")
+    route, stages = across(members)
+    return hop1, [(st, RETURN_ROLES[route, k]) for k, st in enumerate(stages)]
+
+
+def across_collective(block: int, world: int, parts: Parts, role: str) -> Collective:
+    """One hop across replicas of block ``block``'s return, as a collective of its own."""
+    return a2a("inter", "backward", block, world, *parts, f"dmuon updates of block {block}: {_RETURN_NAMES[role]}",
+               role)
+
+
+@dataclass
+class _Launched:
+    """A block launched in backward, as ``BackwardLaunches`` tracks it with ``returns_in_backward``."""
+
+    block: int
+    members: list[int]
+    hops: list[Collective | None]
+    """Its direction hops still to issue, one per landing (None: a hop without a collective)."""
+    returns: list[Collective | None] | None = None
+    """Its return's hops still to issue, one per landing; None until the return is issued."""
+    ready: bool = False
+    """Every direction hop was issued by the last landing: the return goes at this one."""
+
+
+def backward_with_returns(order, blocks, replicate: int, world: int, hop_a_alone, hop_b, return_shard, across
+                          ) -> tuple[list[Collective], list[int]]:
+    """``returns_in_backward``'s backward list without dmuon's replicate level (1-D, FSDP2's native
+    HSDP) and the blocks it returns, as ``BackwardLaunches`` issues them: at each landing of a block
+    with Muon matrices every earlier launch's next direction hop and next return hop (launch order),
+    then the return of every launch whose directions were all issued by the last landing, then the
+    block's own first direction hop; in ``step()`` what is left of each, in launch order."""
     out: list[Collective] = []
-    # Per launch, in launch order: its block, direction hops left, return hops left (None: not issued),
-    # whether every direction hop was issued by the last landing.
-    launches: list[list] = []
+    launches: list[_Launched] = []
 
     def issue(c: Collective | None, at) -> None:
-        if c is not None:  # None: a hop the runtime takes without a collective (one shard position)
+        if c is not None:
             c.issued_at = at
             out.append(c)
-
-    def return_hops(b: int, members: list[int]) -> list[Collective | None]:
-        hop1 = return_shard(members)
-        hops = [None if hop1 is None else a2a("intra", "backward", b, world, *hop1,
-                                                f"dmuon updates of block {b} to the shard columns", "return_shard")]
-        if replicate > 1:
-            route, stages = across(members)
-            for k, parts in enumerate(stages):
-                role = RETURN_ROLES[route, k]
-                hops.append(a2a("inter", "backward", b, world, *parts,
-                                 f"dmuon updates of block {b}: {RETURN_NAMES[role]}", role))
-        return hops
 
     for b in order:
         members = [i for i in range(len(blocks)) if blocks[i] == b]
         if not members:
-            continue
-        # BackwardLaunches._advance, then the launch of b.
+            continue  # no unit of the runtime's: it hooks only blocks with Muon matrices
         for launch in launches:
-            if launch[1]:
-                issue(launch[1].pop(0), b)
-            if launch[2]:
-                issue(launch[2].pop(0), b)
+            if launch.hops:
+                issue(launch.hops.pop(0), b)
+            if launch.returns:
+                issue(launch.returns.pop(0), b)
         for launch in launches:
-            if launch[2] is None and launch[3]:
-                launch[2] = return_hops(launch[0], launch[4])
-                if launch[2]:
-                    issue(launch[2].pop(0), b)
-            launch[3] = not launch[1]
+            if launch.returns is None and launch.ready:
+                hop1, rest = return_hops(launch.block, launch.members, world, return_shard, across)
+                launch.returns = [across_collective(launch.block, world, parts, role) for parts, role in rest]
+                issue(hop1, b)
+            launch.ready = not launch.hops
         hops = [hop_a_alone(b, members), (hop_b(b, members) or [None])[0]] if replicate > 1 else hop_b(b, members)
         issue(hops.pop(0), b)
-        launches.append([b, hops, None, not hops, members])
+        launches.append(_Launched(b, members, hops, ready=not hops))
     for launch in launches:  # step(): BackwardLaunches.take
-        for c in launch[1] + (launch[2] or []):
+        for c in launch.hops + (launch.returns or []):
             issue(c, None)
-    return out, [launch[0] for launch in launches if launch[2] is not None]
+    return out, [launch.block for launch in launches if launch.returns is not None]
 
 
 def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: Sequence[int],
@@ -176,14 +196,10 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
     members_of = {blk: [i for i in range(len(blocks)) if blocks[i] == blk] for blk in set(blocks)}
 
     def hop_1(blk: int, at: int) -> None:
-        return_shard, across = returns
-        parts = return_shard(members_of[blk])
-        if parts is not None:
-            out.append(a2a("intra", "backward", blk, world, *parts, f"dmuon updates of block {blk} to the shard columns",
-                            "return_shard"))
-            out[-1].issued_at = at
-        route, stages = across(members_of[blk])
-        in_flight[blk] = [(st, RETURN_ROLES[route, k]) for k, st in enumerate(stages)]
+        hop1, in_flight[blk] = return_hops(blk, members_of[blk], world, *returns)
+        if hop1 is not None:
+            hop1.issued_at = at
+            out.append(hop1)
         back.append(blk)
 
     for b in order:
@@ -240,7 +256,6 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
         hop_b_of(completed, None)
     for blk in back:  # take(): what is left of the returns, in launch order
         for parts, role in in_flight[blk]:
-            out.append(a2a("inter", "backward", blk, world, *parts,
-                            f"dmuon updates of block {blk}: {RETURN_NAMES[role]}", role))
+            out.append(across_collective(blk, world, parts, role))
             out[-1].issued_at = None
     return out, back

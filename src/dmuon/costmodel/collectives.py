@@ -274,7 +274,10 @@ def owner_exchange_collectives(
         return None if shard == 1 else within_owner_replica(wave, piece, False)
 
     def across(wave: Sequence[int]) -> tuple[str, list[Parts]]:
-        """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather)."""
+        """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather;
+        none with one replica)."""
+        if replicate == 1:
+            return DIRECT, []
         published = published_wave(wave, owners, shard, tables, inner)
         route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
         return route, [stage_parts(st) for st in route_stages(route, published, replicate, shard, elem_bytes,
@@ -282,20 +285,17 @@ def owner_exchange_collectives(
 
     back: list[int] = []  # blocks whose return goes in backward
     backward: list[Collective] = []
-    if returns_in_backward and world > 1:
-        backward, back = backward_with_returns(order, blocks, replicate, shard, world, gradient_bytes, hop_a_spread,
-                                                hop_a_alone, hop_b, return_shard, across, lambda: spread_backward(
-                                                    order, blocks, tables, inner, owners, replicate, shard,
-                                                    elem_bytes, gradient_bytes, hop_a_spread, hop_b,
-                                                    returns=(return_shard, across)))
+    returns = (return_shard, across) if returns_in_backward and world > 1 else None
+    if returns is not None and (replicate == 1 or gradient_bytes is None):
+        backward, back = backward_with_returns(order, blocks, replicate, world, hop_a_alone, hop_b, *returns)
     elif replicate == 1 or gradient_bytes is None:
         for b in order:
             members = [i for i in range(len(shapes)) if blocks[i] == b]
             if members:
                 backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
     else:
-        backward, _ = spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
-                                       gradient_bytes, hop_a_spread, hop_b)
+        backward, back = spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
+                                          gradient_bytes, hop_a_spread, hop_b, returns)
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step

@@ -43,6 +43,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+from dmuon.costmodel.backward_order import RETURN_ROLES
 from dmuon.costmodel.collectives import (
     PEER_STRATEGY,
     STEP_STRATEGIES,
@@ -64,7 +65,8 @@ publication across replicas) issued in backward, ``step()`` applying them."""
 SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", RETURNS_IN_BACKWARD,
                                    PEER_STRATEGY)
 """What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
-_RETURN_ROLES = ("return_shard", "return_replicas", "return_scatter", "return_gather")
+_ACROSS_ROLES = frozenset(RETURN_ROLES.values())
+"""The roles of a return's hops across replicas; with ``"return_shard"`` (hop 1) every hop of a return."""
 
 NS_METHODS: tuple[str, ...] = ("auto", "standard", "gram")
 """How NS is priced: ``"standard"`` (:func:`~dmuon.plan.cost.ns_flops`), ``"gram"`` (Gram NS with
@@ -331,7 +333,8 @@ class _Builder:
 
         if self.returns_in_backward:
             # NS per block (the worker's batches), the returned blocks' in backward, the others' waves in step().
-            self.back = {c.block for c in listed([]) if c.phase == "backward" and c.role in _RETURN_ROLES}
+            self.back = {c.block for c in listed([]) if c.phase == "backward"
+                         and (c.role == "return_shard" or c.role in _ACROSS_ROLES)}
             self.ns_batches = {rank: [part for batch in batches for part in self.by_block(batch)
                                       if inputs.blocks[part[0]] not in self.back]
                                for rank, batches in inputs.ns_batches.items()}
@@ -355,10 +358,8 @@ class _Builder:
                 self.landing_across[c.issued_at] = key
             for b in c.carries_returns:
                 self.across.setdefault(b, []).append("ride")
-            if c.phase == "backward" and c.role in _RETURN_ROLES[1:] and not c.carries_returns:
+            if c.phase == "backward" and c.role in _ACROSS_ROLES and not c.carries_returns:
                 self.across.setdefault(c.block, []).append(c.role)
-        for b in self.back:
-            self.across.setdefault(b, [])
         self.used: set[tuple] = set()
         self.design_b = strategy == "dmuon" and inputs.replicate > 1
         self.native_all_reduce = inputs.replicate > 1 and not self.design_b
@@ -549,7 +550,7 @@ class _Builder:
             raise AssertionError(f"block {launch.block} returns in backward here, not in step_collectives' list")
         ready = self.wait(f"NS block {launch.block} done", stream, [launch.ns], "backward")
         launch.returned = [self.coll("return_shard", "backward", launch.block, None, DS, [ready])]
-        launch.ahead = list(self.across[launch.block])
+        launch.ahead = list(self.across.get(launch.block, []))
 
     def directions_after_reduction(self, launch: _Launch, stream: str) -> None:
         """Design (b): the block's reduction has landed; its directions (hop A chunks to follow)."""
