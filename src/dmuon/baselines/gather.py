@@ -26,7 +26,7 @@ from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import adjusted_lr, apply_update, check_rule_settings, fill_rule_defaults, momentum_update
 from dmuon.rules.normuon import normalize_rows
-from dmuon.rules.qk_clip import QKClip, clip_factors
+from dmuon.rules.qk_clip import QKClip
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -253,10 +253,7 @@ class GatherThenCompute(torch.optim.Optimizer):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         qk.reset()
-        maxima = maxima.cpu()
-        qk.last_maxima = {key: maxima[qk.kv_start[key] : qk.kv_start[key] + config.layers[key].kv_heads]
-                          for key in config.order}
-        gamma = clip_factors(maxima, config.tau)
+        gamma = qk.agreed(maxima.cpu())
         factors: dict[str, torch.Tensor] = {}  # parameter name -> one float32 factor per row
         for key in config.order:
             scaled = config.layers[key].scaled_rows(config.alpha)

@@ -194,12 +194,17 @@ class AttentionClip:
             self._reported.zero_()
 
     # ------------------------------------------------------------------- clip
+    def agreed(self, maxima: torch.Tensor) -> torch.Tensor:
+        """Takes a step's maxima over every rank (per key head, every layer's in :attr:`QKClip.order`):
+        keeps them per layer (:attr:`last_maxima`) and returns each key head's factor ``gamma``."""
+        self.last_maxima = {key: maxima[self.kv_start[key] : self.kv_start[key] + self.config.layers[key].kv_heads]
+                            for key in self.config.order}
+        return clip_factors(maxima, self.config.tau)
+
     @torch.no_grad()
     def clip(self, plan: Plan, active: list[int], maxima: torch.Tensor) -> None:
         """Scales this rank's rows of the step's updated matrices by the agreed maxima's factors."""
-        self.last_maxima = {key: maxima[self.kv_start[key] : self.kv_start[key] + self.config.layers[key].kv_heads]
-                            for key in self.config.order}
-        gamma = clip_factors(maxima, self.config.tau)
+        gamma = self.agreed(maxima)
         clipped = gamma < 1.0  # on the host: the agreement landed there, no device sync
         if not clipped.any():
             return
