@@ -20,7 +20,7 @@ from support.equivalence import N_MATRICES, max_diff
 from support.models import OddNet
 from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
-    one_process_experts, one_process_oddnet, runs, tp_reference,
+    one_process_experts, one_process_oddnet, rule_reference, runs, tp_reference,
 )
 from support.step_comm import check_counted_log
 
@@ -67,7 +67,8 @@ def test_single_process_equals_the_formula():
 
 def test_expert_stacks_and_row_groups_select_per_matrix():
     model, opt, ref, _ = one_process_experts(
-        RULE, lambda model, plan: dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW), **DION2_KW)
+        lambda model, plan: dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW),
+        rule_reference(RULE, **DION2_KW))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
 

@@ -19,7 +19,7 @@ from support.equivalence import N_MATRICES, max_diff
 from support.models import OddNet
 from support.more_rules import (
     COUNTED, SKIP, STEPS, check_oracle_runs, checkpoint_reference, equivalence_cases, oddnet_reference,
-    one_process_experts, one_process_oddnet, runs, tp_reference,
+    one_process_experts, one_process_oddnet, rule_reference, runs, tp_reference,
 )
 from support.step_comm import check_counted_log, expected_log
 
@@ -76,7 +76,7 @@ def test_expert_stacks_and_row_groups_each_on_their_own_sphere():
     """One process: a stack of 3 experts and a matrix viewed as 2 row groups, each its own matrix with
     its own radius (the stack's ``(3,)``, the groups' ``(2,)``)."""
     model, opt, ref, ref_radii = one_process_experts(
-        RULE, lambda model, plan: dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3))
+        lambda model, plan: dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3), rule_reference(RULE))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
     stack = opt.state[model.moe.experts]["initial_norm"]

@@ -104,34 +104,20 @@ def test_single_process_equals_the_formula():
 def test_expert_stacks_and_row_groups_normalize_each_matrix_alone():
     """One process: a stack of 3 experts and a matrix viewed as 2 row groups; each expert and each
     group is its own matrix, with its own second moment rows (the stack's ``(E, m, 1)``)."""
-    from support.experts import ExpertNet, batch, loss_of
+    from support.more_rules import one_process_experts
     from support.normuon import normuon_reference_training
 
-    def build():
-        torch.manual_seed(0)
-        return ExpertNet(3)
-
-    model = build()
-    plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
-                         ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    assert len(plan.infos) == 5  # three experts, two row groups
-    opt = dmuon.NorMuon(model, plan, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2)
-    for step in range(STEPS):
-        loss_of(model, batch(step, 0, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-    ref_model = build()
-    experts, down = ref_model.moe.experts, ref_model.moe.down.weight
-    half = down.shape[0] // 2
-    matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
-        (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
-    ref, _, ref_seconds = normuon_reference_training(
-        ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)], loss_of, **MUON_KW,
-        beta2=NORMUON_BETA2, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01))
+    model, opt, ref, ref_seconds = one_process_experts(
+        lambda model, plan: dmuon.NorMuon(model, plan, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2),
+        lambda model, matrices, batches, loss_fn: normuon_reference_training(
+            model, matrices, batches, loss_fn, **MUON_KW, beta2=NORMUON_BETA2,
+            adamw_kwargs=dict(lr=3e-3, weight_decay=0.01)))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
-    stack = opt.state[model.moe.experts]["second_momentum_buffer"]
-    groups = opt.state[model.moe.down.weight]["second_momentum_buffer"]
+    experts, down = model.moe.experts, model.moe.down.weight
+    half = down.shape[0] // 2
+    stack = opt.state[experts]["second_momentum_buffer"]
+    groups = opt.state[down]["second_momentum_buffer"]
     assert stack.shape == (3, experts.shape[1], 1) and groups.shape == (down.shape[0], 1)
     got = {f"expert{e}": stack[e].reshape(-1) for e in range(3)}
     got |= {f"group{g}": groups[g * half:(g + 1) * half].reshape(-1) for g in range(2)}

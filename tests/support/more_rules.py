@@ -282,12 +282,12 @@ def one_process_oddnet(make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer
     return model, opt, losses
 
 
-def one_process_experts(rule: str, make_optimizer, **rule_kwargs) -> tuple[nn.Module, torch.optim.Optimizer, dict,
-                                                                          dict]:
-    """ExpertNet (3 experts, seed 0) with ``moe.down.weight`` viewed as 2 row groups, trained in one process
-    with ``make_optimizer(model, plan)``, and the reference from ``rule``'s formula over each expert and
-    group alone (``rule_kwargs``: the rule's settings): the model, the optimizer, the reference's
-    parameters and its state per matrix (``expert{e}``, ``group{g}``)."""
+def one_process_experts(make_optimizer, reference) -> tuple[nn.Module, torch.optim.Optimizer, dict, dict]:
+    """ExpertNet (3 experts, seed 0) with ``moe.down.weight`` viewed as 2 row groups (five matrices),
+    trained in one process with ``make_optimizer(model, plan)``, and ``reference(model, matrices, batches,
+    loss_fn) -> (params, losses, state)`` run on a fresh copy with each expert and each group as a matrix
+    of its own (``expert{e}``, ``group{g}``): the model, the optimizer, the reference's parameters and
+    its state per matrix."""
     from support.experts import ExpertNet, batch, loss_of
 
     def build():
@@ -297,6 +297,7 @@ def one_process_experts(rule: str, make_optimizer, **rule_kwargs) -> tuple[nn.Mo
     model = build()
     plan = dmuon.prepare(model, matrix_view={"moe.down.weight": "rows:2"},
                          ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    assert len(plan.infos) == 5  # three experts, two row groups
     opt = make_optimizer(model, plan)
     for step in range(STEPS):
         loss_of(model, batch(step, 0, 1)).backward()
@@ -307,6 +308,13 @@ def one_process_experts(rule: str, make_optimizer, **rule_kwargs) -> tuple[nn.Mo
     half = down.shape[0] // 2
     matrices = [(f"expert{e}", experts, lambda t, e=e: t[e]) for e in range(3)] + [
         (f"group{g}", down, lambda t, g=g: t[g * half:(g + 1) * half]) for g in range(2)]
-    ref, _, state = reference_training(rule, ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)],
-                                       loss_of, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01), **rule_kwargs)
+    ref, _, state = reference(ref_model, matrices, [batch(step, 0, 1) for step in range(STEPS)], loss_of)
     return model, opt, ref, state
+
+
+def rule_reference(rule: str, **rule_kwargs):
+    """:func:`reference_training` of ``rule`` at the one-process tests' settings, as
+    :func:`one_process_experts` takes its ``reference``."""
+    return lambda model, matrices, batches, loss_fn: reference_training(
+        rule, model, matrices, batches, loss_fn, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
+        **rule_kwargs)
