@@ -22,7 +22,7 @@ from dmuon.util.spawn import run_distributed
 
 from support.cases import MUON_KW, NORMUON_BETA2
 from support.equivalence import N_MATRICES, max_diff
-from support.models import OddNet, lm_loss, odd_batch
+from support.models import OddNet
 from support.normuon import (
     COUNTED, SKIP, STEPS, checkpoint_reference, equivalence_cases, normuon_runs, oddnet_reference, tp_reference,
 )
@@ -79,18 +79,10 @@ def test_beta2_is_a_key_of_the_matrix_groups_only():
 
 def test_single_process_equals_the_formula():
     """No process group: the plain model's matrices, owned by the one process."""
-    torch.manual_seed(0)
-    model = OddNet()
-    opt = dmuon.NorMuon(model, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2, ns_method="standard",
-                        ns_dtype=torch.float32)
-    losses = []
-    for step in range(STEPS):
-        model.skip = SKIP.get(step, set())
-        loss = lm_loss(model, odd_batch(step, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    from support.more_rules import one_process_oddnet
+
+    model, opt, losses = one_process_oddnet(lambda model: dmuon.NorMuon(
+        model, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2, ns_method="standard", ns_dtype=torch.float32))
     ref, ref_losses, ref_seconds = oddnet_reference(1)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)

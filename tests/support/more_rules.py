@@ -9,6 +9,7 @@ import functools
 import math
 import tempfile
 
+import pytest
 import torch
 from torch import nn
 
@@ -253,14 +254,14 @@ def check_oracle_runs(rule: str) -> None:
     ref, ref_losses, ref_state = oddnet_reference(rule, 3)
     diff, worst = max_diff(out["params"], ref)
     assert diff <= 1e-5, ("oracle", worst, diff)
-    assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for a, b in zip(out["losses"], ref_losses)), "oracle losses"
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "oracle losses"
     diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
     assert diff <= 1e-5, ("oracle state", worst, diff)
     got, oracle = results[f"{rule} bf16 mixed precision"], results[f"{rule} bf16 mixed precision, gather oracle"]
     for key in ("params", "rule_state"):
         diff, worst = max_diff(got[key], oracle[key])
         assert diff <= 1e-5, ("bf16", key, worst, diff)
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["losses"], oracle["losses"])), "bf16 losses"
+    assert got["losses"] == pytest.approx(oracle["losses"], rel=1e-5), "bf16 losses"
 
 
 def one_process_oddnet(make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
@@ -318,3 +319,26 @@ def rule_reference(rule: str, **rule_kwargs):
     return lambda model, matrices, batches, loss_fn: reference_training(
         rule, model, matrices, batches, loss_fn, lr=0.02, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
         **rule_kwargs)
+
+
+def checked_mesh_runs(rule: str, world_size: int):
+    """``rule``'s dmuon runs on ``world_size`` ranks (:func:`equivalence_cases`, bf16 left out), each
+    checked against its float32 formula (parameters, losses, the rule's state) and for one NS per
+    active matrix in the cluster; yields ``(label, case, out)`` for the rule's own checks."""
+    from support.equivalence import N_MATRICES
+
+    results = runs(world_size)
+    per_step_active = [N_MATRICES - 3 * len(SKIP.get(s, ())) for s in range(STEPS)]
+    for label, case in equivalence_cases(world_size).items():
+        if case.rule != rule or case.bf16 or case.kind != "dmuon":
+            continue
+        out = results[0]["cases"][label]
+        ref, ref_losses, ref_state = oddnet_reference(rule, world_size, case.clip)
+        diff, worst = max_diff(out["params"], ref)
+        assert diff <= 1e-5, f"{label}: {worst} differs by {diff:.3g}"
+        assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), label
+        diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
+        assert diff <= 1e-5, f"{label}: state of {worst} differs by {diff:.3g}"
+        for step in range(STEPS):
+            assert sum(r["cases"][label]["stats"][step]["orthogonalized"] for r in results) == per_step_active[step]
+        yield label, case, out
