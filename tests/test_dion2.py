@@ -13,13 +13,12 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.costmodel.traffic import owner_exchange_collectives
 
 from support.cases import DION2_KW
 from support.equivalence import max_diff
 from support.models import OddNet
 from support.more_rules import (
-    COUNTED, STEPS, check_oracle_runs, checked_mesh_runs, checkpoint_reference, oddnet_reference,
+    COUNTED, STEPS, check_oracle_runs, checked_mesh_runs, checkpoint_reference, counted_run, oddnet_reference,
     one_process_experts, one_process_oddnet, rule_reference, runs, tp_reference,
 )
 from support.step_comm import check_counted_log
@@ -108,16 +107,8 @@ def test_checkpoint_saved_on_two_ranks_resumes_exactly(where):
 def test_counted_bytes_are_muons(run):
     """Every collective dmuon issues in a steady step, per rank: Muon's exchange model's, nothing more (the
     update travels full-size, its unselected rows zero; no mask, no norm)."""
-    mesh_shape, ns_dtype, _, hsdp = COUNTED[run]
-    results = [r["counted"][(RULE, run)] for r in runs(4)]
-    replicate, shard = mesh_shape or (1, 4)
-    infos = results[0]["infos"]
-    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
-    waves = results[0]["waves"]
-    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
-    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
-                                                waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
-    check_counted_log(backward + step, results, replicate, hsdp == "dmuon")
+    counted = counted_run(RULE, run)
+    check_counted_log(counted.modelled, counted.results, counted.replicate, COUNTED[run][3] == "dmuon")
     if run == "1-D bf16 NS, 4 waves":  # and the same as Muon's own run, collective by collective
         muon = [r["counted"][("muon", run)] for r in runs(4)]
-        assert [r["log"] for r in results] == [m["log"] for m in muon]
+        assert [r["log"] for r in counted.results] == [m["log"] for m in muon]

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, weight_norm_collective
+from dmuon.costmodel.traffic import step_collectives, weight_norm_collective
 
 from support.equivalence import N_MATRICES, max_diff
 from support.models import OddNet
 from support.more_rules import (
-    COUNTED, STEPS, check_oracle_runs, checked_mesh_runs, checkpoint_reference, oddnet_reference,
+    COUNTED, STEPS, check_oracle_runs, checked_mesh_runs, checkpoint_reference, counted_run, oddnet_reference,
     one_process_experts, one_process_oddnet, rule_reference, runs, tp_reference,
 )
 from support.step_comm import check_counted_log, expected_log
@@ -128,15 +128,8 @@ def test_checkpoint_saved_on_two_ranks_resumes_exactly(where):
 def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
     """Every collective dmuon issues in a steady step, per rank: the exchange model's, then one float32
     all-reduce of one value per matrix over the shard level (the step model's ``weight_norms``)."""
-    mesh_shape, ns_dtype, _, hsdp = COUNTED[run]
-    results = [r["counted"][(RULE, run)] for r in runs(4)]
-    replicate, shard = mesh_shape or (1, 4)
-    infos = results[0]["infos"]
-    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
-    waves = results[0]["waves"]
-    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
-    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
-                                                waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
+    _, ns_dtype, _, hsdp = COUNTED[run]
+    results, replicate, shard, shapes, owners, blocks, waves, exchange = counted_run(RULE, run)
     norms = weight_norm_collective(len(shapes), replicate, shard)
     assert len(norms) == 1 and norms[0].ranks[0] == (2 * (shard - 1) * 4 * len(shapes) // shard,) * 2
     strategy = "dmuon" if hsdp == "dmuon" or replicate == 1 else "dmuon_native_hsdp"
@@ -144,8 +137,8 @@ def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
                                             wire_bytes=ns_dtype.itemsize, waves=waves, weight_norms=True)
                 if c.label.startswith("dmuon") and c.role != "replicate_all_reduce"]
     assert modelled[-1].label == "dmuon weight norms"
-    assert sorted(c.label for c in modelled) == sorted(c.label for c in backward + step + norms)
+    assert sorted(c.label for c in modelled) == sorted(c.label for c in exchange + norms)
     for r in results:
-        expected = expected_log(backward + step + norms, r, replicate, False)
+        expected = expected_log(exchange + norms, r, replicate, False)
         assert r["log"][-1] == expected[-1], f"plan rank {r['plan_rank']}: the norms' all-reduce comes last"
-    check_counted_log(backward + step + norms, results, replicate, hsdp == "dmuon")
+    check_counted_log(exchange + norms, results, replicate, hsdp == "dmuon")

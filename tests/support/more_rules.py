@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import tempfile
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 import dmuon
 
+from dmuon.costmodel.traffic import owner_exchange_collectives
 from dmuon.plan.selection import select_matrices
 from dmuon.util.spawn import run_distributed
 
@@ -342,3 +344,32 @@ def checked_mesh_runs(rule: str, world_size: int):
         for step in range(STEPS):
             assert sum(r["cases"][label]["stats"][step]["orthogonalized"] for r in results) == per_step_active[step]
         yield label, case, out
+
+
+class CountedRun(NamedTuple):
+    """One of :data:`COUNTED`'s steady steps of a rule on 4 ranks and dmuon's exchange as the model
+    prices it (what both rules' counted-bytes tests start from)."""
+
+    results: list[dict]
+    replicate: int
+    shard: int
+    shapes: list
+    owners: list[int]
+    blocks: list[int]
+    waves: list
+    modelled: list
+    """:func:`owner_exchange_collectives`' backward and step lists, one after the other."""
+
+
+def counted_run(rule: str, run: str) -> CountedRun:
+    """``rule``'s counted step ``run`` (every block launched from backward) and its modelled exchange."""
+    mesh_shape, ns_dtype, _, hsdp = COUNTED[run]
+    results = [r["counted"][(rule, run)] for r in runs(4)]
+    replicate, shard = mesh_shape or (1, 4)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, ns_dtype.itemsize,
+                                                waves=waves, gradient_bytes=4 if hsdp == "dmuon" else None)
+    return CountedRun(results, replicate, shard, shapes, owners, blocks, waves, backward + step)
