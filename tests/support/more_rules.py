@@ -143,6 +143,16 @@ def tp_reference(rule: str, dp: int, steps: int) -> tuple[dict, dict]:
 
 # ----------------------------------------------------------------------------- rank functions
 
+BF16_ORACLE_STEPS = {"muonh": 1, "dion2": STEPS}
+"""Steps over which dmuon under bf16 mixed precision is compared with the oracle. Dion2's runs agree bit
+for bit. MuonH's weight norms are sums over the shards on dmuon and over the whole matrix in the oracle,
+so its first step's weights differ in the last float32 bit; from the second step such a bit can flip a
+weight's bfloat16 rounding in the forward, and NS, which lifts a gradient's small singular directions
+hundreds of times, makes that a different update (measured on 3 ranks: 1.2e-7 after one step, 3.3e-4
+after two, with equal losses). So MuonH is compared after its first step; its longer bf16 run is held
+to the sphere (tests/test_muonh.py)."""
+
+
 def equivalence_cases(world_size: int) -> dict[str, Case]:
     """Per rule the OddNet runs compared with the single-process reference, spread over the world sizes."""
     cases = {}
@@ -157,9 +167,14 @@ def equivalence_cases(world_size: int) -> dict[str, Case]:
         for rule in RULES:
             cases[f"{rule} bf16 mixed precision"] = Case(rule=rule, steps=STEPS, skip=SKIP, bf16=True)
             # The gather-then-compute oracle running the same rule: against the formula in float32, and
-            # against dmuon under bf16 mixed precision (where the formula's float32 run is no reference).
+            # against dmuon under bf16 mixed precision (where the formula's float32 run is no reference)
+            # over BF16_ORACLE_STEPS[rule] steps.
             cases[f"{rule} gather oracle"] = Case(kind="gather", rule=rule, steps=STEPS, skip=SKIP)
-            cases[f"{rule} bf16 mixed precision, gather oracle"] = Case(kind="gather", rule=rule, steps=STEPS,
+            steps = BF16_ORACLE_STEPS[rule]
+            if steps != STEPS:
+                cases[f"{rule} bf16 mixed precision, {steps} steps"] = Case(rule=rule, steps=steps, skip=SKIP,
+                                                                             bf16=True)
+            cases[f"{rule} bf16 mixed precision, gather oracle"] = Case(kind="gather", rule=rule, steps=steps,
                                                                          skip=SKIP, bf16=True)
             # Clipping every step: MuonH's launches stand rescaled (Muon's momentum), Dion2's go again.
             cases[f"{rule} clipped"] = Case(rule=rule, steps=STEPS, skip=SKIP, clip=0.05, clip_with="dmuon")
@@ -250,7 +265,8 @@ def runs(world_size: int) -> list[dict]:
 def check_oracle_runs(rule: str) -> None:
     """The gather-then-compute oracle running ``rule`` equals its float32 formula on 3 ranks (parameters,
     losses, state), and dmuon under bf16 mixed precision (FSDP2's param_dtype: a float32 formula is no
-    reference there, a 1-ulp difference in a bf16 gradient changes the step) equals the oracle."""
+    reference there, a 1-ulp difference in a bf16 gradient changes the step) equals the oracle over
+    ``BF16_ORACLE_STEPS[rule]`` steps."""
     results = runs(3)[0]["cases"]
     out = results[f"{rule} gather oracle"]
     ref, ref_losses, ref_state = oddnet_reference(rule, 3)
@@ -259,7 +275,10 @@ def check_oracle_runs(rule: str) -> None:
     assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "oracle losses"
     diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
     assert diff <= 1e-5, ("oracle state", worst, diff)
-    got, oracle = results[f"{rule} bf16 mixed precision"], results[f"{rule} bf16 mixed precision, gather oracle"]
+    steps = BF16_ORACLE_STEPS[rule]
+    label = f"{rule} bf16 mixed precision" + (f", {steps} steps" if steps != STEPS else "")
+    got, oracle = results[label], results[f"{rule} bf16 mixed precision, gather oracle"]
+    assert len(got["losses"]) == len(oracle["losses"]) == steps
     for key in ("params", "rule_state"):
         diff, worst = max_diff(got[key], oracle[key])
         assert diff <= 1e-5, ("bf16", key, worst, diff)

@@ -5,6 +5,7 @@ Used by ``dmuon bench``, ``examples/train_lm.py`` and dmuon's own tests; handy f
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -45,6 +46,9 @@ def _join_gloo_group(rank: int, world_size: int, port: int, timeout_s: float, th
     # spawned one would.
     os.environ.clear()
     os.environ.update(environ)
+    # A native crash (SIGSEGV, SIGABRT) of a rank then prints every thread's Python stack to
+    # stderr, instead of the bare "terminated with signal" the parent reports.
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
