@@ -86,9 +86,10 @@ def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, h
     unused and the step redoes NS), with NorMuon's row state riding the returns, a nonfinite check, MuonH
     (its norms taken around the applies) and Dion2 (its selected rows decayed where the updates land)."""
     world_size = 3 if mesh_shape is None else 4
-    # Hop A in one chunk on the replicate level: OddNet's four units leave no room to spread it and return too.
+    # hop_a_spread's default: on the replicate level 1 with returns in backward (hop A in one chunk, the
+    # late-block count below), 8 without (the same bits: spreading moves when slices go, not what they are).
     base = dict(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape,
-                hsdp=hsdp, hop_a_spread=1)
+                hsdp=hsdp, hop_a_spread=None)
     variants = [dict(), dict(clip=0.3, return_waves=2), dict(rule="normuon"), dict(nonfinite="skip"),
                 dict(rule="muonh"), dict(rule="dion2"),
                 # Two micro-batches, FSDP2 reducing both: the first backward's launches and returns are stale.

@@ -245,6 +245,14 @@ def test_ns_config_and_execution_config_are_accepted_directly():
             dmuon.DMuon(OddNet(), **kwargs)
     with pytest.raises(ValueError, match="execution must be a dmuon.ExecutionConfig"):
         dmuon.DMuon(OddNet(), execution={"overlap": False})
+    # hop_a_spread: 8 by default, 1 by default with returns in backward, as given when given.
+    assert dmuon.ExecutionConfig().resolved_hop_a_spread == 8
+    returns = dict(ns_in_backward=True, returns_in_backward=True)
+    assert dmuon.ExecutionConfig(**returns).resolved_hop_a_spread == 1
+    assert dmuon.ExecutionConfig(**returns, hop_a_spread=4).resolved_hop_a_spread == 4
+    assert dmuon.ExecutionConfig(hop_a_spread=2).resolved_hop_a_spread == 2
+    with pytest.raises(ValueError, match="hop_a_spread must be an int >= 1 or None, got 0"):
+        dmuon.ExecutionConfig(hop_a_spread=0)
 
 
 def test_a_param_group_ns_setting_is_refused_naming_group_and_key():

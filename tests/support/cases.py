@@ -48,8 +48,8 @@ class Case:
     """DMuon's ``ns_in_backward``."""
     returns_in_backward: bool = False
     """``ExecutionConfig.returns_in_backward`` (with ``ns_in_backward``)."""
-    hop_a_spread: int = 8
-    """``ExecutionConfig.hop_a_spread`` (dmuon's replicate level)."""
+    hop_a_spread: int | None = 8
+    """``ExecutionConfig.hop_a_spread`` (dmuon's replicate level; None: its default, 1 with returns in backward)."""
     return_waves: int | None = None
     """DMuon's ``return_waves`` (None: its default, 1 on CPU)."""
     activation_checkpointing: str | None = None

@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--return-waves", type=int, default=RETURN_WAVES, metavar="K",
                      help=f"dmuon's update returns (ExecutionConfig.return_waves; default {RETURN_WAVES}, the "
                           "accelerator default; 1 makes the step speculative, the CPU default)")
-    sim.add_argument("--hop-a-spread", type=int, default=8, metavar="N",
-                     help="dmuon's ExecutionConfig.hop_a_spread on HSDP (default 8; 1: a block's direction slices "
-                          "all with the next landing, which lets more blocks return in backward)")
+    sim.add_argument("--hop-a-spread", type=int, default=None, metavar="N",
+                     help="dmuon's ExecutionConfig.hop_a_spread on HSDP (default: its default, 8, and 1 for "
+                          "dmuon_rbwd; 1: a block's direction slices all with the next landing, which lets more "
+                          "blocks return in backward)")
     sim.add_argument("--serial", action="store_true",
                      help="no overlap: every task after the previous one on every rank")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -388,7 +389,7 @@ def sim_options_from_args(args, table: CostTable | None) -> SimOptions:
 def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta) -> dict:
     if args.return_waves < 1:
         raise ValueError(f"--return-waves must be >= 1, got {args.return_waves}")
-    if args.hop_a_spread < 1:
+    if args.hop_a_spread is not None and args.hop_a_spread < 1:
         raise ValueError(f"--hop-a-spread must be >= 1, got {args.hop_a_spread}")
     return plan_offline(groups, world_size, balancer, args.zero, costs=table, ns_steps=args.ns_steps,
                         time_limit_s=args.time_limit, memory_factor=args.memory_factor,

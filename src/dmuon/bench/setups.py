@@ -24,8 +24,8 @@ EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd",
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``), with ``ns_in_backward=True`` (owners
 start NS while backward runs) and, ``*_rbwd``, with ``returns_in_backward=True`` too (the updates
-of the blocks launched first come back while backward runs) and ``hop_a_spread=1``, the setting it
-is meant with; ``adamw_local``: FSDP2 + AdamW on each rank's
+of the blocks launched first come back while backward runs; its ``hop_a_spread`` then defaults to 1,
+the setting it is meant with); ``adamw_local``: FSDP2 + AdamW on each rank's
 local shards, the kernel dmuon runs for its non-matrix parameters (``DMuon``
 with no Muon matrices), a stricter AdamW reference than ``torch.optim.AdamW``'s
 per-parameter DTensor dispatch; ``dmuon_z3_event``: ``post_optim_event=True`` (accelerators only:
@@ -205,7 +205,7 @@ def build(config: str, workload, mesh, hyper: Hyper):
     in_backward = base.endswith("_rbwd")
     execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"),
                                       ns_in_backward=base.endswith("_nsbwd") or in_backward,
-                                      returns_in_backward=in_backward, hop_a_spread=1 if in_backward else 8,
+                                      returns_in_backward=in_backward,
                                       post_optim_event=base.endswith("_event"),
                                       clipped_overlap=not base.endswith("_refresh"))
     return rule(model, plan, execution=execution, **kw), plan

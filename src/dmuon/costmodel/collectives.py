@@ -27,6 +27,7 @@ from dmuon.costmodel.backward_order import backward_with_returns, spread_backwar
 from dmuon.costmodel.collective import Collective, Parts, a2a, merge_parts, shard_rows, stage_parts
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
 from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, choose_route, route_stages
+from dmuon.plan.hop_a import resolve_spread
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
@@ -82,7 +83,7 @@ def owner_exchange_collectives(
     pieces: Sequence[Sequence] | None = None,
     gradient_bytes: int | None = None,
     row_bytes: int = 0,
-    hop_a_spread: int = 8,
+    hop_a_spread: int | None = None,
     publication: str | None = None,
     returns_in_backward: bool = False,
 ) -> tuple[list[Collective], list[Collective]]:
@@ -295,7 +296,8 @@ def owner_exchange_collectives(
                 backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
     else:
         backward, back = spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
-                                          gradient_bytes, hop_a_spread, hop_b, returns)
+                                          gradient_bytes, resolve_spread(hop_a_spread, returns_in_backward),
+                                          hop_b, returns)
     step: list[Collective] = []
     if world == 1 or not shapes:
         return backward, step
@@ -429,7 +431,7 @@ def step_collectives(
     other_blocks: Sequence[int] = (),
     max_concurrent: int = 3,
     row_bytes: int = 0,
-    hop_a_spread: int = 8,
+    hop_a_spread: int | None = None,
     publication: str | None = None,
     weight_norms: bool = False,
     returns_in_backward: bool = False,

@@ -24,6 +24,7 @@ from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.costmodel.simulate import Hardware, SimOptions, StepInputs, goal_ratios, simulate_strategies
 from dmuon.plan.batches import RETURN_WAVES, return_waves
+from dmuon.plan.hop_a import default_spread
 from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
 
@@ -125,7 +126,7 @@ def plan_offline(
     hardware: Hardware | None = None,
     sim_options: SimOptions | None = None,
     max_waves: int = RETURN_WAVES,
-    hop_a_spread: int = 8,
+    hop_a_spread: int | None = None,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -154,7 +155,8 @@ def plan_offline(
             inputs, the non-Muon groups included) and ``simulation_model``, its settings.
         sim_options: The simulation's options (default :class:`~dmuon.costmodel.simulate.SimOptions`).
         max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
-        hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)).
+        hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)); None:
+            its default per strategy (1 for ``dmuon_rbwd``, 8 for the others).
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -284,7 +286,9 @@ def plan_offline(
         plan["simulation"] = simulate_strategies(inputs, hardware, options)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
         plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
-                                    "return_waves": max_waves, "hop_a_spread": hop_a_spread,
+                                    "return_waves": max_waves,
+                                    "hop_a_spread": hop_a_spread if hop_a_spread is not None else
+                                    f"{default_spread(False)}; {default_spread(True)} for dmuon_rbwd",
                                     "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
     if replicate > 1:
         plan["hsdp_designs"] = compare_hsdp_designs(
@@ -295,7 +299,7 @@ def plan_offline(
 
 def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
                 shard: int, *, zero: int = 3, max_waves: int = RETURN_WAVES, wire_bytes: int = 2,
-                param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int = 8) -> StepInputs:
+                param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int | None = None) -> StepInputs:
     """What :mod:`~dmuon.costmodel.simulate` needs of a shape list and its plan: the Muon matrices
     (in :func:`expand` order, with ``owners`` and ``ns_batches`` over those indices), the other
     groups (AdamW's: FSDP2 moves and AdamW updates them too), and every one's block

@@ -36,7 +36,7 @@ import torch
 
 from dmuon.comm import Pending, ShardExchange
 from dmuon.comm.pending import no_result
-from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
+from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
@@ -121,7 +121,7 @@ class BackwardLaunches:
                  owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
                  replicate: ReplicateLevel | None = None,
                  row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None,
-                 hop_a_spread: int = 8, keep_gradients: bool = False, returns_in_backward: bool = False) -> None:
+                 hop_a_spread: int = SPREAD, keep_gradients: bool = False, returns_in_backward: bool = False) -> None:
         self.plan = plan
         self.exchange = exchange
         self._peek = peek

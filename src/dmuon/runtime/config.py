@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dmuon.plan.hop_a import resolve_spread
+
 NONFINITE_MODES = (None, "skip", "raise")
 """Accepted ``ExecutionConfig.nonfinite`` values."""
 
@@ -51,7 +53,7 @@ class ExecutionConfig:
     direction needs NS again) lands unused and is redone in ``step()``, which then costs what it
     costs without this switch plus the wasted transfers, made while backward ran. The blocks
     whose directions are still on their way when backward ends return in ``step()`` (1-D: the
-    last one; on HSDP the last few, hop A being spread: use ``hop_a_spread=1`` with it). The switch for runs that clip rarely
+    last one; on HSDP the last few, hop A being spread: ``hop_a_spread``'s default is 1 with it). The switch for runs that clip rarely
     (``clip_grad_norm_`` rescales only above ``max_norm``) or not at all."""
     nonfinite: str | None = None
     """What a NaN/Inf in any gradient does. ``None``: nothing is checked, as in torch.optim;
@@ -62,13 +64,14 @@ class ExecutionConfig:
     """The step's update returns go in up to this many waves, wave ``k`` right after every
     owner's ``k``-th NS batch, so the transfers overlap the owners' NS. None: 4 on an
     accelerator, 1 on CPU, where transfers and NS share the cores."""
-    hop_a_spread: int = 8
+    hop_a_spread: int | None = None
     """On dmuon's replicate level (``hsdp_mesh``): each block's direction slices cross to the owners'
     replicas in row chunks over at most this many of the following collectives across replicas
     (each also carrying a block's gradient columns), sized so that every replica receives about
     the same in each (:mod:`dmuon.plan.hop_a`); 1 sends them all with the next one, where the
     replica owning the block's largest matrix receives much more than the others. A block's NS
-    waits for its last chunk."""
+    waits for its last chunk. None: 8, or 1 with ``returns_in_backward`` (whose returns can then
+    follow each block one landing later); :attr:`resolved_hop_a_spread` is the value used."""
     post_optim_event: bool = False
     """On an accelerator (CUDA), record an event after the step's last update and hand it to
     FSDP2's root (``FSDPModule.set_post_optim_event``), so the next forward's all-gathers wait
@@ -86,14 +89,19 @@ class ExecutionConfig:
         if waves is not None and (isinstance(waves, bool) or not isinstance(waves, int) or waves < 1):
             raise ValueError(f"return_waves must be an int >= 1 or None, got {waves!r}")
         spread = self.hop_a_spread
-        if isinstance(spread, bool) or not isinstance(spread, int) or spread < 1:
-            raise ValueError(f"hop_a_spread must be an int >= 1, got {spread!r}")
+        if spread is not None and (isinstance(spread, bool) or not isinstance(spread, int) or spread < 1):
+            raise ValueError(f"hop_a_spread must be an int >= 1 or None, got {spread!r}")
         if self.ns_in_backward and not self.overlap:
             raise ValueError("ns_in_backward=True needs overlap=True: directions reach their owners "
                              "during backward only with overlap")
         if self.returns_in_backward and not self.ns_in_backward:
             raise ValueError("returns_in_backward=True needs ns_in_backward=True: a block's updates exist "
                              "during backward only when its NS runs there")
+
+    @property
+    def resolved_hop_a_spread(self) -> int:
+        """``hop_a_spread``, its None resolved (:func:`dmuon.plan.hop_a.default_spread`)."""
+        return resolve_spread(self.hop_a_spread, self.returns_in_backward)
 
     @classmethod
     def from_keywords(cls, base: ExecutionConfig | None = None, **keywords: Any) -> ExecutionConfig:

@@ -123,7 +123,7 @@ class ShardRuntime:
                                              self._check_grad, callbacks.owner_work if config.ns_in_backward else None,
                                              self.work, directions=config.overlap, replicate=self.replicate,
                                              row_states=callbacks.row_states if self.row_width else None,
-                                             hop_a_spread=config.hop_a_spread,
+                                             hop_a_spread=config.resolved_hop_a_spread,
                                              keep_gradients=self.owner_momentum is not None,
                                              returns_in_backward=config.returns_in_backward)
 

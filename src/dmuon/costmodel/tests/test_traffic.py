@@ -354,6 +354,21 @@ def test_design_b_hop_a_spread_over_later_collectives_by_hand():
                                        [(0, 32), (32, 0)]]
 
 
+def test_design_b_hop_a_spread_defaults_to_the_runtimes():
+    """No hop_a_spread given: 8 without returns in backward, 1 with them (ExecutionConfig's default)."""
+    shapes, owners, blocks = [(8, 4)] * 3, [0, 0, 0], [3, 2, 1]
+
+    def listed(spread, returns):
+        backward, step = owner_exchange_collectives(shapes, owners, blocks, 2, 1, 2, gradient_bytes=4,
+                                                    hop_a_spread=spread, returns_in_backward=returns)
+        return [(c.role, c.block, c.ranks) for c in backward + step]
+
+    assert listed(1, False) != listed(8, False)  # the case tells the two settings apart
+    assert listed(None, False) == listed(8, False)
+    assert listed(1, True) != listed(8, True)
+    assert listed(None, True) == listed(1, True)
+
+
 def test_design_b_column_all_to_all_with_an_empty_slice_and_an_empty_column():
     # 2 columns over 3 replicas: slices [1, 1, 0]; 1 row over 2 positions: position 1 holds nothing.
     backward, _ = owner_exchange_collectives([(1, 2)], [0], [0], 3, 2, 2, gradient_bytes=4)
