@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dmuon.bench.cli import _options, build_parser as bench_parser
+    from dmuon.bench.options import bench_options, build_parser as bench_parser
     from dmuon.bench.models import build_workload, resolve_size
     from dmuon.bench.report import machine_description
 
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             ["--model", args.model, "--size", size, "--world-size", str(args.world_size), "--configs",
              ",".join(CONFIGS), "--steps", str(args.steps), "--rounds", str(args.rounds), "--quiet"])
         per_rank = run_distributed(_bench_between_measurements, args.world_size, list(CONFIGS),
-                                   _options(bench_args), args.model, size, tokens, args.repeats, timeout_s=1800)
+                                   bench_options(bench_args), args.model, size, tokens, args.repeats, timeout_s=1800)
         measured = {r["config"]: r for r in per_rank[0][0]}
         per_rank = [points for _, points in per_rank]
     figures = combine(per_rank, args.world_size)
