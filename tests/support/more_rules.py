@@ -153,6 +153,13 @@ after two, with equal losses). So MuonH is compared after its first step; its lo
 to the sphere (tests/test_muonh.py)."""
 
 
+def bf16_oracle_pair(rule: str) -> tuple[str, str]:
+    """The case labels of dmuon's and the oracle's bf16 runs compared over ``BF16_ORACLE_STEPS[rule]`` steps."""
+    steps = BF16_ORACLE_STEPS[rule]
+    label = f"{rule} bf16 mixed precision"
+    return label + (f", {steps} steps" if steps != STEPS else ""), f"{label}, gather oracle"
+
+
 def equivalence_cases(world_size: int) -> dict[str, Case]:
     """Per rule the OddNet runs compared with the single-process reference, spread over the world sizes."""
     cases = {}
@@ -170,12 +177,9 @@ def equivalence_cases(world_size: int) -> dict[str, Case]:
             # against dmuon under bf16 mixed precision (where the formula's float32 run is no reference)
             # over BF16_ORACLE_STEPS[rule] steps.
             cases[f"{rule} gather oracle"] = Case(kind="gather", rule=rule, steps=STEPS, skip=SKIP)
-            steps = BF16_ORACLE_STEPS[rule]
-            if steps != STEPS:
-                cases[f"{rule} bf16 mixed precision, {steps} steps"] = Case(rule=rule, steps=steps, skip=SKIP,
-                                                                             bf16=True)
-            cases[f"{rule} bf16 mixed precision, gather oracle"] = Case(kind="gather", rule=rule, steps=steps,
-                                                                         skip=SKIP, bf16=True)
+            steps, (ours, oracle) = BF16_ORACLE_STEPS[rule], bf16_oracle_pair(rule)
+            cases[ours] = Case(rule=rule, steps=steps, skip=SKIP, bf16=True)  # at STEPS: the run above
+            cases[oracle] = Case(kind="gather", rule=rule, steps=steps, skip=SKIP, bf16=True)
             # Clipping every step: MuonH's launches stand rescaled (Muon's momentum), Dion2's go again.
             cases[f"{rule} clipped"] = Case(rule=rule, steps=STEPS, skip=SKIP, clip=0.05, clip_with="dmuon")
     if world_size == 4:
@@ -275,10 +279,9 @@ def check_oracle_runs(rule: str) -> None:
     assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "oracle losses"
     diff, worst = max_diff({n: v.reshape(-1) for n, v in out["rule_state"].items()}, ref_state)
     assert diff <= 1e-5, ("oracle state", worst, diff)
-    steps = BF16_ORACLE_STEPS[rule]
-    label = f"{rule} bf16 mixed precision" + (f", {steps} steps" if steps != STEPS else "")
-    got, oracle = results[label], results[f"{rule} bf16 mixed precision, gather oracle"]
-    assert len(got["losses"]) == len(oracle["losses"]) == steps
+    ours, theirs = bf16_oracle_pair(rule)
+    got, oracle = results[ours], results[theirs]
+    assert len(got["losses"]) == len(oracle["losses"]) == BF16_ORACLE_STEPS[rule]
     for key in ("params", "rule_state"):
         diff, worst = max_diff(got[key], oracle[key])
         assert diff <= 1e-5, ("bf16", key, worst, diff)

@@ -57,7 +57,6 @@ from dmuon.costmodel.host import HostOps, OpCount, host_seconds, with_host
 from dmuon.costmodel.timeline import Task, Timeline
 from dmuon.costmodel.rank_traffic import row_width
 from dmuon.plan.cost import gram_ns_flops, ns_flops
-from dmuon.plan.hop_a import resolve_spread
 
 RETURNS_IN_BACKWARD = "dmuon_rbwd"
 """dmuon (the recommended design) with ``ExecutionConfig(ns_in_backward=True, returns_in_backward=True)``
@@ -330,8 +329,7 @@ class _Builder:
                 wire_bytes=inputs.wire_bytes, param_bytes=inputs.param_bytes, reduce_bytes=inputs.reduce_bytes,
                 zero=inputs.zero, root_block=inputs.root_block, waves=waves, other_shapes=inputs.other_shapes,
                 other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
-                hop_a_spread=resolve_spread(inputs.hop_a_spread, self.returns_in_backward),
-                publication=inputs.publication,
+                hop_a_spread=inputs.hop_a_spread, publication=inputs.publication,
                 returns_in_backward=self.returns_in_backward)
 
         if self.returns_in_backward:

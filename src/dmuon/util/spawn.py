@@ -107,7 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             every thread's Python stack on stderr), each time with a
             ``RuntimeWarning`` naming the rank and signal. A Python exception is
             never retried. None: the ``DMUON_SPAWN_CRASH_RETRIES`` environment
-            variable, else 0. dmuon's own suite sets 1 (tests/conftest.py): ranks
+            variable, else 0. dmuon's own suite sets 1 (the repository's conftest.py): ranks
             of torch's gloo backend have died of SIGSEGV about once in a few full
             runs of it, each time in a test that passes on its own, so a crash
             seen twice in a row still fails the test, and wrong values always do.
@@ -123,16 +123,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     if crash_retries is None:
         crash_retries = int(os.environ.get(CRASH_RETRIES_ENV, "0"))
-    for attempt in range(crash_retries + 1):
+    for _ in range(crash_retries):
         try:
             return _run_once(fn, world_size, args, timeout_s, threads)
         except mp.ProcessExitedException as exc:
-            if exc.signal_name not in NATIVE_CRASH_SIGNALS or attempt == crash_retries:
+            if exc.signal_name not in NATIVE_CRASH_SIGNALS:
                 raise
             warnings.warn(f"run_distributed({getattr(fn, '__name__', fn)!r}, {world_size}): rank "
                           f"{exc.error_index} died of {exc.signal_name} (its threads' stacks are on "
                           f"stderr); running it again on fresh ranks", RuntimeWarning, stacklevel=2)
-    raise AssertionError("unreachable")
+    return _run_once(fn, world_size, args, timeout_s, threads)
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float,
