@@ -121,12 +121,14 @@ class _Meter:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        from dmuon.bench.setups import shard_root
+
         alone = [dist.new_group([r]) for r in range(world_size)][rank]
         mesh = DeviceMesh.from_group(alone, "cpu")
         self.workload = build_workload(model, size=size, seed=0)
         for block in self.workload.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        fully_shard(self.workload.model, mesh=mesh, reshard_after_forward=True)
+        shard_root(self.workload.model, mesh, reshard=True)
         self.batch = self.workload.make_batch(0, rank)
         self.counted = 6.0 * tokens * sum(g.numel for g in groups)
         # Per-tensor dispatch counts every parameter tensor, the 1-D ones the shape lists leave out too.
@@ -156,7 +158,7 @@ class _Meter:
             if sharded:
                 for block in twin.blocks:
                     fully_shard(block, mesh=mesh, reshard_after_forward=True)
-                fully_shard(twin.model, mesh=mesh, reshard_after_forward=True)
+                shard_root(twin.model, mesh, reshard=True)
             self.twins.append((twin, twin.make_batch(0, rank)))
         self.units = len(self.twins[0][0].blocks) + 1
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.

@@ -96,14 +96,15 @@ def _peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_after_forward: bool = True,
+def _fsdp_bytes_per_step(model, blocks, world_size: int, replicate: int = 1, reshard_after_forward: bool = True,
                          tp: int = 1, all_reduce: bool = True) -> int:
     """Bytes one rank sends plus receives in FSDP2's collectives per step (from shapes).
 
     Each sharded parameter (every one: FSDP2 shards the Muon matrices too) is
     all-gathered for forward, and again for backward when
-    ``reshard_after_forward`` (ZeRO-3 style; once with False, ZeRO-2 style), and
-    its gradient reduce-scattered once within the shard group; ring collectives
+    ``reshard_after_forward`` (ZeRO-3 style; once with False, ZeRO-2 style) unless it is the
+    root's own (not in one of ``blocks``: the root stays gathered from forward to backward,
+    :func:`dmuon.bench.setups.shard_root`), and its gradient reduce-scattered once within the shard group; ring collectives
     move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
     all-reduce of the gradient shard across the R replicas (2 (R-1)/R of the
     shard each way). See :func:`dmuon.costmodel.traffic.fsdp2_traffic`. With tensor
@@ -115,14 +116,16 @@ def _fsdp_bytes_per_step(model, world_size: int, replicate: int = 1, reshard_aft
     shard = world_size // (replicate * tp)
     if not all_reduce:
         replicate = 1
-    numels: dict[int, list[int]] = {}
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    numels: dict[tuple[int, bool], list[int]] = {}
     for p in model.parameters():
         if isinstance(p, DTensor):
-            numels.setdefault(p.element_size(), []).append(p.to_local().numel() * shard if tp > 1 else p.numel())
+            regathered = reshard_after_forward and id(p) in in_blocks
+            numels.setdefault((p.element_size(), regathered), []).append(
+                p.to_local().numel() * shard if tp > 1 else p.numel())
     total = 0
-    for elem_bytes, sizes in numels.items():
-        t = fsdp2_traffic(sizes, replicate, shard, elem_bytes=elem_bytes,
-                          reshard_after_forward=reshard_after_forward)
+    for (elem_bytes, regathered), sizes in numels.items():
+        t = fsdp2_traffic(sizes, replicate, shard, elem_bytes=elem_bytes, reshard_after_forward=regathered)
         total += t.sent + t.received
     return total
 
@@ -276,7 +279,8 @@ class _ConfigRun:
             # (in NS's input dtype: torch.optim.Muon casts to bfloat16 before NS).
             opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
-        fsdp_bytes = _fsdp_bytes_per_step(model, world_size, self.opts.hsdp, self.reshard_after_forward, self.opts.tp,
+        fsdp_bytes = _fsdp_bytes_per_step(model, self.workload.blocks, world_size, self.opts.hsdp,
+                                          self.reshard_after_forward, self.opts.tp,
                                           all_reduce=not (self.plan is not None and self.plan.reduces_replicas))
         live = self.live_bytes()
         balance = self.plan.balance_result if self.plan is not None else None

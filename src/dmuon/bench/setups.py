@@ -70,7 +70,7 @@ def is_muon_config(config: str) -> bool:
 
 
 def reshard_after_forward(config: str) -> bool:
-    """The ``reshard_after_forward`` every ``fully_shard`` call of ``config`` uses.
+    """The ``reshard_after_forward`` of ``config``'s blocks (the root: :func:`shard_root`).
 
     ZeRO-2 configurations (``adamw_z2``, ``dmuon_z2*``) keep the gathered weights
     from forward to backward (False); everything else keeps FSDP2's default
@@ -138,7 +138,8 @@ def uses_replicate_level(config: str, mesh) -> bool:
 
 
 def _shard(workload, mesh, reshard: bool, replicate_level: bool = False) -> None:
-    """``fully_shard`` each block, then the root, as FSDP2 users do (the same for every optimizer).
+    """``fully_shard`` each block, then the root (:func:`shard_root`), as FSDP2 users do (the same for every
+    optimizer).
 
     On a mesh with a ``"tp"`` dim, torch's ``parallelize_module`` first splits each
     block by the workload's TP plan; FSDP2 then shards over the other dims (with
@@ -154,7 +155,25 @@ def _shard(workload, mesh, reshard: bool, replicate_level: bool = False) -> None
     mesh = mesh["shard"] if replicate_level else dp_mesh(mesh)
     for block in workload.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
+    shard_root(workload.model, mesh, reshard)
+
+
+def shard_root(model, mesh, reshard: bool) -> None:
+    """``fully_shard`` of the root as FSDP2 users write it: ZeRO-3 leaves ``reshard_after_forward`` at
+    FSDP2's default, ZeRO-2 passes False.
+
+    Either way the root's own parameters (the embedding and the head, the largest unit) stay gathered
+    from forward to backward: its backward runs first, right after forward, so resharding it would only
+    gather it again. torch 2.13 keeps the root gathered only when the argument is left unset
+    (``FSDPState._lazy_init`` clears the root's post-forward mesh when ``reshard_after_forward`` was not
+    given); an explicit True reshards it and re-gathers it at the start of backward. The step model
+    (:func:`dmuon.costmodel.collectives.step_collectives`: no backward all-gather of its ``root_block``)
+    and the bench's byte count (:func:`dmuon.bench.runner._fsdp_bytes_per_step`) assume the former.
+    """
+    if reshard:
+        fully_shard(model, mesh=mesh)
+    else:
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
 def build(config: str, workload, mesh, hyper: Hyper):

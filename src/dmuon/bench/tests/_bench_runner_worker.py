@@ -34,6 +34,19 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s:
         first, second = run.workload.blocks[0], run.workload.blocks[1]
         hook = second.register_forward_pre_hook(
             lambda m, args: seen.append(all(isinstance(p, DTensor) for p in first.parameters())))
+        # And what it holds for the root's own parameters when backward begins (the loss computed).
+        # (by name: FSDP2 swaps the tensors a module holds, gathered or sharded).
+        in_blocks = {id(p) for block in run.workload.blocks for p in block.parameters()}
+        root_own = [n for n, p in model.named_parameters() if id(p) not in in_blocks]
+        root_numel = sum(model.get_parameter(n).numel() for n in root_own)
+        loss_fn, root_seen = run.workload.loss_fn, []
+
+        def loss_then_look(m, batch, loss_fn=loss_fn):
+            loss = loss_fn(m, batch)
+            root_seen.append(any(isinstance(m.get_parameter(n), DTensor) for n in root_own))
+            return loss
+
+        run.workload.loss_fn = loss_then_look
         measured, timing = {True: 0, False: 0}, [False]
         measure = run._measure_live
 
@@ -51,6 +64,8 @@ def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s:
         result = run.result()
         result["all_dtensors"] = all_dtensors
         result["sharded_after_forward"] = seen[0]
+        result["root_sharded_after_forward"] = root_seen[0]
+        result["root_numel"] = root_numel
         result["live_measurements"] = dict(measured)
         out[config] = result
         del run
@@ -65,7 +80,9 @@ def run(world: int, configs: tuple[str, ...], steps: int, late_s: float = 0.0) -
         Rank 0's ``{config: result}``: the runner's result dict plus
         ``all_dtensors`` (every parameter sharded by FSDP2 after ``build``) and
         ``sharded_after_forward`` (the first block's parameters were sharded
-        DTensors again when the second block's forward began) and
+        DTensors again when the second block's forward began), ``root_sharded_after_forward`` (some
+        parameter of the root's own, in no block, was a sharded DTensor when backward began),
+        ``root_numel`` (their elements) and
         ``live_measurements`` (``{timed: calls}`` of the live-memory measurement). With ``late_s``
         the last rank sleeps that long after each backward, before ``step()``.
     """

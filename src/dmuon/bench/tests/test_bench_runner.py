@@ -167,8 +167,13 @@ def test_runner_on_fsdp2_ranks():
         assert r["all_dtensors"], config
         assert r["reshard_after_forward"] is (not z2)
         assert r["sharded_after_forward"] is (not z2), config
-        # S = 2: every all-gather and the reduce-scatter move half of each fp32 tensor each way.
-        assert r["fsdp_bytes_per_step"] == (2 if z2 else 3) * 2 * (numel // 2) * 4, config
+        # The root's own parameters stay gathered for backward under ZeRO-3 too (shard_root).
+        assert r["root_sharded_after_forward"] is False, config
+        root = r["root_numel"]
+        assert 0 < root < numel
+        # S = 2: every all-gather and the reduce-scatter move half of each fp32 tensor each way;
+        # ZeRO-3 gathers the blocks' parameters once more in backward.
+        assert r["fsdp_bytes_per_step"] == (2 * numel + (0 if z2 else numel - root)) * 2 // 2 * 4, config
         state = adamw_state if config.startswith("adamw") else muon_state
         live = {"params": every, "grads": every, "optimizer_state": state, "total": 2 * every + state}
         assert r["live_mem_bytes"] == live, config
