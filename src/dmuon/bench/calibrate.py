@@ -119,16 +119,13 @@ class _Meter:
         # mesh: FSDP2's own work on the rank (copies in and out, hooks) without communication, counted as
         # the simulation counts it, 6 x parameters x tokens: the sense of the presets' effective rates.
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
 
-        from dmuon.bench.setups import shard_root
+        from dmuon.bench.setups import shard_workload
 
         alone = [dist.new_group([r]) for r in range(world_size)][rank]
         mesh = DeviceMesh.from_group(alone, "cpu")
         self.workload = build_workload(model, size=size, seed=0)
-        for block in self.workload.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        shard_root(self.workload.model, mesh, reshard=True)
+        shard_workload(self.workload, mesh, reshard=True)  # as the bench's ZeRO-3 configurations
         self.batch = self.workload.make_batch(0, rank)
         self.counted = 6.0 * tokens * sum(g.numel for g in groups)
         # Per-tensor dispatch counts every parameter tensor, the 1-D ones the shape lists leave out too.
@@ -156,9 +153,7 @@ class _Meter:
         for sharded in (True, False):
             twin = build_workload(model, size="tiny", seed=0)
             if sharded:
-                for block in twin.blocks:
-                    fully_shard(block, mesh=mesh, reshard_after_forward=True)
-                shard_root(twin.model, mesh, reshard=True)
+                shard_workload(twin, mesh, reshard=True)
             self.twins.append((twin, twin.make_batch(0, rank)))
         self.units = len(self.twins[0][0].blocks) + 1
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.

@@ -104,8 +104,8 @@ def _fsdp_bytes_per_step(model, blocks, world_size: int, replicate: int = 1, res
     all-gathered for forward, and again for backward when
     ``reshard_after_forward`` (ZeRO-3 style; once with False, ZeRO-2 style) unless it is the
     root's own (not in one of ``blocks``: the root stays gathered from forward to backward,
-    :func:`dmuon.bench.setups.shard_root`), and its gradient reduce-scattered once within the shard group; ring collectives
-    move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
+    :func:`dmuon.bench.setups.shard_root`), and its gradient reduce-scattered once within the
+    shard group; ring collectives move (S-1)/S of the tensor through every rank each way. HSDP adds a ring
     all-reduce of the gradient shard across the R replicas (2 (R-1)/R of the
     shard each way). See :func:`dmuon.costmodel.traffic.fsdp2_traffic`. With tensor
     parallelism FSDP2's groups are the ``S / tp`` dp ranks and each moves its tp

@@ -137,7 +137,7 @@ def uses_replicate_level(config: str, mesh) -> bool:
     return "replicate" in (mesh.mesh_dim_names or ()) and base.startswith("dmuon_z") and not base.endswith("_native")
 
 
-def _shard(workload, mesh, reshard: bool, replicate_level: bool = False) -> None:
+def shard_workload(workload, mesh, reshard: bool, replicate_level: bool = False) -> None:
     """``fully_shard`` each block, then the root (:func:`shard_root`), as FSDP2 users do (the same for every
     optimizer).
 
@@ -192,12 +192,12 @@ def build(config: str, workload, mesh, hyper: Hyper):
     if balancer and not base.startswith("dmuon_z"):
         raise ValueError(f"only dmuon configurations take a balancer (dmuon_*@NAME), got {config!r}")
     if config in ("adamw", "adamw_z2", "adamw_clip"):
-        _shard(workload, mesh, reshard)
+        shard_workload(workload, mesh, reshard)
         return torch.optim.AdamW(model.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
     if config == "torch_muon":
         # Select before sharding: FSDP2 swaps the parameters for DTensors in place.
         names = {n for n, _ in select_matrices(model)}
-        _shard(workload, mesh, reshard)
+        shard_workload(workload, mesh, reshard)
         # torch.optim.Muon takes 2-D parameters only; conv kernels go to AdamW,
         # which is what its users have to do.
         mats = [p for n, p in model.named_parameters() if n in names and p.ndim == 2]
@@ -208,7 +208,7 @@ def build(config: str, workload, mesh, hyper: Hyper):
         ), None
     kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
     replicate_level = uses_replicate_level(config, mesh)
-    _shard(workload, mesh, reshard, replicate_level)
+    shard_workload(workload, mesh, reshard, replicate_level)
     if config == "adamw_local":
         plan = dmuon.prepare(model, select=lambda name, param: False)
         # DMuon's AdamW defaults are the adamw config's (weight decay 0.01, betas, eps).

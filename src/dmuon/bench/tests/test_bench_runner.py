@@ -171,9 +171,11 @@ def test_runner_on_fsdp2_ranks():
         assert r["root_sharded_after_forward"] is False, config
         root = r["root_numel"]
         assert 0 < root < numel
-        # S = 2: every all-gather and the reduce-scatter move half of each fp32 tensor each way;
-        # ZeRO-3 gathers the blocks' parameters once more in backward.
-        assert r["fsdp_bytes_per_step"] == (2 * numel + (0 if z2 else numel - root)) * 2 // 2 * 4, config
+        # Elements through FSDP2's collectives: every parameter's forward all-gather and reduce-scatter,
+        # and under ZeRO-3 the blocks' backward all-gather. S = 2: each moves half of a tensor each way
+        # (sent plus received: the whole of it), fp32.
+        passes = 2 * numel + (0 if z2 else numel - root)
+        assert r["fsdp_bytes_per_step"] == passes * 4, config
         state = adamw_state if config.startswith("adamw") else muon_state
         live = {"params": every, "grads": every, "optimizer_state": state, "total": 2 * every + state}
         assert r["live_mem_bytes"] == live, config
