@@ -9,7 +9,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    drifts by tens of percent within a run): the matmul rate of the bench model's forward
    and backward GEMMs (its Linear layers at its tokens per rank, fp32); an effective rate,
    the model's forward+backward under FSDP2 on a one-rank mesh (no communication) counted as
-   6 x parameters x tokens, the sense of the presets' effective rates; the elementwise rate
+   6 x parameters x tokens, the sense of the presets' effective rates; the work beyond the
+   GEMMs, the model's forward+backward without FSDP2 on one rank less 6 x parameters x tokens
+   at the matmul rate (attention's products, norms, activations, the loss's softmax); the elementwise rate
    of dmuon's AdamW kernel (``torch.optim.adam.adam``, foreach) over tensors shaped like one
    rank's shards; the owners' NS per shape and batch size with the bench's NS settings (bf16,
    ``auto``; each measurement the mean of its timed runs, preemptions included as a step
@@ -27,8 +29,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    collectives block the rank's thread, one speculative return wave, the CPU default, host and
    device work adding up on the rank's one thread) of the same four configurations, with the
    operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
-   counted from the code), forward and backward at the matmul rate (the check) and at the
-   effective rate (which shows how much of the error is the compute model), beside the
+   counted from the code), forward and backward as the GEMMs at the matmul rate plus the work
+   beyond them and FSDP2's per-unit work (the check), and again at the matmul rate alone and at
+   the effective rate (which show how much of the error is the compute model), beside the
    measured medians, with each prediction's error, the orders by step time and the pairs the
    rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
 
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.bench.calibrate_fit import (  # noqa: F401 (the arithmetic, importable from here too)
+    COMPUTE_MODELS,
     CONFIGS,
     combine,
     compare,
@@ -128,6 +132,11 @@ class _Meter:
         shard_workload(self.workload, mesh, reshard=True)  # as the bench's ZeRO-3 configurations
         self.batch = self.workload.make_batch(0, rank)
         self.counted = 6.0 * tokens * sum(g.numel for g in groups)
+        # The work beyond the GEMMs: the same model's forward and backward without FSDP2 (plain tensors, one
+        # rank) less what 6 x parameters x tokens at the matmul rate prices: attention's products, norms,
+        # activations, the loss's softmax (the embedding lookup, which that count prices as a GEMM, offsets it).
+        self.plain = build_workload(model, size=size, seed=0)
+        self.plain_batch = self.plain.make_batch(0, rank)
         # Per-tensor dispatch counts every parameter tensor, the 1-D ones the shape lists leave out too.
         self.unlisted_tensors = len(list(self.workload.model.parameters())) - sum(g.count for g in groups)
         # The host's cost per operation: elementwise operations on tiny tensors (the arithmetic negligible),
@@ -189,6 +198,10 @@ class _Meter:
         self.workload.loss_fn(self.workload.model, self.batch).backward()
         self.workload.model.zero_grad(set_to_none=True)
 
+    def plain_forward_backward(self) -> None:
+        self.plain.loss_fn(self.plain.model, self.plain_batch).backward()
+        self.plain.model.zero_grad(set_to_none=True)
+
     def block_gemms(self, meet: bool) -> None:
         for _ in range(SKEW_BLOCKS):
             for x, w in self.block:
@@ -247,8 +260,11 @@ class _Meter:
              eps=1e-8, maximize=False)
 
     def measure(self) -> dict:
-        out = {"matmul_flops": self.gemm_flops / _mean_seconds(self.gemms, self.repeats),
+        matmul = self.gemm_flops / _mean_seconds(self.gemms, self.repeats)
+        out = {"matmul_flops": matmul,
                "effective_flops": self.counted / _mean_seconds(self.forward_backward, self.repeats),
+               "non_gemm_seconds": max(0.0, _mean_seconds(self.plain_forward_backward, self.repeats)
+                                       - self.counted / matmul),
                "elementwise_bytes": self.adam_bytes / _mean_seconds(self.adamw, self.repeats),
                "dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
                / (DISPATCH_OPS * DISPATCH_TENSORS),
@@ -371,23 +387,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
-    effective = predict(figures, args.model, size, args.world_size, tokens, compute="effective_flops")
+    others = {compute: predict(figures, args.model, size, args.world_size, tokens, compute=compute)
+              for compute in COMPUTE_MODELS[1:]}
     # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
-    # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift.
+    # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift, the
+    # work beyond the GEMMs.
     ablation = {"shared link, no host, no drift": predict(figures, args.model, size, args.world_size, tokens,
-                                                          per_kind=False, host=False, skew=False),
-                "per-kind links": predict(figures, args.model, size, args.world_size, tokens, host=False, skew=False),
-                "and host": predict(figures, args.model, size, args.world_size, tokens, skew=False),
-                "and drift (all)": predicted}
+                                                          "matmul_flops", per_kind=False, host=False, skew=False),
+                "per-kind links": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops",
+                                          host=False, skew=False),
+                "and host": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops", skew=False),
+                "and drift": others["matmul_flops"],
+                "and the work beyond the GEMMs (all)": predicted}
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
                "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
-               "predicted_at_effective_rate": effective, "ablation": ablation}
+               "predicted_at_matmul_rate": others["matmul_flops"],
+               "predicted_at_effective_rate": others["effective_flops"], "ablation": ablation}
     loads = (f"load average (1, 5, 15 min) {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
              f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end ({os.cpu_count()} cores)")
     if measured is not None:
         payload["bench"] = {"steps": args.steps, "rounds": args.rounds, "results": list(measured.values())}
         payload["comparison"] = compare(measured, predicted)
-        payload["comparison_at_effective_rate"] = compare(measured, effective)
+        payload["comparison_at_matmul_rate"] = compare(measured, others["matmul_flops"])
+        payload["comparison_at_effective_rate"] = compare(measured, others["effective_flops"])
         spread = ", ".join(f"{k.split('_')[0]} {lo / 1e9:.1f}-{hi / 1e9:.1f}"
                            for k, (lo, hi) in figures["spread"].items() if k.endswith(("_flops", "_bytes")))
         header = (f"{args.model} ({size}), {args.world_size} gloo ranks, {tokens} tokens per rank; bench: "
@@ -395,17 +417,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"each round and after the last, the slower rank at each of the {figures['points']} points "
                   f"(range over them, G/s: {spread}); {payload['machine']}; {loads}")
         print(format_comparison(figures, payload["comparison"], header))
-        print("\nthe same, forward+backward at the effective rate (FSDP2's own work on a rank and the model's "
-              "non-GEMM work in the rate, as in the presets):")
-        print("\n".join(format_comparison(figures, payload["comparison_at_effective_rate"], "",
-                                           "effective").splitlines()[1:]))
+        for compute, key, words in (("matmul_flops", "comparison_at_matmul_rate", "at the matmul rate, the work "
+                                     "beyond the GEMMs left out (the check until session 15)"),
+                                    ("effective_flops", "comparison_at_effective_rate", "at the effective rate "
+                                     "(FSDP2's own work on a rank and the model's non-GEMM work in the rate, as in "
+                                     "the presets)")):
+            print(f"\nthe same, forward+backward {words}:")
+            print("\n".join(format_comparison(figures, payload[key], "", compute).splitlines()[1:]))
         print("\nrounds' step medians, ms: " + "; ".join(
             f"{c} " + " ".join(f"{t * 1e3:.0f}" for t in measured[c]["step_s_by_round"]) for c in CONFIGS))
     else:
         print(loads)
         print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds")}, indent=1))
         print(figures_line(figures))
-    print("what each mechanism adds (matmul rate), predicted step / optimizer ms: " + "; ".join(
+    print("what each mechanism adds, predicted step / optimizer ms: " + "; ".join(
         f"{name}: " + ", ".join(f"{c} {p[c]['step_seconds'] * 1e3:.1f} / {p[c]['optimizer_seconds'] * 1e3:.1f}"
                                 for c in CONFIGS) for name, p in ablation.items()))
     if args.json:

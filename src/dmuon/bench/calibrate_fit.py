@@ -15,8 +15,8 @@ CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dm
 """Bench configuration -> (simulated strategy, ZeRO level)."""
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
-RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "dispatch_seconds", "dtensor_dispatch_seconds",
-         "dtensor_layout_seconds", "fsdp_unit_seconds", "sync_skew")
+RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_seconds", "dispatch_seconds",
+         "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds", "sync_skew")
 """Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
 
 
@@ -90,37 +90,50 @@ def _ns_lookup(ns: dict):
     return seconds
 
 
-def calibrated_hardware(figures: dict, compute: str = "matmul_flops", per_kind: bool = True,
+COMPUTE_MODELS = ("gemms_and_rest", "matmul_flops", "effective_flops")
+"""How a prediction prices forward and backward: ``"gemms_and_rest"`` (the check): 6 x parameters x
+tokens at the matmul rate, the measured work beyond the GEMMs (``non_gemm_seconds``) and FSDP2's
+per-unit host work; ``"matmul_flops"``: the same without the work beyond the GEMMs;
+``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a one-rank mesh,
+its own work and the non-GEMM work inside, as the presets' rates)."""
+
+
+def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind: bool = True,
                         host: bool = True, skew: bool = True) -> Hardware:
-    """This machine as the simulation's :class:`Hardware`: forward and backward at ``figures[compute]``;
-    the link per collective kind (``per_kind``) or the one shared fit; the host's dispatch figures
-    (``host``); the ranks' drift between meetings (``skew``). FSDP2's per-unit host work only at the matmul rate: the effective rate, FSDP2's
-    forward and backward on a one-rank mesh, has it inside already."""
+    """This machine as the simulation's :class:`Hardware`: forward and backward as ``compute`` says
+    (:data:`COMPUTE_MODELS`); the link per collective kind (``per_kind``) or the one shared fit; the
+    host's dispatch figures (``host``); the ranks' drift between meetings (``skew``). FSDP2's per-unit
+    host work only at the matmul rate: the effective rate, FSDP2's forward and backward on a one-rank
+    mesh, has it inside already."""
+    if compute not in COMPUTE_MODELS:
+        raise ValueError(f"compute must be one of {COMPUTE_MODELS}, got {compute!r}")
+    rate = "effective_flops" if compute == "effective_flops" else "matmul_flops"
     def links(latency: float, bandwidth: float) -> AlphaBeta:
         return AlphaBeta(intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency,
                          inter_latency=latency)
 
     kinds = {op: links(f["latency"], f["bandwidth"]) for op, f in figures.get("link_kinds", {}).items()}
     return Hardware(
-        "this machine (dmuon bench --calibrate)", figures[compute], figures["matmul_flops"],
+        "this machine (dmuon bench --calibrate)", figures[rate], figures["matmul_flops"],
         figures["elementwise_bytes"], links(figures["link_latency"], figures["link_bandwidth"]),
         op_links=kinds if per_kind else {},
         dispatch_seconds=figures.get("dispatch_seconds", 0.0) if host else 0.0,
         dtensor_dispatch_seconds=figures.get("dtensor_dispatch_seconds", 0.0) if host else 0.0,
         dtensor_layout_seconds=figures.get("dtensor_layout_seconds", 0.0) if host else 0.0,
-        fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and compute == "matmul_flops" else 0.0,
+        fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and rate == "matmul_flops" else 0.0,
         sync_skew=figures.get("sync_skew", 0.0) if skew else 0.0)
 
 
 def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
-            compute: str = "matmul_flops", per_kind: bool = True, host: bool = True, skew: bool = True) -> dict:
+            compute: str = "gemms_and_rest", per_kind: bool = True, host: bool = True, skew: bool = True) -> dict:
     """The simulated step of each bench configuration on ``world_size`` ranks (1-D FSDP), with
-    :func:`calibrated_hardware`'s figures."""
+    :func:`calibrated_hardware`'s figures and, for ``"gemms_and_rest"``, the measured work beyond the GEMMs."""
     groups = bench_model_shapes(model, size)
     hardware = calibrated_hardware(figures, compute, per_kind, host, skew)
     # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
     options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo",
-                         unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0)
+                         unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0,
+                         non_gemm_seconds=figures.get("non_gemm_seconds", 0.0) if compute == "gemms_and_rest" else 0.0)
     plans = {zero: plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4, reduce_bytes=4,
                                 hardware=hardware, sim_options=options, max_waves=1)
              for zero in (2, 3)}
@@ -178,7 +191,14 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def figures_line(figures: dict, compute: str = "matmul") -> str:
+COMPUTE_WORDS = {"gemms_and_rest": "the GEMMs at the matmul rate, the work beyond them as measured and FSDP2's "
+                                    "per-unit work",
+                 "matmul_flops": "the matmul rate with FSDP2's per-unit work (the work beyond the GEMMs left out)",
+                 "effective_flops": "the effective rate"}
+"""How :func:`figures_line` names each of :data:`COMPUTE_MODELS`."""
+
+
+def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
     """The machine's figures the prediction ran with, in one paragraph."""
     kinds = "; ".join(f"{op} {_us(f['latency'])} per message + bytes / {f['bandwidth'] / 1e9:.2f} GB/s"
                       for op, f in figures.get("link_kinds", {}).items())
@@ -194,14 +214,16 @@ def figures_line(figures: dict, compute: str = "matmul") -> str:
                 f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
     return (f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
             f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "
-            f"6 x parameters x tokens), elementwise {figures['elementwise_bytes'] / 1e9:.2f} GB/s (AdamW kernel on "
+            f"6 x parameters x tokens), beyond the GEMMs {figures.get('non_gemm_seconds', 0.0) * 1e3:.1f} ms per "
+            f"forward+backward (the model without FSDP2 on one rank less 6 x parameters x tokens at the matmul "
+            f"rate), elementwise {figures['elementwise_bytes'] / 1e9:.2f} GB/s (AdamW kernel on "
             f"one rank's shards), gloo link per kind ({len(figures['link_samples'])} samples of 16 KiB to 4 MiB per "
             f"rank and peer, bytes each rank sends as the step model counts them): {kinds or '-'} (one fit over "
             f"all: {_us(figures['link_latency'])} + bytes / {figures['link_bandwidth'] / 1e9:.2f} GB/s){host}; "
-            f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at the {compute} rate")
+            f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at {COMPUTE_WORDS[compute]}")
 
 
-def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "matmul") -> str:
+def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "gemms_and_rest") -> str:
     lines = [header] if header else []
     lines += [figures_line(figures, compute),
               "| config | step ms: measured / predicted (error) | fwd+bwd ms | optimizer ms |",
@@ -231,5 +253,5 @@ def order_lines(comparison: dict) -> list[str]:
             f"{'yes' if comparison['within_20_percent'] else 'no'}"]
 
 
-__all__ = ["CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
+__all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
            "format_comparison", "link_messages", "order_check", "predict", "separated"]

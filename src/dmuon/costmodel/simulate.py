@@ -179,14 +179,22 @@ class SimOptions:
     unlisted_tensors: int = 0
     """Parameter tensors the shape lists leave out (norm weights, biases: their bytes are negligible,
     but per-tensor dispatch counts each), updated by AdamW."""
+    non_gemm_seconds: float = 0.0
+    """Forward and backward seconds beyond the GEMMs that 6 x parameters x tokens at
+    :attr:`Hardware.compute_flops` prices (attention's score and value products, norms,
+    activations, the loss's softmax over the vocabulary), for a rate that prices the GEMMs alone
+    (``dmuon bench --calibrate``'s matmul rate; it measures this too, as the model's one-rank
+    forward+backward less its GEMMs); spread over the units by their parameters, a third in
+    forward and two thirds in backward, as the GEMMs are. 0: inside :attr:`Hardware.compute_flops`
+    (an effective rate, as the presets' are)."""
 
     def __post_init__(self) -> None:
         if self.ns_method not in NS_METHODS:
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {self.ns_method!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.tokens_per_gpu < 0 or self.ns_steps < 1 or self.unlisted_tensors < 0:
-            raise ValueError("tokens_per_gpu and unlisted_tensors must be >= 0 and ns_steps >= 1")
+        if self.tokens_per_gpu < 0 or self.ns_steps < 1 or self.unlisted_tensors < 0 or not self.non_gemm_seconds >= 0:
+            raise ValueError("tokens_per_gpu, unlisted_tensors and non_gemm_seconds must be >= 0 and ns_steps >= 1")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -437,7 +445,11 @@ class _Builder:
         root = inp.root_block if inp.root_block in order else None
         layers = [b for b in order if b != root]
         tokens = self.opt.tokens_per_gpu
-        fwd = {b: self.seconds(2.0 * self.block_numel(b) * tokens, self.hw.compute_flops) for b in order}
+        # Each unit's forward: its GEMMs (2 x parameters x tokens) and its share of the work beyond them;
+        # backward twice that.
+        numel = {b: self.block_numel(b) for b in order}
+        beyond = self.opt.non_gemm_seconds / 3 / max(1, sum(numel.values())) if self.opt.compute else 0.0
+        fwd = {b: self.seconds(2.0 * numel[b] * tokens, self.hw.compute_flops) + beyond * numel[b] for b in order}
         unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
         sequence: list[Task] = []  # every forward and backward compute task, in order
 
@@ -814,7 +826,8 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
         ``exposed_comm_seconds`` (the step less the busiest rank's compute: the time that
         rank waits on transfers, or on other ranks through them), the same split
         into ``exposed_forward_backward_seconds`` and ``exposed_optimizer_seconds``,
-        ``compute_seconds`` (forward and backward FLOPs alone), ``ns_seconds`` and
+        ``compute_seconds`` (forward and backward compute: the FLOPs and
+        :attr:`SimOptions.non_gemm_seconds`), ``ns_seconds`` and
         ``elementwise_seconds`` (the most any rank spends), ``optimizer_busy_seconds``
         (during the optimizer phase: the most any rank spends on NS and on elementwise work,
         and the longest any rank's intra- and inter-node link carries bytes: what bounds

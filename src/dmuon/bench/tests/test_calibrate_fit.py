@@ -85,6 +85,32 @@ def test_per_kind_links_equal_to_the_shared_fit_predict_what_the_shared_fit_does
     assert all(slower[c]["forward_backward_seconds"] > without[c]["forward_backward_seconds"] for c in CONFIGS)
 
 
+def test_the_work_beyond_the_gemms_adds_to_forward_backward_at_the_matmul_rate_only():
+    from dmuon.bench.shapes import bench_model_shapes
+
+    ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
+          for r, c in [g.shape] for b in range(1, g.count + 1)}
+    figures = {"matmul_flops": 5e10, "effective_flops": 4e10, "elementwise_bytes": 5e9, "link_latency": 2e-4,
+               "link_bandwidth": 1e9, "ns_seconds": ns, "non_gemm_seconds": 0.05, "fsdp_unit_seconds": 1e-3}
+    split = predict(figures, "qwen2", "tiny", 2, 64)  # the default: gemms_and_rest
+    gemms = predict(figures, "qwen2", "tiny", 2, 64, "matmul_flops")
+    effective = predict(figures, "qwen2", "tiny", 2, 64, "effective_flops")
+    without = predict(dict(figures, non_gemm_seconds=0.0), "qwen2", "tiny", 2, 64)
+    assert effective == predict(dict(figures, non_gemm_seconds=0.0), "qwen2", "tiny", 2, 64, "effective_flops")
+    for config in CONFIGS:
+        assert gemms[config]["step_seconds"] == pytest.approx(without[config]["step_seconds"])
+        added = split[config]["forward_backward_seconds"] - gemms[config]["forward_backward_seconds"]
+        if config in ("adamw", "gather"):  # gloo: FSDP2's collectives block the thread, so compute adds up
+            assert added == pytest.approx(0.05)
+        else:  # dmuon's exchanges in backward progress beside the compute: they may hide more of themselves
+            assert 0.0 < added <= 0.05 + 1e-12
+    # The matmul rate carries FSDP2's per-unit work, the effective rate has it inside.
+    assert calibrated_hardware(figures).fsdp_unit_seconds == 1e-3
+    assert calibrated_hardware(figures).compute_flops == 5e10
+    with pytest.raises(ValueError, match="compute"):
+        calibrated_hardware(figures, "svd_flops")
+
+
 def test_a_pair_is_ordered_only_when_every_round_agrees():
     assert separated([1.0, 2.0, 3.0], [2.0, 3.0, 4.0]) == -1
     assert separated([3.0, 4.0], [1.0, 2.0]) == 1

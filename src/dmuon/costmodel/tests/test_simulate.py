@@ -374,6 +374,8 @@ def test_options_are_checked():
         SimOptions(ns_method="svd")
     with pytest.raises(ValueError):
         SimOptions(backend="mpi")
+    with pytest.raises(ValueError, match="non_gemm_seconds"):
+        SimOptions(non_gemm_seconds=-1.0)
     with pytest.raises(ValueError):
         Hardware("x", 0.0, 1.0, 1.0)
     with pytest.raises(ValueError):
@@ -419,6 +421,31 @@ def test_kinds_given_the_shared_figures_and_zero_host_figures_change_nothing(bac
         for strategy in SIM_STRATEGIES:
             assert simulate(strategy, _inputs(replicate, shard), listed, options) == \
                 simulate(strategy, _inputs(replicate, shard), plain, options)
+
+
+def test_work_beyond_the_gemms_by_hand_on_one_rank():
+    # One rank, 1 FLOP/s: block 1 (32 parameters) and the root (40). 72 s beyond the GEMMs go 32 : 40 to the
+    # units and 1 : 2 to forward and backward: block 1's forward 2 x 32 + 72 / 3 x 32 / 72 = 64 + 32 / 3 s.
+    inputs = StepInputs(shapes=[(4, 8)], owners=[0], blocks=[1], replicate=1, shard=1, ns_batches={0: [[0]]},
+                        other_shapes=[(10, 4)], other_blocks=[0], return_waves=4)
+    hw = Hardware("t", compute_flops=1.0, ns_flops=1.0, elementwise_bytes=1.0, links=LINKS)
+    for backend in ("gloo", "nccl"):
+        plain = SimOptions(tokens_per_gpu=1, ns_method="standard", backend=backend)
+        beyond = SimOptions(tokens_per_gpu=1, ns_method="standard", backend=backend, non_gemm_seconds=72.0)
+        timeline, _ = build_step("fsdp_adamw", inputs, hw, beyond)
+        seconds = {t.name: t.seconds[0] for t in timeline.tasks if t.seconds is not None}
+        assert seconds["forward block 1"] == pytest.approx(64 + 32 / 3)
+        assert seconds["backward block 1"] == pytest.approx(2 * (64 + 32 / 3))
+        assert seconds["forward head"] == pytest.approx(80 + 40 / 3)
+        assert seconds["backward head"] == pytest.approx(2 * (80 + 40 / 3))
+        for strategy in ("fsdp_adamw", "gather", "dmuon"):
+            before, after = simulate(strategy, inputs, hw, plain), simulate(strategy, inputs, hw, beyond)
+            assert after["forward_backward_seconds"] == pytest.approx(before["forward_backward_seconds"] + 72)
+            assert after["compute_seconds"] == pytest.approx(before["compute_seconds"] + 72)
+            assert after["optimizer_seconds"] == pytest.approx(before["optimizer_seconds"])
+        # Without compute nothing is added.
+        idle = SimOptions(tokens_per_gpu=1, backend=backend, compute=False, non_gemm_seconds=72.0)
+        assert simulate("fsdp_adamw", inputs, hw, idle)["compute_seconds"] == 0.0
 
 
 def test_host_work_by_hand_on_one_rank():
