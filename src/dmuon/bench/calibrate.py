@@ -215,13 +215,13 @@ class _Meter:
         for _ in range(SKEW_BLOCKS):
             dist.all_reduce(self.flag)
 
-    def sync_skew(self) -> float:
-        """The later rank's delay per meeting over the compute between meetings: blocks of GEMMs with
-        an all-reduce after each, less the GEMMs alone and the all-reduces alone (each timed from a
-        barrier, so only the drift within a run counts)."""
-        alone = _mean_seconds(lambda: self.block_gemms(False), self.repeats)
-        met = _mean_seconds(lambda: self.block_gemms(True), self.repeats)
-        return max(0.0, met - alone - _mean_seconds(self.meetings, self.repeats)) / alone
+    def skew_seconds(self) -> dict:
+        """The timings the ranks' drift comes from (:func:`dmuon.bench.calibrate_fit.sync_skew`): blocks
+        of GEMMs with an all-reduce after each (``met``), the GEMMs alone (``alone``) and the
+        all-reduces alone (``meetings``), each timed from a barrier, so only the drift within a run counts."""
+        return {"alone": _mean_seconds(lambda: self.block_gemms(False), self.repeats),
+                "met": _mean_seconds(lambda: self.block_gemms(True), self.repeats),
+                "meetings": _mean_seconds(self.meetings, self.repeats)}
 
     def twin_forward_backward(self, k: int) -> None:
         twin, batch = self.twins[k]
@@ -276,7 +276,7 @@ class _Meter:
                "fsdp_unit_seconds": max(0.0, _mean_seconds(lambda: self.twin_forward_backward(0), self.repeats)
                                         - _mean_seconds(lambda: self.twin_forward_backward(1), self.repeats))
                / (2 * self.units),
-               "sync_skew": self.sync_skew(),
+               "skew_seconds": self.skew_seconds(),
                "unlisted_tensors": self.unlisted_tensors,
                "ns_seconds": {}}
         for shape, count in sorted(self.counts.items()):

@@ -20,6 +20,22 @@ RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_secon
 """Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
 
 
+def sync_skew(point: list[dict]) -> float:
+    """The ranks' drift at one point, from every rank's ``skew_seconds``: the later rank's delay per
+    meeting as a fraction of the compute between meetings, relative to the slower rank's compute.
+
+    The ranks meet after every block, so the blocks with meetings take every rank the same time;
+    what the slower rank's own compute (the largest ``alone``) and the meetings alone leave of it is
+    the drift. Relative to the slower rank because the prediction's compute is the slower rank's (the
+    lowest rate, :func:`combine`); the faster rank's own figure, which also holds its wait for the
+    slower one, would count that difference twice."""
+    def mean(key: str) -> float:
+        return statistics.mean(m["skew_seconds"][key] for m in point)
+
+    alone = max(m["skew_seconds"]["alone"] for m in point)
+    return max(0.0, mean("met") - mean("meetings") - alone) / alone
+
+
 def link_messages(op: str, world_size: int) -> int:
     """Latency terms of one collective on ``world_size`` ranks as the step model counts them
     (:mod:`dmuon.costmodel.collectives`): ring steps, ``W - 1`` (an all-reduce ``2 (W - 1)``), or the
@@ -59,14 +75,17 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
     """Machine figures from ``per_rank[rank][point]`` measurements. Collectives make the ranks wait for
     each other every block, so at each point in time the slower rank counts (the lowest rate, the
     highest time); the figures are the means over the points, and ``spread`` each figure's lowest
-    and highest point. The link is fitted to every sample of every rank and point: once over every
+    and highest point; the ranks' drift at each point by :func:`sync_skew`. The link is fitted to every sample of every rank and point: once over every
     kind (``link_latency``, ``link_bandwidth``), and per kind (``link_kinds``)."""
     world_size = world_size or len(per_rank)
     points = list(zip(*per_rank))
     present = [k for k in RATES if k in points[0][0]]
     bound = [{k: (min if k.endswith(("_flops", "_bytes")) else max)(m[k] for m in point) for k in present}
              | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
+             | ({"sync_skew": sync_skew(point)} if "skew_seconds" in point[0] else {})
              for point in points]
+    if "skew_seconds" in points[0][0]:
+        present.append("sync_skew")
     samples = [tuple(s) for point in points for m in point for s in m["link_samples"]]
     latency, bandwidth = fit_link(samples)
     return {
@@ -254,4 +273,4 @@ def order_lines(comparison: dict) -> list[str]:
 
 
 __all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
-           "format_comparison", "link_messages", "order_check", "predict", "separated"]
+           "format_comparison", "link_messages", "order_check", "predict", "separated", "sync_skew"]

@@ -14,6 +14,7 @@ from dmuon.bench.calibrate_fit import (
     order_check,
     predict,
     separated,
+    sync_skew,
 )
 
 SIZES = (16384, 65536, 262144, 1048576, 4194304)
@@ -53,6 +54,22 @@ def test_combine_takes_the_slower_rank_for_rates_and_times_and_fits_every_kind()
     assert figures["link_kinds"]["reduce_scatter"] == pytest.approx({"latency": 1e-4, "bandwidth": 0.5e9})
     assert figures["link_kinds"]["all_gather"] == pytest.approx({"latency": 1e-4, "bandwidth": 1e9})
     assert figures["unlisted_tensors"] == 5 and figures["points"] == 2
+
+
+def test_the_drift_is_relative_to_the_slower_ranks_compute():
+    # The ranks meet every block, so the blocks with meetings take both 1.5 s; the meetings alone 0.1 s.
+    # Rank 0 computes in 1.2 s, rank 1 in 1.0 s: the slower rank's delay is (1.5 - 0.1 - 1.2) / 1.2, not
+    # the faster rank's (1.5 - 0.1 - 1.0) / 1.0, which holds its wait for the slower one too.
+    ranks = [{"alone": 1.2, "met": 1.5, "meetings": 0.1}, {"alone": 1.0, "met": 1.5, "meetings": 0.1}]
+    assert sync_skew([{"skew_seconds": r} for r in ranks]) == pytest.approx(0.2 / 1.2)
+    # Lockstep ranks (the meetings alone explain the blocks with meetings): no drift, never negative.
+    assert sync_skew([{"skew_seconds": {"alone": 1.0, "met": 1.05, "meetings": 0.1}}] * 2) == 0.0
+    # Two points: the first as above, the second with both ranks at 1.0 s (drift 0.4).
+    first = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=r) for r in ranks]
+    second = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=ranks[1]) for _ in ranks]
+    figures = combine([[first[0], second[0]], [first[1], second[1]]], world_size=2)
+    assert figures["sync_skew"] == pytest.approx((0.2 / 1.2 + 0.4) / 2)   # the mean over the two points
+    assert figures["spread"]["sync_skew"] == pytest.approx([0.2 / 1.2, 0.4])
 
 
 def test_calibrated_hardware_options():
