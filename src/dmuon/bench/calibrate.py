@@ -100,6 +100,22 @@ def _mean_seconds(fn, repeats: int, barrier: bool = True) -> float:
     return statistics.mean(times)
 
 
+def _interleaved_means(fns: dict, repeats: int) -> dict:
+    """Mean seconds of each of ``fns`` (name -> callable) as :func:`_mean_seconds` takes them, their runs
+    interleaved (one of each per round, each from a barrier): figures that are subtracted from each
+    other then sample the same moments of a machine that drifts within seconds."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.mean(t) for name, t in times.items()}
+
+
 class _Meter:
     """One rank's machine measurements; every rank measures at once, as the bench runs them."""
 
@@ -218,10 +234,10 @@ class _Meter:
     def skew_seconds(self) -> dict:
         """The timings the ranks' drift comes from (:func:`dmuon.bench.calibrate_fit.sync_skew`): blocks
         of GEMMs with an all-reduce after each (``met``), the GEMMs alone (``alone``) and the
-        all-reduces alone (``meetings``), each timed from a barrier, so only the drift within a run counts."""
-        return {"alone": _mean_seconds(lambda: self.block_gemms(False), self.repeats),
-                "met": _mean_seconds(lambda: self.block_gemms(True), self.repeats),
-                "meetings": _mean_seconds(self.meetings, self.repeats)}
+        all-reduces alone (``meetings``), each timed from a barrier, so only the drift within a run counts,
+        interleaved (:func:`_interleaved_means`): the drift is their difference."""
+        return _interleaved_means({"alone": lambda: self.block_gemms(False), "met": lambda: self.block_gemms(True),
+                                   "meetings": self.meetings}, self.repeats)
 
     def twin_forward_backward(self, k: int) -> None:
         twin, batch = self.twins[k]
