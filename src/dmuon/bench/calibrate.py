@@ -218,26 +218,34 @@ class _Meter:
         self.plain.loss_fn(self.plain.model, self.plain_batch).backward()
         self.plain.model.zero_grad(set_to_none=True)
 
-    def block_gemms(self, meet: bool) -> None:
+    def block_gemms(self, meet: bool, often: bool = False) -> None:
+        """:data:`SKEW_BLOCKS` blocks' GEMMs; with ``meet`` an all-reduce after each block, or with
+        ``often`` after each matrix's (the same compute, ``len(self.block)`` times the meetings)."""
         for _ in range(SKEW_BLOCKS):
             for x, w in self.block:
                 y = x @ w.T
                 _ = y @ w
                 _ = y.T @ x
-            if meet:
+                if often:
+                    dist.all_reduce(self.flag)
+            if meet and not often:
                 dist.all_reduce(self.flag)
 
-    def meetings(self) -> None:
-        for _ in range(SKEW_BLOCKS):
+    def meetings(self, often: bool = False) -> None:
+        for _ in range(SKEW_BLOCKS * (len(self.block) if often else 1)):
             dist.all_reduce(self.flag)
 
     def skew_seconds(self) -> dict:
-        """The timings the ranks' drift comes from (:func:`dmuon.bench.calibrate_fit.sync_skew`): blocks
-        of GEMMs with an all-reduce after each (``met``), the GEMMs alone (``alone``) and the
-        all-reduces alone (``meetings``), each timed from a barrier, so only the drift within a run counts,
-        interleaved (:func:`_interleaved_means`): the drift is their difference."""
-        return _interleaved_means({"alone": lambda: self.block_gemms(False), "met": lambda: self.block_gemms(True),
-                                   "meetings": self.meetings}, self.repeats)
+        """The timings the ranks' drift comes from (:func:`dmuon.bench.calibrate_fit.drift`): blocks of
+        GEMMs with an all-reduce after each (``met``) and after each matrix (``met_often``), the GEMMs
+        alone (``alone``), the all-reduces alone (``meetings``, ``meetings_often``), each timed from a
+        barrier, so only the drift within a run counts, interleaved (:func:`_interleaved_means`): the
+        drift is their difference; and the meetings' counts."""
+        out = _interleaved_means({"alone": lambda: self.block_gemms(False), "met": lambda: self.block_gemms(True),
+                                  "met_often": lambda: self.block_gemms(True, often=True),
+                                  "meetings": self.meetings, "meetings_often": lambda: self.meetings(True)},
+                                 self.repeats)
+        return out | {"count": SKEW_BLOCKS, "count_often": SKEW_BLOCKS * len(self.block)}
 
     def twin_forward_backward(self, k: int) -> None:
         twin, batch = self.twins[k]

@@ -20,20 +20,30 @@ RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_secon
 """Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
 
 
-def sync_skew(point: list[dict]) -> float:
-    """The ranks' drift at one point, from every rank's ``skew_seconds``: the later rank's delay per
-    meeting as a fraction of the compute between meetings, relative to the slower rank's compute.
+def drift(point: list[dict]) -> tuple[float, float]:
+    """The ranks' drift at one point, from every rank's ``skew_seconds``: ``(sync_skew, sync_delay)``,
+    the later rank's delay at a meeting as a fraction of the compute since the one before and the
+    seconds more at each meeting after compute, relative to the slower rank's compute.
 
-    The ranks meet after every block, so the blocks with meetings take every rank the same time;
-    what the slower rank's own compute (the largest ``alone``) and the meetings alone leave of it is
-    the drift. Relative to the slower rank because the prediction's compute is the slower rank's (the
+    The ranks meet after every block (``met``) or after every matrix (``met_often``: the same
+    compute, more meetings), so either run takes every rank the same time; what the slower rank's own
+    compute (the largest ``alone``) and the meetings alone leave of it is the drift, ``count x delay
+    + fraction x alone`` in each: two equations for the two figures (without ``met_often``, the
+    delay 0). Relative to the slower rank because the prediction's compute is the slower rank's (the
     lowest rate, :func:`combine`); the faster rank's own figure, which also holds its wait for the
     slower one, would count that difference twice."""
     def mean(key: str) -> float:
         return statistics.mean(m["skew_seconds"][key] for m in point)
 
     alone = max(m["skew_seconds"]["alone"] for m in point)
-    return max(0.0, mean("met") - mean("meetings") - alone) / alone
+    extra = mean("met") - mean("meetings") - alone
+    delay = 0.0
+    if "met_often" in point[0]["skew_seconds"]:
+        count, count_often = point[0]["skew_seconds"]["count"], point[0]["skew_seconds"]["count_often"]
+        extra_often = mean("met_often") - mean("meetings_often") - alone
+        delay = max(0.0, (extra_often - extra) / (count_often - count))
+        extra -= count * delay
+    return max(0.0, extra) / alone, delay
 
 
 def link_messages(op: str, world_size: int) -> int:
@@ -75,17 +85,18 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
     """Machine figures from ``per_rank[rank][point]`` measurements. Collectives make the ranks wait for
     each other every block, so at each point in time the slower rank counts (the lowest rate, the
     highest time); the figures are the means over the points, and ``spread`` each figure's lowest
-    and highest point; the ranks' drift at each point by :func:`sync_skew`. The link is fitted to every sample of every rank and point: once over every
-    kind (``link_latency``, ``link_bandwidth``), and per kind (``link_kinds``)."""
+    and highest point; the ranks' drift at each point by :func:`drift`. The link is fitted to every
+    sample of every rank and point: once over every kind (``link_latency``, ``link_bandwidth``), and
+    per kind (``link_kinds``)."""
     world_size = world_size or len(per_rank)
     points = list(zip(*per_rank))
     present = [k for k in RATES if k in points[0][0]]
     bound = [{k: (min if k.endswith(("_flops", "_bytes")) else max)(m[k] for m in point) for k in present}
              | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
-             | ({"sync_skew": sync_skew(point)} if "skew_seconds" in point[0] else {})
+             | (dict(zip(("sync_skew", "sync_delay"), drift(point))) if "skew_seconds" in point[0] else {})
              for point in points]
     if "skew_seconds" in points[0][0]:
-        present.append("sync_skew")
+        present += ["sync_skew", "sync_delay"]
     samples = [tuple(s) for point in points for m in point for s in m["link_samples"]]
     latency, bandwidth = fit_link(samples)
     return {
@@ -140,7 +151,8 @@ def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind
         dtensor_dispatch_seconds=figures.get("dtensor_dispatch_seconds", 0.0) if host else 0.0,
         dtensor_layout_seconds=figures.get("dtensor_layout_seconds", 0.0) if host else 0.0,
         fsdp_unit_seconds=figures.get("fsdp_unit_seconds", 0.0) if host and rate == "matmul_flops" else 0.0,
-        sync_skew=figures.get("sync_skew", 0.0) if skew else 0.0)
+        sync_skew=figures.get("sync_skew", 0.0) if skew else 0.0,
+        sync_delay=figures.get("sync_delay", 0.0) if skew else 0.0)
 
 
 def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
@@ -228,8 +240,9 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
                 f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
                 f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
                 f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), the "
-                f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings (blocks of GEMMs "
-                f"with an all-reduce after each, less both alone), "
+                f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings and "
+                f"{figures.get('sync_delay', 0.0) * 1e6:.0f} us more per meeting (blocks of GEMMs with an all-reduce "
+                f"after each block and after each matrix, less both alone, relative to the slower rank), "
                 f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
     return (f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
             f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "
@@ -273,4 +286,4 @@ def order_lines(comparison: dict) -> list[str]:
 
 
 __all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
-           "format_comparison", "link_messages", "order_check", "predict", "separated", "sync_skew"]
+           "format_comparison", "link_messages", "order_check", "predict", "separated", "drift"]

@@ -107,6 +107,9 @@ class Hardware:
     """Ranks of a shared host drifting apart between the collectives that block their threads (gloo):
     the later rank's delay at each, as a fraction of the compute seconds since the one before
     (:class:`Timeline`); 0: ranks in lockstep (GPUs, an idle host)."""
+    sync_delay: float = 0.0
+    """Seconds more of that delay at each meeting that follows any compute, whatever its length (a
+    rank waking from its wait, a preemption's tail); 0: only :attr:`sync_skew`'s fraction."""
     fsdp_unit_seconds: float = 0.0
     """Host seconds of FSDP2's own work per unit and pass (forward: unshard and reshard; backward:
     unshard, reduce-scatter's copy-in, the gradients' views): on the rank's compute stream, added to
@@ -117,7 +120,7 @@ class Hardware:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("dispatch_seconds", "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds",
-                     "sync_skew"):
+                     "sync_skew", "sync_delay"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         unknown = set(self.op_links) - {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
@@ -326,7 +329,8 @@ class _Builder:
         self.returns_in_backward = strategy == RETURNS_IN_BACKWARD
         strategy = "dmuon" if self.returns_in_backward else strategy
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
-        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew)
+        self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew,
+                           hardware.sync_delay)
         self.ns_batches = inputs.ns_batches
         self.back: set[int] = set()
         """``returns_in_backward``: the blocks whose updates come back in backward."""

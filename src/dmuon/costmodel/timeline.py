@@ -53,13 +53,15 @@ class Timeline:
     one is behind by ``sync_skew`` x the compute seconds each ran since its previous meeting,
     added to the latency of every collective it issues until the next meeting (one on another
     stream, which the thread does not wait for, hides it if its landing is not waited for; 0:
-    identical ranks meet at once)."""
+    identical ranks meet at once). ``sync_delay``: seconds more of that delay at each such
+    collective after any compute, whatever its length (a meeting per matrix costs more than the
+    fraction alone says)."""
 
     def __init__(self, world: int, links: AlphaBeta, overlap: bool = True,
-                 op_links: dict[str, AlphaBeta] | None = None, sync_skew: float = 0.0):
+                 op_links: dict[str, AlphaBeta] | None = None, sync_skew: float = 0.0, sync_delay: float = 0.0):
         self.world, self.links, self.overlap = world, links, overlap
         self.op_links = op_links or {}
-        self.sync_skew = sync_skew
+        self.sync_skew, self.sync_delay = sync_skew, sync_delay
         self.tasks: list[Task] = []
 
     def _add(self, task: Task) -> Task:
@@ -119,10 +121,11 @@ class Timeline:
             task.start[k] = now
             if task.collective is not None:
                 arrived[n] += 1
-                if self.sync_skew:
+                if self.sync_skew or self.sync_delay:
                     # A collective cannot end before its later rank has issued it; one that blocks the
                     # threads (on the compute stream) also brings the ranks back in step.
-                    skew[n] = max(skew.get(n, 0.0), self.sync_skew * since[k])
+                    behind = self.sync_skew * since[k] + (self.sync_delay if since[k] > 0 else 0.0)
+                    skew[n] = max(skew.get(n, 0.0), behind)
                     if task.stream == BLOCKING_STREAM:
                         since[k] = 0.0
                 if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs

@@ -9,12 +9,12 @@ from dmuon.bench.calibrate_fit import (
     calibrated_hardware,
     combine,
     compare,
+    drift,
     fit_links,
     link_messages,
     order_check,
     predict,
     separated,
-    sync_skew,
 )
 
 SIZES = (16384, 65536, 262144, 1048576, 4194304)
@@ -61,15 +61,34 @@ def test_the_drift_is_relative_to_the_slower_ranks_compute():
     # Rank 0 computes in 1.2 s, rank 1 in 1.0 s: the slower rank's delay is (1.5 - 0.1 - 1.2) / 1.2, not
     # the faster rank's (1.5 - 0.1 - 1.0) / 1.0, which holds its wait for the slower one too.
     ranks = [{"alone": 1.2, "met": 1.5, "meetings": 0.1}, {"alone": 1.0, "met": 1.5, "meetings": 0.1}]
-    assert sync_skew([{"skew_seconds": r} for r in ranks]) == pytest.approx(0.2 / 1.2)
+    assert drift([{"skew_seconds": r} for r in ranks]) == pytest.approx((0.2 / 1.2, 0.0))
     # Lockstep ranks (the meetings alone explain the blocks with meetings): no drift, never negative.
-    assert sync_skew([{"skew_seconds": {"alone": 1.0, "met": 1.05, "meetings": 0.1}}] * 2) == 0.0
+    assert drift([{"skew_seconds": {"alone": 1.0, "met": 1.05, "meetings": 0.1}}] * 2) == (0.0, 0.0)
     # Two points: the first as above, the second with both ranks at 1.0 s (drift 0.4).
     first = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=r) for r in ranks]
     second = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=ranks[1]) for _ in ranks]
     figures = combine([[first[0], second[0]], [first[1], second[1]]], world_size=2)
     assert figures["sync_skew"] == pytest.approx((0.2 / 1.2 + 0.4) / 2)   # the mean over the two points
     assert figures["spread"]["sync_skew"] == pytest.approx([0.2 / 1.2, 0.4])
+    assert figures["sync_delay"] == 0.0
+
+
+def test_the_drift_splits_into_a_fraction_and_a_delay_per_meeting():
+    # Ranks whose drift is 0.1 x the compute plus 2 ms per meeting: 8 meetings over 1.0 s of compute take
+    # 1.0 + 0.1 + 8 x 0.002 s beyond the meetings alone, 56 meetings over the same compute 1.0 + 0.1 + 56 x 0.002.
+    def timings(alone: float) -> dict:
+        return {"alone": alone, "met": 0.05 + 1.0 + 0.1 + 8 * 0.002, "meetings": 0.05,
+                "met_often": 0.3 + 1.0 + 0.1 + 56 * 0.002, "meetings_often": 0.3, "count": 8, "count_often": 56}
+
+    assert drift([{"skew_seconds": timings(1.0)}, {"skew_seconds": timings(0.9)}]) == pytest.approx((0.1, 0.002))
+    # A faster rank changes nothing (the slower one's compute is the prediction's); no more delay with more
+    # meetings: none per meeting.
+    flat = dict(timings(1.0), met_often=0.3 + 1.0 + 0.1 + 8 * 0.002)
+    assert drift([{"skew_seconds": flat}] * 2) == pytest.approx((0.1 + 8 * 0.002, 0.0))
+    figures = combine([[dict(_point(10.0, 1e-6, 1e-4), skew_seconds=timings(1.0))]] * 2, world_size=2)
+    hardware = calibrated_hardware(figures)
+    assert (hardware.sync_skew, hardware.sync_delay) == pytest.approx((0.1, 0.002))
+    assert calibrated_hardware(figures, skew=False).sync_delay == 0.0
 
 
 def test_calibrated_hardware_options():

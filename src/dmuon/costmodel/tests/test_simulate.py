@@ -515,6 +515,25 @@ def test_ranks_drifting_apart_meet_late_and_blocking_collectives_bring_them_back
     assert issued.end[0] == pytest.approx(17.0 + 1.0 + 0.5 * 4.0 + 1.0)
 
 
+def test_a_fixed_delay_per_meeting_after_compute_beside_the_fraction():
+    # sync_delay 0.25 more at each collective issued after some compute since the last meeting; none at one
+    # issued right after a meeting.
+    tl = Timeline(2, LINKS, sync_skew=0.5, sync_delay=0.25)
+    tl.compute("a", "compute", 4.0, phase="forward")
+    first = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "compute", phase="forward")
+    tl.compute("b", "compute", 2.0, phase="forward")
+    second = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "compute", phase="forward")
+    beside = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "other", [second], phase="forward")
+    again = tl.collective(_transfer(2, [(1, 1), (1, 1)]), "compute", [beside], phase="forward")
+    tl.run()
+    assert first.end[0] == pytest.approx(4.0 + 1.0 + 0.5 * 4.0 + 0.25 + 1.0)          # 8.25
+    assert second.end[0] == pytest.approx(8.25 + 2.0 + 1.0 + 0.5 * 2.0 + 0.25 + 1.0)  # 13.5
+    assert beside.end[0] == pytest.approx(13.5 + 1.0 + 1.0)     # no compute since the meeting: no delay
+    assert again.end[0] == pytest.approx(15.5 + 1.0 + 1.0)      # the thread's next, no compute between: none
+    with pytest.raises(ValueError, match="sync_delay"):
+        Hardware("x", 1.0, 1.0, 1.0, sync_delay=-1.0)
+
+
 @pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2), (4, 2)])
 def test_returns_in_backward_move_the_returns_behind_backward(replicate, shard):
     """With backward long enough to hide them, the blocks returned in backward leave the optimizer phase
