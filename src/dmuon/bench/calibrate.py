@@ -23,7 +23,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    bytes cost more than an all-gather's); and the host: seconds per operation on plain tensors
    and on DTensors (tiny elementwise operations), per DTensor layout call (``full_tensor()``
    less a plain all-gather, ``distribute_tensor``), and FSDP2's work per unit and pass (the
-   model's tiny twin under FSDP2 on a one-rank mesh less without). Collectives make the
+   model's tiny twin under FSDP2 on a one-rank mesh less without); the ranks' drift (the same
+   GEMMs with a meeting after each block and after each matrix, less both alone: a fraction of the
+   compute and a delay per meeting, :func:`dmuon.bench.calibrate_fit.drift`). Collectives make the
    ranks wait for each other every block, so at each point the slower rank counts.
 3. **The simulation** (:mod:`dmuon.costmodel.simulate`, ``backend="gloo"``: FSDP2's
    collectives block the rank's thread, one speculative return wave, the CPU default, host and
