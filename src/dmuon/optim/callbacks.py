@@ -4,19 +4,43 @@ torch.optim.Muon's (:class:`MuonCallbacks`), NorMuon's (:class:`NorMuonCallbacks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from dmuon.optim.momentum import MomentumLayout
+from dmuon.optim.qk_clip import AttentionClip
+from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step, local_tensor
 from dmuon.rules.muon import adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
 from dmuon.rules.normuon import normalize_rows
+from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import StepCallbacks
 
-if TYPE_CHECKING:
-    from dmuon.optim.dmuon import DMuon
+
+class RuleHost(Protocol):
+    """What the callbacks read of their optimizer (:class:`dmuon.optim.dmuon.DMuon`), at each call:
+    a state-dict load replaces its param groups and state."""
+
+    plan: Plan
+    ns: NSConfig
+    momentum: MomentumLayout
+    param_names: dict[int, str]
+    """Parameter id -> its name in the model."""
+    state: Any
+    """torch.optim.Optimizer's per-parameter state."""
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def attention_clip(self) -> AttentionClip | None: ...
+
+    def matrix_indices(self, param: torch.Tensor) -> list[int]: ...
+
+    def check_ns_keys(self, group: dict[str, Any]) -> None: ...
+
+    def check_rule_keys(self, group: dict[str, Any]) -> None: ...
 
 
 class MuonCallbacks(StepCallbacks):
@@ -28,7 +52,7 @@ class MuonCallbacks(StepCallbacks):
 
     rescalable = True
 
-    def __init__(self, optimizer: DMuon) -> None:
+    def __init__(self, optimizer: RuleHost) -> None:
         self.opt = optimizer
         self.plan = optimizer.plan
         self._column = divmod(self.plan.rank, self.plan.shard)[1]
@@ -122,12 +146,12 @@ class MuonCallbacks(StepCallbacks):
 
     def step_maxima(self) -> torch.Tensor | None:
         # QK-clip's per-key-head logit maxima, agreed over every rank with the step's flags.
-        qk = self.opt._qk
+        qk = self.opt.attention_clip
         return None if qk is None else qk.step_maxima()
 
     def finish_step(self, active: list[int], maxima: torch.Tensor) -> None:
-        if self.opt._qk is not None:
-            self.opt._qk.clip(self.plan, active, maxima)
+        if self.opt.attention_clip is not None:
+            self.opt.attention_clip.clip(self.plan, active, maxima)
 
     def checked_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
         names = self.opt.param_names
@@ -147,7 +171,7 @@ class NorMuonCallbacks(MuonCallbacks):
     row_width = 1
     STATE = "second_momentum_buffer"
 
-    def __init__(self, optimizer: DMuon) -> None:
+    def __init__(self, optimizer: RuleHost) -> None:
         super().__init__(optimizer)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

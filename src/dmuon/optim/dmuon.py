@@ -559,6 +559,11 @@ class DMuon(ParamGroups, torch.optim.Optimizer):
                              "qk_clip=dmuon.QKClip(layers={...})")
         me._qk.report(layer, max_logits, first_head)
 
+    @property
+    def attention_clip(self) -> AttentionClip | None:
+        """QK-clip's runtime part (the logits reported this step, the clip after it); None without ``qk_clip``."""
+        return self._qk
+
     def last_attention_logits(self) -> dict[str, torch.Tensor]:
         """QK-clip: per layer, the last applied step's largest logit per key head over every rank
         (what its factors came from; float32, on the CPU). Empty before the first applied step."""
