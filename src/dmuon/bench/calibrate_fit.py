@@ -8,7 +8,7 @@ import statistics
 
 from dmuon.bench.shapes import bench_model_shapes
 from dmuon.costmodel.offline import plan_offline
-from dmuon.costmodel.simulate import Hardware, SimOptions
+from dmuon.costmodel.sim_config import Hardware, SimOptions
 from dmuon.costmodel.traffic import AlphaBeta
 
 CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dmuon", 2), "dmuon_z3": ("dmuon", 3)}

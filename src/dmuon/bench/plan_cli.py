@@ -13,7 +13,8 @@ from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_js
 from dmuon.plan.balance import BALANCERS, DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S
 from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
-from dmuon.costmodel.simulate import HARDWARE_PRESETS, NS_METHODS, SIM_STRATEGIES, Hardware, SimOptions
+from dmuon.costmodel.sim_config import HARDWARE_PRESETS, NS_METHODS, Hardware, SimOptions
+from dmuon.costmodel.simulate import SIM_STRATEGIES
 from dmuon.costmodel.traffic import STEP_STRATEGIES, AlphaBeta
 from dmuon.plan.batches import RETURN_WAVES
 

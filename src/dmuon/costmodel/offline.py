@@ -22,7 +22,8 @@ from dmuon.costmodel.traffic import (
 )
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
-from dmuon.costmodel.simulate import Hardware, SimOptions, StepInputs, goal_ratios, simulate_strategies
+from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
+from dmuon.costmodel.simulate import goal_ratios, simulate_strategies
 from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.hop_a import default_spread
 from dmuon.plan.spread import place_owners
@@ -153,7 +154,7 @@ def plan_offline(
         hardware: With it, also ``simulation``: one step's timeline per strategy
             (:func:`~dmuon.costmodel.simulate.simulate_strategies` on :func:`step_inputs`'s
             inputs, the non-Muon groups included) and ``simulation_model``, its settings.
-        sim_options: The simulation's options (default :class:`~dmuon.costmodel.simulate.SimOptions`).
+        sim_options: The simulation's options (default :class:`~dmuon.costmodel.sim_config.SimOptions`).
         max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
         hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)); None:
             its default per strategy (1 for ``dmuon_rbwd``, 8 for the others).

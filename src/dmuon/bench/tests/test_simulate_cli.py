@@ -8,7 +8,8 @@ import pytest
 
 from dmuon.bench import plan_cli
 from dmuon.bench.calibrate import combine, compare, fit_link
-from dmuon.costmodel.simulate import HARDWARE_PRESETS, SIM_STRATEGIES
+from dmuon.costmodel.sim_config import HARDWARE_PRESETS
+from dmuon.costmodel.simulate import SIM_STRATEGIES
 
 
 def test_plan_simulate_json_and_overrides(tmp_path, capsys):

@@ -13,12 +13,10 @@ from dmuon.costmodel.collectives import (
     step_collectives,
     step_figures,
 )
+from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.simulate import (
     RETURNS_IN_BACKWARD,
     SIM_STRATEGIES,
-    Hardware,
-    SimOptions,
-    StepInputs,
     Timeline,
     _Builder,
     build_step,
