@@ -85,27 +85,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _mean_seconds(fn, repeats: int, barrier: bool = True) -> float:
-    """Mean seconds of ``fn`` over ``repeats`` runs after a warm-up, each from a barrier.
+def _interleaved_means(fns: dict, repeats: int) -> dict:
+    """Mean seconds of each of ``fns`` (name -> callable) over ``repeats`` runs after a warm-up, each
+    from a barrier, their runs interleaved (one of each per round): figures that are subtracted from
+    each other then sample the same moments of a machine that drifts within seconds.
 
     The mean, not the median: on a shared machine the scheduler preempts a rank now and then, and a
     training step, hundreds of milliseconds long, takes those preemptions at their average rate; a
     median of short runs would leave them out and price everything as on an idle machine."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.mean(times)
-
-
-def _interleaved_means(fns: dict, repeats: int) -> dict:
-    """Mean seconds of each of ``fns`` (name -> callable) as :func:`_mean_seconds` takes them, their runs
-    interleaved (one of each per round, each from a barrier): figures that are subtracted from each
-    other then sample the same moments of a machine that drifts within seconds."""
     for fn in fns.values():
         fn()  # warm-up
     times = {name: [] for name in fns}
@@ -116,6 +103,11 @@ def _interleaved_means(fns: dict, repeats: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.mean(t) for name, t in times.items()}
+
+
+def _mean_seconds(fn, repeats: int) -> float:
+    """:func:`_interleaved_means` of ``fn`` alone."""
+    return _interleaved_means({"fn": fn}, repeats)["fn"]
 
 
 class _Meter:
@@ -414,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
     others = {compute: predict(figures, args.model, size, args.world_size, tokens, compute=compute)
-              for compute in COMPUTE_MODELS[1:]}
+              for compute in list(COMPUTE_MODELS)[1:]}
     # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
     # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift, the
     # work beyond the GEMMs.

@@ -16,8 +16,9 @@ CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dm
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
 RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_seconds", "dispatch_seconds",
-         "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds", "sync_skew")
-"""Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest)."""
+         "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds")
+"""Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest).
+The ranks' drift comes from every rank's timings together (:func:`drift`)."""
 
 
 def drift(point: list[dict]) -> tuple[float, float]:
@@ -28,22 +29,18 @@ def drift(point: list[dict]) -> tuple[float, float]:
     The ranks meet after every block (``met``) or after every matrix (``met_often``: the same
     compute, more meetings), so either run takes every rank the same time; what the slower rank's own
     compute (the largest ``alone``) and the meetings alone leave of it is the drift, ``count x delay
-    + fraction x alone`` in each: two equations for the two figures (without ``met_often``, the
-    delay 0). Relative to the slower rank because the prediction's compute is the slower rank's (the
+    + fraction x alone`` in each: two equations for the two figures. Relative to the slower rank because the prediction's compute is the slower rank's (the
     lowest rate, :func:`combine`); the faster rank's own figure, which also holds its wait for the
     slower one, would count that difference twice."""
     def mean(key: str) -> float:
         return statistics.mean(m["skew_seconds"][key] for m in point)
 
     alone = max(m["skew_seconds"]["alone"] for m in point)
+    count, count_often = point[0]["skew_seconds"]["count"], point[0]["skew_seconds"]["count_often"]
     extra = mean("met") - mean("meetings") - alone
-    delay = 0.0
-    if "met_often" in point[0]["skew_seconds"]:
-        count, count_often = point[0]["skew_seconds"]["count"], point[0]["skew_seconds"]["count_often"]
-        extra_often = mean("met_often") - mean("meetings_often") - alone
-        delay = max(0.0, (extra_often - extra) / (count_often - count))
-        extra -= count * delay
-    return max(0.0, extra) / alone, delay
+    extra_often = mean("met_often") - mean("meetings_often") - alone
+    delay = max(0.0, (extra_often - extra) / (count_often - count))
+    return max(0.0, extra - count * delay) / alone, delay
 
 
 def link_messages(op: str, world_size: int) -> int:
@@ -91,12 +88,12 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
     world_size = world_size or len(per_rank)
     points = list(zip(*per_rank))
     present = [k for k in RATES if k in points[0][0]]
+    drifts = [dict(zip(("sync_skew", "sync_delay"), drift(point))) if "skew_seconds" in point[0] else {}
+              for point in points]
     bound = [{k: (min if k.endswith(("_flops", "_bytes")) else max)(m[k] for m in point) for k in present}
              | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
-             | (dict(zip(("sync_skew", "sync_delay"), drift(point))) if "skew_seconds" in point[0] else {})
-             for point in points]
-    if "skew_seconds" in points[0][0]:
-        present += ["sync_skew", "sync_delay"]
+             | d for point, d in zip(points, drifts)]
+    present += list(drifts[0])
     samples = [tuple(s) for point in points for m in point for s in m["link_samples"]]
     latency, bandwidth = fit_link(samples)
     return {
@@ -120,12 +117,15 @@ def _ns_lookup(ns: dict):
     return seconds
 
 
-COMPUTE_MODELS = ("gemms_and_rest", "matmul_flops", "effective_flops")
-"""How a prediction prices forward and backward: ``"gemms_and_rest"`` (the check): 6 x parameters x
-tokens at the matmul rate, the measured work beyond the GEMMs (``non_gemm_seconds``) and FSDP2's
-per-unit host work; ``"matmul_flops"``: the same without the work beyond the GEMMs;
-``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a one-rank mesh,
-its own work and the non-GEMM work inside, as the presets' rates)."""
+COMPUTE_MODELS = {"gemms_and_rest": "the GEMMs at the matmul rate, the work beyond them as measured and FSDP2's "
+                                     "per-unit work",
+                  "matmul_flops": "the matmul rate with FSDP2's per-unit work (the work beyond the GEMMs left out)",
+                  "effective_flops": "the effective rate"}
+"""How a prediction prices forward and backward, and how :func:`figures_line` names it: ``"gemms_and_rest"``
+(the check): 6 x parameters x tokens at the matmul rate, the measured work beyond the GEMMs
+(``non_gemm_seconds``) and FSDP2's per-unit host work; ``"matmul_flops"``: the same without the work
+beyond the GEMMs; ``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a
+one-rank mesh, its own work and the non-GEMM work inside, as the presets' rates)."""
 
 
 def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind: bool = True,
@@ -136,8 +136,9 @@ def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind
     host work only at the matmul rate: the effective rate, FSDP2's forward and backward on a one-rank
     mesh, has it inside already."""
     if compute not in COMPUTE_MODELS:
-        raise ValueError(f"compute must be one of {COMPUTE_MODELS}, got {compute!r}")
+        raise ValueError(f"compute must be one of {list(COMPUTE_MODELS)}, got {compute!r}")
     rate = "effective_flops" if compute == "effective_flops" else "matmul_flops"
+
     def links(latency: float, bandwidth: float) -> AlphaBeta:
         return AlphaBeta(intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency,
                          inter_latency=latency)
@@ -222,13 +223,6 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-COMPUTE_WORDS = {"gemms_and_rest": "the GEMMs at the matmul rate, the work beyond them as measured and FSDP2's "
-                                    "per-unit work",
-                 "matmul_flops": "the matmul rate with FSDP2's per-unit work (the work beyond the GEMMs left out)",
-                 "effective_flops": "the effective rate"}
-"""How :func:`figures_line` names each of :data:`COMPUTE_MODELS`."""
-
-
 def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
     """The machine's figures the prediction ran with, in one paragraph."""
     kinds = "; ".join(f"{op} {_us(f['latency'])} per message + bytes / {f['bandwidth'] / 1e9:.2f} GB/s"
@@ -252,7 +246,7 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
             f"one rank's shards), gloo link per kind ({len(figures['link_samples'])} samples of 16 KiB to 4 MiB per "
             f"rank and peer, bytes each rank sends as the step model counts them): {kinds or '-'} (one fit over "
             f"all: {_us(figures['link_latency'])} + bytes / {figures['link_bandwidth'] / 1e9:.2f} GB/s){host}; "
-            f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at {COMPUTE_WORDS[compute]}")
+            f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at {COMPUTE_MODELS[compute]}")
 
 
 def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "gemms_and_rest") -> str:
@@ -285,5 +279,5 @@ def order_lines(comparison: dict) -> list[str]:
             f"{'yes' if comparison['within_20_percent'] else 'no'}"]
 
 
-__all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "fit_link", "fit_links",
-           "format_comparison", "link_messages", "order_check", "predict", "separated", "drift"]
+__all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "drift", "fit_link",
+           "fit_links", "format_comparison", "link_messages", "order_check", "predict", "separated"]

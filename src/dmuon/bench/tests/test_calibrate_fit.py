@@ -59,11 +59,15 @@ def test_combine_takes_the_slower_rank_for_rates_and_times_and_fits_every_kind()
 def test_the_drift_is_relative_to_the_slower_ranks_compute():
     # The ranks meet every block, so the blocks with meetings take both 1.5 s; the meetings alone 0.1 s.
     # Rank 0 computes in 1.2 s, rank 1 in 1.0 s: the slower rank's delay is (1.5 - 0.1 - 1.2) / 1.2, not
-    # the faster rank's (1.5 - 0.1 - 1.0) / 1.0, which holds its wait for the slower one too.
-    ranks = [{"alone": 1.2, "met": 1.5, "meetings": 0.1}, {"alone": 1.0, "met": 1.5, "meetings": 0.1}]
+    # the faster rank's (1.5 - 0.1 - 1.0) / 1.0, which holds its wait for the slower one too. A meeting per
+    # matrix times as a meeting per block does (the same seconds): no delay per meeting.
+    often = {"met_often": 1.5, "meetings_often": 0.1, "count": 8, "count_often": 56}
+    ranks = [{"alone": 1.2, "met": 1.5, "meetings": 0.1, **often}, {"alone": 1.0, "met": 1.5, "meetings": 0.1, **often}]
     assert drift([{"skew_seconds": r} for r in ranks]) == pytest.approx((0.2 / 1.2, 0.0))
     # Lockstep ranks (the meetings alone explain the blocks with meetings): no drift, never negative.
-    assert drift([{"skew_seconds": {"alone": 1.0, "met": 1.05, "meetings": 0.1}}] * 2) == (0.0, 0.0)
+    lockstep = {"alone": 1.0, "met": 1.05, "meetings": 0.1, "met_often": 1.05, "meetings_often": 0.1, "count": 8,
+                "count_often": 56}
+    assert drift([{"skew_seconds": lockstep}] * 2) == (0.0, 0.0)
     # Two points: the first as above, the second with both ranks at 1.0 s (drift 0.4).
     first = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=r) for r in ranks]
     second = [dict(_point(10.0, 1e-6, 1e-4), skew_seconds=ranks[1]) for _ in ranks]
