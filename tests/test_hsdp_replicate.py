@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dmuon.util.spawn import run_distributed
 
 from support import experts, tp
-from support.cases import MUON_KW, Case, run_cases
+from support.cases import MUON_KW, Case, full_params, run_cases, sharded_oddnet
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
@@ -88,7 +88,7 @@ def _on_four_ranks(rank: int, world: int) -> dict:
     """Every 4-rank run of this file in one process group (a spawn costs more than the work)."""
     return {"2x2": run_cases(rank, world, _cases((2, 2), full=True)), "bf16": run_cases(rank, world, BF16_CASES),
             "experts": experts.train(rank, world, STEPS, 3, (2, 2), None, 4, "dmuon"),
-            "misuse": _bad_setups(rank, world)}
+            "misuse": _bad_setups(rank, world), "by_hand": _grads_set_by_hand(rank, world)}
 
 
 @functools.cache
@@ -218,3 +218,39 @@ def test_misuse_is_refused_on_every_rank_naming_the_fix():
     for r in results:
         for name, words in expected.items():
             assert r[name] is not None and words in r[name], (name, r[name])
+
+
+
+def _grads_set_by_hand(rank: int, world: int) -> dict:
+    """Gradients set by hand (no FSDP2 hook saw them): replica ``r`` sets ``G + (r - 1/2) N``, whose
+    mean over the two replicas is ``G``, the single-process gradient of step 0's batches. ``step()``
+    reduces them itself."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    single = OddNet()
+    parts = [odd_batch(0, r) for r in range(world)]
+    lm_loss(single, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
+    model, plan, opt = sharded_oddnet(world, zero=3, mesh_shape=(2, 2), hsdp="dmuon")
+    replica, shard = divmod(rank, 2)
+    handed, copies = {}, {}
+    for k, ((name, p), (_, q)) in enumerate(zip(model.named_parameters(), single.named_parameters())):
+        noise = torch.randn(q.shape, generator=torch.Generator().manual_seed(k))
+        rows = torch.chunk(q.grad + (replica - 0.5) * noise, 2, dim=0)
+        handed[name] = rows[shard].clone() if shard < len(rows) else q.grad.new_zeros((0, *q.shape[1:]))
+        copies[name] = handed[name].clone()
+        p.grad = DTensor.from_local(handed[name], p.device_mesh, p.placements, run_check=False,
+                                    shape=p.shape, stride=p.stride())
+    opt.step()
+    return {"params": full_params(model),
+            "changed": [name for name in handed if not torch.equal(handed[name], copies[name])]}
+
+
+def test_gradients_set_by_hand_are_reduced_in_step_into_a_copy():
+    """No hook fired: step() reduces the replicas' gradients itself, into tensors of its own."""
+    results = [r["by_hand"] for r in _four()]
+    ref = _reference_with(4, steps=1)[0]
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, (worst, diff)
+    for r in results:
+        assert r["changed"] == []

@@ -29,7 +29,6 @@ every replica.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -82,27 +81,22 @@ class ReplicateLevel:
         # Where each gradient lives: the replicate dim and the parameter's own dims (native HSDP's mesh).
         self._mesh = {id(p): replicated_mesh(self.mesh, p) for p in self.params}
         self._reduced: dict[int, int] = {}  # parameter -> the id of its gradient in reduced form
-        self._owned: dict[int, weakref.ref] = {}  # parameter -> the gradient tensor it was given
         self._inflight: list[Reduction] = []
 
     # ------------------------------------------------------------ backward
     def wrap(self, param: torch.Tensor) -> None:
         """Hook time: ``param.grad`` (FSDP2's replica mean, maybe accumulated) as ``Partial("avg")``
-        on ``hsdp_mesh``. No communication.
+        on ``hsdp_mesh``. No communication, no copy.
 
-        FSDP2's new gradients are views of one flat buffer per block, which share a version
-        counter; each gets a tensor of its own (once per step: FSDP2 accumulates later
-        micro-batches into it), so a write to one gradient is not taken for an edit of another.
+        The local tensor stays FSDP2's own (a view of the block's flat reduce-scatter output, as
+        with FSDP2 alone): the reduction writes its disjoint pieces in place, and the buffer lives
+        as long as the gradients do, which is what FSDP2 relies on to keep a later reduce-scatter
+        from reusing it.
         """
         grad = param.grad
         local = local_tensor(grad)
-        owned = self._owned.get(id(param))
-        if owned is None or owned() is None or owned().data_ptr() != local.data_ptr():
-            local = local.clone()
-            self._owned[id(param)] = weakref.ref(local)
         mesh, placements = self._mesh[id(param)], (Partial("avg"), *param.placements)
-        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and tuple(grad.placements) == placements
-                and local_tensor(grad).data_ptr() == local.data_ptr()):
+        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and tuple(grad.placements) == placements):
             param.grad = DTensor.from_local(local, mesh, placements, run_check=False,
                                             shape=param.shape, stride=param.stride())
         self._reduced.pop(id(param), None)
@@ -188,6 +182,8 @@ class ReplicateLevel:
         again = [p for p in self.params if p.grad is not None and not self.is_reduced(p)]
         if again:
             for p in again:
+                # A gradient set by hand is the caller's tensor: the reduction writes into a copy.
+                p.grad = p.grad.clone()
                 self.wrap(p)
             self.land(self.start(again))
             self._inflight = []
