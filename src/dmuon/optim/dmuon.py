@@ -13,7 +13,7 @@ rest up (:func:`dmuon.prepare`, the runtime and its backward hooks) at the
 model's first forward, on every rank, or at the first ``step()``,
 ``clip_grad_norm_`` or state load, whichever comes first; the param groups then
 hold the sharded parameters, whatever parameter objects a framework swapped into
-them in between (:meth:`DMuon._rebind`).
+them in between (:mod:`dmuon.optim.deferred`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import weakref
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
+from dmuon.optim.deferred import DeferredSetup, waits_for_sharding
 from dmuon.optim.groups import ParamGroups, canonical_name
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
@@ -54,19 +54,7 @@ NEEDS_THE_MODEL = (
 )
 
 
-def _waits_for_sharding(model: nn.Module) -> bool:
-    """A process group is up and no parameter is a DTensor yet (``fully_shard`` comes later).
-
-    A model sharded in part (some blocks ``fully_shard``-ed, others not) is not waiting for
-    a framework: it is the error :func:`dmuon.prepare` names at once.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    params = list(model.parameters())
-    return any(p.requires_grad for p in params) and not any(isinstance(p, DTensor) for p in params)
-
-
-class DMuon(ParamGroups, torch.optim.Optimizer):
+class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
     """Muon on FSDP2 with one owner per matrix, AdamW for everything else.
 
     Build the model exactly as for AdamW (``fully_shard`` each block, then the
@@ -220,7 +208,7 @@ class DMuon(ParamGroups, torch.optim.Optimizer):
             weight_decay=adamw_weight_decay, foreach=None,
         )
         self._adamw_lr_given = adamw_lr is not None
-        if plan is None and _waits_for_sharding(model):
+        if plan is None and waits_for_sharding(model):
             # Before fully_shard: the default selection, on the model as it is, splits the groups;
             # the plan follows on the sharded model (_ready).
             self._lazy_muon = {canonical_name(n) for n, p in select_matrices(model) if p.requires_grad}
@@ -247,10 +235,7 @@ class DMuon(ParamGroups, torch.optim.Optimizer):
         if self._lazy_muon is None:
             self._start_runtime()
         else:
-            # A global forward pre-hook: it runs before the module's own, FSDP2's included (which
-            # swap the unsharded parameters in), so the model still holds its sharded ones.
-            self._forward_hook = nn.modules.module.register_module_forward_pre_hook(self._first_forward_hook())
-            weakref.finalize(self, self._forward_hook.remove)  # an optimizer dropped before its setup
+            self._defer_setup()
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
@@ -314,126 +299,6 @@ class DMuon(ParamGroups, torch.optim.Optimizer):
         self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
 
-    def _first_forward_hook(self):
-        # Weak: a replaced optimizer (a new one on resume) neither stays alive nor sets itself up.
-        me = weakref.ref(self)
-
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any) -> None:
-            opt = me()
-            if opt is None or module is not opt.model or opt.runtime is not None:
-                return
-            if not _waits_for_sharding(opt.model):
-                opt._ready()
-
-        return hook
-
-    @property
-    def is_set_up(self) -> bool:
-        """Whether the plan and the runtime exist (a DMuon built before ``fully_shard`` sets itself up at
-        the model's first forward, or at the first ``step()``, ``clip_grad_norm_`` or state load)."""
-        return self.runtime is not None
-
-    def _me(self) -> DMuon:
-        """This optimizer, also when called through a wrapper that took DMuon's class and delegates
-        attribute reads to it (Lightning Fabric's ``_FabricOptimizer``), where writes must not land."""
-        return self if "param_groups" in self.__dict__ else self.optimizer
-
-    def _ready(self) -> None:
-        """Sets the optimizer up on the sharded model if it is not yet: on every rank alike (a collective)."""
-        self = self._me()
-        if self.runtime is not None:
-            return
-        if _waits_for_sharding(self.model) and dist.get_world_size() > 1:
-            bare = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-            raise ValueError(
-                f"DMuon was built before fully_shard and the model is still not sharded (parameter {bare[0]!r} "
-                "is not managed by any fully_shard): shard the model (fully_shard on its blocks and root, or "
-                "through your framework: accelerator.prepare, fabric.setup, Trainer) before the first step")
-        self._rebind(strict=True)
-        plan = prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh)
-        self._adopt_plan(plan)
-        wrong = []
-        for k, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                if (id(p) in self._index) != (g["algorithm"] == "muon"):
-                    wrong.append((k, self.param_names.get(id(p), "?"), g["algorithm"]))
-        if wrong:
-            k, name, algorithm = wrong[0]
-            raise ValueError(
-                f"parameter {name!r} sits in an {algorithm!r} param group (group {k}), split when DMuon was "
-                "built before fully_shard, but the plan made on the sharded model says otherwise (was "
-                "requires_grad changed in between?); change requires_grad before building DMuon, or build it "
-                "after sharding")
-        self._lazy_muon = None
-        self._start_runtime()
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-
-    def _rebind(self, strict: bool = False) -> None:
-        """Puts the model's current parameter objects into the param groups (and moves their state).
-
-        ``fully_shard`` replaces every parameter of the model with a DTensor one; a framework
-        may swap its own objects into the groups meanwhile (accelerate's placeholders, then
-        its sharded parameters). Each parameter the groups were built with and the model no
-        longer holds is replaced by the model's parameter of the same name (wrappers'
-        name parts aside: activation checkpointing, ``torch.compile``); objects a framework
-        put there are left to it. Local: no collective.
-
-        Raises:
-            ValueError: With ``strict``, for any group entry that is not one of the model's
-                parameters now, naming it and the fix.
-        """
-        groups = self.__dict__.get("param_groups", [])
-        current = {id(p) for p in self.model.parameters()}
-        by_name = None
-        for k, group in enumerate(groups):
-            params = group["params"]
-            for j, p in enumerate(params):
-                if id(p) in current:
-                    continue
-                built = self._built.get(id(p))
-                name = built[1] if built is not None and built[0]() is p else None
-                if name is not None:
-                    if by_name is None:
-                        by_name = {canonical_name(n): q for n, q in self.model.named_parameters()}
-                    new = by_name.get(name)
-                    if new is not None:
-                        if self.state.get(p):
-                            raise ValueError(
-                                f"parameter {name!r} has optimizer state loaded before the model was sharded; "
-                                "load optimizer checkpoints after sharding (after accelerator.prepare, "
-                                "fabric.setup or fully_shard)")
-                        self.state.pop(p, None)
-                        params[j] = new
-                        self._built[id(new)] = (weakref.ref(new), name)
-                        continue
-                if strict:
-                    names = group.get("param_names")
-                    label = repr(names[j]) if names else f"number {j}"
-                    raise ValueError(
-                        f"param group {k}: parameter {label} (shape {tuple(p.shape)}) is not one of the model's "
-                        "parameters now and no parameter of the model has its name; build DMuon on the model "
-                        "that is trained (and the same object that fully_shard shards), or after sharding")
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """torch.optim's param groups; before setup, every read first puts the model's current parameters
-        in them (:meth:`_rebind`), so a framework's state-dict code sees the sharded parameters."""
-        try:
-            groups = self.__dict__["param_groups"]
-        except KeyError:
-            # A wrapper that took DMuon's class (Lightning's _FabricOptimizer) delegates through __getattr__.
-            raise AttributeError("param_groups") from None
-        if self.__dict__.get("_lazy_muon") is not None:
-            self._rebind()
-        return groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.__dict__["param_groups"] = value
-
     @staticmethod
     def _resolve_ns(plan: Plan | None, ns: NSConfig | None, keywords: dict[str, Any]) -> NSConfig:
         """The one NS configuration from ``ns=``, the keywords and the plan; errors name what differs."""
@@ -480,7 +345,7 @@ class DMuon(ParamGroups, torch.optim.Optimizer):
         ``prepare`` does with a fresh optimizer).
         """
         if not self.is_set_up:
-            if _waits_for_sharding(self.model):
+            if waits_for_sharding(self.model):
                 if any(isinstance(v, dict) and set(self.matrix_state) & v.keys() for v in state_dict["state"].values()):
                     raise ValueError("DMuon was built before fully_shard and the model is not sharded yet: load "
                                      "optimizer checkpoints after sharding (after accelerator.prepare, fabric.setup "
