@@ -52,13 +52,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from dmuon.bench.calibrate_fit import (  # noqa: F401 (the arithmetic, importable from here too)
+from dmuon.bench.calibrate_fit import (
     COMPUTE_MODELS,
     CONFIGS,
     combine,
     compare,
     figures_line,
-    fit_link,
     format_comparison,
     predict,
 )

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dmuon.bench import plan_cli
-from dmuon.bench.calibrate import combine, compare, fit_link
+from dmuon.bench.calibrate_fit import combine, compare, fit_link
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS
 from dmuon.costmodel.simulate import SIM_STRATEGIES
 
