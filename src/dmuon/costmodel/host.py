@@ -65,10 +65,12 @@ class HostOps:
     bf16), ``view``, ``mul_``, ``add_`` (apply) on DTensors; ``full_tensor()``'s all-gather, wrap and
     wait, ``unbind``, ``cat``, ``_to_copy``, ``split``, ``clone``, ``detach`` and views on plain tensors;
     the layout calls ``full_tensor()`` and ``distribute_tensor``."""
-    dmuon_per_matrix: OpCount = OpCount(plain=32, dtensor=0)
+    dmuon_per_matrix: OpCount = OpCount(plain=37, dtensor=0)
     """dmuon's ``step()`` per Muon matrix on 2 ranks (momentum, checks, pieces in and out of the
-    exchange buffers, apply), on local tensors, NS aside: 501 operations with 14 matrices (qwen2
-    tiny) and 949 with 28 (qwen2 mini) on each rank, ZeRO-2 and ZeRO-3 alike."""
+    exchange buffers, apply), on local tensors, NS aside: 571 operations with 14 matrices (qwen2
+    tiny) and 1087 with 28 (qwen2 mini) on each rank, ZeRO-2 and ZeRO-3 alike (501 and 949 while
+    the launch checks read a Python bool per matrix: kept on the device, they take about 5
+    operations a matrix more and no wait for it)."""
     dmuon_per_step: OpCount = OpCount(plain=53, dtensor=0)
     """dmuon's ``step()``, the part that does not grow with the matrices (the same two counts; the
     foreach AdamW of the other parameters is in it)."""

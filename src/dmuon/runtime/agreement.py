@@ -27,7 +27,7 @@ import torch
 
 from dmuon.plan.plan import MatrixInfo
 from dmuon.rules.adamw import local_tensor
-from dmuon.util.bits import bitwise_equal
+from dmuon.util.bits import any_bits_differ, bits_differ, bitwise_equal
 
 
 class Agreement(NamedTuple):
@@ -91,7 +91,8 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
         for k, (_, grad) in enumerate(checked):
             if grad is not None:
                 values[3 * n + k] = int(not torch.isfinite(local_tensor(grad)).all())
-    flags = torch.cat([torch.tensor(values, dtype=torch.int32), stale.to(torch.int32)])
+    # The host's flags beside the stale ones, on their device (which no one reads before the agreement lands).
+    flags = torch.cat([torch.tensor(values, dtype=torch.int32, device=stale.device), stale.to(torch.int32)])
     extra = 0 if maxima is None else maxima.numel()
     if extra:
         # Beside the values, on their device: reading them to the host here would wait for the device.
@@ -157,6 +158,64 @@ def uniform_scale(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float |
         if bool(torch.isfinite(c)) and all(bitwise_equal(a * c.to(a.dtype), b) for a, b in pairs):
             return float(c)
     return NONUNIFORM
+
+
+def uniform_scales(launches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> list[float | str | None]:
+    """:func:`uniform_scale` of each launch's pairs, computed on their device with at most two reads
+    to the host in all (the plain version reads once or more per pair: on an accelerator each read
+    waits for the device).
+
+    First every pair's "bits changed" and "not all zero", read together; then, for the launches with
+    a change (a clip), each one's candidate factors (the first changed pair's largest element's
+    ratio and its two float32 neighbours, as :func:`uniform_scale` tries them) and whether each
+    reproduces every pair, read together. Pairs whose shape, dtype or device differ are decided on
+    the host, empty pairs never change.
+    """
+    out: list[float | str | None] = [None] * len(launches)
+    listed: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    for k, pairs in enumerate(launches):
+        if any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
+            out[k] = NONUNIFORM  # no factor gives b's metadata from a's
+            continue
+        pairs = [(a, b) for a, b in pairs if a.numel()]
+        if pairs:
+            listed.append((k, pairs))
+    if not listed:
+        return out
+    # Every pair's device is the launch's (its gradient parts and their copies live together).
+    seen = torch.stack([torch.stack([bits_differ(a, b), a.ne(0).any()])
+                        for _, pairs in listed for a, b in pairs]).tolist()
+    changed: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], int]] = []
+    at = 0
+    for k, pairs in listed:
+        flags, at = seen[at:at + len(pairs)], at + len(pairs)
+        first = next((p for p, (differs, _) in enumerate(flags) if differs), None)
+        if first is None:
+            out[k] = 1.0 if any(nonzero for _, nonzero in flags) else None
+        else:
+            changed.append((k, pairs, first))
+    if not changed:
+        return out
+    tried = torch.stack([_candidates(pairs, first) for _, pairs, first in changed]).tolist()
+    for (k, _, _), row in zip(changed, tried):
+        found = next((c for c, ok in zip(row[:3], row[3:]) if ok), None)
+        out[k] = NONUNIFORM if found is None else found
+    return out
+
+
+def _candidates(pairs: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> torch.Tensor:
+    """float32 ``[c0, c1, c2, ok0, ok1, ok2]``: :func:`uniform_scale`'s three candidate factors from
+    changed pair ``first``, and 1 where a candidate is finite and reproduces every pair bit for bit
+    (all 0 when that pair's largest element is zero or not finite: no factor is recognised)."""
+    flat0, flat1 = (t.reshape(-1).float() for t in pairs[first])
+    j = flat0.abs().argmax().reshape(1)
+    v0, v1 = flat0.index_select(0, j)[0], flat1.index_select(0, j)[0]
+    guess = v1 / v0
+    candidates = torch.stack([guess, torch.nextafter(guess, guess + 1), torch.nextafter(guess, guess - 1)])
+    usable = (v0 != 0) & torch.isfinite(v0)
+    ok = torch.stack([usable & torch.isfinite(c) & ~any_bits_differ([(a * c.to(a.dtype), b) for a, b in pairs], c.device)
+                      for c in candidates])
+    return torch.cat([candidates, ok.float()])
 
 
 def scale_flags(proposal: float | str | None) -> list[int]:

@@ -39,8 +39,8 @@ import torch
 
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
-from dmuon.runtime.agreement import NONUNIFORM, SCALE_FLAGS, agreed_scale, scale_flags, uniform_scale
-from dmuon.util.bits import bitwise_equal
+from dmuon.runtime.agreement import NONUNIFORM, SCALE_FLAGS, agreed_scale, scale_flags, uniform_scales
+from dmuon.util.bits import any_bits_differ
 
 if TYPE_CHECKING:
     from dmuon.runtime.backward import Launch
@@ -112,12 +112,16 @@ class OwnerMomentum:
         r, s = coords
         infos = self.plan.infos
         now = {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in active}
-        factors = []
-        for b in sorted(launches):
-            launch = launches[b]
-            ok = launch.members == sorted(i for i in active if infos[i].block == b) and (
-                rows is None or all(bitwise_equal(launch.rows[i], rows[i]) for i in launch.members))
-            factors.append(uniform_scale([(launch.grads[i], now[i]) for i in launch.members]) if ok else NONUNIFORM)
+        blocks = sorted(launches)
+        same = [launches[b].members == sorted(i for i in active if infos[i].block == b) for b in blocks]
+        if rows is not None and any(same):
+            # The row states compared on the device and read once (not once per matrix).
+            differ = torch.stack([any_bits_differ([(launches[b].rows[i], rows[i]) for i in launches[b].members],
+                                                  self.device) for b in blocks]).tolist()
+            same = [ok and not d for ok, d in zip(same, differ)]
+        scales = iter(uniform_scales([[(launches[b].grads[i], now[i]) for i in launches[b].members]
+                                      for b, ok in zip(blocks, same) if ok]))
+        factors = [next(scales) if ok else NONUNIFORM for ok in same]
         scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
         proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
         rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]

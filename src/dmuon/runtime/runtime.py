@@ -52,7 +52,7 @@ from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.owner_work import OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
-from dmuon.util.bits import bitwise_equal
+from dmuon.util.bits import any_bits_differ
 
 
 class _Settled(NamedTuple):
@@ -280,19 +280,24 @@ class ShardRuntime:
     def _stale(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
                rows: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Per launch (block order), 1 unless it sent exactly these matrices and, bit for bit, these
-        directions (and row states)."""
+        directions (and row states). int32 on this rank's device, read by no one before the
+        agreement lands (a comparison read on the host would wait for the device once per matrix)."""
+        if not launches:
+            return torch.zeros(0, dtype=torch.int32)
         by_block: dict[int, list[int]] = {}
         for i in active:
             by_block.setdefault(self.plan.infos[i].block, []).append(i)
         stale = []
         for b in sorted(launches):
             launch = launches[b]
-            same = launch.members == by_block.get(b, []) and all(
-                bitwise_equal(launch.sent[i], directions[i]) for i in launch.members) and (
-                rows is None or bitwise_equal(*(torch.cat([r[i].reshape(-1) for i in launch.members])
-                                                for r in (launch.rows, rows))))
-            stale.append(int(not same))
-        return torch.tensor(stale, dtype=torch.int32)
+            if launch.members != by_block.get(b, []):
+                stale.append(torch.ones((), dtype=torch.bool, device=self.device))
+                continue
+            pairs = [(launch.sent[i], directions[i]) for i in launch.members]
+            if rows is not None:
+                pairs.append(tuple(torch.cat([r[i].reshape(-1) for i in launch.members]) for r in (launch.rows, rows)))
+            stale.append(any_bits_differ(pairs, self.device))
+        return torch.stack(stale).to(torch.int32)
 
     def _verdicts(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
                   rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
@@ -302,7 +307,7 @@ class ShardRuntime:
         if self.owner_momentum is None:
             return stale
         extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.coords)
-        return torch.cat([stale, torch.tensor(extra, dtype=torch.int32)])
+        return torch.cat([stale, torch.tensor(extra, dtype=torch.int32, device=stale.device)])
 
     def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
         """From the maxima of every rank's :meth:`_verdicts`: per launch 1 where it is stale, per launch

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dmuon.runtime.agreement import NONUNIFORM, agreed_scale, scale_flags, uniform_scale
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dmuon.runtime.agreement import NONUNIFORM, agreed_scale, scale_flags, uniform_scale, uniform_scales
 
 
 def _clipped(gs, c):
@@ -51,3 +53,50 @@ def test_ranks_agree_on_a_factor_only_when_every_proposal_is_the_same():
     flags = scale_flags(0.1234)
     assert all(0 <= f <= 255 for f in flags)
     assert torch.tensor(flags, dtype=torch.bfloat16).int().tolist() == flags
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value into Python (each waits for an accelerator)."""
+
+    names = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func) in self.names
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_launches_at_once_on_the_device_equal_the_plain_version_per_launch():
+    torch.manual_seed(2)
+    gs = [torch.randn(7, 5), torch.randn(3, 11), torch.zeros(2, 2)]
+    half = torch.randn(4, 4).to(torch.bfloat16)
+    edited = gs[0] * 0.5
+    edited[0, 0] = 0.0
+    factors = (0.37, 1e-3, 0.999999, 1.0 / 3.0, 2.5e-8)
+    # clip_grad_norm_'s in-place _foreach_mul_ by its float32 coefficient, which keeps each gradient's dtype.
+    launches = [[(g, g.clone().mul_(torch.tensor(c, dtype=torch.float32))) for g in gs] for c in factors]
+    launches += [
+        [(g, g.clone()) for g in gs],  # unchanged
+        [(torch.zeros(3), torch.zeros(3))],  # any factor fits
+        [],
+        [(torch.zeros(0), torch.zeros(0)), (torch.zeros(0, 4), torch.zeros(0, 4))],  # empty shards
+        [(torch.zeros(0), torch.zeros(0)), (gs[0], gs[0] * 0.25)],
+        [(gs[0], gs[0] * 0.5), (gs[1], gs[1] * 0.25)],  # two factors
+        [(gs[0], edited)],  # a masked element
+        [(gs[0], gs[0].clamp(-0.1, 0.1))],  # clip_grad_value_
+        [(torch.zeros(3), torch.ones(3))],  # the changed pair's largest element is zero
+        [(gs[0], gs[0].double())],  # another dtype
+        [(gs[0], gs[0].reshape(5, 7))],  # another shape
+        [(gs[2], gs[2].clone()), (gs[1], gs[1] * 0.5)],  # the first pair unchanged (and zero)
+        [(half, half.clone().mul_(torch.tensor(0.5))), (half, half.clone().mul_(torch.tensor(0.37)))],  # bfloat16
+    ]
+    reads = _HostReads()
+    with reads:
+        found = uniform_scales(launches)
+    assert reads.count == 0  # what is read goes through .tolist() (twice, not per pair)
+    assert found == [uniform_scale(pairs) for pairs in launches]
+    assert all(isinstance(f, float) for f in found[:5]) and found[5:8] == [1.0, None, None]
+    assert uniform_scales([]) == []

@@ -1,11 +1,12 @@
-"""bitwise_equal against an element-by-element comparison of the raw bits."""
+"""bitwise_equal against an element-by-element comparison of the raw bits; bits_differ, its tensor
+form kept on the device, against bitwise_equal."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dmuon.util.bits import bitwise_equal
+from dmuon.util.bits import any_bits_differ, bits_differ, bitwise_equal
 
 
 def _bits(t: torch.Tensor) -> list[int]:
@@ -26,6 +27,7 @@ def test_agrees_with_the_raw_bits(dtype, numel, offset):
         other = a.clone()
         other[where] = -other[where] if other[where] != 0 else 1.0
         assert not bitwise_equal(a, other) and _bits(a) != _bits(other)
+        assert bits_differ(a, other).item() and not bits_differ(a, same).item()
 
 
 def test_signed_zero_and_nan_follow_the_bits_not_the_values():
@@ -41,3 +43,33 @@ def test_shape_dtype_and_layout():
     assert not bitwise_equal(x, x.to(torch.float64))
     assert bitwise_equal(x.T, x.T.contiguous())  # non-contiguous compared by value layout
     assert not bitwise_equal(x.T, x.reshape(4, 3))
+
+
+def test_the_tensor_form_is_the_negation_of_bitwise_equal_and_reads_nothing_to_the_host():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        # The operations that read a tensor's value into Python (a wait for the device on an accelerator).
+        names = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += str(func) in self.names
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    nan = torch.full((4,), float("nan"), dtype=torch.bfloat16)
+    cases = [(x, x.clone()), (x, x.reshape(4, 3)), (x, x.to(torch.float64)), (x.T, x.T.contiguous()),
+             (torch.zeros(4), -torch.zeros(4)), (nan, nan.clone()), (torch.zeros(0), torch.zeros(0)),
+             (x[:, 1:], x[:, 1:] + 1)]
+    reads = Reads()
+    with reads:
+        flags = [bits_differ(a, b) for a, b in cases]
+        some = any_bits_differ(cases[:1] + cases[3:4], "cpu"), any_bits_differ(cases, "cpu"), any_bits_differ([], "cpu")
+    assert reads.count == 0
+    assert all(f.dtype == torch.bool and f.dim() == 0 for f in flags + list(some))
+    assert [bool(f) for f in flags] == [not bitwise_equal(a, b) for a, b in cases]
+    assert [bool(f) for f in some] == [False, True, False]

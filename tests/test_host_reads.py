@@ -1,0 +1,69 @@
+"""step() reads tensor values to the host a fixed number of times, however many matrices it steps.
+
+On an accelerator each such read (``.item()``, ``bool(t)``, ``torch.equal``) waits for the device
+to finish everything queued before it, so a read per matrix stalls the host once per matrix and
+leaves the device idle in between. The runtime's checks of the launches from backward (were the
+directions sent those the step computes; were the gradients clipped since) therefore stay on the
+device and travel with the step's agreement. Counted here on CPU with a dispatch mode: the reads
+a model with 2 blocks makes equal those one with 5 blocks makes, with and without clipping, on a
+1-D mesh and on dmuon's replicate level. torch.optim's AdamW reads its step counters, which live
+on the host (no wait for the device); those are not counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dmuon.util.spawn import run_distributed
+
+from support.cases import sharded_oddnet
+from support.checkpoint import _local
+from support.models import lm_loss
+
+READS = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
+"""The operations that read a tensor's value into Python."""
+
+
+class _DeviceReads(TorchDispatchMode):
+    def __init__(self, host_counters: set[int]):
+        super().__init__()
+        self.host_counters = host_counters
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in READS and not (args and args[0].data_ptr() in self.host_counters):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, clip: float | None) -> list[int]:
+    model, plan, opt = sharded_oddnet(world_size, mesh_shape=mesh_shape, blocks=blocks,
+                                   hsdp="dmuon" if mesh_shape else "fsdp2")
+    counts = []
+    for step in range(4):
+        lm_loss(model, _local(step, rank, world_size)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        counters = {s["step"].data_ptr() for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)}
+        reads = _DeviceReads(counters)
+        with reads:
+            opt.step()
+        opt.zero_grad()
+        counts.append(reads.count)
+    # The launches were checked, and every one stood.
+    assert opt.last_step_stats()["blocks_exchanged_in_backward"] == len(plan.blocks) > blocks
+    return counts
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
+def test_step_reads_the_device_a_fixed_number_of_times(mesh_shape):
+    world_size = 2 if mesh_shape is None else 4
+    for clip in (None, 0.05):
+        few, many = (run_distributed(_reads_per_step, world_size, mesh_shape, blocks, clip, timeout_s=180)
+                     for blocks in (2, 5))
+        # The first step sets up (no launches to check); from the second on the launches are checked
+        # (and with clipping, from the third on the owners' copies rescale them).
+        assert [r[1:] for r in few] == [r[1:] for r in many], (clip, few, many)
+        assert max(max(r[1:]) for r in few) <= 4, (clip, few)
