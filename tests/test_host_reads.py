@@ -5,8 +5,9 @@ to finish everything queued before it, so a read per matrix stalls the host once
 leaves the device idle in between. The runtime's checks of the launches from backward (were the
 directions sent those the step computes; were the gradients clipped since) therefore stay on the
 device and travel with the step's agreement. Counted here on CPU with a dispatch mode: the reads
-a model with 2 blocks makes equal those one with 5 blocks makes, with and without clipping, on a
-1-D mesh and on dmuon's replicate level. torch.optim's AdamW reads its step counters, which live
+a model with 2 blocks makes equal those one with 5 blocks makes, with and without clipping (torch's
+``clip_grad_norm_`` or DMuon's, which itself reads nothing), with ``nonfinite="skip"`` (its
+checks of every gradient), on a 1-D mesh and on dmuon's replicate level. torch.optim's AdamW reads its step counters, which live
 on the host (no wait for the device); those are not counted.
 """
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import dmuon
 from dmuon.util.spawn import run_distributed
 
 from support.cases import sharded_oddnet
@@ -38,17 +40,20 @@ class _DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, clip: float | None) -> list[int]:
+def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, variant: str) -> list[int]:
+    execution = dmuon.ExecutionConfig(nonfinite="skip" if variant == "nonfinite" else None)
     model, plan, opt = sharded_oddnet(world_size, mesh_shape=mesh_shape, blocks=blocks,
-                                   hsdp="dmuon" if mesh_shape else "fsdp2")
+                                      hsdp="dmuon" if mesh_shape else "fsdp2", execution=execution)
     counts = []
     for step in range(4):
         lm_loss(model, _local(step, rank, world_size)).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         counters = {s["step"].data_ptr() for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)}
         reads = _DeviceReads(counters)
+        if variant == "torch clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         with reads:
+            if variant == "dmuon clip":
+                opt.clip_grad_norm_(0.05)
             opt.step()
         opt.zero_grad()
         counts.append(reads.count)
@@ -60,10 +65,10 @@ def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, clip: f
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
 def test_step_reads_the_device_a_fixed_number_of_times(mesh_shape):
     world_size = 2 if mesh_shape is None else 4
-    for clip in (None, 0.05):
-        few, many = (run_distributed(_reads_per_step, world_size, mesh_shape, blocks, clip, timeout_s=180)
+    for variant in ("no clip", "torch clip", "dmuon clip", "nonfinite"):
+        few, many = (run_distributed(_reads_per_step, world_size, mesh_shape, blocks, variant, timeout_s=180)
                      for blocks in (2, 5))
         # The first step sets up (no launches to check); from the second on the launches are checked
         # (and with clipping, from the third on the owners' copies rescale them).
-        assert [r[1:] for r in few] == [r[1:] for r in many], (clip, few, many)
-        assert max(max(r[1:]) for r in few) <= 4, (clip, few)
+        assert [r[1:] for r in few] == [r[1:] for r in many], (variant, few, many)
+        assert max(max(r[1:]) for r in few) <= 4, (variant, few)

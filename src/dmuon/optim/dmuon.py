@@ -447,7 +447,8 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
         gradient crosses the replicas for the norm.
 
         Returns:
-            The total norm before clipping (a float32 tensor, the same on every rank).
+            The total norm before clipping (a float32 tensor on the model's device, the same on every
+            rank; nothing is read to the host, as with torch's).
         """
         me = self._me()
         me._ready()

@@ -79,20 +79,30 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
     count = n + len(checked) if check else 0
     stale = torch.zeros(0, dtype=torch.int32) if stale is None else stale
     # Built as a list: element-wise writes into a tensor cost microseconds each.
-    values = [0] * (2 * n + count)
+    values = [0] * (2 * n)
     for i in managed:
         values[n + i] = 1  # "some rank lacks it": FSDP2 gives every rank a shard or none
     for i in here:
         values[i], values[n + i] = 1, 0
-        if check:
-            part = infos[i].local_view(local_tensor(infos[i].param.grad), column)
-            values[2 * n + i] = int(not torch.isfinite(part).all())
+    parts = [stale.to(torch.int32)]
     if check:
+        # Found on the gradients' device and never read here (a read per gradient would wait for it).
+        found: dict[int, torch.Tensor] = {}
+        for i in here:
+            part = infos[i].local_view(local_tensor(infos[i].param.grad), column)
+            found[i] = torch.isfinite(part).all().logical_not()
         for k, (_, grad) in enumerate(checked):
             if grad is not None:
-                values[3 * n + k] = int(not torch.isfinite(local_tensor(grad)).all())
-    # The host's flags beside the stale ones, on their device (which no one reads before the agreement lands).
-    flags = torch.cat([torch.tensor(values, dtype=torch.int32, device=stale.device), stale.to(torch.int32)])
+                found[n + k] = torch.isfinite(local_tensor(grad)).all().logical_not()
+        marks = torch.zeros(count, dtype=torch.int32)
+        if found:
+            device = next(iter(found.values())).device
+            marks = marks.to(device)
+            marks[torch.tensor(list(found), device=device)] = torch.stack([f.to(device) for f in found.values()]).int()
+        parts.insert(0, marks)
+    # The host's flags beside the others, on their device (which no one reads before the agreement lands).
+    device = next((t.device for t in parts if t.numel()), stale.device)
+    flags = torch.cat([torch.tensor(values, dtype=torch.int32, device=device), *(t.to(device) for t in parts)])
     extra = 0 if maxima is None else maxima.numel()
     if extra:
         # Beside the values, on their device: reading them to the host here would wait for the device.

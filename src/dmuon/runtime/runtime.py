@@ -454,12 +454,14 @@ class ShardRuntime:
         if self.replicate is not None:
             self.replicate.finish()
         grads = [p.grad for p in params if p.grad is not None]
-        total = torch.zeros((), dtype=torch.float64)
+        # Summed on the device in parameter order (the order the plain host loop took): nothing is
+        # read to the host, which would wait for an accelerator once per parameter.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             if p.grad is None:
                 continue
             local = local_tensor(p.grad)
-            norm = torch.linalg.vector_norm(local, norm_type).double().cpu()
+            norm = torch.linalg.vector_norm(local, norm_type).double().to(self.device)
             copies = 1
             if isinstance(p.grad, DTensor):
                 mesh = p.grad.device_mesh
@@ -468,10 +470,8 @@ class ShardRuntime:
                 norm = norm / self.replicate.replicate
             total = torch.maximum(total, norm) if math.isinf(norm_type) else total + norm ** norm_type / copies
         if self.topo.world_size > 1:
-            total = total.to(self.device)
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(total, op=op, group=self.topo.world_group)
-            total = total.cpu()
         if not math.isinf(norm_type):
             total = total ** (1.0 / norm_type)
         total = total.float()
