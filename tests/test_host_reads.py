@@ -7,37 +7,23 @@ directions sent those the step computes; were the gradients clipped since) there
 device and travel with the step's agreement. Counted here on CPU with a dispatch mode: the reads
 a model with 2 blocks makes equal those one with 5 blocks makes, with and without clipping (torch's
 ``clip_grad_norm_`` or DMuon's, which itself reads nothing), with ``nonfinite="skip"`` (its
-checks of every gradient), on a 1-D mesh and on dmuon's replicate level. torch.optim's AdamW reads its step counters, which live
-on the host (no wait for the device); those are not counted.
+checks of every gradient), on a 1-D mesh and on dmuon's replicate level. torch.optim's AdamW
+reads its step counters, which live on the host (no wait for the device); those are not counted
+(``dmuon bench --gpu-check`` counts every synchronizing call on CUDA).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmuon
+from dmuon.bench.op_count import HostReadCounter
 from dmuon.util.spawn import run_distributed
 
 from support.cases import sharded_oddnet
 from support.checkpoint import _local
 from support.models import lm_loss
-
-READS = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
-"""The operations that read a tensor's value into Python."""
-
-
-class _DeviceReads(TorchDispatchMode):
-    def __init__(self, host_counters: set[int]):
-        super().__init__()
-        self.host_counters = host_counters
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in READS and not (args and args[0].data_ptr() in self.host_counters):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, variant: str) -> list[int]:
@@ -47,8 +33,7 @@ def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, variant
     counts = []
     for step in range(4):
         lm_loss(model, _local(step, rank, world_size)).backward()
-        counters = {s["step"].data_ptr() for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)}
-        reads = _DeviceReads(counters)
+        reads = HostReadCounter(s["step"] for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor))
         if variant == "torch clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         with reads:

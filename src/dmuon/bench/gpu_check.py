@@ -1,6 +1,6 @@
 """``dmuon bench --gpu-check``: one prepared check for a lent GPU, with a CPU dry run.
 
-Four sections, each in a subprocess of its own (a section that crashes or hangs is
+Five sections, each in a subprocess of its own (a section that crashes or hangs is
 reported and the others still run; the dry run can switch Triton's interpreter on
 before Triton is imported):
 
@@ -17,6 +17,11 @@ before Triton is imported):
 ``bench``
     ``dmuon bench`` on one rank (NCCL; gloo in the dry run): AdamW, torch.optim.Muon,
     gather-then-compute and dmuon, through :func:`dmuon.bench.runner.run_all`.
+``syncs``
+    One ``step()`` of dmuon (ZeRO-3) and of AdamW on one rank, on the bench model at two sizes
+    (14 and 28 Muon matrices): how often the host waits for the device (CUDA: every call
+    ``torch.cuda.set_sync_debug_mode`` flags; the dry run: :class:`~dmuon.bench.op_count.HostReadCounter`).
+    dmuon's count must not grow with the matrices.
 ``recipe``
     ``examples/train_lm.py`` for a few steps (AdamW and dmuon), read from its ``--json``.
 
@@ -27,6 +32,7 @@ failed or a section did not finish, 2 for usage errors (no CUDA without ``--dry-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -35,12 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SECTIONS = ("kernel", "ortho", "bench", "recipe")
+SECTIONS = ("kernel", "ortho", "bench", "syncs", "recipe")
 U_FP32 = 2.0 ** -24  # unit roundoff of float32 (the kernel's accumulator)
 U_TF32 = 2.0 ** -11  # of TF32 inputs (10 stored mantissa bits)
 U_BF16 = 2.0 ** -8  # of bfloat16 (7 stored mantissa bits)
@@ -57,12 +64,14 @@ class Sizes:
     repeats: int
     cooldown_s: float
     bench: dict = field(default_factory=dict)
+    sync_sizes: tuple[str, ...] = ("tiny", "mini")
+    """The bench model's sizes the syncs section steps (qwen2; 14 and 28 Muon matrices)."""
     recipe_args: tuple[str, ...] = ()
     timeouts_s: dict = field(default_factory=dict)
 
 
 # 1000x3000 is ragged (masked tile edges and K tail); 4096x4096 is the shape of Gram NS's
-# m x m squares. Timeouts add up to 450 s, so the whole check stays under 8 minutes.
+# m x m squares. Timeouts add up to 490 s, so the whole check stays under 8.5 minutes.
 GPU = Sizes(
     kernel_shapes=((1000, 3000), (1024, 4096), (2048, 8192), (4096, 4096), (4096, 16384)),
     poly_sizes=(1000, 4096),
@@ -72,7 +81,7 @@ GPU = Sizes(
     recipe_args=("--steps", "30", "--val-every", "10", "--hidden", "512", "--intermediate", "1536",
                  "--layers", "8", "--heads", "8", "--kv-heads", "2", "--seq-len", "512",
                  "--batch-size", "8", "--corpus-mb", "8"),
-    timeouts_s={"kernel": 110, "ortho": 100, "bench": 140, "recipe": 100},
+    timeouts_s={"kernel": 110, "ortho": 100, "bench": 140, "syncs": 40, "recipe": 100},
 )
 # The recipe's tiny model has the bench's tiny shapes (vocabulary 256 both), so its
 # dmuon reuses the autotune cache entries the bench section just measured.
@@ -85,7 +94,7 @@ DRY = Sizes(
     recipe_args=("--steps", "2", "--val-every", "1", "--val-batches", "1", "--hidden", "64",
                  "--intermediate", "192", "--layers", "2", "--heads", "8", "--kv-heads", "2",
                  "--seq-len", "32", "--batch-size", "2", "--corpus-mb", "0.2"),
-    timeouts_s={"kernel": 120, "ortho": 120, "bench": 180, "recipe": 180},
+    timeouts_s={"kernel": 120, "ortho": 120, "bench": 180, "syncs": 120, "recipe": 180},
 )
 
 
@@ -271,7 +280,82 @@ def bench_section(sizes: Sizes, device: torch.device) -> dict:
             "overlap_vs_sync": overlap_vs_sync(results)}
 
 
-_SECTION_FNS = {"kernel": kernel_section, "ortho": ortho_section, "bench": bench_section}
+@contextlib.contextmanager
+def _counting_syncs(device: torch.device, ignored=()):
+    """Counts the host's waits for the device inside the block; yields a function giving the count."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield lambda: sum("synchroniz" in str(w.message) for w in caught)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return
+    from dmuon.bench.op_count import HostReadCounter
+
+    counter = HostReadCounter(ignored)
+    with counter:
+        yield lambda: counter.count
+
+
+def _step_syncs(config: str, size: str, device: torch.device) -> dict:
+    """The third ``step()`` of ``config`` on the qwen2 bench model of ``size`` (one rank): its syncs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.bench.models import build_workload
+    from dmuon.bench.setups import Hyper, build
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        workload = build_workload("qwen2", size=size, seed=0)
+    opt, plan = build(config, workload, init_device_mesh(device.type, (1,)), Hyper())
+    count = 0
+    for step in range(3):  # the third counted: the state exists, the launches from backward are checked
+        batch = workload.make_batch(step, 0)
+        batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+        workload.loss_fn(workload.model, batch).backward()
+        if step < 2:
+            opt.step()
+        else:
+            counters = [s["step"] for s in getattr(opt, "state", {}).values()
+                        if isinstance(s, dict) and isinstance(s.get("step"), torch.Tensor)]
+            with _counting_syncs(device, counters) as counted:
+                opt.step()
+            count = counted()
+        opt.zero_grad(set_to_none=True)
+    return {"config": config, "size": size, "matrices": len(plan.infos) if plan is not None else 0,
+            "syncs": count}
+
+
+def syncs_section(sizes: Sizes, device: torch.device) -> dict:
+    """How often one ``step()`` makes the host wait for the device, for dmuon and AdamW at two sizes."""
+    import torch.distributed as dist
+
+    from dmuon.util.spawn import free_port
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        rows = [_step_syncs(config, size, device) for size in sizes.sync_sizes for config in ("adamw", "dmuon_z3")]
+    finally:
+        dist.destroy_process_group()
+    return {"backend": backend, "counted": "cuda sync debug mode" if device.type == "cuda" else "host reads (dispatch)",
+            "rows": rows, "passed": syncs_passed(rows)}
+
+
+def syncs_passed(rows: list[dict]) -> bool:
+    """Whether dmuon's ``step()`` waited for the device as often at every size (at least two sizes)."""
+    counts = [r["syncs"] for r in rows if r["config"] == "dmuon_z3"]
+    return len(counts) >= 2 and len(set(counts)) == 1
+
+
+_SECTION_FNS = {"kernel": kernel_section, "ortho": ortho_section, "bench": bench_section, "syncs": syncs_section}
 
 
 def summarize_recipe(payload: dict) -> dict:
@@ -337,6 +421,11 @@ def collect_checks(sections: dict) -> list[dict]:
         same = sections["bench"]["overlap_vs_sync"]
         checks.append({"name": "bench dmuon overlap=True equals overlap=False", "passed": same["passed"],
                        "detail": f"max rel loss diff {same['max_rel_diff']:.2e} <= {same['tolerance']:.0e}"})
+    if "rows" in sections.get("syncs", {}):
+        rows = [r for r in sections["syncs"]["rows"] if r["config"] == "dmuon_z3"]
+        checks.append({"name": "syncs dmuon step() waits for the device as often with more matrices",
+                       "passed": sections["syncs"]["passed"],
+                       "detail": ", ".join(f"{r['syncs']} with {r['matrices']} matrices" for r in rows)})
     for name, run in sections.get("recipe", {}).get("runs", {}).items():
         checks.append({"name": f"recipe {name} losses finite", "passed": run["finite"]})
     return checks

@@ -1,7 +1,10 @@
-"""Counting the operations a code path dispatches, on plain tensors and on DTensors.
+"""Counting the operations a code path dispatches, on plain tensors and on DTensors, and the
+reads of tensor values into Python among them.
 
 :class:`~dmuon.costmodel.host.HostOps` holds such counts for the step simulation; this is how they
-are taken (``src/dmuon/bench/tests/test_host_ops.py`` recounts them against the code)."""
+are taken (``src/dmuon/bench/tests/test_host_ops.py`` recounts them against the code).
+:class:`HostReadCounter` counts the reads (``tests/test_host_reads.py``, ``dmuon bench --gpu-check``'s
+dry run)."""
 
 from __future__ import annotations
 
@@ -47,3 +50,26 @@ class OpCounter(TorchDispatchMode):
             with self.paused():
                 return fn(*args, **kwargs)
         return run
+
+
+HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"})
+"""The operations that read a tensor's value into Python (``.item()``, ``bool(t)``, ``int(t)``,
+``torch.equal``): on an accelerator each waits for the device to finish what is queued before it."""
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Counts :data:`HOST_READS`, except reads of the tensors in ``ignored`` (by storage:
+    torch.optim's step counters, which live on the host, so reading them waits for nothing).
+
+    ``.tolist()``, ``.cpu()`` and ``.numpy()`` of a CPU tensor dispatch nothing, so they are not
+    seen; on CUDA, ``torch.cuda.set_sync_debug_mode`` sees every synchronizing call (the GPU check)."""
+
+    def __init__(self, ignored=()) -> None:
+        super().__init__()
+        self.ignored = {t.data_ptr() for t in ignored}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_READS and not (args and args[0].data_ptr() in self.ignored):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

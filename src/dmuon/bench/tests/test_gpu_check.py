@@ -130,7 +130,26 @@ def test_dry_run_end_to_end(tmp_path):
     assert bench["overlap_vs_sync"]["passed"] and bench["overlap_vs_sync"]["max_rel_diff"] == 0.0
     assert all(_positive(r["step_s"]) and math.isfinite(r["final_loss"]) for r in configs.values())
 
+    syncs = data["sections"]["syncs"]
+    assert syncs["backend"] == "gloo" and syncs["passed"]
+    assert [(r["config"], r["size"]) for r in syncs["rows"]] == [
+        (c, size) for size in gpu_check.DRY.sync_sizes for c in ("adamw", "dmuon_z3")]
+    counted = {(r["config"], r["size"]): r for r in syncs["rows"]}
+    assert counted["dmuon_z3", "tiny"]["matrices"] == 14 and counted["dmuon_z3", "mini"]["matrices"] == 28
+    assert counted["dmuon_z3", "tiny"]["syncs"] == counted["dmuon_z3", "mini"]["syncs"]
+
     recipe = data["sections"]["recipe"]
     assert recipe["backend"] == "gloo" and set(recipe["runs"]) == {"adamw", "dmuon"}
     for run in recipe["runs"].values():
         assert run["steps"] == 2 and run["finite"] and _positive(run["tokens_per_s"])
+
+
+def test_syncs_that_grow_with_the_matrices_fail_the_check():
+    rows = [{"config": "dmuon_z3", "size": "tiny", "matrices": 14, "syncs": 3},
+            {"config": "dmuon_z3", "size": "mini", "matrices": 28, "syncs": 31}]
+    assert not gpu_check.syncs_passed(rows) and not gpu_check.syncs_passed(rows[:1])
+    assert gpu_check.syncs_passed([rows[0], {**rows[1], "syncs": 3}, {"config": "adamw", "syncs": 9}])
+    checks = gpu_check.collect_checks({"syncs": {"rows": rows, "passed": gpu_check.syncs_passed(rows)}})
+    sync_checks = [c for c in checks if c["name"].startswith("syncs")]
+    assert [c["passed"] for c in sync_checks] == [False]
+    assert sync_checks[0]["detail"] == "3 with 14 matrices, 31 with 28 matrices"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from dmuon.bench.op_count import HostReadCounter
 from dmuon.runtime.agreement import NONUNIFORM, agreed_scale, scale_flags, uniform_scale, uniform_scales
 
 
@@ -55,20 +54,6 @@ def test_ranks_agree_on_a_factor_only_when_every_proposal_is_the_same():
     assert torch.tensor(flags, dtype=torch.bfloat16).int().tolist() == flags
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the operations that read a tensor's value into Python (each waits for an accelerator)."""
-
-    names = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += str(func) in self.names
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_launches_at_once_on_the_device_equal_the_plain_version_per_launch():
     torch.manual_seed(2)
     gs = [torch.randn(7, 5), torch.randn(3, 11), torch.zeros(2, 2)]
@@ -93,7 +78,7 @@ def test_the_launches_at_once_on_the_device_equal_the_plain_version_per_launch()
         [(gs[2], gs[2].clone()), (gs[1], gs[1] * 0.5)],  # the first pair unchanged (and zero)
         [(half, half.clone().mul_(torch.tensor(0.5))), (half, half.clone().mul_(torch.tensor(0.37)))],  # bfloat16
     ]
-    reads = _HostReads()
+    reads = HostReadCounter()
     with reads:
         found = uniform_scales(launches)
     assert reads.count == 0  # what is read goes through .tolist() (twice, not per pair)
