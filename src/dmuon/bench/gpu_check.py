@@ -253,13 +253,11 @@ def overlap_vs_sync(results: list[dict]) -> dict:
     return {"max_rel_diff": diff, "tolerance": SYNC_RTOL, "passed": diff <= SYNC_RTOL}
 
 
-def bench_section(sizes: Sizes, device: torch.device) -> dict:
-    """``dmuon bench`` on one rank of this process (NCCL on CUDA, else gloo)."""
+@contextlib.contextmanager
+def _one_rank(device: torch.device):
+    """A one-rank process group in this process (NCCL on CUDA, else gloo); yields the backend."""
     import torch.distributed as dist
 
-    from dmuon.bench.report import loss_agreement, machine_description, ratios
-    from dmuon.bench.runner import BenchOptions, run_all
-    from dmuon.ortho.autotune import get_autotuner
     from dmuon.util.spawn import free_port
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -267,13 +265,23 @@ def bench_section(sizes: Sizes, device: torch.device) -> dict:
                       LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(0)
-    # dmuon's own tuner measures in the warm-up steps; the dry run skips its CPU pauses.
-    get_autotuner().cooldown_s = sizes.cooldown_s
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        results = run_all(0, 1, bench_configs(device), BenchOptions(progress=False, **sizes.bench))
+        yield backend
     finally:
         dist.destroy_process_group()
+
+
+def bench_section(sizes: Sizes, device: torch.device) -> dict:
+    """``dmuon bench`` on one rank of this process (NCCL on CUDA, else gloo)."""
+    from dmuon.bench.report import loss_agreement, machine_description, ratios
+    from dmuon.bench.runner import BenchOptions, run_all
+    from dmuon.ortho.autotune import get_autotuner
+
+    # dmuon's own tuner measures in the warm-up steps; the dry run skips its CPU pauses.
+    get_autotuner().cooldown_s = sizes.cooldown_s
+    with _one_rank(device) as backend:
+        results = run_all(0, 1, bench_configs(device), BenchOptions(progress=False, **sizes.bench))
     ok, verdict = loss_agreement(results)
     return {"machine": machine_description(), "backend": backend, "world_size": 1, **sizes.bench,
             "results": results, "ratios": ratios(results), "losses_agree": ok, "loss_check": verdict,
@@ -331,20 +339,8 @@ def _step_syncs(config: str, size: str, device: torch.device) -> dict:
 
 def syncs_section(sizes: Sizes, device: torch.device) -> dict:
     """How often one ``step()`` makes the host wait for the device, for dmuon and AdamW at two sizes."""
-    import torch.distributed as dist
-
-    from dmuon.util.spawn import free_port
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, rank=0, world_size=1)
-    try:
+    with _one_rank(device) as backend:
         rows = [_step_syncs(config, size, device) for size in sizes.sync_sizes for config in ("adamw", "dmuon_z3")]
-    finally:
-        dist.destroy_process_group()
     return {"backend": backend, "counted": "cuda sync debug mode" if device.type == "cuda" else "host reads (dispatch)",
             "rows": rows, "passed": syncs_passed(rows)}
 
