@@ -30,13 +30,11 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.comm import CommStats, Pending, ShardExchange
 from dmuon.comm.replicate import ReplicateReduce
@@ -46,6 +44,7 @@ from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.agreement import Agreement, agreement_flags
 from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
 from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
@@ -442,48 +441,14 @@ class ShardRuntime:
     @torch.no_grad()
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_``'s result on every rank, each gradient element counted once.
-
-        Each rank adds its local shards' ``|g|^p``, divided by how many ranks hold the same
-        shard (the mesh dims where the gradient is ``Replicate``); one scalar all-reduce sums
-        them (a maximum for ``inf``). With the replicate level the gradients are reduced first
-        (:meth:`ReplicateLevel.finish`), and a Muon matrix's reduced form holds R times its
-        mean on one replica per column slice, so it counts once, divided by R.
-        """
-        norm_type = float(norm_type)
+        """``torch.nn.utils.clip_grad_norm_``'s result on every rank, each gradient element counted
+        once (:func:`dmuon.runtime.clipping.clip_grad_norm_`); with the replicate level the
+        gradients are reduced across replicas first (:meth:`ReplicateLevel.finish`)."""
         if self.replicate is not None:
             self.replicate.finish()
-        grads = [p.grad for p in params if p.grad is not None]
-        # Summed on the device in parameter order (the order the plain host loop took): nothing is
-        # read to the host, which would wait for an accelerator once per parameter.
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            if p.grad is None:
-                continue
-            local = local_tensor(p.grad)
-            norm = torch.linalg.vector_norm(local, norm_type).double().to(self.device)
-            copies = 1
-            if isinstance(p.grad, DTensor):
-                mesh = p.grad.device_mesh
-                copies = math.prod(mesh.size(d) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Replicate))
-            if self.replicate is not None and self.replicate.holds_sums(p):
-                norm = norm / self.replicate.replicate
-            total = torch.maximum(total, norm) if math.isinf(norm_type) else total + norm ** norm_type / copies
-        if self.topo.world_size > 1:
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            dist.all_reduce(total, op=op, group=self.topo.world_group)
-        if not math.isinf(norm_type):
-            total = total ** (1.0 / norm_type)
-        total = total.float()
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                               "so it cannot be clipped. To disable this error and scale the gradients by the "
-                               "non-finite norm anyway, set `error_if_nonfinite=False`")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        locals_ = [local_tensor(g) for g in grads]
-        if locals_:
-            torch._foreach_mul_(locals_, coef.to(locals_[0].device))
-        return total
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, replicate=self.replicate,
+                               group=self.topo.world_group if self.topo.world_size > 1 else None,
+                               device=self.device)
 
     # ------------------------------------------------------------- collectives
     def _start_all_reduce_max(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -1,0 +1,68 @@
+"""The gradient norm over every rank, each element counted once, and clipping by it.
+
+``torch.nn.utils.clip_grad_norm_`` on FSDP2's DTensors computes the norm through DTensor's
+reductions, which raises for parameters on different meshes (tensor parallelism beside
+FSDP2-only parameters) and, on dmuon's replicate level, would read each replica's own reduced
+column slices. :func:`clip_grad_norm_` instead adds each rank's local ``|g|^p`` (divided by how
+many ranks hold the same shard), in one scalar all-reduce over every rank, and scales the local
+gradients in place: the same total and the same ``mul_`` as torch's on one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from dmuon.rules.adamw import local_tensor
+from dmuon.runtime.replicate import ReplicateLevel
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, *, replicate: ReplicateLevel | None = None,
+                    group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s result on every rank of ``group``.
+
+    Each rank adds its local shards' ``|g|^p``, divided by how many ranks hold the same shard (the
+    mesh dims where the gradient is ``Replicate``); one scalar all-reduce over ``group`` sums them
+    (a maximum for ``inf``; no collective with ``group=None``, one rank). With the replicate level
+    (``replicate``, its gradients already reduced: :meth:`ReplicateLevel.finish`) a Muon matrix's
+    reduced form holds R times its mean on one replica per column slice, so it counts once, divided
+    by R. The norms are summed on ``device`` in parameter order and nothing is read to the host (a
+    read per parameter would wait for an accelerator each time).
+
+    Returns:
+        The total norm before clipping, a float32 tensor on ``device``.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(local_tensor(p.grad), norm_type).double().to(device)
+        copies = 1
+        if isinstance(p.grad, DTensor):
+            mesh = p.grad.device_mesh
+            copies = math.prod(mesh.size(d) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Replicate))
+        if replicate is not None and replicate.holds_sums(p):
+            norm = norm / replicate.replicate
+        total = torch.maximum(total, norm) if math.isinf(norm_type) else total + norm ** norm_type / copies
+    if group is not None:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    if not math.isinf(norm_type):
+        total = total ** (1.0 / norm_type)
+    total = total.float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the "
+                           "non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    locals_ = [local_tensor(g) for g in grads]
+    if locals_:
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+    return total
