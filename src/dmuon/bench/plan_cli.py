@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP2 resharding for the FSDP2 and gather-then-compute figures only: 3 = "
                         "reshard_after_forward (weights all-gathered in forward and again in backward), "
                         "2 = gathered once; dmuon's own traffic is the same for both")
+    p.add_argument("--root-reshard", action="store_true",
+                   help="the root module sharded with an explicit reshard_after_forward=True (torch 2.13 then "
+                        "gathers it again at the start of backward; left unset, FSDP2 keeps it gathered): its "
+                        "all-gather in backward in step_comm and the simulation")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
                         "reports intra- and inter-node bytes (default: one node, 1-D FSDP)")
@@ -169,6 +173,8 @@ def _traffic_lines(plan: dict) -> list[str]:
     worst_inter = max(r["inter_sent"] + r["inter_received"] for r in ranks)
     crit = plan["critical_path_bytes"]
     resharding = "re-gathered in backward" if plan["zero"] == 3 else "gathered once"
+    if plan.get("root_regathered"):
+        resharding += ", the root gathered again at the start of backward (--root-reshard)"
     if replicate > 1:
         exchange = ("dmuon's exchange, design (b) (the gradient's column slices reduce-scattered across replicas "
                     "in place of FSDP2's all-reduce, then the directions and updates)")
@@ -399,7 +405,8 @@ def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta)
                         reduce_bytes=_NS_DTYPES[args.reduce_dtype].itemsize, alpha_beta=model,
                         hardware=hardware_from_args(args) if args.simulate else None,
                         sim_options=sim_options_from_args(args, table) if args.simulate else None,
-                        max_waves=args.return_waves, hop_a_spread=args.hop_a_spread)
+                        max_waves=args.return_waves, hop_a_spread=args.hop_a_spread,
+                        root_regathered=args.root_reshard)
 
 
 def _scale_table(args, model: AlphaBeta) -> int:

@@ -435,6 +435,7 @@ def step_collectives(
     publication: str | None = None,
     weight_norms: bool = False,
     returns_in_backward: bool = False,
+    root_regathered: bool = False,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -483,6 +484,10 @@ def step_collectives(
             also the gradient's in design (b)'s column reduce-scatter.
         zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
         root_block: The root module's block (no backward all-gather), or None.
+        root_regathered: The root resharded after forward too, as torch 2.13 does when
+            ``fully_shard(root, reshard_after_forward=True)`` is passed explicitly (left unset, the
+            root stays gathered for backward): its all-gather again, first in backward (its
+            pre-backward, before the head's backward), under every zero.
         waves: dmuon's return waves (:func:`owner_exchange_collectives`); None: one.
         other_shapes, other_blocks: The parameters Muon does not optimize and their blocks
             (default: none, the Muon matrices' collectives alone).
@@ -525,6 +530,9 @@ def step_collectives(
     for b in order:
         out += fsdp2_block_collectives(of[b] + rest[b], replicate, shard, phase="forward", block=b,
                                        op="all_gather", elem_bytes=param_bytes)
+    if root_regathered and root_block in of:
+        out += fsdp2_block_collectives(of[root_block] + rest[root_block], replicate, shard, phase="backward",
+                                       block=root_block, op="all_gather", elem_bytes=param_bytes)
     for b in order[::-1]:
         every = of[b] + rest[b]
         if zero == 3 and b != root_block:
@@ -619,9 +627,11 @@ def step_comm(
     root_block: int | None = 0,
     model: AlphaBeta | None = None,
     waves: Sequence[Sequence[int]] | None = None,
+    root_regathered: bool = False,
 ) -> dict:
     """:func:`step_figures` of :func:`step_collectives` for each of :data:`STEP_STRATEGIES`, JSON-ready."""
     return {s: step_figures(step_collectives(s, shapes, owners, blocks, replicate, shard, wire_bytes=wire_bytes,
                                              param_bytes=param_bytes, reduce_bytes=reduce_bytes, zero=zero,
-                                             root_block=root_block, waves=waves), model)
+                                             root_block=root_block, waves=waves, root_regathered=root_regathered),
+                            model)
             for s in STEP_STRATEGIES}

@@ -128,6 +128,7 @@ def plan_offline(
     sim_options: SimOptions | None = None,
     max_waves: int = RETURN_WAVES,
     hop_a_spread: int | None = None,
+    root_regathered: bool = False,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -158,6 +159,9 @@ def plan_offline(
         max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
         hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)); None:
             its default per strategy (1 for ``dmuon_rbwd``, 8 for the others).
+        root_regathered: The root module resharded after forward and gathered again at the start of
+            backward (``fully_shard(root, reshard_after_forward=True)`` passed explicitly), in
+            ``step_comm`` and the simulation.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -245,6 +249,7 @@ def plan_offline(
         "method": result.method,
         "status": result.status,
         "zero": zero,
+        "root_regathered": root_regathered,
         "cost_unit": "seconds" if table.unit == "seconds" else "flops (analytical)",
         "cost_source": table.source,
         "matrices": len(mats),
@@ -267,7 +272,8 @@ def plan_offline(
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
-                                  zero=zero, root_block=0, model=alpha_beta, waves=waves)
+                                  zero=zero, root_block=0, model=alpha_beta, waves=waves,
+                                  root_regathered=root_regathered)
     plan["step_comm_model"] = {
         **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
         "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
@@ -283,10 +289,11 @@ def plan_offline(
         options = sim_options or SimOptions()
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
-                             hop_a_spread=hop_a_spread)
+                             hop_a_spread=hop_a_spread, root_regathered=root_regathered)
         plan["simulation"] = simulate_strategies(inputs, hardware, options)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
         plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
+                                    "root_regathered": root_regathered,
                                     "return_waves": max_waves,
                                     "hop_a_spread": hop_a_spread if hop_a_spread is not None else
                                     f"{default_spread(False)}; {default_spread(True)} for dmuon_rbwd",
@@ -300,7 +307,8 @@ def plan_offline(
 
 def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
                 shard: int, *, zero: int = 3, max_waves: int = RETURN_WAVES, wire_bytes: int = 2,
-                param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int | None = None) -> StepInputs:
+                param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int | None = None,
+                root_regathered: bool = False) -> StepInputs:
     """What :mod:`~dmuon.costmodel.simulate` needs of a shape list and its plan: the Muon matrices
     (in :func:`expand` order, with ``owners`` and ``ns_batches`` over those indices), the other
     groups (AdamW's: FSDP2 moves and AdamW updates them too), and every one's block
@@ -312,4 +320,4 @@ def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, l
                       replicate=replicate, shard=shard, ns_batches=ns_batches,
                       other_shapes=[m.shape for m in others], other_blocks=blocks[len(mats):],
                       return_waves=max_waves, zero=zero, wire_bytes=wire_bytes, param_bytes=param_bytes,
-                      reduce_bytes=reduce_bytes, hop_a_spread=hop_a_spread)
+                      reduce_bytes=reduce_bytes, hop_a_spread=hop_a_spread, root_regathered=root_regathered)

@@ -199,6 +199,9 @@ class StepInputs:
     root_block: int = 0
     """The root module's block: gathered first, its compute (the head) after the layers', its
     gradients reduced last."""
+    root_regathered: bool = False
+    """The root resharded after forward and gathered again at the start of backward (an explicit
+    ``fully_shard(root, reshard_after_forward=True)`` in torch 2.13; left unset, FSDP2 keeps it)."""
     hop_a_spread: int | None = None
     """Design (b): the collectives a block's hop A may spread over (``ExecutionConfig.hop_a_spread``;
     None: its default, 1 for ``dmuon_rbwd`` and 8 for the others)."""

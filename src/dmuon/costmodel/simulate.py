@@ -148,7 +148,7 @@ class _Builder:
                 zero=inputs.zero, root_block=inputs.root_block, waves=waves, other_shapes=inputs.other_shapes,
                 other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
                 hop_a_spread=inputs.hop_a_spread, publication=inputs.publication,
-                returns_in_backward=self.returns_in_backward)
+                returns_in_backward=self.returns_in_backward, root_regathered=inputs.root_regathered)
 
         if self.returns_in_backward:
             # NS per block (the worker's batches), the returned blocks' in backward, the others' waves in step().
@@ -279,9 +279,12 @@ class _Builder:
             gathered = self.coll("fsdp_all_gather", "forward", b, None, AG, prefetched())
             run(tl.compute(f"forward block {b}", C, self.with_host(fwd[b], unit), [gathered], phase="forward"))
         if root is not None:
-            # The root's parameters (the head) compute after the layers and stay gathered for backward.
-            run(tl.compute("forward head", C, fwd[root], phase="forward"))
-            run(tl.compute("backward head", C, 2 * fwd[root], phase="backward"))
+            # The root's parameters (the head) compute after the layers and stay gathered for backward,
+            # unless resharded after forward (root_regathered): then gathered again before the head's
+            # backward, with nothing to hide behind.
+            head = run(tl.compute("forward head", C, fwd[root], phase="forward"))
+            again = self.coll("fsdp_all_gather", "backward", root, None, AG, [head]) if inp.root_regathered else None
+            run(tl.compute("backward head", C, 2 * fwd[root], [again], phase="backward"))
         for b in reversed(layers):
             gathered = self.coll("fsdp_all_gather", "backward", b, None, AG, prefetched()) if inp.zero == 3 else None
             done = run(tl.compute(f"backward block {b}", C, self.with_host(2 * fwd[b], unit), [gathered],

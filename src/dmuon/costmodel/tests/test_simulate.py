@@ -559,3 +559,39 @@ def test_returns_in_backward_move_the_returns_behind_backward(replicate, shard):
     assert {int(t.name.split()[-1]) for t in in_backward} == builder.back
     returns = [t.collective for t in timeline.tasks if t.collective is not None and t.collective.role == "return_shard"]
     assert {c.block for c in returns if c.phase == "backward"} == builder.back
+
+
+@pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2)])
+def test_the_root_gathered_again_at_the_start_of_backward(replicate, shard):
+    """``root_regathered`` (an explicit ``reshard_after_forward=True`` on the root): one more all-gather,
+    the root's forward one again, listed first in backward; in the timeline the head's backward waits
+    for it; serialised without compute it adds exactly its alpha-beta seconds."""
+    from dataclasses import replace
+
+    for zero in (2, 3):
+        kept = _inputs(replicate, shard, zero=zero)
+        again = replace(kept, root_regathered=True)
+        for strategy in ("fsdp_adamw", "gather", "dmuon"):
+            def listed(inputs):
+                return step_collectives(strategy, inputs.shapes, inputs.owners, inputs.blocks, replicate, shard,
+                                        zero=zero, other_shapes=inputs.other_shapes,
+                                        other_blocks=inputs.other_blocks, root_regathered=inputs.root_regathered)
+            before, after = listed(kept), listed(again)
+            assert len(after) == len(before) + 1
+            forward_root = [c for c in after if c.op == "all_gather" and c.phase == "forward" and c.block == 0]
+            backward_root = [c for c in after if c.op == "all_gather" and c.phase == "backward" and c.block == 0]
+            assert len(forward_root) == len(backward_root) == 1 and not [
+                c for c in before if c.op == "all_gather" and c.phase == "backward" and c.block == 0]
+            assert backward_root[0].ranks == forward_root[0].ranks
+            first_backward = next(c for c in after if c.phase == "backward")
+            assert first_backward is backward_root[0]
+            serial = SimOptions(overlap=False, compute=False)
+            added = simulate(strategy, again, HW, serial)["step_seconds"] - \
+                simulate(strategy, kept, HW, serial)["step_seconds"]
+            assert added == pytest.approx(LINKS.seconds(backward_root[0]))
+            timeline, _ = build_step(strategy, again, HW, SimOptions(tokens_per_gpu=1000))
+            timeline.run()
+            tasks = {t.name: t for t in timeline.tasks}
+            gathered = tasks[backward_root[0].label]
+            assert gathered.phase == "backward"
+            assert all(tasks["backward head"].start[k] >= gathered.end[k] - 1e-12 for k in gathered.end)
