@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="host microseconds of FSDP2's own work per unit and pass (default: the preset's)")
     sim.add_argument("--tokens-per-gpu", type=int, default=4096, metavar="N",
                      help="tokens each GPU runs forward and backward per step (default 4096)")
+    sim.add_argument("--non-gemm-ms", type=float, default=0.0, metavar="MS",
+                     help="forward+backward milliseconds per step beyond the GEMMs that --compute-tflops prices "
+                          "(attention's products, norms, activations, the loss), for a rate that prices the GEMMs "
+                          "alone; spread over the units by their parameters (default 0: inside the rate, as in the "
+                          "presets)")
     sim.add_argument("--sim-ns", default="auto", choices=NS_METHODS + ("profile",),
                      help="NS cost: 'auto' (fewer FLOPs of standard and Gram NS with symmetric products, per "
                           "shape), 'standard', 'gram', or 'profile' (the plan's measured cost table: --costs, "
@@ -387,8 +392,11 @@ def _profiled(table: CostTable | None):
 def sim_options_from_args(args, table: CostTable | None) -> SimOptions:
     if args.tokens_per_gpu < 0:
         raise ValueError(f"--tokens-per-gpu must be >= 0, got {args.tokens_per_gpu}")
+    if not args.non_gemm_ms >= 0:
+        raise ValueError(f"--non-gemm-ms must be >= 0, got {args.non_gemm_ms}")
     profile = args.sim_ns == "profile"
-    return SimOptions(tokens_per_gpu=args.tokens_per_gpu, ns_method="auto" if profile else args.sim_ns,
+    return SimOptions(tokens_per_gpu=args.tokens_per_gpu, non_gemm_seconds=args.non_gemm_ms / 1e3,
+                      ns_method="auto" if profile else args.sim_ns,
                       ns_steps=args.ns_steps, ns_seconds=_profiled(table) if profile else None,
                       overlap=not args.serial)
 

@@ -107,3 +107,18 @@ def test_plan_root_reshard_adds_the_roots_all_gather_to_every_strategys_backward
     for strategy, figures in again_plan["simulation"].items():
         added = figures["forward_backward_seconds"] - kept_plan["simulation"][strategy]["forward_backward_seconds"]
         assert 3.5e-3 < added < 5e-3, (strategy, added)
+
+
+def test_plan_non_gemm_ms_adds_its_seconds_to_every_strategys_compute(tmp_path, capsys):
+    argv = ["--model", "pi0", "--world-size", "8", "--zero", "3", "--simulate"]
+    base, more = tmp_path / "base.json", tmp_path / "more.json"
+    assert plan_cli.main(argv + ["--json", str(base)]) == 0
+    assert plan_cli.main(argv + ["--non-gemm-ms", "30", "--json", str(more)]) == 0
+    base_plan, more_plan = json.loads(base.read_text()), json.loads(more.read_text())
+    assert more_plan["simulation_model"]["non_gemm_seconds"] == pytest.approx(0.030)
+    for strategy, figures in more_plan["simulation"].items():
+        assert figures["compute_seconds"] - base_plan["simulation"][strategy]["compute_seconds"] == \
+            pytest.approx(0.030), strategy
+    capsys.readouterr()
+    assert plan_cli.main(argv + ["--non-gemm-ms", "-1"]) == 2
+    assert "--non-gemm-ms" in capsys.readouterr().err
