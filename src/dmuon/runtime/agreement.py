@@ -97,8 +97,8 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
         marks = torch.zeros(count, dtype=torch.int32)
         if found:
             device = next(iter(found.values())).device
-            marks = marks.to(device)
-            marks[torch.tensor(list(found), device=device)] = torch.stack([f.to(device) for f in found.values()]).int()
+            clean = torch.zeros((), dtype=torch.bool, device=device)
+            marks = torch.stack([found.get(p, clean).to(device) for p in range(count)]).int()
         parts.insert(0, marks)
     # The host's flags beside the others, on their device (which no one reads before the agreement lands).
     device = next((t.device for t in parts if t.numel()), stale.device)

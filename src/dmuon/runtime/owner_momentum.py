@@ -119,9 +119,9 @@ class OwnerMomentum:
             differ = torch.stack([any_bits_differ([(launches[b].rows[i], rows[i]) for i in launches[b].members],
                                                   self.device) for b in blocks]).tolist()
             same = [ok and not d for ok, d in zip(same, differ)]
-        scales = iter(uniform_scales([[(launches[b].grads[i], now[i]) for i in launches[b].members]
-                                      for b, ok in zip(blocks, same) if ok]))
-        factors = [next(scales) if ok else NONUNIFORM for ok in same]
+        found = iter(uniform_scales([[(launches[b].grads[i], now[i]) for i in launches[b].members]
+                                     for b, ok in zip(blocks, same) if ok]))
+        factors = [next(found) if ok else NONUNIFORM for ok in same]
         scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
         proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
         rescaled = [int(f not in (None, 1.0, NONUNIFORM)) for f in factors]
