@@ -103,7 +103,8 @@ def test_plan_root_reshard_adds_the_roots_all_gather_to_every_strategys_backward
     assert again_plan["root_regathered"] and not kept_plan["root_regathered"]
     assert again_plan["simulation_model"]["root_regathered"]
     # The root (embedding and head, about 1.09e9 bf16 parameters) gathered over the node's 8 ranks again:
-    # 7/8 of 2.18 GB at 450 GB/s, about 4.2 ms, exposed before the head's backward, the same for everyone.
+    # 7/8 of 2.18 GB at 450 GB/s, 4.24 ms, and 7 latencies of 10 us, exposed before the head's backward,
+    # the same for everyone.
     for strategy, figures in again_plan["simulation"].items():
         added = figures["forward_backward_seconds"] - kept_plan["simulation"][strategy]["forward_backward_seconds"]
         assert 3.5e-3 < added < 5e-3, (strategy, added)
