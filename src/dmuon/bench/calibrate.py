@@ -23,7 +23,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    bytes cost more than an all-gather's); and the host: seconds per operation on plain tensors
    and on DTensors (tiny elementwise operations), per DTensor layout call (``full_tensor()``
    less a plain all-gather, ``distribute_tensor``), and FSDP2's work per unit and pass (the
-   model's tiny twin under FSDP2 on a one-rank mesh less without); the ranks' drift (the same
+   model's tiny twin under FSDP2 on a one-rank mesh less without; and the twin under FSDP2 over
+   every rank, for the work a one-rank mesh skips: :func:`dmuon.bench.calibrate_fit.rank_unit_seconds`);
+   the ranks' drift (the same
    GEMMs with a meeting after each block and after each matrix, less both alone: a fraction of the
    compute and a delay per meeting, :func:`dmuon.bench.calibrate_fit.drift`). Collectives make the
    ranks wait for each other every block, so at each point the slower rank counts.
@@ -60,6 +62,8 @@ from dmuon.bench.calibrate_fit import (
     figures_line,
     format_comparison,
     predict,
+    predict_by_round,
+    rank_unit_seconds,
 )
 from dmuon.bench.shapes import bench_model_shapes
 from dmuon.util.spawn import run_distributed
@@ -166,12 +170,14 @@ class _Meter:
         self.layout_piece = DTensor.from_local(torch.ones(8, dtype=torch.bfloat16), self.world_mesh, [Shard(0)])
         self.layout_full = torch.empty(8 * world_size, dtype=torch.bfloat16)
         # FSDP2's per-unit host work: the model's tiny twin (its blocks and tensors, tiny widths) under
-        # FSDP2 on the one-rank mesh, less the same without FSDP2, per unit and pass.
+        # FSDP2 on the one-rank mesh, less the same without FSDP2, per unit and pass; and the twin under
+        # FSDP2 over every rank, as the bench shards (its collectives, and FSDP2's work beside them that a
+        # one-rank mesh skips: calibrate_fit.rank_unit_seconds).
         self.twins = []
-        for sharded in (True, False):
+        for twin_mesh in (mesh, None, self.world_mesh):
             twin = build_workload(model, size="tiny", seed=0)
-            if sharded:
-                shard_workload(twin, mesh, reshard=True)
+            if twin_mesh is not None:
+                shard_workload(twin, twin_mesh, reshard=True)
             self.twins.append((twin, twin.make_batch(0, rank)))
         self.units = len(self.twins[0][0].blocks) + 1
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.
@@ -245,6 +251,15 @@ class _Meter:
         twin.loss_fn(twin.model, batch).backward()
         twin.model.zero_grad(set_to_none=True)
 
+    def twin_seconds(self) -> dict:
+        """The tiny twin's forward+backward under FSDP2 on the one-rank mesh, without FSDP2 and under FSDP2
+        over every rank, interleaved (:func:`_interleaved_means`: the first two are subtracted, the last
+        is held against their prediction); FSDP2's per-unit work from the first two."""
+        one, plain, world = _interleaved_means({k: (lambda k=k: self.twin_forward_backward(k)) for k in range(3)},
+                                               self.repeats).values()
+        return {"fsdp_unit_seconds": max(0.0, one - plain) / (2 * self.units), "twin_plain_seconds": plain,
+                "twin_world_seconds": world, "twin_units": self.units}
+
     @torch.no_grad()
     def dispatch(self, pairs) -> None:
         """:data:`DISPATCH_OPS` operations per pair: four in place, four making a new tensor."""
@@ -290,9 +305,7 @@ class _Meter:
                "dtensor_layout_seconds": max(0.0, _mean_seconds(self.layout_calls, self.repeats)
                                              - _mean_seconds(self.layout_collectives, self.repeats))
                / (2 * LAYOUT_LOOP),
-               "fsdp_unit_seconds": max(0.0, _mean_seconds(lambda: self.twin_forward_backward(0), self.repeats)
-                                        - _mean_seconds(lambda: self.twin_forward_backward(1), self.repeats))
-               / (2 * self.units),
+               **self.twin_seconds(),
                "skew_seconds": self.skew_seconds(),
                "unlisted_tensors": self.unlisted_tensors,
                "ns_seconds": {}}
@@ -400,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = {r["config"]: r for r in per_rank[0][0]}
         per_rank = [points for _, points in per_rank]
     figures = combine(per_rank, args.world_size)
+    figures["rank_unit_seconds"] = rank_unit_seconds(figures, args.model, args.world_size)
     load = {"start": load_start, "end": os.getloadavg()}
     print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
@@ -408,23 +422,31 @@ def main(argv: list[str] | None = None) -> int:
               for compute in list(COMPUTE_MODELS)[1:]}
     # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
     # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift, the
-    # work beyond the GEMMs.
+    # work beyond the GEMMs, FSDP2's work on the ranks' own mesh (from the twin).
     ablation = {"shared link, no host, no drift": predict(figures, args.model, size, args.world_size, tokens,
                                                           "matmul_flops", per_kind=False, host=False, skew=False),
                 "per-kind links": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops",
                                           host=False, skew=False),
                 "and host": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops", skew=False),
                 "and drift": others["matmul_flops"],
-                "and the work beyond the GEMMs (all)": predicted}
+                "and the work beyond the GEMMs": predict(dict(figures, rank_unit_seconds=0.0), args.model, size,
+                                                         args.world_size, tokens),
+                "and FSDP2's work on the ranks' own mesh (all)": predicted}
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
                "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
                "predicted_at_matmul_rate": others["matmul_flops"],
-               "predicted_at_effective_rate": others["effective_flops"], "ablation": ablation}
+               "predicted_at_effective_rate": others["effective_flops"], "ablation": ablation,
+               "per_rank_points": per_rank}  # every rank's own figures at every point, for analyses after the run
     loads = (f"load average (1, 5, 15 min) {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
              f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end ({os.cpu_count()} cores)")
     if measured is not None:
+        # The check: each round at the figures measured around it (predict_by_round), its median against the
+        # bench's; the prediction at the run's mean figures (the check until session 18) beside it.
+        by_round = predict_by_round(per_rank, args.world_size, args.model, size, tokens)
+        payload["predicted_at_mean_figures"], payload["predicted"] = predicted, by_round
         payload["bench"] = {"steps": args.steps, "rounds": args.rounds, "results": list(measured.values())}
-        payload["comparison"] = compare(measured, predicted)
+        payload["comparison"] = compare(measured, by_round)
+        payload["comparison_at_mean_figures"] = compare(measured, predicted)
         payload["comparison_at_matmul_rate"] = compare(measured, others["matmul_flops"])
         payload["comparison_at_effective_rate"] = compare(measured, others["effective_flops"])
         spread = ", ".join(f"{k.split('_')[0]} {lo / 1e9:.1f}-{hi / 1e9:.1f}"
@@ -433,16 +455,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.steps} timed steps in {args.rounds} rounds, medians; machine measured on every rank before "
                   f"each round and after the last, the slower rank at each of the {figures['points']} points "
                   f"(range over them, G/s: {spread}); {payload['machine']}; {loads}")
-        print(format_comparison(figures, payload["comparison"], header))
-        for compute, key, words in (("matmul_flops", "comparison_at_matmul_rate", "at the matmul rate, the work "
+        print(format_comparison(figures, payload["comparison"], header, by_round=True))
+        for compute, key, words in (("gemms_and_rest", "comparison_at_mean_figures", "as the check prices it, "
+                                     "every round at the run's mean figures (the check until session 18)"),
+                                    ("matmul_flops", "comparison_at_matmul_rate", "at the matmul rate, the work "
                                      "beyond the GEMMs left out (the check until session 15)"),
                                     ("effective_flops", "comparison_at_effective_rate", "at the effective rate "
                                      "(FSDP2's own work on a rank and the model's non-GEMM work in the rate, as in "
                                      "the presets)")):
             print(f"\nthe same, forward+backward {words}:")
             print("\n".join(format_comparison(figures, payload[key], "", compute).splitlines()[1:]))
-        print("\nrounds' step medians, ms: " + "; ".join(
-            f"{c} " + " ".join(f"{t * 1e3:.0f}" for t in measured[c]["step_s_by_round"]) for c in CONFIGS))
+        print("\nrounds' step medians, ms, measured / predicted at the round's figures: " + "; ".join(
+            f"{c} " + " ".join(f"{t * 1e3:.0f}/{p['step_seconds'] * 1e3:.0f}"
+                               for t, p in zip(measured[c]["step_s_by_round"], by_round[c]["by_round"]))
+            for c in CONFIGS))
     else:
         print(loads)
         print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds")}, indent=1))

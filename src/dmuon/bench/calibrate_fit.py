@@ -4,6 +4,7 @@ constructed samples)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from dmuon.bench.shapes import bench_model_shapes
@@ -16,7 +17,8 @@ CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dm
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
 RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_seconds", "dispatch_seconds",
-         "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds")
+         "dtensor_dispatch_seconds", "dtensor_layout_seconds", "fsdp_unit_seconds", "twin_plain_seconds",
+         "twin_world_seconds")
 """Per-point figures; the first three are rates (the slower rank has the lowest), the rest seconds (the highest).
 The ranks' drift comes from every rank's timings together (:func:`drift`)."""
 
@@ -106,7 +108,7 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
         "link_samples": samples,
         "unsupported": per_rank[0][0].get("unsupported", {}),
         "points": len(points),
-        **{k: per_rank[0][0][k] for k in ("unlisted_tensors",) if k in per_rank[0][0]},
+        **{k: per_rank[0][0][k] for k in ("unlisted_tensors", "twin_units") if k in per_rank[0][0]},
     }
 
 
@@ -118,12 +120,12 @@ def _ns_lookup(ns: dict):
 
 
 COMPUTE_MODELS = {"gemms_and_rest": "the GEMMs at the matmul rate, the work beyond them as measured and FSDP2's "
-                                     "per-unit work",
+                                     "per-unit work (one-rank mesh, and on the ranks' own mesh from the twin)",
                   "matmul_flops": "the matmul rate with FSDP2's per-unit work (the work beyond the GEMMs left out)",
                   "effective_flops": "the effective rate"}
 """How a prediction prices forward and backward, and how :func:`figures_line` names it: ``"gemms_and_rest"``
 (the check): 6 x parameters x tokens at the matmul rate, the measured work beyond the GEMMs
-(``non_gemm_seconds``) and FSDP2's per-unit host work; ``"matmul_flops"``: the same without the work
+(``non_gemm_seconds``) and FSDP2's per-unit host work (on a one-rank mesh, plus :func:`rank_unit_seconds`); ``"matmul_flops"``: the same without the work
 beyond the GEMMs; ``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a
 one-rank mesh, its own work and the non-GEMM work inside, as the presets' rates)."""
 
@@ -156,20 +158,86 @@ def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind
         sync_delay=figures.get("sync_delay", 0.0) if skew else 0.0)
 
 
+def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
+    """FSDP2's work per unit and pass on the ranks' own mesh beyond what a one-rank mesh shows, from the
+    model's tiny twin: its forward+backward under FSDP2 over every rank (``twin_world_seconds``, ZeRO-3 as
+    the bench's ``adamw``) less what the check predicts for it (``adamw``'s forward+backward on the
+    twin's shapes and tokens: its GEMMs at the matmul rate, its own work beyond them from its plain
+    forward+backward, FSDP2's one-rank figure per unit and pass, its collectives at the fitted links, the
+    ranks' drift), spread over its units and passes; 0 without the twin's figures, or where the
+    prediction is not short.
+
+    On a one-rank mesh FSDP2 takes its own short paths (``FSDPParamGroup.unshard`` issues no
+    all-gather, the copy-in and copy-out differ, the reduce-scatter is a copy), so that figure leaves
+    out what it does beside every collective over real ranks. The twin is all units and collectives
+    (tiny widths), so what the model misses of it is that work, measured where the bench runs it; the
+    bench model's own timings are never used."""
+    if "twin_world_seconds" not in figures:
+        return 0.0
+    from dmuon.bench.models import build_workload
+
+    import torch
+
+    with torch.device("meta"):
+        tokens = build_workload(model, size="tiny").tokens_per_rank
+    shapes = bench_model_shapes(model, "tiny")
+    gemms = 6.0 * tokens * sum(g.numel for g in shapes)
+    # Only adamw's forward+backward is read, where no NS runs; the simulation prices every strategy's step,
+    # so the twin's NS entries are given (as nothing) to let it.
+    twin = dict(figures, non_gemm_seconds=max(0.0, figures["twin_plain_seconds"] - gemms / figures["matmul_flops"]),
+                rank_unit_seconds=0.0, ns_seconds={f"{g.shape[0]}x{g.shape[1]}x1": 0.0 for g in shapes if g.muon})
+    predicted = predict(twin, model, "tiny", world_size, tokens, configs=("adamw",))["adamw"]
+    return max(0.0, figures["twin_world_seconds"] - predicted["forward_backward_seconds"]) / (2 * figures["twin_units"])
+
+
 def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
-            compute: str = "gemms_and_rest", per_kind: bool = True, host: bool = True, skew: bool = True) -> dict:
-    """The simulated step of each bench configuration on ``world_size`` ranks (1-D FSDP), with
-    :func:`calibrated_hardware`'s figures and, for ``"gemms_and_rest"``, the measured work beyond the GEMMs."""
+            compute: str = "gemms_and_rest", per_kind: bool = True, host: bool = True, skew: bool = True,
+            configs=tuple(CONFIGS)) -> dict:
+    """The simulated step of each of ``configs`` (bench configurations) on ``world_size`` ranks (1-D FSDP),
+    with :func:`calibrated_hardware`'s figures and, for ``"gemms_and_rest"``, the measured work beyond the
+    GEMMs and FSDP2's work on the ranks' own mesh (:func:`rank_unit_seconds`, unless ``figures`` gives
+    ``rank_unit_seconds``)."""
     groups = bench_model_shapes(model, size)
     hardware = calibrated_hardware(figures, compute, per_kind, host, skew)
+    if compute == "gemms_and_rest" and host:
+        extra = figures.get("rank_unit_seconds")
+        extra = rank_unit_seconds(figures, model, world_size) if extra is None else extra
+        hardware = dataclasses.replace(hardware, fsdp_unit_seconds=hardware.fsdp_unit_seconds + extra)
     # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
     options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo",
                          unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0,
                          non_gemm_seconds=figures.get("non_gemm_seconds", 0.0) if compute == "gemms_and_rest" else 0.0)
     plans = {zero: plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4, reduce_bytes=4,
                                 hardware=hardware, sim_options=options, max_waves=1)
-             for zero in (2, 3)}
-    return {config: plans[zero]["simulation"][strategy] for config, (strategy, zero) in CONFIGS.items()}
+             for zero in sorted({CONFIGS[c][1] for c in configs})}
+    return {config: plans[CONFIGS[config][1]]["simulation"][CONFIGS[config][0]] for config in configs}
+
+
+PHASES = ("step_seconds", "forward_backward_seconds", "optimizer_seconds")
+"""The predicted figures the check holds against the bench's medians."""
+
+
+def predict_by_round(per_rank: list[list[dict]], world_size: int, model: str, size: str | None, tokens: int,
+                     compute: str = "gemms_and_rest") -> dict:
+    """Each bench round predicted from the figures measured around it, and per configuration the median
+    over the rounds of each of :data:`PHASES` (with ``by_round``, the rounds' own predictions).
+
+    ``per_rank[rank][point]`` holds one measurement before every round and one after the last, so round
+    ``k`` ran between points ``k`` and ``k + 1``: its figures are :func:`combine` of those two. The shared
+    machine's rates move by tens of percent between points while a round lasts seconds, so each round is
+    priced at its own moment, and the predicted median is held against the measured one. A prediction at
+    the figures' means over the whole run (:func:`predict` of :func:`combine` of every point) prices every
+    round at one average rate; a step's time goes as ``1 / rate``, whose mean over a varying rate is more
+    than ``1 / mean rate`` (Jensen's inequality), so that prediction comes out short on a machine that
+    drifts, and the more it drifts the shorter."""
+    points = len(per_rank[0])
+    if points < 2:
+        raise ValueError(f"predict_by_round needs a point before and after each round, got {points} point(s)")
+    rounds = [predict(combine([r[k:k + 2] for r in per_rank], world_size), model, size, world_size, tokens, compute)
+              for k in range(points - 1)]
+    return {config: {key: statistics.median(p[config][key] for p in rounds) for key in PHASES}
+            | {"by_round": [{key: p[config][key] for key in PHASES} for p in rounds]}
+            for config in CONFIGS}
 
 
 def separated(a: list[float], b: list[float]) -> int:
@@ -223,6 +291,14 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
+def _rank_units(figures: dict) -> str:
+    """The twin's figures in :func:`figures_line`, with the per-unit figure the check adds from them."""
+    if "twin_world_seconds" not in figures or "rank_unit_seconds" not in figures:
+        return ""
+    return (f", and {figures['rank_unit_seconds'] * 1e3:.2f} ms more on the ranks' own mesh in the check (the twin "
+            f"under FSDP2 over every rank, {figures['twin_world_seconds'] * 1e3:.1f} ms, less its prediction)")
+
+
 def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
     """The machine's figures the prediction ran with, in one paragraph."""
     kinds = "; ".join(f"{op} {_us(f['latency'])} per message + bytes / {f['bandwidth'] / 1e9:.2f} GB/s"
@@ -233,7 +309,7 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
                 f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (tiny elementwise ops, half in "
                 f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
                 f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
-                f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only), the "
+                f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only){_rank_units(figures)}, the "
                 f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings and "
                 f"{figures.get('sync_delay', 0.0) * 1e6:.0f} us more per meeting (blocks of GEMMs with an all-reduce "
                 f"after each block and after each matrix, less both alone, relative to the slower rank), "
@@ -249,9 +325,15 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
             f"NS profiled per shape and batch (bf16, auto); forward+backward predicted at {COMPUTE_MODELS[compute]}")
 
 
-def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "gemms_and_rest") -> str:
+def format_comparison(figures: dict, comparison: dict, header: str, compute: str = "gemms_and_rest",
+                      by_round: bool = False) -> str:
+    """The figures, the table of measured against predicted phases, the orders and the verdicts; ``by_round``:
+    the predictions are :func:`predict_by_round`'s medians (the figures line says so)."""
+    when = ("; each round predicted at the figures measured before and after it, the median over the rounds "
+            "compared (the figures above are the run's means)" if by_round else
+            "; every round at the run's mean figures")
     lines = [header] if header else []
-    lines += [figures_line(figures, compute),
+    lines += [figures_line(figures, compute) + when,
               "| config | step ms: measured / predicted (error) | fwd+bwd ms | optimizer ms |",
               "|---|---|---|---|"]
     for config, row in comparison["configs"].items():
@@ -279,5 +361,5 @@ def order_lines(comparison: dict) -> list[str]:
             f"{'yes' if comparison['within_20_percent'] else 'no'}"]
 
 
-__all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "calibrated_hardware", "combine", "compare", "drift", "fit_link",
-           "fit_links", "format_comparison", "link_messages", "order_check", "predict", "separated"]
+__all__ = ["COMPUTE_MODELS", "CONFIGS", "LINK_KINDS", "PHASES", "calibrated_hardware", "combine", "compare", "drift", "fit_link",
+           "fit_links", "format_comparison", "link_messages", "order_check", "predict", "predict_by_round", "separated"]

@@ -269,6 +269,10 @@ class _ConfigRun:
         flat = iter(int(v) for v in values.tolist())
         return {p: {k: next(flat) for k in LIVE_KINDS} for p in LIVE_POINTS}
 
+    def _by_round(self, times: list[float], rounds: list[int]) -> list[float]:
+        """The median of ``times`` (one per timed step) within each of ``rounds``."""
+        return [statistics.median(t for t, r in zip(times, self.round_of_step) if r == k) for k in rounds]
+
     def result(self) -> dict:
         world_size, config, model = self.world_size, self.config, self.workload.model
         steps = [a + b for a, b in zip(self.fwd_bwd, self.opt_s)]
@@ -291,8 +295,9 @@ class _ConfigRun:
             "step_s_min": min(steps),
             "step_s_max": max(steps),
             "step_s_all": steps,
-            "step_s_by_round": [statistics.median(t for t, r in zip(steps, self.round_of_step) if r == k)
-                                for k in rounds],
+            "step_s_by_round": self._by_round(steps, rounds),
+            "fwd_bwd_s_by_round": self._by_round(self.fwd_bwd, rounds),
+            "optimizer_s_by_round": self._by_round(self.opt_s, rounds),
             "optimizer_s": statistics.median(self.opt_s),
             # The slowest rank's own step() + zero_grad duration (waits for late ranks included).
             "optimizer_own_s": statistics.median(self.opt_own_s),

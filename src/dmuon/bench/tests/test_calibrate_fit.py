@@ -14,6 +14,8 @@ from dmuon.bench.calibrate_fit import (
     link_messages,
     order_check,
     predict,
+    predict_by_round,
+    rank_unit_seconds,
     separated,
 )
 
@@ -149,6 +151,73 @@ def test_the_work_beyond_the_gemms_adds_to_forward_backward_at_the_matmul_rate_o
     assert calibrated_hardware(figures).compute_flops == 5e10
     with pytest.raises(ValueError, match="compute"):
         calibrated_hardware(figures, "svd_flops")
+
+
+def _tiny_point(flops: float) -> dict:
+    """One rank's measurement at one point for the qwen2 tiny model, its GEMMs at ``flops``."""
+    from dmuon.bench.shapes import bench_model_shapes
+
+    ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
+          for r, c in [g.shape] for b in range(1, g.count + 1)}
+    return {"matmul_flops": flops, "effective_flops": flops / 2, "elementwise_bytes": 5e9, "non_gemm_seconds": 0.01,
+            "dispatch_seconds": 2e-6, "dtensor_dispatch_seconds": 2e-5, "dtensor_layout_seconds": 1e-4,
+            "fsdp_unit_seconds": 1e-3, "unlisted_tensors": 5, "ns_seconds": ns,
+            "link_samples": _samples("all_gather", 1e-4, 1e9) + _samples("reduce_scatter", 1e-4, 0.5e9)
+            + _samples("all_to_all", 1e-4, 1e9) + _samples("all_reduce", 1e-4, 1e9)}
+
+
+def test_each_round_is_predicted_at_the_figures_measured_around_it():
+    # Three points (before round 0, between the rounds, after round 1) on two ranks; rank 1 is faster.
+    rates = [2e10, 2e10, 8e10]
+    per_rank = [[_tiny_point(f) for f in rates], [_tiny_point(2 * f) for f in rates]]
+    result = predict_by_round(per_rank, 2, "qwen2", "tiny", 64)
+    rounds = [predict(combine([r[k:k + 2] for r in per_rank], 2), "qwen2", "tiny", 2, 64) for k in range(2)]
+    for config in CONFIGS:
+        for key in ("step_seconds", "forward_backward_seconds", "optimizer_seconds"):
+            by_hand = [p[config][key] for p in rounds]
+            assert [r[key] for r in result[config]["by_round"]] == pytest.approx(by_hand)
+            assert result[config][key] == pytest.approx(sum(by_hand) / 2)  # the median of two rounds
+    # Round 0 ran at the slower rank's 2e10 on both sides, round 1 between 2e10 and 8e10 (their mean, 5e10).
+    assert rounds[0]["adamw"]["step_seconds"] > rounds[1]["adamw"]["step_seconds"]
+    # At the run's mean figures (4e10) every round is priced at one rate: shorter than the rounds' median,
+    # as the mean of 1 / rate exceeds 1 / (the mean rate).
+    at_mean = predict(combine(per_rank, 2), "qwen2", "tiny", 2, 64)
+    assert all(result[c]["step_seconds"] > at_mean[c]["step_seconds"] for c in CONFIGS)
+    # A machine that holds still: the rounds' median is the prediction at the mean figures.
+    still = [[_tiny_point(3e10)] * 3, [_tiny_point(6e10)] * 3]
+    steady, mean = predict_by_round(still, 2, "qwen2", "tiny", 64), predict(combine(still, 2), "qwen2", "tiny", 2, 64)
+    assert all(steady[c]["step_seconds"] == pytest.approx(mean[c]["step_seconds"]) for c in CONFIGS)
+    with pytest.raises(ValueError, match="point before and after"):
+        predict_by_round([[_tiny_point(2e10)], [_tiny_point(2e10)]], 2, "qwen2", "tiny", 64)
+
+
+def test_fsdp2s_work_on_the_ranks_own_mesh_from_the_twin():
+    import torch
+
+    from dmuon.bench.models import build_workload
+
+    figures = combine([[_tiny_point(3e10)], [_tiny_point(3e10)]], 2)
+    assert rank_unit_seconds(figures, "qwen2", 2) == 0.0  # no twin measured: nothing added
+    twin = dict(figures, twin_plain_seconds=0.004, twin_units=3)
+    # What the twin's measured forward+backward exceeds its prediction by, over its 3 units x 2 passes.
+    slow, slower = (rank_unit_seconds(dict(twin, twin_world_seconds=t), "qwen2", 2) for t in (10.0, 10.06))
+    assert slow > 0.0 and slower - slow == pytest.approx(0.06 / 6)
+    assert rank_unit_seconds(dict(twin, twin_world_seconds=1e-6), "qwen2", 2) == 0.0  # the prediction is not short
+    # The check adds it to FSDP2's one-rank figure per unit and pass: every configuration's forward and
+    # backward is one unit figure per unit and pass longer (gloo: FSDP2's work blocks the rank's thread).
+    with torch.device("meta"):
+        units = len(build_workload("qwen2", size="tiny").blocks) + 1
+    base = predict(dict(figures, rank_unit_seconds=0.0), "qwen2", "tiny", 2, 64)
+    more = predict(dict(figures, rank_unit_seconds=2e-3), "qwen2", "tiny", 2, 64)
+    for config in ("adamw", "gather"):
+        added = more[config]["forward_backward_seconds"] - base[config]["forward_backward_seconds"]
+        assert added == pytest.approx(2 * units * 2e-3)
+    # Measured, it is what the check uses; the matmul-only and effective-rate predictions leave it out.
+    measured = dict(twin, twin_world_seconds=10.0)
+    assert predict(measured, "qwen2", "tiny", 2, 64)["adamw"]["step_seconds"] == pytest.approx(
+        predict(dict(figures, rank_unit_seconds=slow), "qwen2", "tiny", 2, 64)["adamw"]["step_seconds"])
+    assert predict(measured, "qwen2", "tiny", 2, 64, "matmul_flops") == predict(figures, "qwen2", "tiny", 2, 64,
+                                                                               "matmul_flops")
 
 
 def test_a_pair_is_ordered_only_when_every_round_agrees():
