@@ -1,11 +1,13 @@
-"""One collective of a modelled step (:class:`Collective`) and the all_to_all parts the step model builds
-them from; :mod:`dmuon.costmodel.collectives` lists a step's, :mod:`dmuon.costmodel.backward_order`
-orders dmuon's backward ones."""
+"""One collective of a modelled step (:class:`Collective`), the all_to_all parts the step model builds
+them from, and its price under the alpha-beta model (:class:`AlphaBeta`, :func:`step_figures`);
+:mod:`dmuon.costmodel.collectives` lists a step's, :mod:`dmuon.costmodel.backward_order` orders
+dmuon's backward ones, :mod:`dmuon.costmodel.peer` the all-to-all peer's."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from dmuon.plan.layout import shard_rows as _shard_rows
 from dmuon.plan.publication import Stage
@@ -89,6 +91,12 @@ class Collective:
         return max((max(t) for t in self.ranks if t is not None), default=0)
 
 
+def uniform_collective(op: str, level: str, phase: str, block, world: int, each: int, messages: int,
+                       label: str, role: str, index: int | None = None) -> Collective:
+    """A collective in which every one of ``world`` ranks sends and receives ``each`` bytes."""
+    return Collective(op, level, phase, block, [(each, each)] * world, messages, label, role, index)
+
+
 def a2a(level: str, phase: str, block, world: int, sent: list[int], received: list[int],
          peers_out: list[set], peers_in: list[set], taking_part: list[bool], label: str, role: str,
          index: int | None = None) -> Collective:
@@ -113,3 +121,52 @@ def merge_parts(*parts: Parts) -> Parts:
 def stage_parts(stage: Stage) -> Parts:
     """One route stage of :mod:`dmuon.plan.publication` as an all_to_all's parts."""
     return stage.sent, stage.received, stage.peers_out, stage.peers_in, stage.taking_part
+
+
+@dataclass
+class AlphaBeta:
+    """The alpha-beta model: per-message latency and per-rank, per-direction bandwidth per level.
+
+    Defaults are typical H100/H200 HGX figures (not measured here): NVLink 4
+    gives each GPU 900 GB/s bidirectional, i.e. 450 GB/s each way (the figure
+    that matters for the larger of sent and received); one 400 Gb/s
+    InfiniBand/RoCE NIC per GPU gives 50 GB/s each way; NCCL-like latencies
+    of about 10 us per message inside a node and 20 us across nodes.
+    """
+
+    intra_bandwidth: float = 450e9
+    """Bytes per second one rank sends (or receives) inside a node."""
+    inter_bandwidth: float = 50e9
+    """Bytes per second one rank sends (or receives) across nodes."""
+    intra_latency: float = 10e-6
+    """Seconds per message inside a node."""
+    inter_latency: float = 20e-6
+    """Seconds per message across nodes."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("intra_latency", "inter_latency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def seconds(self, c: Collective) -> float:
+        """``messages * latency + critical bytes / bandwidth`` on the collective's level."""
+        if c.level == "intra":
+            return c.messages * self.intra_latency + c.critical / self.intra_bandwidth
+        return c.messages * self.inter_latency + c.critical / self.inter_bandwidth
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_figures(collectives: Sequence[Collective], model: AlphaBeta | None = None) -> dict:
+    """``critical_bytes``, ``seconds`` and ``collectives`` of a step, each ``{"total", "intra", "inter"}``."""
+    model = AlphaBeta() if model is None else model
+    out = {key: {"total": 0, "intra": 0, "inter": 0} for key in ("critical_bytes", "seconds", "collectives")}
+    for c in collectives:
+        for key, value in (("critical_bytes", c.critical), ("seconds", model.seconds(c)), ("collectives", 1)):
+            out[key]["total"] += value
+            out[key][c.level] += value
+    return out

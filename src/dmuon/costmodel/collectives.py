@@ -14,17 +14,20 @@ per-rank bandwidth; the step's seconds are the sum over its collectives
 exposed communication). :func:`step_comm` gives those figures per strategy.
 
 The per-rank whole-step totals are :mod:`dmuon.costmodel.rank_traffic`'s; both are
-importable from :mod:`dmuon.costmodel.traffic`.
+importable from :mod:`dmuon.costmodel.traffic`. :class:`AlphaBeta` and :func:`step_figures` live
+with :class:`Collective` in :mod:`dmuon.costmodel.collective`, the all-to-all peer's collectives in
+:mod:`dmuon.costmodel.peer`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from dmuon.costmodel.backward_order import backward_with_returns, spread_backward
-from dmuon.costmodel.collective import Collective, Parts, a2a, merge_parts, shard_rows, stage_parts
+from dmuon.costmodel.collective import (AlphaBeta, Collective, Parts, a2a, merge_parts, shard_rows, stage_parts,
+                                        step_figures, uniform_collective)
+from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
 from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, choose_route, route_stages
 from dmuon.plan.hop_a import resolve_spread
@@ -36,18 +39,9 @@ dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_na
 (design (a): FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
 ``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
 
-PEER_STRATEGY = "dion_all_to_all"
-"""The all-to-all design of microsoft/dion's ``Muon`` and torchtitan's DistMuon, a peer
-:func:`step_collectives` also builds (:func:`all_to_all_batches`); not in :func:`step_comm`."""
-
 def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
     """Bytes of one rank's FSDP2 shard of ``shapes``: ``ceil(m / S)`` rows each (FSDP2 pads to that)."""
     return sum(-(-int(s[0]) // shard) * row_width(s) for s in shapes) * elem_bytes
-
-
-def _uniform_collective(op: str, level: str, phase: str, block, world: int, each: int, messages: int,
-                        label: str, role: str, index: int | None = None) -> Collective:
-    return Collective(op, level, phase, block, [(each, each)] * world, messages, label, role, index)
 
 
 def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, shard: int, *, phase: str,
@@ -61,12 +55,12 @@ def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, sha
     if op in ("all_gather", "reduce_scatter"):
         if shard == 1 or not shapes:
             return []
-        return [_uniform_collective(op, "intra", phase, block, world, (shard - 1) * piece, shard - 1,
+        return [uniform_collective(op, "intra", phase, block, world, (shard - 1) * piece, shard - 1,
                                     f"fsdp2 {op} block {block}", f"fsdp_{op}")]
     if op == "all_reduce":
         if replicate == 1 or not shapes:
             return []
-        return [_uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
+        return [uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
                                     2 * (replicate - 1), f"fsdp2 all_reduce block {block}", "fsdp_all_reduce")]
     raise ValueError(f"unknown FSDP2 collective {op!r}")
 
@@ -330,73 +324,6 @@ def owner_exchange_collectives(
     return backward, step
 
 
-def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:
-    """The peer's (:data:`PEER_STRATEGY`) batches: ``(shape, matrices)`` in the order it runs them.
-
-    microsoft/dion's ``Muon`` (torchtitan's DistMuon) groups the matrices by shape (and
-    sharding, dtype, mesh: the same for FSDP2's row shards), in order of first appearance,
-    and cuts each group into batches of ``shard`` (its mesh's size; on HSDP the shard sub-mesh),
-    the last one padded with dummies up to ``shard``. Shapes are ``(rows, prod(shape[1:]))``.
-    """
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, shape in enumerate(shapes):
-        groups.setdefault((int(shape[0]), row_width(shape)), []).append(i)
-    return [(shape, members[k:k + shard]) for shape, members in groups.items()
-            for k in range(0, len(members), shard)]
-
-
-def async_runtime_order(batches: int, max_concurrent: int = 3) -> list[tuple[int, int]]:
-    """The host order of the peer's work: ``(segment, batch)`` pairs, as its ``AsyncRuntime`` runs them.
-
-    Each batch is a generator of three segments: 0, the momentum and the all-to-all to the
-    owner slices; 1, the wait for it, NS on this rank's matrix and the all-to-all back; 2, the
-    wait for that and the update's apply. Each pass of the runtime's loop first starts a new
-    batch (segment 0) while fewer than ``max_concurrent`` are running, then runs one segment of
-    every batch started earlier, oldest last (the order its list keeps them in).
-    """
-    if max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-    order: list[tuple[int, int]] = []
-    running: list[list[int]] = []  # [batch, next segment], in the runtime's list order
-    started = 0
-    while started < batches or running:
-        now: list[list[int]] = []
-        if started < batches and len(running) < max_concurrent:
-            order.append((0, started))
-            now.append([started, 1])
-            started += 1
-        for task in running:
-            order.append((task[1], task[0]))
-            if task[1] < 2:
-                now.append([task[0], task[1] + 1])
-        running = now
-    return order
-
-
-def _all_to_all_peer(shapes: Sequence[Sequence[int]], replicate: int, shard: int, wire_bytes: int,
-                     max_concurrent: int) -> list[Collective]:
-    """The peer's step collectives: per batch one all-to-all out and one back on each replica's shard group.
-
-    Each rank holds a ``ceil(rows / S)``-row shard of every matrix of the batch (a dummy's
-    too), sends the ``S - 1`` that others orthogonalize and receives ``S - 1`` shards of its
-    own; back the same. Every replica does the same (NS repeated per replica).
-    """
-    world = replicate * shard
-    if shard == 1:
-        return []
-    batches = all_to_all_batches(shapes, shard)
-    out: list[Collective] = []
-    for segment, k in async_runtime_order(len(batches), max_concurrent):
-        if segment == 2:
-            continue
-        (rows, width), _ = batches[k]
-        each = (shard - 1) * -(-rows // shard) * width * wire_bytes
-        way = "out" if segment == 0 else "back"
-        out.append(_uniform_collective("all_to_all", "intra", "step", None, world, each, shard - 1,
-                                       f"{PEER_STRATEGY} {way} batch {k}", f"a2a_{way}", k))
-    return out
-
-
 def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_bytes: int = 4,
                            values: int = 1) -> list[Collective]:
     """The all-reduce of a rule's per-matrix sums over the weight (:mod:`dmuon.runtime.matrix_norms`):
@@ -408,7 +335,7 @@ def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_b
     if shard == 1 or matrices == 0:
         return []
     nbytes = matrices * values * value_bytes
-    return [_uniform_collective("all_reduce", "intra", "step", None, replicate * shard,
+    return [uniform_collective("all_reduce", "intra", "step", None, replicate * shard,
                                 2 * (shard - 1) * nbytes // shard, 2 * (shard - 1), "dmuon weight norms",
                                 "weight_norms")]
 
@@ -556,60 +483,11 @@ def step_collectives(
     if strategy == "gather" and shard > 1:
         world = replicate * shard
         for i, shape in enumerate(shapes):
-            out.append(_uniform_collective("all_gather", "intra", "step", blocks[i], world,
+            out.append(uniform_collective("all_gather", "intra", "step", blocks[i], world,
                                            (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
                                            shard - 1, f"gather direction {i}", "gather", i))
     if strategy == PEER_STRATEGY:
-        out += _all_to_all_peer(shapes, replicate, shard, wire_bytes, max_concurrent)
-    return out
-
-
-@dataclass
-class AlphaBeta:
-    """The alpha-beta model: per-message latency and per-rank, per-direction bandwidth per level.
-
-    Defaults are typical H100/H200 HGX figures (not measured here): NVLink 4
-    gives each GPU 900 GB/s bidirectional, i.e. 450 GB/s each way (the figure
-    that matters for the larger of sent and received); one 400 Gb/s
-    InfiniBand/RoCE NIC per GPU gives 50 GB/s each way; NCCL-like latencies
-    of about 10 us per message inside a node and 20 us across nodes.
-    """
-
-    intra_bandwidth: float = 450e9
-    """Bytes per second one rank sends (or receives) inside a node."""
-    inter_bandwidth: float = 50e9
-    """Bytes per second one rank sends (or receives) across nodes."""
-    intra_latency: float = 10e-6
-    """Seconds per message inside a node."""
-    inter_latency: float = 20e-6
-    """Seconds per message across nodes."""
-
-    def __post_init__(self) -> None:
-        for name in ("intra_bandwidth", "inter_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("intra_latency", "inter_latency"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def seconds(self, c: Collective) -> float:
-        """``messages * latency + critical bytes / bandwidth`` on the collective's level."""
-        if c.level == "intra":
-            return c.messages * self.intra_latency + c.critical / self.intra_bandwidth
-        return c.messages * self.inter_latency + c.critical / self.inter_bandwidth
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def step_figures(collectives: Sequence[Collective], model: AlphaBeta | None = None) -> dict:
-    """``critical_bytes``, ``seconds`` and ``collectives`` of a step, each ``{"total", "intra", "inter"}``."""
-    model = AlphaBeta() if model is None else model
-    out = {key: {"total": 0, "intra": 0, "inter": 0} for key in ("critical_bytes", "seconds", "collectives")}
-    for c in collectives:
-        for key, value in (("critical_bytes", c.critical), ("seconds", model.seconds(c)), ("collectives", 1)):
-            out[key]["total"] += value
-            out[key][c.level] += value
+        out += peer_collectives(shapes, replicate, shard, wire_bytes, max_concurrent)
     return out
 
 

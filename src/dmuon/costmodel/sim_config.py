@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from dmuon.costmodel.collectives import AlphaBeta
+from dmuon.costmodel.collective import AlphaBeta
 from dmuon.costmodel.host import HostOps
 
 

@@ -44,14 +44,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dmuon.costmodel.backward_order import RETURN_ROLES
-from dmuon.costmodel.collectives import (
-    PEER_STRATEGY,
-    STEP_STRATEGIES,
-    Collective,
-    all_to_all_batches,
-    async_runtime_order,
-    step_collectives,
-)
+from dmuon.costmodel.collective import Collective
+from dmuon.costmodel.collectives import STEP_STRATEGIES, step_collectives
+from dmuon.costmodel.peer import PEER_STRATEGY, all_to_all_batches, async_runtime_order
 from dmuon.costmodel.host import OpCount, host_seconds, with_host
 from dmuon.costmodel.sim_config import (
     ADAMW_BYTES,

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dmuon.costmodel.collectives import AlphaBeta, Collective
+from dmuon.costmodel.collective import AlphaBeta, Collective
 
 @dataclass(eq=False)
 class Task:

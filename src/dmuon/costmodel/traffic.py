@@ -17,15 +17,13 @@ Two concerns, one module each, every public name importable from here:
 
 from __future__ import annotations
 
+from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures
 from dmuon.costmodel.collectives import (
     STEP_STRATEGIES,
-    AlphaBeta,
-    Collective,
     fsdp2_block_collectives,
     owner_exchange_collectives,
     step_collectives,
     step_comm,
-    step_figures,
     weight_norm_collective,
 )
 from dmuon.costmodel.rank_traffic import (

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dmuon.costmodel.collectives import (
-    PEER_STRATEGY,
-    AlphaBeta,
-    Collective,
-    all_to_all_batches,
-    async_runtime_order,
-    step_collectives,
-    step_figures,
-)
+from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures
+from dmuon.costmodel.collectives import step_collectives
+from dmuon.costmodel.peer import PEER_STRATEGY, all_to_all_batches, async_runtime_order
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.simulate import (
     RETURNS_IN_BACKWARD,
