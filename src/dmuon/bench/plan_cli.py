@@ -238,7 +238,8 @@ def _step_lines(plan: dict) -> list[str]:
 
 SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
               "dmuon": "dmuon (design (b) on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
-              "dmuon_rbwd": "dmuon, returns in backward", "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
+              "dmuon_rbwd": "dmuon, returns in backward", "dmuon_nfwd": "dmuon, applied in next forward*",
+              "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
 """Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
 
 

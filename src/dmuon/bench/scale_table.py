@@ -76,22 +76,24 @@ def format_scale_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-SIMULATED = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", "dmuon_rbwd", "dion_all_to_all")
+SIMULATED = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", "dmuon_rbwd", "dmuon_nfwd", "dion_all_to_all")
 """Columns of :func:`format_simulation_table`, in order."""
 
 
 def format_simulation_table(rows: Sequence[dict]) -> str:
     """``dmuon plan --simulate --scale-table``: per model and world size, each strategy's simulated
     step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's,
-    gather-then-compute's optimizer phase over dmuon's (both designs, and design (b) with
-    ``returns_in_backward``), and what keeps dmuon's
-    busiest rank busy in its optimizer phase."""
+    gather-then-compute's optimizer phase over dmuon's (both designs, design (b) with
+    ``returns_in_backward``, and design (b) with its updates applied in the next forward, a design modelled
+    and not built: ``simulate.NEXT_FORWARD``), and what keeps dmuon's busiest rank busy in its optimizer phase."""
     names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (design (b))",
              "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
-             "dmuon_rbwd": "dmuon, returns in backward (rbwd)", "dion_all_to_all": "all-to-all peer"}
+             "dmuon_rbwd": "dmuon, returns in backward (rbwd)",
+             "dmuon_nfwd": "dmuon, applied in the next forward (nfwd; not built)", "dion_all_to_all": "all-to-all peer"}
     lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
-             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a) / rbwd) | gather's optimizer ÷ dmuon's ((b) / (a) / "
-             "rbwd) | gather's step ÷ dmuon's ((b) / (a) / rbwd) | dmuon (b)'s optimizer phase: NS / elementwise / "
+             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a) / rbwd / nfwd) | gather's optimizer ÷ dmuon's ((b) / (a) / "
+             "rbwd / nfwd) | gather's step ÷ dmuon's ((b) / (a) / rbwd / nfwd) | dmuon (b)'s optimizer phase: NS / "
+             "elementwise / "
              "intra / inter link ms |",
              "|---|---|" + "---|" * (len(SIMULATED) + 4)]
     for row in rows:
@@ -105,7 +107,8 @@ def format_simulation_table(rows: Sequence[dict]) -> str:
             return f"{step} / {f['optimizer_seconds'] * 1e3:.1f} / {f['exposed_comm_seconds'] * 1e3:.1f}"
 
         def both(field: str, digits: int) -> str:
-            return " / ".join(f"{ratios[k][field]:.{digits}f}x" for k in ("dmuon", "dmuon_native_hsdp", "dmuon_rbwd"))
+            return " / ".join(f"{ratios[k][field]:.{digits}f}x"
+                              for k in ("dmuon", "dmuon_native_hsdp", "dmuon_rbwd", "dmuon_nfwd"))
 
         lines.append(f"| {row['model']} | {row['world_size']} | " + " | ".join(cell(k) for k in SIMULATED)
                      + f" | {both('step_vs_fsdp_adamw', 3)} | {both('gather_optimizer_over_this', 1)} | "

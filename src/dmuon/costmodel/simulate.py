@@ -67,8 +67,18 @@ RETURNS_IN_BACKWARD = "dmuon_rbwd"
 """dmuon (the recommended design) with ``ExecutionConfig(ns_in_backward=True, returns_in_backward=True)``
 and every launch standing: each block's NS on the worker as its directions land, its return (and
 publication across replicas) issued in backward, ``step()`` applying them."""
+NEXT_FORWARD = "dmuon_nfwd"
+"""dmuon (the recommended design) with the updates applied in the next forward, a design the runtime does
+not offer yet (``docs/architecture.md``, "the route not built"): NS and the returns in waves of one block
+each, in forward order, the publication's hops across replicas chained on the replicate stream (a side
+stream, not the compute stream), ``step()`` returning once every wave's return is issued; in the next
+forward each unit's pre-hook waits for the next unit's updates to land, applies them on the compute
+stream and then issues that unit's all-gather (FSDP2's prefetch, now after the apply). Its
+``step_seconds`` is the steady-state period, from one forward's end to the next's (backward, the step
+and the next forward, stretched where an update lands late); ``optimizer_seconds`` that less the
+forward and backward the other strategies count. Modelled to decide whether to build it; nothing runs it."""
 SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", RETURNS_IN_BACKWARD,
-                                   PEER_STRATEGY)
+                                   NEXT_FORWARD, PEER_STRATEGY)
 """What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
 _ACROSS_ROLES = frozenset(RETURN_ROLES.values())
 """The roles of a return's hops across replicas; with ``"return_shard"`` (hop 1) every hop of a return."""
@@ -124,11 +134,12 @@ class _Builder:
     """Builds one strategy's step on a :class:`Timeline`, in the order the host issues it."""
 
     def __init__(self, strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions):
-        known = STEP_STRATEGIES + (PEER_STRATEGY, RETURNS_IN_BACKWARD)
+        known = STEP_STRATEGIES + (PEER_STRATEGY, RETURNS_IN_BACKWARD, NEXT_FORWARD)
         if strategy not in known:
             raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
         self.returns_in_backward = strategy == RETURNS_IN_BACKWARD
-        strategy = "dmuon" if self.returns_in_backward else strategy
+        self.next_forward = strategy == NEXT_FORWARD
+        strategy = "dmuon" if self.returns_in_backward or self.next_forward else strategy
         self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
         self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew,
                            hardware.sync_delay)
@@ -153,7 +164,11 @@ class _Builder:
                                       if inputs.blocks[part[0]] not in self.back]
                                for rank, batches in inputs.ns_batches.items()}
         from dmuon.plan.batches import return_waves
-        self.waves = [w for w in return_waves(self.ns_batches, [], inputs.return_waves) if w]
+        if self.next_forward:
+            # One wave per unit with Muon matrices, in the order the next forward needs them (the root first).
+            self.waves = [self.muon_in(b) for b in self.forward_order() if self.muon_in(b)]
+        else:
+            self.waves = [w for w in return_waves(self.ns_batches, [], inputs.return_waves) if w]
         collectives = listed(self.waves)
         self.collectives: dict[tuple, Collective] = {}
         self.landing_across: dict[int, tuple] = {}
@@ -186,6 +201,10 @@ class _Builder:
         self.launches: list[_Launch] = []
         self.unlanded: list[Task] = []  # design (b): reductions across replicas not yet waited for
         self.backward_end: Task | None = None
+        self.forward_ends: list[Task] = []
+        """The end of each forward built (two with ``next_forward``: this step's and the next)."""
+        self.landed: dict[int, list[Task]] = {}
+        """``next_forward``: per unit, what its updates' landing waits for (its wave's last hop)."""
 
     # -- helpers
     def by_block(self, batch: list[int]) -> list[list[int]]:
@@ -244,17 +263,62 @@ class _Builder:
                 + sum(_numel(s) for s, x in zip(inp.other_shapes, inp.other_blocks) if x == b) * other)
 
     # -- FSDP2: forward and backward, the strategy's hook after each block's reduction
-    def forward_backward(self, hook: Callable[[int], None]) -> None:
-        inp, tl = self.inp, self.tl
-        order = sorted(set(inp.blocks) | set(inp.other_blocks))
-        root = inp.root_block if inp.root_block in order else None
-        layers = [b for b in order if b != root]
-        tokens = self.opt.tokens_per_gpu
-        # Each unit's forward: its GEMMs (2 x parameters x tokens) and its share of the work beyond them;
-        # backward twice that.
+    def units(self) -> tuple[int | None, list[int]]:
+        """The root unit (None without one) and the layers, in forward order."""
+        order = sorted(set(self.inp.blocks) | set(self.inp.other_blocks))
+        root = self.inp.root_block if self.inp.root_block in order else None
+        return root, [b for b in order if b != root]
+
+    def forward_order(self) -> list[int]:
+        """The units in the order forward gathers them: the root (embedding and head) first."""
+        root, layers = self.units()
+        return ([root] if root is not None else []) + layers
+
+    def forward_seconds(self) -> dict[int, float]:
+        """Each unit's forward: its GEMMs (2 x parameters x tokens) and its share of the work beyond
+        them; backward twice that."""
+        order = self.forward_order()
         numel = {b: self.block_numel(b) for b in order}
         beyond = self.opt.non_gemm_seconds / 3 / max(1, sum(numel.values())) if self.opt.compute else 0.0
-        fwd = {b: self.seconds(2.0 * numel[b] * tokens, self.hw.compute_flops) + beyond * numel[b] for b in order}
+        return {b: self.seconds(2.0 * numel[b] * self.opt.tokens_per_gpu, self.hw.compute_flops) + beyond * numel[b]
+                for b in order}
+
+    def forward(self, sequence: list[Task], phase: str = "forward", landed: dict[int, list[Task]] | None = None
+                ) -> None:
+        """FSDP2's forward, its compute tasks appended to ``sequence``: each unit's all-gather issued in
+        the pre-forward of the unit before it (the root's at the start), once the compute before that
+        one has ended (two units unsharded at once). With ``landed`` (``next_forward``'s next forward,
+        ``phase`` ``"next_forward"``) that pre-forward first applies the unit's updates on the compute
+        stream once they have landed, and the all-gather waits for the apply."""
+        tl, order, fwd = self.tl, self.forward_order(), self.forward_seconds()
+        root = order[0] if self.units()[0] is not None else None
+        unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
+
+        def gather(b: int, deps: list[Task]) -> Task | None:
+            key = ("fsdp_all_gather", "forward", b, None)
+            if landed is None:
+                return self.coll(*key, AG, deps)
+            if b in landed:
+                deps = deps + [self.elementwise(f"apply block {b}", C,
+                                                APPLY_BYTES * self.row_elements(self.muon_in(b)), landed[b],
+                                                phase=phase)]
+            c = self.collectives.get(key)
+            return None if c is None else tl.collective(c, self.s[AG], deps, phase=phase)
+
+        gathered = {order[0]: gather(order[0], [])} if order else {}
+        for k, b in enumerate(order):
+            if k + 1 < len(order):  # unit b's pre-forward: the next unit's all-gather
+                gathered[order[k + 1]] = gather(order[k + 1], sequence[-1:])
+            name, seconds = ("embedding", 0.0) if b == root else (f"forward block {b}", fwd[b])
+            sequence.append(tl.compute(name, C, self.with_host(seconds, unit), [gathered[b]], phase=phase))
+        if root is not None:
+            sequence.append(tl.compute("forward head", C, fwd[root], phase=phase))
+        self.forward_ends.append(sequence[-1])
+
+    def forward_backward(self, hook: Callable[[int], None]) -> None:
+        inp, tl = self.inp, self.tl
+        root, layers = self.units()
+        fwd = self.forward_seconds()
         unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
         sequence: list[Task] = []  # every forward and backward compute task, in order
 
@@ -267,17 +331,12 @@ class _Builder:
             sequence.append(task)
             return task
 
-        if root is not None:
-            gathered = self.coll("fsdp_all_gather", "forward", root, None, AG)
-            run(tl.compute("embedding", C, self.with_host(0.0, unit), [gathered], phase="forward"))
-        for b in layers:
-            gathered = self.coll("fsdp_all_gather", "forward", b, None, AG, prefetched())
-            run(tl.compute(f"forward block {b}", C, self.with_host(fwd[b], unit), [gathered], phase="forward"))
+        self.forward(sequence)
         if root is not None:
             # The root's parameters (the head) compute after the layers and stay gathered for backward,
             # unless resharded after forward (root_regathered): then gathered again before the head's
             # backward, with nothing to hide behind.
-            head = run(tl.compute("forward head", C, fwd[root], phase="forward"))
+            head = sequence[-1]
             again = self.coll("fsdp_all_gather", "backward", root, None, AG, [head]) if inp.root_regathered else None
             run(tl.compute("backward head", C, 2 * fwd[root], [again], phase="backward"))
         for b in reversed(layers):
@@ -299,6 +358,8 @@ class _Builder:
     def reduce(self, b: int, done: Task, hook: Callable[[int], None]) -> None:
         """FSDP2's post-backward of block ``b``: reduce-scatter, HSDP all-reduce, then the hooks."""
         rs = self.coll("fsdp_reduce_scatter", "backward", b, None, RS, [done])
+        if rs is None:  # one shard position: nothing to reduce-scatter, but what follows waits for the block
+            rs = self.wait(f"block {b} backward done", RS, [done], "backward")
         self.coll("fsdp_all_reduce", "backward", b, None, AR, [rs])
         hook(b)
 
@@ -510,7 +571,7 @@ class _Builder:
                          host=ops.dmuon_per_step + ops.dmuon_per_matrix * len(inp.shapes))
         checked = self.elementwise("launch check", C, STALE_BYTES * self.kept_elements(everything))
         # ns_in_backward (returns_in_backward) leaves the speculative step: the agreement goes alone.
-        speculative = inp.return_waves == 1 and not self.returns_in_backward
+        speculative = inp.return_waves == 1 and not (self.returns_in_backward or self.next_forward)
         agreement = None
         if not speculative and inp.world > 1:
             flags = self.opt.agreement_bytes * (len(inp.shapes) + len(set(inp.blocks)))
@@ -539,6 +600,9 @@ class _Builder:
         for w, wave in enumerate(self.waves):
             while returns[w].ahead:
                 self.forward_returns(returns[w:])
+            if self.next_forward:  # applied in the next forward, by the unit before it
+                self.landed[self.inp.blocks[wave[0]]] = returns[w].issued
+                continue
             landed = self.wait(f"wave {w} landed", C, returns[w].issued)
             self.elementwise(f"apply wave {w}", C, APPLY_BYTES * self.row_elements(wave), [landed])
 
@@ -552,13 +616,16 @@ class _Builder:
 
     def forward_returns(self, returns: list["_Return"]) -> None:
         """``ShardRuntime._forward_returns``: every return in flight lands its latest hop (on the compute
-        stream) and issues its next, all of them in one all_to_all on the replicate group (the
-        collective ``step_collectives`` lists under the round's first hop across replicas, or, with
-        none, the last wave's all-gather)."""
+        stream; ``next_forward``: on the replicate stream, a side stream that leaves compute free) and
+        issues its next, all of them in one all_to_all on the replicate group (the collective
+        ``step_collectives`` lists under the round's first hop across replicas, or, with none, the last
+        wave's all-gather)."""
         moving = [ret for ret in returns if ret.ahead]
         if not moving:
             return
-        landed = [self.wait(f"wave {ret.w} hop {len(ret.issued)} landed", C, ret.issued[-1:]) for ret in moving]
+        stream = DR if self.next_forward else C
+        landed = [self.wait(f"wave {ret.w} hop {len(ret.issued)} landed", stream, ret.issued[-1:])
+                  for ret in moving]
         firsts = [ret.w for ret in moving if ret.ahead[0] == "first"]
         if firsts:
             w, = firsts  # the runtime advances one wave past hop 1 per round
@@ -572,7 +639,18 @@ class _Builder:
             ret.issued.append(task)
 
     def wave_batches(self) -> list[list[list[tuple[tuple[int, int], int]]]]:
-        """Per rank, per wave, its NS batches as ``(shape, count)``."""
+        """Per rank, per wave, its NS batches as ``(shape, count)`` (``next_forward``: each wave one unit's
+        matrices, each owner's of one shape in one batch)."""
+        if self.next_forward:
+            out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
+            for w, wave in enumerate(self.waves):
+                for rank in range(self.inp.world):
+                    counts: dict[tuple[int, int], int] = {}
+                    for i in wave:
+                        if self.inp.owners[i] == rank:
+                            counts[self.inp.shapes[i]] = counts.get(self.inp.shapes[i], 0) + 1
+                    out[rank][w] = list(counts.items())
+            return out
         last = len(self.waves) - 1
         out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
         for rank, batches in self.ns_batches.items():
@@ -608,6 +686,8 @@ class _Builder:
         self.forward_backward(self.dmuon_hook if muon else (lambda b: None))
         {"fsdp_adamw": self.step_fsdp_adamw, "gather": self.step_gather, "dmuon": self.step_dmuon,
          "dmuon_native_hsdp": self.step_dmuon, PEER_STRATEGY: self.step_peer}[self.strategy]()
+        if self.next_forward:
+            self.forward([], "next_forward", self.landed)
         unused = set(self.collectives) - self.used
         if unused:
             raise AssertionError(f"{self.strategy}: collectives not scheduled: {sorted(map(str, unused))[:5]}")
@@ -641,22 +721,33 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
         and the longest any rank's intra- and inter-node link carries bytes: what bounds
         the phase), ``collectives`` and ``bounding_rank`` (the rank with the most compute).
     """
-    timeline, backward_end = build_step(strategy, inputs, hardware, options)
+    builder = _Builder(strategy, inputs, hardware, options or SimOptions())
+    timeline, backward_end = builder.build(), builder.backward_end
     timeline.run()
     world = inputs.world
-    busy = {phase: [0.0] * world for phase in ("forward", "backward", "step")}
+    busy = {phase: [0.0] * world for phase in ("forward", "backward", "step", "next_forward")}
     by_kind = {kind: [0.0] * world for kind in ("compute", "ns", "elementwise")}
+    # The work of one step: with next_forward the next forward's stands in for this one's.
+    counted = ("backward", "step", "next_forward") if builder.next_forward else ("forward", "backward", "step")
     step = 0.0
     for task in timeline.tasks:
         for k, t in task.end.items():
             step = max(step, t)
             if task.seconds is not None and task.seconds[k]:
                 busy[task.phase][k] += task.seconds[k]
-                by_kind[task.kind][k] += task.seconds[k]
+                if task.phase in counted:
+                    by_kind[task.kind][k] += task.seconds[k]
+    in_backward = max(busy["forward"][k] + busy["backward"][k] for k in range(world))
+    if builder.next_forward:
+        # The steady-state period, from this forward's end to the next's: backward starts when a forward
+        # ends, whatever delayed that forward, so the period repeats. In the period's sums the next
+        # forward's work (its applies included) stands in for this one's.
+        step -= max(builder.forward_ends[0].end.values())
+        busy["forward"] = busy["next_forward"]
+    del busy["next_forward"]
     total = [sum(busy[p][k] for p in busy) for k in range(world)]
     bound = max(range(world), key=lambda k: total[k])
     backward = max(backward_end.end.values())
-    in_backward = max(busy["forward"][k] + busy["backward"][k] for k in range(world))
     return {
         "step_seconds": step,
         "forward_backward_seconds": backward,
@@ -676,10 +767,13 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
 def _busy_after(timeline: Timeline, start: float, world: int) -> dict:
     """What kept the ranks busy from ``start`` (the end of backward) on: the most any rank spent on NS
     and on elementwise work, and the longest any rank's intra- and inter-node link carried bytes
-    (either direction; overlapping transfers counted once)."""
+    (either direction; overlapping transfers counted once). The step's own work: the next forward's
+    (``next_forward``) is left out, its links' transfers and applies included."""
     work = {"ns": [0.0] * world, "elementwise": [0.0] * world}
     spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for task in timeline.tasks:
+        if task.phase == "next_forward":
+            continue
         if task.collective is not None:
             for k in task.ranks:
                 if task.moving is not None and max(task.collective.ranks[k]) > 0 and task.end[k] > start:

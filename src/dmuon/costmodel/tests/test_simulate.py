@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pytest
 
 from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures
@@ -9,6 +10,7 @@ from dmuon.costmodel.collectives import step_collectives
 from dmuon.costmodel.peer import PEER_STRATEGY, all_to_all_batches, async_runtime_order
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.simulate import (
+    NEXT_FORWARD,
     RETURNS_IN_BACKWARD,
     SIM_STRATEGIES,
     Timeline,
@@ -182,18 +184,22 @@ def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, retu
     options = SimOptions(overlap=False, compute=False)
     for strategy in SIM_STRATEGIES:
         timeline, _ = build_step(strategy, inputs, HW, options)
-        used = [t.collective for t in timeline.tasks if t.collective is not None]
+        # NEXT_FORWARD's step is the period from one forward's end to the next's: the next forward's
+        # all-gathers stand in for this one's.
+        nfwd = strategy == NEXT_FORWARD
+        used = [t.collective for t in timeline.tasks if t.collective is not None
+                and not (nfwd and t.phase == "forward")]
         figures = simulate(strategy, inputs, HW, options)
         assert figures["step_seconds"] == pytest.approx(step_figures(used, LINKS)["seconds"]["total"]), strategy
         # The collectives are step_collectives' (the same code as step_comm's), plus dmuon's agreement.
         rbwd = strategy == RETURNS_IN_BACKWARD
-        listed = step_collectives("dmuon" if rbwd else strategy, inputs.shapes, inputs.owners, inputs.blocks,
+        listed = step_collectives("dmuon" if rbwd or nfwd else strategy, inputs.shapes, inputs.owners, inputs.blocks,
                                   replicate, shard, waves=_Builder(strategy, inputs, HW, options).waves,
                                   other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks,
                                   publication=publication, returns_in_backward=rbwd)
         extra = [c for c in used if c.role == "agreement"]
         # NS in backward leaves the speculative step (its flags on the return): the agreement goes alone.
-        assert len(extra) == (strategy.startswith("dmuon") and (return_waves > 1 or rbwd))
+        assert len(extra) == (strategy.startswith("dmuon") and (return_waves > 1 or rbwd or nfwd))
         assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
         if not extra:
             assert figures["step_seconds"] == pytest.approx(step_figures(listed, LINKS)["seconds"]["total"])
@@ -589,3 +595,62 @@ def test_the_root_gathered_again_at_the_start_of_backward(replicate, shard):
             gathered = tasks[backward_root[0].label]
             assert gathered.phase == "backward"
             assert all(tasks["backward head"].start[k] >= gathered.end[k] - 1e-12 for k in gathered.end)
+
+
+def test_updates_applied_in_the_next_forward_by_hand():
+    """NEXT_FORWARD (modelled, not built): on one rank nothing overlaps, so the period is dmuon's step; with
+    free links too; with a slow link across replicas the publication goes behind the next forward: every
+    unit's update is applied once its wave has landed, before that unit is gathered, in the pre-forward of
+    the unit before it; the period is shorter than dmuon's step by nearly its publication."""
+    options = SimOptions(tokens_per_gpu=1000)
+    one = _inputs(1, 1)
+    assert simulate(NEXT_FORWARD, one, HW, options)["step_seconds"] == pytest.approx(
+        simulate("dmuon", one, HW, options)["step_seconds"])
+    free = Hardware("free", 1e12, 1e12, 1e11, AlphaBeta(intra_bandwidth=1e30, inter_bandwidth=1e30,
+                                                        intra_latency=0.0, inter_latency=0.0))
+    assert simulate(NEXT_FORWARD, _inputs(2, 2), free, options)["step_seconds"] == pytest.approx(
+        simulate("dmuon", _inputs(2, 2), free, options)["step_seconds"])
+    # Eight layers of two matrices and a root, 2 x 2 ranks; across replicas 1 byte per second (the
+    # publication takes minutes), a forward of minutes per unit; the next forward needs block 1 first.
+    shapes = [(6 + k % 3, 5 + k % 4) for k in range(16)] + [(6, 5)]
+    blocks = [1 + k // 2 for k in range(16)] + [0]
+    owners = [(3 * i + 1) % 4 for i in range(len(shapes))]
+    inputs = StepInputs(shapes=shapes, owners=owners, blocks=blocks, replicate=2, shard=2,
+                        ns_batches={o: [[i] for i in range(len(shapes)) if owners[i] == o] for o in range(4)},
+                        other_shapes=[(16, 5)], other_blocks=[0], return_waves=4)
+    slow = Hardware("slow", 1e12, 1e12, 1e11, AlphaBeta(intra_bandwidth=1e30, inter_bandwidth=1.0,
+                                                        intra_latency=0.0, inter_latency=0.0))
+    long = SimOptions(tokens_per_gpu=10**12)
+    plain, nfwd = (simulate(s, inputs, slow, long) for s in ("dmuon", NEXT_FORWARD))
+    # dmuon's optimizer phase is mostly the publication (9 waves here); the next forward needs the root's
+    # and block 1's updates before any compute, the others land behind the forward of the units before.
+    publication = plain["optimizer_busy_seconds"]["inter"]
+    assert publication > 0.8 * plain["optimizer_seconds"]
+    assert nfwd["step_seconds"] < plain["step_seconds"] - 0.3 * publication
+    assert nfwd["exposed_comm_seconds"] < plain["exposed_comm_seconds"] - 0.3 * publication
+    builder = _Builder(NEXT_FORWARD, inputs, slow, long)
+    # One wave per unit with Muon matrices, the root's first (the order the next forward needs them); each
+    # rank publishes the same bytes as in dmuon's waves (in more, smaller collectives).
+    assert builder.waves == [[16]] + [[2 * k, 2 * k + 1] for k in range(8)]
+
+    def published(b: _Builder) -> list[tuple[int, int]]:
+        across = [c.ranks for c in b.collectives.values() if c.level == "inter" and c.phase == "step"]
+        return [tuple(map(sum, zip(*(r[k] or (0, 0) for r in across)))) for k in range(4)]
+
+    assert published(builder) == published(_Builder("dmuon", inputs, slow, long))
+    timeline = builder.build()
+    timeline.run()
+    tasks = {(t.phase, t.name): t for t in timeline.tasks}
+    gathers = {t.collective.block: t for t in timeline.tasks
+               if t.phase == "next_forward" and t.collective is not None}
+    computes = {0: tasks[("next_forward", "embedding")]}
+    computes.update({b: tasks[("next_forward", f"forward block {b}")] for b in range(1, 9)})
+    for b, k in itertools.product(range(9), range(4)):  # each rank's own timeline
+        apply = tasks[("next_forward", f"apply block {b}")]
+        assert apply.start[k] >= max(dep.end[k] for dep in builder.landed[b] if k in dep.end)
+        assert gathers[b].start[k] >= apply.end[k] and computes[b].start[k] >= gathers[b].end[k]
+        if b:  # in the pre-forward of the unit before it: before that unit's compute
+            assert apply.end[k] <= computes[b - 1].start[k]
+    # The period: from this forward's end to the next's.
+    first_end = max(builder.forward_ends[0].end.values())
+    assert nfwd["step_seconds"] == pytest.approx(max(builder.forward_ends[1].end.values()) - first_end)
