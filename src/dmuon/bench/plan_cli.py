@@ -268,6 +268,9 @@ def _simulation_lines(plan: dict) -> list[str]:
                      f"{f['optimizer_seconds'] * 1e3:>13.1f} {(f'{over:.2f}x' if over else '-'):>13} "
                      f"{f['exposed_comm_seconds'] * 1e3:>16.1f}  "
                      + " / ".join(f"{v * 1e3:.1f}" for v in f["optimizer_busy_seconds"].values()))
+    lines.append("  * a design the runtime does not offer yet, modelled to decide whether to build it: each unit's updates "
+                 "applied in the next forward, just before it is gathered (docs/benchmarks.md, \"Applied in the next "
+                 "forward\"); its step is the period from one forward's end to the next's")
     return lines
 
 
