@@ -125,8 +125,8 @@ COMPUTE_MODELS = {"gemms_and_rest": "the GEMMs at the matmul rate, the work beyo
                   "effective_flops": "the effective rate"}
 """How a prediction prices forward and backward, and how :func:`figures_line` names it: ``"gemms_and_rest"``
 (the check): 6 x parameters x tokens at the matmul rate, the measured work beyond the GEMMs
-(``non_gemm_seconds``) and FSDP2's per-unit host work (on a one-rank mesh, plus :func:`rank_unit_seconds`); ``"matmul_flops"``: the same without the work
-beyond the GEMMs; ``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a
+(``non_gemm_seconds``) and FSDP2's per-unit host work (on a one-rank mesh, plus :func:`rank_unit_seconds`);
+``"matmul_flops"``: the same without the work beyond the GEMMs and without :func:`rank_unit_seconds`; ``"effective_flops"``: everything at the effective rate (FSDP2's forward+backward on a
 one-rank mesh, its own work and the non-GEMM work inside, as the presets' rates)."""
 
 
@@ -174,9 +174,9 @@ def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
     bench model's own timings are never used."""
     if "twin_world_seconds" not in figures:
         return 0.0
-    from dmuon.bench.models import build_workload
-
     import torch
+
+    from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
 
     with torch.device("meta"):
         tokens = build_workload(model, size="tiny").tokens_per_rank
@@ -192,7 +192,7 @@ def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
 
 def predict(figures: dict, model: str, size: str | None, world_size: int, tokens: int,
             compute: str = "gemms_and_rest", per_kind: bool = True, host: bool = True, skew: bool = True,
-            configs=tuple(CONFIGS)) -> dict:
+            configs: tuple[str, ...] = tuple(CONFIGS)) -> dict:
     """The simulated step of each of ``configs`` (bench configurations) on ``world_size`` ranks (1-D FSDP),
     with :func:`calibrated_hardware`'s figures and, for ``"gemms_and_rest"``, the measured work beyond the
     GEMMs and FSDP2's work on the ranks' own mesh (:func:`rank_unit_seconds`, unless ``figures`` gives
@@ -228,8 +228,9 @@ def predict_by_round(per_rank: list[list[dict]], world_size: int, model: str, si
     priced at its own moment, and the predicted median is held against the measured one. A prediction at
     the figures' means over the whole run (:func:`predict` of :func:`combine` of every point) prices every
     round at one average rate; a step's time goes as ``1 / rate``, whose mean over a varying rate is more
-    than ``1 / mean rate`` (Jensen's inequality), so that prediction comes out short on a machine that
-    drifts, and the more it drifts the shorter."""
+    than ``1 / mean rate`` (Jensen's inequality), so on a drifting machine the rounds priced that way come
+    out short on average. (Against the bench's medians, session 19's runs moved by at most 4 points either
+    way: docs/benchmarks.md.)"""
     points = len(per_rank[0])
     if points < 2:
         raise ValueError(f"predict_by_round needs a point before and after each round, got {points} point(s)")
