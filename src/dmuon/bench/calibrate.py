@@ -79,8 +79,9 @@ DISPATCH_TENSORS = 48
 """Tensor pairs, each of its own shape, of the dispatch measurement."""
 DISPATCH_OPS = 8
 """Operations per pair in it (:meth:`_Meter.dispatch`)."""
-LAYOUT_LOOP = 20
-"""Rounds of ``full_tensor()`` and ``distribute_tensor`` timed per layout measurement."""
+LAYOUT_LOOP = 4
+"""Rounds over the bench model's Muon shapes of ``full_tensor()`` and ``distribute_tensor`` timed per layout
+measurement."""
 
 
 # torch 2.13 names them *_single (FSDP2 calls reduce_scatter_single); older releases have only the *_tensor names.
@@ -163,12 +164,18 @@ class _Meter:
         self.plain_pairs = [(torch.ones(s), torch.ones(s)) for s in shapes]
         self.dtensor_pairs = [tuple(DTensor.from_local(torch.ones(s), mesh, [Shard(0)]) for _ in range(2))
                               for s in shapes]
-        # DTensor's layout calls as gather-then-compute makes them per matrix, on every rank's mesh, on 8
-        # elements per rank: full_tensor() less a plain all-gather of the same bytes, and distribute_tensor
+        # DTensor's layout calls as gather-then-compute makes them per matrix, on every rank's mesh, at the
+        # bench model's Muon shapes in bf16 (its wire; at 8 elements the figure came out a third of what
+        # these sizes cost): full_tensor() less a plain all-gather of the same bytes, and distribute_tensor
         # (each rank cuts its piece, no collective): their host path beyond the collective.
+        from torch.distributed.tensor import distribute_tensor
+
         self.world_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-        self.layout_piece = DTensor.from_local(torch.ones(8, dtype=torch.bfloat16), self.world_mesh, [Shard(0)])
-        self.layout_full = torch.empty(8 * world_size, dtype=torch.bfloat16)
+        muon_shapes = sorted({tuple(g.shape) for g in groups if g.muon}) or [(8 * world_size, 1)]
+        self.layout_pieces = [distribute_tensor(torch.ones(shape, dtype=torch.bfloat16), self.world_mesh, [Shard(0)],
+                                                src_data_rank=None) for shape in muon_shapes]
+        self.layout_buffers = [torch.empty(piece.to_local().numel() * world_size, dtype=torch.bfloat16)
+                               for piece in self.layout_pieces]
         # FSDP2's per-unit host work: the model's tiny twin (its blocks and tensors, tiny widths) under
         # FSDP2 on the one-rank mesh, less the same without FSDP2, per unit and pass; and the twin under
         # FSDP2 over every rank, as the bench shards (its collectives, and FSDP2's work beside them that a
@@ -277,12 +284,21 @@ class _Meter:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         for _ in range(LAYOUT_LOOP):
-            full = self.layout_piece.full_tensor()
-            distribute_tensor(full, self.world_mesh, [Shard(0)], src_data_rank=None)
+            for piece in self.layout_pieces:
+                full = piece.full_tensor()
+                distribute_tensor(full, self.world_mesh, [Shard(0)], src_data_rank=None)
 
     def layout_collectives(self) -> None:
         for _ in range(LAYOUT_LOOP):
-            _ALL_GATHER(self.layout_full, self.layout_piece.to_local())
+            for piece, buffer in zip(self.layout_pieces, self.layout_buffers):
+                _ALL_GATHER(buffer, piece.to_local().reshape(-1))
+
+    def layout_seconds(self) -> float:
+        """Seconds per layout call beyond its collective: :meth:`layout_calls` less
+        :meth:`layout_collectives`, interleaved (:func:`_interleaved_means`: they are subtracted)."""
+        calls, collectives = _interleaved_means({"calls": self.layout_calls, "collectives": self.layout_collectives},
+                                                self.repeats).values()
+        return max(0.0, calls - collectives) / (2 * LAYOUT_LOOP * len(self.layout_pieces))
 
     def adamw(self) -> None:
         from torch.optim.adam import adam
@@ -302,9 +318,7 @@ class _Meter:
                / (DISPATCH_OPS * DISPATCH_TENSORS),
                "dtensor_dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.dtensor_pairs), self.repeats)
                / (DISPATCH_OPS * DISPATCH_TENSORS),
-               "dtensor_layout_seconds": max(0.0, _mean_seconds(self.layout_calls, self.repeats)
-                                             - _mean_seconds(self.layout_collectives, self.repeats))
-               / (2 * LAYOUT_LOOP),
+               "dtensor_layout_seconds": self.layout_seconds(),
                **self.twin_seconds(),
                "skew_seconds": self.skew_seconds(),
                "unlisted_tensors": self.unlisted_tensors,

@@ -309,7 +309,7 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
         host = (f"; host: {figures['dispatch_seconds'] * 1e6:.1f} us per plain op, "
                 f"{figures['dtensor_dispatch_seconds'] * 1e6:.1f} us per DTensor op (tiny elementwise ops, half in "
                 f"place, of 48 shapes, on a one-rank mesh), {figures.get('dtensor_layout_seconds', 0.0) * 1e6:.0f} us per DTensor layout call "
-                f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
+                f"(full_tensor() less a plain all-gather, distribute_tensor, on every rank, at the model's Muon shapes in bf16), FSDP2 {figures['fsdp_unit_seconds'] * 1e3:.2f} ms per unit and pass (its qwen2 "
                 f"tiny twin under FSDP2 on a one-rank mesh less without; added at the matmul rate only){_rank_units(figures)}, the "
                 f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings and "
                 f"{figures.get('sync_delay', 0.0) * 1e6:.0f} us more per meeting (blocks of GEMMs with an all-reduce "
