@@ -308,11 +308,14 @@ class _Meter:
              eps=1e-8, maximize=False)
 
     def measure(self) -> dict:
-        matmul = self.gemm_flops / _mean_seconds(self.gemms, self.repeats)
+        # The GEMMs and the plain forward+backward interleaved: the work beyond the GEMMs is their difference
+        # (timed one after the other, they sampled different moments of the shared machine).
+        gemms, fsdp, plain = _interleaved_means({"gemms": self.gemms, "fsdp": self.forward_backward,
+                                                 "plain": self.plain_forward_backward}, self.repeats).values()
+        matmul = self.gemm_flops / gemms
         out = {"matmul_flops": matmul,
-               "effective_flops": self.counted / _mean_seconds(self.forward_backward, self.repeats),
-               "non_gemm_seconds": max(0.0, _mean_seconds(self.plain_forward_backward, self.repeats)
-                                       - self.counted / matmul),
+               "effective_flops": self.counted / fsdp,
+               "non_gemm_seconds": max(0.0, plain - self.counted / matmul),
                "elementwise_bytes": self.adam_bytes / _mean_seconds(self.adamw, self.repeats),
                "dispatch_seconds": _mean_seconds(lambda: self.dispatch(self.plain_pairs), self.repeats)
                / (DISPATCH_OPS * DISPATCH_TENSORS),
