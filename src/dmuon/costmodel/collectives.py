@@ -56,12 +56,12 @@ def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, sha
         if shard == 1 or not shapes:
             return []
         return [uniform_collective(op, "intra", phase, block, world, (shard - 1) * piece, shard - 1,
-                                    f"fsdp2 {op} block {block}", f"fsdp_{op}")]
+                                   f"fsdp2 {op} block {block}", f"fsdp_{op}")]
     if op == "all_reduce":
         if replicate == 1 or not shapes:
             return []
         return [uniform_collective(op, "inter", phase, block, world, 2 * (replicate - 1) * piece // replicate,
-                                    2 * (replicate - 1), f"fsdp2 all_reduce block {block}", "fsdp_all_reduce")]
+                                   2 * (replicate - 1), f"fsdp2 all_reduce block {block}", "fsdp_all_reduce")]
     raise ValueError(f"unknown FSDP2 collective {op!r}")
 
 
@@ -336,8 +336,8 @@ def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_b
         return []
     nbytes = matrices * values * value_bytes
     return [uniform_collective("all_reduce", "intra", "step", None, replicate * shard,
-                                2 * (shard - 1) * nbytes // shard, 2 * (shard - 1), "dmuon weight norms",
-                                "weight_norms")]
+                               2 * (shard - 1) * nbytes // shard, 2 * (shard - 1), "dmuon weight norms",
+                               "weight_norms")]
 
 
 def step_collectives(
@@ -484,8 +484,8 @@ def step_collectives(
         world = replicate * shard
         for i, shape in enumerate(shapes):
             out.append(uniform_collective("all_gather", "intra", "step", blocks[i], world,
-                                           (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
-                                           shard - 1, f"gather direction {i}", "gather", i))
+                                          (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
+                                          shard - 1, f"gather direction {i}", "gather", i))
     if strategy == PEER_STRATEGY:
         out += peer_collectives(shapes, replicate, shard, wire_bytes, max_concurrent)
     return out

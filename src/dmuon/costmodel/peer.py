@@ -20,6 +20,7 @@ PEER_STRATEGY = "dion_all_to_all"
 :func:`dmuon.costmodel.collectives.step_collectives` also builds (:func:`peer_collectives`); not in
 :func:`dmuon.costmodel.collectives.step_comm`."""
 
+
 def all_to_all_batches(shapes: Sequence[Sequence[int]], shard: int) -> list[tuple[tuple[int, int], list[int]]]:
     """The peer's (:data:`PEER_STRATEGY`) batches: ``(shape, matrices)`` in the order it runs them.
 
@@ -83,5 +84,5 @@ def peer_collectives(shapes: Sequence[Sequence[int]], replicate: int, shard: int
         each = (shard - 1) * -(-rows // shard) * width * wire_bytes
         way = "out" if segment == 0 else "back"
         out.append(uniform_collective("all_to_all", "intra", "step", None, world, each, shard - 1,
-                                       f"{PEER_STRATEGY} {way} batch {k}", f"a2a_{way}", k))
+                                      f"{PEER_STRATEGY} {way} batch {k}", f"a2a_{way}", k))
     return out

@@ -266,7 +266,7 @@ class StepBuilder:
         ``phase`` ``"next_forward"``) that pre-forward first applies the unit's updates on the compute
         stream once they have landed, and the all-gather waits for the apply."""
         tl, order, fwd = self.tl, self.forward_order(), self.forward_seconds()
-        root = order[0] if self.units()[0] is not None else None
+        root, _ = self.units()
         unit = self.hw.fsdp_unit_seconds  # FSDP2's host work per unit and pass
 
         def gather(b: int, deps: list[Task]) -> Task | None:
@@ -384,18 +384,21 @@ class StepBuilder:
                 launch.hops_issued = launch.stage == "B"
         return joining
 
+    def batches_by_shape(self, members: list[int]) -> list[list[tuple[tuple[int, int], int]]]:
+        """Per rank, its matrices among ``members`` as NS batches of one shape each: ``(shape, count)``."""
+        out: list[dict[tuple[int, int], int]] = [{} for _ in range(self.inp.world)]
+        for i in members:
+            counts = out[self.inp.owners[i]]
+            counts[self.inp.shapes[i]] = counts.get(self.inp.shapes[i], 0) + 1
+        return [list(counts.items()) for counts in out]
+
     def start_ns(self, launch: _Launch) -> None:
         """``returns_in_backward``: the worker's NS of the block, once its directions have landed (each
         rank its own matrices of the block, per shape)."""
         if not self.returns_in_backward or launch.block not in self.back:
             return
-        seconds = []
-        for k in range(self.inp.world):
-            counts: dict[tuple[int, int], int] = {}
-            for i in self.muon_in(launch.block):
-                if self.inp.owners[i] == k:
-                    counts[self.inp.shapes[i]] = counts.get(self.inp.shapes[i], 0) + 1
-            seconds.append(sum(self.ns_seconds(shape, n, owner_copy=True) for shape, n in counts.items()))
+        seconds = [sum(self.ns_seconds(shape, n, owner_copy=True) for shape, n in batches)
+                   for batches in self.batches_by_shape(self.muon_in(launch.block))]
         launch.ns = self.tl.compute(f"NS block {launch.block}", "ns_worker", seconds, launch.landing(),
                                     phase="backward", kind="ns")
 
@@ -617,15 +620,8 @@ class StepBuilder:
         """Per rank, per wave, its NS batches as ``(shape, count)`` (``next_forward``: each wave one unit's
         matrices, each owner's of one shape in one batch)."""
         if self.next_forward:
-            out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
-            for w, wave in enumerate(self.waves):
-                for rank in range(self.inp.world):
-                    counts: dict[tuple[int, int], int] = {}
-                    for i in wave:
-                        if self.inp.owners[i] == rank:
-                            counts[self.inp.shapes[i]] = counts.get(self.inp.shapes[i], 0) + 1
-                    out[rank][w] = list(counts.items())
-            return out
+            per_wave = [self.batches_by_shape(wave) for wave in self.waves]
+            return [[batches[rank] for batches in per_wave] for rank in range(self.inp.world)]
         last = len(self.waves) - 1
         out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
         for rank, batches in self.ns_batches.items():
