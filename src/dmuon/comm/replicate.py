@@ -107,13 +107,16 @@ class ReplicateReduce:
         in_splits = [sum(self._slice_numel(i, q, s) for i in held) for q in range(topo.replicate)]
         own = sum(self._slice_numel(i, r, s) for i in held)
         out_splits = [own] * topo.replicate
-        parts = []
+        # Each column slice is strided in the gradient: copied once, straight into the send buffer.
+        send = torch.empty(sum(in_splits), dtype=dtype, device=self.device)
+        offset = 0
         for q in range(topo.replicate):
             for i in held:
                 info = infos[i]
                 start, width = info.column_start(q, s), info.replica_columns(s)[q]
-                parts.append(pieces[i].narrow(1, start, width).reshape(-1).to(dtype))
-        send = torch.cat(parts)
+                part = pieces[i].narrow(1, start, width)
+                send[offset:offset + part.numel()].view(part.shape).copy_(part)
+                offset += part.numel()
         recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         elem = send.element_size()
         works = self.across(recv, send, out_splits, in_splits, (sum(in_splits) - in_splits[r]) * elem,

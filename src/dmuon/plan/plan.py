@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +41,15 @@ def row_pieces(shape: Sequence[int], shard: int) -> tuple[Piece, ...]:
     cols = int(shape[1]) if len(shape) > 1 else 1
     rows = shard_rows(int(shape[0]), shard)
     return tuple(Piece(sum(rows[:s]), rows[s], 0, cols) for s in range(shard))
+
+
+@functools.lru_cache(maxsize=None)
+def _column_split(cols: int, replicate: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The widths of ``cols`` columns split over ``replicate`` slices (torch.chunk's rule) and where
+    each slice starts. Cached: the replicate level's hooks and exchanges ask for them per matrix,
+    slice and step, and a piece's columns never change."""
+    widths = tuple(shard_rows(cols, replicate))
+    return widths, tuple(itertools.accumulate(widths[:-1], initial=0))
 
 
 @dataclass
@@ -114,13 +125,13 @@ class MatrixInfo:
         """Elements position ``s`` sends towards the owner (0 for a copy of another position's piece)."""
         return self.piece_numel(s) if self.pieces[s].sends else 0
 
-    def replica_columns(self, s: int) -> list[int]:
+    def replica_columns(self, s: int) -> tuple[int, ...]:
         """Piece ``s``'s columns each replica keeps the momentum of."""
-        return shard_rows(self.pieces[s].cols, self.replicate)
+        return _column_split(self.pieces[s].cols, self.replicate)[0]
 
     def column_start(self, r: int, s: int) -> int:
         """First column, within piece ``s``, of replica ``r``'s momentum slice."""
-        return sum(self.replica_columns(s)[:r])
+        return _column_split(self.pieces[s].cols, self.replicate)[1][r]
 
     def momentum_numel(self, r: int, s: int) -> int:
         """Elements of the momentum (and of the direction formed from it) on rank ``(r, s)``."""

@@ -144,6 +144,8 @@ class BackwardLaunches:
         self._matrices: dict[int, list[int]] = {}
         for info in plan.infos:
             self._matrices.setdefault(id(info.param), []).append(info.index)
+        # The column loads of a unit's reduced parameters: the same every step (shapes and dtypes do not change).
+        self._loads: dict[tuple[int, ...], list[list[float]]] = {}
         if replicate is None:
             units = [_Unit(list({id(plan.infos[i].param): plan.infos[i].param for i in b.members
                                  if plan.infos[i].param.requires_grad}.values()), b.index) for b in plan.blocks]
@@ -223,13 +225,18 @@ class BackwardLaunches:
     def _column_loads(self, params: list[torch.Tensor]) -> list[list[float]]:
         """Every rank's bytes in the column reduce-scatter of ``params``' Muon matrices (the same on
         every rank: the spreader's decision must be)."""
+        key = tuple(id(p) for p in params)
+        if key in self._loads:
+            return self._loads[key]
         matrices = [p for p in params if id(p) in self._matrices]
         infos = [self.plan.infos[i] for p in matrices for i in self._matrices[id(p)]]
         # As ReplicateReduce.reduce_columns sends them: float32 or wider.
         gradient_bytes = {torch.promote_types(p.dtype, torch.float32).itemsize for p in matrices}
-        return column_reduce_loads([[(q.rows, q.cols, q.sends) for q in info.pieces] for info in infos],
-                                   [info.inner for info in infos], self.plan.replicate, self.plan.shard,
-                                   max(gradient_bytes, default=4))
+        loads = column_reduce_loads([[(q.rows, q.cols, q.sends) for q in info.pieces] for info in infos],
+                                    [info.inner for info in infos], self.plan.replicate, self.plan.shard,
+                                    max(gradient_bytes, default=4))
+        self._loads[key] = loads
+        return loads
 
     def _launch(self, unit: int, landed: set[int], params: list[torch.Tensor] | None = None) -> Reduction | None:
         """Starts what a completed unit sends: its reduction across replicas of ``params`` (the caller
