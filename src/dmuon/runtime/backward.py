@@ -187,7 +187,7 @@ class BackwardLaunches:
                 # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.replicate.wrap(param)
+            self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
         if self._current is not None and self._current != unit:
             self._complete(self._current)

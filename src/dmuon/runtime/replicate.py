@@ -1,9 +1,10 @@
 """dmuon's replicate level (``hsdp_mesh``): gradients reduced across replicas, and what ``param.grad`` holds.
 
 FSDP2, applied over the shard sub-mesh, leaves each replica its own mean
-gradient. From the moment a parameter's post-accumulate-grad hook fires, its
-``param.grad`` is a DTensor on ``hsdp_mesh`` that *is* the global mean
-gradient, whatever has or has not been reduced yet:
+gradient. From the moment a Muon matrix's post-accumulate-grad hook fires, and
+from the moment any other parameter's reduction lands (before the backward pass
+returns), its ``param.grad`` is a DTensor on ``hsdp_mesh`` that *is* the global
+mean gradient, whatever has or has not been reduced yet:
 
 * ``(Partial("avg"), *param.placements)``: the true value is the mean over the
   replicas of their local tensors. This is what FSDP2 leaves (each replica's
@@ -16,6 +17,14 @@ gradient, whatever has or has not been reduced yet:
   ``Partial("avg")`` of the same value, with each slice on one replica only
   (where its momentum lives). Other parameters hold the mean on every replica:
   ``(Replicate(), *param.placements)``.
+
+The other parameters skip the ``Partial("avg")`` form: between their hook and
+their landing, inside the backward pass, they keep FSDP2's DTensor (or, when a
+second backward accumulates, the earlier landed form with this replica's mean
+added to its local tensor, which the all-reduce turns into the right sum), and
+the landing wraps them once. A DTensor built per parameter is the costliest
+host work of the hooks (``DTensor.from_local``, about 0.1 ms), and these
+parameters (norms, biases, embeddings) are the more numerous.
 
 Every reduction issued in a backward pass lands before that backward returns
 (the runtime runs :meth:`ReplicateLevel.land_all` from an autograd final
@@ -93,13 +102,27 @@ class ReplicateLevel:
         as long as the gradients do, which is what FSDP2 relies on to keep a later reduce-scatter
         from reusing it.
         """
-        grad = param.grad
-        local = local_tensor(grad)
-        mesh, placements = self._mesh[id(param)], (Partial("avg"), *param.placements)
-        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and tuple(grad.placements) == placements):
-            param.grad = DTensor.from_local(local, mesh, placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())
         self._reduced.pop(id(param), None)
+        self._rewrap(param, Partial("avg"))
+
+    def arrived(self, param: torch.Tensor) -> None:
+        """Hook time: a Muon matrix's gradient takes its ``Partial("avg")`` form now (:meth:`wrap`); any
+        other parameter's gradient is marked unreduced and takes its reduced form when :meth:`land`
+        writes its mean, before this backward returns (the module docstring)."""
+        if id(param) in self._matrices:
+            self.wrap(param)
+        else:
+            self._reduced.pop(id(param), None)
+
+    def _rewrap(self, param: torch.Tensor, placement) -> None:
+        """``param.grad`` as a DTensor on its ``hsdp_mesh`` sub-mesh with ``placement`` on the replicate
+        dim and the parameter's own placements after it, on the same local tensor (built only when it
+        is not that already)."""
+        grad = param.grad
+        mesh, placements = self._mesh[id(param)], (placement, *param.placements)
+        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and tuple(grad.placements) == placements):
+            param.grad = DTensor.from_local(local_tensor(grad), mesh, placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
 
     def start(self, params: list[torch.Tensor]) -> Reduction:
         """Issues the reduction of ``params``' gradients (the same list on every rank)."""
@@ -138,10 +161,8 @@ class ReplicateLevel:
         means = reduction.mean.wait()
         for k, p in enumerate(reduction.others):
             if id(p.grad) == reduction.issued[id(p)]:
-                local = local_tensor(p.grad)
-                local.copy_(means[k])
-                p.grad = DTensor.from_local(local, self._mesh[id(p)], (Replicate(), *p.placements), run_check=False,
-                                            shape=p.shape, stride=p.stride())
+                local_tensor(p.grad).copy_(means[k])
+                self._rewrap(p, Replicate())
                 self._reduced[id(p)] = id(p.grad)
         sums = reduction.columns.wait()
         r, s = self.coords
