@@ -62,6 +62,8 @@ from dmuon.bench.calibrate_fit import (
     figures_line,
     format_comparison,
     predict,
+    TWIN_PATHS,
+    path_host_factors,
     predict_by_round,
     rank_unit_seconds,
 )
@@ -117,8 +119,10 @@ def _mean_seconds(fn, repeats: int) -> float:
 class _Meter:
     """One rank's machine measurements; every rank measures at once, as the bench runs them."""
 
-    def __init__(self, rank: int, world_size: int, model: str, size: str | None, tokens: int, repeats: int):
+    def __init__(self, rank: int, world_size: int, model: str, size: str | None, tokens: int, repeats: int,
+                 hyper=None):
         from dmuon.bench.models import build_workload
+        from dmuon.bench.setups import Hyper, build
         from dmuon.ortho import NSConfig
 
         self.world_size, self.repeats = world_size, repeats
@@ -187,6 +191,17 @@ class _Meter:
                 shard_workload(twin, twin_mesh, reshard=True)
             self.twins.append((twin, twin.make_batch(0, rank)))
         self.units = len(self.twins[0][0].blocks) + 1
+        # Each code path's own host time (its Python between the operations the host figures price): the
+        # twin's optimizer step over every rank, ZeRO-3, built as the bench builds each configuration.
+        self.twin_steps = {}
+        for config in TWIN_PATHS:
+            twin = build_workload(model, size="tiny", seed=0)
+            optimizer, _ = build(config, twin, self.world_mesh, hyper or Hyper())
+            self.twin_steps[config] = (twin, optimizer, twin.make_batch(0, rank))
+        self.twin_counts: dict[tuple[int, int], int] = {}
+        for g in bench_model_shapes(model, "tiny"):
+            if g.muon:
+                self.twin_counts[tuple(g.shape)] = self.twin_counts.get(tuple(g.shape), 0) + g.count
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.
         shards = [(-(-g.shape[0] // world_size), g.shape[1]) for g in groups for _ in range(g.count)]
         self.adam_state = [[torch.randn(shape, generator=gen) for shape in shards] for _ in range(4)]
@@ -267,6 +282,28 @@ class _Meter:
         return {"fsdp_unit_seconds": max(0.0, one - plain) / (2 * self.units), "twin_plain_seconds": plain,
                 "twin_world_seconds": world, "twin_units": self.units}
 
+    def twin_optimizer_step(self, config: str) -> float:
+        """One untimed forward+backward of ``config``'s twin, then its ``step()`` and ``zero_grad`` timed from a
+        barrier, as the bench times an optimizer phase."""
+        twin, optimizer, batch = self.twin_steps[config]
+        twin.loss_fn(twin.model, batch).backward()
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def twin_optimizer_seconds(self) -> dict:
+        """Per code path (:data:`TWIN_PATHS`) the mean of the twin's optimizer phase over ``repeats``
+        interleaved runs, after one warm-up each (the mean: a step takes preemptions at their rate)."""
+        for config in self.twin_steps:
+            self.twin_optimizer_step(config)
+        times = {config: [] for config in self.twin_steps}
+        for _ in range(self.repeats):
+            for config in self.twin_steps:
+                times[config].append(self.twin_optimizer_step(config))
+        return {config: statistics.mean(t) for config, t in times.items()}
+
     @torch.no_grad()
     def dispatch(self, pairs) -> None:
         """:data:`DISPATCH_OPS` operations per pair: four in place, four making a new tensor."""
@@ -323,6 +360,7 @@ class _Meter:
                / (DISPATCH_OPS * DISPATCH_TENSORS),
                "dtensor_layout_seconds": self.layout_seconds(),
                **self.twin_seconds(),
+               "twin_optimizer_seconds": self.twin_optimizer_seconds(),
                "skew_seconds": self.skew_seconds(),
                "unlisted_tensors": self.unlisted_tensors,
                "ns_seconds": {}}
@@ -330,6 +368,11 @@ class _Meter:
             for batch in range(1, count + 1):
                 dist.barrier()
                 out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
+        out["twin_ns_seconds"] = {}
+        for shape, count in sorted(self.twin_counts.items()):
+            for batch in range(1, count + 1):
+                dist.barrier()
+                out["twin_ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
         out["link_samples"], out["unsupported"] = self.link()
         return out
 
@@ -372,7 +415,7 @@ def _bench_between_measurements(rank: int, world_size: int, configs: list[str], 
     every round and after the last: the figures cover the same span of time as the timed steps."""
     from dmuon.bench.runner import _ConfigRun, _device, _mesh, _prime, round_sizes
 
-    meter = _Meter(rank, world_size, model, size, tokens, repeats)
+    meter = _Meter(rank, world_size, model, size, tokens, repeats, opts.hyper)
     _prime(rank, world_size, opts)
     device = _device()
     mesh = _mesh(device, world_size, opts)
@@ -431,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = [points for _, points in per_rank]
     figures = combine(per_rank, args.world_size)
     figures["rank_unit_seconds"] = rank_unit_seconds(figures, args.model, args.world_size)
+    figures["host_factors"] = path_host_factors(figures, args.model, args.world_size)
     load = {"start": load_start, "end": os.getloadavg()}
     print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
@@ -439,16 +483,19 @@ def main(argv: list[str] | None = None) -> int:
               for compute in list(COMPUTE_MODELS)[1:]}
     # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
     # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift, the
-    # work beyond the GEMMs, FSDP2's work on the ranks' own mesh (from the twin).
-    ablation = {"shared link, no host, no drift": predict(figures, args.model, size, args.world_size, tokens,
+    # work beyond the GEMMs, FSDP2's work on the ranks' own mesh (from the twin), each code path's own host
+    # time (from its twin's optimizer step); the ones before the last price the host at the tight-loop figures.
+    tight = dict(figures, host_factors={})
+    ablation = {"shared link, no host, no drift": predict(tight, args.model, size, args.world_size, tokens,
                                                           "matmul_flops", per_kind=False, host=False, skew=False),
-                "per-kind links": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops",
+                "per-kind links": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops",
                                           host=False, skew=False),
-                "and host": predict(figures, args.model, size, args.world_size, tokens, "matmul_flops", skew=False),
-                "and drift": others["matmul_flops"],
-                "and the work beyond the GEMMs": predict(dict(figures, rank_unit_seconds=0.0), args.model, size,
+                "and host": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops", skew=False),
+                "and drift": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops"),
+                "and the work beyond the GEMMs": predict(dict(tight, rank_unit_seconds=0.0), args.model, size,
                                                          args.world_size, tokens),
-                "and FSDP2's work on the ranks' own mesh (all)": predicted}
+                "and FSDP2's work on the ranks' own mesh": predict(tight, args.model, size, args.world_size, tokens),
+                "and each path's host time from its twin (all)": predicted}
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
                "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
                "predicted_at_matmul_rate": others["matmul_flops"],

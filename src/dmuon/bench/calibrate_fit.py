@@ -14,6 +14,11 @@ from dmuon.costmodel.traffic import AlphaBeta
 
 CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dmuon", 2), "dmuon_z3": ("dmuon", 3)}
 """Bench configuration -> (simulated strategy, ZeRO level)."""
+TWIN_PATHS = {"adamw": "adamw", "gather": "gather", "dmuon_z3": "dmuon_z3"}
+"""The code paths whose optimizer step is measured on the model's tiny twin (:func:`path_host_factors`): twin
+configuration -> the configuration it stands for; ``dmuon_z2`` takes ``dmuon_z3``'s (the same ``step()``)."""
+PATH_OF = {"adamw": "adamw", "gather": "gather", "dmuon_z2": "dmuon_z3", "dmuon_z3": "dmuon_z3"}
+"""Bench configuration -> the twin path whose host factor prices its host work."""
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
 RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_seconds", "dispatch_seconds",
@@ -92,8 +97,9 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
     present = [k for k in RATES if k in points[0][0]]
     drifts = [dict(zip(("sync_skew", "sync_delay"), drift(point))) if "skew_seconds" in point[0] else {}
               for point in points]
+    tables = [k for k in ("ns_seconds", "twin_ns_seconds", "twin_optimizer_seconds") if k in points[0][0]]
     bound = [{k: (min if k.endswith(("_flops", "_bytes")) else max)(m[k] for m in point) for k in present}
-             | {"ns_seconds": {key: max(m["ns_seconds"][key] for m in point) for key in point[0]["ns_seconds"]}}
+             | {t: {key: max(m[t][key] for m in point) for key in point[0][t]} for t in tables}
              | d for point, d in zip(points, drifts)]
     present += list(drifts[0])
     samples = [tuple(s) for point in points for m in point for s in m["link_samples"]]
@@ -101,7 +107,7 @@ def combine(per_rank: list[list[dict]], world_size: int | None = None) -> dict:
     return {
         **{k: statistics.mean(b[k] for b in bound) for k in present},
         "spread": {k: [min(b[k] for b in bound), max(b[k] for b in bound)] for k in present},
-        "ns_seconds": {key: statistics.mean(b["ns_seconds"][key] for b in bound) for key in bound[0]["ns_seconds"]},
+        **{t: {key: statistics.mean(b[t][key] for b in bound) for key in bound[0][t]} for t in tables},
         "link_latency": latency,
         "link_bandwidth": bandwidth,
         "link_kinds": {op: {"latency": a, "bandwidth": b} for op, (a, b) in fit_links(samples, world_size).items()},
@@ -185,7 +191,8 @@ def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
     # Only adamw's forward+backward is read, where no NS runs; the simulation prices every strategy's step,
     # so the twin's NS entries are given (as nothing) to let it.
     twin = dict(figures, non_gemm_seconds=max(0.0, figures["twin_plain_seconds"] - gemms / figures["matmul_flops"]),
-                rank_unit_seconds=0.0, ns_seconds={f"{g.shape[0]}x{g.shape[1]}x1": 0.0 for g in shapes if g.muon})
+                rank_unit_seconds=0.0, host_factors={},
+                ns_seconds={f"{g.shape[0]}x{g.shape[1]}x1": 0.0 for g in shapes if g.muon})
     predicted = predict(twin, model, "tiny", world_size, tokens, configs=("adamw",))["adamw"]
     return max(0.0, figures["twin_world_seconds"] - predicted["forward_backward_seconds"]) / (2 * figures["twin_units"])
 
@@ -203,14 +210,62 @@ def predict(figures: dict, model: str, size: str | None, world_size: int, tokens
         extra = figures.get("rank_unit_seconds")
         extra = rank_unit_seconds(figures, model, world_size) if extra is None else extra
         hardware = dataclasses.replace(hardware, fsdp_unit_seconds=hardware.fsdp_unit_seconds + extra)
+    factors = figures.get("host_factors")
+    if factors is None:
+        factors = path_host_factors(figures, model, world_size) if host else {}
     # The bench runs fp32 parameters (FSDP2 gathers and reduces fp32), NS and the wire in bf16.
     options = SimOptions(tokens_per_gpu=tokens, ns_seconds=_ns_lookup(figures["ns_seconds"]), backend="gloo",
                          unlisted_tensors=figures.get("unlisted_tensors", 0) if host else 0,
                          non_gemm_seconds=figures.get("non_gemm_seconds", 0.0) if compute == "gemms_and_rest" else 0.0)
-    plans = {zero: plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4, reduce_bytes=4,
-                                hardware=hardware, sim_options=options, max_waves=1)
-             for zero in sorted({CONFIGS[c][1] for c in configs})}
-    return {config: plans[CONFIGS[config][1]]["simulation"][CONFIGS[config][0]] for config in configs}
+    # One simulated plan per ZeRO level and host factor (the configurations sharing both share it).
+    runs = {config: (CONFIGS[config][1], factors.get(PATH_OF[config], 1.0)) for config in configs}
+    plans = {(zero, factor): plan_offline(groups, world_size, "greedy", zero, wire_bytes=2, param_bytes=4,
+                                          reduce_bytes=4, hardware=_host_scaled(hardware, factor), sim_options=options,
+                                          max_waves=1)
+             for zero, factor in sorted(set(runs.values()))}
+    return {config: plans[runs[config]]["simulation"][CONFIGS[config][0]] for config in configs}
+
+
+def _host_scaled(hardware: Hardware, factor: float) -> Hardware:
+    """``hardware`` with its per-operation host figures ``factor`` times as long."""
+    if factor == 1.0:
+        return hardware
+    return dataclasses.replace(hardware, dispatch_seconds=hardware.dispatch_seconds * factor,
+                               dtensor_dispatch_seconds=hardware.dtensor_dispatch_seconds * factor,
+                               dtensor_layout_seconds=hardware.dtensor_layout_seconds * factor)
+
+
+def path_host_factors(figures: dict, model: str, world_size: int) -> dict[str, float]:
+    """Per code path (:data:`TWIN_PATHS`), how many times its host work takes what the per-operation figures
+    price: the model's tiny twin's optimizer phase over every rank (``twin_optimizer_seconds``) less what the
+    check predicts for it without host work, over what the host work adds to that prediction (the twin's NS
+    from ``twin_ns_seconds``); empty without the twin's figures.
+
+    The host figures time tiny operations in a tight loop; a code path runs its own Python between its
+    operations (the loops over matrices, the bookkeeping of pieces and flags, DTensor's layers), which they
+    leave out. The twin has the bench model's tensors at tiny widths, so its optimizer phase is mostly
+    that host work, measured where the bench runs it, on the same ranks; the bench model's own timings
+    are never used. A factor below 1 (host figures that overprice the path) is kept as measured."""
+    measured = figures.get("twin_optimizer_seconds")
+    if not measured:
+        return {}
+    import torch
+
+    from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
+
+    with torch.device("meta"):
+        tokens = build_workload(model, size="tiny").tokens_per_rank
+    # Only the optimizer phases are read: FSDP2's per-unit figure on the ranks' mesh is left out.
+    twin = dict(figures, ns_seconds=figures["twin_ns_seconds"], host_factors={}, rank_unit_seconds=0.0)
+    paths = tuple(config for config in TWIN_PATHS if config in measured)
+    with_host = predict(twin, model, "tiny", world_size, tokens, configs=paths)
+    without = predict(twin, model, "tiny", world_size, tokens, host=False, configs=paths)
+    factors = {}
+    for config in paths:
+        host = with_host[config]["optimizer_seconds"] - without[config]["optimizer_seconds"]
+        if host > 0:
+            factors[config] = max(0.0, measured[config] - without[config]["optimizer_seconds"]) / host
+    return factors
 
 
 PHASES = ("step_seconds", "forward_backward_seconds", "optimizer_seconds")
@@ -300,6 +355,16 @@ def _rank_units(figures: dict) -> str:
             f"under FSDP2 over every rank, {figures['twin_world_seconds'] * 1e3:.1f} ms, less its prediction)")
 
 
+def _path_hosts(figures: dict) -> str:
+    """Each code path's host factor in :func:`figures_line`, with the twin's measured optimizer phases."""
+    factors, measured = figures.get("host_factors"), figures.get("twin_optimizer_seconds")
+    if not factors or not measured:
+        return ""
+    paths = ", ".join(f"{config} x{factors[config]:.2f} ({measured[config] * 1e3:.1f} ms)" for config in factors)
+    return (f"; each code path's host work at the figures above times its factor, from its tiny twin's optimizer "
+            f"step over every rank against the check's prediction of it: {paths}")
+
+
 def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
     """The machine's figures the prediction ran with, in one paragraph."""
     kinds = "; ".join(f"{op} {_us(f['latency'])} per message + bytes / {f['bandwidth'] / 1e9:.2f} GB/s"
@@ -314,7 +379,7 @@ def figures_line(figures: dict, compute: str = "gemms_and_rest") -> str:
                 f"ranks' drift {figures.get('sync_skew', 0.0):.1%} of the compute between meetings and "
                 f"{figures.get('sync_delay', 0.0) * 1e6:.0f} us more per meeting (blocks of GEMMs with an all-reduce "
                 f"after each block and after each matrix, less both alone, relative to the slower rank), "
-                f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists")
+                f"{figures.get('unlisted_tensors', 0)} parameter tensors outside the shape lists{_path_hosts(figures)}")
     return (f"machine: matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s (fp32, the model's GEMMs), effective "
             f"{figures['effective_flops'] / 1e9:.1f} GFLOP/s (forward+backward under FSDP2 on a one-rank mesh, as "
             f"6 x parameters x tokens), beyond the GEMMs {figures.get('non_gemm_seconds', 0.0) * 1e3:.1f} ms per "

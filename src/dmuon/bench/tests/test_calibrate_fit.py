@@ -12,7 +12,9 @@ from dmuon.bench.calibrate_fit import (
     drift,
     fit_links,
     link_messages,
+    TWIN_PATHS,
     order_check,
+    path_host_factors,
     predict,
     predict_by_round,
     rank_unit_seconds,
@@ -258,3 +260,46 @@ def test_compare_errors_orders_and_the_20_percent_verdict():
     assert result["same_order"] and result["order"]["agree"] and result["within_20_percent"]
     predicted["gather"]["optimizer_seconds"] = 0.05
     assert not compare(measured, predicted)["within_20_percent"]
+
+
+def test_each_code_paths_host_time_from_its_twin():
+    import torch
+
+    from dmuon.bench.models import build_workload
+
+    figures = combine([[_tiny_point(3e10)], [_tiny_point(3e10)]], 2)
+    assert path_host_factors(figures, "qwen2", 2) == {}  # no twin measured: every path at the host figures
+    with torch.device("meta"):
+        tokens = build_workload("qwen2", size="tiny").tokens_per_rank
+    # The twin of the tiny model is itself: its prediction without host work and with it, by hand.
+    twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], rank_unit_seconds=0.0, host_factors={})
+    paths = tuple(TWIN_PATHS)
+    bare = predict(twin, "qwen2", "tiny", 2, tokens, host=False, configs=paths)
+    priced = predict(twin, "qwen2", "tiny", 2, tokens, configs=paths)
+    host = {c: priced[c]["optimizer_seconds"] - bare[c]["optimizer_seconds"] for c in paths}
+    assert all(h > 0 for h in host.values())
+    factor = {"adamw": 0.5, "gather": 1.8, "dmuon_z3": 2.5}
+    measured = {c: bare[c]["optimizer_seconds"] + factor[c] * host[c] for c in paths}
+    found = path_host_factors(dict(figures, twin_ns_seconds=figures["ns_seconds"], twin_optimizer_seconds=measured),
+                              "qwen2", 2)
+    assert found == pytest.approx(factor)
+    # A twin faster than its prediction without any host work: no host time at all.
+    fast = {c: 0.5 * bare[c]["optimizer_seconds"] for c in paths}
+    assert path_host_factors(dict(twin, twin_optimizer_seconds=fast, host_factors=None), "qwen2", 2) == \
+        pytest.approx(dict.fromkeys(paths, 0.0))
+    # The prediction prices each path's host work that many times: on gloo host and device add up, so
+    # adamw's optimizer phase (one elementwise task) grows by (factor - 1) x its host time, exactly.
+    base = predict(twin, "qwen2", "tiny", 2, tokens)
+    scaled = predict(dict(twin, host_factors={"adamw": 3.0}), "qwen2", "tiny", 2, tokens)
+    assert scaled["adamw"]["optimizer_seconds"] - base["adamw"]["optimizer_seconds"] == pytest.approx(2 * host["adamw"])
+    assert all(scaled[c] == base[c] for c in ("gather", "dmuon_z2", "dmuon_z3"))
+    # Both dmuon configurations run the same step(): dmuon_z3's twin prices dmuon_z2's too.
+    dmuon = predict(dict(twin, host_factors={"dmuon_z3": 2.0}), "qwen2", "tiny", 2, tokens)
+    for config in ("dmuon_z2", "dmuon_z3"):
+        assert dmuon[config]["optimizer_seconds"] > base[config]["optimizer_seconds"]
+    assert dmuon["adamw"] == base["adamw"]
+    # Measured, the factors are what the check uses (computed from the figures when not given).
+    with_twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], twin_optimizer_seconds=measured,
+                     rank_unit_seconds=0.0)
+    assert predict(with_twin, "qwen2", "tiny", 2, tokens)["gather"] == predict(
+        dict(twin, host_factors=found), "qwen2", "tiny", 2, tokens)["gather"]
