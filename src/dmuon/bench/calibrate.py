@@ -24,7 +24,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    and on DTensors (tiny elementwise operations), per DTensor layout call (``full_tensor()``
    less a plain all-gather, ``distribute_tensor``), and FSDP2's work per unit and pass (the
    model's tiny twin under FSDP2 on a one-rank mesh less without; and the twin under FSDP2 over
-   every rank, for the work a one-rank mesh skips: :func:`dmuon.bench.calibrate_fit.rank_unit_seconds`);
+   every rank, for the work a one-rank mesh skips: :func:`dmuon.bench.calibrate_fit.rank_unit_seconds`),
+   and each code path's own host time (the twin's optimizer step with ``adamw``, ``gather`` and
+   ``dmuon_z3`` over every rank, its NS profiled too: :func:`dmuon.bench.calibrate_fit.path_host_factors`);
    the ranks' drift (the same
    GEMMs with a meeting after each block and after each matrix, less both alone: a fraction of the
    compute and a delay per meeting, :func:`dmuon.bench.calibrate_fit.drift`). Collectives make the
@@ -33,7 +35,7 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    collectives block the rank's thread, one speculative return wave, the CPU default, host and
    device work adding up on the rank's one thread) of the same four configurations, with the
    operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
-   counted from the code), forward and backward as the GEMMs at the matmul rate plus the work
+   counted from the code, each path's at its twin's factor), forward and backward as the GEMMs at the matmul rate plus the work
    beyond them and FSDP2's per-unit work (the check), and again at the matmul rate alone and at
    the effective rate (which show how much of the error is the compute model), beside the
    measured medians, with each prediction's error, the orders by step time and the pairs the
