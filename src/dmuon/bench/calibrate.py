@@ -35,8 +35,8 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    collectives block the rank's thread, one speculative return wave, the CPU default, host and
    device work adding up on the rank's one thread) of the same four configurations, with the
    operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
-   counted from the code, each path's at its twin's factor), forward and backward as the GEMMs at the matmul rate plus the work
-   beyond them and FSDP2's per-unit work (the check), and again at the matmul rate alone and at
+   counted from the code, each path's at its twin's factor), forward and backward as the GEMMs at
+   the matmul rate plus the work beyond them and FSDP2's per-unit work (the check), and again at the matmul rate alone and at
    the effective rate (which show how much of the error is the compute model), beside the
    measured medians, with each prediction's error, the orders by step time and the pairs the
    rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
@@ -59,13 +59,13 @@ import torch.distributed as dist
 from dmuon.bench.calibrate_fit import (
     COMPUTE_MODELS,
     CONFIGS,
+    TWIN_PATHS,
     combine,
     compare,
     figures_line,
     format_comparison,
-    predict,
-    TWIN_PATHS,
     path_host_factors,
+    predict,
     predict_by_round,
     rank_unit_seconds,
 )
@@ -116,6 +116,15 @@ def _interleaved_means(fns: dict, repeats: int) -> dict:
 def _mean_seconds(fn, repeats: int) -> float:
     """:func:`_interleaved_means` of ``fn`` alone."""
     return _interleaved_means({"fn": fn}, repeats)["fn"]
+
+
+def _muon_counts(groups) -> dict[tuple[int, int], int]:
+    """How many Muon matrices of each shape the shape groups hold (the NS batch sizes to profile)."""
+    counts: dict[tuple[int, int], int] = {}
+    for g in groups:
+        if g.muon:
+            counts[tuple(g.shape)] = counts.get(tuple(g.shape), 0) + g.count
+    return counts
 
 
 class _Meter:
@@ -200,10 +209,7 @@ class _Meter:
             twin = build_workload(model, size="tiny", seed=0)
             optimizer, _ = build(config, twin, self.world_mesh, hyper or Hyper())
             self.twin_steps[config] = (twin, optimizer, twin.make_batch(0, rank))
-        self.twin_counts: dict[tuple[int, int], int] = {}
-        for g in bench_model_shapes(model, "tiny"):
-            if g.muon:
-                self.twin_counts[tuple(g.shape)] = self.twin_counts.get(tuple(g.shape), 0) + g.count
+        self.twin_counts = _muon_counts(bench_model_shapes(model, "tiny"))
         # Elementwise rate: dmuon's AdamW kernel over this rank's shards of every parameter listed.
         shards = [(-(-g.shape[0] // world_size), g.shape[1]) for g in groups for _ in range(g.count)]
         self.adam_state = [[torch.randn(shape, generator=gen) for shape in shards] for _ in range(4)]
@@ -212,10 +218,7 @@ class _Meter:
         self.adam_bytes = 28 * sum(x.numel() for x in self.adam_state[0])
         # NS: the owners' update per shape and batch size, with the bench's NS settings.
         self.ns = NSConfig(dtype=torch.bfloat16, method="auto")
-        self.counts: dict[tuple[int, int], int] = {}
-        for g in groups:
-            if g.muon:
-                self.counts[tuple(g.shape)] = self.counts.get(tuple(g.shape), 0) + g.count
+        self.counts = _muon_counts(groups)
 
     def ns_seconds(self, shape: tuple[int, int], batch: int) -> float:
         """The owners' update of ``batch`` directions of ``shape`` (bf16, as the exchange delivers them), as
@@ -364,17 +367,13 @@ class _Meter:
                **self.twin_seconds(),
                "twin_optimizer_seconds": self.twin_optimizer_seconds(),
                "skew_seconds": self.skew_seconds(),
-               "unlisted_tensors": self.unlisted_tensors,
-               "ns_seconds": {}}
-        for shape, count in sorted(self.counts.items()):
-            for batch in range(1, count + 1):
-                dist.barrier()
-                out["ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
-        out["twin_ns_seconds"] = {}
-        for shape, count in sorted(self.twin_counts.items()):
-            for batch in range(1, count + 1):
-                dist.barrier()
-                out["twin_ns_seconds"][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
+               "unlisted_tensors": self.unlisted_tensors}
+        for key, counts in (("ns_seconds", self.counts), ("twin_ns_seconds", self.twin_counts)):
+            out[key] = {}
+            for shape, count in sorted(counts.items()):
+                for batch in range(1, count + 1):
+                    dist.barrier()
+                    out[key][f"{shape[0]}x{shape[1]}x{batch}"] = self.ns_seconds(shape, batch)
         out["link_samples"], out["unsupported"] = self.link()
         return out
 
@@ -537,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in CONFIGS))
     else:
         print(loads)
-        print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds")}, indent=1))
+        print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds", "twin_ns_seconds")}, indent=1))
         print(figures_line(figures))
     print("what each mechanism adds, predicted step / optimizer ms: " + "; ".join(
         f"{name}: " + ", ".join(f"{c} {p[c]['step_seconds'] * 1e3:.1f} / {p[c]['optimizer_seconds'] * 1e3:.1f}"
