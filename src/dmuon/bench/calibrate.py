@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             for c in CONFIGS))
     else:
         print(loads)
-        print(json.dumps({k: v for k, v in figures.items() if k not in ("link_samples", "ns_seconds", "twin_ns_seconds")}, indent=1))
+        tables = ("link_samples", "ns_seconds", "twin_ns_seconds")
+        print(json.dumps({k: v for k, v in figures.items() if k not in tables}, indent=1))
         print(figures_line(figures))
     print("what each mechanism adds, predicted step / optimizer ms: " + "; ".join(
         f"{name}: " + ", ".join(f"{c} {p[c]['step_seconds'] * 1e3:.1f} / {p[c]['optimizer_seconds'] * 1e3:.1f}"
