@@ -36,8 +36,9 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    device work adding up on the rank's one thread) of the same four configurations, with the
    operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
    counted from the code, each path's at its twin's factor), forward and backward as the GEMMs at
-   the matmul rate plus the work beyond them and FSDP2's per-unit work (the check), and again at the matmul rate alone and at
-   the effective rate (which show how much of the error is the compute model), beside the
+   the matmul rate plus the work beyond them and FSDP2's per-unit work (the check), and again at
+   the matmul rate alone and at the effective rate (which show how much of the error is the
+   compute model), beside the
    measured medians, with each prediction's error, the orders by step time and the pairs the
    rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
 
