@@ -14,11 +14,11 @@ from dmuon.costmodel.traffic import AlphaBeta
 
 CONFIGS = {"adamw": ("fsdp_adamw", 3), "gather": ("gather", 3), "dmuon_z2": ("dmuon", 2), "dmuon_z3": ("dmuon", 3)}
 """Bench configuration -> (simulated strategy, ZeRO level)."""
-TWIN_PATHS = {"adamw": "adamw", "gather": "gather", "dmuon_z3": "dmuon_z3"}
-"""The code paths whose optimizer step is measured on the model's tiny twin (:func:`path_host_factors`): twin
-configuration -> the configuration it stands for; ``dmuon_z2`` takes ``dmuon_z3``'s (the same ``step()``)."""
 PATH_OF = {"adamw": "adamw", "gather": "gather", "dmuon_z2": "dmuon_z3", "dmuon_z3": "dmuon_z3"}
-"""Bench configuration -> the twin path whose host factor prices its host work."""
+"""Bench configuration -> the code path whose host factor prices its host work (:func:`path_host_factors`):
+``dmuon_z2`` takes ``dmuon_z3``'s (the same ``step()``)."""
+TWIN_PATHS = tuple(dict.fromkeys(PATH_OF.values()))
+"""The code paths whose optimizer step is measured on the model's tiny twin: configurations the twin is built as."""
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 """The collectives the link is measured with, each fitted on its own (the simulation's ``op_links``)."""
 RATES = ("matmul_flops", "effective_flops", "elementwise_bytes", "non_gemm_seconds", "dispatch_seconds",

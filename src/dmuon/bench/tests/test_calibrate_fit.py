@@ -6,13 +6,13 @@ import pytest
 
 from dmuon.bench.calibrate_fit import (
     CONFIGS,
+    TWIN_PATHS,
     calibrated_hardware,
     combine,
     compare,
     drift,
     fit_links,
     link_messages,
-    TWIN_PATHS,
     order_check,
     path_host_factors,
     predict,
@@ -273,7 +273,7 @@ def test_each_code_paths_host_time_from_its_twin():
         tokens = build_workload("qwen2", size="tiny").tokens_per_rank
     # The twin of the tiny model is itself: its prediction without host work and with it, by hand.
     twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], rank_unit_seconds=0.0, host_factors={})
-    paths = tuple(TWIN_PATHS)
+    paths = TWIN_PATHS
     bare = predict(twin, "qwen2", "tiny", 2, tokens, host=False, configs=paths)
     priced = predict(twin, "qwen2", "tiny", 2, tokens, configs=paths)
     host = {c: priced[c]["optimizer_seconds"] - bare[c]["optimizer_seconds"] for c in paths}
