@@ -164,6 +164,20 @@ def calibrated_hardware(figures: dict, compute: str = "gemms_and_rest", per_kind
         sync_delay=figures.get("sync_delay", 0.0) if skew else 0.0)
 
 
+def _twin(figures: dict, model: str) -> tuple[dict, int]:
+    """``figures`` for predicting the model's tiny twin, and its tokens per rank: the machine's figures with
+    the twin's own count of parameter tensors outside its shape lists (the per-tensor host work is priced
+    per tensor; the bench model's count, which ``figures`` holds, has more: its blocks are more)."""
+    import torch
+
+    from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
+
+    with torch.device("meta"):
+        twin = build_workload(model, size="tiny")
+    unlisted = len(list(twin.model.parameters())) - sum(g.count for g in bench_model_shapes(model, "tiny"))
+    return dict(figures, unlisted_tensors=unlisted), twin.tokens_per_rank
+
+
 def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
     """FSDP2's work per unit and pass on the ranks' own mesh beyond what a one-rank mesh shows, from the
     model's tiny twin: its forward+backward under FSDP2 over every rank (``twin_world_seconds``, ZeRO-3 as
@@ -180,17 +194,12 @@ def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
     bench model's own timings are never used."""
     if "twin_world_seconds" not in figures:
         return 0.0
-    import torch
-
-    from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
-
-    with torch.device("meta"):
-        tokens = build_workload(model, size="tiny").tokens_per_rank
+    twin, tokens = _twin(figures, model)
     shapes = bench_model_shapes(model, "tiny")
     gemms = 6.0 * tokens * sum(g.numel for g in shapes)
     # Only adamw's forward+backward is read, where no NS runs; the simulation prices every strategy's step,
     # so the twin's NS entries are given (as nothing) to let it.
-    twin = dict(figures, non_gemm_seconds=max(0.0, figures["twin_plain_seconds"] - gemms / figures["matmul_flops"]),
+    twin.update(non_gemm_seconds=max(0.0, figures["twin_plain_seconds"] - gemms / figures["matmul_flops"]),
                 rank_unit_seconds=0.0, host_factors={},
                 ns_seconds={f"{g.shape[0]}x{g.shape[1]}x1": 0.0 for g in shapes if g.muon})
     predicted = predict(twin, model, "tiny", world_size, tokens, configs=("adamw",))["adamw"]
@@ -249,14 +258,9 @@ def path_host_factors(figures: dict, model: str, world_size: int) -> dict[str, f
     measured = figures.get("twin_optimizer_seconds")
     if not measured:
         return {}
-    import torch
-
-    from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
-
-    with torch.device("meta"):
-        tokens = build_workload(model, size="tiny").tokens_per_rank
+    twin, tokens = _twin(figures, model)
     # Only the optimizer phases are read: FSDP2's per-unit figure on the ranks' mesh is left out.
-    twin = dict(figures, ns_seconds=figures["twin_ns_seconds"], host_factors={}, rank_unit_seconds=0.0)
+    twin.update(ns_seconds=figures["twin_ns_seconds"], host_factors={}, rank_unit_seconds=0.0)
     paths = tuple(config for config in TWIN_PATHS if config in measured)
     with_host = predict(twin, model, "tiny", world_size, tokens, configs=paths)
     without = predict(twin, model, "tiny", world_size, tokens, host=False, configs=paths)

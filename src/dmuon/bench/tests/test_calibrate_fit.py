@@ -20,6 +20,7 @@ from dmuon.bench.calibrate_fit import (
     rank_unit_seconds,
     separated,
 )
+from dmuon.bench.shapes import bench_model_shapes
 
 SIZES = (16384, 65536, 262144, 1048576, 4194304)
 
@@ -111,8 +112,6 @@ def test_calibrated_hardware_options():
 
 
 def test_per_kind_links_equal_to_the_shared_fit_predict_what_the_shared_fit_does():
-    from dmuon.bench.shapes import bench_model_shapes
-
     ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
           for r, c in [g.shape] for b in range(1, g.count + 1)}
     shared = {"matmul_flops": 5e10, "effective_flops": 4e10, "elementwise_bytes": 5e9, "link_latency": 2e-4,
@@ -130,8 +129,6 @@ def test_per_kind_links_equal_to_the_shared_fit_predict_what_the_shared_fit_does
 
 
 def test_the_work_beyond_the_gemms_adds_to_forward_backward_at_the_matmul_rate_only():
-    from dmuon.bench.shapes import bench_model_shapes
-
     ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
           for r, c in [g.shape] for b in range(1, g.count + 1)}
     figures = {"matmul_flops": 5e10, "effective_flops": 4e10, "elementwise_bytes": 5e9, "link_latency": 2e-4,
@@ -157,8 +154,6 @@ def test_the_work_beyond_the_gemms_adds_to_forward_backward_at_the_matmul_rate_o
 
 def _tiny_point(flops: float) -> dict:
     """One rank's measurement at one point for the qwen2 tiny model, its GEMMs at ``flops``."""
-    from dmuon.bench.shapes import bench_model_shapes
-
     ns = {f"{r}x{c}x{b}": 1e-3 * b for g in bench_model_shapes("qwen2", "tiny") if g.muon
           for r, c in [g.shape] for b in range(1, g.count + 1)}
     return {"matmul_flops": flops, "effective_flops": flops / 2, "elementwise_bytes": 5e9, "non_gemm_seconds": 0.01,
@@ -270,9 +265,14 @@ def test_each_code_paths_host_time_from_its_twin():
     figures = combine([[_tiny_point(3e10)], [_tiny_point(3e10)]], 2)
     assert path_host_factors(figures, "qwen2", 2) == {}  # no twin measured: every path at the host figures
     with torch.device("meta"):
-        tokens = build_workload("qwen2", size="tiny").tokens_per_rank
-    # The twin of the tiny model is itself: its prediction without host work and with it, by hand.
-    twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], rank_unit_seconds=0.0, host_factors={})
+        tiny = build_workload("qwen2", size="tiny")
+    tokens = tiny.tokens_per_rank
+    # The twin of the tiny model is itself: its prediction without host work and with it, by hand, with its
+    # own parameter tensors outside the shape lists (the figures hold the bench model's count, 5 here).
+    own = len(list(tiny.model.parameters())) - sum(g.count for g in bench_model_shapes("qwen2", "tiny"))
+    assert own != figures["unlisted_tensors"]
+    twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], rank_unit_seconds=0.0, host_factors={},
+                unlisted_tensors=own)
     paths = TWIN_PATHS
     bare = predict(twin, "qwen2", "tiny", 2, tokens, host=False, configs=paths)
     priced = predict(twin, "qwen2", "tiny", 2, tokens, configs=paths)
@@ -283,6 +283,10 @@ def test_each_code_paths_host_time_from_its_twin():
     found = path_host_factors(dict(figures, twin_ns_seconds=figures["ns_seconds"], twin_optimizer_seconds=measured),
                               "qwen2", 2)
     assert found == pytest.approx(factor)
+    # The bench model's count of tensors outside its shape lists does not enter the twin's factors.
+    for count in (0, 50):
+        assert path_host_factors(dict(figures, unlisted_tensors=count, twin_ns_seconds=figures["ns_seconds"],
+                                      twin_optimizer_seconds=measured), "qwen2", 2) == pytest.approx(factor)
     # A twin faster than its prediction without any host work: no host time at all.
     fast = {c: 0.5 * bare[c]["optimizer_seconds"] for c in paths}
     assert path_host_factors(dict(twin, twin_optimizer_seconds=fast, host_factors=None), "qwen2", 2) == \
@@ -302,4 +306,4 @@ def test_each_code_paths_host_time_from_its_twin():
     with_twin = dict(figures, twin_ns_seconds=figures["ns_seconds"], twin_optimizer_seconds=measured,
                      rank_unit_seconds=0.0)
     assert predict(with_twin, "qwen2", "tiny", 2, tokens)["gather"] == predict(
-        dict(twin, host_factors=found), "qwen2", "tiny", 2, tokens)["gather"]
+        dict(with_twin, host_factors=found), "qwen2", "tiny", 2, tokens)["gather"]
