@@ -5,6 +5,7 @@ constructed samples)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 
 from dmuon.bench.shapes import bench_model_shapes
@@ -168,14 +169,22 @@ def _twin(figures: dict, model: str) -> tuple[dict, int]:
     """``figures`` for predicting the model's tiny twin, and its tokens per rank: the machine's figures with
     the twin's own count of parameter tensors outside its shape lists (the per-tensor host work is priced
     per tensor; the bench model's count, which ``figures`` holds, has more: its blocks are more)."""
+    unlisted, tokens = _twin_structure(model)
+    return dict(figures, unlisted_tensors=unlisted), tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _twin_structure(model: str) -> tuple[int, int]:
+    """The tiny twin's parameter tensors outside its shape lists and its tokens per rank, from the twin
+    built on the meta device once per model (every round's prediction asks for them)."""
     import torch
 
     from dmuon.bench.models import build_workload  # transformers' models: imported only when a twin was measured
 
     with torch.device("meta"):
         twin = build_workload(model, size="tiny")
-    unlisted = len(list(twin.model.parameters())) - sum(g.count for g in bench_model_shapes(model, "tiny"))
-    return dict(figures, unlisted_tensors=unlisted), twin.tokens_per_rank
+    return len(list(twin.model.parameters())) - sum(g.count for g in bench_model_shapes(model, "tiny")), \
+        twin.tokens_per_rank
 
 
 def rank_unit_seconds(figures: dict, model: str, world_size: int) -> float:
