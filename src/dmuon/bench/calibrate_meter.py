@@ -51,7 +51,7 @@ SKEW_BLOCKS = 8
 DISPATCH_TENSORS = 48
 """Tensor pairs, each of its own shape, of the dispatch measurement."""
 DISPATCH_OPS = 8
-"""Operations per pair in it (:meth:`_Meter.dispatch`)."""
+"""Operations per pair in it (:meth:`Meter.dispatch`)."""
 LAYOUT_LOOP = 4
 """Rounds over the bench model's Muon shapes of ``full_tensor()`` and ``distribute_tensor`` timed per layout
 measurement."""
