@@ -16,7 +16,8 @@ collective lists (:func:`~dmuon.costmodel.collectives.step_collectives`) as a ti
   level (intra, inter), one link per direction, whose bandwidth is shared equally
   between the transfers on it at that moment (two at once get half each); a rank's part
   ends when its bytes have moved.
-* **Schedules** (:mod:`dmuon.costmodel.schedule`, :func:`build_step`): each strategy's step task
+* **Schedules** (:mod:`dmuon.costmodel.schedule` and :mod:`dmuon.costmodel.schedule_dmuon`,
+  :func:`build_step`): each strategy's step task
   by task as the host issues it: FSDP2's forward and backward with its prefetch, dmuon's
   exchanges as the runtime issues them, the step's agreement, NS and return waves,
   gather-then-compute's and the all-to-all peer's steps.
@@ -37,16 +38,37 @@ from __future__ import annotations
 from typing import Sequence
 
 from dmuon.costmodel.peer import PEER_STRATEGY
-from dmuon.costmodel.schedule import NEXT_FORWARD, RETURNS_IN_BACKWARD, StepBuilder, build_step
+from dmuon.costmodel.collectives import STEP_STRATEGIES
+from dmuon.costmodel.schedule import StepBuilder
+from dmuon.costmodel.schedule_dmuon import NEXT_FORWARD, RETURNS_IN_BACKWARD, DMuonStepBuilder
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
-from dmuon.costmodel.timeline import Timeline
+from dmuon.costmodel.timeline import Task, Timeline
 
 __all__ = ["NEXT_FORWARD", "RETURNS_IN_BACKWARD", "SIM_STRATEGIES", "build_step", "goal_ratios", "simulate",
-           "simulate_strategies"]
+           "simulate_strategies", "step_builder"]
 
 SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", RETURNS_IN_BACKWARD,
                                    NEXT_FORWARD, PEER_STRATEGY)
 """What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
+
+def step_builder(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None
+                 ) -> StepBuilder:
+    """The builder of ``strategy``'s step: dmuon's (:mod:`dmuon.costmodel.schedule_dmuon`) for dmuon and its
+    variants, :class:`~dmuon.costmodel.schedule.StepBuilder` for the others."""
+    known = STEP_STRATEGIES + (PEER_STRATEGY, RETURNS_IN_BACKWARD, NEXT_FORWARD)
+    if strategy not in known:
+        raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
+    builder = DMuonStepBuilder if strategy in DMuonStepBuilder.STRATEGIES else StepBuilder
+    return builder(strategy, inputs, hardware, options or SimOptions())
+
+
+def build_step(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None
+               ) -> tuple[Timeline, Task]:
+    """The timeline of one step under ``strategy`` (not yet run) and its end-of-backward marker."""
+    builder = step_builder(strategy, inputs, hardware, options)
+    timeline = builder.build()
+    return timeline, builder.backward_end
+
 
 def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None) -> dict:
     """Runs one step under ``strategy``; its figures, JSON-ready.
@@ -66,7 +88,7 @@ def simulate(strategy: str, inputs: StepInputs, hardware: Hardware, options: Sim
         and the longest any rank's intra- and inter-node link carries bytes: what bounds
         the phase), ``collectives`` and ``bounding_rank`` (the rank with the most compute).
     """
-    builder = StepBuilder(strategy, inputs, hardware, options or SimOptions())
+    builder = step_builder(strategy, inputs, hardware, options)
     timeline, backward_end = builder.build(), builder.backward_end
     timeline.run()
     world = inputs.world

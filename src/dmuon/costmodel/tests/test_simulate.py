@@ -17,6 +17,7 @@ from dmuon.costmodel.simulate import (
     Timeline,
     build_step,
     simulate,
+    step_builder,
 )
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 
@@ -194,7 +195,7 @@ def test_serialised_without_compute_is_the_alpha_beta_sum(replicate, shard, retu
         # The collectives are step_collectives' (the same code as step_comm's), plus dmuon's agreement.
         rbwd = strategy == RETURNS_IN_BACKWARD
         listed = step_collectives("dmuon" if rbwd or nfwd else strategy, inputs.shapes, inputs.owners, inputs.blocks,
-                                  replicate, shard, waves=StepBuilder(strategy, inputs, HW, options).waves,
+                                  replicate, shard, waves=step_builder(strategy, inputs, HW, options).waves,
                                   other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks,
                                   publication=publication, returns_in_backward=rbwd)
         extra = [c for c in used if c.role == "agreement"]
@@ -552,7 +553,7 @@ def test_returns_in_backward_move_the_returns_behind_backward(replicate, shard):
     options = SimOptions(tokens_per_gpu=20000)
     plain, back = (simulate(s, inputs, HW, options) for s in ("dmuon", RETURNS_IN_BACKWARD))
     assert back["optimizer_seconds"] < plain["optimizer_seconds"]
-    builder = StepBuilder(RETURNS_IN_BACKWARD, inputs, HW, options)
+    builder = step_builder(RETURNS_IN_BACKWARD, inputs, HW, options)
     assert builder.back and builder.back < set(inputs.blocks)  # some blocks, not all
     timeline = builder.build()
     in_backward = [t for t in timeline.tasks if t.kind == "ns" and t.phase == "backward"]
@@ -628,7 +629,7 @@ def test_updates_applied_in_the_next_forward_by_hand():
     assert publication > 0.8 * plain["optimizer_seconds"]
     assert nfwd["step_seconds"] < plain["step_seconds"] - 0.3 * publication
     assert nfwd["exposed_comm_seconds"] < plain["exposed_comm_seconds"] - 0.3 * publication
-    builder = StepBuilder(NEXT_FORWARD, inputs, slow, long)
+    builder = step_builder(NEXT_FORWARD, inputs, slow, long)
     # One wave per unit with Muon matrices, the root's first (the order the next forward needs them); each
     # rank publishes the same bytes as in dmuon's waves (in more, smaller collectives).
     assert builder.waves == [[16]] + [[2 * k, 2 * k + 1] for k in range(8)]
@@ -637,7 +638,7 @@ def test_updates_applied_in_the_next_forward_by_hand():
         across = [c.ranks for c in b.collectives.values() if c.level == "inter" and c.phase == "step"]
         return [tuple(map(sum, zip(*(r[k] or (0, 0) for r in across)))) for k in range(4)]
 
-    assert published(builder) == published(StepBuilder("dmuon", inputs, slow, long))
+    assert published(builder) == published(step_builder("dmuon", inputs, slow, long))
     timeline = builder.build()
     timeline.run()
     tasks = {(t.phase, t.name): t for t in timeline.tasks}
