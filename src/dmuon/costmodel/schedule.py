@@ -49,6 +49,9 @@ class StepBuilder:
     next_forward: bool = False
     """Whether the step's updates are applied in the next forward (dmuon's ``NEXT_FORWARD``): the step's
     figures then run from one forward's end to the next's."""
+    returns_in_backward: bool = False
+    """Whether updates come back in backward (dmuon's ``RETURNS_IN_BACKWARD``): ``step_collectives`` then lists
+    their returns among backward's collectives."""
 
     STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", PEER_STRATEGY)
     """The strategies this builder lays; :func:`dmuon.costmodel.simulate.step_builder` picks dmuon's builder for
@@ -92,7 +95,7 @@ class StepBuilder:
         from dmuon.plan.batches import return_waves
         return [w for w in return_waves(self.ns_batches, [], self.inp.return_waves) if w]
 
-    def listed(self, waves: list[list[int]], returns_in_backward: bool = False) -> list[Collective]:
+    def listed(self, waves: list[list[int]]) -> list[Collective]:
         """The step's collectives as :func:`~dmuon.costmodel.collectives.step_collectives` lists them."""
         inputs, options = self.inp, self.opt
         return step_collectives(
@@ -101,7 +104,7 @@ class StepBuilder:
             zero=inputs.zero, root_block=inputs.root_block, waves=waves, other_shapes=inputs.other_shapes,
             other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
             hop_a_spread=inputs.hop_a_spread, publication=inputs.publication,
-            returns_in_backward=returns_in_backward, root_regathered=inputs.root_regathered)
+            returns_in_backward=self.returns_in_backward, root_regathered=inputs.root_regathered)
 
     def note(self, key: tuple, c: Collective) -> None:
         """Reads a listed collective as it is keyed (a strategy's builder notes what it schedules by)."""

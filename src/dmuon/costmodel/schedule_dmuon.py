@@ -109,9 +109,6 @@ class DMuonStepBuilder(StepBuilder):
     def listed_strategy(self, strategy: str) -> str:
         return "dmuon" if strategy in (RETURNS_IN_BACKWARD, NEXT_FORWARD) else strategy
 
-    def listed(self, waves: list[list[int]], returns_in_backward: bool = False) -> list[Collective]:
-        return super().listed(waves, returns_in_backward=self.returns_in_backward)
-
     def return_waves(self) -> list[list[int]]:
         if self.returns_in_backward:
             # NS per block (the worker's batches), the returned blocks' in backward, the others' waves in step().
