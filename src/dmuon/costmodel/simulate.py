@@ -51,6 +51,7 @@ SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_nativ
                                    NEXT_FORWARD, PEER_STRATEGY)
 """What :func:`simulate_strategies` runs by default, FSDP2 + AdamW first (the reference)."""
 
+
 def step_builder(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None
                  ) -> StepBuilder:
     """The builder of ``strategy``'s step: dmuon's (:mod:`dmuon.costmodel.schedule_dmuon`) for dmuon and its
