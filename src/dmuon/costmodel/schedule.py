@@ -60,7 +60,7 @@ class StepBuilder:
     def __init__(self, strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions):
         if strategy not in self.STRATEGIES:
             raise ValueError(f"{type(self).__name__} lays {self.STRATEGIES}, got {strategy!r}")
-        self.strategy, self.inp, self.hw, self.opt = self.listed_strategy(strategy), inputs, hardware, options
+        self.strategy, self.inp, self.hw, self.opt = strategy, inputs, hardware, options
         self.tl = Timeline(inputs.world, hardware.links, options.overlap, hardware.op_links, hardware.sync_skew,
                            hardware.sync_delay)
         self.ns_batches = inputs.ns_batches
@@ -85,10 +85,6 @@ class StepBuilder:
         self.backward_end: Task | None = None
         self.forward_ends: list[Task] = []
         """The end of each forward built (two with dmuon's ``next_forward``: this step's and the next)."""
-
-    def listed_strategy(self, strategy: str) -> str:
-        """The strategy whose collectives ``step_collectives`` lists for ``strategy``."""
-        return strategy
 
     def return_waves(self) -> list[list[int]]:
         """dmuon's return waves of the owners' NS batches (``step_collectives`` reads them for dmuon only)."""

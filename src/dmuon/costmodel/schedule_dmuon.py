@@ -100,14 +100,13 @@ class DMuonStepBuilder(StepBuilder):
         self.across: dict[int, list[str]] = {}
         """``returns_in_backward``: per returned block, its return's hops across replicas, in order:
         ``"ride"`` (in a landing's all_to_all) or the role of its own collective (in ``take()``)."""
-        super().__init__(strategy, inputs, hardware, options)
+        # The variants run dmuon's collectives (step_collectives lists them for "dmuon").
+        super().__init__("dmuon" if self.returns_in_backward or self.next_forward else strategy, inputs,
+                         hardware, options)
         self.launches: list[_Launch] = []
         self.unlanded: list[Task] = []  # design (b): reductions across replicas not yet waited for
         self.landed: dict[int, list[Task]] = {}
         """``next_forward``: per unit, what its updates' landing waits for (its wave's last hop)."""
-
-    def listed_strategy(self, strategy: str) -> str:
-        return "dmuon" if strategy in (RETURNS_IN_BACKWARD, NEXT_FORWARD) else strategy
 
     def return_waves(self) -> list[list[int]]:
         if self.returns_in_backward:

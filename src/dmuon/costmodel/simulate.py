@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from dmuon.costmodel.peer import PEER_STRATEGY
-from dmuon.costmodel.collectives import STEP_STRATEGIES
 from dmuon.costmodel.schedule import StepBuilder
 from dmuon.costmodel.schedule_dmuon import NEXT_FORWARD, RETURNS_IN_BACKWARD, DMuonStepBuilder
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
@@ -56,7 +55,7 @@ def step_builder(strategy: str, inputs: StepInputs, hardware: Hardware, options:
                  ) -> StepBuilder:
     """The builder of ``strategy``'s step: dmuon's (:mod:`dmuon.costmodel.schedule_dmuon`) for dmuon and its
     variants, :class:`~dmuon.costmodel.schedule.StepBuilder` for the others."""
-    known = STEP_STRATEGIES + (PEER_STRATEGY, RETURNS_IN_BACKWARD, NEXT_FORWARD)
+    known = StepBuilder.STRATEGIES + DMuonStepBuilder.STRATEGIES
     if strategy not in known:
         raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
     builder = DMuonStepBuilder if strategy in DMuonStepBuilder.STRATEGIES else StepBuilder

@@ -377,7 +377,7 @@ def test_options_are_checked():
         SimOptions(non_gemm_seconds=-1.0)
     with pytest.raises(ValueError):
         Hardware("x", 0.0, 1.0, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="strategy must be one of"):
         simulate("adam", _inputs(1, 2), HW)
 
 
