@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.stats import CommStats
+from dmuon.comm.streams import Flight, active
 
 
 class _Queued:
@@ -51,18 +52,21 @@ class _Part:
 
 
 class _JoinedWork:
-    """The joined collective's handle: waiting lands it once and hands every part its bytes."""
+    """The joined collective's handle: waiting lands it once and hands every part its bytes (on the
+    first waiter's stream; a later waiter on another stream waits for an event recorded after the
+    copies, and keeps the parts' buffers)."""
 
-    def __init__(self, work, recv: torch.Tensor, parts: list[_Part], offsets: list[list[int]]) -> None:
-        self._work = work
+    def __init__(self, flight: Flight, recv: torch.Tensor, parts: list[_Part], offsets: list[list[int]]) -> None:
+        self._flight = flight
         self._recv = recv
         self._parts = parts
         self._offsets = offsets
-        self._done = False
+        self._copied = None
 
     def wait(self) -> bool:
-        if not self._done:
-            self._work.wait()
+        streams = active()
+        if self._copied is None:
+            self._flight.wait()
             for part, starts in zip(self._parts, self._offsets):
                 out = part.out.view(-1).view(torch.uint8)
                 size = part.out.element_size()
@@ -70,7 +74,11 @@ class _JoinedWork:
                 for start, numel in zip(starts, part.out_splits):
                     out[at:at + numel * size].copy_(self._recv[start:start + numel * size])
                     at += numel * size
-            self._done = True
+            self._recv = None
+            self._copied = streams.record()
+        else:
+            streams.wait(self._copied)
+            streams.keep([part.out for part in self._parts])
         return True
 
 
@@ -107,7 +115,9 @@ class GroupAllToAll:
     def _issue(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                sent: int, received: int):
         self.stats.add(self.level, sent, received)
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        return active().issue(
+            lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True),
+            reads=(inp,), writes=(out,))
 
     @contextlib.contextmanager
     def coalesced(self) -> Iterator[None]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from dmuon.comm.stats import CommStats
+from dmuon.comm.streams import active, kept
 
 
 @dataclass
@@ -21,6 +22,12 @@ class Pending:
     collectives (every rank must issue them in the same order), so the runtime
     calls :meth:`forward` when it launches the next block and :meth:`issue_all`
     when it enters ``step()``.
+
+    Streams (:mod:`dmuon.comm.streams`): the exchange lands on the stream that first waits
+    for it, after that stream has waited for everything its creator had produced when it
+    was made (``finish`` reads the creator's buffers too: a local exchange has no
+    collective at all). The result is handed to a caller on another stream behind an event
+    recorded once it was computed, and kept for that stream.
     """
 
     works: list
@@ -37,9 +44,18 @@ class Pending:
     """What ``finish`` found of the row state that rode along (see :meth:`row_states`)."""
     _next: "Pending | None" = field(default=None, repr=False)
     _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
+    _made: Any = field(default=None, repr=False)
+    """Event on the creator's stream when this was made."""
+    _ready: Any = field(default=None, repr=False)
+    """Event on the landing stream once ``result`` was computed."""
+
+    def __post_init__(self) -> None:
+        self._made = active().record()
 
     def _land(self, exposed: bool) -> None:
+        # Host time: on CUDA wait() only enqueues the stream's wait.
         start = time.perf_counter()
+        active().wait(self._made)
         for work in self.works:
             work.wait()
         self.works = []
@@ -87,6 +103,7 @@ class Pending:
                 blocking, and it issues nothing (it waits for the main thread's
                 :meth:`forward` instead).
         """
+        streams = active()
         if self.result is None:
             if self.then is not None:
                 if exposed:
@@ -98,6 +115,11 @@ class Pending:
             else:
                 self._land(exposed)
                 self.result = self.finish()
+            self._ready = streams.record()
+        else:
+            # Computed on another stream (or this one: the wait is then free).
+            streams.wait(self._ready)
+            streams.keep(kept(self.result) + kept(self.rows))
         return self.result
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dmuon.comm.coalesce import GroupAllToAll
 from dmuon.comm.pending import Pending, no_result
 from dmuon.comm.stats import CommStats
+from dmuon.comm.streams import active
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
 
@@ -70,7 +71,9 @@ class ReplicateReduce:
         replicate = self.topo.replicate
         moved = 2 * (replicate - 1) * flat.numel() * flat.element_size() // replicate
         self.stats.add("inter", moved, moved)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.topo.replicate_group, async_op=True)
+        work = active().issue(
+            lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.topo.replicate_group, async_op=True),
+            reads=(flat,), writes=(flat,))
 
         def finish() -> dict[int, torch.Tensor]:
             flat.div_(replicate)

@@ -21,10 +21,21 @@ replicate level hop A goes in row chunks over the following launches, each
 joined with that unit's gradient column reduce-scatter, as the
 :class:`~dmuon.plan.hop_a.HopASpreader` decides (the same on every rank), and
 hop B at the launch after the last chunk.
+
+Streams (CUDA; :mod:`dmuon.comm.streams`): FSDP2 calls the hooks on its post-reduce
+stream; everything a hook does (peek, the send buffers, issuing and landing hops, the
+replicate level's reductions) runs on dmuon's own stream, forked from it, so FSDP2's
+stream never waits for dmuon. The NS worker enters the plan's device and runs on the NS
+stream: it lands its block's exchange there (after the event of the exchange's creation)
+and records an event once the owners' work is enqueued; whoever consumes the results
+(the return issued in backward, ``step()``) waits for that event. ``take()`` and the end
+of backward make the compute stream wait for dmuon's stream before anything reads what
+the hooks produced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -36,6 +47,7 @@ import torch
 
 from dmuon.comm import Pending, ShardExchange
 from dmuon.comm.pending import no_result
+from dmuon.comm.streams import kept, streams_for
 from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
@@ -139,8 +151,15 @@ class BackwardLaunches:
         if replicate is not None and directions:
             self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
                                           plan.replicate, plan.shard, exchange.wire_dtype.itemsize, hop_a_spread)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns") if owner_work else None
+        self.streams = streams_for(plan.device)
+        self._own_done = None
+        """Event on dmuon's stream after the hooks' latest work (None: nothing since the compute stream waited)."""
+        # The worker thread enters the plan's device first: Triton launches on the thread's current device.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns",
+                                          initializer=self.streams.enter) if owner_work else None
         self._early: dict[int, Future] = {}
+        self._ns_done: dict[int, Any] = {}
+        """Per block: the event on the NS stream after the worker's work on it."""
         self._matrices: dict[int, list[int]] = {}
         for info in plan.infos:
             self._matrices.setdefault(id(info.param), []).append(info.index)
@@ -174,19 +193,35 @@ class BackwardLaunches:
         def hook(param: torch.Tensor) -> None:
             me = launches()
             if me is not None and getattr(param, "_dmuon_launches", None) is launches:
-                me._landed_one(param)
+                with me.streams.fsdp2_hook(), me._on_own_stream():
+                    me._landed_one(param)
 
         return hook
 
+    @contextlib.contextmanager
+    def _on_own_stream(self):
+        """Runs the block on dmuon's stream, forked from the current one (FSDP2's, in a hook); the
+        compute stream waits for it in :meth:`take` or at the end of backward."""
+        with self.streams.use(self.streams.own("dmuon")):
+            yield
+            self._own_done = self.streams.record()
+
+    def _join_own_stream(self) -> None:
+        """The current (compute) stream waits for what the hooks left on dmuon's stream."""
+        if self._own_done is not None:
+            self.streams.wait(self._own_done)
+            self._own_done = None
+
     def _landed_one(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            # Before this backward returns, the compute stream waits for what the hooks did on
+            # dmuon's stream (user code before step(), clipping, scales the gradients they read)
+            # and, on the replicate level, every reduction across replicas lands. An autograd
+            # final callback runs after FSDP2's own (which reduces the root): the only hook into
+            # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.replicate is not None:
-            if not self._in_backward:
-                # Every reduction across replicas lands before this backward returns, so user
-                # code before step() (clipping) never races one in flight. An autograd final
-                # callback runs after FSDP2's own (which reduces the root): the only hook into
-                # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
-                self._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
         if self._current is not None and self._current != unit:
@@ -269,11 +304,14 @@ class BackwardLaunches:
         return None
 
     def _end_of_backward(self) -> None:
-        """Autograd final callback (replicate level): the last unit completes, every reduction lands."""
+        """Autograd final callback, on the compute stream after FSDP2's: the compute stream waits for
+        dmuon's; on the replicate level the last unit completes and every reduction lands."""
         self._in_backward = False
-        if self._current is not None:
-            self._complete(self._current)
-        self.replicate.land_all()
+        self._join_own_stream()
+        if self.replicate is not None:
+            if self._current is not None:
+                self._complete(self._current)
+            self.replicate.land_all()
 
     def _send_after(self, reduction: Reduction, launch: Launch) -> Pending:
         """Main thread, once the unit's reduction across replicas has landed: the directions from it."""
@@ -340,25 +378,39 @@ class BackwardLaunches:
 
     def _return(self, launch: Launch) -> Pending:
         """Main thread: issues the return of the owners' updates from ``launch``'s directions."""
-        updates, new_rows, _ = self._early[launch.block].result()
+        updates, new_rows, _ = self._worker_result(launch.block)
         return self.exchange.return_updates(launch.members, updates, None,
                                             new_rows if self._row_states is not None else None)
+
+    def _worker_result(self, block: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
+        """The worker's results for ``block`` (blocking the host until it has enqueued them), ordered
+        before the current stream's next work and kept for it."""
+        result = self._early[block].result()
+        self.streams.wait(self._ns_done[block])
+        self.streams.keep(kept(result[:2]))
+        return result
 
     @torch.no_grad()
     def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.
         assert self._owner_work is not None
-        full = launch.pending.wait(exposed=False)
-        # Landed: row_states() reads what wait() found, it issues nothing.
-        rows = None if self._row_states is None else launch.pending.row_states()
-        start = time.perf_counter()
-        updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
-        return updates, new_rows, time.perf_counter() - start
+        # Not forked from this thread's default stream (backward's compute): only the exchange's events order NS.
+        with self.streams.use(self.streams.own("ns"), fork=False):
+            full = launch.pending.wait(exposed=False)
+            # Landed: row_states() reads what wait() found, it issues nothing.
+            rows = None if self._row_states is None else launch.pending.row_states()
+            # Host time: what enqueueing the owners' work took (on CUDA the device runs it later).
+            start = time.perf_counter()
+            updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
+            spent = time.perf_counter() - start
+            self._ns_done[launch.block] = self.streams.record()
+        return updates, new_rows, spent
 
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
         """The launches since the last call (a partly landed unit completes now), every hop of
         theirs issued, and the worker's results for them (empty without a worker)."""
+        self._join_own_stream()
         if self._current is not None:
             self._complete(self._current)
         launches, self._launches = self._launches, {}
@@ -376,8 +428,9 @@ class BackwardLaunches:
             launch.pending.issue_all()
             if launch.returned is not None:
                 launch.returned.issue_all()
-        early = {b: f.result() for b, f in sorted(self._early.items())}
+        early = {b: self._worker_result(b) for b in sorted(self._early)}
         self._early.clear()
+        self._ns_done.clear()
         return launches, early
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats, Pending, ShardExchange
 from dmuon.comm.replicate import ReplicateReduce
+from dmuon.comm.streams import streams_for
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.rules.adamw import local_tensor
@@ -89,6 +90,8 @@ class ShardRuntime:
         self.plan = plan
         self.topo = plan.topology
         self.device = plan.device
+        self.streams = streams_for(self.device)
+        """Where every stream, event and wait of this runtime goes (:mod:`dmuon.comm.streams`)."""
         self.config = config
         self.callbacks = callbacks
         if config.post_optim_event and self.device.type == "cpu":
@@ -457,7 +460,9 @@ class ShardRuntime:
         if self.topo.world_size == 1:
             return lambda: flags.cpu()
         flags = flags.to(self.device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group, async_op=True)
+        work = self.streams.issue(
+            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group, async_op=True),
+            reads=(flags,), writes=(flags,))
 
         def landed() -> torch.Tensor:
             work.wait()

@@ -1,0 +1,152 @@
+"""The stream checker itself: each rule raises on a deliberately broken hand-over and passes the correct one."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmuon.comm.stream_check import CheckedStreams, StreamOrderError
+from dmuon.comm.streams import Flight
+
+
+@pytest.fixture
+def streams():
+    checker = CheckedStreams().start()
+    try:
+        yield checker
+    finally:
+        checker._mode.__exit__(None, None, None)
+        for owner, name, original in reversed(checker._patched):
+            setattr(owner, name, original)
+
+
+def test_a_read_on_another_stream_needs_an_event(streams):
+    with streams.use("a"):
+        x = torch.ones(4) * 2
+        made = streams.record()
+    with streams.use("b", fork=False):
+        with pytest.raises(StreamOrderError, match=r"written on stream 'a'.*read on stream 'b'"):
+            x + 1
+    with streams.use("b", fork=False):
+        streams.wait(made)
+        assert (x + 1).sum().item() == 12
+
+
+def test_a_fork_orders_what_came_before(streams):
+    x = torch.ones(4) * 2  # compute
+    with streams.use("dmuon"):
+        assert (x * 3).sum().item() == 24
+
+
+def test_a_write_over_another_streams_read_needs_an_event(streams):
+    x = torch.ones(4) * 2
+    with streams.use("ns"):  # forked: sees x
+        y = x * 3
+    with pytest.raises(StreamOrderError, match=r"written on stream 'compute'.*'ns' may still be reading"):
+        x.add_(1)
+    del y
+
+
+def test_waits_on_fsdp2s_stream_and_on_compute_in_backward_raise(streams):
+    event = streams.record()
+    with streams.fsdp2_hook():
+        with pytest.raises(StreamOrderError, match="FSDP2's post-reduce stream"):
+            streams.wait(event)
+    # The hook marked backward as running: the compute stream must not wait until FSDP2 finalizes.
+    with pytest.raises(StreamOrderError, match="compute stream during backward"):
+        streams.wait(event)
+    with streams.use("dmuon"):
+        streams.wait(event)
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _flight(streams, send, recv):
+    # A collective as the checker sees one: the send read and the receive written on its own stream.
+    return streams.issue(lambda: _Done(), reads=(send,), writes=(recv,))
+
+
+def test_a_send_buffer_freed_before_its_stream_waited_is_caught_at_the_next_allocation(streams):
+    with streams.use("dmuon"):
+        send = torch.ones(8) * 1
+        recv = torch.empty(8)
+        flight = Flight(streams, _Done(), ())  # the buffers not held: only the collective knew them
+        flight.token = _flight(streams, send, recv).token
+        del send
+        gc.collect()
+    with streams.use("ns", fork=False):
+        streams.land(flight)  # lands on another stream, and keeps nothing: the send was dropped already
+    with streams.use("dmuon"):
+        with pytest.raises(StreamOrderError, match=r"freed while stream 'collective#\d+' may still use it"):
+            torch.empty(8) * 1
+
+
+def test_a_flight_keeps_its_buffers_for_the_landing_stream(streams):
+    with streams.use("dmuon"):
+        send = torch.ones(8) * 1
+        recv = torch.empty(8)
+        flight = _flight(streams, send, recv)
+        del send, recv
+        gc.collect()
+    with streams.use("ns", fork=False):
+        flight.wait()  # held by the flight until here, then kept for "ns"
+    gc.collect()
+    with streams.use("dmuon"):
+        torch.empty(8) * 1  # may reuse the block: "ns" has waited for the collective
+
+
+def test_a_thread_that_never_entered_the_device_raises(streams):
+    errors = []
+
+    def work():
+        try:
+            streams.record()
+        except StreamOrderError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert errors and "without entering the device" in errors[0]
+
+    def entered():
+        streams.enter()
+        with streams.use("ns", fork=False):
+            streams.record()
+
+    thread = threading.Thread(target=entered)
+    thread.start()
+    thread.join()
+
+
+def test_a_collective_reads_what_its_issuing_stream_ordered(streams):
+    with streams.use("ns"):
+        produced = torch.ones(4) * 5
+    # Issued from "dmuon" with no event from "ns": NCCL's stream would read the send early.
+    with streams.use("dmuon", fork=False):
+        with pytest.raises(StreamOrderError, match=r"written on stream 'ns'.*read on stream 'collective#"):
+            _flight(streams, produced, torch.empty(4))
+
+
+def test_gloo_all_reduce_through_the_checker():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from dmuon.util.spawn import run_distributed
+
+    assert run_distributed(_all_reduce_worker, 2, timeout_s=60) == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def _all_reduce_worker(rank: int, world_size: int):
+    streams = CheckedStreams().start()
+    x = torch.full((2,), float(rank + 1))
+    with streams.use("dmuon"):
+        flight = streams.issue(lambda: dist.all_reduce(x, async_op=True), reads=(x,), writes=(x,))
+        flight.wait()
+        return x.tolist()
