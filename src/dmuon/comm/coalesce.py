@@ -61,11 +61,13 @@ class _JoinedWork:
         self._recv = recv
         self._parts = parts
         self._offsets = offsets
+        self._done = False
         self._copied = None
+        """Event after the copies (None on CPU)."""
 
     def wait(self) -> bool:
         streams = active()
-        if self._copied is None:
+        if not self._done:
             self._flight.wait()
             for part, starts in zip(self._parts, self._offsets):
                 out = part.out.view(-1).view(torch.uint8)
@@ -75,6 +77,7 @@ class _JoinedWork:
                     out[at:at + numel * size].copy_(self._recv[start:start + numel * size])
                     at += numel * size
             self._recv = None
+            self._done = True
             self._copied = streams.record()
         else:
             streams.wait(self._copied)
