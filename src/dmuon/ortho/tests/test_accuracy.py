@@ -122,3 +122,38 @@ def test_gram_meets_accuracy_bar_large(shape, kind):
     check_accuracy_bar(G, KELLER, emulate_bf16=True)
     if max(shape) <= 4096:
         check_accuracy_bar(G, "polar_express", emulate_bf16=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(64, 256), (3, 96, 200), (300, 120)], ids=lambda s: "x".join(map(str, s)))
+def test_mixed_precision_agrees_with_float32_reference(shape, dtype):
+    # The mixed path differs from the float32 path only by 16-bit operands where
+    # gram_precision allows them; the standard iteration's own distance between dtype and
+    # float32 bounds what that rounding may cost (the same bar as above).
+    G = gradient_like("lowrank", *shape[-2:], seed=5)
+    if len(shape) == 3:
+        G = torch.stack([G * s for s in (1.0, 1e-3, 1e3)])
+    mixed = gram_newton_schulz(G, "polar_express", 5, dtype=dtype)
+    ref = gram_newton_schulz(G, "polar_express", 5, dtype=dtype, precision="float32")
+    tol = rel(newton_schulz(G, "polar_express", 5, dtype=dtype), newton_schulz(G, "polar_express", 5, dtype=torch.float32))
+    assert mixed.dtype == ref.dtype == dtype
+    assert rel(mixed, ref) <= tol
+
+
+def test_bar_rejects_bfloat16_products_in_the_gram_state(monkeypatch):
+    # The precision table is the bar's verdict; putting bfloat16 operands into the m x m
+    # products (measured 1.9-4.2x over the bar) must fail it.
+    from dmuon.ortho import gram as gram_mod
+
+    real = gram_mod.gram_precision
+
+    def corrupted(dtype, precision="mixed"):
+        p = real(dtype, precision)
+        if dtype == torch.bfloat16 and precision == "mixed":
+            p = gram_mod.GramPrecision(p.gram, p.restart, torch.bfloat16, torch.bfloat16, p.final)
+        return p
+
+    monkeypatch.setattr(gram_mod, "gram_precision", corrupted)
+    G = gradient_like("gauss", 48, 48, seed=96)
+    with pytest.raises(AssertionError):
+        check_accuracy_bar(G, KELLER, dtypes=(torch.bfloat16,))
