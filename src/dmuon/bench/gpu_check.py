@@ -175,7 +175,7 @@ def kernel_section(sizes: Sizes, device: torch.device) -> dict:
                 torch.backends.cuda.matmul.allow_tf32 = tf32_flag
             cases.append({"op": "syrk", "dtype": name, "M": M, "K": K, "check": check, "times_s": times,
                           "full_product_tflops": {k: 2 * M * M * K / t / 1e12 for k, t in times.items()},
-                          "tile_config": triton_syrk.best_config(M, K)})
+                          "tile_config": triton_syrk.best_config(M, K, dtype, False, dtype == torch.float32 and not tf32)})
     _, b, c = KELLER  # the quintic step's sym_poly2(R, b, c)
     for m in sizes.poly_sizes:
         X = torch.randn(m, 2 * m, generator=gen).to(device)
@@ -186,7 +186,7 @@ def kernel_section(sizes: Sizes, device: torch.device) -> dict:
                        "addmm": lambda R=R: sym.sym_poly2_reference(R, b, c),
                        "sym_poly2_triton": lambda R=R: sym.sym_poly2(R, b, c, "triton")})
         cases.append({"op": "syrk_poly2", "dtype": "float32", "M": m, "K": m, "check": check, "times_s": times,
-                      "tile_config": triton_syrk.best_config(m, m)})
+                      "tile_config": triton_syrk.best_config(m, m, R.dtype, True, True)})
     return {"interpreted": triton_syrk.interpreting(), "cases": cases}
 
 

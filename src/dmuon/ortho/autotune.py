@@ -51,7 +51,7 @@ __all__ = [
     "default_cache_dir", "device_fingerprint", "get_autotuner", "run_looped", "run_method", "time_candidates",
 ]
 
-SCHEMA_VERSION = 2  # 2: timings taken with BLAS threads matched to torch
+SCHEMA_VERSION = 3  # 2: timings taken with BLAS threads matched to torch; 3: keys name the fp32 matmul precision
 METHODS = ("standard", "standard32", "gram")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Relative error floor of the accuracy bar (see module docstring).
@@ -76,7 +76,10 @@ class Problem:
 
     def key(self, batch: int | None = None) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        base = f"{dt}|{self.shape[0]}x{self.shape[1]}|steps={self.steps}|sched={schedule_key(self.schedule)}"
+        # "high"/"medium" let float32 matmuls run TF32/bf16: a verdict timed under one
+        # setting says nothing about the other.
+        base = (f"{dt}|{self.shape[0]}x{self.shape[1]}|steps={self.steps}|sched={schedule_key(self.schedule)}"
+                f"|fp32mm={torch.get_float32_matmul_precision()}")
         return base if batch is None else f"{base}|batch={batch}"
 
 

@@ -15,11 +15,19 @@ Every product above has a symmetric result, so the half-work kernels of
 In finite precision ``R`` and ``Q`` drift away from the Gram matrix of ``Q X``: the
 error in ``R`` is absolute (about ``eps * |R|``), while the polynomial amplifies the
 smallest eigenvalues by ``a`` per step. A *restart* every ``restart_every`` steps
-folds ``Q`` into ``X`` and recomputes ``R`` from it, which bounds that drift. The
-m x m state is always kept in float32 (float64 for float64 input), whatever ``dtype``.
+folds ``Q`` into ``X`` and recomputes ``R`` from it, which bounds that drift.
+
+Precision. The state (``X``, ``R``, ``P``, ``Q``) is float32 (float64 for float64
+output); each product may round its operands to 16 bits so it runs on 16-bit matrix
+units with float32 accumulation. Which products may, per output dtype, is
+:func:`gram_precision`'s table, set by the accuracy bar against the standard iteration
+and a float64 SVD (``tests/test_accuracy.py``). ``precision="float32"`` runs every
+product in float32: the plain reference beside the mixed path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +43,9 @@ from .newton_schulz import check_dtype, check_input
 # restart every 3 steps and float32/float64 outputs every 2.
 RESTART_EVERY_LOW_PRECISION = 3
 RESTART_EVERY_FULL_PRECISION = 2
+# With 16-bit operands in the m x m products the Gram matrix drifts faster: every 3
+# steps missed the bar where every 2 did not (gram_precision).
+RESTART_EVERY_16BIT_PRODUCTS = 2
 
 
 # Below this many rows a (B, m, n) stack on CPU runs as batched torch ops.
@@ -43,8 +54,12 @@ _SMALL_STACK_M = 128
 _MULTITHREAD_BLAS_M = 512
 
 
-def default_restart_every(dtype: torch.dtype) -> int:
+def default_restart_every(dtype: torch.dtype, precision: str = "mixed") -> int:
     """The restart cadence used when ``restart_every`` is ``None``."""
+    prec = gram_precision(dtype, precision)
+    acc = _acc_dtype(dtype)
+    if prec.inner != acc or prec.evolve != acc:
+        return RESTART_EVERY_16BIT_PRODUCTS
     if dtype in (torch.bfloat16, torch.float16):
         return RESTART_EVERY_LOW_PRECISION
     return RESTART_EVERY_FULL_PRECISION
@@ -54,26 +69,88 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _TorchOps:
-    """Tensor kernels for the Gram loop (any device)."""
+PRECISIONS = ("mixed", "float32")
 
-    def __init__(self, backend: str):
+
+@dataclass(frozen=True)
+class GramPrecision:
+    """Operand dtype of each kind of product; all accumulate into float32 (float64) state.
+
+    Attributes:
+        gram: ``X Xᵀ``, at the start and after each restart.
+        restart: ``Q X``, folding the factor into the iterate at a restart.
+        inner: The ``m x m`` products of the polynomial and the factor: ``R²``, ``Q P``.
+        evolve: The ``m x m`` products that carry the Gram matrix to the next step:
+            ``P²`` and ``R P²``.
+        final: The result ``Q X``; its output dtype is the requested one.
+    """
+
+    gram: torch.dtype
+    restart: torch.dtype
+    inner: torch.dtype
+    evolve: torch.dtype
+    final: torch.dtype
+
+
+def gram_precision(dtype: torch.dtype, precision: str = "mixed") -> GramPrecision:
+    """The operand dtypes :func:`gram_newton_schulz` uses for output ``dtype``.
+
+    The mixed table is what passes the accuracy bar (``tests/test_accuracy.py``: the
+    Gram result no farther from the float32 standard iteration than the standard
+    iteration in ``dtype`` is), measured over the bar's shapes and spectra with
+    Keller's and Polar Express coefficients at the default restart cadence (worst
+    case, in units of the bar):
+
+    * bfloat16 output: the final ``Q X`` in bfloat16 passes (0.71, every check).
+      Every mix with 16-bit ``m x m`` products fails some case of the bar: bfloat16
+      operands by 1.9-4.2x (7 mantissa bits compound through ``Q``); float16 operands
+      (the reference implementations' choice) in all four, or only in ``R²`` and
+      ``Q P``, pass the distance (0.54-0.58 restarting every 2 steps, 0.76-1.38 every
+      3) but fail the singular-value checks on one case each (Polar Express, 32x256
+      Student-t or 256x1024 Gaussian/power law); 16-bit operands in ``X Xᵀ`` or the
+      restart ``Q X`` fail or diverge with Polar Express (heavy-tailed ``X`` entries
+      underflow float16; the restart exists to wash out that rounding).
+    * float16 output: the final ``Q X`` in float16 passes (0.64); float16 ``m x m``
+      products miss float16's ~8x tighter bar by 2-6x.
+    * float32/float64 output, or ``precision="float32"``: every product in float32
+      (float64 for float64 output).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
+    acc = _acc_dtype(dtype)
+    if precision == "float32" or dtype not in (torch.bfloat16, torch.float16):
+        return GramPrecision(acc, acc, acc, acc, acc)
+    return GramPrecision(acc, acc, acc, acc, dtype)
+
+
+class _TorchOps:
+    """Tensor kernels for the Gram loop (any device; 2-D or batched)."""
+
+    def __init__(self, backend: str, prec: GramPrecision):
         self.backend = backend
+        self.prec = prec
 
     def gram(self, X):
-        return sym.gram(X, self.backend)
+        return sym.gram(X, self.backend, self.prec.gram)
 
     def poly2(self, R, b, c):
-        return sym.sym_poly2(R, b, c, self.backend)
+        return sym.sym_poly2(R, b, c, self.backend, self.prec.inner)
 
     def square(self, P):
-        return sym.sym_square(P, self.backend)
+        return sym.sym_square(P, self.backend, self.prec.evolve)
 
     def product(self, A, B):
-        return sym.sym_product(A, B, self.backend)
+        return sym.sym_product(A, B, self.backend, self.prec.inner)
+
+    def evolve(self, R, S):
+        return sym.sym_product(R, S, self.backend, self.prec.evolve)
 
     def matmul(self, A, B):
-        return A @ B
+        d = self.prec.restart
+        return A.to(d) @ B.to(d)
+
+    def final(self, A, B):
+        return _final_product(A, B, self.prec)
 
     def add_identity_(self, Z, a):
         Z.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -93,6 +170,7 @@ class _NumpyOps:
     poly2 = staticmethod(sym.np_sym_poly2)
     square = staticmethod(sym.np_gram)  # A A == A Aᵀ for symmetric A
     product = staticmethod(sym.np_sym_product)
+    evolve = staticmethod(sym.np_sym_product)
 
     @staticmethod
     def matmul(A, B):
@@ -104,8 +182,16 @@ class _NumpyOps:
         return Z
 
 
-def _gram_ns_core(X, schedule, restart_every: int, ops):
-    """Runs the Gram iteration on a normalised, wide (m <= n) float32/64 iterate."""
+def _final_product(Q: torch.Tensor, X: torch.Tensor, prec: GramPrecision) -> torch.Tensor:
+    d = prec.final
+    return Q.to(d) @ X.to(d)
+
+
+def _gram_ns_core(X, schedule, restart_every: int, ops, final):
+    """Runs the Gram iteration on a normalised, wide (m <= n) float32/64 iterate.
+
+    Returns ``final(Q, X)``.
+    """
     n_steps = len(schedule)
     if n_steps == 0:
         return X
@@ -122,8 +208,8 @@ def _gram_ns_core(X, schedule, restart_every: int, ops):
         restart_next = restart_every > 0 and (i + 1) % restart_every == 0
         if not last and not restart_next:
             # p(R) R p(R) = R p(R)² because the factors commute; the square is a syrk.
-            R = ops.product(R, ops.square(P))
-    return ops.matmul(Q, X)
+            R = ops.evolve(R, ops.square(P))
+    return final(Q, X)
 
 
 def gram_newton_schulz(
@@ -135,6 +221,7 @@ def gram_newton_schulz(
     *,
     restart_every: int | None = None,
     backend: str | None = None,
+    precision: str = "mixed",
 ) -> torch.Tensor:
     """Approximately orthogonalises ``G`` with Newton–Schulz run in the Gram space.
 
@@ -146,15 +233,17 @@ def gram_newton_schulz(
         schedule_or_coeffs: An ``(a, b, c)`` triple, a schedule, or a schedule name.
         steps: Number of iterations.
         eps: Lower clamp of each matrix's normalising Frobenius norm.
-        dtype: Dtype of the result. The computation itself is float32 (float64 if
-            ``dtype`` is float64): the Gram state needs the precision, and on CPU
-            float32 matmuls are also much faster than bfloat16 ones.
+        dtype: Dtype of the result. The state is float32 (float64 if ``dtype`` is
+            float64); for 16-bit ``dtype`` some products take 16-bit operands
+            (:func:`gram_precision`).
         restart_every: Fold the accumulated factor into ``X`` and recompute the Gram
             matrix every this many steps; ``0`` never restarts; ``None`` picks
-            :func:`default_restart_every` for ``dtype``.
+            :func:`default_restart_every` for ``dtype`` and ``precision``.
         backend: Kernel backend for the symmetric products: ``None`` picks the fastest
             for the device (:func:`dmuon.ortho.symmetric.default_backend`);
             ``"reference"`` uses plain full matmuls.
+        precision: ``"mixed"`` for :func:`gram_precision`'s table, ``"float32"`` for
+            float32 operands in every product (the reference for the mixed path).
 
     Returns:
         A tensor shaped like ``G`` in ``dtype``.
@@ -166,11 +255,12 @@ def gram_newton_schulz(
     check_dtype(dtype)
     schedule = resolve_schedule(schedule_or_coeffs, steps)
     if restart_every is None:
-        restart_every = default_restart_every(dtype)
+        restart_every = default_restart_every(dtype, precision)
     if isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 0:
         raise ValueError(f"restart_every must be a non-negative int, got {restart_every!r}")
     if backend is not None:
         sym._check_backend(backend)
+    prec = gram_precision(dtype, precision)
     acc = _acc_dtype(dtype)
     X = G.detach().to(acc)
     transposed = X.size(-2) > X.size(-1)
@@ -188,18 +278,22 @@ def gram_newton_schulz(
         # (2 threads, 256x1024: 18.6 ms vs 11.0 ms); single-threaded it wins at every size.
         backend = "reference"
     backend = sym._resolve(backend, X)
+    if backend == "blas" and any(d != acc for d in (prec.gram, prec.restart, prec.inner, prec.evolve)):
+        backend = "torch"  # NumPy has no 16-bit GEMM
     if backend == "blas":
         # Per matrix: these kernels are per matrix anyway, and one matrix's state stays
-        # hot in cache through all steps.
+        # hot in cache through all steps. The final product may be 16-bit: torch's.
+        def final(Q, Xn):
+            return _final_product(torch.from_numpy(Q), torch.from_numpy(Xn), prec)
+
         mats = X.numpy() if X.ndim == 3 else X.numpy()[None]
         with sym.blas_threads():
-            outs = [torch.from_numpy(_gram_ns_core(x, schedule, restart_every, _NumpyOps)) for x in mats]
+            outs = [torch.as_tensor(_gram_ns_core(x, schedule, restart_every, _NumpyOps, final)) for x in mats]
         out = torch.stack(outs) if X.ndim == 3 else outs[0]
-    elif X.ndim == 3 and backend == "triton":
-        ops = _TorchOps(backend)
-        out = torch.stack([_gram_ns_core(x, schedule, restart_every, ops) for x in X])
     else:
-        out = _gram_ns_core(X, schedule, restart_every, _TorchOps(backend))
+        # Stacks run batched: every torch and Triton kernel here takes (B, m, n).
+        ops = _TorchOps(backend, prec)
+        out = _gram_ns_core(X, schedule, restart_every, ops, ops.final)
     if transposed:
         out = out.mT
     return out.to(dtype)

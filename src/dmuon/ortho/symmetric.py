@@ -27,10 +27,12 @@ Which backend is fastest was measured on the development CPU (see
 the work. Those results are exactly symmetric and equal the reference up to
 floating-point summation order.
 
-Low-precision inputs (bfloat16/float16) are computed with float32 accumulation and a
-float32 result on every backend: on CPU a bfloat16 matmul is several times slower than
-float32, and a bfloat16 Gram matrix would discard the small eigenvalues that the
-Newton–Schulz polynomial needs to amplify.
+Every function returns float32 (float64 for float64 input) and accumulates in it. The
+``dtype`` argument sets the *operand* precision: ``None`` multiplies in the result dtype;
+``torch.bfloat16``/``torch.float16`` round the operands to that dtype first so the
+product runs on 16-bit matrix units (the GEMM accumulates in float32; torch's matmul
+rounds its result to the operand dtype, the Triton kernel writes float32 directly).
+NumPy has no 16-bit GEMM, so 16-bit operands take the torch schedule on CPU.
 """
 
 from __future__ import annotations
@@ -55,8 +57,6 @@ BACKENDS = ("reference", "torch", "blas", "triton")
 _BLOCKS = 4
 # Below this size the torch schedule's extra calls cost more than they save.
 _MIN_HALF = 128
-# Tile edge for mirroring; transposing whole strips at once thrashes the cache.
-_MIRROR_TILE = 256
 # NumPy's strided copies prefer narrower strips (measured: 128 beat 32/64/256).
 _MIRROR_TILE_NP = 128
 # Crossover of the NumPy/BLAS path, measured single-threaded on the development CPU
@@ -133,83 +133,103 @@ def _resolve(backend: str | None, T: torch.Tensor) -> str:
 # ----------------------------------------------------------------------------- mirror
 
 
-def mirror_lower_(C: torch.Tensor) -> torch.Tensor:
-    """Copies the lower triangle of a square matrix onto its upper triangle in place.
+@functools.lru_cache(maxsize=8)
+def _lower_mask(m: int, device: torch.device) -> torch.Tensor:
+    # One bool per element (m² bytes, 16 MiB at m = 4096): built once per size and device
+    # so a mirror costs one kernel launch. Few distinct sizes occur per model.
+    return torch.ones(m, m, dtype=torch.bool, device=device).tril_()
+
+
+def mirror_lower(C: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose lower triangle (with diagonal) is ``C``'s, in one operation.
 
     Args:
-        C: A contiguous ``(m, m)`` tensor whose lower triangle (with diagonal) is valid.
+        C: ``(m, m)`` or ``(B, m, m)``; only its lower triangle is read, so the upper
+            one may hold anything (uninitialised memory included: ``where`` does not
+            propagate the values it does not select).
 
     Returns:
-        ``C``, now exactly symmetric.
+        A new, exactly symmetric tensor.
     """
-    m = C.shape[-1]
-    t = _MIRROR_TILE
-    for i in range(0, m, t):
-        i1 = min(i + t, m)
-        for j in range(i1, m, t):
-            j1 = min(j + t, m)
-            C[i:i1, j:j1] = C[j:j1, i:i1].mT
-        blk = C[i:i1, i:i1]
-        blk.copy_(torch.tril(blk) + torch.tril(blk, -1).mT)
-    return C
+    return torch.where(_lower_mask(C.shape[-1], C.device), C, C.mT)
 
 
 # ----------------------------------------------------------------------- references
 
 
-def gram_reference(X: torch.Tensor) -> torch.Tensor:
-    """``X Xᵀ`` by a plain matmul, accumulated in float32 (or float64)."""
+def _operand_dtype(T: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
+    """(operand dtype, result dtype) of a product of ``T`` with operand precision ``dtype``."""
+    acc = _acc_dtype(T.dtype)
+    if dtype is None or acc == torch.float64:
+        return acc, acc  # float64 state is the exact reference: never rounded to 16 bits
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported operand dtype {dtype}")
+    return dtype, acc
+
+
+def gram_reference(X: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``X Xᵀ`` by a plain matmul with ``dtype`` operands, returned in float32 (or float64)."""
     _check_matrix(X, "X")
-    X = X.to(_acc_dtype(X.dtype))
-    return X @ X.mT
+    op, acc = _operand_dtype(X, dtype)
+    X = X.to(op)
+    return (X @ X.mT).to(acc)
 
 
-def sym_poly2_reference(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
-    """``b A + c A A`` by a fused plain matmul."""
+def sym_poly2_reference(A: torch.Tensor, b: float, c: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``b A + c A A`` by a plain matmul (fused when operands and result share a dtype)."""
     _check_square(A, "A")
-    A = A.to(_acc_dtype(A.dtype))
-    if A.ndim == 2:
-        return torch.addmm(A, A, A, beta=b, alpha=c)
-    return torch.baddbmm(A, A, A, beta=b, alpha=c)
+    op, acc = _operand_dtype(A, dtype)
+    A = A.to(acc)
+    if op == acc:
+        if A.ndim == 2:
+            return torch.addmm(A, A, A, beta=b, alpha=c)
+        return torch.baddbmm(A, A, A, beta=b, alpha=c)
+    # The addend stays in the result dtype: rounding b A to 16 bits would cost more
+    # accuracy than the product's operand rounding.
+    A16 = A.to(op)
+    return torch.add(A * b, (A16 @ A16).to(acc), alpha=c)
 
 
-def sym_product_reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def sym_product_reference(A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``A B`` by a plain matmul (no symmetry assumed)."""
     _check_square(A, "A")
     _check_square(B, "B")
-    dt = _acc_dtype(A.dtype)
-    return A.to(dt) @ B.to(dt)
+    op, acc = _operand_dtype(A, dtype)
+    return (A.to(op) @ B.to(op)).to(acc)
 
 
 # --------------------------------------------------------------------- torch blocks
 
 
-def _tril_product_torch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Writes the lower block triangle of ``A @ B`` (block rows times leading columns)."""
-    m = A.shape[0]
+def _tril_product_torch(A: torch.Tensor, B: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The lower triangle of ``A @ B`` (2-D or batched), mirrored onto the upper one.
+
+    Block row ``i`` times the leading ``r1`` columns covers every element on or below
+    the diagonal; the copy into ``C`` also converts a 16-bit product to ``acc``.
+    """
+    m = A.shape[-2]
     k = _BLOCKS
     edges = [round(i * m / k) for i in range(k + 1)]
+    C = torch.empty(*A.shape[:-1], m, dtype=acc, device=A.device)
     for i in range(k):
         r0, r1 = edges[i], edges[i + 1]
-        out[r0:r1, :r1] = A[r0:r1] @ B[:, :r1]
-    return out
+        C[..., r0:r1, :r1] = A[..., r0:r1, :] @ B[..., :, :r1]
+    return mirror_lower(C)
 
 
-def _gram_torch(X: torch.Tensor) -> torch.Tensor:
-    C = torch.empty(X.shape[0], X.shape[0], dtype=X.dtype, device=X.device)
-    return mirror_lower_(_tril_product_torch(X, X.mT, C))
+def _gram_torch(X: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return _tril_product_torch(X, X.mT, acc)
 
 
-def _sym_product_torch(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    C = torch.empty_like(A)
-    return mirror_lower_(_tril_product_torch(A, B, C))
+def _sym_product_torch(A: torch.Tensor, B: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return _tril_product_torch(A, B, acc)
 
 
 # ----------------------------------------------------------------------- BLAS (CPU)
 
 
 def np_mirror_lower_(C):
-    """NumPy twin of :func:`mirror_lower_` (keeps the BLAS path free of torch ops).
+    """NumPy counterpart of :func:`mirror_lower`, in place (keeps the BLAS path free of torch ops).
 
     Mixing torch's OpenMP pool and OpenBLAS's pthreads pool inside one loop made
     both spin against each other on a loaded 2-core machine; staying in NumPy
@@ -327,16 +347,18 @@ def _gram_triton(X: torch.Tensor) -> torch.Tensor:
     return syrk(X)
 
 
-def _sym_poly2_triton(A: torch.Tensor, b: float, c: float) -> torch.Tensor:
+def _sym_poly2_triton(A16: torch.Tensor, A: torch.Tensor, b: float, c: float) -> torch.Tensor:
     from .triton_syrk import syrk
 
-    return syrk(A, alpha=c, beta=b, C=A)
+    # The product reads the (possibly 16-bit) operands, the addend the float32 state.
+    return syrk(A16, alpha=c, beta=b, C=A)
 
 
 # ----------------------------------------------------------------------- dispatch
 
 
 def _per_matrix(fn: Callable[..., torch.Tensor], *mats: torch.Tensor, **kw) -> torch.Tensor:
+    # NumPy kernels take one matrix at a time.
     if mats[0].ndim == 2:
         return fn(*mats, **kw)
     return torch.stack([fn(*ms, **kw) for ms in zip(*mats)])
@@ -357,66 +379,86 @@ def uses_half_work(op: str, backend: str, m: int) -> bool:
     return m >= _MIN_HALF
 
 
-def gram(X: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def _resolve_for(backend: str | None, T: torch.Tensor, op: torch.dtype) -> str:
+    backend = _resolve(backend, T)
+    if backend == "blas" and op not in (torch.float32, torch.float64):
+        backend = "torch"  # NumPy has no 16-bit GEMM
+    return backend
+
+
+def gram(X: torch.Tensor, backend: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``X Xᵀ`` computing one triangle only.
 
     Args:
         X: ``(m, n)`` or ``(B, m, n)``.
         backend: ``None`` for :func:`default_backend`, or one of :data:`BACKENDS`.
+        dtype: Operand precision (see the module docstring); ``None`` for the result dtype.
 
     Returns:
         The exactly symmetric ``(m, m)`` (or ``(B, m, m)``) Gram matrix in float32
         (float64 for float64 input).
     """
     _check_matrix(X, "X")
-    X = X.to(_acc_dtype(X.dtype))
-    backend = _resolve(backend, X)
+    op, acc = _operand_dtype(X, dtype)
+    X = X.to(op)
+    backend = _resolve_for(backend, X, op)
     if not uses_half_work("gram", backend, X.shape[-2]):
-        return gram_reference(X)
-    fn = {"blas": _gram_blas, "torch": _gram_torch, "triton": _gram_triton}[backend]
-    return _per_matrix(fn, X)
+        return gram_reference(X, op)
+    if backend == "blas":
+        return _per_matrix(_gram_blas, X)
+    if backend == "triton":
+        return _gram_triton(X)
+    return _gram_torch(X, acc)
 
 
-def sym_square(A: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def sym_square(A: torch.Tensor, backend: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``A A`` for symmetric ``A`` (only ``A``'s symmetry is assumed, not checked)."""
     _check_square(A, "A")
-    return gram(A, backend)
+    return gram(A, backend, dtype)
 
 
-def sym_poly2(A: torch.Tensor, b: float, c: float, backend: str | None = None) -> torch.Tensor:
+def sym_poly2(A: torch.Tensor, b: float, c: float, backend: str | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     """``b A + c A A`` for symmetric ``A``: the quintic step's polynomial, fused.
 
     Args:
         A: Symmetric ``(m, m)`` or ``(B, m, m)``.
-        b: Coefficient of ``A``.
+        b: Coefficient of ``A`` (the addend ``b A`` is formed in the result dtype).
         c: Coefficient of ``A A``.
         backend: As in :func:`gram`.
+        dtype: Operand precision of ``A A``, as in :func:`gram`.
     """
     _check_square(A, "A")
-    A = A.to(_acc_dtype(A.dtype))
-    backend = _resolve(backend, A)
+    op, acc = _operand_dtype(A, dtype)
+    A = A.to(acc)
+    backend = _resolve_for(backend, A, op)
     if not uses_half_work("sym_poly2", backend, A.shape[-1]):
-        return sym_poly2_reference(A, b, c)
+        return sym_poly2_reference(A, b, c, op)
     if backend == "torch":
-        return b * A + c * _per_matrix(_gram_torch, A)
-    fn = {"blas": _sym_poly2_blas, "triton": _sym_poly2_triton}[backend]
-    return _per_matrix(fn, A, b=b, c=c)
+        A16 = A.to(op)
+        return torch.add(A * b, _gram_torch(A16, acc), alpha=c)
+    if backend == "triton":
+        return _sym_poly2_triton(A.to(op), A, b, c)
+    return _per_matrix(_sym_poly2_blas, A, b=b, c=c)
 
 
-def sym_product(A: torch.Tensor, B: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def sym_product(A: torch.Tensor, B: torch.Tensor, backend: str | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
     """``A B`` for symmetric, commuting ``A`` and ``B`` (so the product is symmetric).
 
     Only the lower triangle is computed. If the operands do not commute the result is
-    the symmetrisation ``tril(A B) + tril(A B, -1)ᵀ``, not ``A B``.
+    the symmetrisation ``tril(A B) + tril(A B, -1)ᵀ``, not ``A B``. ``dtype`` is the
+    operand precision, as in :func:`gram`.
     """
     _check_square(A, "A")
     _check_square(B, "B")
     if A.shape != B.shape:
         raise ValueError(f"shape mismatch {tuple(A.shape)} vs {tuple(B.shape)}")
-    dt = _acc_dtype(A.dtype)
-    A, B = A.to(dt), B.to(dt)
-    backend = _resolve(backend, A)
+    op, acc = _operand_dtype(A, dtype)
+    A, B = A.to(op), B.to(op)
+    backend = _resolve_for(backend, A, op)
     if not uses_half_work("sym_product", backend, A.shape[-1]):
-        return sym_product_reference(A, B)
-    fn = _sym_product_blas if backend == "blas" else _sym_product_torch
-    return _per_matrix(fn, A, B)
+        return sym_product_reference(A, B, op)
+    if backend == "blas":
+        return _per_matrix(_sym_product_blas, A, B)
+    return _sym_product_torch(A, B, acc)

@@ -32,14 +32,16 @@ def _cpu_name() -> str:
 
 
 def device_fingerprint(device: torch.device | str) -> str:
-    """A string naming the device type and model (and CPU thread count)."""
+    """A string naming the device type and model (and CPU thread count), and the float32
+    matmul precision (``torch.get_float32_matmul_precision()``: TF32 or not changes speed)."""
     dev = torch.device(device)
+    fp32mm = f"fp32mm={torch.get_float32_matmul_precision()}"
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        return f"cuda:{torch.cuda.get_device_name(idx)}"
+        return f"cuda:{torch.cuda.get_device_name(idx)}:{fp32mm}"
     if dev.type == "cpu":
-        return f"cpu:{_cpu_name()}:threads={torch.get_num_threads()}"
-    return dev.type
+        return f"cpu:{_cpu_name()}:threads={torch.get_num_threads()}:{fp32mm}"
+    return f"{dev.type}:{fp32mm}"
 
 
 def sync(device: torch.device) -> None:

@@ -63,9 +63,9 @@ if _HAVE_TRITON:
     def _syrk_kernel(
         a_ptr, c0_ptr, c_ptr,
         M, K,
-        stride_am, stride_ak,
-        stride_c0m, stride_c0n,
-        stride_cm, stride_cn,
+        stride_ab, stride_am, stride_ak,
+        stride_c0b, stride_c0m, stride_c0n,
+        stride_cb, stride_cm, stride_cn,
         alpha, beta,
         HAS_C0: tl.constexpr,
         IEEE: tl.constexpr,
@@ -80,9 +80,15 @@ if _HAVE_TRITON:
         ti = tl.where((ti + 1) * (ti + 2) // 2 <= pid, ti + 1, ti)
         ti = tl.where(ti * (ti + 1) // 2 > pid, ti - 1, ti)
         tj = pid - ti * (ti + 1) // 2
+        # Axis 1 is the matrix of a (B, M, K) stack. Offsets are 64-bit: row * stride
+        # reaches 2**31 once M*K or M*M does (M >= 46341 for a square result).
+        batch = tl.program_id(1).to(tl.int64)
+        a_ptr += batch * stride_ab
+        c0_ptr += batch * stride_c0b
+        c_ptr += batch * stride_cb
 
-        rows = ti * BLOCK + tl.arange(0, BLOCK)
-        cols = tj * BLOCK + tl.arange(0, BLOCK)
+        rows = ti.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tj.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ks = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
         a_cols = a_ptr + cols[None, :] * stride_am + ks[:, None] * stride_ak
@@ -118,6 +124,7 @@ if _HAVE_TRITON:
             triton.Config({"BLOCK": b, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for b, bk, w, s in TILE_CONFIGS
         ]
+        # Keyed by dtype too: triton.autotune appends the argument dtypes to its cache key.
         return triton.autotune(configs=configs, key=["M", "K", "HAS_C0", "IEEE", "UPCAST"])(_syrk_kernel)
 
     _syrk_autotuned = None
@@ -126,6 +133,13 @@ if _HAVE_TRITON:
 def _tiles(m: int, block: int) -> int:
     t = -(-m // block)
     return t * (t + 1) // 2
+
+
+def _flags(A: torch.Tensor, C: torch.Tensor | None, allow_tf32: bool) -> tuple[bool, bool, bool]:
+    """(HAS_C0, IEEE, UPCAST) for a call: what the compiled kernel, and its tuning, depend on."""
+    upcast = interpreting() and A.dtype != torch.float32
+    ieee = (A.dtype == torch.float32 and not allow_tf32) or upcast
+    return C is not None, ieee, upcast
 
 
 def syrk(
@@ -137,18 +151,19 @@ def syrk(
     allow_tf32: bool = False,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """``alpha A Aᵀ + beta C`` for a 2-D ``A``, as a new float32 ``(m, m)`` tensor.
+    """``alpha A Aᵀ + beta C`` for ``A`` of shape ``(m, k)`` or ``(B, m, k)``, as a new float32 tensor.
 
     Args:
-        A: ``(m, k)`` tensor on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        A: ``(m, k)`` or ``(B, m, k)`` tensor on CUDA (or CPU under ``TRITON_INTERPRET=1``);
+            float32, bfloat16 or float16 (16-bit operands accumulate in float32).
         alpha: Scale of ``A Aᵀ``.
         beta: Scale of ``C``; ignored when ``C`` is ``None``.
-        C: Optional symmetric ``(m, m)`` addend; only its lower triangle is read.
+        C: Optional symmetric ``(m, m)`` (``(B, m, m)``) addend; only its lower triangle is read.
         allow_tf32: Allow TF32 products for float32 ``A`` (faster, ~1e-3 relative error).
         config: A fixed ``(BLOCK, BLOCK_K, num_warps, num_stages)`` instead of autotuning.
 
     Returns:
-        The exactly symmetric float32 result.
+        The exactly symmetric float32 result, ``(m, m)`` or ``(B, m, m)``.
 
     Raises:
         RuntimeError: If Triton cannot run on ``A``'s device.
@@ -156,60 +171,75 @@ def syrk(
     """
     if not is_available(A.device):
         raise RuntimeError("Triton SYRK is not available on this device")
-    if A.ndim != 2:
-        raise ValueError(f"A must be 2-D, got shape {tuple(A.shape)}")
-    M, K = A.shape
-    if C is not None and tuple(C.shape) != (M, M):
-        raise ValueError(f"C must be ({M}, {M}), got {tuple(C.shape)}")
-    out = torch.empty(M, M, dtype=torch.float32, device=A.device)
-    has_c0 = C is not None
-    c0 = C if has_c0 else out
-    upcast = interpreting() and A.dtype != torch.float32
-    ieee = (A.dtype == torch.float32 and not allow_tf32) or upcast
+    if A.ndim not in (2, 3):
+        raise ValueError(f"A must be 2-D or 3-D, got shape {tuple(A.shape)}")
+    batched = A.ndim == 3
+    A3 = A if batched else A[None]
+    nb, M, K = A3.shape
+    if C is not None and tuple(C.shape) != (*A.shape[:-2], M, M):
+        raise ValueError(f"C must be {(*A.shape[:-2], M, M)}, got {tuple(C.shape)}")
+    out = torch.empty(nb, M, M, dtype=torch.float32, device=A.device)
+    has_c0, ieee, upcast = _flags(A, C, allow_tf32)
+    c0 = (C if batched else C[None]) if has_c0 else out
     args = (
-        A, c0, out, M, K,
-        A.stride(0), A.stride(1), c0.stride(0), c0.stride(1), out.stride(0), out.stride(1),
+        A3, c0, out, M, K,
+        A3.stride(0), A3.stride(1), A3.stride(2), c0.stride(0), c0.stride(1), c0.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         float(alpha), float(beta),
     )
     if config is None:
-        config = _pinned.get((M, K))
+        config = _pinned.get(_key(M, K, A.dtype, has_c0, ieee))
     if interpreting() or config is not None:
         block, block_k, warps, stages = config or INTERPRET_CONFIG
-        _syrk_kernel[(_tiles(M, block),)](
+        _syrk_kernel[(_tiles(M, block), nb)](
             *args, HAS_C0=has_c0, IEEE=ieee, UPCAST=upcast, BLOCK=block, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages,
         )
-        return out
-    global _syrk_autotuned
-    if _syrk_autotuned is None:
-        _syrk_autotuned = _make_autotuned()
-    _syrk_autotuned[lambda meta: (_tiles(M, meta["BLOCK"]),)](*args, HAS_C0=has_c0, IEEE=ieee, UPCAST=False)
-    return out
+    else:
+        global _syrk_autotuned
+        if _syrk_autotuned is None:
+            _syrk_autotuned = _make_autotuned()
+        _syrk_autotuned[lambda meta: (_tiles(M, meta["BLOCK"]), nb)](*args, HAS_C0=has_c0, IEEE=ieee, UPCAST=False)
+    return out if batched else out[0]
 
 
-# Tile configurations restored from the dmuon autotune cache: (M, K) -> config.
-_pinned: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# Tile configurations restored from the dmuon autotune cache, keyed like the tuning:
+# (M, K, dtype, HAS_C0, IEEE) -> config.
+_pinned: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def pin_config(M: int, K: int, config: tuple[int, int, int, int]) -> None:
-    """Uses ``config`` for ``(M, K)`` problems from now on instead of autotuning."""
+def _key(M: int, K: int, dtype: torch.dtype, has_c0: bool, ieee: bool) -> tuple:
+    return (int(M), int(K), str(dtype).replace("torch.", ""), bool(has_c0), bool(ieee))
+
+
+def pin_config(M: int, K: int, config: tuple[int, int, int, int], dtype: torch.dtype = torch.float32,
+               has_c0: bool = False, ieee: bool = True) -> None:
+    """Uses ``config`` for ``(M, K)`` problems of this dtype and flags instead of autotuning.
+
+    The defaults describe the float32 Gram matrix ``X Xᵀ`` (no addend, IEEE products).
+    """
     if len(config) != 4 or not all(isinstance(v, int) and v > 0 for v in config):
         raise ValueError(f"config must be four positive ints, got {config!r}")
-    _pinned[(int(M), int(K))] = tuple(config)
+    _pinned[_key(M, K, dtype, has_c0, ieee)] = tuple(config)
 
 
-def best_config(M: int, K: int) -> tuple[int, int, int, int] | None:
-    """The tile configuration in use for an ``(M, K)`` problem, if one is known.
+def best_config(M: int, K: int, dtype: torch.dtype = torch.float32, has_c0: bool = False,
+                ieee: bool = True) -> tuple[int, int, int, int] | None:
+    """The tile configuration in use for an ``(M, K)`` problem of this dtype and flags, if known.
 
-    Either a pinned one or the one ``triton.autotune`` settled on in this process.
+    Either a pinned one or the one ``triton.autotune`` settled on in this process: a
+    configuration tuned for another dtype or for the fused addend is not returned.
     """
-    if (M, K) in _pinned:
-        return _pinned[(M, K)]
+    key = _key(M, K, dtype, has_c0, ieee)
+    if key in _pinned:
+        return _pinned[key]
     if not _HAVE_TRITON or _syrk_autotuned is None:
         return None
-    # triton.autotune caches by the values of its key arguments, M and K first.
-    for key, cfg in getattr(_syrk_autotuned, "cache", {}).items():
-        if tuple(key[:2]) == (M, K):
+    # triton.autotune's cache key: the values of its key arguments (M, K, HAS_C0, IEEE,
+    # UPCAST) followed by the dtypes of the tensor arguments (a first).
+    for k, cfg in getattr(_syrk_autotuned, "cache", {}).items():
+        k = tuple(k)
+        if k[:4] == (M, K, has_c0, ieee) and len(k) > 5 and k[5] == str(dtype):
             kw = cfg.kwargs
             return (kw["BLOCK"], kw["BLOCK_K"], cfg.num_warps, cfg.num_stages)
     return None

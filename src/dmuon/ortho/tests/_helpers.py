@@ -46,8 +46,9 @@ def gradient_like(kind: str, m: int, n: int, seed: int = 0) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def emulated_bf16_newton_schulz(G: torch.Tensor, schedule, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """The standard bf16 iteration with float32 matmuls and bf16 rounding after each op.
+def emulated_bf16_newton_schulz(G: torch.Tensor, schedule, steps: int = 5, eps: float = 1e-7,
+                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The standard 16-bit iteration with float32 matmuls and rounding to ``dtype`` after each op.
 
     Same arithmetic model as torch's CPU bf16 matmul (bf16 operands, float32
     accumulation, bf16 result), minus its speed problem: on the development CPU a
@@ -57,7 +58,7 @@ def emulated_bf16_newton_schulz(G: torch.Tensor, schedule, steps: int = 5, eps: 
     """
     from dmuon.ortho.coefficients import resolve_schedule
 
-    bf = torch.bfloat16
+    bf = dtype
     X = G.to(bf)
     tall = X.shape[0] > X.shape[1]
     if tall:

@@ -223,3 +223,22 @@ def test_processes_sharing_a_cache_measure_each_problem_once(tmp_path):
     # Two problems (the method and the joint plan), each measured once on this "host",
     # by whichever process took the lock first; without the lock each process measures both.
     assert sum(counts) == 2
+
+
+def test_key_and_fingerprint_name_the_fp32_matmul_precision():
+    # A verdict timed with TF32 allowed ("high") must not be reused with it off.
+    from dmuon.ortho.autotune import Problem
+    from dmuon.ortho.timing import device_fingerprint
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        seen = set()
+        for setting in ("highest", "high"):
+            torch.set_float32_matmul_precision(setting)
+            fp = device_fingerprint("cpu")
+            p = Problem(fp, torch.bfloat16, (64, 256), ((3.4445, -4.775, 2.0315),), 1e-7)
+            assert f"fp32mm={setting}" in fp and f"fp32mm={setting}" in p.key()
+            seen.add((fp, p.key(), p.key(4)))
+        assert len({s[0] for s in seen}) == 2 and len({s[1] for s in seen}) == 2 and len({s[2] for s in seen}) == 2
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -90,11 +90,25 @@ def test_half_work_really_reads_one_triangle_only():
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("m", [1, 7, 256, 300, 513])
-def test_mirror_lower(m):
-    C = torch.randn(m, m)
-    expected = torch.tril(C) + torch.tril(C, -1).T
-    assert torch.equal(sym.mirror_lower_(C.clone()), expected)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 7), (256, 256), (300, 300), (513, 513), (3, 130, 130)])
+def test_mirror_lower_is_one_operation(shape):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    C = torch.randn(*shape)
+    expected = torch.tril(C) + torch.tril(C, -1).mT
+    sym.mirror_lower(C)  # builds the cached mask
+    with Ops() as ops:
+        out = sym.mirror_lower(C)
+    assert torch.equal(out, expected)
+    # The transpose is a view; the only kernel is the select.
+    assert [n for n in ops.names if n not in ("transpose", "alias")] == ["where"]
 
 
 def test_backend_selection_and_errors():
@@ -189,3 +203,64 @@ def test_blas_threads_follow_torch_and_are_restored():
         torch.set_num_threads(old)
     assert inside and all(n == 1 for n in inside)
     assert blas_counts() == before
+
+
+@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+def test_every_triton_tile_config_under_interpreter():
+    # Every tile configuration in the file, not only the one the autotuner picks: ragged
+    # shapes, M = 1, K = 1, 16-bit operands, the fused addend, a stack, and M = 512 (the
+    # largest that runs in about a second per config in the interpreter on a 2-core CPU).
+    # Bound: float32 accumulation of K products (16-bit products are exact in float32),
+    # |error| <= K * 2**-24 * (|alpha| |A| |A|ᵀ + |beta| |C|) elementwise, doubled for the
+    # final scaling and addition.
+    script = textwrap.dedent(
+        """
+        import torch
+        from dmuon.ortho import triton_syrk as T
+        g = torch.Generator().manual_seed(0)
+        shapes = [(1, 1), (1, 37), (37, 1), (70, 45), (129, 130), (512, 40)]
+        for cfg in T.TILE_CONFIGS + (T.INTERPRET_CONFIG,):
+            for M, K in shapes:
+                for dt in (torch.float32, torch.bfloat16, torch.float16):
+                    for stack in ((), (3,)) if M == 70 else ((),):
+                        A = torch.randn(*stack, M, K, generator=g).to(dt)
+                        C0 = torch.randn(*stack, M, M, generator=g)
+                        C0 = C0 + C0.mT
+                        for alpha, beta, C in ((1.0, 0.0, None), (-2.5, 1.5, C0)):
+                            out = T.syrk(A, alpha, beta, C, config=cfg)
+                            A64 = A.double()
+                            ref = alpha * A64 @ A64.mT
+                            mag = abs(alpha) * A64.abs() @ A64.abs().mT
+                            if C is not None:
+                                ref = ref + beta * C.double()
+                                mag = mag + abs(beta) * C.double().abs()
+                            err = (out.double() - ref).abs()
+                            bound = 2 * (K + 2) * 2.0 ** -24 * mag + 1e-30
+                            assert out.dtype == torch.float32 and out.shape == ref.shape
+                            assert torch.equal(out, out.mT), (cfg, M, K, dt)
+                            assert bool((err <= bound).all()), (cfg, M, K, dt, stack, float((err / bound).max()))
+        # Tuning state is keyed by dtype and flags, not only (M, K).
+        T.pin_config(64, 32, (32, 32, 4, 2), torch.bfloat16, has_c0=True, ieee=False)
+        assert T.best_config(64, 32, torch.bfloat16, True, False) == (32, 32, 4, 2)
+        assert T.best_config(64, 32) is None and T.best_config(64, 32, torch.float16, True, False) is None
+        # A stack through the Gram iteration runs batched on the kernel, output in bf16.
+        from dmuon.ortho import symmetric as sym
+        from dmuon.ortho.gram import gram_newton_schulz
+        sym._MIN_HALF = 16
+        calls = []
+        real = T.syrk
+        T.syrk = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+        G = torch.randn(3, 40, 96, generator=g)
+        got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="triton")
+        ref = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="reference")
+        assert calls and all(len(s) == 3 for s in calls), calls
+        # Both round float32 results that agree to ~1e-6 to bf16: at most one bf16 ulp
+        # (2**-7 relative) apart per element.
+        assert got.dtype == torch.bfloat16 and float((got.double() - ref.double()).norm() / ref.double().norm()) < 2.0 ** -7
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
