@@ -19,7 +19,7 @@ from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from dmuon.util.spawn import run_with_crashes
+from dmuon.util.spawn import run_distributed, run_with_crashes
 
 # Four matrices of four shapes; with the round-robin balancer on two ranks each owns two shapes,
 # so each owner runs two NS batches, one per return wave (return_waves=2).
@@ -128,3 +128,51 @@ def test_cold_cache_tuning_with_two_return_waves_does_not_hang(tmp_path):
         assert all(len(w) == 2 for w in r["waves"]), r["waves"]
         assert r["syncs"] > 0  # the measurements did wait on the device
         assert r["at_setup"] > 0 and r["in_steps"] == 0, r
+
+
+def _steps_never_time(rank: int, world_size: int, cache_dir: str) -> dict:
+    from dmuon.ortho import autotune
+
+    os.environ["DMUON_CACHE_DIR"] = cache_dir
+    autotune.get_autotuner().cooldown_s = 0.0
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = _Chain()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Built before prepare (the deferred setup, at the first forward); NS in backward's worker and the
+    # returns in backward: every place the owners' work runs.
+    opt = dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3, ns_method="auto", ns_dtype=torch.bfloat16,
+                      execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True,
+                                                      return_waves=2))
+    timed = []
+
+    def refuse(fns, *args, **kwargs):
+        timed.append(sorted(fns))
+        raise AssertionError("the tuner timed candidates inside a step")
+
+    original = autotune.time_candidates
+    tuner = autotune.get_autotuner()
+    reports = []
+    for step in range(STEPS):
+        x = torch.randn(4, DIMS[0], generator=torch.Generator().manual_seed(step * world_size + rank))
+        loss = model(x).square().mean()  # the first forward sets the optimizer up, and tunes
+        if step == 0:
+            at_setup = tuner.measurements
+            autotune.time_candidates = refuse
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.last_step_stats())
+    autotune.time_candidates = original
+    return {"at_setup": at_setup, "in_steps": tuner.measurements - at_setup, "timed": timed,
+            "misses": tuner.frozen_misses, "in_backward": [r["orthogonalized_in_backward"] for r in reports]}
+
+
+def test_no_measurement_inside_backward_or_step(tmp_path):
+    results = run_distributed(_steps_never_time, 2, str(tmp_path / "cache"), timeout_s=60)
+    for r in results:
+        assert r["at_setup"] > 0 and r["in_steps"] == 0 and r["timed"] == [], r
+        assert r["misses"] == 0, r  # the setup asked for every problem the steps ran
+    assert sum(sum(r["in_backward"]) for r in results) > 0  # the worker did run NS
