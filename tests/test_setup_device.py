@@ -65,3 +65,44 @@ def test_parameters_on_several_devices_are_named():
     assert device == torch.device("cpu")
     assert "'0.weight' on cpu" in mixed and "'1.weight' on meta" in mixed
     assert prepare_module._parameter_device(model, chosen[:1], None) == (torch.device("cpu"), None)
+
+
+def _warmed_groups(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from support.cases import make_mesh
+
+    out = {}
+    for name, mesh_shape in (("1-D", None), ("2x2", (2, 2))):
+        mesh = make_mesh(world_size, mesh_shape)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 8))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        seen = []
+        original = dist.all_to_all_single
+
+        def recording(*args, group=None, **kwargs):
+            seen.append(group)
+            return original(*args, group=group, **kwargs)
+
+        dist.all_to_all_single = recording
+        try:
+            plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+        finally:
+            dist.all_to_all_single = original
+        topo = plan.topology
+        expected = [topo.world_group] + [g for g in (topo.shard_group, topo.replicate_group)
+                                         if g is not None and g is not topo.world_group]
+        # Each of dmuon's groups this rank belongs to: one warm-up, in creation order, inside prepare
+        # (no backward has run), and no other all-to-all.
+        out[name] = {"warmed_in_order": len(seen) == len(expected) and all(a is b for a, b in zip(seen, expected)),
+                     "count": len(seen)}
+    return out
+
+
+def test_each_group_is_warmed_at_setup():
+    results = run_distributed(_warmed_groups, 4, timeout_s=60)
+    assert results == [{"1-D": {"warmed_in_order": True, "count": 1},
+                        "2x2": {"warmed_in_order": True, "count": 3}}] * 4

@@ -408,6 +408,7 @@ def prepare(
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
     device, mixed = _parameter_device(model, chosen, mesh)
+    topology.warm_up(device)  # dmuon's communicators exist before the first backward
     if topology.world_size > 1:
         # Whether this rank's parameters share one device is part of what every rank compares, so
         # a rank with mixed devices makes every rank raise, none waits in a collective for it.
