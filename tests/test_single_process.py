@@ -134,8 +134,8 @@ def _train_recording_batches(monkeypatch, **prepare_kw):
         calls.append(len(matrices))
         return real(matrices, **kw)
 
+    opt = dmuon.DMuon(model, plan, lr=0.02)  # its setup runs the same batches once, to tune them
     monkeypatch.setattr(dmuon_optim, "orthogonalize_many", recording)
-    opt = dmuon.DMuon(model, plan, lr=0.02)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         model(torch.randn(8, 32, generator=gen)).backward()

@@ -49,6 +49,33 @@ def _check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device
         )
 
 
+def _parameter_device(model: nn.Module, chosen: list[tuple[str, nn.Parameter]], mesh) -> tuple[torch.device, str | None]:
+    """The device the parameters' local tensors live on (a DTensor's local shard), where dmuon puts its
+    buffers and runs its collectives, and an error message when they live on several.
+
+    From the parameters, not from ``torch.cuda.current_device()``: a script may call ``prepare``
+    before ``torch.cuda.set_device``, and every rank's buffers would then land on ``cuda:0``. The
+    chosen matrices decide; without any, the model's parameters; without those, the mesh's device
+    type (the current CUDA device for ``"cuda"``: there is nothing else to go by).
+    """
+    named = chosen or list(model.named_parameters())
+    where: dict[torch.device, str] = {}
+    for name, p in named:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        where.setdefault(local.device, name)
+    if len(where) > 1:
+        listed = ", ".join(f"{name!r} on {dev}" for dev, name in where.items())
+        return next(iter(where)), (f"dmuon.prepare: the parameters live on different devices ({listed}); "
+                                   "dmuon needs every parameter on this rank's one device")
+    if where:
+        return next(iter(where)), None
+    if mesh is None:
+        return torch.device("cpu"), None
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device()), None
+    return torch.device(mesh.device_type), None
+
+
 def _check_hsdp_mesh(params_mesh, hsdp_mesh):
     """``hsdp_mesh`` when the parameters live on its non-replicate dims (dmuon reduces across its dim 0).
 
@@ -380,13 +407,21 @@ def prepare(
     topology = single_process() if mesh is None else from_mesh(mesh, replicated)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
-    device = torch.device("cpu")
-    if mesh is not None:
-        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-            else torch.device(mesh.device_type)
+    device, mixed = _parameter_device(model, chosen, mesh)
+    topology.warm_up(device)  # dmuon's communicators exist before the first backward
     if topology.world_size > 1:
-        chosen_views = [f"{n}:{views[n]}" for n, _ in chosen] + [f"hsdp_mesh:{hsdp_mesh is not None}"]
-        _check_same_everywhere(_fingerprint(model, chosen_views, balancer, ns), topology, device)
+        # Whether this rank's parameters share one device is part of what every rank compares, so
+        # a rank with mixed devices makes every rank raise, none waits in a collective for it.
+        chosen_views = [f"{n}:{views[n]}" for n, _ in chosen] + [f"hsdp_mesh:{hsdp_mesh is not None}",
+                                                                 f"one_device:{mixed is None}"]
+        try:
+            _check_same_everywhere(_fingerprint(model, chosen_views, balancer, ns), topology, device)
+        except ValueError:
+            if mixed is not None:
+                raise ValueError(mixed) from None
+            raise
+    if mixed is not None:
+        raise ValueError(mixed)
 
     if mesh is None:
         block_list = [("", model, list(model.parameters()))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,6 +30,8 @@ class Topology:
     """All R*S ranks; None in a single process."""
     global_ranks: tuple[int, ...] = ()
     """The default group's rank of each plan rank (empty in a single process)."""
+    groups: tuple = ()
+    """The groups above that this rank belongs to, each once, in the order every rank created them."""
 
     @property
     def world_size(self) -> int:
@@ -41,6 +44,30 @@ class Topology:
     def coords_of(self, plan_rank: int) -> tuple[int, int]:
         """``(r, s)`` of a plan rank."""
         return divmod(plan_rank, self.shard)
+
+
+    def warm_up(self, device) -> int:
+        """One small all-to-all on each of :attr:`groups`, in their order, before any step.
+
+        NCCL creates a group's communicator, and the connections of an all-to-all to each peer,
+        at the group's first collective: without this that is the first all-to-all inside the
+        first backward's hooks, with its latency and memory in the hot path. An all-to-all (one
+        element per member) sets up what dmuon's exchanges use; the all-reduces share the
+        communicator. Every rank walks the groups in the one order they were created in and
+        blocks on each it belongs to, so no two ranks wait for each other in opposite orders.
+
+        Returns:
+            The number of groups warmed (one-member groups are skipped).
+        """
+        warmed = 0
+        for group in self.groups:
+            size = dist.get_world_size(group)
+            if size == 1:
+                continue  # dmuon issues nothing on a one-member level (its hops are local there)
+            received = torch.empty(size, device=device)
+            dist.all_to_all_single(received, torch.zeros(size, device=device), group=group)
+            warmed += 1
+        return warmed
 
 
 def single_process() -> Topology:
@@ -76,4 +103,7 @@ def from_mesh(mesh, replicated: bool) -> Topology:
             g = dist.new_group(ranks=grid[:, col].tolist())
             if col == s:
                 replicate_group = g
-    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group, tuple(ranks))
+    # Creation order (world, then the rows, then the columns), the same on every rank.
+    mine = [world_group] + [g for g in (shard_group, replicate_group) if g is not None and g is not world_group]
+    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group, tuple(ranks),
+                    tuple(mine))

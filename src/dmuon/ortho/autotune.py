@@ -22,7 +22,18 @@ version; a file that does not parse, or whose header differs, is ignored (and
 replaced on the next write), never trusted; writes are atomic. Processes sharing the
 cache (the ranks of one host) measure one at a time under a lock file and re-read the
 cache first, so each problem is measured once per host, on otherwise idle tuning
-slots. Timing is :func:`dmuon.ortho.timing.time_candidates`.
+slots. Timing is :func:`dmuon.ortho.timing.time_candidates`: on CUDA device time from
+CUDA events on a private stream, whose waits depend on nothing but the measured
+kernels; elsewhere host time.
+
+**Frozen tuning.** Inside :func:`frozen` (dmuon's runtime holds it around every
+owner-work call of a step, backward's NS worker included; it tuned those problems
+when it was built: :mod:`dmuon.runtime.tuning`) a tuner never measures and never
+takes the lock: a verdict in memory (or in the file, read without the lock: writes
+are atomic) is used, and a miss takes :data:`FROZEN_METHOD`, looped (:meth:`Autotuner.fallback`), with a warning
+once per problem. Measuring there could deadlock: one rank would hold the host
+lock while its device wait waits for a collective that another rank, waiting for
+the lock, has not issued; and its figures would time the step's own traffic.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import contextlib
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +56,12 @@ from dmuon.util.jsoncache import (
 from .coefficients import Schedule, schedule_key
 from .gram import gram_newton_schulz
 from .newton_schulz import newton_schulz
-from .timing import device_fingerprint, time_candidates
+from .timing import device_fingerprint, measuring_stream, time_candidates
 
 __all__ = [
-    "ACCURACY_FLOOR", "METHODS", "PLAN_SLACK", "SCHEMA_VERSION", "Autotuner", "Problem",
-    "default_cache_dir", "device_fingerprint", "get_autotuner", "run_looped", "run_method", "time_candidates",
+    "ACCURACY_FLOOR", "FROZEN_METHOD", "METHODS", "PLAN_SLACK", "SCHEMA_VERSION", "Autotuner", "Problem",
+    "default_cache_dir", "device_fingerprint", "frozen", "get_autotuner", "is_frozen", "run_looped", "run_method",
+    "time_candidates",
 ]
 
 SCHEMA_VERSION = 3  # 2: timings taken with BLAS threads matched to torch; 3: keys name the fp32 matmul precision
@@ -58,6 +71,32 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 ACCURACY_FLOOR = 1e-3
 # Stack timings only consider methods within this factor of the best single-matrix time.
 PLAN_SLACK = 3.0
+FROZEN_METHOD = "standard"
+"""The method of a problem that has no verdict while tuning is frozen (:func:`frozen`), run looped:
+torch.optim.Muon's own iteration on each matrix alone, so a matrix's result depends on nothing
+but the matrix (not on this host's cache, its timings, or which matrices share its batch)."""
+
+_frozen_depth = 0
+_frozen_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[None]:
+    """No tuner of this process measures inside the block (any thread; nestable): see the module
+    docstring, "Frozen tuning"."""
+    global _frozen_depth
+    with _frozen_guard:
+        _frozen_depth += 1
+    try:
+        yield
+    finally:
+        with _frozen_guard:
+            _frozen_depth -= 1
+
+
+def is_frozen() -> bool:
+    """Whether some thread of this process is inside :func:`frozen`."""
+    return _frozen_depth > 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +177,8 @@ class Autotuner:
         self.repeats = repeats
         self.persist = persist
         self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
+        self.frozen_misses = 0  # problems asked for while frozen with no verdict (each got the fallback)
+        self._warned: set[str] = set()
         self.cooldown_s: float | None = None  # None: COOLDOWN_S on CPU
         self._files: dict[str, dict] = {}
         self._lock = threading.RLock()
@@ -187,10 +228,21 @@ class Autotuner:
             yield
 
     def _cached_or_measured(self, device_fp: str, key: str, valid: Callable[[object], bool],
-                            measure: Callable[[], dict]) -> dict:
+                            measure: Callable[[], dict], fallback: dict) -> dict:
         entry = self._entries(device_fp).get(key)
         if valid(entry):
             return entry
+        if is_frozen():
+            # No lock, no file, no device wait: what is in memory, else the deterministic fallback.
+            self.frozen_misses += 1
+            if key not in self._warned:
+                self._warned.add(key)
+                chosen = ", ".join(f"{k}={v}" for k, v in fallback.items())
+                warnings.warn(f"dmuon autotune: no verdict for {key} was measured before the step; using "
+                              f"{chosen} (a step never measures)", RuntimeWarning, stacklevel=2)
+            return fallback
+        # Measuring holds the host lock: safe because no measurement runs inside a step (frozen()),
+        # and its waits are on its own stream's events (CUDA) or none (CPU), never on another rank.
         with self._host_lock(device_fp):
             # Another process of this host may have measured it while we waited.
             self._files[device_fp] = {**self._files.get(device_fp, {}), **self._read(device_fp)}
@@ -210,6 +262,7 @@ class Autotuner:
                 problem.device, problem.key(),
                 lambda e: isinstance(e, dict) and e.get("method") in METHODS,
                 lambda: self._measure_method(problem, device),
+                {"method": FROZEN_METHOD},
             )
             if device.type == "cuda" and entry.get("triton_tiles"):
                 _pin_triton_tiles(entry["triton_tiles"])
@@ -226,6 +279,7 @@ class Autotuner:
                 problem.device, key,
                 lambda e: isinstance(e, dict) and isinstance(e.get("batched"), bool),
                 lambda: self._measure_batching(problem, batch, method, device),
+                {"batched": False},
             )
             return entry["batched"]
 
@@ -249,8 +303,8 @@ class Autotuner:
             return method, self.batching(problem, batch, method, device)
         device = torch.device(device)
         with self._lock:
-            self.method(problem, device)  # accuracy verdict for the shape, cached
-            gram_ok = bool(self.lookup(problem).get("gram_accurate"))
+            self.method(problem, device)  # accuracy verdict for the shape, cached (none on a frozen miss)
+            gram_ok = bool((self.lookup(problem) or {}).get("gram_accurate"))
             key = problem.key(batch) + "|method=auto"
 
             def valid(e) -> bool:
@@ -267,8 +321,14 @@ class Autotuner:
                            and (m not in single or single[m] <= PLAN_SLACK * best)]
                 return self._measure_plan(problem, batch, methods, device)
 
-            entry = self._cached_or_measured(problem.device, key, valid, measure)
+            entry = self._cached_or_measured(problem.device, key, valid, measure, self.fallback(batch))
             return entry["method"], entry["batched"]
+
+    @staticmethod
+    def fallback(batch: int) -> dict:
+        """The choice for ``batch`` matrices of a problem with no verdict while frozen:
+        :data:`FROZEN_METHOD`, looped."""
+        return {"method": FROZEN_METHOD, "batched": False}
 
     def lookup(self, problem: Problem, batch: int | None = None) -> dict | None:
         """The cached entry for a problem, without measuring."""
@@ -277,6 +337,10 @@ class Autotuner:
     # -------------------------------------------------------------- measurement
 
     def _measure_method(self, problem: Problem, device: torch.device) -> dict:
+        with measuring_stream(device):  # the accuracy runs' reads wait on this stream alone
+            return self._measure_method_here(problem, device)
+
+    def _measure_method_here(self, problem: Problem, device: torch.device) -> dict:
         self.measurements += 1
         G = _probe(problem.shape, device)[0]
         fp32 = Problem(problem.device, torch.float32 if problem.dtype != torch.float64 else torch.float64,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -45,9 +46,67 @@ def device_fingerprint(device: torch.device | str) -> str:
 
 
 def sync(device: torch.device) -> None:
-    """Waits for the work queued on ``device`` (a no-op off CUDA)."""
+    """Waits for the work queued on ``device`` (a no-op off CUDA).
+
+    The host clock's bracket (:func:`time_candidates` off CUDA). On CUDA the timing waits only
+    for its own stream's events instead: a device-wide synchronize would also wait for every
+    collective the rank has in flight, which another rank may not have issued yet.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def measuring_stream(device: torch.device) -> Iterator[None]:
+    """Runs the block on a private stream of ``device`` (CUDA; elsewhere the block runs as is).
+
+    The private stream first waits for the caller's current stream (where the probes were made),
+    and the caller's stream waits for it at the end (nothing the block made is read before it is
+    written). Work on it is ordered after nothing else: no other stream's kernel, no collective
+    in flight, is waited for by an event recorded on it.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    private = torch.cuda.Stream(device)
+    private.wait_stream(caller)
+    with torch.cuda.device(device), torch.cuda.stream(private):
+        yield
+    caller.wait_stream(private)
+
+
+class _HostClock:
+    """Host seconds of one call, the device's queue drained before and after (:func:`sync`): for
+    devices without CUDA events (on CPU the call's own duration)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        sync(self.device)
+        t0 = time.perf_counter()
+        fn()
+        sync(self.device)
+        return time.perf_counter() - t0
+
+
+class _EventClock:
+    """Device seconds of one call on CUDA: CUDA events recorded around it on the current stream
+    (:func:`measuring_stream`'s private one), waited for alone (``Event.synchronize``), so the
+    figure is the call's kernels and the wait never depends on another stream or another rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 def time_candidates(
@@ -55,7 +114,12 @@ def time_candidates(
     cooldown_s: float | None = None, stat: Callable[[list[float]], float] = statistics.median,
     adaptive: bool = True,
 ) -> dict[str, float]:
-    """Wall time in seconds of each candidate (``stat`` of its timed calls), timed block by block.
+    """Seconds of each candidate (``stat`` of its timed calls), timed block by block.
+
+    On CUDA the seconds are device time from CUDA events on a private stream
+    (:func:`measuring_stream`, :class:`_EventClock`): the candidates' kernels, not the host's
+    launch overhead, and no other stream's or rank's work; no device-wide synchronize. Elsewhere
+    they are host time (:class:`_HostClock`).
 
     Each candidate gets a cool-down pause, one untimed warm-up call and then at
     least ``repeats`` timed calls. With ``adaptive`` (the autotuner's setting),
@@ -74,27 +138,18 @@ def time_candidates(
     """
     if cooldown_s is None:
         cooldown_s = COOLDOWN_S if device.type == "cpu" else 0.0
+    clock = _EventClock(device) if device.type == "cuda" else _HostClock(device)
     out: dict[str, float] = {}
-    for k, fn in fns.items():
-        if cooldown_s > 0:
-            time.sleep(cooldown_s)
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        warm = time.perf_counter() - t0
-        if not adaptive:
-            rounds = repeats
-        elif warm > SLOW_RUN_S:
-            rounds = 1
-        else:
-            rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
-        times = []
-        for _ in range(rounds):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        out[k] = stat(times)
+    with measuring_stream(device):
+        for k, fn in fns.items():
+            if cooldown_s > 0:
+                time.sleep(cooldown_s)
+            warm = clock(fn)
+            if not adaptive:
+                rounds = repeats
+            elif warm > SLOW_RUN_S:
+                rounds = 1
+            else:
+                rounds = max(1, repeats, min(MAX_ROUNDS, int(budget_s / max(warm, 1e-9))))
+            out[k] = stat([clock(fn) for _ in range(rounds)])
     return out

@@ -65,6 +65,25 @@ Contract, for every callback:
    that rank. The other ranks then fail at their next collective with the
    process group's error (gloo and NCCL report the peer's exit) or its
    timeout. Validate what can be validated in the constructor, on every rank.
+6. **No tuning inside a step.** ``owner_work`` may choose how to compute
+   (the NS autotuner's method and batching), but only from verdicts measured
+   before the step: the runtime runs it once per batch on zero directions
+   when it is built (:mod:`dmuon.runtime.tuning`), where the tuner measures
+   what the cache lacks, and calls it during backward and ``step()`` with
+   tuning frozen (:func:`dmuon.ortho.autotune.frozen`: a miss takes a fixed
+   fallback, never a measurement). A callback holds no host-wide lock and
+   waits on no timer across the device work it enqueues.
+
+Whether a rank enters a collective never depends on a local event's, a
+timer's or a lock's state. Every rank issues the same collectives in the same
+order, decided by the plan and by values agreed over the ranks (the step's
+agreement), never by how fast something ran, whether an event has fired or who
+got a lock first: those differ between ranks, and a rank that waits for one of
+them while another rank waits for it in a collective hangs both. So nothing a
+rank waits for while it holds a lock another rank may want may depend on a
+collective (tuning measures only when the runtime is built, its waits on its
+own stream's events), and timings only choose how fast a rank computes what it
+computes, never what it sends.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
-from dmuon.runtime.owner_work import OwnerWork
+from dmuon.runtime.tuning import TunedOwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.util.bits import any_bits_differ
@@ -107,7 +107,8 @@ class ShardRuntime:
         self.norms = MatrixNorms(plan, self.stats)
         """The rule's per-matrix sums over the weight, added over the ranks that split each matrix."""
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
-        self.work = OwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
+        self.work = TunedOwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
+        self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
         if plan.reduces_replicas:
