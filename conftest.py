@@ -8,3 +8,22 @@ from dmuon.util.spawn import CRASH_RETRIES_ENV
 # twice in a row so far) runs its function again once, with a RuntimeWarning in pytest's summary; see
 # dmuon.util.spawn.run_distributed. A Python exception or a wrong value still fails at once.
 os.environ.setdefault(CRASH_RETRIES_ENV, "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the compatibility subset (tests/support/compat.py) ``compat``; with ``-m compat``, a listed
+    test that is not collected fails the run instead of leaving the subset."""
+    import pytest
+
+    from support.compat import COMPAT_TESTS
+
+    found = set()
+    for item in items:
+        if item.nodeid in COMPAT_TESTS:
+            item.add_marker(pytest.mark.compat)
+            found.add(item.nodeid)
+    if "compat" in (config.getoption("markexpr") or "") and not config.getoption("keyword"):
+        missing = sorted(COMPAT_TESTS - found)
+        if missing:
+            raise pytest.UsageError("tests/support/compat.py lists tests that were not collected (renamed or "
+                                    "removed?): " + ", ".join(missing))
