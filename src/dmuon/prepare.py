@@ -13,10 +13,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 # Where a DTensor's local shard sits in the global tensor (the function DCP plans its chunks with).
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from dmuon.util.torch_compat import has_all_reduce_hook, local_shape_and_offset, strided_shard_type
 # FSDP2 marks its row split inside a tensor-parallel one with _StridedShard; the momentum's
 # column split inside TP's is the same kind of layout.
-from torch.distributed.tensor.placement_types import _StridedShard
+_StridedShard = strided_shard_type()
 
 from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
@@ -116,8 +116,7 @@ def _check_no_all_reduce_hook(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
-        if any(getattr(g, "_all_reduce_hook", None) is not None for g in groups):
+        if has_all_reduce_hook(module):
             raise ValueError(f"module {name or '<root>'!r} has an FSDP2 all-reduce hook (set_all_reduce_hook); "
                              "with hsdp_mesh= dmuon reduces gradients across replicas itself, so remove the hook")
 
@@ -203,7 +202,7 @@ def _local_box(p: torch.Tensor, width: int) -> list[int]:
     if not isinstance(p, DTensor):
         shape, offset, ok = tuple(p.shape), (0,) * p.ndim, True
     else:
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        shape, offset = local_shape_and_offset(p.shape, p.device_mesh, p.placements)
         local = p.to_local()
         ok = tuple(local.shape) == tuple(shape) and local.is_contiguous()
     pad = [0] * (width - len(shape))
@@ -215,7 +214,7 @@ def _momentum_ok(info: MatrixInfo, s: int, r: int, hsdp_mesh) -> bool:
     p, d, piece = info.param, info.param_dim, info.pieces[s]
     if not piece.rows:
         return True  # nothing of this matrix here
-    shape, offset = compute_local_shape_and_global_offset(p.shape, *momentum_layout(p, d, hsdp_mesh))
+    shape, offset = local_shape_and_offset(p.shape, *momentum_layout(p, d, hsdp_mesh))
     return shape[d] == info.replica_columns(s)[r] and offset[d] == piece.col + info.column_start(r, s)
 
 

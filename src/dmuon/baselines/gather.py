@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from dmuon.util.torch_compat import local_shape_and_offset
 
 from dmuon.optim.groups import canonical_name
 from dmuon.optim.qk_clip import AttentionClip
@@ -283,7 +283,7 @@ def _apply_by_row_group(param: torch.Tensor, ortho: torch.Tensor, sizes: tuple[i
     first = 0
     if isinstance(param, DTensor):
         # The box this rank holds (the layouts dmuon supports: a contiguous box; prepare checks it).
-        first = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
+        first = local_shape_and_offset(param.shape, param.device_mesh, param.placements)[1][0]
     cols = _matrix_shape(param.shape)[1]
     for start, count in zip(itertools.accumulate((0, *sizes)), sizes):
         low, high = max(start, first), min(start + count, first + local.shape[0])

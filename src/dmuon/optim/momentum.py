@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from dmuon.util.torch_compat import local_shape_and_offset, strided_shard_type
+_StridedShard = strided_shard_type()
 
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.prepare import momentum_layout
@@ -42,7 +42,7 @@ class MomentumLayout:
             return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
         mesh, placements = self.layout_for(info)
         # prepare checked that this layout gives every rank exactly the columns it keeps.
-        shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+        shape, _ = local_shape_and_offset(param.shape, mesh, placements)
         buffer = torch.zeros(shape, dtype=torch.float32, device=param.device)
         return DTensor.from_local(buffer, mesh, placements, run_check=False,
                                   shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
@@ -69,7 +69,7 @@ class MomentumLayout:
         if not isinstance(param, DTensor):
             return torch.zeros(shape, dtype=torch.float32, device=param.device)
         mesh, placements = self.row_layout_for(info)
-        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        local_shape, _ = local_shape_and_offset(shape, mesh, placements)
         rows = param.to_local().shape[: info.param_dim]
         if tuple(local_shape[: info.param_dim]) != tuple(rows):
             raise ValueError(f"parameter {info.name!r}: its per-row state would hold rows {tuple(local_shape)} "

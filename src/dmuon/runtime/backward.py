@@ -53,6 +53,7 @@ from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
+from dmuon.util.torch_compat import on_reduced_gradient, queue_end_of_backward
 
 Directions = Callable[[list[int]], dict[int, torch.Tensor]]
 """Given matrix indices with gradients, this rank's part of their directions (wire dtype)."""
@@ -181,7 +182,7 @@ class BackwardLaunches:
         for u in self._units:
             for p in u.params:
                 p._dmuon_launches = self._ref  # the newest launches on a parameter take its hooks
-        self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._hook())
+        self._hooks: list[Any] = [on_reduced_gradient(p, self._hook())
                                   for u in self._units for p in u.params]
 
     def _hook(self):
@@ -220,7 +221,7 @@ class BackwardLaunches:
             # final callback runs after FSDP2's own (which reduces the root): the only hook into
             # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
         if self.replicate is not None:
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]

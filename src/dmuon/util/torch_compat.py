@@ -1,0 +1,125 @@
+"""Every private torch API and version-specific FSDP2 behaviour dmuon relies on, one function each.
+
+torch does not promise to keep these: a release may move, rename or change them. Each is reached
+only through a function here, which raises ``RuntimeError`` naming the API and the running torch
+version when it has moved, instead of an ``AttributeError`` or ``ImportError`` deep inside a step.
+``tests/test_torch_compat.py`` calls every one for real (on a one-rank gloo group, with FSDP2 and
+DTensor), so a torch release that breaks one fails there first; ``scripts/compat.sh`` runs it with
+the rest of the compatibility subset (``pytest -m compat``) on other torch releases, and
+docs/torch-versions.md lists the releases tested.
+
+Private APIs:
+
+* :func:`local_shape_and_offset`: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+* :func:`strided_shard_type`: ``torch.distributed.tensor.placement_types._StridedShard``.
+* :func:`has_all_reduce_hook`: ``FSDPModule._get_fsdp_state()._fsdp_param_groups[*]._all_reduce_hook``.
+* :func:`queue_end_of_backward`: ``torch.autograd.Variable._execution_engine.queue_callback``.
+
+Behaviour of FSDP2 (public APIs whose semantics changed across releases):
+
+* :func:`on_reduced_gradient`: FSDP2 calls a sharded parameter's post-accumulate-grad hooks itself,
+  right after writing the reduced gradient shard, on its post-reduce stream.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def _moved(what: str, detail: str) -> RuntimeError:
+    return RuntimeError(f"dmuon needs {what}, which torch {torch.__version__} does not have ({detail}); "
+                        "this torch release is outside the tested range (docs/torch-versions.md)")
+
+
+def _private(module: str, name: str) -> Any:
+    """``module.name``, or a RuntimeError naming both and the torch version."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise _moved(f"{module}.{name}", f"{type(e).__name__}: {e}") from e
+
+
+def local_shape_and_offset(global_shape: Sequence[int], mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's local piece of a DTensor with ``global_shape`` laid out as ``placements``
+    on ``mesh``, and the global index of its first element.
+
+    torch's ``compute_local_shape_and_global_offset`` (private; DCP plans its chunks with it) is the
+    only function that places uneven and strided shards exactly as DTensor does; dmuon checks and
+    builds its momentum layouts with it.
+    """
+    fn = _private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    try:
+        shape, offset = fn(global_shape, mesh, placements)
+    except TypeError as e:  # the signature changed
+        raise _moved("compute_local_shape_and_global_offset(global_shape, mesh, placements) returning "
+                     "(local_shape, global_offset)", f"TypeError: {e}") from e
+    return tuple(shape), tuple(offset)
+
+
+def strided_shard_type() -> type:
+    """The placement class FSDP2 gives a row split inside a tensor-parallel one (``_StridedShard``).
+
+    Private in torch; dmuon recognises FSDP2's rows by it and lays the momentum's column split inside
+    TP's out with it (``_StridedShard(dim, split_factor=...)``).
+    """
+    cls = _private("torch.distributed.tensor.placement_types", "_StridedShard")
+    if not isinstance(cls, type):
+        raise _moved("torch.distributed.tensor.placement_types._StridedShard as a class",
+                     f"it is a {type(cls).__name__}")
+    return cls
+
+
+def _param_groups(module) -> list:
+    """An FSDP2 module's parameter groups (FSDP2's ``FSDPParamGroup`` objects; none without parameters)."""
+    if not hasattr(module, "_get_fsdp_state"):
+        raise _moved("FSDPModule._get_fsdp_state()", f"{type(module).__name__} has no _get_fsdp_state")
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):  # a list: one group per mesh (per-parameter meshes)
+        return list(state._fsdp_param_groups or [])
+    if hasattr(state, "_fsdp_param_group"):  # one optional group per module (releases before the list)
+        return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    raise _moved("FSDPState._fsdp_param_groups (or _fsdp_param_group)",
+                 f"{type(state).__name__} has neither")
+
+
+def has_all_reduce_hook(module) -> bool:
+    """Whether ``FSDPModule.set_all_reduce_hook`` has given ``module`` an all-reduce hook.
+
+    FSDP2 has no public getter for the hook, so this reads the attribute its param groups keep it in
+    (read only: nothing is changed).
+    """
+    groups = _param_groups(module)
+    for g in groups:
+        if not hasattr(g, "_all_reduce_hook"):
+            raise _moved("FSDPParamGroup._all_reduce_hook (where set_all_reduce_hook keeps the hook)",
+                         f"{type(g).__name__} has no _all_reduce_hook")
+    return any(g._all_reduce_hook is not None for g in groups)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the current backward pass has finished, after every hook of it.
+
+    Call it from inside a backward (a hook). torch's autograd engine has no public API for this;
+    FSDP2, DDP and FSDP1 install their own final callbacks through the same private one.
+    """
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise _moved("torch.autograd.Variable._execution_engine.queue_callback",
+                     "the autograd engine exposes no queue_callback")
+    queue(callback)
+
+
+def on_reduced_gradient(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:
+    """Registers ``hook(param)`` to run whenever FSDP2 has written ``param``'s reduced gradient shard.
+
+    ``param`` is a sharded (DTensor) parameter of a ``fully_shard``-ed module. FSDP2 computes its
+    gradient outside autograd (a reduce-scatter, on HSDP then an all-reduce) and calls the
+    parameter's post-accumulate-grad hooks itself, right after it has divided, cast and written the
+    shard to ``param.grad``, on its post-reduce stream: the hook sees the gradient ``step()`` reads,
+    block by block in FSDP2's post-backward order. Returns the handle (``.remove()``).
+    """
+    return param.register_post_accumulate_grad_hook(hook)

@@ -1,0 +1,55 @@
+"""The compatibility subset (``pytest -m compat``): what ``scripts/compat.sh`` runs on other torch releases.
+
+Every private torch API and FSDP2 behaviour dmuon relies on (dmuon.util.torch_compat), and the main
+equivalence cases, in 2-3 minutes on 2 CPU cores. The repository's conftest.py marks these node ids
+``compat`` (tests/test_torch_compat.py marks itself); with ``-m compat`` a listed id that is no longer
+collected is an error, so a renamed test cannot drop out of the subset unnoticed.
+"""
+
+from __future__ import annotations
+
+COMPAT_TESTS = {
+    # FSDP2 (1-D) against torch.optim.Muon + torch.optim.AdamW in one process: prepare's layout checks
+    # (local_shape_and_offset), the hooks FSDP2 calls after its reduce-scatter (on_reduced_gradient).
+    "tests/test_core_equivalence.py::test_matches_single_process_reference[3]",
+    # The gather-then-compute baseline (local_shape_and_offset in baselines/gather.py).
+    "tests/test_core_equivalence.py::test_equals_gather_then_compute_under_fsdp2_settings",
+    # Native HSDP: FSDP2's all-reduce across replicas before the hooks.
+    "tests/test_hsdp.py::test_hsdp_matches_single_process_reference[mesh_shape0]",
+    "tests/test_hsdp_replicate.py::test_bf16_mixed_precision_equals_native_hsdp",
+    # Gradient accumulation through FSDP2's set_requires_gradient_sync (hooks fire on the last micro-batch).
+    "tests/test_accumulation.py::test_accumulation_matches_one_large_batch",
+    # Built before fully_shard (the parameters fully_shard swaps in).
+    "tests/test_build_before_sharding.py::test_built_before_sharding_equals_built_after_bit_for_bit[1d-2-ranks]",
+    # dmuon's replicate level: the end-of-backward callback (queue_end_of_backward) and the
+    # all-reduce hook refusal (has_all_reduce_hook).
+    "tests/test_hsdp_replicate.py::test_replicate_level_matches_single_process_reference[2x2]",
+    "tests/test_hsdp_replicate.py::test_misuse_is_refused_on_every_rank_naming_the_fix",
+    # Tensor parallelism: FSDP2's _StridedShard rows inside TP (strided_shard_type).
+    "tests/test_tp.py::test_tp_fsdp_equals_single_process_torch_muon[dp2-tp2]",
+    "tests/test_tp.py::test_tp_fsdp_equals_single_process_torch_muon[hsdp2x2-tp2]",
+    "tests/test_tp.py::test_returns_in_backward_under_tensor_parallelism",
+    # Clipping after launches from backward.
+    "tests/test_clip.py::test_launches_survive_clipping[3 ranks]",
+    "tests/test_clip.py::test_launches_survive_clipping[2x2 replicate level]",
+    "tests/test_clip.py::test_clipped_training_matches_one_process[2x2 native HSDP]",
+    "tests/test_clip.py::test_clipping_variants_against_overlap_false[3 ranks-bf16 mixed precision]",
+    "tests/test_clip.py::test_clipping_variants_against_overlap_false[3 ranks-activation checkpointing, a frozen matrix]",
+    # DCP checkpoints, and full state dicts that continue in torch.optim.Muon and AdamW.
+    "tests/test_checkpoint.py::test_hsdp_checkpoint_holds_each_momentum_once",
+    "tests/test_checkpoint.py::test_full_state_dicts_continue_in_torch_muon_and_adamw",
+    "tests/test_checkpoint.py::test_resume_on_another_cluster_continues_exactly[hsdp-2x2]",
+    "tests/test_checkpoint.py::test_replicate_level_checkpoint_resumes_on_other_layouts",
+    "tests/test_tp.py::test_dcp_checkpoint_resumes_exactly_on_hsdp_tp",
+    # Overlap, NS in backward, returns in backward.
+    "tests/test_overlap.py::test_overlap_is_bit_identical_to_sync[None]",
+    "tests/test_overlap.py::test_overlap_is_bit_identical_to_sync[mesh_shape1]",
+    "tests/test_overlap.py::test_returns_in_backward_give_the_same_bits_as_returns_in_step[None-fsdp2]",
+    "tests/test_overlap.py::test_ns_in_backward_matches_the_reference[mesh_shape1]",
+    "tests/test_overlap.py::test_returns_in_backward_give_the_same_bits_as_returns_in_step[mesh_shape2-dmuon]",
+    # Hooks on a single process (no FSDP2) and their lifetime.
+    "tests/test_launches.py::test_a_launch_stands_only_for_the_gradients_step_uses",
+    # dmuon's Newton-Schulz is bit for bit torch.optim.Muon's (torch's private _zeropower_via_newtonschulz).
+    "src/dmuon/ortho/tests/test_newton_schulz.py::test_bit_identical_to_torch_muon[5-shape3]",
+    "src/dmuon/ortho/tests/test_newton_schulz.py::test_bit_identical_for_bf16_input_and_input_untouched",
+}
