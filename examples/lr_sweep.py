@@ -1,4 +1,4 @@
-"""The learning-rate sweep behind the training recipe (docs/benchmarks.md), rerunnable.
+"""The learning-rate sweep behind the training recipe (docs/benchmarks/2026-12-01-cpu-2core-epyc-avx512.md), rerunnable.
 
 Runs ``examples/train_lm.py`` once per learning rate (AdamW's lr for ``adamw``;
 the Muon matrices' lr for ``dmuon``, whose AdamW part keeps ``--adamw-lr``),

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--corpus-mb", type=float, default=0.0, help="cap the corpus at this many MB (0: all)")
     # optimization
     a("--muon-lr", type=float, default=0.05,
-      help="dmuon: learning rate of the Muon matrices (default: the best of the sweep in docs/benchmarks.md)")
+      help="dmuon: learning rate of the Muon matrices (default: the best of the sweep in "
+           "docs/benchmarks/2026-12-01-cpu-2core-epyc-avx512.md)")
     a("--adamw-lr", type=float, default=3e-3,
       help="AdamW's learning rate (the adamw run, and dmuon's embeddings, head, norms and biases)")
     a("--weight-decay", type=float, default=0.1)

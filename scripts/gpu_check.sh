@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared one-GPU check (docs/benchmarks.md, "GPU check"): Triton SYRK kernel, standard vs Gram NS,
+# The prepared one-GPU check (docs/benchmarks/README.md, "GPU check"): Triton SYRK kernel, standard vs Gram NS,
 # `dmuon bench` on one rank and the training recipe, all figures in one JSON.
 #   scripts/gpu_check.sh                       # on a CUDA machine; writes gpu_check.json
 #   scripts/gpu_check.sh --dry-run --json x.json   # the same code paths at tiny sizes on CPU

@@ -234,7 +234,7 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     mats = expand(full_size_shapes("qwen2.5-7b"))
     numel = sum(m.numel for m in mats)
     total = numel * 2  # bf16 on dmuon's wire
-    # Across nodes (design (b), the runtime's on HSDP): each rank's fp32 gradient rows go, column
+    # Across nodes (the replicate level, the runtime's on HSDP): each rank's fp32 gradient rows go, column
     # slice by column slice, to the other 127 replicas (127 / 128 of every matrix from each of the
     # 128 replicas: 127 copies in all); each matrix's update reaches the other 127 replicas once,
     # and the direction's column slices kept by the other replicas (the momentum's Shard(1) over
@@ -280,10 +280,10 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
         assert whole == {"total": designs[key]["inter"]["total"] + 1024 * rest,
                          "critical": designs[key]["inter"]["critical"] + rest}
     text = capsys.readouterr().out
-    for label in ("FSDP2 + AdamW (gradient all-reduce): total", "design (a), dmuon_native_hsdp",
-                  "design (b), dmuon (gradient column reduce-scatter"):
+    for label in ("FSDP2 + AdamW (gradient all-reduce): total", "native HSDP, dmuon_native_hsdp",
+                  "replicate level, dmuon (gradient column reduce-scatter"):
         assert sum(line.lstrip().startswith(label) for line in text.splitlines()) == 1, label
-    assert (f"design (b), dmuon (gradient column reduce-scatter + update to the replicas): total "
+    assert (f"replicate level, dmuon (gradient column reduce-scatter + update to the replicas): total "
             f"{designs['b']['inter']['total'] / 2**20:.1f} MiB" in text)
 
 
@@ -306,7 +306,7 @@ def test_plan_hsdp_designs_only_with_replicas(capsys):
     assert d["fsdp2_adamw"]["inter"]["total"] == pytest.approx(numel * 8, abs=8 * 8)
     assert plan_cli.main(["--model", "pi0", "--world-size", "4", "--balancer", "round_robin"]) == 0
     text = capsys.readouterr().out
-    assert "HSDP replicate level" not in text and "design (b), dmuon (gradient" not in text
+    assert "HSDP replicate level" not in text and "replicate level, dmuon (gradient" not in text
 
 
 def test_plan_zero_changes_only_the_fsdp2_figures():
@@ -392,13 +392,13 @@ def test_plan_cli_step_comm(tmp_path, capsys):
     assert comm["fsdp_adamw"]["critical_bytes"] == {"total": intra + inter, "intra": intra, "inter": inter}
     assert comm["dmuon_native_hsdp"]["critical_bytes"]["total"] > comm["fsdp_adamw"]["critical_bytes"]["total"]
     assert comm["gather"]["critical_bytes"]["inter"] == inter
-    # Design (b) (dmuon on HSDP) leaves out FSDP2's all-reduce; its own collectives across replicas
+    # the replicate level (dmuon on HSDP) leaves out FSDP2's all-reduce; its own collectives across replicas
     # (the gradient's column slices, the direction slices, the updates) move less here.
     assert comm["dmuon"]["critical_bytes"]["intra"] == comm["dmuon_native_hsdp"]["critical_bytes"]["intra"]
     assert comm["dmuon"]["critical_bytes"]["inter"] < comm["dmuon_native_hsdp"]["critical_bytes"]["inter"]
     text = capsys.readouterr().out
     assert "FSDP2 + AdamW: " in text and "gather-then-compute: " in text
-    assert "  dmuon (design (b)" in text and "  dmuon_native_hsdp (design (a)" in text
+    assert "  dmuon (replicate level" in text and "  dmuon_native_hsdp (native HSDP" in text
     # --param-dtype fp32 doubles the all-gathers.
     assert plan_cli.main(["--shapes", str(shapes), "--world-size", "4", "--ranks-per-node", "2", "--zero", "3",
                           "--analytical", "--param-dtype", "fp32", "--json", str(out)]) == 0
@@ -424,7 +424,7 @@ def test_plan_scale_table_rows_are_the_plans_step_comm(tmp_path, capsys):
     inter = rows[1]["dmuon_inter_critical_bytes"] / rows[1]["fsdp_adamw_inter_critical_bytes"]
     assert (f"| pi0 | 16 | {rows[1]['dmuon_critical_bytes'] / 2**30:.1f} ({ratio:.2f}x), inter "
             f"{rows[1]['dmuon_inter_critical_bytes'] / 2**30:.2f} ({inter:.2f}x) /" in text)
-    assert "| dmuon (design (b)) | dmuon_native_hsdp (design (a)) |" in text
+    assert "| dmuon (replicate level) | dmuon_native_hsdp (native HSDP) |" in text
     assert plan_cli.main(["--scale-table", "nope"]) == 2
     assert plan_cli.main(["--scale-table", "pi0", "--world-sizes", "12"]) == 2  # not a multiple of 8
     assert "multiples of --ranks-per-node" in capsys.readouterr().err

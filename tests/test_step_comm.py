@@ -136,7 +136,7 @@ def test_replicate_level_scatter_route_counted_bytes_equal_the_model(mesh_shape)
 
 def _check_replicate_level(results: list[dict], replicate: int, shard: int, publication: str | None = None,
                            spread: int = 8) -> list:
-    """Every rank's collectives against ``step_collectives("dmuon")``'s (design (b)); the model's step part."""
+    """Every rank's collectives against ``step_collectives("dmuon")``'s (the replicate level); the model's step part."""
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
     waves = results[0]["waves"]

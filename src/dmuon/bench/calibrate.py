@@ -15,10 +15,13 @@ One command, on ``--world-size`` gloo ranks (one thread each):
    operations each code path dispatches per tensor (:class:`dmuon.costmodel.host.HostOps`,
    counted from the code, each path's at its twin's factor), forward and backward as the GEMMs at
    the matmul rate plus the work beyond them and FSDP2's per-unit work (the check), and again at
-   the matmul rate alone and at the effective rate (which show how much of the error is the
-   compute model), beside the
-   measured medians, with each prediction's error, the orders by step time and the pairs the
-   rounds separate (:func:`dmuon.bench.calibrate_fit.order_check`), and what each mechanism adds.
+   the effective rate (the presets' sense of a rate), beside the measured medians, with each
+   prediction's error, the orders by step time and the pairs the rounds separate
+   (:func:`dmuon.bench.calibrate_fit.order_check`).
+
+``--measure-only`` measures the machine's figures and prints them with the predictions, no bench: the
+figures are what ``dmuon plan --simulate`` takes as overrides (``--compute-tflops``, ``--non-gemm-ms``,
+``--dispatch-us``, ...) to price a step on this kind of host.
 
 Nothing is fitted to the bench's timings: the same machine figures serve every configuration.
 """
@@ -35,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from dmuon.bench.calibrate_fit import (
-    COMPUTE_MODELS,
     CONFIGS,
     combine,
     compare,
@@ -125,40 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} ({size}) on {args.world_size} gloo ranks: {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     predicted = predict(figures, args.model, size, args.world_size, tokens)
-    others = {compute: predict(figures, args.model, size, args.world_size, tokens, compute=compute)
-              for compute in list(COMPUTE_MODELS)[1:]}
-    # What each mechanism adds, at the matmul rate: the one shared link fit, no host work, ranks in
-    # lockstep (the model before them), then per-kind links, the host's work, the ranks' drift, the
-    # work beyond the GEMMs, FSDP2's work on the ranks' own mesh (from the twin), each code path's own host
-    # time (from its twin's optimizer step); the ones before the last price the host at the tight-loop figures.
-    tight = dict(figures, host_factors={})
-    ablation = {"shared link, no host, no drift": predict(tight, args.model, size, args.world_size, tokens,
-                                                          "matmul_flops", per_kind=False, host=False, skew=False),
-                "per-kind links": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops",
-                                          host=False, skew=False),
-                "and host": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops", skew=False),
-                "and drift": predict(tight, args.model, size, args.world_size, tokens, "matmul_flops"),
-                "and the work beyond the GEMMs": predict(dict(tight, rank_unit_seconds=0.0), args.model, size,
-                                                         args.world_size, tokens),
-                "and FSDP2's work on the ranks' own mesh": predict(tight, args.model, size, args.world_size, tokens),
-                "and each path's host time from its twin (all)": predicted}
+    # The effective rate prices forward and backward as the presets do (FSDP2's own work on a rank and the
+    # model's non-GEMM work inside one rate): how far that simpler model lands shows what a preset's
+    # effective rate leaves out.
+    effective = predict(figures, args.model, size, args.world_size, tokens, compute="effective_flops")
     payload = {"model": args.model, "size": size, "world_size": args.world_size, "tokens_per_rank": tokens,
                "machine": machine_description(), "load_average": load, "figures": figures, "predicted": predicted,
-               "predicted_at_matmul_rate": others["matmul_flops"],
-               "predicted_at_effective_rate": others["effective_flops"], "ablation": ablation,
+               "predicted_at_effective_rate": effective,
                "per_rank_points": per_rank}  # every rank's own figures at every point, for analyses after the run
     loads = (f"load average (1, 5, 15 min) {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
              f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end ({os.cpu_count()} cores)")
     if measured is not None:
-        # The check: each round at the figures measured around it (predict_by_round), its median against the
-        # bench's; the prediction at the run's mean figures (the check until session 18) beside it.
+        # The check: each round predicted at the figures measured around it, its median against the bench's
+        # (the machine drifts within a run, so the run's mean figures would misprice the slow and fast rounds).
         by_round = predict_by_round(per_rank, args.world_size, args.model, size, tokens)
-        payload["predicted_at_mean_figures"], payload["predicted"] = predicted, by_round
+        payload["predicted"] = by_round
         payload["bench"] = {"steps": args.steps, "rounds": args.rounds, "results": list(measured.values())}
         payload["comparison"] = compare(measured, by_round)
-        payload["comparison_at_mean_figures"] = compare(measured, predicted)
-        payload["comparison_at_matmul_rate"] = compare(measured, others["matmul_flops"])
-        payload["comparison_at_effective_rate"] = compare(measured, others["effective_flops"])
+        payload["comparison_at_effective_rate"] = compare(measured, effective)
         spread = ", ".join(f"{k.split('_')[0]} {lo / 1e9:.1f}-{hi / 1e9:.1f}"
                            for k, (lo, hi) in figures["spread"].items() if k.endswith(("_flops", "_bytes")))
         header = (f"{args.model} ({size}), {args.world_size} gloo ranks, {tokens} tokens per rank; bench: "
@@ -166,15 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"each round and after the last, the slower rank at each of the {figures['points']} points "
                   f"(range over them, G/s: {spread}); {payload['machine']}; {loads}")
         print(format_comparison(figures, payload["comparison"], header, by_round=True))
-        for compute, key, words in (("gemms_and_rest", "comparison_at_mean_figures", "as the check prices it, "
-                                     "every round at the run's mean figures (the check until session 18)"),
-                                    ("matmul_flops", "comparison_at_matmul_rate", "at the matmul rate, the work "
-                                     "beyond the GEMMs left out (the check until session 15)"),
-                                    ("effective_flops", "comparison_at_effective_rate", "at the effective rate "
-                                     "(FSDP2's own work on a rank and the model's non-GEMM work in the rate, as in "
-                                     "the presets)")):
-            print(f"\nthe same, forward+backward {words}:")
-            print("\n".join(format_comparison(figures, payload[key], "", compute).splitlines()[1:]))
+        print("\nthe same, forward+backward at the effective rate (FSDP2's own work on a rank and the model's "
+              "non-GEMM work in the rate, as in the presets):")
+        print("\n".join(format_comparison(figures, payload["comparison_at_effective_rate"], "",
+                                          "effective_flops").splitlines()[1:]))
         print("\nrounds' step medians, ms, measured / predicted at the round's figures: " + "; ".join(
             f"{c} " + " ".join(f"{t * 1e3:.0f}/{p['step_seconds'] * 1e3:.0f}"
                                for t, p in zip(measured[c]["step_s_by_round"], by_round[c]["by_round"]))
@@ -184,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         tables = ("link_samples", "ns_seconds", "twin_ns_seconds")
         print(json.dumps({k: v for k, v in figures.items() if k not in tables}, indent=1))
         print(figures_line(figures))
-    print("what each mechanism adds, predicted step / optimizer ms: " + "; ".join(
-        f"{name}: " + ", ".join(f"{c} {p[c]['step_seconds'] * 1e3:.1f} / {p[c]['optimizer_seconds'] * 1e3:.1f}"
-                                for c in CONFIGS) for name, p in ablation.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

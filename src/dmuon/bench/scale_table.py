@@ -1,8 +1,8 @@
 """``dmuon plan --scale-table``: one step's communication and NS makespan across cluster sizes, as Markdown.
 
-The cluster-scale table (README, docs/benchmarks.md) is this module's output: per model and world
+The cluster-scale table (README, docs/benchmarks/2026-12-04-modelled-h100-a800.md) is this module's output: per model and world
 size, the critical bytes (all, and inter-node) and alpha-beta seconds of one step (``step_comm``)
-for dmuon (design (b) on HSDP), dmuon_native_hsdp (design (a)), FSDP2 + AdamW and
+for dmuon (the replicate level on HSDP), dmuon_native_hsdp (native HSDP), FSDP2 + AdamW and
 gather-then-compute, and the balancer's NS makespan per rank. Everything is modelled from shape
 lists; the per-collective bytes are checked against counted runs on 4 gloo ranks by
 ``tests/test_step_comm.py``.
@@ -54,7 +54,7 @@ def _ratio(value: float, base: float) -> str:
 def format_scale_table(rows: Sequence[dict]) -> str:
     """The rows as a Markdown table: per strategy critical GiB, of which inter-node, and ms, each with
     its ratio to FSDP2 + AdamW's; and the NS makespan (max/mean)."""
-    lines = ["| model | ranks | dmuon (design (b)) | dmuon_native_hsdp (design (a)) | FSDP2 + AdamW | "
+    lines = ["| model | ranks | dmuon (replicate level) | dmuon_native_hsdp (native HSDP) | FSDP2 + AdamW | "
              "gather-then-compute | NS makespan per rank (max/mean) |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -83,16 +83,16 @@ SIMULATED = ("fsdp_adamw", "gather", "dmuon", "dmuon_native_hsdp", "dmuon_rbwd",
 def format_simulation_table(rows: Sequence[dict]) -> str:
     """``dmuon plan --simulate --scale-table``: per model and world size, each strategy's simulated
     step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's,
-    gather-then-compute's optimizer phase over dmuon's (both designs, design (b) with
-    ``returns_in_backward``, and design (b) with its updates applied in the next forward, a design modelled
+    gather-then-compute's optimizer phase over dmuon's (both designs, the replicate level with
+    ``returns_in_backward``, and the replicate level with its updates applied in the next forward, a design modelled
     and not built: ``simulate.NEXT_FORWARD``), and what keeps dmuon's busiest rank busy in its optimizer phase."""
-    names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (design (b))",
-             "dmuon_native_hsdp": "dmuon_native_hsdp (design (a))",
+    names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (replicate level)",
+             "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP)",
              "dmuon_rbwd": "dmuon, returns in backward (rbwd)",
              "dmuon_nfwd": "dmuon, applied in the next forward (nfwd; not built)", "dion_all_to_all": "all-to-all peer"}
     lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
-             + " | dmuon step ÷ FSDP2 + AdamW's ((b) / (a) / rbwd / nfwd) | gather's optimizer ÷ dmuon's ((b) / (a) / "
-             "rbwd / nfwd) | gather's step ÷ dmuon's ((b) / (a) / rbwd / nfwd) | dmuon (b)'s optimizer phase: NS / "
+             + " | dmuon step ÷ FSDP2 + AdamW's (repl / native / rbwd / nfwd) | gather's optimizer ÷ dmuon's (repl / native / "
+             "rbwd / nfwd) | gather's step ÷ dmuon's (repl / native / rbwd / nfwd) | dmuon (replicate level)'s optimizer phase: NS / "
              "elementwise / "
              "intra / inter link ms |",
              "|---|---|" + "---|" * (len(SIMULATED) + 4)]

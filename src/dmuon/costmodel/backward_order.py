@@ -1,5 +1,5 @@
 """dmuon's backward collectives in the order the runtime issues them (:mod:`dmuon.runtime.backward`):
-design (b)'s gradient-column all_to_alls carrying hop A's chunks as the spreader decides, and with
+the replicate level's gradient-column all_to_alls carrying hop A's chunks as the spreader decides, and with
 ``returns_in_backward`` each block's return at the landings after its directions' last hop. Used by
 :func:`dmuon.costmodel.collectives.owner_exchange_collectives`."""
 
@@ -15,7 +15,7 @@ from dmuon.plan.publication import DIRECT, SCATTER
 
 def gradient_columns(members: Sequence[int], tables: Sequence[Sequence[tuple[int, int, bool]]],
                       inner: Sequence[int], replicate: int, shard: int, gradient_bytes: int) -> Parts:
-    """Design (b)'s reduce-scatter of one block's gradient column slices over each shard column's
+    """The replicate level's reduce-scatter of one block's gradient column slices over each shard column's
     replicate group (:func:`owner_exchange_collectives`): one uneven ``all_to_all``'s parts.
 
     Every rank ``(r, s)`` of a column holds the same piece ``s``, so it sends slice ``q`` to
@@ -128,7 +128,7 @@ def backward_with_returns(order, blocks, replicate: int, world: int, hop_a_alone
 def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: Sequence[int],
                      owners: Sequence[int], replicate: int, shard: int, elem_bytes: int, gradient_bytes: int,
                      hop_a_spread: int, hop_b, returns=None) -> tuple[list[Collective], list[int]]:
-    """Design (b)'s backward collectives as ``dmuon.runtime.backward.BackwardLaunches`` issues them, with
+    """The replicate level's backward collectives as ``dmuon.runtime.backward.BackwardLaunches`` issues them, with
     the same :class:`~dmuon.plan.hop_a.HopASpreader` choosing each hop A chunk.
 
     When unit ``b`` lands (blocks in ``order``): hop B of every block whose last chunk went in the

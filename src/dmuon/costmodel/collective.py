@@ -29,9 +29,9 @@ ROLES: tuple[str, ...] = (
     "hop_a", "hop_b", "return_shard", "return_replicas", "return_scatter", "return_gather", "gather", "a2a_out",
     "a2a_back", "weight_norms")
 """:attr:`Collective.role` values: FSDP2's three collectives; dmuon's all-reduce of the non-Muon
-gradients across replicas (design (b), with ``other_shapes``); the gradient's column reduce-scatter
-(design (b)), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
-names that block; hop A (the direction's column slices to the owner's replica; on design (b) a
+gradients across replicas (the replicate level, with ``other_shapes``); the gradient's column reduce-scatter
+(the replicate level), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`
+names that block; hop A (the direction's column slices to the owner's replica; on the replicate level a
 collective of its own only where no column reduce-scatter follows to carry it) and hop B (the rows
 to the owner); the update's return to the shard columns (hop 1) and to the other replicas (hop 2):
 on the direct route whole pieces, on the scatter route (:mod:`dmuon.plan.publication`) each
@@ -64,12 +64,12 @@ class Collective:
     index: int | None = None
     """Which one of its role: the return wave, the gathered matrix, the all-to-all batch (None: per block)."""
     carries_hop_a: tuple[int, ...] = ()
-    """Design (b), a ``"grad_columns"`` or ``"hop_a"`` collective: the blocks whose direction slices
+    """The replicate level, a ``"grad_columns"`` or ``"hop_a"`` collective: the blocks whose direction slices
     (hop A chunks, :mod:`dmuon.plan.hop_a`) travel in it (the runtime sends them in the same
     all_to_all as the next unit's gradient columns: one collective on the replicate group, its
     bytes per rank the sum of both)."""
     completes_hop_a: tuple[int, ...] = ()
-    """Design (b): the blocks whose last hop A chunk is in it (their hop B goes at the next landing)."""
+    """The replicate level: the blocks whose last hop A chunk is in it (their hop B goes at the next landing)."""
     issued_at: int | None = None
     """dmuon's exchange: the block whose landing in backward issues it (None: ``step()``); by
     default its own block."""

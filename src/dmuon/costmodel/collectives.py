@@ -1,7 +1,7 @@
 """One training step, collective by collective: FSDP2's and dmuon's, in issue order.
 
-Each strategy's step (:data:`STEP_STRATEGIES`: dmuon, which on HSDP is design
-(b), dmuon with FSDP2's native HSDP all-reduce, design (a), FSDP2 + AdamW,
+Each strategy's step (:data:`STEP_STRATEGIES`: dmuon, which on HSDP is
+the replicate level; dmuon_native_hsdp, dmuon on FSDP2's native HSDP all-reduce; FSDP2 + AdamW;
 gather-then-compute) is a list of :class:`Collective` in the order they are
 issued, each with every plan rank's (sent, received) bytes in it
 (:func:`step_collectives`; dmuon's own exchange alone is
@@ -34,9 +34,9 @@ from dmuon.plan.hop_a import resolve_spread
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
-"""Keys of :func:`step_comm`: ``"dmuon"`` (on HSDP design (b): FSDP2 over the shard sub-mesh,
+"""Keys of :func:`step_comm`: ``"dmuon"`` (on the replicate level: FSDP2 over the shard sub-mesh,
 dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_native_hsdp"``
-(design (a): FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
+(native HSDP: FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
 ``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
 
 def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
@@ -96,7 +96,7 @@ def owner_exchange_collectives(
     backward's collectives, block by block: hop A, then hop B (issued when the
     next block launches), in the runtime's issue order.
 
-    With ``R > 1`` and ``gradient_bytes`` given (HSDP design (b): FSDP2 over
+    With ``R > 1`` and ``gradient_bytes`` given (the replicate level: FSDP2 over
     the shard sub-mesh, no replicate all-reduce) each block's gradient is
     first reduce-scattered by column slices across replicas, one uneven
     ``all_to_all`` on each shard column's replicate group: rank ``(r, s)``
@@ -146,7 +146,7 @@ def owner_exchange_collectives(
     their first holder sends (all receive the update).
 
     ``gradient_bytes``: the gradient's element size (FSDP2's reduce dtype, 4
-    for fp32) for design (b)'s column reduce-scatter; None (design (a):
+    for fp32) for the replicate level's column reduce-scatter; None (native HSDP:
     FSDP2 has all-reduced the gradients across replicas) issues none. Bytes
     per rank are what ``all_to_all_single`` moves less the rank's own
     segment: ``(r, s)`` sends every slice ``q != r`` of its piece and
@@ -176,7 +176,7 @@ def owner_exchange_collectives(
     blocks' matrices only (as the runtime reports them; default: those in one).
 
     Returns:
-        ``(backward, step)``: the direction exchanges (and design (b)'s
+        ``(backward, step)``: the direction exchanges (and the replicate level's
         column reduce-scatters) in issue order, and the step's return
         exchanges, wave by wave.
     """
@@ -371,11 +371,11 @@ def step_collectives(
     the all-gather again (not for ``root_block``: FSDP2 keeps the root
     unsharded after forward), then the reduce-scatter (``reduce_bytes``), then
     on HSDP the replicate-level all-reduce of the reduced shard (not under
-    ``"dmuon"``: design (b) applies FSDP2 over the shard sub-mesh only); under
+    ``"dmuon"``: the replicate level applies FSDP2 over the shard sub-mesh only); under
     ``"dmuon"`` and ``"dmuon_native_hsdp"`` then the block's exchange
     collectives (:func:`owner_exchange_collectives`, those whose
     :attr:`Collective.block` is the block): under ``"dmuon_native_hsdp"``
-    (design (a)) on HSDP two, the direction's column slices to the owner's
+    (native HSDP) on HSDP two, the direction's column slices to the owner's
     replica (hop A) and the rows inside it (hop B); on HSDP under ``"dmuon"``
     the all_to_all reduce-scattering the gradient's column slices across
     replicas in ``reduce_bytes``, which carries the block before's hop A,
@@ -390,12 +390,12 @@ def step_collectives(
     in its runtime's order (:func:`async_runtime_order`). ``"fsdp_adamw"`` is
     FSDP2's collectives alone. The real order interleaves (FSDP2 prefetches
     the next all-gather; dmuon's exchanges run on their own groups, a
-    block's hop B goes out when the next block lands, on design (b) its hop
+    block's hop B goes out when the next block lands, on the replicate level its hop
     A too: :func:`owner_exchange_collectives` lists dmuon's in issue order),
     which changes no sum; :mod:`dmuon.costmodel.simulate` times them as they
     would run. The non-Muon parameters are left out unless ``other_shapes``
     gives them: then FSDP2's collectives of each block carry them too, under
-    design (b) dmuon's all-reduce of their gradients across replicas comes
+    the replicate level dmuon's all-reduce of their gradients across replicas comes
     right after each block's column all-to-all (the same bytes as FSDP2's under the other
     strategies), and a block of theirs alone (an FSDP2 unit with no Muon
     matrix) carries the hop A of the Muon block before it by itself.
@@ -408,7 +408,7 @@ def step_collectives(
         wire_bytes: dmuon's (and gather's, and the peer's) element size, the NS dtype.
         param_bytes: FSDP2's all-gather element size (its ``param_dtype``).
         reduce_bytes: FSDP2's reduce-scatter and all-reduce element size (``reduce_dtype``),
-            also the gradient's in design (b)'s column reduce-scatter.
+            also the gradient's in the replicate level's column reduce-scatter.
         zero: 3 re-gathers in backward (``reshard_after_forward``), 2 does not.
         root_block: The root module's block (no backward all-gather), or None.
         root_regathered: The root resharded after forward too, as torch 2.13 does when
@@ -420,7 +420,7 @@ def step_collectives(
             (default: none, the Muon matrices' collectives alone).
         max_concurrent: The peer's batches in flight (its ``AsyncRuntime``'s limit, 3).
         row_bytes: dmuon's per-row state on the wire (:func:`owner_exchange_collectives`; NorMuon's).
-        hop_a_spread: Design (b): the collectives a block's hop A may spread over
+        hop_a_spread: the replicate level: the collectives a block's hop A may spread over
             (``ExecutionConfig.hop_a_spread``; :func:`owner_exchange_collectives`).
         publication: dmuon's route across replicas for every return wave
             (:func:`owner_exchange_collectives`); None: chosen per wave, as the runtime does.
@@ -444,7 +444,7 @@ def step_collectives(
     exchange, returns = ([], [])
     design_b = strategy == "dmuon" and replicate > 1
     if strategy in ("dmuon", "dmuon_native_hsdp"):
-        # Every FSDP2 unit in backward order: on design (b) a unit's landing carries the hop A before it.
+        # Every FSDP2 unit in backward order: on the replicate level a unit's landing carries the hop A before it.
         exchange, returns = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, wire_bytes,
                                                        block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
@@ -476,7 +476,7 @@ def step_collectives(
                 c.label, c.role = f"dmuon all_reduce of the other parameters block {b}", "replicate_all_reduce"
                 out.append(c)
         out += by_block.get(b, [])
-    out += by_block.get(None, [])  # design (b): what step() issues of the exchange (hop A left, hop B)
+    out += by_block.get(None, [])  # the replicate level: what step() issues of the exchange (hop A left, hop B)
     out += returns
     if weight_norms and strategy in ("dmuon", "dmuon_native_hsdp"):
         out += weight_norm_collective(len(shapes), replicate, shard)

@@ -157,7 +157,7 @@ def plan_offline(
             inputs, the non-Muon groups included) and ``simulation_model``, its settings.
         sim_options: The simulation's options (default :class:`~dmuon.costmodel.sim_config.SimOptions`).
         max_waves: dmuon's limit on update returns (``return_waves``; 4 on an accelerator).
-        hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (design (b)); None:
+        hop_a_spread: dmuon's ``ExecutionConfig.hop_a_spread`` for the simulation (the replicate level); None:
             its default per strategy (1 for ``dmuon_rbwd``, 8 for the others).
         root_regathered: The root module resharded after forward and gathered again at the start of
             backward (``fully_shard(root, reshard_after_forward=True)`` passed explicitly), in
@@ -170,24 +170,24 @@ def plan_offline(
         ``ranks`` (each with ``rank``, ``cost``, ``matrices``, ``batches``,
         ``state_bytes``, ``bytes_sent``, ``bytes_received``, ``critical_bytes``
         and the level fields of :class:`~dmuon.costmodel.traffic.RankTraffic`, all
-        dmuon's exchange alone, as the runtime issues it: on HSDP design (b),
+        dmuon's exchange alone, as the runtime issues it: on the replicate level,
         :func:`~dmuon.costmodel.traffic.owner_traffic_column_reduce`, whose
         gradient column reduce-scatter is in ``fsdp_elem_bytes``),
         ``fsdp2_bytes_per_rank``, ``gather_bytes_per_rank`` (the same on
         every rank) and ``critical_path_bytes``: the most bytes one rank sends
         or receives per step, for ``dmuon`` (that exchange),
-        ``dmuon_native_hsdp`` (design (a)'s exchange,
+        ``dmuon_native_hsdp`` (native HSDP's exchange,
         :func:`~dmuon.costmodel.traffic.owner_traffic`, which FSDP2's
         all-reduce comes on top of; ``dmuon``'s with one replica), ``fsdp2``
         and ``gather_then_compute`` (which includes FSDP2's collectives). With more than one replica also
         ``hsdp_designs``: :func:`~dmuon.costmodel.traffic.compare_hsdp_designs`
-        for these owners (FSDP2 + AdamW, design (a) and design (b), each with
+        for these owners (FSDP2 + AdamW, native HSDP and the replicate level, each with
         ``inter``, ``intra`` and ``inter_whole_model`` ``total``/``critical``
         bytes, and ``non_muon_all_reduce`` for the groups with ``muon=False``;
-        dmuon's elements in ``wire_bytes``, FSDP2's and (b)'s gradient
+        dmuon's elements in ``wire_bytes``, FSDP2's and the replicate level's gradient
         reduce in ``fsdp_elem_bytes``). ``step_comm``: one step's collectives
-        for ``dmuon`` (design (b) on HSDP), ``dmuon_native_hsdp`` (design
-        (a)), ``fsdp_adamw`` and ``gather``
+        for ``dmuon`` (the replicate level on HSDP), ``dmuon_native_hsdp`` (native
+        HSDP), ``fsdp_adamw`` and ``gather``
         (:func:`~dmuon.costmodel.traffic.step_comm`: ``critical_bytes``,
         ``seconds``, ``collectives``, each ``total``/``intra``/``inter``), with
         blocks from :func:`offline_blocks`, and ``step_comm_model``, its
@@ -221,7 +221,7 @@ def plan_offline(
     ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
     waves = return_waves(ns_batches, [], max_waves)
     # HSDP layout: replicate across nodes, shard inside a node. dmuon's exchange as the runtime
-    # issues it: on HSDP design (b), whose column reduce-scatter moves gradients (fp32 by default),
+    # issues it: on the replicate level, whose column reduce-scatter moves gradients (fp32 by default),
     # each wave's updates across replicas by the route the runtime picks for it.
     shapes = [m.shape for m in mats]
     native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, waves=waves)
@@ -278,7 +278,7 @@ def plan_offline(
         **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
         "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
         "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
-                 "on HSDP the all-reduce (FSDP2's; under dmuon, design (b), dmuon's of the other parameters, after "
+                 "on HSDP the all-reduce (FSDP2's; under dmuon, the replicate level, dmuon's of the other parameters, after "
                  "the next all_to_all), dmuon's all_to_alls (on HSDP under dmuon "
                  "the gradient's column slices across replicas, carrying in the same all_to_all the direction "
                  "slices of the block before in backward (the last block's go alone), and the rows to the "

@@ -11,12 +11,12 @@ plan can put dmuon's exchange next to what FSDP2 moves anyway
 (:func:`replicate_all_reduce_traffic` is its inter-node part alone).
 
 On HSDP two replicate-level designs are modelled (``docs/architecture.md``,
-"HSDP: which replicate-level design"): design (a) keeps FSDP2's native
+"HSDP: which replicate-level design"): native HSDP keeps FSDP2's native
 gradient all-reduce across replicas and adds the direction's column slices
 to the owner's replica and the update's publication (:func:`owner_traffic`);
-design (b), the runtime's, applies FSDP2 over the shard sub-mesh only and
+the replicate level, the runtime's, applies FSDP2 over the shard sub-mesh only and
 reduce-scatters each Muon matrix's gradient column slices across replicas
-instead of the all-reduce, then exchanges as (a)
+instead of the all-reduce, then exchanges as native HSDP does
 (:func:`owner_traffic_column_reduce`). :func:`hsdp_design_traffic` and
 :func:`compare_hsdp_designs` put the two next to FSDP2 + AdamW, level by
 level.
@@ -109,7 +109,7 @@ def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int
     """Adds one matrix's steps 0-2 of :func:`owner_traffic`, in bytes, to ``out`` (step 3 is per
     return wave: :func:`_add_publication`).
 
-    ``table`` is :func:`piece_table`'s. ``grad_bytes`` adds design (b)'s step
+    ``table`` is :func:`piece_table`'s. ``grad_bytes`` adds the replicate level's step
     0b first (:func:`owner_traffic_column_reduce`): the gradient's column
     slices reduce-scattered across replicas.
     """
@@ -190,7 +190,7 @@ def owner_traffic(
     that it keeps the momentum of (``shape[1]`` split over the R replicas) to
     ``(r_o, s)`` (step 0; the momentum is held once in the mesh, and the
     gradient's slice has been reduced across replicas: by FSDP2's all-reduce
-    in design (a), by dmuon's column reduce-scatter in design (b),
+    in native HSDP, by dmuon's column reduce-scatter in the replicate level,
     :func:`owner_traffic_column_reduce`); the ranks
     ``(r_o, s)``, ``s != s_o``, send their rows to the owner; the owner sends
     each of them its rows of the update; with ``replicate > 1`` the update's
@@ -200,7 +200,7 @@ def owner_traffic(
     a scatter of the parts and their all-gather (the same bytes over all
     ranks, spread more evenly). Steps 1-2 are counted on the intra (shard) level, steps 0 and
     3 on the inter (replicate) level; a rank's bytes to itself are not
-    traffic. This is HSDP design (a)'s exchange, and design (b)'s after its
+    traffic. This is native HSDP's exchange, and the replicate level's after its
     column reduce-scatter; with one replica, dmuon's whole exchange.
 
     Args:
@@ -253,7 +253,7 @@ def owner_traffic_column_reduce(
     pieces: Sequence[Sequence] | None = None,
     waves: Sequence[Sequence[int]] | None = None,
 ) -> list[RankTraffic]:
-    """HSDP design (b)'s traffic of the Muon matrices per plan rank, one step, every matrix active.
+    """The replicate level's traffic of the Muon matrices per plan rank, one step, every matrix active.
 
     The runtime's design on HSDP: FSDP2 is applied over the shard sub-mesh
     only, so each replica reduce-scatters its own gradients and FSDP2
@@ -355,8 +355,8 @@ def gather_traffic(
 
 
 HSDP_DESIGNS: tuple[str, ...] = ("fsdp2_adamw", "a", "b")
-"""Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, design (a) (FSDP2's native HSDP
-all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), design (b) (the runtime's on HSDP:
+"""Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, native HSDP (FSDP2's native HSDP
+all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), the replicate level (the runtime's on HSDP:
 ``step_comm``'s ``"dmuon"``)."""
 
 

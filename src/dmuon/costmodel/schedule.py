@@ -73,7 +73,7 @@ class StepBuilder:
             self.collectives[key] = c
             self.note(key, c)
         self.used: set[tuple] = set()
-        # Design (b): dmuon's replicate level reduces across replicas in place of FSDP2's all-reduce.
+        # The replicate level: dmuon reduces across replicas in place of FSDP2's all-reduce.
         self.design_b = self.strategy == "dmuon" and inputs.replicate > 1
         self.native_all_reduce = inputs.replicate > 1 and not self.design_b
         gloo = options.backend == "gloo"

@@ -1,6 +1,6 @@
 """dmuon's step on the timeline (:class:`DMuonStepBuilder`, on :class:`~dmuon.costmodel.schedule.StepBuilder`'s
 FSDP2 forward and backward): its exchanges issued from FSDP2's post-reduce stream as the runtime issues them
-(``docs/architecture.md``: hop A, hop B one block later; design (b)'s reductions across replicas, each
+(``docs/architecture.md``: hop A, hop B one block later; the replicate level's reductions across replicas, each
 block's gradient-column all_to_all carrying the hop A of the block landed before), the step's agreement,
 the owners' NS batches wave by wave with each wave's return behind them (every return in flight one hop
 further before each wave's hop 1, as ``ShardRuntime._forward_returns`` advances them: a hop across
@@ -48,7 +48,7 @@ _ACROSS_ROLES = frozenset(RETURN_ROLES.values())
 
 class _Launch:
     """A block's direction exchange in backward, hop by hop (``stage``: ``"R"`` reducing across replicas,
-    ``"A"`` hop A under way (design (b): directions computed, chunks going with the following
+    ``"A"`` hop A under way (the replicate level: directions computed, chunks going with the following
     collectives until ``complete``), ``"B"`` hop B in flight)."""
 
     def __init__(self, block: int, stage: str, reductions: list[Task] | None = None):
@@ -56,9 +56,9 @@ class _Launch:
         self.reductions = reductions or []
         self.directions: Task | None = None
         self.hop_a: list[Task] = []
-        """The collectives carrying its hop A (design (b): its chunks), in order."""
+        """The collectives carrying its hop A (the replicate level: its chunks), in order."""
         self.complete = False
-        """Design (b): its last hop A chunk has been issued."""
+        """The replicate level: its last hop A chunk has been issued."""
         self.hop_b: Task | None = None
         self.ns: Task | None = None
         """``returns_in_backward``: the owners' NS of the block on the worker, once its directions landed."""
@@ -85,7 +85,7 @@ class _Return:
 
 
 class DMuonStepBuilder(StepBuilder):
-    """dmuon's step (design (a) or (b), and its two variants) on FSDP2's forward and backward."""
+    """dmuon's step (native HSDP or the replicate level, and its two variants) on FSDP2's forward and backward."""
 
     STRATEGIES = ("dmuon", "dmuon_native_hsdp", RETURNS_IN_BACKWARD, NEXT_FORWARD)
 
@@ -95,7 +95,7 @@ class DMuonStepBuilder(StepBuilder):
         self.back: set[int] = set()
         """``returns_in_backward``: the blocks whose updates come back in backward."""
         self.landing_across: dict[int, tuple] = {}
-        """Design (b): per unit, its landing's all_to_all across replicas (gradient columns, hop A chunks
+        """The replicate level: per unit, its landing's all_to_all across replicas (gradient columns, hop A chunks
         and, with ``returns_in_backward``, returns' hops), by key."""
         self.across: dict[int, list[str]] = {}
         """``returns_in_backward``: per returned block, its return's hops across replicas, in order:
@@ -104,7 +104,7 @@ class DMuonStepBuilder(StepBuilder):
         super().__init__("dmuon" if self.returns_in_backward or self.next_forward else strategy, inputs,
                          hardware, options)
         self.launches: list[_Launch] = []
-        self.unlanded: list[Task] = []  # design (b): reductions across replicas not yet waited for
+        self.unlanded: list[Task] = []  # the replicate level: reductions across replicas not yet waited for
         self.landed: dict[int, list[Task]] = {}
         """``next_forward``: per unit, what its updates' landing waits for (its wave's last hop)."""
 
@@ -148,11 +148,11 @@ class DMuonStepBuilder(StepBuilder):
     # -- in backward (comm/exchange.py, runtime/backward.py)
     def advance(self, stream: str, returns: bool = True) -> list[tuple[_Launch, Task]]:
         """Each earlier launch one hop further, waits on ``stream`` (``Pending.forward``): hop B behind a
-        landed hop A (design (b): behind its last chunk; a launch with chunks to go waits for the one
-        in flight); design (b)'s launch still reducing gets its directions (stage ``"A"``).
+        landed hop A (the replicate level: behind its last chunk; a launch with chunks to go waits for the one
+        in flight); the replicate level's launch still reducing gets its directions (stage ``"A"``).
 
         ``returns_in_backward`` (at a landing, ``returns``): then every return in flight one hop across
-        replicas (on design (b) inside this landing's all_to_all: returned, with the landed hop
+        replicas (on the replicate level inside this landing's all_to_all: returned, with the landed hop
         before, for that collective to wait for), and the hop 1 of each launch whose direction hops
         were all issued by the last landing (behind its NS)."""
         joining: list[Task] = []
@@ -167,7 +167,7 @@ class DMuonStepBuilder(StepBuilder):
                 self.directions_after_reduction(launch, stream)
             if returns and launch.ahead:
                 landed = self.wait(f"block {launch.block} return hop landed", stream, launch.returned[-1:], "backward")
-                if launch.ahead[0] == "ride":  # design (b): in this landing's all_to_all, set there
+                if launch.ahead[0] == "ride":  # the replicate level: in this landing's all_to_all, set there
                     joining.append((launch, landed))
                     launch.returned.append(None)
                 else:
@@ -209,7 +209,7 @@ class DMuonStepBuilder(StepBuilder):
         launch.ahead = list(self.across.get(launch.block, []))
 
     def directions_after_reduction(self, launch: _Launch, stream: str) -> None:
-        """Design (b): the block's reduction has landed; its directions (hop A chunks to follow)."""
+        """The replicate level: the block's reduction has landed; its directions (hop A chunks to follow)."""
         landed = self.wait(f"block {launch.block} reduced", stream, launch.reductions, "backward")
         members = self.muon_in(launch.block)
         launch.directions = self.elementwise(f"directions block {launch.block}", stream,
@@ -217,7 +217,7 @@ class DMuonStepBuilder(StepBuilder):
         launch.stage = "A"
 
     def carry(self, collective: Task | None, what: str) -> None:
-        """Design (b): the launches whose hop A chunks ride in ``collective`` (as the schedule says)."""
+        """The replicate level: the launches whose hop A chunks ride in ``collective`` (as the schedule says)."""
         if collective is None:
             return
         riding, completing = collective.collective.carries_hop_a, collective.collective.completes_hop_a
@@ -237,7 +237,7 @@ class DMuonStepBuilder(StepBuilder):
         return [launch.directions for launch in self.launches if launch.block in blocks and launch.directions]
 
     def send(self, b: int, stream: str) -> None:
-        """Design (a), or one replica: the block's directions from the reduced gradient, hop A or hop B."""
+        """Native HSDP, or one replica: the block's directions from the reduced gradient, hop A or hop B."""
         members = self.muon_in(b)
         if not members:
             return
@@ -255,7 +255,7 @@ class DMuonStepBuilder(StepBuilder):
         self.launches.append(launch)
 
     def backward_hook(self, b: int) -> None:
-        """``BackwardLaunches._complete`` of unit ``b``: the earlier launches' next hops, then (design (b))
+        """``BackwardLaunches._complete`` of unit ``b``: the earlier launches' next hops, then (the replicate level)
         the unit's reduction across replicas: its gradient columns' all_to_all carrying the hop A of
         the block landed before (one collective: it starts once this unit's reduce-scatter has landed
         and that block's directions are computed), then its other parameters' all-reduce."""
@@ -295,7 +295,7 @@ class DMuonStepBuilder(StepBuilder):
     def step_dmuon(self) -> None:
         """``ShardRuntime.step``: the remaining hops, momentum, agreement, NS wave by wave, applies."""
         inp, tl = self.inp, self.tl
-        # BackwardLaunches.take: design (b) sends what is left of every block's hop A in one
+        # BackwardLaunches.take: the replicate level sends what is left of every block's hop A in one
         # collective (a launch complete before it sends its hop B first), then every hop in launch order.
         if self.design_b:
             self.advance(C, returns=False)

@@ -89,9 +89,9 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # reduce-scatter move the same bytes at the same rate), and no host work (dispatch figures 0):
     # on a GPU the host queues kernels ahead of the device. A GPU host's own figures would be a few
     # microseconds per kernel launch (the CUDA launch overhead usually quoted, 3-5 us; not measured
-    # here) and tens per DTensor operation (host Python: 15-34 us measured on this machine's CPU);
+    # here) and tens per DTensor operation (host Python: 15-34 us measured on 2-core x86_64 CPUs by `dmuon bench --calibrate`);
     # `dmuon plan --simulate --dispatch-us 5 --dtensor-dispatch-us 30` prices them, with each
-    # task taking the longer of its host and device work (docs/benchmarks.md says what that changes).
+    # task taking the longer of its host and device work (docs/benchmarks/README.md, what the simulation models).
 }
 """Hardware presets of ``dmuon plan --simulate --hardware NAME``."""
 
@@ -203,7 +203,7 @@ class StepInputs:
     """The root resharded after forward and gathered again at the start of backward (an explicit
     ``fully_shard(root, reshard_after_forward=True)`` in torch 2.13; left unset, FSDP2 keeps it)."""
     hop_a_spread: int | None = None
-    """Design (b): the collectives a block's hop A may spread over (``ExecutionConfig.hop_a_spread``;
+    """The replicate level: the collectives a block's hop A may spread over (``ExecutionConfig.hop_a_spread``;
     None: its default, 1 for ``dmuon_rbwd`` and 8 for the others)."""
     publication: str | None = None
     """dmuon's route across replicas for every return wave (``"direct"``, ``"scatter"``); None: the

@@ -50,7 +50,7 @@ QWEN2_SIZES: dict[str, Qwen2Size] = {
     # small decoder with LLM-like proportions (vocabulary 64x the width, Qwen2.5-7B has
     # 42x, -0.5B 170x) and a few hundred tokens per rank, on which FSDP2 +
     # torch.optim.Muon's optimizer step costs about 4x the forward+backward on 4 gloo CPU
-    # ranks (4.5-5.2x measured on the 2-core development machine).
+    # ranks (4.5-5.2x measured on a 2-core x86_64 CPU, docs/benchmarks/).
     "mini": Qwen2Size(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2,
                       vocab=8192, seq_len=256, batch_size=2),
     # Twice as wide with a 4x smaller vocabulary and half the tokens: an optimizer-heavy

@@ -46,7 +46,7 @@ def test_plan_simulate_json_and_overrides(tmp_path, capsys):
 def test_plan_simulate_scale_table(tmp_path, capsys):
     assert plan_cli.main(["--simulate", "--scale-table", "pi0", "--world-sizes", "8,16", "--zero", "3"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith("| model | ranks | FSDP2 + AdamW | gather-then-compute | dmuon (design (b))")
+    assert table[0].startswith("| model | ranks | FSDP2 + AdamW | gather-then-compute | dmuon (replicate level)")
     assert [line.split(" | ")[1] for line in table[2:4]] == ["8", "16"]
 
 

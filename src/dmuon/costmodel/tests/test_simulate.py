@@ -250,7 +250,7 @@ def test_scatter_route_hops_wait_for_the_hop_before_and_the_all_gather_rides_wit
 
 @pytest.mark.parametrize("tokens,bound", [(20, "reduce-scatter"), (1, "columns")])
 def test_design_b_hop_a_rides_with_the_next_blocks_columns_by_hand(tokens, bound):
-    """Design (b), 2 x 2 mesh, two blocks of one 2 x 4 matrix each (block 2's owned by (0, 1), block 1's
+    """The replicate level, 2 x 2 mesh, two blocks of one 2 x 4 matrix each (block 2's owned by (0, 1), block 1's
     by (1, 0)), hop A all at once (``hop_a_spread=1``): block 2's hop A leaves in block 1's
     gradient-column all_to_all, which starts once block 1's reduce-scatter has landed and block 2's
     directions are computed, whichever is later."""

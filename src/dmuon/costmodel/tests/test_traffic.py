@@ -194,7 +194,7 @@ class _Wire:
 
 
 def _run_design_b(shapes, owners, replicate, shard, elem_bytes, grad_bytes, seed=0) -> list[RankTraffic]:
-    """Design (b) with tensors, message by message: checks that the column reduce-scatter leaves
+    """The replicate level with tensors, message by message: checks that the column reduce-scatter leaves
     every rank its slice of the gradient summed over replicas, that the owner gets the whole
     summed matrix and every rank its rows of the update, and returns the bytes it took."""
     gen = torch.Generator().manual_seed(seed)
@@ -282,7 +282,7 @@ def test_design_b_column_all_to_all_by_hand():
     back, forward = step
     assert back.ranks == [(0, 42), (42, 0), None, None]
     assert forward.ranks == [(42, 0), (28, 0), (0, 42), (0, 28)]
-    # Without gradient_bytes (design (a)) the column all_to_all is not issued; the rest is the same.
+    # Without gradient_bytes (native HSDP) the column all_to_all is not issued; the rest is the same.
     a_backward, a_step = owner_exchange_collectives([(5, 7)], [1], [3], 2, 2, 2)
     assert [c.ranks for c in a_backward] == [slices.ranks, directions.ranks]
     assert [c.ranks for c in a_step] == [back.ranks, forward.ranks]
@@ -470,7 +470,7 @@ def test_design_b_matches_the_message_level_run_and_conserves_each_level():
         for level in ("intra", "inter"):
             assert (sum(getattr(x, f"{level}_sent") for x in model)
                     == sum(getattr(x, f"{level}_received") for x in model))
-        # The shard level is design (a)'s; the replicate level is (R-1)/R of every gradient from each
+        # The shard level is native HSDP's; the replicate level is (R-1)/R of every gradient from each
         # rank (R-1 gradient copies in all), (a)'s direction slices and one update copy per other replica.
         a = owner_traffic(shapes, owners, replicate, shard, elem)
         assert [(x.intra_sent, x.intra_received) for x in model] == [(x.intra_sent, x.intra_received) for x in a]
@@ -512,10 +512,10 @@ def test_design_totals_for_one_evenly_divisible_matrix(replicate, shard):
     inter = {k: figs[k]["inter"] for k in HSDP_DESIGNS}
     # (i) each of the S columns ring-all-reduces M/S fp32 elements over R ranks.
     assert inter["fsdp2_adamw"]["total"] == 2 * r1 * m * 4
-    # (ii) design (a): that, plus the bf16 update once to every other replica, plus the
+    # (ii) native HSDP: that, plus the bf16 update once to every other replica, plus the
     # direction's column slices (1/R of it per other replica) to the owner's replica.
     assert inter["a"]["total"] == 2 * r1 * m * 4 + r1 * m * 2 + r1 * (m // replicate) * 2
-    # (iii) design (b): the fp32 gradient's column slices reduce-scattered across replicas ((R-1)/R
+    # (iii) the replicate level: the fp32 gradient's column slices reduce-scattered across replicas ((R-1)/R
     # of each rank's M/S from each of the R S ranks), plus (a)'s direction slices and update.
     assert inter["b"]["total"] == r1 * m * 4 + r1 * m * 2 + r1 * (m // replicate) * 2
     # Per element 8, 10 + 2/R and 6 + 2/R bytes per other replica.
@@ -656,7 +656,7 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     fsdp = [("all_gather", "intra", 12), ("reduce_scatter", "intra", 24),
             ("all_reduce", "inter", 24)]  # ring over 2 replicas: 2 (R-1)/R of the 24-byte fp32 shard
     assert _per_collective("fsdp_adamw", *args, zero=2) == fsdp
-    # Design (a): FSDP2's all-reduce, then dmuon's exchange.
+    # native HSDP: FSDP2's all-reduce, then dmuon's exchange.
     dm = step_collectives("dmuon_native_hsdp", *args, zero=2)
     assert [(c.op, c.level, c.critical) for c in dm] == [
         *fsdp, ("all_to_all", "inter", 8), ("all_to_all", "intra", 12), ("all_to_all", "intra", 12),
@@ -681,7 +681,7 @@ def test_step_collectives_by_hand_on_a_two_by_two_mesh():
     assert figures["fsdp_adamw"]["seconds"]["inter"] == pytest.approx(4 + 4)
     # dmuon adds two one-peer intra exchanges (0.5 + 1 each) and two inter (2 + 8/6, 2 + 2).
     assert figures["dmuon_native_hsdp"]["seconds"]["total"] == pytest.approx(12 + 3 + (2 + 8 / 6) + 4)
-    # Design (b): no all-reduce; the fp32 gradient's column slices cross instead. Each rank of
+    # the replicate level: no all-reduce; the fp32 gradient's column slices cross instead. Each rank of
     # replica 0 holds 2 rows x 3 columns, keeps columns [0, 2) and sends column 2 (2 x 1 x 4 = 8
     # bytes) to replica 1, from which it receives 2 x 2 x 4 = 16; replica 1 the other way round.
     db = step_collectives("dmuon", *args, zero=2)
@@ -716,7 +716,7 @@ def test_step_exchange_sums_to_owner_traffic():
             collectives = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard,
                                                        reduce_bytes=4) if c.op == "all_to_all"]
             assert _summed(collectives, replicate * shard) == per_rank, (strategy, replicate, shard)
-            # Design (b) has no replicate all-reduce; design (a) one per block (FSDP2's).
+            # the replicate level has no replicate all-reduce; native HSDP one per block (FSDP2's).
             reduces = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard)
                        if c.op == "all_reduce"]
             assert len(reduces) == (0 if strategy == "dmuon" or replicate == 1 else len(set(blocks)))
@@ -733,7 +733,7 @@ def test_step_strategies_and_step_comm_keys():
         if replicate == 1:
             assert comm["dmuon"] == comm["dmuon_native_hsdp"]
         else:
-            # Design (b) trades FSDP2's all-reduce (2 (R-1) ring steps a block) for one all_to_all a
+            # the replicate level trades FSDP2's all-reduce (2 (R-1) ring steps a block) for one all_to_all a
             # block, which carries the block before's hop A: one collective fewer a block but the first.
             a, b = comm["dmuon_native_hsdp"], comm["dmuon"]
             assert b["collectives"]["total"] == a["collectives"]["total"] - (len(set(blocks)) - 1)
