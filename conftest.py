@@ -13,6 +13,7 @@ os.environ.setdefault(CRASH_RETRIES_ENV, "1")
 # (dmuon.comm.stream_check): an unordered hand-over between CUDA streams fails the test here.
 os.environ.setdefault("DMUON_CHECK_STREAMS", "1")
 
+
 def pytest_collection_modifyitems(config, items):
     """Marks the compatibility subset (tests/support/compat.py) ``compat``; with ``-m compat``, a listed
     test that is not collected fails the run instead of leaving the subset."""
