@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from dmuon.plan.batches import default_return_waves
 from dmuon.util.spawn import run_distributed
 
 from support.cases import Case, run_cases
@@ -72,6 +73,8 @@ def _oracle_pairs() -> list[tuple[str, Case]]:
         "activation checkpointing": dict(activation_checkpointing="early_stop"),
         "torch.compile per block": dict(compile=True, steps=2),
         "bf16 NS, ns_in_backward": dict(ns_dtype=torch.bfloat16, ns_in_backward=True),
+        # What a step is on an accelerator: its default return waves (so no speculation), bf16 mixed precision.
+        "accelerator defaults, bf16 mixed precision": dict(bf16=True, return_waves=default_return_waves("cuda")),
     }
     return [(label, dataclasses.replace(base, **kw)) for label, kw in settings.items()]
 

@@ -41,7 +41,7 @@ import threading
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -305,9 +305,7 @@ class CheckedStreams(Streams):
             self._check_may_wait(stream, f"an event of stream {event.stream!r}")
             self._join(stream, event.clock)
 
-    def issue(self, collective: Callable[[], Any], reads: Iterable[torch.Tensor],
-              writes: Iterable[torch.Tensor]) -> Flight:
-        reads, writes = tuple(reads), tuple(writes)
+    def _issuing(self, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> str:
         with self._lock:
             stream = self._here()
             self._collectives += 1
@@ -318,7 +316,7 @@ class CheckedStreams(Streams):
                 self._access(t, name, False, name)
             for t in _tensors(list(writes)):
                 self._access(t, name, True, name)
-        return Flight(self, collective(), reads + writes, token=name)
+            return name
 
     def _landing(self, flight: Flight) -> None:
         with self._lock:

@@ -32,11 +32,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["CudaStreams", "Flight", "HostStreams", "Streams", "active", "install", "streams_for"]
+__all__ = ["CudaStreams", "Flight", "HostStreams", "Interval", "Streams", "active", "install", "streams_for"]
 
 
 class Flight:
@@ -58,8 +59,38 @@ class Flight:
         return True
 
 
+class Interval:
+    """A span of work on the current stream: the host's seconds always, and the device's where it
+    times its streams (CUDA events); read :attr:`device_seconds` after the step, never inside it."""
+
+    def __init__(self, start: Any = None) -> None:
+        self.host_seconds = 0.0
+        self._start = start
+        self._end: Any = None
+
+    @property
+    def device_seconds(self) -> float:
+        """The device's time between the span's two events (waits for the second); the host's without events."""
+        if self._start is None:
+            return self.host_seconds
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
 class Streams:
     """The interface (see the module docstring); one instance per process and device."""
+
+    @contextlib.contextmanager
+    def interval(self) -> Iterator[Interval]:
+        """Times the block: host seconds (on CPU also the work's), and on CUDA the current stream's."""
+        span = Interval(self._timing_event())
+        start = time.perf_counter()
+        yield span
+        span.host_seconds = time.perf_counter() - start
+        span._end = self._timing_event()
+
+    def _timing_event(self) -> Any:
+        return None
 
     device: torch.device
 
@@ -94,7 +125,13 @@ class Streams:
               writes: Iterable[torch.Tensor]) -> Flight:
         """Issues ``collective`` (an ``async_op=True`` call) from the current stream; its handle
         holds ``reads`` and ``writes`` until it lands."""
-        return Flight(self, collective(), tuple(reads) + tuple(writes))
+        reads, writes = tuple(reads), tuple(writes)
+        token = self._issuing(reads, writes)
+        return Flight(self, collective(), reads + writes, token)
+
+    def _issuing(self, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> Any:
+        """Before a collective is issued (the checker places it); what its :class:`Flight` is tracked by."""
+        return None
 
     def land(self, flight: Flight) -> None:
         """The current stream waits for the collective; its buffers are kept for this stream."""
@@ -194,6 +231,11 @@ class CudaStreams(Streams):
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def _timing_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
 
 _active: Streams | None = None

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ import torch
 
 from dmuon.comm import Pending, ShardExchange
 from dmuon.comm.pending import no_result
-from dmuon.comm.streams import kept, streams_for
+from dmuon.comm.streams import Interval, kept, streams_for
 from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
 from dmuon.rules.adamw import local_tensor
@@ -83,9 +82,9 @@ class Launch:
     with ``returns_in_backward`` the return follows at the next landing."""
 
 
-EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]]
+EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], "Interval | None"]]
 """Per block: this rank's owner results computed ahead of the step (updates, new row states: empty
-without a row state), and the seconds they took (on the block that paid for them)."""
+without a row state), and the time they took (on the block that paid for them; None on the others)."""
 
 
 @dataclass
@@ -383,7 +382,7 @@ class BackwardLaunches:
         return self.exchange.return_updates(launch.members, updates, None,
                                             new_rows if self._row_states is not None else None)
 
-    def _worker_result(self, block: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
+    def _worker_result(self, block: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], Interval]:
         """The worker's results for ``block`` (blocking the host until it has enqueued them), ordered
         before the current stream's next work and kept for it."""
         result = self._early[block].result()
@@ -392,7 +391,7 @@ class BackwardLaunches:
         return result
 
     @torch.no_grad()
-    def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], float]:
+    def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], Interval]:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.
         assert self._owner_work is not None
@@ -401,10 +400,8 @@ class BackwardLaunches:
             full = launch.pending.wait(exposed=False)
             # Landed: row_states() reads what wait() found, it issues nothing.
             rows = None if self._row_states is None else launch.pending.row_states()
-            # Host time: what enqueueing the owners' work took (on CUDA the device runs it later).
-            start = time.perf_counter()
-            updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
-            spent = time.perf_counter() - start
+            with self.streams.interval() as spent:  # on the NS stream: the device's time there too
+                updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
             self._ns_done[launch.block] = self.streams.record()
         return updates, new_rows, spent
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dmuon.comm.stats import CommStats
+from dmuon.comm.streams import Interval
 
 
 @dataclass
@@ -18,7 +19,8 @@ class StepReport:
     """dmuon's own collectives on this rank, backward's and the step's (FSDP2's are not counted):
     bytes sent and received by level, how many, and the time blocked on them."""
     ns_seconds: float = 0.0
-    """The owner's work and the exchange's bookkeeping around it, wherever it ran."""
+    """Host seconds of the owner's work and the exchange's bookkeeping around it, wherever it ran (on
+    CUDA the host only enqueues: :attr:`ns_device_seconds` is the device's)."""
     blocks_exchanged_in_backward: int = 0
     """Launches from backward that the step kept (their directions stood the check)."""
     orthogonalized_in_backward: int = 0
@@ -38,11 +40,20 @@ class StepReport:
     """The whole step was skipped (``nonfinite="skip"`` saw a NaN/Inf)."""
     return_waves: list[list[int]] = field(default_factory=list)
     """The matrices of each pipelined update return, in order."""
+    ns_spans: list[Interval] = field(default_factory=list, repr=False)
+    """The spans :attr:`ns_seconds` adds up (:class:`dmuon.comm.streams.Interval`)."""
+
+    @property
+    def ns_device_seconds(self) -> float:
+        """:attr:`ns_seconds` as the device measured it (CUDA events on the streams the work ran on;
+        on CPU the host's): reading it waits for that work, so read it after the step."""
+        return sum(span.device_seconds for span in self.ns_spans)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as one flat dict (``DMuon.last_step_stats()``): the traffic counters inline,
         their ``wait_seconds`` as ``exposed_comm_seconds`` (communication not hidden by compute)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traffic"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("traffic", "ns_spans")}
+        out["ns_device_seconds"] = self.ns_device_seconds
         counters = self.traffic.as_dict()
         out["exposed_comm_seconds"] = counters.pop("wait_seconds")
         out.update(counters)

@@ -271,13 +271,12 @@ class ShardRuntime:
         for b in sorted(launches):
             full.update(launches[b].pending.wait())
             full_rows.update(launches[b].pending.row_states())
-        start = time.perf_counter()
-        orthos, new_rows = self.work.run(self.callbacks.owner_work, sorted(full), full,
-                                         full_rows if self.row_width else None)
-        spent = time.perf_counter() - start
+        with self.streams.interval() as spent:
+            orthos, new_rows = self.work.run(self.callbacks.owner_work, sorted(full), full,
+                                             full_rows if self.row_width else None)
         infos = self.plan.infos
         return {b: ({i: o for i, o in orthos.items() if infos[i].block == b},
-                    {i: o for i, o in new_rows.items() if infos[i].block == b}, spent if k == 0 else 0.0)
+                    {i: o for i, o in new_rows.items() if infos[i].block == b}, spent if k == 0 else None)
                 for k, b in enumerate(sorted(launches))}
 
     def _stale(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
@@ -365,7 +364,7 @@ class ShardRuntime:
         for b in back.keys() - done:
             back.pop(b).wait()
         report.blocks_returned_in_backward = len(back)
-        ns_seconds = sum(spent for b, (_, _, spent) in early.items() if b in done)
+        ns_spans = [spent for b, (_, _, spent) in early.items() if b in done and spent is not None]
         # With the owners' copies kept: each owned matrix's direction this step, to advance its copy.
         tracking = self.owner_momentum is not None and self.owner_momentum.ready
         used: dict[int, torch.Tensor] = {}
@@ -386,37 +385,37 @@ class ShardRuntime:
             rest = [i for i in active if infos[i].block not in kept]
             pending = [launches[b].pending for b in sorted(kept) if b not in done]
             pending.append(self.exchange.send_directions(rest, settled.directions, settled.rows))
-            ns_start = time.perf_counter()
-            full: dict[int, torch.Tensor] = {}
-            full_rows: dict[int, torch.Tensor] = {}
-            for p in pending:
-                full.update(p.wait())
-                full_rows.update(p.row_states())
-            if rescaled:
-                # The directions for the clipped gradients, from the launched ones and the momentum.
-                for i in full:
-                    if infos[i].block in rescaled:
-                        used[i] = cb.rescale_direction(i, full[i], self.owner_momentum.of(i), scale)
-                        full[i] = used[i].to(full[i].dtype)
-            if tracking:
-                for i, d in full.items():
-                    used.setdefault(i, d)
-            # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
-            waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
-            report.return_waves = [members for members, _ in waves]
-            returns = list(back.values())
-            for members, batches in waves:
-                for batch in batches:
-                    batch_updates, batch_rows = self.work.run_batch(
-                        cb.owner_work, batch, [full.pop(i) for i in batch],
-                        [full_rows.pop(i) for i in batch] if self.row_width else None)
-                    orthos.update(batch_updates)
-                    new_rows.update(batch_rows)
-                self._forward_returns(returns)  # HSDP: the earlier waves' next hops, behind this wave's work
-                returns.append(self.exchange.return_updates(
-                    members, {i: orthos[i] for i in members if i in orthos}, None,
-                    {i: new_rows[i] for i in members if i in new_rows} if self.row_width else None))
-            ns_seconds += time.perf_counter() - ns_start
+            with self.streams.interval() as in_step:  # on the compute stream: the device's time there too
+                ns_spans.append(in_step)
+                full: dict[int, torch.Tensor] = {}
+                full_rows: dict[int, torch.Tensor] = {}
+                for p in pending:
+                    full.update(p.wait())
+                    full_rows.update(p.row_states())
+                if rescaled:
+                    # The directions for the clipped gradients, from the launched ones and the momentum.
+                    for i in full:
+                        if infos[i].block in rescaled:
+                            used[i] = cb.rescale_direction(i, full[i], self.owner_momentum.of(i), scale)
+                            full[i] = used[i].to(full[i].dtype)
+                if tracking:
+                    for i, d in full.items():
+                        used.setdefault(i, d)
+                # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
+                waves = self.work.return_waves(active, {i for i in active if infos[i].block in done})
+                report.return_waves = [members for members, _ in waves]
+                returns = list(back.values())
+                for members, batches in waves:
+                    for batch in batches:
+                        batch_updates, batch_rows = self.work.run_batch(
+                            cb.owner_work, batch, [full.pop(i) for i in batch],
+                            [full_rows.pop(i) for i in batch] if self.row_width else None)
+                        orthos.update(batch_updates)
+                        new_rows.update(batch_rows)
+                    self._forward_returns(returns)  # HSDP: the earlier waves' next hops, behind this wave's work
+                    returns.append(self.exchange.return_updates(
+                        members, {i: orthos[i] for i in members if i in orthos}, None,
+                        {i: new_rows[i] for i in members if i in new_rows} if self.row_width else None))
         if tracking:
             for i, d in used.items():  # NS does not modify its inputs; nothing reads the copies after this
                 cb.advance_momentum(i, self.owner_momentum.of(i), d)
@@ -430,7 +429,8 @@ class ShardRuntime:
             else:
                 cb.apply(wave.wait())
         report.orthogonalized = len(orthos)
-        report.ns_seconds = ns_seconds
+        report.ns_seconds = sum(span.host_seconds for span in ns_spans)
+        report.ns_spans = ns_spans
 
     def _forward_returns(self, returns: list[Pending]) -> None:
         """Advances every return in flight by one hop (:meth:`Pending.forward`). On HSDP the hops this
