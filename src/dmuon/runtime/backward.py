@@ -23,14 +23,17 @@ joined with that unit's gradient column reduce-scatter, as the
 hop B at the launch after the last chunk.
 
 Streams (CUDA; :mod:`dmuon.comm.streams`): FSDP2 calls the hooks on its post-reduce
-stream; everything a hook does (peek, the send buffers, issuing and landing hops, the
-replicate level's reductions) runs on dmuon's own stream, forked from it, so FSDP2's
-stream never waits for dmuon. The NS worker enters the plan's device and runs on the NS
-stream: it lands its block's exchange there (after the event of the exchange's creation)
-and records an event once the owners' work is enqueued; whoever consumes the results
-(the return issued in backward, ``step()``) waits for that event. ``take()`` and the end
-of backward make the compute stream wait for dmuon's stream before anything reads what
-the hooks produced.
+stream. A 1-D launch (peek, the send buffer, issuing the exchange) stays there: it reads
+the gradient and the state and waits for nothing, and FSDP2's ``finalize_backward`` makes
+the compute stream wait for that stream, so user code before ``step()`` (clipping) never
+overtakes it. Everything that waits (landing earlier hops, the returns of
+``returns_in_backward``) and, on the replicate level, all of a unit's work (its joined
+collective reads what the landings made) runs on dmuon's own stream, forked from FSDP2's:
+FSDP2's stream never waits for dmuon. The NS worker enters the plan's device and runs on
+the NS stream: it lands its block's exchange there (after the event of the exchange's
+creation) and records an event once the owners' work is enqueued; whoever consumes the
+results (the return issued in backward, ``step()``) waits for that event. ``take()``, and on
+the replicate level the end of backward, make the compute stream wait for dmuon's stream.
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ class BackwardLaunches:
         def hook(param: torch.Tensor) -> None:
             me = launches()
             if me is not None and getattr(param, "_dmuon_launches", None) is launches:
-                with me.streams.fsdp2_hook(), me._on_own_stream():
+                with me.streams.fsdp2_hook():
                     me._landed_one(param)
 
         return hook
@@ -213,15 +216,15 @@ class BackwardLaunches:
             self._own_done = None
 
     def _landed_one(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
-            # Before this backward returns, the compute stream waits for what the hooks did on
-            # dmuon's stream (user code before step(), clipping, scales the gradients they read)
-            # and, on the replicate level, every reduction across replicas lands. An autograd
-            # final callback runs after FSDP2's own (which reduces the root): the only hook into
-            # the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the same way.
-            self._in_backward = True
-            queue_end_of_backward(self._end_of_backward)
         if self.replicate is not None:
+            if not self._in_backward:
+                # Every reduction across replicas lands before this backward returns, and the
+                # compute stream waits for dmuon's, so user code before step() (clipping) never
+                # races one in flight. An autograd final callback runs after FSDP2's own (which
+                # reduces the root): the only hook into the end of a backward pass; FSDP2, DDP
+                # and FSDP1 install theirs the same way.
+                self._in_backward = True
+                queue_end_of_backward(self._end_of_backward)
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
         if self._current is not None and self._current != unit:
@@ -239,19 +242,25 @@ class BackwardLaunches:
         if self._current == unit:
             self._current = None
         if self.replicate is None:
-            self._advance()
+            # Landing earlier hops waits: on dmuon's stream. The launch only reads the gradient
+            # and the state and issues, on FSDP2's stream, whose end FSDP2 makes the compute
+            # stream wait for (finalize_backward): clipping then never overtakes what it read.
+            with self._on_own_stream():
+                self._advance()
             self._launch(unit, landed)
             return
         # The pending blocks' hop A chunks and this unit's column reduce-scatter go to the same
         # peers now: one collective across nodes (one latency per peer, not one per part); the
         # spreader sizes the chunks so that no replica receives much more than the others.
+        # All of it on dmuon's stream: the joined collective reads what the landings there made.
         params = self._reduced_params(unit, landed)
-        with self.exchange.across.coalesced():
-            if self._spreader is not None:
-                self._spreader.decide(self._column_loads(params))
-            self._advance()
-            reduction = self._launch(unit, landed, params)
-        self.replicate.start_mean(reduction)
+        with self._on_own_stream():
+            with self.exchange.across.coalesced():
+                if self._spreader is not None:
+                    self._spreader.decide(self._column_loads(params))
+                self._advance()
+                reduction = self._launch(unit, landed, params)
+            self.replicate.start_mean(reduction)
 
     def _reduced_params(self, unit: int, landed: set[int]) -> list[torch.Tensor]:
         """The parameters of a completed unit whose gradients its reduction across replicas reads."""
@@ -307,11 +316,10 @@ class BackwardLaunches:
         """Autograd final callback, on the compute stream after FSDP2's: the compute stream waits for
         dmuon's; on the replicate level the last unit completes and every reduction lands."""
         self._in_backward = False
+        if self._current is not None:
+            self._complete(self._current)
         self._join_own_stream()
-        if self.replicate is not None:
-            if self._current is not None:
-                self._complete(self._current)
-            self.replicate.land_all()
+        self.replicate.land_all()
 
     def _send_after(self, reduction: Reduction, launch: Launch) -> Pending:
         """Main thread, once the unit's reduction across replicas has landed: the directions from it."""
@@ -408,9 +416,9 @@ class BackwardLaunches:
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
         """The launches since the last call (a partly landed unit completes now), every hop of
         theirs issued, and the worker's results for them (empty without a worker)."""
-        self._join_own_stream()
         if self._current is not None:
             self._complete(self._current)
+        self._join_own_stream()
         launches, self._launches = self._launches, {}
         self._landed.clear()
         self._fired.clear()
