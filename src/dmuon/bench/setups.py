@@ -101,6 +101,9 @@ class Hyper:
     """dmuon owner balancer (a ``dmuon_*@NAME`` config overrides it)."""
     profile: bool = False
     """dmuon: assign owners with measured, batch-aware costs (``prepare(profile=True)``)."""
+    loopback: bool = False
+    """dmuon: ``ExecutionConfig(loopback_collectives=True)``, one rank's exchanges as real collectives
+    (``dmuon bench --gpu-check``)."""
 
 
 class _Pair:
@@ -226,5 +229,6 @@ def build(config: str, workload, mesh, hyper: Hyper):
                                       ns_in_backward=base.endswith("_nsbwd") or in_backward,
                                       returns_in_backward=in_backward,
                                       post_optim_event=base.endswith("_event"),
-                                      clipped_overlap=not base.endswith("_refresh"))
+                                      clipped_overlap=not base.endswith("_refresh"),
+                                      loopback_collectives=hyper.loopback)
     return rule(model, plan, execution=execution, **kw), plan

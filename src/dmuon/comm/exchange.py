@@ -131,7 +131,7 @@ class ShardExchange(UpdateReturns):
         topo, infos = self.topo, self.infos
         r, s = topo.coords
         mine = [i for i in members if infos[i].owner == topo.rank]
-        if topo.shard == 1:
+        if topo.local:
             pending = Pending([], lambda: {i: local[i].reshape(infos[i].matrix_shape) for i in mine}, self.stats)
             if self.row_elems:
                 pending.rows = {i: rows[i].reshape(infos[i].shape[0], self.row_width) for i in mine}

@@ -37,7 +37,7 @@ class UpdateReturns(ExchangeCore):
             :meth:`Pending.forward` (main thread) lands the latest hop and issues the next.
         """
         topo = self.topo
-        if topo.world_size == 1:
+        if topo.world_size == 1 and not topo.loopback:
             return Pending([], lambda: dict(owned), self.stats, flags=flags,
                            rows=dict(rows) if self.row_elems else None)
         hop1 = self._updates_to_columns(members, owned, flags, rows)
@@ -75,7 +75,7 @@ class UpdateReturns(ExchangeCore):
         topo, infos = self.topo, self.infos
         r, s = topo.coords
         in_replica = [i for i in members if self._owner(i)[0] == r]
-        if topo.shard == 1 or (not in_replica and flags is None):
+        if topo.local or (not in_replica and flags is None):
             return Pending([], lambda: {i: owned[i] for i in in_replica}, self.stats, flags=flags,
                            rows={i: rows[i] for i in in_replica} if self.row_elems else None)
 

@@ -32,6 +32,16 @@ class Topology:
     """The default group's rank of each plan rank (empty in a single process)."""
     groups: tuple = ()
     """The groups above that this rank belongs to, each once, in the order every rank created them."""
+    loopback: bool = False
+    """Issue the exchanges, the returns and the agreement on one-member groups too (an all-to-all or
+    all-reduce of this rank with itself) instead of handing the tensors over locally
+    (``ExecutionConfig.loopback_collectives``): one device then runs the collective paths, their
+    buffers and stream waits, that otherwise run only with several ranks."""
+
+    @property
+    def local(self) -> bool:
+        """Whether this rank's one-member shard level hands the tensors over without a collective."""
+        return self.shard == 1 and not self.loopback
 
     @property
     def world_size(self) -> int:

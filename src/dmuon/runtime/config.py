@@ -79,8 +79,17 @@ class ExecutionConfig:
     you change parameters after ``step()`` (their all-gather would not wait for that). The CPU
     backend has no events: True there is an error."""
 
+    loopback_collectives: bool = False
+    """Where a level of the mesh has one rank (one process: every level), still issue dmuon's
+    exchanges, update returns and agreement as collectives on its one-member groups (all-to-all and
+    all-reduce of a rank with itself) instead of handing the tensors over locally. Same results, bit
+    for bit; slower. It is for checking the collective paths (the communication library's buffers,
+    the stream waits) on one device (``dmuon bench --gpu-check``). Needs a plan prepared with
+    torch.distributed initialized."""
+
     def __post_init__(self) -> None:
-        for name in ("overlap", "clipped_overlap", "ns_in_backward", "returns_in_backward", "post_optim_event"):
+        for name in ("overlap", "clipped_overlap", "ns_in_backward", "returns_in_backward", "post_optim_event",
+                     "loopback_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.nonfinite not in NONFINITE_MODES:

@@ -30,6 +30,7 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, NamedTuple
 
@@ -82,13 +83,20 @@ class ShardRuntime:
         root: FSDP2's root module, for ``config.post_optim_event``.
 
     Raises:
-        ValueError: ``post_optim_event`` on a device without events (CPU), or without a root.
+        ValueError: ``post_optim_event`` on a device without events (CPU), or without a root;
+            ``loopback_collectives`` with a plan made without torch.distributed.
     """
 
     def __init__(self, plan: Plan, callbacks: StepCallbacks, config: ExecutionConfig = ExecutionConfig(),
                  root=None) -> None:
         self.plan = plan
         self.topo = plan.topology
+        if config.loopback_collectives:
+            if self.topo.world_group is None:
+                raise ValueError("loopback_collectives=True needs dmuon's process groups: prepare() the "
+                                 "plan with torch.distributed initialized (one rank is enough)")
+            # Read by the exchange's hops and the agreement (Topology.loopback); the plan's stays as it is.
+            self.topo = dataclasses.replace(self.topo, loopback=True)
         self.device = plan.device
         self.streams = streams_for(self.device)
         """Where every stream, event and wait of this runtime goes (:mod:`dmuon.comm.streams`)."""
@@ -458,7 +466,7 @@ class ShardRuntime:
     def _start_all_reduce_max(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Issues the elementwise maximum of ``flags`` over every rank; the returned function waits
         for it (work can go on meanwhile)."""
-        if self.topo.world_size == 1:
+        if self.topo.world_size == 1 and not self.topo.loopback:
             return lambda: flags.cpu()
         flags = flags.to(self.device)
         work = self.streams.issue(

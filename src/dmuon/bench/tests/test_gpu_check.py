@@ -1,9 +1,9 @@
-"""``dmuon bench --gpu-check``: the CPU dry run end to end, and the kernel comparison."""
+"""``dmuon bench --gpu-check``: the dry run of the plumbing, the verdicts on made-up failures, the
+kernel comparison, and the stream section run for real on CPU (gloo, loopback, stream checker)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -13,6 +13,17 @@ import pytest
 import torch
 
 from dmuon.bench import gpu_check
+from dmuon.bench import gpu_check_bench as gb
+from dmuon.bench import gpu_check_sections as gs
+
+_REPO = Path(gpu_check.__file__).resolve().parents[3]
+_SRC = str(_REPO / "src")
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, env.get("PYTHONPATH")]))
+    return env
 
 
 def _syrk_exact(A: torch.Tensor) -> torch.Tensor:
@@ -24,124 +35,178 @@ def _syrk_exact(A: torch.Tensor) -> torch.Tensor:
 def test_compare_passes_a_right_result_and_flags_corrupted_ones():
     A = torch.randn(40, 70, generator=torch.Generator().manual_seed(0))
     good = _syrk_exact(A)
-    assert gpu_check.compare_syrk(good, A)["passed"]
+    assert gs.compare_syrk(good, A)["passed"]
 
     wrong = good.clone()  # one entry (and its mirror) off by 1e-3 of the row norms' product
     delta = 1e-3 * float(A[3].norm() * A[5].norm())
     wrong[3, 5] += delta
     wrong[5, 3] += delta
-    res = gpu_check.compare_syrk(wrong, A)
+    res = gs.compare_syrk(wrong, A)
     assert not res["passed"] and res["symmetric"] and res["max_rel_err"] > res["tolerance"]
 
     lopsided = good.clone()  # right values, but the mirror not written
     lopsided[5, 3] = 0.0
-    res = gpu_check.compare_syrk(lopsided, A)
-    assert not res["passed"] and not res["symmetric"]
-
-    no_tail = _syrk_exact(A[:, :64])  # a kernel that drops the K remainder
-    assert not gpu_check.compare_syrk(no_tail, A)["passed"]
-
+    assert not gs.compare_syrk(lopsided, A)["symmetric"]
+    assert not gs.compare_syrk(_syrk_exact(A[:, :64]), A)["passed"]  # a kernel that drops the K remainder
     nan = good.clone()
     nan[0, 0] = float("nan")
-    assert not gpu_check.compare_syrk(nan, A)["passed"]
-    assert not gpu_check.compare_syrk(good.double(), A)["passed"]  # the kernel returns float32
+    assert not gs.compare_syrk(nan, A)["passed"]
+    assert not gs.compare_syrk(good.double(), A)["passed"]  # the kernel returns float32
 
-    # The fused alpha A Aᵀ + beta C form.
-    C = _syrk_exact(A) / 70
+    C = _syrk_exact(A) / 70  # the fused alpha A Aᵀ + beta C form
     fused = (2.0 * A.double() @ A.double().mT - 0.5 * C.double()).float()
-    assert gpu_check.compare_syrk(fused, A, alpha=2.0, beta=-0.5, C=C)["passed"]
-    assert not gpu_check.compare_syrk(fused, A, alpha=2.0, beta=0.5, C=C)["passed"]
+    assert gs.compare_syrk(fused, A, alpha=2.0, beta=-0.5, C=C)["passed"]
+    assert not gs.compare_syrk(fused, A, alpha=2.0, beta=0.5, C=C)["passed"]
+    assert gs.syrk_tolerance(4096) > gs.syrk_tolerance(64)
+    assert gs.syrk_tolerance(64, tf32=True) > 2 * gs.U_TF32
 
 
-def test_overlap_vs_sync_fails_on_any_difference_beyond_the_tolerance():
-    same = [{"config": "dmuon_z3", "losses": [5.0, 4.0]}, {"config": "dmuon_z3_sync", "losses": [5.0, 4.0]}]
-    assert gpu_check.overlap_vs_sync(same) == {"max_rel_diff": 0.0, "tolerance": gpu_check.SYNC_RTOL, "passed": True}
-    raced = [same[0], {"config": "dmuon_z3_sync", "losses": [5.0, 4.0 * (1 + 1e-5)]}]
-    verdict = gpu_check.overlap_vs_sync(raced)
-    assert not verdict["passed"] and verdict["max_rel_diff"] == pytest.approx(1e-5, rel=1e-3)
-    checks = gpu_check.collect_checks({"bench": {"overlap_vs_sync": verdict}})
-    assert [c["passed"] for c in checks if "overlap" in c["name"]] == [False]
+def test_the_syrk_plan_covers_every_tile_config_at_ragged_shapes():
+    from dmuon.ortho.triton_syrk import TILE_CONFIGS
+
+    cases = gs.plan_syrk()
+    assert {tuple(c["config"]) for c in cases} == set(TILE_CONFIGS)
+    for cfg in TILE_CONFIGS:
+        mine = [c for c in cases if tuple(c["config"]) == cfg]
+        assert {(c["M"], c["K"]) for c in mine} == set(gs.SYRK_SHAPES) | {gs.SYRK_LARGE}
+        assert {c["variant"] for c in mine} == set(gs.SYRK_VARIANTS)
+    block_ks = {c[1] for c in TILE_CONFIGS}
+    blocks = {c[0] for c in TILE_CONFIGS}
+    # Every BLOCK leaves a partial row tile and every BLOCK_K a K tail at some shape.
+    assert all(any(M % b and M > b for M, _ in gs.SYRK_SHAPES) for b in blocks)
+    assert all(any(K % bk and K > bk for _, K in gs.SYRK_SHAPES) for bk in block_ks)
+    assert (1, 1) in gs.SYRK_SHAPES
+
+    payload = {"cases": [{**c, "check": {"passed": True, "max_rel_err": 0.0, "tolerance": 1.0}} for c in cases]}
+    assert [v["passed"] for v in gs.syrk_verdicts(payload)] == [True]
+    payload["cases"][7]["check"] = {"passed": False, "error": "CompilationError: out of shared memory"}
+    (verdict,) = gs.syrk_verdicts(payload)
+    assert not verdict["passed"] and "out of shared memory" in verdict["detail"]
+    assert not gs.syrk_verdicts({"cases": payload["cases"][:-1]})[0]["passed"]  # a case missing (a timeout)
 
 
-def test_tolerance_grows_with_k_and_for_tf32():
-    assert gpu_check.syrk_tolerance(4096) > gpu_check.syrk_tolerance(64)
-    assert gpu_check.syrk_tolerance(64, tf32=True) > 2 * gpu_check.U_TF32
+def _run(config: str, variant: str, exchanged: list[int], losses: list[float], blocks: int = 4, **extra) -> dict:
+    reports = [{"blocks_exchanged_in_backward": e, "rescaled_launches": e if "_clip" in config else 0,
+                "orthogonalized": 14, "orthogonalized_in_backward": 14 if "bwd" in config else 0,
+                "blocks_returned_in_backward": blocks - 1 if config.endswith("_rbwd") else 0} for e in exchanged]
+    return {"config": config, "variant": variant, "blocks": blocks, "losses": losses, "reports": reports,
+            "collectives": {"all_to_all_single": 6}, "delays": 3, **extra}
 
 
-def test_a_failed_kernel_case_fails_the_check():
-    A = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    bad = _syrk_exact(A)
-    bad[1, 2] = bad[2, 1] = bad[1, 2] + 1.0
-    case = {"op": "syrk", "dtype": "float32", "M": 8, "K": 16, "check": gpu_check.compare_syrk(bad, A)}
-    checks = gpu_check.collect_checks({"kernel": {"cases": [case]}, "bench": {"error": "exit code 1"}})
-    failed = {c["name"] for c in checks if not c["passed"]}
-    assert failed == {"kernel syrk float32 8x16", "section bench finished"}
+def _all_runs(losses=(5.0, 4.0, 3.0)) -> list[dict]:
+    runs = []
+    for config, variant in gb.plan_runs():
+        exchanged = [0, 0, 0] if config.endswith("_sync") else ([0, 4, 4] if "_clip" in config else [4, 4, 4])
+        runs.append(_run(config, variant, exchanged, list(losses)))
+    return runs
+
+
+def test_bench_verdicts_pass_standing_launches_and_fail_each_fault():
+    assert all(c["passed"] for c in gb.verdicts(_all_runs(), "cuda"))
+
+    def failing(runs):
+        return {c["name"] for c in gb.verdicts(runs, "cuda") if not c["passed"]}
+
+    stale = _all_runs()  # one launch went stale on the device
+    stale[3]["reports"][2]["blocks_exchanged_in_backward"] = 3
+    assert failing(stale) == {"bench dmuon_z3 launches stand"}
+    raced = _all_runs()  # the delayed run of rbwd moved its losses
+    k = next(i for i, r in enumerate(raced) if (r["config"], r["variant"]) == ("dmuon_z3_rbwd", "delayed"))
+    raced[k]["losses"][-1] += 1e-6
+    assert failing(raced) == {"bench dmuon_z3_rbwd reduce-scatter stream delayed: same losses"}
+    idle = _all_runs()  # a delay patch that never fired proves nothing
+    idle[k]["delays"] = 0
+    assert failing(idle) == {"bench dmuon_z3_rbwd reduce-scatter stream delayed: same losses"}
+    local = _all_runs()  # loopback engaged nothing
+    local[3]["collectives"] = {}
+    assert failing(local) == {"bench dmuon_z3 launches stand"}
+    # A measured tolerance admits what the repeat differs by, and no more.
+    noisy = _all_runs()
+    for r in noisy:
+        if r["config"] == "dmuon_z3_clip" and r["variant"] in ("repeat", "delayed"):
+            r["losses"] = [5.0, 4.0, 3.0 * (1 + 1e-7)]
+    assert not failing(noisy)
+    noisy[-1]["losses"][-1] = 3.0 * (1 + 1e-6)
+    assert failing(noisy) == {"bench dmuon_z3_clip reduce-scatter stream delayed: same losses"}
+    missing = [r for r in _all_runs() if r["config"] != "dmuon_z3_nsbwd" or r["variant"] != "run"]
+    assert failing(missing) == {"bench dmuon_z3_nsbwd ran", "bench dmuon_z3_rbwd equals dmuon_z3_nsbwd"}
+
+
+def test_csan_reports_are_listed_verbatim():
+    rows = [{"config": c, "reports": []} for c in gs.plan_csan()]
+    rows[2]["reports"] = ["torch.cuda._sanitizer.CUDASanitizerErrors: Detected 1 data race: stream 7 ..."]
+    checks = gs.csan_verdicts({"sanitizer_enabled": True, "rows": rows})
+    failed = [c for c in checks if not c["passed"]]
+    assert [c["name"] for c in failed] == [f"csan {rows[2]['config']} 2 steps, no report"]
+    assert failed[0]["detail"] == rows[2]["reports"][0]
+    assert {"dmuon_z3_nsbwd", "dmuon_z3_rbwd", "dmuon_z3_event", "adamw"} <= set(gs.plan_csan())
+    assert not gs.csan_verdicts({"sanitizer_enabled": False, "rows": []})[0]["passed"]
+
+
+def test_the_budget_adds_up_and_every_section_has_a_timeout():
+    assert set(gpu_check.TIMEOUTS_S) == set(gpu_check.SECTIONS)
+    b = gpu_check.budget()
+    assert b["total_s"] == sum(gpu_check.TIMEOUTS_S.values()) + gpu_check.OVERHEAD_S <= gpu_check.BUDGET_S == 480
+    assert b["fits"]
+    assert gpu_check.SECTIONS[-1] == "ns"  # the measurement last: a slow one cannot cost a correctness verdict
+
+
+def test_a_section_that_hangs_keeps_its_partial_results_and_the_others_run(tmp_path, monkeypatch):
+    script = ("import json, sys, time; json.dump({'cases': []}, open(sys.argv[1], 'w')); time.sleep(60)")
+    monkeypatch.setattr(gpu_check, "section_command",
+                        lambda name, out: ([sys.executable, "-c", script, out], {}))
+    data = gpu_check.run_section("syrk", str(tmp_path), timeout_s=3)
+    assert data["error"] == "timed out after 3 s" and data["cases"] == [] and data["wall_s"] < 30
+    checks = gpu_check.collect_checks({"syrk": data, "syncs": {"rows": [], "passed": True, "wall_s": 1.0}})
+    assert [(c["name"], c["passed"]) for c in checks if c["name"].startswith("section")] == [
+        ("section syrk finished", False), ("section syncs finished", True)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_without_cuda_it_asks_for_dry_run(tmp_path, capsys):
-    assert gpu_check.main(["--json", str(tmp_path / "x.json")]) == 2
+    assert gpu_check.main(["--out-dir", str(tmp_path / "x")]) == 2
     assert "--dry-run" in capsys.readouterr().err
-    assert not (tmp_path / "x.json").exists()
+    assert not (tmp_path / "x").exists()
 
 
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def test_dry_run_end_to_end(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, DMUON_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("TRITON_INTERPRET", None)  # the check switches it on for the kernel section itself
-    src = str(Path(gpu_check.__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    res = subprocess.run([sys.executable, "-m", "dmuon.bench", "--gpu-check", "--dry-run", "--json", str(out)],
-                         env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+def test_dry_run_through_the_script(tmp_path):
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", str(_REPO / "scripts" / "gpu_check.sh"), str(out), "--dry-run"],
+                         env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["device"] == "cpu (dry run)" and data["dry_run"] and data["passed"]
-    assert data["torch"] == torch.__version__ and data["triton"]
-    assert set(data["sections"]) == set(gpu_check.SECTIONS)
-    assert all("error" not in s and _positive(s["wall_s"]) for s in data["sections"].values())
-    assert data["checks"] and all(c["passed"] for c in data["checks"])
+    data = json.loads((out / "gpu_check.json").read_text())
+    table = (out / "gpu_check.md").read_text()
+    assert table in res.stdout and table.startswith("| verdict | section | check | detail |")
+    assert list(data["sections"]) == list(gpu_check.SECTIONS) and data["budget"]["fits"]
+    for name, plan in data["sections"].items():
+        assert plan["command"][-4:] == ["--section", name, "--out", f"<outdir>/{name}.json"]
+        assert plan["timeout_s"] == gpu_check.TIMEOUTS_S[name] and plan["cases"]
+    assert data["sections"]["bench"]["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert data["sections"]["csan"]["env"]["TORCH_CUDA_SANITIZER"] == "1"
+    assert len(data["sections"]["syrk"]["cases"]) == len(gs.plan_syrk())
+    # The made-up results fail one check in each section and pass the rest; both render.
+    failed = {c["section"] for c in data["fake_checks"] if not c["passed"]}
+    assert failed == set(gpu_check.SECTIONS) - {"syncs"}
+    assert table.count("| FAIL |") == len([c for c in data["fake_checks"] if not c["passed"]])
+    assert "CSANError: made-up report" in table
 
-    kernel = data["sections"]["kernel"]
-    assert kernel["interpreted"]
-    dtypes = {c["dtype"] for c in kernel["cases"] if c["op"] == "syrk"}
-    assert {"float32", "float32+tf32", "bfloat16"} <= dtypes
-    assert any(c["op"] == "syrk_poly2" for c in kernel["cases"])
-    for c in kernel["cases"]:
-        assert c["check"]["passed"] and c["check"]["symmetric"]
-        assert {"syrk", "matmul"} <= set(c["times_s"]) or {"syrk", "addmm"} <= set(c["times_s"])
-        assert all(_positive(t) for t in c["times_s"].values())
 
-    rows = data["sections"]["ortho"]["rows"]
-    assert [tuple(r["shape"]) for r in rows] == list(gpu_check.DRY.ortho_shapes)
-    for r in rows:
-        assert set(r["times_s"]) == {"standard", "gram", "gram_sym"}
-        assert all(_positive(t) for t in r["times_s"].values())
-        assert r["autotune"]["method"] in ("standard", "standard32", "gram")
-        assert all(_positive(t) for t in r["autotune"]["times_s"].values())
-
-    bench = data["sections"]["bench"]
-    assert bench["backend"] == "gloo" and bench["world_size"] == 1 and bench["losses_agree"]
-    configs = {r["config"]: r for r in bench["results"]}
-    assert {"adamw", "torch_muon", "dmuon_z2", "dmuon_z3_sync"} <= set(configs)
-    assert bench["overlap_vs_sync"]["passed"] and bench["overlap_vs_sync"]["max_rel_diff"] == 0.0
-    assert all(_positive(r["step_s"]) and math.isfinite(r["final_loss"]) for r in configs.values())
-
-    syncs = data["sections"]["syncs"]
-    assert syncs["backend"] == "gloo" and syncs["passed"]
-    assert [(r["config"], r["size"]) for r in syncs["rows"]] == [
-        (c, size) for size in gpu_check.DRY.sync_sizes for c in ("adamw", "dmuon_z3")]
-    counted = {(r["config"], r["size"]): r for r in syncs["rows"]}
-    assert counted["dmuon_z3", "tiny"]["matrices"] == 14 and counted["dmuon_z3", "mini"]["matrices"] == 28
-    assert counted["dmuon_z3", "tiny"]["syncs"] == counted["dmuon_z3", "mini"]["syncs"]
-
-    recipe = data["sections"]["recipe"]
-    assert recipe["backend"] == "gloo" and set(recipe["runs"]) == {"adamw", "dmuon"}
-    for run in recipe["runs"].values():
-        assert run["steps"] == 2 and run["finite"] and _positive(run["tokens_per_s"])
+def test_bench_section_on_cpu_with_loopback(tmp_path):
+    """The stream section for real on CPU (gloo, every run's streams under the checker): the launch
+    verdicts, the measured tolerance and the comparisons pass (no delay: CPU has no streams to delay)."""
+    out = tmp_path / "bench.json"
+    code = ("import sys, torch; from dmuon.bench.gpu_check_bench import bench_section; "
+            "bench_section('tiny', 3, torch.device('cpu'), sys.argv[1])")
+    res = subprocess.run([sys.executable, "-c", code, str(out)], env=_env(DMUON_CHECK_STREAMS="1"),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["backend"] == "gloo" and "errors" not in payload
+    checks = gpu_check.collect_checks({"bench": {**payload, "wall_s": 1.0}})
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    ran = {(r["config"], r["variant"]) for r in payload["runs"]}
+    assert ran == {(c, v) for c, v in gb.plan_runs() if v != "delayed"}
+    assert all(sum(r["collectives"].values()) > 0 for r in payload["runs"] if r["variant"] != "local")
 
 
 def test_syncs_that_grow_with_the_matrices_fail_the_check():
@@ -149,7 +214,5 @@ def test_syncs_that_grow_with_the_matrices_fail_the_check():
             {"config": "dmuon_z3", "size": "mini", "matrices": 28, "syncs": 31}]
     assert not gpu_check.syncs_passed(rows) and not gpu_check.syncs_passed(rows[:1])
     assert gpu_check.syncs_passed([rows[0], {**rows[1], "syncs": 3}, {"config": "adamw", "syncs": 9}])
-    checks = gpu_check.collect_checks({"syncs": {"rows": rows, "passed": gpu_check.syncs_passed(rows)}})
-    sync_checks = [c for c in checks if c["name"].startswith("syncs")]
-    assert [c["passed"] for c in sync_checks] == [False]
-    assert sync_checks[0]["detail"] == "3 with 14 matrices, 31 with 28 matrices"
+    (check,) = gpu_check.syncs_verdicts({"rows": rows, "passed": gpu_check.syncs_passed(rows)})
+    assert not check["passed"] and check["detail"] == "3 with 14 matrices, 31 with 28 matrices"
