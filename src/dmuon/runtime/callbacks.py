@@ -2,7 +2,7 @@
 
 The runtime (:class:`~dmuon.runtime.ShardRuntime`) decides *when* and *where*
 everything runs and issues every collective; the optimizer decides *what* is
-computed. A matrix rule splits into four pieces of work, each a callback:
+computed. A matrix rule splits into these pieces of work, each a callback:
 
 * ``peek`` / ``commit``, on every rank: this rank's part of each matrix's
   direction from its gradient and state (elementwise work: Muon's momentum);
@@ -45,11 +45,16 @@ Contract, for every callback:
    interleave differently on different ranks and deadlock. On an accelerator a
    callback enqueues its work on the current stream and does not synchronize
    the device (no ``.item()``, ``.cpu()``, ``.tolist()`` on results).
-2. **Threads.** Everything runs on the thread that calls ``backward()`` and
-   ``step()``, except ``owner_work``, which with
+2. **Threads and streams.** Callbacks run under the thread and the stream the
+   runtime selected, and order nothing themselves (no stream switch, no event,
+   no wait: :mod:`dmuon.comm.streams` is the runtime's). ``peek`` runs in
+   backward's hooks (the autograd engine's thread; on CUDA FSDP2's post-reduce
+   stream, or dmuon's own on the replicate level); ``owner_work`` with
    ``ExecutionConfig.ns_in_backward`` also runs on the runtime's one worker
-   thread during backward: it must only read its inputs and the rule's
-   hyperparameters, never state the main thread writes.
+   thread, on the NS stream, during backward: it must only read its inputs and
+   the rule's hyperparameters, never state the other threads write; everything
+   else runs on the thread that calls ``step()``, on the compute stream
+   (docs/architecture.md, "Streams").
 3. **Buffers are borrowed.** The tensors a callback receives are the
    runtime's receive buffers (or views of them): read them, do not keep them
    past the callback's return. What a callback returns the runtime only reads
