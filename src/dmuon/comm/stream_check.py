@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon.comm.streams import Flight, Streams
+from dmuon.util.torch_compat import queue_end_of_backward
 
 __all__ = ["CheckedStreams", "StreamOrderError"]
 
@@ -128,6 +129,8 @@ class CheckedStreams(Streams):
         self._pending_errors: list[str] = []
         self._collectives = 0
         self._fsdp2_streams = 0
+        self._emulated_finalize = False
+        self._landed_collectives: set[str] = set()
         self._in_backward = False
         self._tls = threading.local()
         self._home = threading.get_ident()
@@ -325,6 +328,7 @@ class CheckedStreams(Streams):
     def _landed(self, flight: Flight) -> None:
         with self._lock:
             self._join(self._here(), self._clock(flight.token))
+            self._landed_collectives.add(flight.token)
 
     def keep(self, tensors: Iterable[torch.Tensor]) -> None:
         with self._lock:
@@ -345,13 +349,26 @@ class CheckedStreams(Streams):
             # and the post-reduce stream wrote the gradient the hook reads.
             self._join(FSDP2, self._clock(COMPUTE))
             self._tick(FSDP2)
-            self._in_backward = True
+            if not self._emulated_finalize:
+                # And at the end of backward FSDP2's finalize_backward makes the compute stream wait.
+                try:
+                    queue_end_of_backward(self._finalize)
+                    self._emulated_finalize = True
+                except RuntimeError:
+                    pass  # called outside a backward pass (the checker's own tests): nothing ends it
         stack = self._stack()
         stack.append(FSDP2)
         try:
             yield
         finally:
             stack.pop()
+
+    def _finalize(self) -> None:
+        """The end of a backward whose hooks FSDP2 did not call: what its finalize_backward would do."""
+        with self._lock:
+            self._join(COMPUTE, self._clock(FSDP2))
+            self._in_backward = False
+            self._emulated_finalize = False
 
     # ------------------------------------------------------------ the checks
     def _check_may_wait(self, stream: str, what: str) -> None:
@@ -430,8 +447,16 @@ class CheckedStreams(Streams):
             accesses = ([buf.write] if buf.write is not None else []) + [(s, c, o) for s, (c, o) in buf.reads.items()]
             open_uses = [(s, c, o) for s, c, o in accesses
                          if s != buf.allocated_on and not any(self._sees(k, s, c) for k in buf.kept)]
+            unlanded = sorted({s for s, _, _ in open_uses if s.startswith("collective#")} - self._landed_collectives)
+            if unlanded:
+                # Dropped with its collective never waited for: no stream is ordered after it, ever.
+                self._pending_errors.append(f"buffer {buf.name} was released while {', '.join(unlanded)}, which "
+                                            "uses it, was never landed (no stream waited for it)")
             if open_uses:
-                self._freed.setdefault(buf.allocated_on, []).append((buf.name, open_uses))
+                name = buf.name
+                if self.trace:
+                    name += "\nfreed at\n" + "".join(traceback.format_stack(limit=14)[:-2])
+                self._freed.setdefault(buf.allocated_on, []).append((name, open_uses))
 
     def _reused_memory(self, stream: str) -> None:
         """``stream`` allocates: any buffer it freed may come back now, so every other stream's use of

@@ -175,13 +175,16 @@ class ShardRuntime:
         if self.config.nonfinite is None:
             settled = self._settle_unchecked(launches, early, managed, here, maxima)
         else:
-            settled = self._settle_checked(launches, managed, here, maxima)
+            try:
+                settled = self._settle_checked(launches, managed, here, maxima)
+            except FloatingPointError:
+                # Every rank raises alike (nonfinite="raise"): what backward sent lands first, so
+                # no exchange is left in flight, holding buffers, behind a caught error.
+                self._land_unused(launches)
+                raise
         report = StepReport(skipped_nonfinite=settled.agreement.skipped)
         if settled.agreement.skipped:
-            for launch in launches.values():
-                launch.pending.wait()  # lands unused, on every rank alike
-                if launch.returned is not None:
-                    launch.returned.wait()
+            self._land_unused(launches)
         else:
             stale = settled.agreement.stale
             kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
@@ -212,6 +215,14 @@ class ShardRuntime:
         report.step_seconds = time.perf_counter() - start
         self.stats.reset()
         return report
+
+    @staticmethod
+    def _land_unused(launches: dict[int, Launch]) -> None:
+        """Lands every exchange of ``launches`` unused, on every rank alike."""
+        for launch in launches.values():
+            launch.pending.wait()
+            if launch.returned is not None:
+                launch.returned.wait()
 
     def _settle_unchecked(self, launches: dict[int, Launch], early: EarlyWork, managed: list[int],
                           here: list[int], maxima: torch.Tensor | None) -> _Settled:

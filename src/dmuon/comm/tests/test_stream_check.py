@@ -75,17 +75,26 @@ def _flight(streams, send, recv):
 
 def test_a_send_buffer_freed_before_its_stream_waited_is_caught_at_the_next_allocation(streams):
     with streams.use("dmuon"):
-        send = torch.ones(8) * 1
-        recv = torch.empty(8)
-        flight = Flight(streams, _Done(), ())  # the buffers not held: only the collective knew them
-        flight.token = _flight(streams, send, recv).token
-        del send
-        gc.collect()
+        send, recv = torch.ones(8) * 1, torch.empty(8)
+        flight = _flight(streams, send, recv)
+    flight.buffers = ()  # what NCCL holds after its first wait(): nothing
     with streams.use("ns", fork=False):
-        streams.land(flight)  # lands on another stream, and keeps nothing: the send was dropped already
+        streams.land(flight)  # lands on another stream, and keeps nothing for it
+    del send
+    gc.collect()
     with streams.use("dmuon"):
         with pytest.raises(StreamOrderError, match=r"freed while stream 'collective#\d+' may still use it"):
             torch.empty(8) * 1
+
+
+def test_a_buffer_dropped_with_its_collective_never_landed_raises(streams):
+    with streams.use("dmuon"):
+        send = torch.ones(8) * 1
+        _flight(streams, send, torch.empty(8))  # dropped: no stream ever waits for it
+        del send
+        gc.collect()
+        with pytest.raises(StreamOrderError, match=r"collective#\d+, which uses it, was never landed"):
+            torch.ones(1) + 1
 
 
 def test_a_flight_keeps_its_buffers_for_the_landing_stream(streams):
