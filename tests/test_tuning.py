@@ -40,6 +40,17 @@ class _Chain(nn.Module):
         return x
 
 
+def _sharded_chain(world_size: int) -> "_Chain":
+    """The model, seeded, fully_shard-ed block by block over a 1-D mesh of every rank."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = _Chain()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 class _InFlight:
     """Records every asynchronous all-to-all and all-reduce this rank issues; :meth:`sync` waits
     for them all, as a CUDA device synchronize waits for the NCCL kernels on the device."""
@@ -79,12 +90,7 @@ def _cold_cache_run(rank: int, world_size: int, cache_dir: str, delay_s: float) 
     inflight = _InFlight()
     timing.sync = inflight.sync
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        torch.manual_seed(0)
-        model = _Chain()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _sharded_chain(world_size)
         plan = dmuon.prepare(model, balancer="round_robin", ns=dmuon.NSConfig(method="auto", dtype=torch.float32))
         owned = sorted({info.matrix_shape for info in plan.infos if info.owner == rank})
         opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, overlap=False, return_waves=2)
@@ -135,12 +141,7 @@ def _steps_never_time(rank: int, world_size: int, cache_dir: str) -> dict:
 
     os.environ["DMUON_CACHE_DIR"] = cache_dir
     autotune.get_autotuner().cooldown_s = 0.0
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = _Chain()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _sharded_chain(world_size)
     # Built before prepare (the deferred setup, at the first forward); NS in backward's worker and the
     # returns in backward: every place the owners' work runs.
     opt = dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3, ns_method="auto", ns_dtype=torch.bfloat16,

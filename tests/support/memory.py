@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
 from dmuon.bench.memory import live_bytes_of, state_tensors
-from dmuon.rules.adamw import local_tensor
+from dmuon.util.dtensor import local_tensor
 
 from support.cases import make_mesh
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from dmuon.util.dtensor import local_tensor
 from dmuon.util.torch_compat import local_shape_and_offset
 
 from dmuon.optim.groups import canonical_name
@@ -23,7 +24,7 @@ from dmuon.ortho import KELLER, NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
 from dmuon.rules import dion2, muonh
-from dmuon.rules.adamw import adamw_group_step, local_tensor
+from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import adjusted_lr, apply_update, check_rule_settings, fill_rule_defaults, momentum_update
 from dmuon.rules.normuon import normalize_rows
 from dmuon.rules.qk_clip import QKClip

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from dmuon.rules.adamw import local_tensor
+from dmuon.util.dtensor import local_tensor
 
 
 def state_tensors(optimizer):

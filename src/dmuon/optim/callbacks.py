@@ -13,11 +13,12 @@ from dmuon.optim.qk_clip import AttentionClip
 from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.rules import dion2, muonh
-from dmuon.rules.adamw import adamw_group_step, local_tensor
+from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
 from dmuon.rules.normuon import normalize_rows
 from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.util.dtensor import local_tensor
 
 
 class RuleHost(Protocol):

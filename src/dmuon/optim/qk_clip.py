@@ -24,8 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.plan.plan import Plan
-from dmuon.rules.adamw import local_tensor
 from dmuon.rules.qk_clip import AttentionHeads, QKClip, clip_factors, row_factors
+from dmuon.util.dtensor import local_tensor
 
 
 class AttentionClip:

@@ -9,10 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adam import adam
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard, a plain tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from dmuon.util.dtensor import local_tensor
 
 
 def aligned(p: torch.Tensor, grad: torch.Tensor) -> bool:

@@ -26,8 +26,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from dmuon.plan.plan import MatrixInfo
-from dmuon.rules.adamw import local_tensor
 from dmuon.util.bits import any_bits_differ, bits_differ, bitwise_equal
+from dmuon.util.dtensor import local_tensor
 
 
 class Agreement(NamedTuple):

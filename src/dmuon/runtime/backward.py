@@ -43,7 +43,7 @@ import functools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -52,9 +52,9 @@ from dmuon.comm.pending import no_result
 from dmuon.comm.streams import Interval, kept, streams_for
 from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
-from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
+from dmuon.util.dtensor import local_tensor
 from dmuon.util.torch_compat import on_reduced_gradient, queue_end_of_backward
 
 Directions = Callable[[list[int]], dict[int, torch.Tensor]]
@@ -85,9 +85,24 @@ class Launch:
     with ``returns_in_backward`` the return follows at the next landing."""
 
 
-EarlyWork = dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], "Interval | None"]]
-"""Per block: this rank's owner results computed ahead of the step (updates, new row states: empty
-without a row state), and the time they took (on the block that paid for them; None on the others)."""
+class OwnerResults(NamedTuple):
+    """This rank's owner work on one block, computed ahead of the step."""
+
+    updates: dict[int, torch.Tensor]
+    """The whole update of each matrix this rank owns."""
+    rows: dict[int, torch.Tensor]
+    """Their new row states (empty without a row state)."""
+    spent: Interval | None
+    """The time it took, on the block that paid for it (None on the others of one run)."""
+
+
+EarlyWork = dict[int, OwnerResults]
+"""Per block: this rank's owner results computed ahead of the step."""
+
+
+_NEWEST: dict[int, weakref.ref] = {}
+"""Per hooked parameter (by id, while it lives), the newest launches that hooked it: only they act
+on its gradients (nothing is written onto torch's parameters)."""
 
 
 @dataclass
@@ -183,7 +198,9 @@ class BackwardLaunches:
         self._ref = weakref.ref(self)
         for u in self._units:
             for p in u.params:
-                p._dmuon_launches = self._ref  # the newest launches on a parameter take its hooks
+                if id(p) not in _NEWEST:
+                    weakref.finalize(p, _NEWEST.pop, id(p), None)
+                _NEWEST[id(p)] = self._ref  # the newest launches on a parameter take its hooks
         self._hooks: list[Any] = [on_reduced_gradient(p, self._hook())
                                   for u in self._units for p in u.params]
 
@@ -195,7 +212,7 @@ class BackwardLaunches:
 
         def hook(param: torch.Tensor) -> None:
             me = launches()
-            if me is not None and getattr(param, "_dmuon_launches", None) is launches:
+            if me is not None and _NEWEST.get(id(param)) is launches:
                 with me.streams.fsdp2_hook():
                     me._landed_one(param)
 
@@ -390,16 +407,16 @@ class BackwardLaunches:
         return self.exchange.return_updates(launch.members, updates, None,
                                             new_rows if self._row_states is not None else None)
 
-    def _worker_result(self, block: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], Interval]:
+    def _worker_result(self, block: int) -> OwnerResults:
         """The worker's results for ``block`` (blocking the host until it has enqueued them), ordered
         before the current stream's next work and kept for it."""
         result = self._early[block].result()
         self.streams.wait(self._ns_done[block])
-        self.streams.keep(kept(result[:2]))
+        self.streams.keep(kept([result.updates, result.rows]))
         return result
 
     @torch.no_grad()
-    def _block_work(self, launch: Launch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], Interval]:
+    def _block_work(self, launch: Launch) -> OwnerResults:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.
         assert self._owner_work is not None
@@ -411,7 +428,7 @@ class BackwardLaunches:
             with self.streams.interval() as spent:  # on the NS stream: the device's time there too
                 updates, new_rows = self._work.run(self._owner_work, sorted(full), full, rows)
             self._ns_done[launch.block] = self.streams.record()
-        return updates, new_rows, spent
+        return OwnerResults(updates, new_rows, spent)
 
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
         """The launches since the last call (a partly landed unit completes now), every hop of

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.replicate import ReplicateLevel
+from dmuon.util.dtensor import local_tensor
 
 
 @torch.no_grad()

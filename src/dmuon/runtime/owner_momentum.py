@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dmuon.plan.plan import Plan
-from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.agreement import NONUNIFORM, SCALE_FLAGS, agreed_scale, scale_flags, uniform_scales
 from dmuon.util.bits import any_bits_differ
+from dmuon.util.dtensor import local_tensor
 
 if TYPE_CHECKING:
     from dmuon.runtime.backward import Launch

@@ -46,7 +46,7 @@ from dmuon.comm import Pending
 from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import Plan
-from dmuon.rules.adamw import local_tensor
+from dmuon.util.dtensor import local_tensor
 
 
 @dataclass

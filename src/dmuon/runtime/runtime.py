@@ -42,9 +42,8 @@ from dmuon.comm.replicate import ReplicateReduce
 from dmuon.comm.streams import streams_for
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
-from dmuon.rules.adamw import local_tensor
 from dmuon.runtime.agreement import Agreement, agreement_flags
-from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch
+from dmuon.runtime.backward import BackwardLaunches, EarlyWork, Launch, OwnerResults
 from dmuon.runtime.callbacks import StepCallbacks
 from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
@@ -54,6 +53,7 @@ from dmuon.runtime.tuning import TunedOwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.util.bits import any_bits_differ
+from dmuon.util.dtensor import local_tensor
 
 
 class _Settled(NamedTuple):
@@ -190,7 +190,7 @@ class ShardRuntime:
             kept = {b for k, b in enumerate(sorted(launches)) if not stale[k]}
             if settled.speculative is not None:
                 early = settled.speculative
-                report.orthogonalized_while_agreeing = sum(len(o) for o, _, _ in early.values())
+                report.orthogonalized_while_agreeing = sum(len(w.updates) for w in early.values())
             # The weights as the last step left them (MuonH: a new matrix's radius), then the updated ones.
             self.norms.run(cb, settled.agreement.active, applied=False)
             self._exchange_and_apply(settled, launches, kept, early, report)
@@ -199,7 +199,7 @@ class ShardRuntime:
             if self.config.ns_in_backward:
                 rescaled = {b for k, b in enumerate(sorted(launches)) if settled.agreement.rescaled[k]}
                 # A rescaled launch's early NS ran on the launched directions: redone in step().
-                report.orthogonalized_in_backward = sum(len(o) for b, (o, _, _) in early.items()
+                report.orthogonalized_in_backward = sum(len(w.updates) for b, w in early.items()
                                                         if b in kept - rescaled)
             # Part of the step: before the event, so the next forward's all-gathers wait for it too.
             cb.finish_step(settled.agreement.active, settled.agreement.maxima)
@@ -244,8 +244,8 @@ class ShardRuntime:
         if launches and not early and self.work.max_waves == 1 and not self._last_scaled:
             speculative = self._speculate(launches)
             members = sorted(i for launch in launches.values() for i in launch.members)
-            owned = {i: o for orthos, _, _ in speculative.values() for i, o in orthos.items()}
-            owned_rows = {i: o for _, new_rows, _ in speculative.values() for i, o in new_rows.items()}
+            owned = {i: o for w in speculative.values() for i, o in w.updates.items()}
+            owned_rows = {i: o for w in speculative.values() for i, o in w.rows.items()}
             returned = self.exchange.return_updates(members, owned, flags, owned_rows if self.row_width else None)
             cb.independent()  # nothing can skip the step: it runs while updates and flags travel
             agreement = settle(returned.agreed().tolist())
@@ -294,8 +294,8 @@ class ShardRuntime:
             orthos, new_rows = self.work.run(self.callbacks.owner_work, sorted(full), full,
                                              full_rows if self.row_width else None)
         infos = self.plan.infos
-        return {b: ({i: o for i, o in orthos.items() if infos[i].block == b},
-                    {i: o for i, o in new_rows.items() if infos[i].block == b}, spent if k == 0 else None)
+        return {b: OwnerResults({i: o for i, o in orthos.items() if infos[i].block == b},
+                                {i: o for i, o in new_rows.items() if infos[i].block == b}, spent if k == 0 else None)
                 for k, b in enumerate(sorted(launches))}
 
     def _stale(self, launches: dict[int, Launch], active: list[int], directions: dict[int, torch.Tensor],
@@ -383,7 +383,7 @@ class ShardRuntime:
         for b in back.keys() - done:
             back.pop(b).wait()
         report.blocks_returned_in_backward = len(back)
-        ns_spans = [spent for b, (_, _, spent) in early.items() if b in done and spent is not None]
+        ns_spans = [early[b].spent for b in done if early[b].spent is not None]
         # With the owners' copies kept: each owned matrix's direction this step, to advance its copy.
         tracking = self.owner_momentum is not None and self.owner_momentum.ready
         used: dict[int, torch.Tensor] = {}
@@ -393,8 +393,8 @@ class ShardRuntime:
         orthos: dict[int, torch.Tensor] = {}
         new_rows: dict[int, torch.Tensor] = {}
         for b in done:
-            orthos.update(early[b][0])  # this rank's own
-            new_rows.update(early[b][1])
+            orthos.update(early[b].updates)  # this rank's own
+            new_rows.update(early[b].rows)
         if settled.returned is not None:
             returns = [settled.returned]
             report.return_waves = [list(active)]
