@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import Case, run_cases
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference

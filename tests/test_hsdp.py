@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dmuon.costmodel.traffic import owner_traffic, shard_rows
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support import faults
 from support.cases import Case, run_cases
