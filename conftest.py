@@ -2,13 +2,6 @@
 
 import os
 
-from dmuon.util.spawn import CRASH_RETRIES_ENV
-
-# A rank that dies of a native crash (SIGSEGV in torch's gloo ranks, about once in a few full runs, never
-# twice in a row so far) runs its function again once, with a RuntimeWarning in pytest's summary; see
-# dmuon.util.spawn.run_distributed. A Python exception or a wrong value still fails at once.
-os.environ.setdefault(CRASH_RETRIES_ENV, "1")
-
 # Every rank the suite spawns runs dmuon's streams under the CPU stream checker
 # (dmuon.comm.stream_check): an unordered hand-over between CUDA streams fails the test here.
 os.environ.setdefault("DMUON_CHECK_STREAMS", "1")
@@ -34,3 +27,20 @@ def pytest_collection_modifyitems(config, items):
         if missing:
             raise pytest.UsageError("tests/support/compat.py lists tests that were not collected (renamed or "
                                     "removed?): " + ", ".join(missing))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every native crash of a rank that the tests' launcher saw (support.spawn.run_distributed runs the
+    function again once): the test, the rank, the signal and the rank's stacks, so a retry that let a
+    test pass is still in plain sight."""
+    from support.spawn import CRASHES
+
+    if not CRASHES:
+        return
+    terminalreporter.section(f"ranks that died of a native crash ({len(CRASHES)})", yellow=True)
+    for crash in CRASHES:
+        outcome = "ran again on fresh ranks" if crash.retried else "no retry left: the test failed"
+        terminalreporter.write_line(f"{crash.test}: {crash.launch}: rank {crash.rank} died of {crash.signal}; "
+                                    f"{outcome}")
+        for line in crash.stacks.splitlines():
+            terminalreporter.write_line("    " + line)

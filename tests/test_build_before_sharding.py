@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.lazy import before_and_after, unsharded_step
 from support.models import OddNet, lm_loss, odd_batch

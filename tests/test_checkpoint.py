@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dmuon.util.spawn import run_distributed, run_with_crashes
+from support.spawn import run_distributed, run_with_crashes
 
 from support.cases import MUON_KW
 from support.checkpoint import PlainMuonAdamW, global_batch, on_3_ranks, on_4_ranks_more, resume_and_train

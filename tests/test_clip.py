@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import MUON_KW, Case, run_cases
 from support.clipping import resumed_clipping, state_dict_on_one_rank

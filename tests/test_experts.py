@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.experts import ExpertNet, reference, train
 

@@ -19,7 +19,7 @@ import torch
 
 import dmuon
 from dmuon.bench.op_count import HostReadCounter
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import sharded_oddnet
 from support.checkpoint import _local

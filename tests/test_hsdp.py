@@ -7,11 +7,11 @@ import torch
 
 from dmuon.costmodel.traffic import owner_traffic, shard_rows
 from dmuon.plan.batches import default_return_waves
-from dmuon.util.spawn import run_distributed
 
 from support import faults
 from support.cases import Case, run_cases
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
+from support.spawn import run_distributed
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support import experts, tp
 from support.cases import MUON_KW, Case, full_params, run_cases, sharded_oddnet

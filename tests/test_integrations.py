@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 pytestmark = pytest.mark.integrations
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.memory import adamw_vs_dmuon
 

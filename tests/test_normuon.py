@@ -18,7 +18,7 @@ from torch import nn
 import dmuon
 from dmuon.costmodel.traffic import owner_exchange_collectives
 from dmuon.rules.normuon import normalize_rows
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import MUON_KW, NORMUON_BETA2
 from support.equivalence import N_MATRICES, max_diff

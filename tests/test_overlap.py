@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference

@@ -15,7 +15,7 @@ import torch
 
 import dmuon
 from dmuon.costmodel.traffic import owner_traffic
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.ported import (
     LR, MATRICES, MOMENTUM, PORTED, QKV, STEPS, VIEWS, WEIGHT_DECAY, ADAMW, PortNet, batch, loss_of,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.qk_clip import (
     ADAMW, ALPHA, BETA2, MUON, SKIPPED, STEPS, TAU, QKNet, batch, extra_reports, layers_of, loss_of, reference,

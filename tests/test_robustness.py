@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from dmuon.util.spawn import run_distributed, run_with_crashes
+from support.spawn import run_distributed, run_with_crashes
 
 from support import faults
 from support.cases import Case, run_cases

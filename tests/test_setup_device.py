@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 
 prepare_module = importlib.import_module("dmuon.prepare")  # the module (dmuon.prepare is also the function)
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 
 class _MeshOn:

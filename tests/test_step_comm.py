@@ -9,7 +9,7 @@ import torch
 
 from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows, step_collectives
 from dmuon.util.bits import bitwise_equal
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.step_comm import check_counted_log, counted_step, expected_log
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import MUON_KW, Case, run_cases
 from support.models import OddNet, lm_loss, odd_batch

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dmuon.util import torch_compat
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 pytestmark = pytest.mark.compat
 WORLD = 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 

@@ -19,7 +19,7 @@ from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from dmuon.util.spawn import run_distributed, run_with_crashes
+from support.spawn import run_distributed, run_with_crashes
 
 # Four matrices of four shapes; with the round-robin balancer on two ranks each owns two shapes,
 # so each owner runs two NS batches, one per return wave (return_waves=2).

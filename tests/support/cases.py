@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,7 @@ import dmuon
 from dmuon.baselines import GatherThenCompute
 
 from support.models import OddNet, lm_loss, odd_batch
+from support.scenarios import run_listed
 
 
 @dataclass
@@ -258,5 +260,6 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
-    """:func:`run_case` for each of ``cases`` in turn, in one spawned run."""
-    return [run_case(rank, world_size, c) for c in cases]
+    """:func:`run_case` for each of ``cases`` in turn, in one spawned run; a case that raised gives a
+    :class:`~support.scenarios.ScenarioFailed` (its error text), which fails only the test reading it."""
+    return run_listed([functools.partial(run_case, rank, world_size, c) for c in cases])

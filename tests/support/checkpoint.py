@@ -351,7 +351,7 @@ def _error_of(fn) -> str | None:
 
 def on_3_ranks(rank: int, world_size: int, directory: str, saved_at: int, more: int,
                plain: dict) -> dict:
-    """The 3-rank work (meant for :func:`dmuon.util.spawn.run_with_crashes`).
+    """The 3-rank work (meant for :func:`support.spawn.run_with_crashes`).
 
     * ``export``: trains ``saved_at`` steps; rank 0's full CPU model and optimizer state
       dicts; then ``more`` steps on (the parameters).

@@ -18,7 +18,7 @@ import dmuon
 
 from dmuon.costmodel.traffic import owner_exchange_collectives
 from dmuon.plan.selection import select_matrices
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from support.cases import DION2_KW, MUON_KW, Case, run_cases
 from support.equivalence import SKIP, STEPS, all_ranks_batches, max_diff

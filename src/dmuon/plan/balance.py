@@ -259,8 +259,13 @@ def balance(
 
     Raises:
         ValueError: For an unknown balancer, a bad world size or item index.
+        ImportError: For ``"milp"`` without scipy (``pip install dmuon[milp]``).
     """
     name = canonical(balancer)
+    if name == "milp":
+        # Asked for by name, the MILP fails without scipy instead of quietly giving LPT ("auto" falls back
+        # with a note naming the extra).
+        _milp.require_scipy()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):

@@ -203,6 +203,19 @@ class MilpSolution:
     """One line per phase: status and time, for reports."""
 
 
+def require_scipy() -> None:
+    """Raises an ImportError naming the extra to install when scipy (HiGHS) is missing.
+
+    scipy is an optional dependency: only this solver needs it, so ``pip install dmuon`` leaves it out.
+    """
+    try:
+        import scipy.optimize  # noqa: F401
+        import scipy.sparse  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("the MILP balancer (balancer='milp') needs scipy, which dmuon installs only with "
+                          "its milp extra: pip install dmuon[milp]") from exc
+
+
 def _run(c, integrality, bounds, constraints, time_limit_s: float, mip_rel_gap: float):
     from scipy.optimize import milp
 
@@ -273,7 +286,9 @@ def solve(
 
     Raises:
         ValueError: For mismatched ``kinds``/``counts`` or bad options.
+        ImportError: Without scipy (the ``milp`` extra).
     """
+    require_scipy()
     from scipy.optimize import Bounds
 
     if len(kinds) != len(counts):

@@ -1,6 +1,7 @@
 """Run a function on N local gloo ranks and collect what each returns.
 
-Used by ``dmuon bench``, ``examples/train_lm.py`` and dmuon's own tests; handy for users' tests too.
+Used by ``dmuon bench``, ``examples/train_lm.py`` and dmuon's own tests (whose support adds a retry
+after a native crash of a rank, ``tests/support/spawn.py``); handy for users' tests too.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import pickle
 import socket
 import sys
 import tempfile
-import time
-import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -82,15 +81,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     os._exit(0)
 
 
-NATIVE_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL")
-"""The signals :func:`run_distributed` counts as a native crash of a rank (not a Python exception)."""
-
-CRASH_RETRIES_ENV = "DMUON_SPAWN_CRASH_RETRIES"
-"""The environment variable giving :func:`run_distributed`'s ``crash_retries`` when it is None."""
-
-
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout_s: float = 120.0, threads: int = 1, crash_retries: int | None = None) -> list[Any]:
+                    timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
     Args:
@@ -102,15 +94,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         timeout_s: Process-group timeout, so a mismatched collective fails
             instead of hanging.
         threads: ``torch.set_num_threads`` in each rank.
-        crash_retries: How many times to run ``fn`` again, on fresh ranks, after a
-            rank died of a native crash (one of :data:`NATIVE_CRASH_SIGNALS`, with
-            every thread's Python stack on stderr), each time with a
-            ``RuntimeWarning`` naming the rank and signal. A Python exception is
-            never retried. None: the ``DMUON_SPAWN_CRASH_RETRIES`` environment
-            variable, else 0. dmuon's own suite sets 1 (the repository's conftest.py): ranks
-            of torch's gloo backend have died of SIGSEGV about once in a few full
-            runs of it, each time in a test that passes on its own, so a crash
-            seen twice in a row still fails the test, and wrong values always do.
 
     Returns:
         The per-rank return values, in rank order.
@@ -118,25 +101,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     Raises:
         torch.multiprocessing.ProcessRaisedException: If any rank raised; the
             other ranks are terminated.
-        torch.multiprocessing.ProcessExitedException: If a rank died, and no
-            retry was left.
+        torch.multiprocessing.ProcessExitedException: If a rank died (a native
+            crash prints every thread's Python stack to stderr first).
     """
-    if crash_retries is None:
-        crash_retries = int(os.environ.get(CRASH_RETRIES_ENV, "0"))
-    for _ in range(crash_retries):
-        try:
-            return _run_once(fn, world_size, args, timeout_s, threads)
-        except mp.ProcessExitedException as exc:
-            if exc.signal_name not in NATIVE_CRASH_SIGNALS:
-                raise
-            warnings.warn(f"run_distributed({getattr(fn, '__name__', fn)!r}, {world_size}): rank "
-                          f"{exc.error_index} died of {exc.signal_name} (its threads' stacks are on "
-                          f"stderr); running it again on fresh ranks", RuntimeWarning, stacklevel=2)
-    return _run_once(fn, world_size, args, timeout_s, threads)
-
-
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float,
-              threads: int) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
                                           dict(os.environ)),
@@ -145,56 +112,4 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
         for rank in range(world_size):
             with open(_result_path(out_dir, rank), "rb") as f:
                 results.append(pickle.load(f))
-    return results
-
-
-def _crashable_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
-                      timeout_s: float, threads: int, environ: dict[str, str]) -> None:
-    _join_gloo_group(rank, world_size, port, timeout_s, threads, environ)
-    code = 0
-    try:
-        result = fn(rank, world_size, *args)
-    except BaseException as exc:  # noqa: BLE001 - report it, then die as a crashed rank does
-        result, code = {"raised": f"{type(exc).__name__}: {exc}"}, 1
-    with open(_result_path(out_dir, rank), "wb") as f:
-        pickle.dump(result, f)
-    # No teardown: a crashed process does not say goodbye, and a group whose peer is
-    # gone may block in destroy_process_group.
-    os._exit(code)
-
-
-def run_with_crashes(fn: Callable[..., Any], world_size: int, *args: Any,
-                     timeout_s: float = 20.0, deadline_s: float = 120.0, threads: int = 1) -> list[Any]:
-    """Like :func:`run_distributed`, but a rank that raises just dies, as a crash would.
-
-    The other ranks are left to find out through the process group (a closed
-    connection, or the ``timeout_s`` collective timeout), which is what a test of
-    "no hang" needs to observe.
-
-    Returns:
-        Per rank: what ``fn`` returned, ``{"raised": "Type: message"}`` if it raised,
-        or ``{"hung": True}`` for a rank still running after ``deadline_s`` (killed).
-    """
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _crashable_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
-                                     dict(os.environ)),
-            nprocs=world_size, join=False, start_method=_start_method(),
-        )
-        end = time.monotonic() + deadline_s
-        for proc in ctx.processes:
-            proc.join(max(0.0, end - time.monotonic()))
-        results = []
-        for rank, proc in enumerate(ctx.processes):
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-                results.append({"hung": True})
-                continue
-            path = _result_path(out_dir, rank)
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    results.append(pickle.load(f))
-            else:
-                results.append({"raised": f"exit code {proc.exitcode} before reporting"})
     return results

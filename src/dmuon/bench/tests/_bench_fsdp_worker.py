@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon.bench.models import build_workload
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 
 def _fsdp_worker(rank: int, world: int, names: tuple[str, ...], steps: int) -> dict:

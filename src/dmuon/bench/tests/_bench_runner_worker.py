@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dmuon.bench.runner import BenchOptions, _ConfigRun
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 
 def _worker(rank: int, world: int, configs: tuple[str, ...], steps: int, late_s: float) -> dict:

@@ -12,7 +12,7 @@ from dmuon.bench.calibrate_fit import CONFIGS, LINK_KINDS, RATES, TWIN_PATHS, co
 from dmuon.bench.calibrate_meter import LINK_SIZES, _muon_counts
 from dmuon.bench.models import build_workload
 from dmuon.bench.shapes import bench_model_shapes
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 MODEL, SIZE, WORLD = "qwen2", "tiny", 2
 

@@ -8,7 +8,7 @@ import pytest
 from dmuon.bench.shapes import bench_model_shapes
 from dmuon.bench.tests._host_ops_worker import count_step
 from dmuon.costmodel.host import HostOps
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 OPS = HostOps()
 MATRICES = sum(g.count for g in bench_model_shapes("qwen2", "tiny") if g.muon)

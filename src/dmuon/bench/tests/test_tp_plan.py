@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from dmuon.bench.models.tp_plan import block_tp_plan
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 from ._bench_tp_worker import BUILDERS, tp_worker
 

@@ -29,7 +29,7 @@ from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
 from dmuon.plan.publication import ROUTES
 from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows
 from dmuon.plan.hop_a import UNITS
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 WORLD = 4
 # Uneven rows (37 over 4 or 2 columns), a 1xn and an nx1 matrix (on 2x2 the nx1 one's

@@ -147,7 +147,7 @@ def test_a_collective_reads_what_its_issuing_stream_ordered(streams):
 def test_gloo_all_reduce_through_the_checker():
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    from dmuon.util.spawn import run_distributed
+    from support.spawn import run_distributed
 
     assert run_distributed(_all_reduce_worker, 2, timeout_s=60) == [[3.0, 3.0], [3.0, 3.0]]
 

@@ -11,7 +11,7 @@ from torch import nn
 from dmuon.plan import milp, profile
 from dmuon.plan.assign import assign
 from dmuon.plan.plan import MatrixInfo
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 SHAPES = [(8, 16), (16, 4), (8, 16), (12, 12), (16, 4), (8, 16), (4, 8)]
 NS = {"method": "standard", "batching": "batched", "steps": 2}

@@ -6,6 +6,8 @@ import functools
 import itertools
 import math
 import random
+import re
+import sys
 
 import pytest
 
@@ -233,3 +235,36 @@ def test_auto_and_names():
         balance(kinds, items, 3, "milp", memory_factor=0.5)
     with pytest.raises(ValueError, match="time_limit_s"):
         balance(kinds, items, 3, "milp", time_limit_s=0)
+
+
+@pytest.fixture
+def without_scipy(monkeypatch):
+    """scipy as on an install without the ``milp`` extra: a None entry in sys.modules makes importing it
+    raise ImportError."""
+    for name in ("scipy", "scipy.optimize", "scipy.sparse"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_milp_without_scipy_names_the_extra(without_scipy):
+    kinds = [Kind("a", {1: 4.0, 2: 5.0}, 1), Kind("b", {1: 3.0, 3: 4.0}, 1)]
+    items = [0, 1, 0, 1, 1, 0, 0, 1, 1]
+    # Up front, even where the solver would not be reached (one rank).
+    for world_size in (4, 1):
+        with pytest.raises(ImportError, match=re.escape("pip install dmuon[milp]")):
+            balance(kinds, items, world_size, "milp", memory_factor=None)
+    # "auto" picks the best balancer there is: LPT, with a note naming the extra.
+    auto = balance(kinds, items, 4, "auto", memory_factor=None)
+    assert auto.method == "lpt" and any("dmuon[milp]" in n for n in auto.notes), auto.notes
+    # The other balancers never needed scipy.
+    assert balance(kinds, items, 4, "greedy").owners == lpt([kinds[k].costs[1] for k in items], 4)
+
+
+def test_prepare_with_the_milp_balancer_without_scipy_names_the_extra(without_scipy):
+    import torch
+
+    import dmuon
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(ImportError, match=re.escape("pip install dmuon[milp]")):
+        dmuon.prepare(model, balancer="milp")
+    assert dmuon.prepare(model, balancer="greedy").infos

@@ -88,14 +88,17 @@ def test_bad_settings_name_themselves():
         adjusted_lr(0.1, "rms_norm", WIDE)
 
 
+# torchtitan comes with the integrations extra (pinned there), so this runs in .ci/run's integrations step
+# (pytest -m integrations), not in the default run, which has no torchtitan.
+@pytest.mark.integrations
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 @pytest.mark.parametrize("shape", [WIDE, TALL], ids=["wide", "tall"])
 def test_torchtitans_distmuon_step_bit_for_bit(adjust_lr_fn, shape):
-    """torchtitan's DistMuon (its names are torch's plus "spectral_unclamped"), where it installs."""
-    titan = pytest.importorskip("torchtitan.distributed.flex_shard.dist_muon")
-    theirs_apply = getattr(titan, "_apply_muon_update", None)
-    if theirs_apply is None:
-        pytest.skip("this torchtitan has no _apply_muon_update")
+    """torchtitan's DistMuon (its names are torch's plus "spectral_unclamped") against ours, bit for bit."""
+    titan = pytest.importorskip("torchtitan.distributed.flex_shard.dist_muon",
+                                reason="torchtitan is not installed (pip install -e '.[integrations]')")
+    # The pinned torchtitan has it; a release without it must fail here, not skip unseen.
+    theirs_apply = titan._apply_muon_update
     gen = torch.Generator().manual_seed(5)
     param, ortho = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen).bfloat16()
     theirs, mine = param.clone(), param.clone()

@@ -41,7 +41,7 @@ from dmuon.comm.topology import from_mesh
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, row_pieces
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepCallbacks
-from dmuon.util.spawn import run_distributed
+from support.spawn import run_distributed
 
 WORLD = 4
 # Uneven rows, a conv kernel, a 1xn matrix; matrix 4 never gets a gradient (an unused matrix in
