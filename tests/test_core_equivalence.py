@@ -10,7 +10,6 @@ import torch
 
 <<<<<<< HEAD
 from dmuon.plan.batches import default_return_waves
-from dmuon.util.spawn import run_distributed
 =======
 from support.spawn import run_distributed
 >>>>>>> testsplit
@@ -18,6 +17,7 @@ from support.spawn import run_distributed
 from support.cases import Case, run_cases
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
 from support.models import OddNet
+from support.spawn import run_distributed
 
 
 # bf16 NS: the distributed gradient differs from the single-process one by

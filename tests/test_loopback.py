@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.util.spawn import run_distributed
 
 from support.cases import full_params, sharded_oddnet
 from support.models import lm_loss, odd_batch
+from support.spawn import run_distributed
 
 STEPS = 3
 SETTINGS = {

@@ -14,7 +14,8 @@ from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import HostStreams, Interval
 from dmuon.comm.topology import from_mesh
 from dmuon.plan.plan import MatrixInfo, row_pieces
-from dmuon.util.spawn import run_distributed
+
+from support.spawn import run_distributed
 
 SHAPES = [(6, 4), (5, 3)]
 
