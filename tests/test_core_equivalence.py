@@ -8,11 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-<<<<<<< HEAD
 from dmuon.plan.batches import default_return_waves
-=======
-from support.spawn import run_distributed
->>>>>>> testsplit
 
 from support.cases import Case, run_cases
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
