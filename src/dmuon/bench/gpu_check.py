@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from dmuon.bench.gpu_check_base import one_rank
+
 SECTIONS = ("syrk", "bench", "csan", "syncs", "ns")
 TIMEOUTS_S = {"syrk": 80, "bench": 170, "csan": 70, "syncs": 40, "ns": 90}
 """Per section, cold Triton compiles included (the syrk section compiles 20 kernels, the bench
@@ -59,33 +61,6 @@ SYNC_SIZES = ("tiny", "mini")
 """The bench model's sizes the syncs section steps (qwen2; 14 and 28 Muon matrices)."""
 DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 """cuBLAS's deterministic workspace (read at CUDA start: set for the section's process)."""
-
-
-def bench_configs(device: torch.device) -> list[str]:
-    """The bench's default set, dmuon with ``overlap=False`` (``dmuon_z3_sync``), and on an accelerator
-    dmuon with ``post_optim_event=True`` (CPU has no events)."""
-    from dmuon.bench.setups import CONFIGS
-
-    return list(CONFIGS) + ["dmuon_z3_sync"] + (["dmuon_z3_event"] if device.type == "cuda" else [])
-
-
-@contextlib.contextmanager
-def one_rank(device: torch.device):
-    """A one-rank process group in this process (NCCL on CUDA, else gloo); yields the backend."""
-    import torch.distributed as dist
-
-    from dmuon.util.spawn import free_port
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, rank=0, world_size=1)
-    try:
-        yield backend
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

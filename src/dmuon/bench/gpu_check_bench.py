@@ -224,7 +224,7 @@ def verdicts(runs: list[dict], device_type: str) -> list[dict]:
 def bench_section(size: str, steps: int, device: torch.device, out: str) -> dict:
     """Runs :func:`plan_runs` in this process's one-rank group; the JSON at ``out`` is rewritten after
     every run, so a timeout still leaves the runs done."""
-    from dmuon.bench.gpu_check import one_rank
+    from dmuon.bench.gpu_check_base import one_rank
     from dmuon.ortho.autotune import get_autotuner
 
     if device.type == "cuda":

@@ -127,14 +127,14 @@ def plan_csan() -> list[str]:
     """The configurations stepped under the sanitizer: the bench's set on CUDA (FSDP2 with AdamW,
     torch's Muon and the gather baseline show which reports are FSDP2's own), with NS and returns in
     backward; dmuon's with loopback collectives."""
-    from dmuon.bench.gpu_check import bench_configs
+    from dmuon.bench.gpu_check_base import bench_configs
 
     return bench_configs(torch.device("cuda")) + list(CSAN_EXTRA)
 
 
 def csan_section(device: torch.device, out: str) -> dict:
     """Two steps of each configuration; every sanitizer report (an exception it raises) verbatim."""
-    from dmuon.bench.gpu_check import one_rank
+    from dmuon.bench.gpu_check_base import one_rank
     from dmuon.bench.gpu_check_bench import train
 
     enabled = False

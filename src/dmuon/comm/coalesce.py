@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.stats import CommStats
-from dmuon.comm.streams import Flight, active
+from dmuon.comm.device_streams import active
+from dmuon.comm.streams import Flight
 
 
 class _Queued:

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 
 from dmuon.comm.stats import CommStats
-from dmuon.comm.streams import active, kept
+from dmuon.comm.device_streams import active
+from dmuon.comm.streams import kept
 
 
 @dataclass

@@ -22,7 +22,8 @@ references at the first ``wait()``, while the copy may still be on the wire for 
 
 Three implementations: :class:`HostStreams` (CPU: no streams, ``wait()`` blocks the host),
 :class:`CudaStreams`, and :class:`dmuon.comm.stream_check.CheckedStreams`, a CPU implementation
-that emulates CUDA's placement with logical streams and raises on any unordered use.
+that emulates CUDA's placement with logical streams and raises on any unordered use;
+:mod:`dmuon.comm.device_streams` picks the process's.
 Whether a rank enters a collective never depends on an event's, a timer's or a lock's state:
 nothing here decides what is issued, only where it is waited for.
 """
@@ -30,14 +31,13 @@ nothing here decides what is issued, only where it is waited for.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["CudaStreams", "Flight", "HostStreams", "Interval", "Streams", "active", "install", "streams_for"]
+__all__ = ["CudaStreams", "Flight", "HostStreams", "Interval", "Streams", "kept"]
 
 
 class Flight:
@@ -236,55 +236,6 @@ class CudaStreams(Streams):
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
-
-
-_active: Streams | None = None
-_by_device: dict[str, Streams] = {}
-_registry_lock = threading.Lock()
-
-
-CHECK_ENV = "DMUON_CHECK_STREAMS"
-"""Set to 1 to run the CPU ranks of a process group under :class:`dmuon.comm.stream_check.CheckedStreams`
-(the test suite does, for every rank it spawns; a process without a process group is left alone)."""
-
-
-def streams_for(device: torch.device | str) -> Streams:
-    """The process's streams of ``device`` (the checker's where one was installed, or on a CPU rank with
-    ``$DMUON_CHECK_STREAMS=1``, started on the calling thread); also made :func:`active`."""
-    global _active
-    device = torch.device(device)
-    with _registry_lock:
-        key = str(device)
-        if key not in _by_device:
-            if device.type == "cuda":
-                _by_device[key] = CudaStreams(device)
-            elif os.environ.get(CHECK_ENV) == "1" and torch.distributed.is_available() and \
-                    torch.distributed.is_initialized():
-                from dmuon.comm.stream_check import CheckedStreams
-
-                _by_device[key] = CheckedStreams(device).start()
-            else:
-                _by_device[key] = HostStreams(device)
-        _active = _by_device[key]
-        return _active
-
-
-def active() -> Streams:
-    """The streams of the device this process's runtime runs on (host streams before any)."""
-    global _active
-    if _active is None:
-        _active = HostStreams()
-    return _active
-
-
-def install(streams: Streams) -> Streams | None:
-    """Makes ``streams`` the process's streams of its device (the checker, in tests); returns what it replaces."""
-    global _active
-    with _registry_lock:
-        previous = _by_device.get(str(streams.device))
-        _by_device[str(streams.device)] = streams
-        _active = streams
-        return previous
 
 
 def kept(result: Any) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats, Pending, ShardExchange
 from dmuon.comm.replicate import ReplicateReduce
-from dmuon.comm.streams import streams_for
+from dmuon.comm.device_streams import streams_for
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import Agreement, agreement_flags

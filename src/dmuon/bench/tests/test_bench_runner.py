@@ -217,7 +217,7 @@ def test_post_optim_event_config_is_for_accelerators():
     import torch
 
     from . import _bench_runner_worker
-    from dmuon.bench.gpu_check import bench_configs
+    from dmuon.bench.gpu_check_base import bench_configs
 
     assert bench_configs(torch.device("cpu")) == [*CONFIGS, "dmuon_z3_sync"]
     assert bench_configs(torch.device("cuda")) == [*CONFIGS, "dmuon_z3_sync", "dmuon_z3_event"]

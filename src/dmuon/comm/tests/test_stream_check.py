@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.stream_check import CheckedStreams, StreamOrderError
-from dmuon.comm.streams import Flight
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon.comm import streams as streams_module
+from dmuon.comm import device_streams as streams_module
 from dmuon.comm.exchange import ShardExchange
 from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import HostStreams, Interval
