@@ -181,14 +181,8 @@ class CheckedStreams(Streams):
                 proxies[name] = proxy
             return proxies[name]
 
-        @contextlib.contextmanager
         def stream(s):
-            stack = checker._stack()
-            stack.append(name_of(s))
-            try:
-                yield
-            finally:
-                stack.pop()
+            return checker._on(name_of(s))
 
         def wait_stream(s, other) -> None:
             with checker._lock:
@@ -265,6 +259,16 @@ class CheckedStreams(Streams):
             self._tls.stack = [COMPUTE]
         return self._tls.stack
 
+    @contextlib.contextmanager
+    def _on(self, stream: str) -> Iterator[None]:
+        """This thread's current stream is ``stream`` inside the block."""
+        stack = self._stack()
+        stack.append(stream)
+        try:
+            yield
+        finally:
+            stack.pop()
+
     def _here(self) -> str:
         if threading.get_ident() != self._home and not getattr(self._tls, "entered", False):
             raise StreamOrderError(f"thread {threading.current_thread().name!r} uses the device's streams without "
@@ -284,12 +288,8 @@ class CheckedStreams(Streams):
             before = self._here()
             if fork:
                 self._join(stream, self._clock(before))
-        stack = self._stack()
-        stack.append(stream)
-        try:
+        with self._on(stream):
             yield
-        finally:
-            stack.pop()
 
     def enter(self) -> None:
         self._tls.entered = True
@@ -356,12 +356,8 @@ class CheckedStreams(Streams):
                     self._emulated_finalize = True
                 except RuntimeError:
                     pass  # called outside a backward pass (the checker's own tests): nothing ends it
-        stack = self._stack()
-        stack.append(FSDP2)
-        try:
+        with self._on(FSDP2):
             yield
-        finally:
-            stack.pop()
 
     def _finalize(self) -> None:
         """The end of a backward whose hooks FSDP2 did not call: what its finalize_backward would do."""

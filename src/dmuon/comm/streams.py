@@ -30,6 +30,7 @@ nothing here decides what is issued, only where it is waited for.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import time
@@ -77,7 +78,7 @@ class Interval:
         return self._start.elapsed_time(self._end) / 1e3
 
 
-class Streams:
+class Streams(abc.ABC):
     """The interface (see the module docstring); one instance per process and device."""
 
     @contextlib.contextmanager
@@ -94,32 +95,30 @@ class Streams:
 
     device: torch.device
 
+    @abc.abstractmethod
     def current(self) -> Any:
         """The calling thread's current stream."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def own(self, name: str) -> Any:
         """dmuon's own stream ``name`` (``"dmuon"``, ``"ns"``), created once."""
-        raise NotImplementedError
 
-    @contextlib.contextmanager
-    def use(self, stream: Any, fork: bool = True) -> Iterator[None]:
+    @abc.abstractmethod
+    def use(self, stream: Any, fork: bool = True) -> contextlib.AbstractContextManager[None]:
         """Runs the block on ``stream``. With ``fork`` it first waits for the stream it replaces: what
         was enqueued there before is visible inside; without, only events order its inputs (the NS
         worker's stream must not wait for the backward compute queued on the default stream)."""
-        raise NotImplementedError
-        yield
 
     def enter(self) -> None:
         """A new thread enters this device (a thread starts on device 0)."""
 
+    @abc.abstractmethod
     def record(self) -> Any:
         """An event at this point of the current stream."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait(self, event: Any) -> None:
         """The current stream waits for ``event``."""
-        raise NotImplementedError
 
     def issue(self, collective: Callable[[], Any], reads: Iterable[torch.Tensor],
               writes: Iterable[torch.Tensor]) -> Flight:
