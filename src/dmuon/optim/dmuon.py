@@ -175,6 +175,7 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
             post_optim_event=post_optim_event, return_waves=return_waves)
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
+                            ("adamw_lr", 0.0 if adamw_lr is None else adamw_lr),
                             ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
             _check_nonnegative(name, value)
         if plan is not None and hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:

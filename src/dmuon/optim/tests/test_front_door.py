@@ -74,7 +74,7 @@ def test_bad_groups_are_named(groups, error, message):
         dmuon.DMuon(groups, module=model)
 
 
-@pytest.mark.parametrize("name", ["lr", "weight_decay", "momentum", "adamw_weight_decay", "adamw_eps"])
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "momentum", "adamw_lr", "adamw_weight_decay", "adamw_eps"])
 def test_a_negative_setting_is_named(name):
     with pytest.raises(ValueError, match=f"^{name} must be >= 0, got -0.5"):
         dmuon.DMuon(TwoBlocks(), **{name: -0.5})
