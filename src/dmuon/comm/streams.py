@@ -81,6 +81,8 @@ class Interval:
 class Streams(abc.ABC):
     """The interface (see the module docstring); one instance per process and device."""
 
+    device: torch.device
+
     @contextlib.contextmanager
     def interval(self) -> Iterator[Interval]:
         """Times the block: host seconds (on CPU also the work's), and on CUDA the current stream's."""
@@ -92,8 +94,6 @@ class Streams(abc.ABC):
 
     def _timing_event(self) -> Any:
         return None
-
-    device: torch.device
 
     @abc.abstractmethod
     def current(self) -> Any:
