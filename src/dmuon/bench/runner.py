@@ -228,10 +228,12 @@ class _ConfigRun:
         t5 = time.perf_counter()
         opt = self.optimizer
         stats = opt.last_step_stats() if hasattr(opt, "last_step_stats") else {}
+        # The device's NS time (CUDA events; the host's on CPU): on CUDA the host only enqueues NS. Read
+        # after the synchronize above, so it waits for nothing.
+        ns_seconds = (opt.last_step_report().ns_device_seconds if hasattr(opt, "last_step_report")
+                      else stats.get("ns_seconds", 0.0))
         # Maxima over ranks of the clock stamps, and of each rank's own phase durations.
-        times = torch.tensor([t0, t1, t2, t3, t5 - t4, t1 - t0, (t3 - t2) + (t5 - t4),
-                              # The device's NS time (CUDA events; the host's on CPU): the host only enqueues on CUDA.
-                              stats.get("ns_device_seconds", stats.get("ns_seconds", 0.0))],
+        times = torch.tensor([t0, t1, t2, t3, t5 - t4, t1 - t0, (t3 - t2) + (t5 - t4), ns_seconds],
                              dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         last_start, last_backward, last_entry, last_exit, zero_grad_s, own_fwd_bwd, own_opt, ns_s = times.tolist()

@@ -52,8 +52,8 @@ class StepReport:
     def as_dict(self) -> dict[str, Any]:
         """The fields as one flat dict (``DMuon.last_step_stats()``): the traffic counters inline,
         their ``wait_seconds`` as ``exposed_comm_seconds`` (communication not hidden by compute)."""
+        # Not ns_device_seconds: reading it waits for the device, and a dict of figures is read every step.
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("traffic", "ns_spans")}
-        out["ns_device_seconds"] = self.ns_device_seconds
         counters = self.traffic.as_dict()
         out["exposed_comm_seconds"] = counters.pop("wait_seconds")
         out.update(counters)
