@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.stats import CommStats
 from dmuon.comm.device_streams import active
+from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import Flight
 
 

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from dmuon.comm.stats import CommStats
 from dmuon.comm.device_streams import active
+from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import kept
 
 

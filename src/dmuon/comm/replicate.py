@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.coalesce import GroupAllToAll
+from dmuon.comm.device_streams import active
 from dmuon.comm.pending import Pending, no_result
 from dmuon.comm.stats import CommStats
-from dmuon.comm.device_streams import active
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
 

@@ -48,8 +48,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from dmuon.comm import Pending, ShardExchange
-from dmuon.comm.pending import no_result
 from dmuon.comm.device_streams import streams_for
+from dmuon.comm.pending import no_result
 from dmuon.comm.streams import Interval, kept
 from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, Pending, ShardExchange
-from dmuon.comm.replicate import ReplicateReduce
 from dmuon.comm.device_streams import streams_for
+from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import Agreement, agreement_flags
@@ -49,9 +49,9 @@ from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
-from dmuon.runtime.tuning import TunedOwnerWork
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
+from dmuon.runtime.tuning import TunedOwnerWork
 from dmuon.util.bits import any_bits_differ
 from dmuon.util.dtensor import local_tensor
 

@@ -18,9 +18,7 @@ def streams():
     try:
         yield checker
     finally:
-        checker._mode.__exit__(None, None, None)
-        for owner, name, original in reversed(checker._patched):
-            setattr(owner, name, original)
+        checker.stop()
 
 
 def test_a_read_on_another_stream_needs_an_event(streams):
