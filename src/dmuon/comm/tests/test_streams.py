@@ -35,14 +35,14 @@ def _send_buffers_held_until_landed(rank: int, world_size: int) -> dict:
     infos = _infos(world_size)
     exchange = ShardExchange(infos, topo, CommStats(), torch.float32, torch.device("cpu"))
     sent = []
-    cat = exchange._cat
+    cat = exchange.core.cat
 
     def remember(parts):
         buffer = cat(parts)
         sent.append((weakref.ref(buffer), buffer.clone()))
         return buffer
 
-    exchange._cat = remember
+    exchange.core.cat = remember
     # NCCL keeps no reference to the buffers a caller may count on (it drops its stash at the first
     # wait()); gloo's handle holds them until it is freed. The collective runs at once here and its
     # handle holds nothing, so only what dmuon itself holds keeps the buffer.
