@@ -116,6 +116,12 @@ def _key(t: torch.Tensor) -> int | None:
         return None
 
 
+def _clock_of(event: Any) -> dict[str, int] | None:
+    """The vector clock an event carries: a checker's :class:`_Event`'s, or the one
+    ``torch.cpu.Event.record`` left on it (None: never recorded under the checker)."""
+    return event.clock if isinstance(event, _Event) else getattr(event, "_dmuon_clock", None)
+
+
 class CheckedStreams(Streams):
     """The checking implementation (see the module docstring); :meth:`start` installs it on this thread."""
 
@@ -162,16 +168,28 @@ class CheckedStreams(Streams):
         import torch.cpu as cpu
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+        self._patch_streams(cpu)
+        self._patch_events(cpu)
+        self._patch_finalize_backward(FSDPParamGroup)
+
+    def _patch(self, owner: Any, attr: str, value: Any) -> None:
+        """Sets ``owner.attr`` to ``value`` until :meth:`stop` puts the original back."""
+        self._patched.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def _fsdp2_stream(self, stream: Any) -> str:
+        """The logical stream of one of FSDP2's ``torch.cpu.Stream`` objects (named on first sight)."""
+        name = getattr(stream, "_dmuon_stream", None)
+        if name is None:
+            with self._lock:
+                self._fsdp2_streams += 1
+                name = stream._dmuon_stream = f"{FSDP2}:{self._fsdp2_streams}"
+        return name
+
+    def _patch_streams(self, cpu: Any) -> None:
+        """``torch.cpu.current_stream``/``stream`` and ``Stream.wait_stream``/``record_event``/``wait_event``."""
         checker = self
         proxies: dict[str, Any] = {}
-
-        def name_of(stream) -> str:
-            name = getattr(stream, "_dmuon_stream", None)
-            if name is None:
-                with checker._lock:
-                    checker._fsdp2_streams += 1
-                    name = stream._dmuon_stream = f"{FSDP2}:{checker._fsdp2_streams}"
-            return name
 
         def current_stream(device=None):
             name = checker._here()
@@ -182,54 +200,59 @@ class CheckedStreams(Streams):
             return proxies[name]
 
         def stream(s):
-            return checker._on(name_of(s))
+            return checker._on(checker._fsdp2_stream(s))
 
         def wait_stream(s, other) -> None:
             with checker._lock:
-                checker._join(name_of(s), checker._clock(name_of(other)))
+                checker._join(checker._fsdp2_stream(s), checker._clock(checker._fsdp2_stream(other)))
 
         def record_event(s) -> _Event:
             with checker._lock:
-                return _Event(name_of(s), dict(checker._clock(name_of(s))))
-
-        def clock_of(event) -> dict[str, int] | None:
-            return event.clock if isinstance(event, _Event) else getattr(event, "_dmuon_clock", None)
+                return _Event(checker._fsdp2_stream(s), dict(checker._clock(checker._fsdp2_stream(s))))
 
         def wait_event(s, event) -> None:
-            clock = clock_of(event)
+            clock = _clock_of(event)
             if clock is not None:
                 with checker._lock:
-                    checker._join(name_of(s), clock)
+                    checker._join(checker._fsdp2_stream(s), clock)
+
+        self._patch(cpu, "current_stream", current_stream)
+        self._patch(cpu, "stream", stream)
+        self._patch(cpu.Stream, "wait_stream", wait_stream)
+        self._patch(cpu.Stream, "record_event", record_event)
+        self._patch(cpu.Stream, "wait_event", wait_event)
+
+    def _patch_events(self, cpu: Any) -> None:
+        """``torch.cpu.Event.record``/``wait``: the event carries the recording stream's clock."""
+        checker = self
 
         def event_record(event, stream=None) -> None:
-            name = checker._here() if stream is None else name_of(stream)
+            name = checker._here() if stream is None else checker._fsdp2_stream(stream)
             with checker._lock:
                 event._dmuon_clock = dict(checker._clock(name))
 
         def event_wait(event, stream=None) -> None:
-            clock = clock_of(event)
+            clock = _clock_of(event)
             if clock is not None:
-                name = checker._here() if stream is None else name_of(stream)
+                name = checker._here() if stream is None else checker._fsdp2_stream(stream)
                 with checker._lock:
                     checker._join(name, clock)
 
-        for owner, attr, value in ((cpu, "current_stream", current_stream), (cpu, "stream", stream),
-                                   (cpu.Stream, "wait_stream", wait_stream),
-                                   (cpu.Stream, "record_event", record_event),
-                                   (cpu.Stream, "wait_event", wait_event),
-                                   (cpu.Event, "record", event_record), (cpu.Event, "wait", event_wait)):
-            self._patched.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, value)
+        self._patch(cpu.Event, "record", event_record)
+        self._patch(cpu.Event, "wait", event_wait)
 
-        original = FSDPParamGroup.finalize_backward
+    def _patch_finalize_backward(self, group_class: type) -> None:
+        """``FSDPParamGroup.finalize_backward``: backward ends there (from then on a wait on the
+        compute stream no longer queues backward's compute)."""
+        checker = self
+        original = group_class.finalize_backward
 
         def finalize_backward(group, *args, **kwargs):
             result = original(group, *args, **kwargs)  # waits for the post-reduce events (emulated above)
             checker._in_backward = False
             return result
 
-        FSDPParamGroup.finalize_backward = finalize_backward
-        self._patched.append((FSDPParamGroup, "finalize_backward", original))
+        self._patch(group_class, "finalize_backward", finalize_backward)
 
     def raise_pending(self) -> None:
         if self._pending_errors:
