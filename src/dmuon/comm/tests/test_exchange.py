@@ -1,13 +1,10 @@
 """ShardExchange on its own, no model: 4 gloo ranks, a 1-D mesh and a 2x2 (replicate x shard) one.
 
-Every rank holds its piece of known full tensors (piece ``s`` of shard position
-``s`` and, on HSDP, its column slice ``r`` of replica ``r``), as FSDP2 and dmuon's
-column-sliced momentum leave them. Two layouts: FSDP2's row chunks, and
-tensor parallelism's (the shard positions as dp x tp with tp = 2: colwise
-rows inside TP's chunks, rowwise boxes, and a matrix TP leaves whole, whose
-copies only the first holder sends). The owners must get exactly the full
+Every rank holds its piece of known full tensors, in FSDP2's row chunks or tensor parallelism's
+boxes (:mod:`dmuon.comm.tests.exchange_cases`). The owners must get exactly the full
 directions, every rank exactly its piece of every update, and the bytes counted
 for each collective must be :func:`dmuon.costmodel.traffic.owner_exchange_collectives`'.
+Hop 2's two routes across replicas: :mod:`dmuon.comm.tests.test_publication`.
 """
 
 from __future__ import annotations
@@ -19,120 +16,20 @@ import time
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon.comm.exchange import ShardExchange
 from dmuon.comm.stats import CommStats
-from dmuon.comm.topology import from_mesh
-from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
-from dmuon.plan.publication import ROUTES
-from dmuon.costmodel.traffic import owner_exchange_collectives, shard_rows
+from dmuon.comm.tests.exchange_cases import (
+    BLOCKS, ELEM, FLOAT_FLAG_WIRES, MESHES, OWNERS, ROW_STATE_RUNS, SHAPES, WIRE, WORLD, _bytes_by_level,
+    _check_rows, _direction, _expected_log, _float_flags, _grid, _infos, _members, _piece, _row_state, _rows,
+    _update)
+from dmuon.comm.tests.exchange_cases import _tp_pieces  # noqa: F401 (runtime/tests/test_schedule.py imports it here)
+from dmuon.comm.topology import Topology, from_mesh
+from dmuon.costmodel.traffic import owner_exchange_collectives
 from dmuon.plan.hop_a import UNITS
+from dmuon.plan.plan import MatrixInfo
 from support.spawn import run_distributed
-
-WORLD = 4
-# Uneven rows (37 over 4 or 2 columns), a 1xn and an nx1 matrix (on 2x2 the nx1 one's
-# second replica keeps no column), a conv kernel, shapes leaving trailing columns empty.
-SHAPES = [(37, 91), (1, 50), (50, 1), (6, 3, 3, 3), (5, 7), (8, 16), (3, 5), (1, 50)]
-BLOCKS = [0, 0, 0, 1, 1, 2, 2, 3]
-# Block 0: the 1xn matrix's owner (rank 1: column 1 on 2x2) holds none of its rows.
-# Block 2: owned by ranks 0 and 1 only, so on 2x2 replica 1 owns none of it.
-# Block 3: one 1xn matrix, owned in replica 1 on 2x2; shard column 1 holds none of its rows.
-OWNERS = [3, 1, 2, 0, 3, 0, 1, 2]
-MESHES = {"1-D": (None, "rows"), "2x2": ((2, 2), "rows"), "1-D tp": (None, "tp"), "2x2 tp": ((2, 2), "tp")}
-TP = 2
-WIRE = torch.float32
-ELEM = 4
-
-
-def _grid(mesh: str) -> tuple[int, int]:
-    mesh_shape = MESHES[mesh][0]
-    return (1, WORLD) if mesh_shape is None else mesh_shape
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    return [sum(sizes[:k]) for k in range(len(sizes))]
-
-
-def _tp_pieces(k: int, shape, shard: int) -> tuple[Piece, ...]:
-    """Position ``s = d * TP + t`` of a (dp, tp) grid: matrix ``k`` colwise, rowwise or left whole by TP."""
-    m, n, dp = shape[0], shape[1], shard // TP
-    out = []
-    for s in range(shard):
-        d, t = divmod(s, TP)
-        if k % 3 == 0:  # colwise: TP's row chunk, FSDP2's rows inside it (_StridedShard)
-            tp_rows = shard_rows(m, TP)
-            rows = shard_rows(tp_rows[t], dp)
-            out.append(Piece(_starts(tp_rows)[t] + _starts(rows)[d], rows[d], 0, n))
-        elif k % 3 == 1:  # rowwise: FSDP2's rows x TP's columns
-            rows, cols = shard_rows(m, dp), shard_rows(n, TP)
-            out.append(Piece(_starts(rows)[d], rows[d], _starts(cols)[t], cols[t]))
-        else:  # not split by TP: every tp position holds FSDP2's row chunk, the first sends it
-            rows = shard_rows(m, dp)
-            out.append(Piece(_starts(rows)[d], rows[d], 0, n, sends=t == 0))
-    return tuple(out)
-
-
-def _infos(mesh: str) -> list[MatrixInfo]:
-    replicate, shard = _grid(mesh)
-    layout = MESHES[mesh][1]
-    return [MatrixInfo(index=k, name=f"m{k}", param=nn.Parameter(torch.zeros(0)), shape=shape, block=BLOCKS[k],
-                       owner=OWNERS[k], replicate=replicate,
-                       pieces=row_pieces(shape, shard) if layout == "rows" else _tp_pieces(k, shape, shard))
-            for k, shape in enumerate(SHAPES)]
-
-
-def _full(k: int, seed: int) -> torch.Tensor:
-    return torch.randn(SHAPES[k], generator=torch.Generator().manual_seed(seed + k), dtype=WIRE)
-
-
-def _direction(k: int) -> torch.Tensor:
-    """Matrix ``k``'s full direction, in its parameter shape."""
-    return _full(k, 0)
-
-
-def _update(info: MatrixInfo) -> torch.Tensor:
-    """The matrix's full update, as its owner holds it: ``(shape[0], prod(shape[1:]))``."""
-    return _full(info.index, 1000).reshape(info.matrix_shape)
-
-
-def _rows(info: MatrixInfo, s: int, full: torch.Tensor) -> torch.Tensor:
-    """Piece ``s`` of a full tensor (parameter-shaped or 2-D), as ``(rows, cols * inner)``."""
-    p = info.pieces[s]
-    box = full.reshape(info.shape)[p.row : p.row + p.rows, p.col : p.col + p.cols]
-    return box.reshape(p.rows, p.cols * info.inner)
-
-
-def _piece(info: MatrixInfo, r: int, s: int) -> torch.Tensor:
-    """Rank ``(r, s)``'s part of the direction: piece ``s``'s column slice ``r``."""
-    p = info.pieces[s]
-    box = _direction(info.index)[p.row : p.row + p.rows, p.col : p.col + p.cols]
-    start = info.column_start(r, s)
-    return box[:, start : start + info.replica_columns(s)[r]]
-
-
-def _members(block: int) -> list[int]:
-    return [k for k in range(len(SHAPES)) if BLOCKS[k] == block]
-
-
-ROW_STATE_RUNS = [(torch.float32, 2), (torch.bfloat16, 1)]
-"""(wire dtype, row_width) of the row-state exchanges."""
-
-
-FLOAT_FLAG_WIRES = [torch.float32, torch.bfloat16, torch.float64]
-
-
-def _float_flags(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s non-negative float32 values sent as flags: the maximum of each is on another rank,
-    none of them is exact in bf16, and one is a subnormal (its bit pattern a small integer)."""
-    return torch.tensor([3.0 + rank / 3, 1e30 / (rank + 1), 2.0 ** 24 + 2 * rank + 1, 1e-40 * (rank + 1), 0.0],
-                        dtype=torch.float32)
-
-
-def _row_state(k: int, width: int, seed: int) -> torch.Tensor:
-    """Matrix ``k``'s whole ``(m, width)`` float32 row state (values no 16-bit dtype holds exactly)."""
-    return torch.randn(SHAPES[k][0], width, generator=torch.Generator().manual_seed(seed + 7 * k)) + 1 / 3
 
 
 def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
@@ -158,24 +55,49 @@ def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
     return out
 
 
-def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
-    """Worker: every block's directions to the owners and updates back, then all updates at once,
-    then (HSDP) a two-hop exchange of each kind landed by a side thread; what arrived and the logs."""
+def _topology(mesh: str, world_size: int) -> Topology:
     mesh_shape = MESHES[mesh][0]
     if mesh_shape is None:
         device_mesh = init_device_mesh("cpu", (world_size,))
     else:
         device_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-    topo = from_mesh(device_mesh, replicated=mesh_shape is not None)
-    r, s = topo.coords
+    return from_mesh(device_mesh, replicated=mesh_shape is not None)
+
+
+def _owned(infos: list[MatrixInfo], topo: Topology, members: list[int], wire: torch.dtype = WIRE) -> dict:
+    """The full update of each member this rank owns, in the wire dtype."""
+    return {k: _update(infos[k]).to(wire) for k in members if infos[k].owner == topo.rank}
+
+
+def _flags(topo: Topology, world_size: int) -> torch.Tensor:
+    """The agreement's flags riding on the return: rank k raises flag k, odd ranks the last one."""
+    return torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
+
+
+def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
+    """Worker: every block's directions to the owners and updates back, then all updates at once,
+    with flags, with a row state, then (HSDP) hop A's variants and a two-hop exchange of each kind
+    landed by a side thread; what arrived and the logs."""
+    topo = _topology(mesh, world_size)
     infos = _infos(mesh)
     stats = CommStats()
     exchange = ShardExchange(infos, topo, stats, WIRE, torch.device("cpu"))
-    out: dict = {"plan_rank": topo.rank, "coords": (r, s), "blocks": {}}
+    out: dict = {"plan_rank": topo.rank, "coords": topo.coords}
+    out.update(_each_block_and_all(exchange, infos, topo))
+    flags = _flags(topo, world_size)
+    out["flagged"] = _flagged_returns(exchange, infos, topo, flags)
+    out["float_flags"] = _float_flag_returns(infos, topo, flags)
+    out["row_state"] = _row_state_exchanges(infos, topo)
+    if topo.replicate > 1:
+        out.update(_hop_a_variants(exchange, infos, topo))
+    return out
 
-    def owned(members):
-        return {k: _update(infos[k]) for k in members if infos[k].owner == topo.rank}
 
+def _each_block_and_all(exchange: ShardExchange, infos: list[MatrixInfo], topo: Topology) -> dict:
+    """Every block's directions to the owners and updates back, then all updates at once."""
+    r, s = topo.coords
+    stats = exchange.stats
+    out: dict = {"blocks": {}}
     for block in sorted(set(BLOCKS)):
         members = _members(block)
         start = len(stats.log)
@@ -183,39 +105,50 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
         pending.forward()
         directions = pending.wait()
         middle = len(stats.log)
-        pending = exchange.return_updates(members, owned(members))
+        pending = exchange.return_updates(members, _owned(infos, topo, members))
         pending.forward()
         rows = pending.wait()
         out["blocks"][block] = {"directions": directions, "rows": rows,
                                 "send_log": stats.log[start:middle], "return_log": stats.log[middle:]}
     everything = list(range(len(SHAPES)))
     start = len(stats.log)
-    out["all_rows"] = exchange.return_updates(everything, owned(everything)).wait()  # no forward(): wait() does it
+    # no forward(): wait() does it
+    out["all_rows"] = exchange.return_updates(everything, _owned(infos, topo, everything)).wait()
     out["all_return_log"] = stats.log[start:]
+    return out
 
-    # The agreement's flags riding on the return: rank k raises flag k, odd ranks the last one.
-    flags = torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
-    out["flagged"] = {}
+
+def _flagged_returns(exchange: ShardExchange, infos: list[MatrixInfo], topo: Topology, flags: torch.Tensor) -> dict:
+    """Every block's return and all at once again, the agreement's flags riding on each."""
+    stats = exchange.stats
+    out = {}
     for block in [*sorted(set(BLOCKS)), "all"]:
-        members = everything if block == "all" else _members(block)
+        members = list(range(len(SHAPES))) if block == "all" else _members(block)
         start = len(stats.log)
-        pending = exchange.return_updates(members, owned(members), flags)
-        out["flagged"][block] = {"rows": pending.wait(), "agreed": pending.agreed().tolist(),
-                                 "log": stats.log[start:]}
+        pending = exchange.return_updates(members, _owned(infos, topo, members), flags)
+        out[block] = {"rows": pending.wait(), "agreed": pending.agreed().tolist(), "log": stats.log[start:]}
+    return out
 
-    # Flags that are float32 bit patterns (the agreement's logit maxima), in every wire dtype: they
-    # must travel bit for bit and be maximised as integers (a bf16 wire cannot hold them as values).
-    out["float_flags"] = {}
+
+def _float_flag_returns(infos: list[MatrixInfo], topo: Topology, flags: torch.Tensor) -> dict:
+    """Flags that are float32 bit patterns (the agreement's logit maxima), in every wire dtype: they
+    must travel bit for bit and be maximised as integers (a bf16 wire cannot hold them as values)."""
+    everything = list(range(len(SHAPES)))
+    out = {}
     for wire in FLOAT_FLAG_WIRES:
         flag_exchange = ShardExchange(infos, topo, CommStats(), wire, torch.device("cpu"))
-        mine = [k for k in everything if infos[k].owner == topo.rank]
         sent = torch.cat([flags, _float_flags(topo.rank).view(torch.int32)])
-        pending = flag_exchange.return_updates(everything, {k: _update(infos[k]).to(wire) for k in mine}, sent)
-        out["float_flags"][str(wire)] = {"rows": pending.wait(), "agreed": pending.agreed()}
+        pending = flag_exchange.return_updates(everything, _owned(infos, topo, everything, wire), sent)
+        out[str(wire)] = {"rows": pending.wait(), "agreed": pending.agreed()}
+    return out
 
-    # A per-row state riding along (NorMuon's): every member at once, in float32 and (bit for bit,
-    # two wire elements a value) in bfloat16; fresh counters, so the logs hold these alone.
-    out["row_state"] = {}
+
+def _row_state_exchanges(infos: list[MatrixInfo], topo: Topology) -> dict:
+    """A per-row state riding along (NorMuon's): every member at once, in float32 and (bit for bit,
+    two wire elements a value) in bfloat16; fresh counters, so the logs hold these alone."""
+    r, s = topo.coords
+    everything = list(range(len(SHAPES)))
+    out = {}
     for wire, width in ROW_STATE_RUNS:
         row_stats = CommStats()
         rows_exchange = ShardExchange(infos, topo, row_stats, wire, torch.device("cpu"), row_width=width)
@@ -225,79 +158,59 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
         got = {"directions": pending.wait(), "states": pending.row_states(), "send_log": list(row_stats.log)}
         middle = len(row_stats.log)
         mine = [k for k in everything if infos[k].owner == topo.rank]
-        pending = rows_exchange.return_updates(everything, {k: _update(infos[k]).to(wire) for k in mine},
+        pending = rows_exchange.return_updates(everything, _owned(infos, topo, everything, wire),
                                                rows={k: _row_state(k, width, 1000) for k in mine})
         got.update(rows=pending.wait(), returned_states=pending.row_states(), return_log=row_stats.log[middle:])
-        out["row_state"][str(wire)] = got
+        out[str(wire)] = got
+    return out
 
-    if topo.replicate > 1:
-        members = _members(0)
-        # Hop A joined with another all-to-all of another dtype on the replicate group: one
-        # collective, each part landing what it would alone.
-        start = len(stats.log)
-        mine = torch.arange(topo.replicate * 3, dtype=torch.bfloat16) + 10 * topo.rank  # exact in bf16
-        theirs = torch.empty_like(mine)
-        with exchange.across.coalesced():
-            pending = exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})
-            extra = exchange.across(theirs, mine, [3] * topo.replicate, [3] * topo.replicate, 7, 11)
-            try:
-                extra[0].wait()
-                early = "returned"
-            except RuntimeError as e:
-                early = str(e)
-        extra[0].wait()
+
+def _hop_a_variants(exchange: ShardExchange, infos: list[MatrixInfo], topo: Topology) -> dict:
+    """HSDP: block 0's hop A joined with another all-to-all, hop A in row chunks, and a two-hop
+    exchange of each kind landed by a side thread."""
+    r, s = topo.coords
+    stats = exchange.stats
+    members = _members(0)
+
+    def local() -> dict:
+        return {k: _piece(infos[k], r, s) for k in members}
+
+    # Hop A joined with another all-to-all of another dtype on the replicate group: one
+    # collective, each part landing what it would alone.
+    start = len(stats.log)
+    mine = torch.arange(topo.replicate * 3, dtype=torch.bfloat16) + 10 * topo.rank  # exact in bf16
+    theirs = torch.empty_like(mine)
+    with exchange.across.coalesced():
+        pending = exchange.send_directions(members, local())
+        extra = exchange.across(theirs, mine, [3] * topo.replicate, [3] * topo.replicate, 7, 11)
+        try:
+            extra[0].wait()
+            early = "returned"
+        except RuntimeError as e:
+            early = str(e)
+    extra[0].wait()
+    pending.forward()
+    out = {"joined": {"directions": pending.wait(), "extra": theirs.float(), "early": early,
+                      "log": stats.log[start:]}}
+    # Hop A in row chunks: a third of the units, nothing more, two thirds and one, the rest.
+    steps = [UNITS // 3, UNITS // 3, 2 * UNITS // 3 + 1, UNITS]
+    schedule = iter([{k: units for k in members} for units in steps])
+    start = len(stats.log)
+    pending = exchange.send_directions(members, local(), spread=lambda: next(schedule))
+    for _ in steps[1:]:
         pending.forward()
-        out["joined"] = {"directions": pending.wait(), "extra": theirs.float(), "early": early,
-                         "log": stats.log[start:]}
-        # Hop A in row chunks: a third of the units, nothing more, two thirds and one, the rest.
-        steps = [UNITS // 3, UNITS // 3, 2 * UNITS // 3 + 1, UNITS]
-        schedule = iter([{k: units for k in members} for units in steps])
-        start = len(stats.log)
-        pending = exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members},
-                                           spread=lambda: next(schedule))
-        for _ in steps[1:]:
-            pending.forward()
-        out["chunked"] = {"directions": pending.wait(), "log": stats.log[start:], "steps": steps}
-        out["two_hop"] = {
-            "directions": _landed_by_a_side_thread(
-                stats, lambda: exchange.send_directions(members, {k: _piece(infos[k], r, s) for k in members})),
-            "updates": _landed_by_a_side_thread(stats, lambda: exchange.return_updates(members, owned(members))),
-        }
+    out["chunked"] = {"directions": pending.wait(), "log": stats.log[start:], "steps": steps}
+    out["two_hop"] = {
+        "directions": _landed_by_a_side_thread(stats, lambda: exchange.send_directions(members, local())),
+        "updates": _landed_by_a_side_thread(stats, lambda: exchange.return_updates(
+            members, _owned(infos, topo, members))),
+    }
     return out
 
 
 @functools.cache
 def _results(mesh: str) -> list[dict]:
     return run_distributed(exchange_on_ranks, WORLD, mesh, timeout_s=60)
-
-
-def _expected_log(members: list[int], rank: int, mesh: str) -> tuple[list, list]:
-    """This rank's ``(level, sent, received)`` of each collective the traffic model has it take part in."""
-    replicate, shard = _grid(mesh)
-    infos = _infos(mesh)
-    backward, step = owner_exchange_collectives([SHAPES[k] for k in members], [OWNERS[k] for k in members],
-                                                [BLOCKS[k] for k in members], replicate, shard, elem_bytes=ELEM,
-                                                pieces=[infos[k].pieces for k in members])
-
-    def mine(collectives):
-        return [(c.level, *c.ranks[rank]) for c in collectives if c.ranks[rank] is not None]
-
-    return mine(backward), mine(step)
-
-
-def _check_rows(got: dict, members: list[int], infos: list[MatrixInfo], s: int, where: str) -> None:
-    """``got`` has this position's piece of every member's update, no entry for a member it holds
-    nothing of, and nothing else."""
-    assert set(got) <= set(members), f"{where}: unexpected matrices {sorted(set(got) - set(members))}"
-    for k in members:
-        info = infos[k]
-        expected = _rows(info, s, _update(info))
-        if info.piece_numel(s) == 0:
-            assert k not in got, f"{where}: an entry for matrix {k}, of which this position holds nothing"
-            continue
-        assert k in got, f"{where}: no rows of matrix {k} {info.shape}"
-        assert got[k].shape == expected.shape, f"{where}: matrix {k} rows {tuple(got[k].shape)}"
-        assert torch.equal(got[k], expected), f"{where}: matrix {k} {info.shape} rows differ"
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -364,14 +277,6 @@ def test_row_state_travels_with_the_matrices_exactly(mesh):
             send = [(c.level, *c.ranks[rank]) for c in backward if c.ranks[rank] is not None]
             assert _bytes_by_level(got["send_log"]) == _bytes_by_level(send), where
             assert got["return_log"] == [(c.level, *c.ranks[rank]) for c in step if c.ranks[rank] is not None], where
-
-
-def _bytes_by_level(log) -> dict[str, tuple[int, int]]:
-    out: dict[str, tuple[int, int]] = {}
-    for level, sent, received in log:
-        before = out.get(level, (0, 0))
-        out[level] = (before[0] + sent, before[1] + received)
-    return {level: v for level, v in out.items() if v != (0, 0)}
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -522,150 +427,3 @@ def test_two_hop_exchange_waits_for_the_main_threads_forward(what):
         assert sorted(got["result"]) == mine
         for k in mine:
             assert torch.equal(got["result"][k], _direction(k).reshape(infos[k].matrix_shape))
-
-
-# ------------------------------------------------- hop 2's two routes across replicas
-PUBLICATION_LAYOUTS = {
-    "2x2": ((2, 2), "rows", OWNERS),
-    # Block 0 owned in replica 0 alone (the scatter route's case), block 1 in replicas 1 and 2,
-    # block 2 by one rank, block 3 by (1, 1), which holds none of its one row.
-    "3x2": ((3, 2), "rows", [1, 0, 1, 2, 5, 0, 0, 3]),
-    "2x4 tp": ((2, 4), "tp", [7, 2, 5, 0, 6, 1, 3, 4]),
-}
-"""Layout name: ((replicate, shard), pieces, owners) of the publication tests (one spawn each)."""
-PUBLICATION_RUNS = [(torch.float32, 0, True), (torch.bfloat16, 1, True), (torch.float32, 2, False)]
-"""(wire dtype, row_width, flags sent along) of each publication run."""
-
-
-def _publication_infos(layout: str) -> list[MatrixInfo]:
-    (replicate, shard), kind, owners = PUBLICATION_LAYOUTS[layout]
-    return [MatrixInfo(index=k, name=f"m{k}", param=nn.Parameter(torch.zeros(0)), shape=shape, block=BLOCKS[k],
-                       owner=owners[k], replicate=replicate,
-                       pieces=row_pieces(shape, shard) if kind == "rows" else _tp_pieces(k, shape, shard))
-            for k, shape in enumerate(SHAPES)]
-
-
-def _publication_returns() -> list[tuple[str, list[int]]]:
-    """(name, members) of each return: every block alone, then all matrices in one wave."""
-    return [*((f"block {b}", _members(b)) for b in sorted(set(BLOCKS))), ("all", list(range(len(SHAPES))))]
-
-
-def publication_on_ranks(rank: int, world_size: int, layout: str) -> dict:
-    """Worker: each route (forced, or None: the exchange's choice), wire and row state: every block's
-    return, all matrices at once, and the blocks as return waves pipelined as the runtime does; what
-    landed, each one's log and the route chosen for each."""
-    mesh_shape = PUBLICATION_LAYOUTS[layout][0]
-    topo = from_mesh(init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")), replicated=True)
-    infos = _publication_infos(layout)
-    flags = torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
-    out: dict = {"plan_rank": topo.rank, "coords": topo.coords, "runs": {}}
-    for route in (*ROUTES, None):
-        for wire, width, flagged in PUBLICATION_RUNS:
-            stats = CommStats()
-            exchange = ShardExchange(infos, topo, stats, wire, torch.device("cpu"), row_width=width,
-                                     publication=route)
-
-            def start(members, flagged=flagged):
-                mine = [k for k in members if infos[k].owner == topo.rank]
-                return exchange.return_updates(members, {k: _update(infos[k]).to(wire) for k in mine},
-                                               flags if flagged else None,
-                                               {k: _row_state(k, width, 1000) for k in mine} if width else None)
-
-            got = {}
-            for name, members in _publication_returns():
-                begin = len(stats.log)
-                pending = start(members)
-                agreed = pending.agreed()
-                got[name] = {"rows": pending.wait(), "states": pending.row_states(),
-                             "agreed": None if agreed is None else agreed.tolist(), "log": stats.log[begin:],
-                             "route": exchange.route(members)}
-            # The blocks as return waves, as ShardRuntime pipelines them (no flags: several waves are
-            # never speculative): before each new wave, every return in flight advances one hop, the
-            # round's hops across replicas in one all-to-all.
-            begin, returns = len(stats.log), []
-            for b in sorted(set(BLOCKS)):
-                with exchange.across.coalesced():
-                    for earlier in returns:
-                        earlier.forward()
-                returns.append(start(_members(b), False))
-            rows, states = {}, {}
-            for k, pending in enumerate(returns):
-                while not pending.issued():
-                    with exchange.across.coalesced():
-                        for later in returns[k:]:
-                            later.forward()
-                rows.update(pending.wait())
-                states.update(pending.row_states())
-            got["waves"] = {"rows": rows, "states": states, "log": stats.log[begin:]}
-            out["runs"][(route, str(wire), width, flagged)] = got
-    return out
-
-
-@functools.cache
-def _publication_results(layout: str) -> list[dict]:
-    replicate, shard = PUBLICATION_LAYOUTS[layout][0]
-    return run_distributed(publication_on_ranks, replicate * shard, layout, timeout_s=120)
-
-
-@pytest.mark.parametrize("layout", PUBLICATION_LAYOUTS)
-def test_both_publication_routes_give_every_holder_its_rows_state_and_the_flags(layout):
-    """Forced either way or chosen, hop 2 leaves every rank exactly its piece of every member's update (the
-    owner's, in the wire dtype), its rows' state (bit for bit, in a 16-bit wire too) and the
-    maximum of every rank's flags, whichever replica owns what."""
-    infos = _publication_infos(layout)
-    results = _publication_results(layout)
-    for res in results:
-        rank, s = res["plan_rank"], res["coords"][1]
-        for (route, wire, width, flagged), got in res["runs"].items():
-            dtype = getattr(torch, wire.removeprefix("torch."))
-            for name, members in [*_publication_returns(), ("waves", list(range(len(SHAPES))))]:
-                where = f"{layout} rank {rank} {route} {wire} row_width {width} {name}"
-                landed = got[name]
-                held = [k for k in members if infos[k].piece_numel(s)]
-                assert sorted(landed["rows"]) == held, where
-                for k in held:
-                    expected = _rows(infos[k], s, _update(infos[k])).to(dtype)
-                    assert landed["rows"][k].shape == expected.shape, f"{where}: matrix {k}"
-                    assert torch.equal(landed["rows"][k], expected), f"{where}: matrix {k}'s rows"
-                assert sorted(landed["states"]) == (held if width else []), where
-                for k in held if width else []:
-                    p = infos[k].pieces[s]
-                    expected = _row_state(k, width, 1000)[p.row : p.row + p.rows]
-                    assert torch.equal(landed["states"][k], expected), f"{where}: matrix {k}'s row state"
-                if name != "waves":
-                    assert landed["agreed"] == ([1] * len(results) + [1] if flagged else None), where
-
-
-@pytest.mark.parametrize("layout", PUBLICATION_LAYOUTS)
-def test_both_publication_routes_count_the_models_bytes_per_collective(layout):
-    """Per rank, each collective of the return is one of ``owner_exchange_collectives(publication=)``
-    with the same bytes, in order: hop 1, then the direct route's one all-to-all across replicas or the
-    scatter and the all-gather; pipelined waves join a wave's all-gather with the next wave's first
-    hop across replicas. The flags are not counted (a flags-only collective aside, the same bytes).
-    Left to choose, the exchange (from its plan's pieces) and the model (from its tables) pick the
-    same route: the scatter one where a replica owns a whole block of three replicas' wave."""
-    infos = _publication_infos(layout)
-    (replicate, shard), _, owners = PUBLICATION_LAYOUTS[layout]
-    waves = [_members(b) for b in sorted(set(BLOCKS))]
-    for res in _publication_results(layout):
-        rank = res["plan_rank"]
-        for (route, wire, width, flagged), got in res["runs"].items():
-            elem = getattr(torch, wire.removeprefix("torch.")).itemsize
-            for name, members in [*_publication_returns(), ("waves", list(range(len(SHAPES))))]:
-                where = f"{layout} rank {rank} {route} {wire} row_width {width} {name}"
-                _, step = owner_exchange_collectives(
-                    [SHAPES[k] for k in members], [owners[k] for k in members], [BLOCKS[k] for k in members],
-                    replicate, shard, elem_bytes=elem, pieces=[infos[k].pieces for k in members],
-                    row_bytes=4 * width, publication=route, waves=waves if name == "waves" else None)
-                expected = [(c.level, *c.ranks[rank]) for c in step if c.ranks[rank] is not None]
-                if flagged and name != "waves":
-                    assert _bytes_by_level(got[name]["log"]) == _bytes_by_level(expected), where
-                else:
-                    assert got[name]["log"] == expected, where
-                roles = {c.role for c in step}
-                chosen = route or got[name].get("route", route)
-                if chosen is not None:
-                    assert roles == ({"return_shard", "return_replicas"} if chosen == "direct" else
-                                     {"return_shard", "return_scatter", "return_gather"}), where
-            if route is None:
-                assert got["block 0"]["route"] == ("scatter" if replicate > 2 else "direct"), layout
