@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--ortho")
         return ortho_main(argv)
     if "--calibrate" in argv:
-        # `dmuon bench --calibrate`: this machine's figures, the simulated bench beside the measured one.
+        # `dmuon bench --calibrate`: this machine's figures as `dmuon plan --simulate` flags.
         from dmuon.bench.calibrate import main as calibrate_main
 
         argv.remove("--calibrate")
