@@ -53,59 +53,80 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dmuon plan", description=__doc__)
-    p.add_argument("--model", default="qwen2.5-7b", choices=FULL_SIZE_NAMES,
+    _add_workload_arguments(p)
+    _add_balancing_arguments(p)
+    _add_traffic_arguments(p)
+    _add_simulation_arguments(p)
+    _add_output_arguments(p)
+    return p
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the matrices and ranks to plan")
+    g.add_argument("--model", default="qwen2.5-7b", choices=FULL_SIZE_NAMES,
                    help="a bench model (built on the meta device) or a full-size shape list")
-    p.add_argument("--size", default=None, help="size preset of the bench models (default: the bench's, mini for qwen2)")
-    p.add_argument("--shapes", default=None, metavar="FILE",
+    g.add_argument("--size", default=None, help="size preset of the bench models (default: the bench's, mini for qwen2)")
+    g.add_argument("--shapes", default=None, metavar="FILE",
                    help='JSON list of {"name": str, "shape": [m, n], "count": int}; overrides --model')
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--balancer", default="greedy", choices=BALANCERS + ("all",),
+    g.add_argument("--world-size", type=int, default=8)
+
+
+def _add_balancing_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("owner costs and balancing")
+    g.add_argument("--balancer", default="greedy", choices=BALANCERS + ("all",),
                    help="owner balancer; 'all' compares round_robin, lpt and milp side by side")
-    p.add_argument("--costs", default=None, metavar="FILE",
+    g.add_argument("--costs", default=None, metavar="FILE",
                    help='JSON list of {"shape": [m, n], "batch": int, "seconds": float} measured elsewhere; '
                         "default: this machine's profile cache if it covers the shapes, else the analytical model")
-    p.add_argument("--profile", action="store_true",
+    g.add_argument("--profile", action="store_true",
                    help="measure the owner update for every shape and batch size on this machine now (cached)")
-    p.add_argument("--profile-budget", type=_positive_float, default=None, metavar="S",
+    g.add_argument("--profile-budget", type=_positive_float, default=None, metavar="S",
                    help="with --profile: stop measuring batches > 1 after S seconds")
-    p.add_argument("--save-costs", default=None, metavar="FILE",
+    g.add_argument("--save-costs", default=None, metavar="FILE",
                    help="write the cost table used (e.g. just profiled) in the --costs format")
-    p.add_argument("--max-batch", type=int, default=None, metavar="B",
+    g.add_argument("--max-batch", type=int, default=None, metavar="B",
                    help="with --profile: largest batch size to measure (default: each shape's count)")
-    p.add_argument("--analytical", action="store_true", help="use the analytical FLOP model even if a cache exists")
-    p.add_argument("--ns-steps", type=int, default=5, help="NS iterations (analytical model and profile key)")
-    p.add_argument("--ns-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
+    g.add_argument("--analytical", action="store_true", help="use the analytical FLOP model even if a cache exists")
+    g.add_argument("--ns-steps", type=int, default=5, help="NS iterations (analytical model and profile key)")
+    g.add_argument("--ns-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
                    help="NS dtype: profile key (float32 on CPUs without bfloat16 units) and dmuon's wire "
                         "element size for the traffic figures (2 or 4 bytes)")
-    p.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
+    g.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
                    help="MILP time limit in seconds (best solution found is kept)")
-    p.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
+    g.add_argument("--memory-factor", type=_memory_factor, default=DEFAULT_MEMORY_FACTOR, metavar="F",
                    help="MILP: per-rank optimizer state at most F x the mean ('none' for no limit)")
-    p.add_argument("--zero", type=int, default=2, choices=[2, 3],
+
+
+def _add_traffic_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("FSDP2's layout and the links (traffic figures, and the simulation's links)")
+    g.add_argument("--zero", type=int, default=2, choices=[2, 3],
                    help="FSDP2 resharding for the FSDP2 and gather-then-compute figures only: 3 = "
                         "reshard_after_forward (weights all-gathered in forward and again in backward), "
                         "2 = gathered once; dmuon's own traffic is the same for both")
-    p.add_argument("--root-reshard", action="store_true",
+    g.add_argument("--root-reshard", action="store_true",
                    help="the root module sharded with an explicit reshard_after_forward=True (torch 2.13 then "
                         "gathers it again at the start of backward; left unset, FSDP2 keeps it gathered): its "
                         "all-gather in backward in step_comm and the simulation")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
                         "reports intra- and inter-node bytes (default: one node, 1-D FSDP)")
-    p.add_argument("--param-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
+    g.add_argument("--param-dtype", default="bfloat16", choices=sorted(_NS_DTYPES),
                    help="step_comm: FSDP2's all-gather dtype (MixedPrecisionPolicy.param_dtype; default bf16)")
-    p.add_argument("--reduce-dtype", default="float32", choices=sorted(_NS_DTYPES),
+    g.add_argument("--reduce-dtype", default="float32", choices=sorted(_NS_DTYPES),
                    help="step_comm: FSDP2's reduce-scatter and all-reduce dtype (reduce_dtype; default fp32)")
-    p.add_argument("--intra-bandwidth", type=_positive_float, default=None, metavar="GB/S",
+    g.add_argument("--intra-bandwidth", type=_positive_float, default=None, metavar="GB/S",
                    help="per-rank, per-direction bandwidth inside a node in GB/s, for step_comm's seconds and the "
                         "simulation (default: the --hardware preset's; h100: 450, NVLink 4's 900 GB/s bidirectional)")
-    p.add_argument("--inter-bandwidth", type=_positive_float, default=None, metavar="GB/S",
+    g.add_argument("--inter-bandwidth", type=_positive_float, default=None, metavar="GB/S",
                    help="per-rank, per-direction bandwidth across nodes in GB/s (default: the preset's; h100: 50, "
                         "one 400 Gb/s NIC per GPU)")
-    p.add_argument("--intra-latency", type=_nonnegative_float, default=None, metavar="US",
+    g.add_argument("--intra-latency", type=_nonnegative_float, default=None, metavar="US",
                    help="latency per message inside a node in microseconds (default: the preset's; h100: 10)")
-    p.add_argument("--inter-latency", type=_nonnegative_float, default=None, metavar="US",
+    g.add_argument("--inter-latency", type=_nonnegative_float, default=None, metavar="US",
                    help="latency per message across nodes in microseconds (default: the preset's; h100: 20)")
+
+
+def _add_simulation_arguments(p: argparse.ArgumentParser) -> None:
     sim = p.add_argument_group("one step's timeline (--simulate; docs/benchmarks/README.md, 'The step simulation')")
     sim.add_argument("--simulate", action="store_true",
                      help="also simulate one training step on every rank per strategy (FSDP2 + AdamW, "
@@ -150,15 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "blocks return in backward)")
     sim.add_argument("--serial", action="store_true",
                      help="no overlap: every task after the previous one on every rank")
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--scale-table", default=None, metavar="MODELS",
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--json", default=None, metavar="PATH")
+    g.add_argument("--scale-table", default=None, metavar="MODELS",
                    help="instead of one plan, print the cluster-scale table of docs/benchmarks/2026-12-04-modelled-h100-a800.md (Markdown) for these "
                         "comma-separated models over --world-sizes (--ranks-per-node default 8; the other "
                         "options apply as usual)")
-    p.add_argument("--world-sizes", default="8,64,256,1024", metavar="W,W,...",
+    g.add_argument("--world-sizes", default="8,64,256,1024", metavar="W,W,...",
                    help="world sizes of --scale-table (default: 8,64,256,1024)")
-    p.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
-    return p
+    g.add_argument("--show-matrices", action="store_true", help="list each rank's matrices")
 
 
 def _mib(n: float) -> str:
