@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
