@@ -81,26 +81,13 @@ class GatherThenCompute(torch.optim.Optimizer):
         ef_decay: float = 0.95,
     ) -> None:
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if rule == "muonh" and weight_decay:
-            raise ValueError(f"weight_decay must be 0 with rule='muonh' (the sphere replaces it), got {weight_decay!r}")
-        if rule != "muon" and beta2 is not None:
-            raise ValueError(f"beta2 is NorMuon's (rule='muon' with beta2), not rule={rule!r}'s")
+        _check_gather_settings(rule, weight_decay, beta2, qk_clip)
         self.rule, self._fraction, self._ef_decay = rule, fraction, ef_decay
-        if qk_clip is not None and not isinstance(qk_clip, QKClip):
-            raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
         self.qk_clip = qk_clip
         self._params_by_name = {canonical_name(n): p for n, p in model.named_parameters()}
         self._qk = None if qk_clip is None else AttentionClip(
             qk_clip, self._params_by_name, {id(p): n for n, p in self._params_by_name.items()})
-        chosen = select_matrices(model, select)
-        views = matrix_views(model, chosen, matrix_view)
-        # Stacks of experts and row groups: each slice orthogonalized on its own, as DMuon does.
-        self._slices = {id(p): (p.shape[0], _matrix_shape(p.shape[1:])) for n, p in chosen if views[n] == "stack"}
-        sizes = {id(p): row_sizes(views[n], p.shape[0]) for n, p in chosen}
-        self._row_sizes = {k: v for k, v in sizes.items() if v is not None}
-        matrices = [p for _, p in chosen]
+        matrices = self._select(model, select, matrix_view)
         ids = {id(p) for p in matrices}
         others = [p for p in model.parameters() if id(p) not in ids]
         self.ns = NSConfig.from_keywords(ns_method=ns_method, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
@@ -116,6 +103,16 @@ class GatherThenCompute(torch.optim.Optimizer):
         super().__init__([g for g in groups if g["params"]], defaults={})
         self._last_stats: dict[str, Any] = {}
 
+    def _select(self, model: nn.Module, select: SelectFn | None, matrix_view) -> list[torch.Tensor]:
+        """The Muon matrices, in the model's order; records which are stacks of experts and which row
+        groups, each slice or group orthogonalized on its own, as DMuon does."""
+        chosen = select_matrices(model, select)
+        views = matrix_views(model, chosen, matrix_view)
+        self._slices = {id(p): (p.shape[0], _matrix_shape(p.shape[1:])) for n, p in chosen if views[n] == "stack"}
+        sizes = {id(p): row_sizes(views[n], p.shape[0]) for n, p in chosen}
+        self._row_sizes = {k: v for k, v in sizes.items() if v is not None}
+        return [p for _, p in chosen]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -123,88 +120,102 @@ class GatherThenCompute(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
-        sent = received = 0
-        ns_seconds = 0.0
-        orthogonalized = 0  # matrices (slices of a stack or row groups each count) this step ran NS for
+        totals = {"orthogonalized": 0, "bytes_sent": 0, "bytes_received": 0, "ns_seconds": 0.0}
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_group_step(group, self.state)
                 continue
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
-                if self.rule == "dion2":
-                    direction = state["momentum_buffer"].add_(p.grad.to(torch.float32))  # M += G
-                else:
-                    direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"],
-                                                group["nesterov"])
-                # NS takes its input in ns_dtype, so the gather moves that.
-                direction = direction.to(self.ns.dtype)
-                if isinstance(direction, DTensor):
-                    local = direction.to_local().numel()
-                    full = direction.full_tensor()
-                    world = direction.device_mesh.size()
-                    sent += local * (world - 1) * full.element_size()
-                    received += (full.numel() - local) * full.element_size()
-                else:
-                    full = direction
-                sizes = self._row_sizes.get(id(p))
-                if sizes is not None:
-                    inputs = list(full.reshape(_matrix_shape(p.shape)).split(sizes))
-                else:
-                    slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
-                    inputs = list(full.reshape(slices, *mshape))
-                t0 = time.perf_counter()
-                if self.rule == "dion2":
-                    orthos = dion2.owner_updates(inputs, [self._fraction] * len(inputs),
-                                                 lambda subs: owner_update(subs, self.ns, group))
-                else:
-                    orthos = owner_update(inputs, self.ns, group)
-                if self.rule == "muonh":
-                    orthos = muonh.normalize(orthos, self.ns.eps)
-                if group["beta2"] is not None:
-                    # One second moment per row of the parameter: each slice's or group's rows in turn.
-                    heights = [o.shape[0] for o in orthos]
-                    if "second_momentum_buffer" not in state:
-                        state["second_momentum_buffer"] = torch.zeros(sum(heights), 1, device=full.device)
-                    normalized = []
-                    for ortho, second in zip(orthos, state["second_momentum_buffer"].split(heights)):
-                        (update,), (moment,) = normalize_rows([ortho], [second], [group["beta2"]])
-                        second.copy_(moment)
-                        normalized.append(update)
-                    orthos = normalized
-                ns_seconds += time.perf_counter() - t0
-                if self.rule == "muonh":
-                    self._muonh_step(p, state, orthos, group, sizes)
-                    orthogonalized += len(inputs)
-                    continue
-                ortho = torch.cat(orthos).reshape(p.shape).to(p.dtype)
-                if isinstance(p, DTensor):
-                    # Keep only this rank's rows; splitting locally needs no communication.
-                    ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-                rule = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"],
-                            extra_scale_factor=group["extra_scale_factor"],
-                            cautious_weight_decay=group["cautious_weight_decay"])
-                if self.rule == "dion2" and local_tensor(ortho).numel():
-                    # Each rank decays its rows of the buffer that were selected: the nonzero rows of its update.
-                    cols = _matrix_shape(p.shape)[1] if sizes is not None else mshape[1]
-                    dion2.decay_selected(local_tensor(state["momentum_buffer"]).view(-1, cols),
-                                         dion2.selected_rows(local_tensor(ortho).reshape(-1, cols)), self._ef_decay)
-                if sizes is not None:
-                    _apply_by_row_group(p, ortho, sizes, rule)
-                else:
-                    apply_update(p, ortho, matrix_shape=mshape, **rule)
-                orthogonalized += len(inputs)
+                if p.grad is not None:
+                    self._matrix_step(p, group, totals)
         if self._qk is not None:
             self._clip_qk()
-        self._last_stats = {
-            "orthogonalized": orthogonalized, "bytes_sent": sent, "bytes_received": received,
-            "ns_seconds": ns_seconds, "step_seconds": time.perf_counter() - start,
-        }
+        # orthogonalized: matrices (slices of a stack or row groups each count) this step ran NS for.
+        self._last_stats = {**totals, "step_seconds": time.perf_counter() - start}
         return loss
+
+    def _matrix_step(self, p: torch.Tensor, group: dict, totals: dict) -> None:
+        """One matrix parameter's step: its direction gathered whole, NS on every slice or row group, the
+        update applied to this rank's rows; adds the bytes, NS seconds and matrices to ``totals``."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=torch.float32)
+        if self.rule == "dion2":
+            direction = state["momentum_buffer"].add_(p.grad.to(torch.float32))  # M += G
+        else:
+            direction = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+        # NS takes its input in ns_dtype, so the gather moves that.
+        full = self._gather(direction.to(self.ns.dtype), totals)
+        sizes = self._row_sizes.get(id(p))
+        if sizes is not None:
+            mshape = _matrix_shape(p.shape)
+            inputs = list(full.reshape(mshape).split(sizes))
+        else:
+            slices, mshape = self._slices.get(id(p), (1, _matrix_shape(p.shape)))
+            inputs = list(full.reshape(slices, *mshape))
+        t0 = time.perf_counter()
+        orthos = self._orthogonalize(inputs, state, group, full.device)
+        totals["ns_seconds"] += time.perf_counter() - t0
+        totals["orthogonalized"] += len(inputs)
+        if self.rule == "muonh":
+            self._muonh_step(p, state, orthos, group, sizes)
+        else:
+            self._apply(p, state, torch.cat(orthos).reshape(p.shape).to(p.dtype), group, sizes, mshape)
+
+    @staticmethod
+    def _gather(direction: torch.Tensor, totals: dict) -> torch.Tensor:
+        """``direction`` whole on this rank (an all-gather of a DTensor's shards); adds its bytes to ``totals``."""
+        if not isinstance(direction, DTensor):
+            return direction
+        local = direction.to_local().numel()
+        full = direction.full_tensor()
+        world = direction.device_mesh.size()
+        totals["bytes_sent"] += local * (world - 1) * full.element_size()
+        totals["bytes_received"] += (full.numel() - local) * full.element_size()
+        return full
+
+    def _orthogonalize(self, inputs: list[torch.Tensor], state: dict, group: dict, device) -> list[torch.Tensor]:
+        """NS on every slice or row group (Dion2: on its selected rows), then MuonH's normalization or
+        NorMuon's per-row second moment where the rule has them."""
+        if self.rule == "dion2":
+            orthos = dion2.owner_updates(inputs, [self._fraction] * len(inputs),
+                                         lambda subs: owner_update(subs, self.ns, group))
+        else:
+            orthos = owner_update(inputs, self.ns, group)
+        if self.rule == "muonh":
+            orthos = muonh.normalize(orthos, self.ns.eps)
+        if group["beta2"] is None:
+            return orthos
+        # One second moment per row of the parameter: each slice's or group's rows in turn.
+        heights = [o.shape[0] for o in orthos]
+        if "second_momentum_buffer" not in state:
+            state["second_momentum_buffer"] = torch.zeros(sum(heights), 1, device=device)
+        normalized = []
+        for ortho, second in zip(orthos, state["second_momentum_buffer"].split(heights)):
+            (update,), (moment,) = normalize_rows([ortho], [second], [group["beta2"]])
+            second.copy_(moment)
+            normalized.append(update)
+        return normalized
+
+    def _apply(self, p: torch.Tensor, state: dict, ortho: torch.Tensor, group: dict,
+               sizes: tuple[int, ...] | None, mshape: tuple[int, int]) -> None:
+        """This rank's rows of the whole update ``ortho`` applied to ``p`` (Dion2: its selected rows of the
+        buffer decayed first)."""
+        if isinstance(p, DTensor):
+            # Keep only this rank's rows; splitting locally needs no communication.
+            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+        rule = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"],
+                    extra_scale_factor=group["extra_scale_factor"],
+                    cautious_weight_decay=group["cautious_weight_decay"])
+        if self.rule == "dion2" and local_tensor(ortho).numel():
+            # Each rank decays its rows of the buffer that were selected: the nonzero rows of its update.
+            cols = mshape[1]
+            dion2.decay_selected(local_tensor(state["momentum_buffer"]).view(-1, cols),
+                                 dion2.selected_rows(local_tensor(ortho).reshape(-1, cols)), self._ef_decay)
+        if sizes is not None:
+            _apply_by_row_group(p, ortho, sizes, rule)
+        else:
+            apply_update(p, ortho, matrix_shape=mshape, **rule)
 
     def _muonh_step(self, p: torch.Tensor, state: dict, units: list[torch.Tensor], group: dict,
                     sizes: tuple[int, ...] | None) -> None:
@@ -272,6 +283,19 @@ class GatherThenCompute(torch.optim.Optimizer):
 
 RULES = ("muon", "muonh", "dion2")
 """The matrix rules the oracle runs (NorMuon: ``rule="muon"`` with ``beta2``)."""
+
+
+def _check_gather_settings(rule: str, weight_decay: float, beta2: float | None, qk_clip) -> None:
+    """Refuses a rule the oracle lacks, MuonH with weight decay, NorMuon's ``beta2`` on another rule and a
+    ``qk_clip`` that is not a :class:`dmuon.QKClip`."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule == "muonh" and weight_decay:
+        raise ValueError(f"weight_decay must be 0 with rule='muonh' (the sphere replaces it), got {weight_decay!r}")
+    if rule != "muon" and beta2 is not None:
+        raise ValueError(f"beta2 is NorMuon's (rule='muon' with beta2), not rule={rule!r}'s")
+    if qk_clip is not None and not isinstance(qk_clip, QKClip):
+        raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
 
 
 def _apply_by_row_group(param: torch.Tensor, ortho: torch.Tensor, sizes: tuple[int, ...], rule: dict) -> None:

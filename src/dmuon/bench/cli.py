@@ -19,8 +19,8 @@ from dmuon.bench.runner import run_all
 from dmuon.bench.setups import ALL_CONFIGS, SWEPT_BALANCERS
 from dmuon.util.spawn import run_distributed
 
-def run(args) -> dict:
-    """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
+def _configs(args) -> list[str]:
+    """The configurations ``--configs`` names, each dmuon one once per balancer with ``--balancer all``."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
@@ -28,8 +28,12 @@ def run(args) -> dict:
     if args.balancer == "all":
         configs = [f"{c}@{b}" if c.startswith("dmuon_") else c for c in configs
                    for b in (SWEPT_BALANCERS if c.startswith("dmuon_") else ("",))]
+    return configs
+
+
+def _check_args(args) -> None:
+    """Refuses a size the model lacks and counts out of range, before any rank is spawned."""
     try:
-        # Checked here, before any rank is spawned.
         args.size = resolve_size(args.model, args.size)
     except ValueError as exc:
         raise SystemExit(f"dmuon bench: --size {args.size} for --model {args.model}: {exc}") from None
@@ -38,44 +42,63 @@ def run(args) -> dict:
     if not args.sequential and args.warmup < 1:
         raise SystemExit("dmuon bench: interleaved runs need --warmup >= 1 (peak memory and "
                          "autotuning are taken there); use --sequential for --warmup 0")
+
+
+def _check_mesh(args, world_size: int) -> None:
+    if world_size % (args.hsdp * args.tp):
+        raise SystemExit(f"dmuon bench: --hsdp {args.hsdp} x --tp {args.tp} does not divide the world size "
+                         f"{world_size}")
+
+
+def _run_under_torchrun(args, configs: list[str], opts) -> tuple[list[dict], int] | None:
+    """The bench on the ranks ``torchrun`` started (NCCL on GPUs): rank 0's results and the world size,
+    None on the other ranks."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    world_size = dist.get_world_size()
+    _check_mesh(args, world_size)
+    results = run_all(dist.get_rank(), world_size, configs, opts)
+    rank = dist.get_rank()
+    # The models, optimizers and their collectives' work objects go while the process
+    # groups live: destroyed later, at interpreter exit, gloo's threads can abort the
+    # process ("terminate called without an active exception").
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return (results, world_size) if rank == 0 else None
+
+
+def _run_spawned(args, configs: list[str], opts) -> tuple[list[dict], int]:
+    """The bench on ``--world-size`` gloo CPU ranks spawned here: rank 0's results and the world size."""
+    world_size = args.world_size
+    if world_size < 1:
+        raise SystemExit("dmuon bench: --world-size must be >= 1")
+    _check_mesh(args, world_size)
+    if not args.quiet:
+        print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
+              f"configs {', '.join(configs)}", file=sys.stderr)
+    # One spawn for all configurations: process start-up (torch, transformers)
+    # would otherwise dominate a short run. Peak memory is reset per config.
+    return run_distributed(run_all, world_size, configs, opts, timeout_s=600)[0], world_size
+
+
+def run(args) -> dict:
+    """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
+    configs = _configs(args)
+    _check_args(args)
     opts = bench_options(args)
     if args.hsdp < 1 or args.tp < 1:
         raise SystemExit("dmuon bench: --hsdp and --tp must be >= 1")
-
-    def check_mesh(world_size: int) -> None:
-        if world_size % (args.hsdp * args.tp):
-            raise SystemExit(f"dmuon bench: --hsdp {args.hsdp} x --tp {args.tp} does not divide the world size "
-                             f"{world_size}")
     start = time.perf_counter()
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-    if under_torchrun:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
-        world_size = dist.get_world_size()
-        check_mesh(world_size)
-        results = run_all(dist.get_rank(), world_size, configs, opts)
-        rank = dist.get_rank()
-        # The models, optimizers and their collectives' work objects go while the process
-        # groups live: destroyed later, at interpreter exit, gloo's threads can abort the
-        # process ("terminate called without an active exception").
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-        if rank != 0:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        ran = _run_under_torchrun(args, configs, opts)
+        if ran is None:
             return {}
     else:
-        world_size = args.world_size
-        if world_size < 1:
-            raise SystemExit("dmuon bench: --world-size must be >= 1")
-        check_mesh(world_size)
-        if not args.quiet:
-            print(f"dmuon bench: {args.model} ({args.size}) on {world_size} gloo CPU ranks, "
-                  f"configs {', '.join(configs)}", file=sys.stderr)
-        # One spawn for all configurations: process start-up (torch, transformers)
-        # would otherwise dominate a short run. Peak memory is reset per config.
-        results = run_distributed(run_all, world_size, configs, opts, timeout_s=600)[0]
+        ran = _run_spawned(args, configs, opts)
+    results, world_size = ran
     payload = {
         "machine": machine_description(),
         "world_size": world_size,
@@ -108,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--ortho")
         return ortho_main(argv)
     if "--calibrate" in argv:
-        # `dmuon bench --calibrate`: this machine's figures, the simulated bench beside the measured one.
+        # `dmuon bench --calibrate`: this machine's figures as `dmuon plan --simulate` flags.
         from dmuon.bench.calibrate import main as calibrate_main
 
         argv.remove("--calibrate")

@@ -1,5 +1,4 @@
-"""``dmuon bench``'s command line and the runner options it makes: one place for ``dmuon bench`` and
-``dmuon bench --calibrate``, which runs the same bench beside its measurements."""
+"""``dmuon bench``'s command line and the runner options it makes."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``dmuon bench``'s command line (``--calibrate`` reads the same options for its bench)."""
+    """``dmuon bench``'s command line."""
     p = argparse.ArgumentParser(
         prog="dmuon bench",
         description="Time FSDP2+AdamW, FSDP2+torch.optim.Muon, gather-then-compute and dmuon side by side.",
@@ -65,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-check", action="store_true",
                    help="run the prepared one-GPU check instead (see `dmuon bench --gpu-check --help`)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine, simulate the bench with those figures and run it beside "
-                        "(see `dmuon bench --calibrate --help`)")
+                   help="measure this machine's figures instead and print them as `dmuon plan --simulate` "
+                        "flags (see `dmuon bench --calibrate --help`)")
     return p
 
 

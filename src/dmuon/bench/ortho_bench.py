@@ -80,16 +80,8 @@ def run_ortho_bench(
             and with ``ns_dtype=torch.float32``.
 
     Returns:
-        One dict per row. Method rows have ``kind="method"``, times in seconds under
-        ``standard_s``, ``gram_s``, ``gram_sym_s`` and the speed-ups
-        ``gram_speedup``/``gram_sym_speedup`` over standard. Batch rows have
-        ``kind="batch"`` with ``{method}_batched_s``, ``{method}_looped_s``,
-        ``{method}_batched_speedup`` (looped / batched), the autotuner's ``auto_method``
-        and ``auto_batched`` (from :meth:`Autotuner.plan`), ``auto_vs_best`` (time of
-        its pick over the better of batched/looped for that method; 1.0 is ideal),
-        ``auto_vs_best_any`` (over the best of all four), ``auto_speedup_vs_loop``
-        (looped time of that method over its pick) and ``auto_speedup_vs_std_loop``
-        (looped standard NS over its pick).
+        One dict per row: the method rows (``kind="method"``, :func:`_method_rows`), then the batch rows
+        (``kind="batch"``, :func:`_batch_row`).
 
     Raises:
         ValueError: For a non-positive ``repeats`` or malformed shapes.
@@ -106,57 +98,78 @@ def run_ortho_bench(
     if not cadences or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in cadences):
         raise ValueError(f"restarts must be non-negative ints, got {restarts!r}")
     gen = torch.Generator().manual_seed(0)
-    rows: list[dict] = []
-    for shape in shapes:
-        if len(shape) != 2 or min(shape) < 1:
-            raise ValueError(f"bad shape {shape!r}")
-        m, n = shape
-        G = torch.randn(m, n, generator=gen)
-        t_std = _timed({"standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype)},
-                       repeats, stat, cooldown_s)["standard"]
-        for every in cadences:
-            fns = {
-                "gram": lambda: gram_newton_schulz(
-                    G, coefficients, steps, dtype=dtype, backend="reference", restart_every=every),
-                "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, restart_every=every),
-            }
-            t = _timed(fns, repeats, stat, cooldown_s)
-            rows.append({
-                "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
-                "restart_every": every,
-                "standard_s": t_std, "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
-                "gram_speedup": t_std / t["gram"], "gram_sym_speedup": t_std / t["gram_sym"],
-            })
+    timing = {"repeats": repeats, "stat": stat, "cooldown_s": cooldown_s}
+    rows = _method_rows(shapes, cadences, gen, dtype, steps, coefficients, timing)
     tuner = Autotuner(repeats=repeats, persist=False)
     tuner.cooldown_s = cooldown_s
     for triple in batches:
         if len(triple) != 3 or min(triple) < 1:
             raise ValueError(f"bad batch spec {triple!r}")
         B, m, n = triple
-        G = torch.randn(B, m, n, generator=gen)
-        fns = {}
-        for method, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
-            fns[f"{method}_batched"] = (lambda fn=fn: fn(G, coefficients, steps, dtype=dtype))
-            fns[f"{method}_looped"] = (lambda fn=fn: [fn(g, coefficients, steps, dtype=dtype) for g in G])
-        t = _timed(fns, repeats, stat, cooldown_s)
-        row = {"kind": "batch", "batch": B, "shape": (m, n), "dtype": str(dtype).replace("torch.", "")}
-        for method in ("standard", "gram"):
-            row[f"{method}_batched_s"] = t[f"{method}_batched"]
-            row[f"{method}_looped_s"] = t[f"{method}_looped"]
-            row[f"{method}_batched_speedup"] = t[f"{method}_looped"] / t[f"{method}_batched"]
-        problem = tuner.problem((m, n), dtype, "cpu", resolve_schedule(coefficients, steps), 1e-7)
-        method, batched = tuner.plan(problem, B, "cpu")
-        picked = row[f"{method}_{'batched' if batched else 'looped'}_s"]
-        best_same = min(row[f"{method}_batched_s"], row[f"{method}_looped_s"])
-        best_any = min(row[f"{m}_{mode}_s"] for m in ("standard", "gram") for mode in ("batched", "looped"))
-        row.update({
-            "auto_method": method, "auto_batched": batched, "auto_vs_best": picked / best_same,
-            "auto_vs_best_any": picked / best_any,
-            "auto_speedup_vs_loop": row[f"{method}_looped_s"] / picked,
-            "auto_speedup_vs_std_loop": row["standard_looped_s"] / picked,
-        })
-        rows.append(row)
+        rows.append(_batch_row(torch.randn(B, m, n, generator=gen), tuner, dtype, steps, coefficients, timing))
     return rows
+
+
+def _method_rows(shapes, cadences: list[int], gen: torch.Generator, dtype: torch.dtype, steps: int, coefficients,
+                 timing: dict) -> list[dict]:
+    """Per shape, standard NS timed once, then per restart cadence a row with times in seconds under
+    ``standard_s``, ``gram_s`` (plain matmuls) and ``gram_sym_s`` (symmetric kernels) and the speed-ups
+    ``gram_speedup``/``gram_sym_speedup`` over standard. ``timing``: :func:`_timed`'s settings."""
+    rows = []
+    for shape in shapes:
+        if len(shape) != 2 or min(shape) < 1:
+            raise ValueError(f"bad shape {shape!r}")
+        m, n = shape
+        G = torch.randn(m, n, generator=gen)
+        t_std = _timed({"standard": lambda: newton_schulz(G, coefficients, steps, dtype=dtype)},
+                       **timing)["standard"]
+        for every in cadences:
+            fns = {
+                "gram": lambda: gram_newton_schulz(
+                    G, coefficients, steps, dtype=dtype, backend="reference", restart_every=every),
+                "gram_sym": lambda: gram_newton_schulz(G, coefficients, steps, dtype=dtype, restart_every=every),
+            }
+            t = _timed(fns, **timing)
+            rows.append({
+                "kind": "method", "shape": (m, n), "dtype": str(dtype).replace("torch.", ""),
+                "restart_every": every,
+                "standard_s": t_std, "gram_s": t["gram"], "gram_sym_s": t["gram_sym"],
+                "gram_speedup": t_std / t["gram"], "gram_sym_speedup": t_std / t["gram_sym"],
+            })
+    return rows
+
+
+def _batch_row(G: torch.Tensor, tuner: Autotuner, dtype: torch.dtype, steps: int, coefficients,
+               timing: dict) -> dict:
+    """One batched call against a loop of 2-D calls on the stack ``G``, for standard and Gram NS:
+    ``{method}_batched_s``, ``{method}_looped_s``, ``{method}_batched_speedup`` (looped / batched); the
+    autotuner's ``auto_method`` and ``auto_batched`` (from :meth:`Autotuner.plan`), ``auto_vs_best`` (time
+    of its pick over the better of batched/looped for that method; 1.0 is ideal), ``auto_vs_best_any``
+    (over the best of all four), ``auto_speedup_vs_loop`` (looped time of that method over its pick) and
+    ``auto_speedup_vs_std_loop`` (looped standard NS over its pick)."""
+    B, m, n = G.shape
+    fns = {}
+    for method, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
+        fns[f"{method}_batched"] = (lambda fn=fn: fn(G, coefficients, steps, dtype=dtype))
+        fns[f"{method}_looped"] = (lambda fn=fn: [fn(g, coefficients, steps, dtype=dtype) for g in G])
+    t = _timed(fns, **timing)
+    row = {"kind": "batch", "batch": B, "shape": (m, n), "dtype": str(dtype).replace("torch.", "")}
+    for method in ("standard", "gram"):
+        row[f"{method}_batched_s"] = t[f"{method}_batched"]
+        row[f"{method}_looped_s"] = t[f"{method}_looped"]
+        row[f"{method}_batched_speedup"] = t[f"{method}_looped"] / t[f"{method}_batched"]
+    problem = tuner.problem((m, n), dtype, "cpu", resolve_schedule(coefficients, steps), 1e-7)
+    method, batched = tuner.plan(problem, B, "cpu")
+    picked = row[f"{method}_{'batched' if batched else 'looped'}_s"]
+    best_same = min(row[f"{method}_batched_s"], row[f"{method}_looped_s"])
+    best_any = min(row[f"{m}_{mode}_s"] for m in ("standard", "gram") for mode in ("batched", "looped"))
+    row.update({
+        "auto_method": method, "auto_batched": batched, "auto_vs_best": picked / best_same,
+        "auto_vs_best_any": picked / best_any,
+        "auto_speedup_vs_loop": row[f"{method}_looped_s"] / picked,
+        "auto_speedup_vs_std_loop": row["standard_looped_s"] / picked,
+    })
+    return row
 
 
 def run_kernel_bench(sizes: Sequence[int] = (256, 512, 1024, 2048), repeats: int = 5) -> list[dict]:

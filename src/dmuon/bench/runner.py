@@ -198,53 +198,14 @@ class _ConfigRun:
         applies its updates inside it), so a step's times are complete when it
         ends, whichever configuration runs next.
         """
-        device = self.device
-        # The ranks of one tp group are one data-parallel rank: they read the same batch.
-        batch = self.workload.make_batch(len(self.losses), self.rank // self.opts.tp)
-        if device == "cuda":
-            batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = self.workload.loss_fn(self.workload.model, batch)
-        loss.backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        self._between_backward_and_step(timed)
-        t2 = time.perf_counter()
-        if self.clip is not None:
-            # What training scripts do (torch's own clip), timed with the optimizer.
-            torch.nn.utils.clip_grad_norm_(self.workload.model.parameters(), self.clip)
-        self.optimizer.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        if self._measures_live(timed):
-            self._measure_live("after_step")
-        t4 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t5 = time.perf_counter()
+        loss, stamps = self._run_phases(timed)
         opt = self.optimizer
         stats = opt.last_step_stats() if hasattr(opt, "last_step_stats") else {}
         # The device's NS time (CUDA events; the host's on CPU): on CUDA the host only enqueues NS. Read
-        # after the synchronize above, so it waits for nothing.
+        # after the synchronize that ends the phases, so it waits for nothing.
         ns_seconds = (opt.last_step_report().ns_device_seconds if hasattr(opt, "last_step_report")
                       else stats.get("ns_seconds", 0.0))
-        # Maxima over ranks of the clock stamps, and of each rank's own phase durations.
-        times = torch.tensor([t0, t1, t2, t3, t5 - t4, t1 - t0, (t3 - t2) + (t5 - t4), ns_seconds],
-                             dtype=torch.float64, device=device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        last_start, last_backward, last_entry, last_exit, zero_grad_s, own_fwd_bwd, own_opt, ns_s = times.tolist()
-        if self.one_clock:
-            # A phase lasts from the moment its last rank enters it to the moment its last
-            # rank leaves it: what it adds to the step's critical path. A rank that enters
-            # step() early and waits there for a rank still in backward is not charged to the optimizer.
-            fwd_bwd, opt_s = last_backward - last_start, last_exit - last_entry + zero_grad_s
-        else:
-            # Hosts' clocks differ: each rank's own durations, the slowest rank's.
-            fwd_bwd, opt_s = own_fwd_bwd, own_opt
+        fwd_bwd, opt_s, own_opt, ns_s = self._phase_seconds(stamps, ns_seconds)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         self.losses.append(mean_loss.item() / self.world_size)
@@ -258,6 +219,57 @@ class _ConfigRun:
             self.inter.append(stats.get("inter_bytes_sent", 0) + stats.get("inter_bytes_received", 0))
             self.kept.append(stats.get("blocks_exchanged_in_backward", 0))
             self.round_of_step.append(round_index)
+
+    def _synchronize(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _run_phases(self, timed: bool) -> tuple[torch.Tensor, list[float]]:
+        """Forward and backward from a barrier, ``step()`` (with the config's clip) and ``zero_grad``, each
+        ended by a synchronize; the loss and the clock stamps ``t0``-``t5`` around them (live memory
+        measured between the stamps)."""
+        # The ranks of one tp group are one data-parallel rank: they read the same batch.
+        batch = self.workload.make_batch(len(self.losses), self.rank // self.opts.tp)
+        if self.device == "cuda":
+            batch = {k: v.to(self.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = self.workload.loss_fn(self.workload.model, batch)
+        loss.backward()
+        self._synchronize()
+        t1 = time.perf_counter()
+        self._between_backward_and_step(timed)
+        t2 = time.perf_counter()
+        if self.clip is not None:
+            # What training scripts do (torch's own clip), timed with the optimizer.
+            torch.nn.utils.clip_grad_norm_(self.workload.model.parameters(), self.clip)
+        self.optimizer.step()
+        self._synchronize()
+        t3 = time.perf_counter()
+        if self._measures_live(timed):
+            self._measure_live("after_step")
+        t4 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
+        t5 = time.perf_counter()
+        return loss, [t0, t1, t2, t3, t4, t5]
+
+    def _phase_seconds(self, stamps: list[float], ns_seconds: float) -> tuple[float, float, float, float]:
+        """Forward+backward and optimizer seconds of the step, the slowest rank's own optimizer seconds and
+        NS seconds (a collective call)."""
+        t0, t1, t2, t3, t4, t5 = stamps
+        # Maxima over ranks of the clock stamps, and of each rank's own phase durations.
+        times = torch.tensor([t0, t1, t2, t3, t5 - t4, t1 - t0, (t3 - t2) + (t5 - t4), ns_seconds],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        last_start, last_backward, last_entry, last_exit, zero_grad_s, own_fwd_bwd, own_opt, ns_s = times.tolist()
+        if self.one_clock:
+            # A phase lasts from the moment its last rank enters it to the moment its last
+            # rank leaves it: what it adds to the step's critical path. A rank that enters
+            # step() early and waits there for a rank still in backward is not charged to the optimizer.
+            return last_backward - last_start, last_exit - last_entry + zero_grad_s, own_opt, ns_s
+        # Hosts' clocks differ: each rank's own durations, the slowest rank's.
+        return own_fwd_bwd, own_opt, own_opt, ns_s
 
     def record_peak(self) -> None:
         peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else _peak_rss() - self.rss_before

@@ -76,6 +76,28 @@ class _Problem:
         self.dtype = dtype
 
 
+def _same_kind_groups(matrices: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
+    """``(shape, device, dtype)`` -> the indices of the matrices of that kind, in input order (each checked
+    to be a 2-D matrix)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, M in enumerate(matrices):
+        check_input(M)
+        if M.ndim != 2:
+            raise ValueError(f"orthogonalize_many takes 2-D matrices; item {i} has shape {tuple(M.shape)}")
+        groups.setdefault((tuple(M.shape), M.device, M.dtype), []).append(i)
+    return groups
+
+
+def _group_choice(tuner: Autotuner | None, problem, method: str, batching: str, size: int,
+                  device: torch.device) -> tuple[str, bool]:
+    """The method and whether to batch for a group of ``size`` same-kind matrices: the autotuner's
+    measured choice for each ``"auto"`` option, the given one otherwise."""
+    if batching == "auto":
+        return tuner.plan(problem, size, device, None if method == "auto" else method)
+    chosen = tuner.method(problem, device) if method == "auto" else method
+    return chosen, batching == "batched" and size > 1
+
+
 def orthogonalize_many(
     matrices: Sequence[torch.Tensor],
     *,
@@ -116,13 +138,7 @@ def orthogonalize_many(
     if batching not in _BATCHING_CHOICES:
         raise ValueError(f"unknown batching {batching!r}; choose from {_BATCHING_CHOICES}")
     schedule = resolve_schedule(coefficients, steps)
-    groups: dict[tuple, list[int]] = {}
-    for i, M in enumerate(matrices):
-        check_input(M)
-        if M.ndim != 2:
-            raise ValueError(f"orthogonalize_many takes 2-D matrices; item {i} has shape {tuple(M.shape)}")
-        groups.setdefault((tuple(M.shape), M.device, M.dtype), []).append(i)
-
+    groups = _same_kind_groups(matrices)
     tuner = None
     if method == "auto" or batching == "auto":
         tuner = autotuner or get_autotuner()
@@ -132,11 +148,7 @@ def orthogonalize_many(
             problem = tuner.problem(shape, dtype, device, schedule, eps)
         else:
             problem = _Problem(schedule, eps, dtype)
-        if batching == "auto":
-            chosen, batched = tuner.plan(problem, len(idx), device, None if method == "auto" else method)
-        else:
-            chosen = tuner.method(problem, device) if method == "auto" else method
-            batched = batching == "batched" and len(idx) > 1
+        chosen, batched = _group_choice(tuner, problem, method, batching, len(idx), device)
         if batched:
             results = run_method(chosen, torch.stack([matrices[i] for i in idx]), problem)
         else:

@@ -212,6 +212,50 @@ def _gram_ns_core(X, schedule, restart_every: int, ops, final):
     return final(Q, X)
 
 
+def _checked_restart_every(restart_every: int | None, dtype: torch.dtype, precision: str) -> int:
+    """``restart_every``, :func:`default_restart_every` for ``None``; refuses anything but a non-negative int."""
+    if restart_every is None:
+        restart_every = default_restart_every(dtype, precision)
+    if isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 0:
+        raise ValueError(f"restart_every must be a non-negative int, got {restart_every!r}")
+    return restart_every
+
+
+def _pick_backend(backend: str | None, X: torch.Tensor, prec, acc: torch.dtype) -> str:
+    """The symmetric products' backend for the normalised ``X``: ``backend`` if given, else the fastest
+    for its device and size; ``"blas"`` only where every product's operands are in ``acc``."""
+    if backend is None and X.ndim == 3 and X.device.type == "cpu" and X.shape[-2] < _SMALL_STACK_M:
+        # Stacks of small matrices: one batched torch call per step beats a Python loop
+        # over per-matrix BLAS calls (64 x 32x128: ~2.8x); from m ~ 128 the loop wins.
+        backend = "reference"
+    if (backend is None and X.device.type == "cpu" and X.shape[-2] < _MULTITHREAD_BLAS_M
+            and torch.get_num_threads() > 1):
+        # Multi-threaded OpenBLAS loses to torch's full products below this size
+        # (2 threads, 256x1024: 18.6 ms vs 11.0 ms); single-threaded it wins at every size.
+        backend = "reference"
+    backend = sym._resolve(backend, X)
+    if backend == "blas" and any(d != acc for d in (prec.gram, prec.restart, prec.inner, prec.evolve)):
+        backend = "torch"  # NumPy has no 16-bit GEMM
+    return backend
+
+
+def _run_gram_ns(X: torch.Tensor, schedule, restart_every: int, backend: str, prec) -> torch.Tensor:
+    """The iteration on the normalised, wide ``X`` (a matrix or a stack) with ``backend``'s kernels."""
+    if backend == "blas":
+        # Per matrix: these kernels are per matrix anyway, and one matrix's state stays
+        # hot in cache through all steps. The final product may be 16-bit: torch's.
+        def final(Q, Xn):
+            return _final_product(torch.from_numpy(Q), torch.from_numpy(Xn), prec)
+
+        mats = X.numpy() if X.ndim == 3 else X.numpy()[None]
+        with sym.blas_threads():
+            outs = [torch.as_tensor(_gram_ns_core(x, schedule, restart_every, _NumpyOps, final)) for x in mats]
+        return torch.stack(outs) if X.ndim == 3 else outs[0]
+    # Stacks run batched: every torch and Triton kernel here takes (B, m, n).
+    ops = _TorchOps(backend, prec)
+    return _gram_ns_core(X, schedule, restart_every, ops, ops.final)
+
+
 def gram_newton_schulz(
     G: torch.Tensor,
     schedule_or_coeffs: CoefficientSpec = KELLER,
@@ -254,10 +298,7 @@ def gram_newton_schulz(
     check_input(G)
     check_dtype(dtype)
     schedule = resolve_schedule(schedule_or_coeffs, steps)
-    if restart_every is None:
-        restart_every = default_restart_every(dtype, precision)
-    if isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 0:
-        raise ValueError(f"restart_every must be a non-negative int, got {restart_every!r}")
+    restart_every = _checked_restart_every(restart_every, dtype, precision)
     if backend is not None:
         sym._check_backend(backend)
     prec = gram_precision(dtype, precision)
@@ -268,32 +309,7 @@ def gram_newton_schulz(
         X = X.mT
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     X = X.contiguous()
-    if backend is None and X.ndim == 3 and X.device.type == "cpu" and X.shape[-2] < _SMALL_STACK_M:
-        # Stacks of small matrices: one batched torch call per step beats a Python loop
-        # over per-matrix BLAS calls (64 x 32x128: ~2.8x); from m ~ 128 the loop wins.
-        backend = "reference"
-    if (backend is None and X.device.type == "cpu" and X.shape[-2] < _MULTITHREAD_BLAS_M
-            and torch.get_num_threads() > 1):
-        # Multi-threaded OpenBLAS loses to torch's full products below this size
-        # (2 threads, 256x1024: 18.6 ms vs 11.0 ms); single-threaded it wins at every size.
-        backend = "reference"
-    backend = sym._resolve(backend, X)
-    if backend == "blas" and any(d != acc for d in (prec.gram, prec.restart, prec.inner, prec.evolve)):
-        backend = "torch"  # NumPy has no 16-bit GEMM
-    if backend == "blas":
-        # Per matrix: these kernels are per matrix anyway, and one matrix's state stays
-        # hot in cache through all steps. The final product may be 16-bit: torch's.
-        def final(Q, Xn):
-            return _final_product(torch.from_numpy(Q), torch.from_numpy(Xn), prec)
-
-        mats = X.numpy() if X.ndim == 3 else X.numpy()[None]
-        with sym.blas_threads():
-            outs = [torch.as_tensor(_gram_ns_core(x, schedule, restart_every, _NumpyOps, final)) for x in mats]
-        out = torch.stack(outs) if X.ndim == 3 else outs[0]
-    else:
-        # Stacks run batched: every torch and Triton kernel here takes (B, m, n).
-        ops = _TorchOps(backend, prec)
-        out = _gram_ns_core(X, schedule, restart_every, ops, ops.final)
+    out = _run_gram_ns(X, schedule, restart_every, _pick_backend(backend, X, prec, acc), prec)
     if transposed:
         out = out.mT
     return out.to(dtype)

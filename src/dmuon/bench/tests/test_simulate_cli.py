@@ -1,4 +1,4 @@
-"""``dmuon plan --simulate`` and the calibration's arithmetic (no ranks spawned)."""
+"""``dmuon plan --simulate`` (no ranks spawned)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import pytest
 
 from dmuon.bench import plan_cli
-from dmuon.bench.calibrate_fit import combine, compare, fit_link
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS
 from dmuon.costmodel.simulate import SIM_STRATEGIES
 
@@ -48,35 +47,6 @@ def test_plan_simulate_scale_table(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| model | ranks | FSDP2 + AdamW | gather-then-compute | dmuon (replicate level)")
     assert [line.split(" | ")[1] for line in table[2:4]] == ["8", "16"]
-
-
-def test_link_fit_recovers_latency_and_bandwidth():
-    samples = [("all_gather", n, 2e-4 + n / 1e9) for n in (16384, 65536, 262144, 1048576, 4194304)]
-    latency, bandwidth = fit_link(samples)
-    assert latency == pytest.approx(2e-4) and bandwidth == pytest.approx(1e9)
-
-
-def test_combine_takes_the_slower_rank_at_each_point():
-    def point(flops: float, ns: float) -> dict:
-        return {"matmul_flops": flops, "effective_flops": flops / 2, "elementwise_bytes": 1.0,
-                "ns_seconds": {"4x4x1": ns}, "link_samples": [("all_gather", n, 1e-3 + n / 1e9) for n in (1, 10**6)]}
-
-    figures = combine([[point(10.0, 1.0), point(30.0, 1.0)], [point(20.0, 3.0), point(40.0, 2.0)]])
-    assert figures["matmul_flops"] == pytest.approx((10.0 + 30.0) / 2)  # the slower rank at each of 2 points
-    assert figures["ns_seconds"]["4x4x1"] == pytest.approx((3.0 + 2.0) / 2)
-    assert figures["spread"]["matmul_flops"] == [10.0, 30.0] and figures["points"] == 2
-
-
-def test_compare_errors_and_orders():
-    measured = {c: {"step_s": s, "fwd_bwd_s": s - 1, "optimizer_s": 1.0}
-                for c, s in (("adamw", 10.0), ("gather", 20.0), ("dmuon_z2", 11.0), ("dmuon_z3", 12.0))}
-    predicted = {c: {"step_seconds": m["step_s"] * 0.9, "forward_backward_seconds": m["fwd_bwd_s"],
-                     "optimizer_seconds": 1.2} for c, m in measured.items()}
-    result = compare(measured, predicted)
-    assert result["configs"]["adamw"]["step"]["error"] == pytest.approx(-0.1)
-    assert result["configs"]["gather"]["optimizer"]["error"] == pytest.approx(0.2)
-    assert result["same_order"] and result["order_by_step"]["measured"] == ["adamw", "dmuon_z2", "dmuon_z3",
-                                                                             "gather"]
 
 
 def test_plan_simulate_host_figures_override_the_preset(tmp_path):
