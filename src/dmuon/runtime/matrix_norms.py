@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats
 from dmuon.plan.plan import Plan
-from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.callbacks import StepCallbacks, WeightSums
 
 
 def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
@@ -56,8 +56,11 @@ class MatrixNorms:
         self.device = plan.device
 
     def run(self, callbacks: StepCallbacks, active: list[int], applied: bool) -> bool:
-        """Asks ``callbacks.weight_sums(active, applied)``, adds them up and hands the totals to
-        ``callbacks.weight_totals``; whether any were asked for (every rank alike)."""
+        """Asks a :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_sums(active, applied)``,
+        adds them up and hands the totals to its ``weight_totals``; whether any were asked for (every
+        rank alike; never for another rule)."""
+        if not isinstance(callbacks, WeightSums):
+            return False
         sums = callbacks.weight_sums(active, applied)
         if not sums:
             return False
