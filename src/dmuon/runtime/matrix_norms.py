@@ -4,7 +4,7 @@ A rule whose formula needs a scalar of the whole weight (MuonH: ``||W||_F`` afte
 update, to put ``W`` back on its sphere; and ``||W_0||_F`` once, the sphere's radius)
 cannot compute it on the owner: the owner has the whole direction, not the whole weight.
 Every rank holds its piece of the weight, so the rule gives its partial sums
-(:meth:`~dmuon.runtime.callbacks.StepCallbacks.weight_sums`, no collective) and the runtime
+(:meth:`~dmuon.runtime.callbacks.WeightSums.weight_sums`, no collective) and the runtime
 adds them:
 
 * **over the shard level only** (``Topology.shard_group``: FSDP2's shard dim and TP's dim
