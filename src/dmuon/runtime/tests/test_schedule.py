@@ -29,7 +29,6 @@ path the step takes.
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
