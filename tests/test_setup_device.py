@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 
-prepare_module = importlib.import_module("dmuon.prepare")  # the module (dmuon.prepare is also the function)
+build = importlib.import_module("dmuon.prepare.build")  # where prepare() looks its steps up
+mesh = importlib.import_module("dmuon.prepare.mesh")
 from support.spawn import run_distributed
 
 
@@ -33,7 +34,7 @@ def _plan_device_with_another_current_device(rank: int, world_size: int) -> dict
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    layout_of = prepare_module._layout_of
+    layout_of = build.layout_of
     consulted = []
 
     def current_device() -> int:
@@ -42,14 +43,14 @@ def _plan_device_with_another_current_device(rank: int, world_size: int) -> dict
 
     # As on a CUDA machine whose current device is not this rank's: the mesh says "cuda", the
     # parameters live where they are (the CPU here).
-    prepare_module._layout_of = lambda *a, **k: (_MeshOn(layout_of(*a, **k)[0], "cuda"), layout_of(*a, **k)[1])
+    build.layout_of = lambda *a, **k: (_MeshOn(layout_of(*a, **k)[0], "cuda"), layout_of(*a, **k)[1])
     saved = torch.cuda.current_device
     torch.cuda.current_device = current_device
     try:
         plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     finally:
         torch.cuda.current_device = saved
-        prepare_module._layout_of = layout_of
+        build.layout_of = layout_of
     return {"device": str(plan.device), "consulted": bool(consulted)}
 
 
@@ -61,10 +62,10 @@ def test_plan_device_is_the_parameters_device_not_the_current_one():
 def test_parameters_on_several_devices_are_named():
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4, device="meta"))
     chosen = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
-    device, mixed = prepare_module._parameter_device(model, chosen, None)
+    device, mixed = mesh.parameter_device(model, chosen, None)
     assert device == torch.device("cpu")
     assert "'0.weight' on cpu" in mixed and "'1.weight' on meta" in mixed
-    assert prepare_module._parameter_device(model, chosen[:1], None) == (torch.device("cpu"), None)
+    assert mesh.parameter_device(model, chosen[:1], None) == (torch.device("cpu"), None)
 
 
 def _warmed_groups(rank: int, world_size: int) -> dict:

@@ -169,7 +169,7 @@ def test_bf16_mixed_precision_equals_gather_then_compute_on_the_same_tp_model():
 
 def test_tiling_check_catches_gaps_overlaps_and_bounds():
     """prepare's check that the distinct pieces cover each matrix exactly once (what proves them contiguous)."""
-    from dmuon.prepare import _tiles
+    from dmuon.prepare.pieces import tiles as _tiles
 
     rowwise = {(0, 4, 0, 5), (0, 4, 5, 5), (4, 3, 0, 5), (4, 3, 5, 5)}
     assert _tiles(rowwise, 7, 10) and _tiles({(0, 3, 0, 7), (3, 4, 0, 7)}, 7, 7)

@@ -17,7 +17,7 @@ from dmuon.rules.adamw import adamw_group_step
 from dmuon.rules.muon import adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
 from dmuon.rules.normuon import normalize_rows
 from dmuon.plan.plan import Plan
-from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.callbacks import CheckedGradients, Rescalable, RowState, StepCallbacks, StepMaxima, WeightSums
 from dmuon.util.dtensor import local_tensor
 
 
@@ -44,14 +44,14 @@ class RuleHost(Protocol):
     def check_rule_keys(self, group: dict[str, Any]) -> None: ...
 
 
-class MuonCallbacks(StepCallbacks):
-    """Muon (momentum, NS, shape-scaled step) for the matrices, AdamW for everything else.
+class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
+    """What torch.optim.Muon's rule and the rules built on it share: Muon's momentum, NS and
+    shape-scaled step for the matrices, AdamW for everything else (its gradients checked with
+    ``nonfinite=``), QK-clip's maxima when the optimizer has one.
 
     Reads the optimizer's param groups and state at each call (a state-dict load
     replaces both), so it holds the optimizer, not its containers.
     """
-
-    rescalable = True
 
     def __init__(self, optimizer: RuleHost) -> None:
         self.opt = optimizer
@@ -110,25 +110,6 @@ class MuonCallbacks(StepCallbacks):
     def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
         return owner_update(directions, self.opt.ns)
 
-    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-        group = self._groups()[index]
-        return rescaled_direction(launched, momentum, scale, group["momentum"], group["nesterov"])
-
-    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
-        group = self._groups()[index]
-        momentum_after(momentum, direction, group["momentum"], group["nesterov"])
-
-    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
-        r = divmod(self.plan.rank, self.plan.shard)[0]
-        out = {}
-        for i in members:
-            info = self.plan.infos[i]
-            buf = self.opt.state[info.param].get("momentum_buffer")
-            out[i] = (torch.zeros(info.momentum_numel(r, self._column), device=self.plan.device) if buf is None
-                      else self._local(i, buf))
-        return out
-
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
         # Muon keeps no row state (``rows`` is None).
@@ -160,7 +141,32 @@ class MuonCallbacks(StepCallbacks):
                 for p in g["params"]]
 
 
-class NorMuonCallbacks(MuonCallbacks):
+class MuonCallbacks(MuonFamily, Rescalable):
+    """torch.optim.Muon's rule (:class:`MuonFamily`), rescalable: with ``clipped_overlap`` a launch whose
+    gradients were since clipped still stands, the owner forming the clipped direction from its copy
+    of the momentum (:mod:`dmuon.runtime.owner_momentum`)."""
+
+    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        group = self._groups()[index]
+        return rescaled_direction(launched, momentum, scale, group["momentum"], group["nesterov"])
+
+    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
+        group = self._groups()[index]
+        momentum_after(momentum, direction, group["momentum"], group["nesterov"])
+
+    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        r = divmod(self.plan.rank, self.plan.shard)[0]
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param].get("momentum_buffer")
+            out[i] = (torch.zeros(info.momentum_numel(r, self._column), device=self.plan.device) if buf is None
+                      else self._local(i, buf))
+        return out
+
+
+class NorMuonCallbacks(MuonCallbacks, RowState):
     """NorMuon: Muon's momentum and step, with the owner normalizing each output row
     (:mod:`dmuon.rules.normuon`) by a per-row second moment that travels as the row state.
 
@@ -219,7 +225,7 @@ class NorMuonCallbacks(MuonCallbacks):
             self._state_rows(i, self.opt.state[self.plan.infos[i].param][self.STATE]).copy_(new)
 
 
-class MuonHCallbacks(MuonCallbacks):
+class MuonHCallbacks(MuonCallbacks, WeightSums):
     """MuonH (:mod:`dmuon.rules.muonh`): Muon's momentum and NS, the owner dividing each update by its
     Frobenius norm, every rank stepping its rows by ``adjusted_lr * R`` and then putting its piece
     back on the sphere with the whole matrix's norm (the runtime's sums over the weight).
@@ -267,17 +273,16 @@ class MuonHCallbacks(MuonCallbacks):
             muonh.step(self._local(i, info.param), update, self._radius(i), scaled)
 
 
-class Dion2Callbacks(MuonCallbacks):
+class Dion2Callbacks(MuonFamily):
     """Dion2 (:mod:`dmuon.rules.dion2`): ``M += G`` on every rank (``state["momentum_buffer"]``, Muon's
     layout), the owner selecting the top rows of the whole ``M`` and orthogonalizing them, every rank
     decaying the selected rows of its part of ``M`` (the nonzero rows of its returned update) and
     applying Muon's decoupled decay and step (``adjust_lr_fn``, default ``"spectral_unclamped"``).
 
-    Not rescalable: the owners' momentum copies of ``clipped_overlap`` would have to follow the
-    owners' selection; a launch whose gradients were since scaled is exchanged again instead.
+    Not :class:`~dmuon.runtime.callbacks.Rescalable`: the owners' momentum copies of ``clipped_overlap``
+    would have to follow the owners' selection; a launch whose gradients were since scaled is exchanged
+    again instead.
     """
-
-    rescalable = False
 
     @torch.no_grad()
     def peek(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -8,10 +8,10 @@ scale by which power of which head's factor. Here it meets the step:
   device (micro-batches of an accumulation, activation checkpointing's recomputation:
   the maximum of every report since the last ``step()``). Non-finite values are left out.
 * **Agreement**: at ``step()`` each rank's maxima, reduced per key head, ride with the
-  step's agreement (:meth:`~dmuon.runtime.callbacks.StepCallbacks.step_maxima`); every
+  step's agreement (:meth:`~dmuon.runtime.callbacks.StepMaxima.step_maxima`); every
   rank gets the maximum over every rank's tokens, exactly, and no collective is added.
 * **Clip**: after the last update of a step that is not skipped
-  (:meth:`~dmuon.runtime.callbacks.StepCallbacks.finish_step`), every rank scales its own
+  (:meth:`~dmuon.runtime.callbacks.StepMaxima.finish_step`), every rank scales its own
   rows of the layers' Muon matrices (each holder of a row, every replica and tensor-parallel
   copy, alike), by the global row index of its shard (``MatrixInfo.pieces``).
 """

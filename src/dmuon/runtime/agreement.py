@@ -9,7 +9,7 @@ return is the one collective depending on them, and its rows are used only if
 the flags, landed with them, keep them).
 
 The same maximum also agrees the rule's **step maxima** (QK-clip's per-head
-attention logit maxima, :meth:`~dmuon.runtime.callbacks.StepCallbacks.step_maxima`)
+attention logit maxima, :meth:`~dmuon.runtime.callbacks.StepMaxima.step_maxima`)
 at no collective of their own: each value rides as the int32 bit pattern of a
 float32. Non-negative float32 values order like their bit patterns read as
 integers (+inf above every finite one), so the integer maximum is the float

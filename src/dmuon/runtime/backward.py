@@ -43,7 +43,7 @@ import functools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,16 +51,15 @@ from dmuon.comm import Pending, ShardExchange
 from dmuon.comm.device_streams import streams_for
 from dmuon.comm.pending import no_result
 from dmuon.comm.streams import Interval, kept
-from dmuon.plan.hop_a import SPREAD, HopASpreader, column_reduce_loads, slice_shape
+from dmuon.plan.hop_a import HopASpreader, column_reduce_loads, slice_shape
 from dmuon.plan.plan import MatrixInfo, Plan
+from dmuon.runtime.callbacks import RowState, StepCallbacks
+from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.util.dtensor import local_tensor
 from dmuon.util.torch_compat import on_reduced_gradient, queue_end_of_backward
-
-Directions = Callable[[list[int]], dict[int, torch.Tensor]]
-"""Given matrix indices with gradients, this rank's part of their directions (wire dtype)."""
-
 
 @dataclass
 class Launch:
@@ -127,47 +126,42 @@ class BackwardLaunches:
     Args:
         plan: The ownership plan.
         exchange: Where launches send.
-        peek: The optimizer's directions in backward (state untouched), from the gradient parts.
-        grad_parts: This rank's part of each matrix's reduced gradient (no replicate level).
-        managed: The matrices the optimizer steps now; only those are launched.
-        check: Called with a matrix index before its direction is formed (raises on bad gradients).
-        owner_work: With ``ns_in_backward``: the owner's work, run per block on a worker thread
-            as soon as the block's directions have landed; None: no worker.
-        work: The owners' batching (per block when ``owner_work`` is given).
-        directions: Launch the direction exchanges (``overlap``); without, with ``replicate``
-            the hooks only start the reductions.
+        callbacks: The rule: ``matrices`` (only those are launched), ``peek`` (the directions, state
+            untouched), with ``config.ns_in_backward`` ``owner_work`` (run per block on a worker
+            thread as soon as the block's directions have landed), and a
+            :class:`~dmuon.runtime.callbacks.RowState` rule's ``row_states`` (sent beside the
+            directions).
+        config: ``overlap`` (launch the direction exchanges; without, with ``replicate`` the hooks
+            only start the reductions), ``ns_in_backward``, ``returns_in_backward`` (with the worker:
+            each block's updates return in backward, :attr:`Launch.returned`, at the block landing
+            after the one that issued its directions' last hop; the main thread waits there for the
+            worker's results of it) and, with ``replicate``, the hop A spread
+            (:class:`~dmuon.plan.hop_a.HopASpreader`).
+        gradients: This rank's gradient parts (no replicate level) and the gradients' check.
+        work: The owners' batching (per block with the worker).
         replicate: dmuon's replicate level, or None.
-        row_states: With a row state: this rank's rows of each member's row state (sent beside
-            the directions); None: none.
-        hop_a_spread: With ``replicate``: the most collectives across replicas a block's direction
-            slices spread over (:class:`~dmuon.plan.hop_a.HopASpreader`; 1: all with the next).
         keep_gradients: Keep a copy of each launch's gradient parts (:attr:`Launch.grads`).
-        returns_in_backward: With ``owner_work``: return each block's updates in backward
-            (:attr:`Launch.returned`), at the block landing after the one that issued its directions'
-            last hop; the main thread waits there for the worker's results of it.
     """
 
-    def __init__(self, plan: Plan, exchange: ShardExchange, peek: Callable[[list[int], dict], dict],
-                 grad_parts: Directions, managed: Callable[[], list[int]], check: Callable[[int], None],
-                 owner_work: OwnerFn | None, work: OwnerWork, directions: bool = True,
-                 replicate: ReplicateLevel | None = None,
-                 row_states: Callable[[list[int]], dict[int, torch.Tensor]] | None = None,
-                 hop_a_spread: int = SPREAD, keep_gradients: bool = False, returns_in_backward: bool = False) -> None:
+    def __init__(self, plan: Plan, exchange: ShardExchange, callbacks: StepCallbacks, config: ExecutionConfig,
+                 gradients: GradientParts, work: OwnerWork, replicate: ReplicateLevel | None = None,
+                 keep_gradients: bool = False) -> None:
         self.plan = plan
         self.exchange = exchange
-        self._peek = peek
-        self._grad_parts = grad_parts
-        self._managed = managed
-        self._check = check
-        self._owner_work = owner_work
+        self._peek = callbacks.peek
+        self._grad_parts = gradients.parts
+        self._managed = callbacks.matrices
+        self._check = gradients.check
+        self._owner_work: OwnerFn | None = callbacks.owner_work if config.ns_in_backward else None
         self._work = work
-        self._directions = directions
+        self._directions = config.overlap
         self.replicate = replicate
-        self._row_states = row_states
+        self._row_states = callbacks.row_states if isinstance(callbacks, RowState) else None
         self._keep_gradients = keep_gradients
-        self._returns = returns_in_backward and owner_work is not None
+        self._returns = config.returns_in_backward and self._owner_work is not None
+        hop_a_spread = config.resolved_hop_a_spread
         self._spreader: HopASpreader | None = None
-        if replicate is not None and directions:
+        if replicate is not None and self._directions:
             self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
                                           plan.replicate, plan.shard, exchange.wire_dtype.itemsize, hop_a_spread)
         self.streams = streams_for(plan.device)
@@ -175,7 +169,7 @@ class BackwardLaunches:
         """Event on dmuon's stream after the hooks' latest work (None: nothing since the compute stream waited)."""
         # The worker thread enters the plan's device first: Triton launches on the thread's current device.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns",
-                                          initializer=self.streams.enter) if owner_work else None
+                                          initializer=self.streams.enter) if self._owner_work else None
         self._early: dict[int, Future] = {}
         self._ns_done: dict[int, Any] = {}
         """Per block: the event on the NS stream after the worker's work on it."""

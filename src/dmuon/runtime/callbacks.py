@@ -2,8 +2,9 @@
 
 The runtime (:class:`~dmuon.runtime.ShardRuntime`) decides *when* and *where*
 everything runs and issues every collective; the optimizer decides *what* is
-computed. A matrix rule splits into these pieces of work, each a callback:
+computed. A matrix rule is a :class:`StepCallbacks`, six pieces of work:
 
+* ``matrices``, on every rank: which matrices the rule steps now;
 * ``peek`` / ``commit``, on every rank: this rank's part of each matrix's
   direction from its gradient and state (elementwise work: Muon's momentum);
 * ``owner_work``, on the owner: whole directions in, whole updates out (NS,
@@ -11,32 +12,34 @@ computed. A matrix rule splits into these pieces of work, each a callback:
 * ``apply``, on every rank: this rank's rows of the returned updates into its
   parameter shard (learning rate, weight decay);
 * ``independent``: work that needs nothing the exchange produces (AdamW on the
-  other parameters), run while transfers are in flight;
-* ``finish_step``, on every rank: after the step's last ``apply``, with the step's
-  agreed maxima (below).
+  other parameters), run while transfers are in flight.
 
-A rule may also keep a small **row state**: ``row_width`` float32 values per
-matrix row (NorMuon's second moment), kept by every holder of the row and
-sharded with the rows like the parameter. ``row_states`` gives this rank's rows
-of it; the runtime sends each row's state once beside the direction, the owner's
-``owner_work`` gets the whole ``(m, row_width)`` state and returns the new one,
-and ``apply`` gets this rank's rows of it back with its rows of the update (see
-:mod:`dmuon.comm.exchange`). With ``row_width = 0`` (Muon) nothing extra moves.
+A rule that needs more declares it by also deriving from a **capability**, each
+a few abstract methods the runtime calls only on rules that declare it (and
+each costing nothing, no byte and no collective, to a rule that does not):
 
-A rule may also need **per-matrix sums over the weight** (MuonH's Frobenius norm of
-each updated matrix): ``weight_sums`` gives this rank's partial sums over its part of each
-matrix's weight, once before the step's first ``apply`` and once after its last; the
-runtime adds them over exactly the ranks that split the matrix in ONE all-reduce per call
-(:mod:`dmuon.runtime.matrix_norms`) and hands the totals to ``weight_totals``. With no
-sums asked for nothing moves.
-
-A rule may also need a few values **agreed as a maximum over every rank** each
-step (QK-clip's per-head attention logit maxima: every rank must scale the same
-heads by the same factor, and data-parallel ranks see different tokens).
-``step_maxima`` gives this rank's values at the start of ``step()``; the runtime
-carries them with the step's agreement, exactly and without a collective of its
-own (:mod:`dmuon.runtime.agreement`), and hands their maximum over every rank to
-``finish_step``, which runs once per step that is not skipped.
+* :class:`RowState`: a small per-row state that travels with the matrices
+  (NorMuon's second moment): ``row_width`` float32 values per matrix row, kept by
+  every holder of the row and sharded with the rows like the parameter. The
+  runtime sends each row's state once beside the direction, ``owner_work`` gets
+  the whole ``(m, row_width)`` states and returns the new ones, and ``apply``
+  gets this rank's rows of them back with its rows of the update
+  (:mod:`dmuon.comm.exchange`).
+* :class:`Rescalable`: a direction linear in the gradient with a momentum part
+  (Muon's), so that with ``ExecutionConfig.clipped_overlap`` each owner keeps its
+  matrices' whole momentum and a launch whose gradients were since scaled by one
+  factor (clipping) still stands.
+* :class:`WeightSums`: per-matrix sums over the weight (MuonH's Frobenius norms),
+  before the step's first ``apply`` and after its last; the runtime adds them over
+  exactly the ranks that split each matrix in one all-reduce per call
+  (:mod:`dmuon.runtime.matrix_norms`).
+* :class:`StepMaxima`: a few values agreed as their maximum over every rank each
+  step (QK-clip's per-head attention logit maxima: every rank must scale the same
+  heads by the same factor, and data-parallel ranks see different tokens),
+  carried with the step's agreement without a collective of their own
+  (:mod:`dmuon.runtime.agreement`) and handed to ``finish_step``.
+* :class:`CheckedGradients`: the gradients ``independent`` steps, checked for
+  NaN/Inf with the matrices' under ``ExecutionConfig.nonfinite``.
 
 Contract, for every callback:
 
@@ -108,14 +111,6 @@ class StepCallbacks(abc.ABC):
     state in the same parts.
     """
 
-    row_width: int = 0
-    """float32 values of row state per matrix row that travel with the matrices (0: none)."""
-    rescalable: bool = False
-    """The rule's direction is linear in the gradient with a momentum part, and it implements
-    :meth:`rescale_direction`, :meth:`advance_momentum` and :meth:`momentum_parts`: then (with
-    ``ExecutionConfig.clipped_overlap``) each owner keeps its matrices' whole momentum, and a launch
-    whose gradients were since scaled by one factor (clipping) still stands."""
-
     @abc.abstractmethod
     def matrices(self) -> list[int]:
         """The plan indices this optimizer steps now (its matrix param groups), ascending.
@@ -142,16 +137,6 @@ class StepCallbacks(abc.ABC):
         Called once per step for the members the step updates (never for a skipped step).
         """
 
-    def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
-        """With ``row_width > 0``: this rank's rows of each member's row state, ``(rows, row_width)``
-        float32 (rows of its piece; ``(0, row_width)`` where it holds none), as the rule's state is
-        now (read-only: the runtime only sends it).
-
-        Called beside :meth:`peek` and :meth:`commit` for the same members; for the same state it
-        must give bit-identical values (a launch is kept only if both agree, contract 4).
-        """
-        raise NotImplementedError(f"{type(self).__name__} has row_width={self.row_width} but no row_states")
-
     @abc.abstractmethod
     def owner_work(self, batch: list[int], directions: list[torch.Tensor],
                    rows: list[torch.Tensor] | None = None):
@@ -161,10 +146,9 @@ class StepCallbacks(abc.ABC):
         ``directions[k]`` is matrix ``batch[k]``'s whole direction (every rank's part
         assembled). May run on the worker thread (contract 2).
 
-        With ``row_width > 0`` the runtime also passes ``rows``, each matrix's whole
-        ``(m, row_width)`` row state, and expects ``(updates, new_rows)``: the updates and
-        each matrix's new ``(m, row_width)`` float32 row state. Without, it returns the
-        list of updates.
+        A :class:`RowState` rule also gets ``rows``, each matrix's whole ``(m, row_width)`` row
+        state, and returns ``(updates, new_rows)``: the updates and each matrix's new
+        ``(m, row_width)`` float32 row state. Any other rule returns the list of updates.
         """
 
     @abc.abstractmethod
@@ -172,34 +156,89 @@ class StepCallbacks(abc.ABC):
         """This rank's rows of each returned update, shaped ``(rows, cols * inner)`` of its piece.
 
         A matrix of which this rank holds nothing has no entry. Called once per return
-        wave, in wave order. With ``row_width > 0``, ``rows`` holds this rank's rows of each
-        returned matrix's new row state, ``(rows, row_width)``, for the rule to store.
+        wave, in wave order. A :class:`RowState` rule gets in ``rows`` this rank's rows of
+        each returned matrix's new row state, ``(rows, row_width)``, to store.
         """
 
-    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-        """With :attr:`rescalable`, on the owner: matrix ``index``'s whole direction for the gradient
-        ``scale * g``, from the whole direction launched for ``g`` (wire dtype) and the momentum
-        before the step (whole, float32, read-only). Returns a float32 ``(m, n)`` tensor."""
-        raise NotImplementedError
-
-    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
-        """With :attr:`rescalable`, on the owner: advances the whole float32 momentum of matrix ``index``
-        in place to what it is after a step whose whole direction was ``direction``."""
-        raise NotImplementedError
-
-    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
-        """With :attr:`rescalable`: this rank's part of each member's momentum, float32 (zeros where the
-        rule has none yet), read-only; the runtime sends them to the owners once, after the state was
-        loaded from a checkpoint."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def independent(self) -> None:
         """Work that needs nothing the exchange produces (AdamW), run while transfers travel.
 
         Called exactly once per step that is not skipped, before the first ``apply``.
         """
 
+
+class RowState(abc.ABC):
+    """Capability: a per-row state that travels with the matrices (module docstring)."""
+
+    row_width: int
+    """float32 values of row state per matrix row (an int >= 1)."""
+
+    @abc.abstractmethod
+    def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """This rank's rows of each member's row state, ``(rows, row_width)`` float32 (rows of its
+        piece; ``(0, row_width)`` where it holds none), as the rule's state is now (read-only: the
+        runtime only sends it).
+
+        Called beside :meth:`StepCallbacks.peek` and :meth:`StepCallbacks.commit` for the same
+        members; for the same state it must give bit-identical values (a launch is kept only if
+        both agree, contract 4).
+        """
+
+
+class Rescalable(abc.ABC):
+    """Capability: a launch whose gradients were since scaled by one factor still stands, the owner
+    rescaling its direction from the whole momentum it keeps (``ExecutionConfig.clipped_overlap``)."""
+
+    @abc.abstractmethod
+    def rescale_direction(self, index: int, launched: torch.Tensor, momentum: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """On the owner: matrix ``index``'s whole direction for the gradient ``scale * g``, from the
+        whole direction launched for ``g`` (wire dtype) and the momentum before the step (whole,
+        float32, read-only). Returns a float32 ``(m, n)`` tensor."""
+
+    @abc.abstractmethod
+    def advance_momentum(self, index: int, momentum: torch.Tensor, direction: torch.Tensor) -> None:
+        """On the owner: advances the whole float32 momentum of matrix ``index`` in place to what it
+        is after a step whose whole direction was ``direction``."""
+
+    @abc.abstractmethod
+    def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """This rank's part of each member's momentum, float32 (zeros where the rule has none yet),
+        read-only; the runtime sends them to the owners once, after the state was loaded from a
+        checkpoint or when the owners start keeping copies."""
+
+
+class WeightSums(abc.ABC):
+    """Capability: per-matrix sums over the weight, added over the ranks that split each matrix."""
+
+    @abc.abstractmethod
+    def weight_sums(self, active: list[int], applied: bool) -> dict[int, torch.Tensor]:
+        """This rank's partial sums over its part of some matrices' weight (float32, any small shape,
+        on any device), by plan index; empty: none (nothing moves).
+
+        Called on every rank of a step that is not skipped, twice: with ``applied=False`` before
+        the step's first ``apply`` (the weights as the previous step left them) and with
+        ``applied=True`` after its last. ``active`` holds the matrices the step updates. Every
+        rank must return the same keys with the same shapes (they size the collective). A rank
+        sums over its part of the weight (``MatrixInfo.local_view`` of its local shard: the whole
+        piece, every column of it, also on HSDP); the runtime counts each piece once (a copy of a
+        piece another position also holds, TP's ``Replicate``, counts 0) and adds over the ranks
+        that split the matrix (the shard level: FSDP2's shards and TP), not over HSDP's replicas,
+        which hold the same weights. No collective, no device sync.
+        """
+
+    @abc.abstractmethod
+    def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
+        """The totals of :meth:`weight_sums` (same keys and shapes, float32, on the runtime's device),
+        each the sum over the whole matrix, the same on every rank; called right after the
+        :meth:`weight_sums` call that asked for them, when it asked for any."""
+
+
+class StepMaxima(abc.ABC):
+    """Capability: values agreed as their maximum over every rank, once per step."""
+
+    @abc.abstractmethod
     def step_maxima(self) -> torch.Tensor | None:
         """This rank's values to agree on by their maximum over every rank (float32, on any device),
         or None for none.
@@ -210,38 +249,36 @@ class StepCallbacks(abc.ABC):
         :meth:`finish_step`, also on a step the speculative path redoes, and is dropped with a
         skipped step.
         """
-        return None
 
+    @abc.abstractmethod
     def finish_step(self, active: list[int], maxima: torch.Tensor) -> None:
-        """After the last :meth:`apply` of a step that is not skipped (before the post-optimizer event).
+        """After the last ``apply`` of a step that is not skipped (before the post-optimizer event).
 
         ``active`` holds the matrices the step updated (plan order); ``maxima`` the elementwise
         maximum over every rank of :meth:`step_maxima` (float32, on the CPU; empty without).
         Called exactly once per step that is not skipped, and never for a skipped one.
         """
 
-    def weight_sums(self, active: list[int], applied: bool) -> dict[int, torch.Tensor]:
-        """This rank's partial sums over its part of some matrices' weight (float32, any small shape,
-        on any device), by plan index; empty: none (the default, and nothing moves).
 
-        Called on every rank of a step that is not skipped, twice: with ``applied=False`` before
-        the step's first :meth:`apply` (the weights as the previous step left them) and with
-        ``applied=True`` after its last (before :meth:`finish_step`). ``active`` holds the matrices
-        the step updates. Every rank must return the same keys with the same shapes (they size the
-        collective). A rank sums over its part of the weight (``MatrixInfo.local_view`` of its
-        local shard: the whole piece, every column of it, also on HSDP); the runtime counts each
-        piece once (a copy of a piece another position also holds, TP's ``Replicate``, counts 0)
-        and adds over the ranks that split the matrix (the shard level: FSDP2's shards and TP),
-        not over HSDP's replicas, which hold the same weights. No collective, no device sync.
-        """
-        return {}
+class CheckedGradients(abc.ABC):
+    """Capability: the other gradients whose NaN/Inf skips or fails the step (``ExecutionConfig.nonfinite``)."""
 
-    def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
-        """The totals of :meth:`weight_sums` (same keys and shapes, float32, on the runtime's device),
-        each the sum over the whole matrix, the same on every rank; called right after the
-        :meth:`weight_sums` call that asked for them, when it asked for any."""
-
+    @abc.abstractmethod
     def checked_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
-        """With ``ExecutionConfig.nonfinite``: the other gradients (name, this rank's local
-        gradient or None) whose NaN/Inf skips or fails the step, in the same order on every rank."""
-        return []
+        """(name, this rank's local gradient or None) of each parameter ``independent`` steps, in the
+        same order on every rank."""
+
+
+def row_width(callbacks: StepCallbacks) -> int:
+    """The rule's row state per matrix row: ``row_width`` for a :class:`RowState` rule, else 0.
+
+    Raises:
+        ValueError: A :class:`RowState` rule whose ``row_width`` is not an int >= 1.
+    """
+    if not isinstance(callbacks, RowState):
+        return 0
+    width = getattr(callbacks, "row_width", None)
+    if not (isinstance(width, int) and not isinstance(width, bool) and width >= 1):
+        raise ValueError(f"{type(callbacks).__name__} declares RowState, so its row_width must be an int >= 1, "
+                         f"got {width!r}")
+    return width

@@ -38,7 +38,7 @@ class ExecutionConfig:
     step; the clipped directions
     then equal the ranks' up to rounding (README, "Clipping"). False: a clipped step exchanges
     every block again, bit-identical to ``overlap=False``. Only for rules that support it
-    (``StepCallbacks.rescalable``: Muon, NorMuon, MuonH; Dion2 is not, its clipped steps exchange again)."""
+    (a :class:`~dmuon.runtime.callbacks.Rescalable` rule: Muon, NorMuon, MuonH; Dion2 is not, its clipped steps exchange again)."""
     ns_in_backward: bool = False
     """Also run the owners' NS for each block on a worker thread during backward, as soon as its
     directions have arrived (needs ``overlap``). Blocks whose directions fail ``step()``'s check

@@ -4,7 +4,7 @@ A rule whose formula needs a scalar of the whole weight (MuonH: ``||W||_F`` afte
 update, to put ``W`` back on its sphere; and ``||W_0||_F`` once, the sphere's radius)
 cannot compute it on the owner: the owner has the whole direction, not the whole weight.
 Every rank holds its piece of the weight, so the rule gives its partial sums
-(:meth:`~dmuon.runtime.callbacks.StepCallbacks.weight_sums`, no collective) and the runtime
+(:meth:`~dmuon.runtime.callbacks.WeightSums.weight_sums`, no collective) and the runtime
 adds them:
 
 * **over the shard level only** (``Topology.shard_group``: FSDP2's shard dim and TP's dim
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats
 from dmuon.plan.plan import Plan
-from dmuon.runtime.callbacks import StepCallbacks
+from dmuon.runtime.callbacks import StepCallbacks, WeightSums
 
 
 def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
@@ -56,8 +56,11 @@ class MatrixNorms:
         self.device = plan.device
 
     def run(self, callbacks: StepCallbacks, active: list[int], applied: bool) -> bool:
-        """Asks ``callbacks.weight_sums(active, applied)``, adds them up and hands the totals to
-        ``callbacks.weight_totals``; whether any were asked for (every rank alike)."""
+        """Asks a :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_sums(active, applied)``,
+        adds them up and hands the totals to its ``weight_totals``; whether any were asked for (every
+        rank alike; never for another rule)."""
+        if not isinstance(callbacks, WeightSums):
+            return False
         sums = callbacks.weight_sums(active, applied)
         if not sums:
             return False

@@ -16,7 +16,7 @@ from dmuon.plan.plan import Plan
 
 OwnerFn = Callable[..., "list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]"]
 """A batch of matrices and their whole directions -> their whole updates; with a row state
-(:attr:`StepCallbacks.row_width`) also their whole row states in, and ``(updates, new row states)`` out."""
+(:attr:`~dmuon.runtime.callbacks.RowState.row_width`) also their whole row states in, and ``(updates, new row states)`` out."""
 
 Results = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]
 """The owner's work on some matrices: each one's whole update, and its new row state (empty without one)."""

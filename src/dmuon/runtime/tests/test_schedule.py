@@ -29,7 +29,6 @@ path the step takes.
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ from dmuon.comm.tests.test_exchange import _tp_pieces
 from dmuon.comm.topology import from_mesh
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, row_pieces
-from dmuon.runtime import ExecutionConfig, ShardRuntime, StepCallbacks
+from dmuon.runtime import CheckedGradients, ExecutionConfig, RowState, ShardRuntime, StepCallbacks, StepMaxima
 from support.spawn import run_distributed
 
 WORLD = 4
@@ -129,7 +128,7 @@ def _agreed_maxima(step: int) -> torch.Tensor:
     return torch.where(values > 0, values, 0.0).amax(0)
 
 
-class FakeRule(StepCallbacks):
+class FakeRule(StepCallbacks, StepMaxima, CheckedGradients):
     """Direction = gradient + steps committed so far; the owner mixes rows and columns."""
 
     def __init__(self, infos: list[MatrixInfo], coords: tuple[int, int], checked: list[torch.Tensor]) -> None:
@@ -188,7 +187,7 @@ class FakeRule(StepCallbacks):
         return [(f"other{k}", g) for k, g in enumerate(self.checked)]
 
 
-class FakeRowRule(FakeRule):
+class FakeRowRule(FakeRule, RowState):
     """:class:`FakeRule` with a row state (see the module docstring), stored as views like NorMuon's."""
 
     row_width = 2

@@ -1,0 +1,207 @@
+"""What ``prepare`` reads of the model as a whole: its mesh and HSDP kind, its device, its
+``fully_shard`` blocks, and that every rank has the same model."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from dmuon.comm.topology import Topology
+from dmuon.ortho.config import NSConfig
+from dmuon.plan.layout import replicated_mesh
+from dmuon.util.torch_compat import has_all_reduce_hook, strided_shard_type
+
+# FSDP2 marks its row split inside a tensor-parallel one with _StridedShard; the momentum's
+# column split inside TP's is the same kind of layout.
+_StridedShard = strided_shard_type()
+
+
+def fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig) -> torch.Tensor:
+    h = hashlib.sha256(f"{balancer}|{sorted(ns.cache_key().items())}|{','.join(chosen)}".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(torch.int64)
+
+
+def check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device) -> None:
+    world_size = topology.world_size
+    gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
+    # torch 2.13 renamed all_gather_into_tensor; keep older releases working.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, fingerprint.to(device), group=topology.world_group)
+    rows = gathered.view(world_size, -1).cpu()
+    differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
+    if differing:
+        raise ValueError(
+            "dmuon.prepare: ranks disagree on the model's parameters (names, shapes, dtypes, "
+            f"requires_grad, order) or on prepare's arguments; ranks {differing} differ from rank 0"
+        )
+
+
+def parameter_device(model: nn.Module, chosen: list[tuple[str, nn.Parameter]], mesh) -> tuple[torch.device, str | None]:
+    """The device the parameters' local tensors live on (a DTensor's local shard), where dmuon puts its
+    buffers and runs its collectives, and an error message when they live on several.
+
+    From the parameters, not from ``torch.cuda.current_device()``: a script may call ``prepare``
+    before ``torch.cuda.set_device``, and every rank's buffers would then land on ``cuda:0``. The
+    chosen matrices decide; without any, the model's parameters; without those, the mesh's device
+    type (the current CUDA device for ``"cuda"``: there is nothing else to go by).
+    """
+    named = chosen or list(model.named_parameters())
+    where: dict[torch.device, str] = {}
+    for name, p in named:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        where.setdefault(local.device, name)
+    if len(where) > 1:
+        listed = ", ".join(f"{name!r} on {dev}" for dev, name in where.items())
+        return next(iter(where)), (f"dmuon.prepare: the parameters live on different devices ({listed}); "
+                                   "dmuon needs every parameter on this rank's one device")
+    if where:
+        return next(iter(where)), None
+    if mesh is None:
+        return torch.device("cpu"), None
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device()), None
+    return torch.device(mesh.device_type), None
+
+
+def _check_hsdp_mesh(params_mesh, hsdp_mesh):
+    """``hsdp_mesh`` when the parameters live on its non-replicate dims (dmuon reduces across its dim 0).
+
+    Raises:
+        ValueError: Naming what to change: a mesh that is not (replicate, shard, ...) with names,
+            a model sharded over the whole HSDP mesh (FSDP2's native HSDP), or over another mesh.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(hsdp_mesh, DeviceMesh) or hsdp_mesh.ndim < 2 or hsdp_mesh.mesh_dim_names is None:
+        raise ValueError("hsdp_mesh must be a DeviceMesh with named dims (replicate, shard[, tp...]), e.g. "
+                         "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if hsdp_mesh.mesh.numel() != world:
+        raise ValueError(f"hsdp_mesh holds {hsdp_mesh.mesh.numel()} ranks but the default process group {world}; "
+                         "dmuon needs a mesh over every rank")
+    inner = hsdp_mesh[tuple(hsdp_mesh.mesh_dim_names[1:])] if hsdp_mesh.ndim > 2 else \
+        hsdp_mesh[hsdp_mesh.mesh_dim_names[1]]
+    if params_mesh == hsdp_mesh:
+        raise ValueError("the model is fully_shard-ed over the whole hsdp_mesh (FSDP2's native HSDP, which "
+                         "all-reduces gradients across replicas itself); for dmuon's replicate level shard it "
+                         f"over hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] (fully_shard(..., mesh="
+                         f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}])), or drop hsdp_mesh= to keep native HSDP")
+    if params_mesh != inner:
+        raise ValueError(f"the parameters live on {params_mesh}, not on hsdp_mesh's non-replicate dims "
+                         f"{hsdp_mesh.mesh_dim_names[1:]} ({inner}); shard the model over "
+                         f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] of the hsdp_mesh you pass")
+    return hsdp_mesh
+
+
+def check_no_all_reduce_hook(model: nn.Module) -> None:
+    """dmuon reduces every gradient across replicas itself; an FSDP2 all-reduce hook of the user's
+    (``FSDPModule.set_all_reduce_hook``) would reduce them a second time.
+
+    FSDP2 has no public getter for the hook, so this reads its param groups' attribute (a check
+    only: nothing is changed).
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        if has_all_reduce_hook(module):
+            raise ValueError(f"module {name or '<root>'!r} has an FSDP2 all-reduce hook (set_all_reduce_hook); "
+                             "with hsdp_mesh= dmuon reduces gradients across replicas itself, so remove the hook")
+
+
+def layout_of(model: nn.Module, hsdp_mesh=None):
+    """The mesh spanning every DTensor parameter, and whether its dim 0 replicates (HSDP).
+
+    With ``hsdp_mesh`` (dmuon's replicate level) the parameters live on its
+    non-replicate dims and ``hsdp_mesh`` is returned.
+
+    FSDP2 alone puts every parameter on one mesh; with tensor parallelism the
+    parameters TP split live on the ``(dp..., tp)`` mesh and the others on its
+    ``dp`` sub-mesh. Returns ``(None, False)`` for a model without DTensors.
+
+    Raises:
+        ValueError: For trainable plain parameters in a multi-process run (not
+            under ``fully_shard``), meta parameters, or meshes that are not one
+            mesh and its named sub-meshes.
+    """
+    meshes: list[tuple[str, object]] = []
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device: materialize weights first")
+        if not isinstance(p, DTensor):
+            if distributed and p.requires_grad:
+                raise ValueError(
+                    f"parameter {name!r} is not managed by any fully_shard: call fully_shard on the model "
+                    "(and its blocks) before dmuon.prepare (a DMuon built before sharding sets itself up at "
+                    "the model's first forward, after your framework has sharded it)"
+                )
+            continue
+        if not any(m == p.device_mesh for _, m in meshes):
+            meshes.append((name, p.device_mesh))
+    if not meshes:
+        return None, False
+    first, root = max(meshes, key=lambda nm: nm[1].ndim)
+    names = root.mesh_dim_names
+    for name, mesh in meshes:
+        if mesh == root:
+            continue
+        if names is None or mesh.mesh_dim_names is None or not set(mesh.mesh_dim_names) <= set(names):
+            raise ValueError(f"parameter {name!r} lives on a DeviceMesh that is not a named sub-mesh of "
+                             f"{first!r}'s; dmuon needs the parameters on one mesh and its sub-meshes")
+    if hsdp_mesh is not None:
+        return _check_hsdp_mesh(root, hsdp_mesh), True
+    if root.mesh.numel() != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise ValueError(f"the parameters' mesh holds {root.mesh.numel()} ranks but the default process group "
+                         f"{dist.get_world_size()}; dmuon needs a mesh over every rank (HSDP with dmuon reducing "
+                         "across replicas: fully_shard over the shard dim of an HSDP mesh and pass hsdp_mesh=)")
+    replicated = root.ndim >= 2
+    for _, p in model.named_parameters():
+        if isinstance(p, DTensor) and replicated:
+            dims = p.device_mesh.mesh_dim_names
+            on_root_dim0 = p.device_mesh == root or (dims is not None and dims[0] == names[0])
+            if on_root_dim0 and not isinstance(p.placements[0], Replicate):
+                replicated = False
+    return root, replicated
+
+
+def momentum_layout(param: DTensor, param_dim: int, hsdp_mesh=None) -> tuple:
+    """HSDP: the momentum's ``(mesh, placements)``: the parameter's, with the replicate dim a split of
+    ``param_dim`` (the momentum's columns), inside any split of that dim by later mesh dims (tensor
+    parallel: ``_StridedShard``, as FSDP2 marks its rows inside TP's).
+
+    On native HSDP the parameter's replicate dim (``Replicate``) becomes the split; with dmuon's
+    replicate level (``hsdp_mesh``: the parameter lives on its non-replicate dims) the split is
+    prepended, on ``hsdp_mesh``.
+    """
+    mesh, placements = param.device_mesh, list(param.placements)
+    if hsdp_mesh is not None:
+        mesh, placements = replicated_mesh(hsdp_mesh, param), [Replicate(), *placements]
+    split = 1
+    for j in range(1, mesh.ndim):
+        if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == param_dim:
+            split *= mesh.size(j)
+    placements[0] = _StridedShard(param_dim, split_factor=split) if split > 1 else Shard(param_dim)
+    return mesh, tuple(placements)
+
+
+def fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Each ``fully_shard``-ed module with the parameters it manages itself (not its FSDP children's)."""
+    blocks = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        nested = {
+            id(p)
+            for child_name, child in module.named_modules()
+            if child is not module and isinstance(child, FSDPModule)
+            for p in child.parameters()
+        }
+        blocks.append((name, module, [p for p in module.parameters() if id(p) not in nested]))
+    return blocks
