@@ -9,6 +9,8 @@ from dmuon.plan.hop_a import resolve_spread
 
 NONFINITE_MODES = (None, "skip", "raise")
 """Accepted ``ExecutionConfig.nonfinite`` values."""
+APPLY_MODES = ("in_step", "next_forward")
+"""Accepted ``ExecutionConfig.apply_updates`` values."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,19 @@ class ExecutionConfig:
     you change parameters after ``step()`` (their all-gather would not wait for that). The CPU
     backend has no events: True there is an error."""
 
+    apply_updates: str = "in_step"
+    """When each rank applies the Muon matrices' updates. ``"in_step"``: inside ``step()``, every
+    update landed and applied before it returns. ``"next_forward"``: ``step()`` issues every update
+    return (all hops, the publication across replicas included) and returns; the next forward
+    applies each FSDP2 unit's updates from a forward pre-hook, a unit ahead, and issues that unit's
+    all-gather itself, so the returns travel behind the step's end and the forward's first units
+    (:mod:`dmuon.runtime.deferred`). AdamW's parameters are stepped inside ``step()`` either way.
+    Nothing reads a parameter stale: :meth:`dmuon.DMuon.flush_updates` applies what is pending,
+    and runs by itself before ``step()``, the optimizer's and the model's ``state_dict`` and
+    ``load_state_dict`` (so torch's ``get_state_dict``/``set_state_dict`` and DCP); code that reads
+    the weights directly between ``step()`` and the next forward (an EMA, a norm) calls it first.
+    Not with ``post_optim_event`` (FSDP2 waits on it once, before any deferred update exists)."""
+
     loopback_collectives: bool = False
     """Where a level of the mesh has one rank (one process: every level), still issue dmuon's
     exchanges, update returns and agreement as collectives on its one-member groups (all-to-all and
@@ -92,6 +107,12 @@ class ExecutionConfig:
                      "loopback_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.apply_updates not in APPLY_MODES:
+            raise ValueError(f"apply_updates must be one of {APPLY_MODES}, got {self.apply_updates!r}")
+        if self.apply_updates == "next_forward" and self.post_optim_event:
+            raise ValueError("apply_updates='next_forward' cannot take post_optim_event=True: FSDP2 waits on the "
+                             "event once, at the next forward's start, before the updates this mode applies "
+                             "during that forward; leave post_optim_event=False")
         if self.nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {self.nonfinite!r}")
         waves = self.return_waves

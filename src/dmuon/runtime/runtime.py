@@ -44,9 +44,10 @@ from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.backward import BackwardLaunches
-from dmuon.runtime.callbacks import Rescalable, StepCallbacks, StepMaxima, row_width
+from dmuon.runtime.callbacks import Rescalable, StepCallbacks, StepMaxima, WeightSums, row_width
 from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
+from dmuon.runtime.deferred import DeferredUpdates
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
@@ -115,6 +116,11 @@ class ShardRuntime:
             self.owner_momentum = OwnerMomentum(plan, self.device)
         self.settler = StepSettler(plan, self.topo, callbacks, config, self.gradients, self.exchange, self.work,
                                    self.streams, self.owner_momentum)
+        self.deferred: DeferredUpdates | None = None
+        """With ``apply_updates="next_forward"``: the last step's updates, applied in the next forward."""
+        if config.apply_updates == "next_forward":
+            _check_deferrable(callbacks)
+            self.deferred = DeferredUpdates(plan, callbacks.apply, self.row_width, root)
         self.backward: BackwardLaunches | None = None
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks, config, self.gradients, self.work,
@@ -131,6 +137,7 @@ class ShardRuntime:
     def step(self) -> StepReport:
         """Runs one step on every rank (a collective call); what it did on this rank."""
         start = time.perf_counter()
+        self.flush_updates()  # the last step's updates no forward applied (a unit that did not run)
         launches, early = self.backward.take() if self.backward is not None else ({}, {})
         if self.replicate is not None:
             self.replicate.finish()
@@ -176,7 +183,11 @@ class ShardRuntime:
             cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
-        self._apply(returns)
+        if self.deferred is not None:
+            self._publish(returns)
+            self.deferred.hold(list(zip(returns, self._carried(settled, back, report))))
+        else:
+            self._apply(returns)
         self.norms.run(cb, active, applied=True)
         report.blocks_exchanged_in_backward = len(settled.kept)
         if self.config.ns_in_backward:
@@ -282,6 +293,28 @@ class ShardRuntime:
             else:
                 self.callbacks.apply(wave.wait())
 
+    def _publish(self, returns: list[Pending]) -> None:
+        """``apply_updates="next_forward"``: every hop of every return issued now, in the order
+        :meth:`_apply` issues them, on dmuon's own stream (forked from the compute stream, which
+        waits for none of it here: the next forward lands each return where its unit needs it)."""
+        with self.streams.use(self.streams.own("dmuon")):
+            for k, wave in enumerate(returns):
+                while not wave.issued():
+                    self._forward_returns(returns[k:])
+
+    @staticmethod
+    def _carried(settled: Settled, back: dict[int, Pending], report: StepReport) -> list[list[int]]:
+        """The matrices each of ``_update``'s returns carries (every rank's, the same on every rank):
+        the returns from backward (their launches' members), then the waves."""
+        carried = [settled.launches[b].members for b in back]
+        return carried + [list(members) for members in report.return_waves]
+
+    def flush_updates(self) -> None:
+        """Applies the updates a step left for the next forward (``apply_updates="next_forward"``);
+        nothing when none are pending. No collective."""
+        if self.deferred is not None and self.deferred.pending:
+            self.deferred.flush()
+
     def _forward_returns(self, returns: list[Pending]) -> None:
         """Advances every return in flight by one hop (:meth:`Pending.forward`). On HSDP the hops this
         issues across replicas (one wave's first, the scatter route's all-gather of the wave before)
@@ -318,6 +351,17 @@ class ShardRuntime:
         """Removes the backward hooks and stops the NS worker (also done when the runtime is freed)."""
         if self.backward is not None:
             self.backward.close()
+        if self.deferred is not None:
+            self.deferred.close()
+
+
+def _check_deferrable(callbacks: StepCallbacks) -> None:
+    """``apply_updates="next_forward"`` applies each unit's updates on their own: a rule whose step needs
+    every update applied at one point (sums over the updated weight) cannot be deferred."""
+    if isinstance(callbacks, WeightSums):
+        raise ValueError(f"apply_updates='next_forward' cannot defer {type(callbacks).__name__}'s updates: its sums "
+                         "over the updated weights need every update applied inside step(); use "
+                         "apply_updates='in_step'")
 
 
 def _topology(plan: Plan, config: ExecutionConfig):

@@ -1,0 +1,172 @@
+"""Updates applied in the next forward (``ExecutionConfig.apply_updates="next_forward"``).
+
+``step()`` issues every update return, each hop of it (on HSDP the publication across
+replicas too, chained on dmuon's own stream), and hands the returns here instead of
+applying them. The next forward applies them unit by unit, from forward pre-hooks on
+each FSDP2 unit that holds Muon matrices:
+
+* a unit's **own** hook (before FSDP2's pre-forward, which all-gathers the unit) applies
+  the unit's updates if nothing applied them yet, and then issues the unit's all-gather
+  itself (``FSDPModule.unshard(async_op=True)``): torch issues an explicit unshard on the
+  current stream, so the all-gather reads the updated shard; FSDP2's pre-forward then
+  finds it issued and waits for it;
+* a unit's **ahead** hook (after FSDP2's pre-forward, so the unit's own all-gather is
+  already issued) does the same for the unit that followed it in the last forward, whose
+  all-gather then runs beside this unit's compute.
+
+A unit prefetched by its predecessor whose own forward then does not run (a block left out of
+this forward) is gathered and resharded at the root's forward end (FSDP2 would otherwise wait
+for that all-gather only at the end of backward), so no all-gather is left behind.
+
+Each apply lands its returns on the compute stream (the rule's ``apply`` runs there, as
+in ``step()``). The units are taken in the order their forwards ran last time; a unit
+whose forward comes out of that order applies its own updates in its own hook. Whether a
+rank applies and unshards a unit depends only on which units have updates pending (the
+step's agreement, the same on every rank) and on the order of the forward (the same on
+every rank, as FSDP2's own all-gathers need), never on timing: every rank issues the same
+all-gathers in the same order.
+
+:meth:`DeferredUpdates.flush` applies whatever is pending (a unit whose forward did not
+run, or before anything reads the weights outside the forward: ``step()``, state dicts).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from dmuon.comm import Pending
+from dmuon.plan.plan import Plan
+
+Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], None]
+"""The rule's ``apply`` (its row states' argument given only to a row-state rule)."""
+
+
+class DeferredUpdates:
+    """The update returns of the last ``step()``, applied unit by unit in the next forward.
+
+    Args:
+        plan: The ownership plan (its blocks: FSDP2's units with Muon matrices, and their modules).
+        apply: The rule's ``apply``.
+        row_width: The rule's row state per row (0: none; then ``apply`` gets no row states).
+        root: FSDP2's root module (None: one process without FSDP2, nothing to gather).
+    """
+
+    def __init__(self, plan: Plan, apply: Apply, row_width: int, root: nn.Module | None = None) -> None:
+        self.plan = plan
+        self._apply = apply
+        self.row_width = row_width
+        self._returns: list[tuple[Pending, list[int]]] = []
+        self._pending: dict[int, set[int]] = {}
+        """Per unit (block index), the matrices whose update this rank has not applied yet."""
+        self._order: list[int] = []
+        """The units in the order their forwards ran last time."""
+        self._seen: list[int] = []
+        self._ran: set[int] = set()
+        """The units whose forward ran since the root's forward began."""
+        self._prefetched: dict[int, object] = {}
+        """Units whose all-gather an ahead hook issued, their handles (until the root's forward ends)."""
+        self._hooks = []
+        if root is not None:
+            self._hooks.append(root.register_forward_hook(self._root_forward_end))
+        for block in plan.blocks:
+            module = block.module
+            self._hooks.append(module.register_forward_pre_hook(self._own_hook(block.index), prepend=True))
+            self._hooks.append(module.register_forward_pre_hook(self._ahead_hook(block.index)))
+
+    @property
+    def pending(self) -> bool:
+        """Whether some update waits to be applied (the same on every rank)."""
+        return bool(self._pending)
+
+    def hold(self, returns: list[tuple[Pending, list[int]]]) -> None:
+        """Takes a step's returns, each with the matrices it carries (every rank's list: the same on
+        every rank), every hop issued."""
+        if self._pending:
+            raise RuntimeError("dmuon: a step's updates were held while the last step's are pending; "
+                               "flush() first")
+        infos = self.plan.infos
+        self._returns = returns
+        for _, members in returns:
+            for i in members:
+                self._pending.setdefault(infos[i].block, set()).add(i)
+        if self._seen:
+            self._order, self._seen = self._seen, []
+
+    def flush(self) -> None:
+        """Applies every pending update, unit by unit in plan order (no collective: the returns' hops
+        were all issued in ``step()``)."""
+        for block in sorted(self._pending):
+            self._apply_unit(block)
+
+    def _own_hook(self, block: int):
+        def hook(module: nn.Module, args) -> None:
+            self._ran.add(block)
+            if block not in self._seen:
+                self._seen.append(block)  # a recomputation (activation checkpointing) runs it again
+            if self._apply_unit(block):
+                _unshard(module)
+
+        return hook
+
+    def _ahead_hook(self, block: int):
+        def hook(module: nn.Module, args) -> None:
+            order = self._order
+            if block in order and order.index(block) + 1 < len(order):
+                following = order[order.index(block) + 1]
+                if self._apply_unit(following):
+                    handle = _unshard(self.plan.blocks[following].module)
+                    if handle is not None:
+                        self._prefetched[following] = handle
+
+        return hook
+
+    def _root_forward_end(self, module: nn.Module, args, output) -> None:
+        """The root's forward ended: a prefetched unit whose forward did not run is gathered and resharded
+        (the same units on every rank: the forward is the same)."""
+        for block, handle in self._prefetched.items():
+            if block not in self._ran:
+                handle.wait()
+                self.plan.blocks[block].module.reshard()
+        self._prefetched.clear()
+        self._ran.clear()
+
+    @torch.no_grad()
+    def _apply_unit(self, block: int) -> bool:
+        """Lands the returns carrying ``block``'s updates and applies this rank's rows of them; whether
+        there were any (the same on every rank)."""
+        members = self._pending.pop(block, None)
+        if members is None:
+            return False
+        for pending, carried in self._returns:
+            mine = [i for i in carried if i in members]
+            if not mine:
+                continue
+            updates = pending.wait()
+            held = [i for i in mine if i in updates]  # a matrix of which this rank holds nothing has no entry
+            if self.row_width:
+                rows = pending.row_states()
+                self._apply({i: updates[i] for i in held}, {i: rows[i] for i in held})
+            else:
+                self._apply({i: updates[i] for i in held})
+        if not self._pending:
+            self._returns = []  # every buffer of the step's returns can go
+        return True
+
+    def close(self) -> None:
+        """Removes the forward hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _unshard(module: nn.Module):
+    """Issues ``module``'s all-gather on the current stream (after what was enqueued there), for FSDP2's
+    pre-forward to wait for; its handle, or None for a module FSDP2 does not manage (one process:
+    nothing to gather)."""
+    if isinstance(module, FSDPModule):
+        return module.unshard(async_op=True)
+    return None
