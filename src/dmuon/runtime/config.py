@@ -87,7 +87,7 @@ class ExecutionConfig:
     return (all hops, the publication across replicas included) and returns; the next forward
     applies each FSDP2 unit's updates from a forward pre-hook, a unit ahead, and issues that unit's
     all-gather itself, so the returns travel behind the step's end and the forward's first units
-    (:mod:`dmuon.runtime.deferred`). AdamW's parameters are stepped inside ``step()`` either way.
+    (:mod:`dmuon.runtime.next_forward`). AdamW's parameters are stepped inside ``step()`` either way.
     Nothing reads a parameter stale: :meth:`dmuon.DMuon.flush_updates` applies what is pending,
     and runs by itself before ``step()``, the optimizer's and the model's ``state_dict`` and
     ``load_state_dict`` (so torch's ``get_state_dict``/``set_state_dict`` and DCP); code that reads

@@ -30,12 +30,15 @@ class OwnerWork:
         per_block: Batch per block (``ns_in_backward``: as the worker batches,
             so the batches do not depend on how far backward got).
         max_waves: Update returns per step (see :meth:`return_waves`).
+        waves_by_unit: One return wave per block instead, in plan order (``apply_updates="next_forward"``:
+            the next forward lands each unit's updates where it needs them); batches then per block.
     """
 
-    def __init__(self, plan: Plan, per_block: bool, max_waves: int) -> None:
+    def __init__(self, plan: Plan, per_block: bool, max_waves: int, waves_by_unit: bool = False) -> None:
         self.plan = plan
-        self.per_block = per_block
+        self.per_block = per_block or waves_by_unit
         self.max_waves = max_waves
+        self.waves_by_unit = waves_by_unit
 
     def batches(self, indices: list[int], rank: int) -> list[list[int]]:
         """The batches ``rank`` runs for its ``indices``, in the order it runs them.
@@ -60,9 +63,13 @@ class OwnerWork:
         batches of a wave, then issues the wave's return, so one wave's
         transfer overlaps the next wave's work.
 
+        With ``waves_by_unit`` each block's matrices are one wave, blocks in plan order.
+
         Returns:
             Per non-empty wave: its members (plan order) and this rank's batches in it.
         """
+        if self.waves_by_unit:
+            return self._unit_waves(active, ready)
         owned: dict[int, list[int]] = {}
         for i in active:
             if i not in ready:
@@ -73,6 +80,15 @@ class OwnerWork:
         for k, batch in enumerate(batches.get(self.plan.rank, [])):
             mine[min(k, self.max_waves - 1)].append(batch)
         return [(w, b) for w, b in zip(waves, mine) if w]
+
+    def _unit_waves(self, active: list[int], ready: set[int]) -> list[tuple[list[int], list[list[int]]]]:
+        """One wave per block of ``active``, in plan order, with this rank's batches of the block."""
+        units: dict[int, list[int]] = {}
+        for i in sorted(active):
+            units.setdefault(self.plan.infos[i].block, []).append(i)
+        rank = self.plan.rank
+        return [(members, self.batches([i for i in members if i not in ready and self.plan.infos[i].owner == rank], rank))
+                for _, members in sorted(units.items())]
 
     def run_batch(self, work: OwnerFn, batch: list[int], directions: list[torch.Tensor],
                   rows: list[torch.Tensor] | None = None) -> Results:

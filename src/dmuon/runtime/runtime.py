@@ -47,7 +47,7 @@ from dmuon.runtime.backward import BackwardLaunches
 from dmuon.runtime.callbacks import Rescalable, StepCallbacks, StepMaxima, WeightSums, row_width
 from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
-from dmuon.runtime.deferred import DeferredUpdates
+from dmuon.runtime.next_forward import NextForwardUpdates
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.matrix_norms import MatrixNorms
 from dmuon.runtime.owner_momentum import OwnerMomentum
@@ -101,7 +101,8 @@ class ShardRuntime:
         self.norms = MatrixNorms(plan, self.stats)
         """The rule's per-matrix sums over the weight, added over the ranks that split each matrix."""
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
-        self.work = TunedOwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves)
+        self.work = TunedOwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves,
+                                   waves_by_unit=config.apply_updates == "next_forward")
         self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
@@ -116,11 +117,11 @@ class ShardRuntime:
             self.owner_momentum = OwnerMomentum(plan, self.device)
         self.settler = StepSettler(plan, self.topo, callbacks, config, self.gradients, self.exchange, self.work,
                                    self.streams, self.owner_momentum)
-        self.deferred: DeferredUpdates | None = None
+        self.next_forward: NextForwardUpdates | None = None
         """With ``apply_updates="next_forward"``: the last step's updates, applied in the next forward."""
         if config.apply_updates == "next_forward":
             _check_deferrable(callbacks)
-            self.deferred = DeferredUpdates(plan, callbacks.apply, self.row_width, root)
+            self.next_forward = NextForwardUpdates(plan, callbacks.apply, self.row_width, root)
         self.backward: BackwardLaunches | None = None
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks, config, self.gradients, self.work,
@@ -183,9 +184,9 @@ class ShardRuntime:
             cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
-        if self.deferred is not None:
+        if self.next_forward is not None:
             self._publish(returns)
-            self.deferred.hold(list(zip(returns, self._carried(settled, back, report))))
+            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))))
         else:
             self._apply(returns)
         self.norms.run(cb, active, applied=True)
@@ -312,8 +313,8 @@ class ShardRuntime:
     def flush_updates(self) -> None:
         """Applies the updates a step left for the next forward (``apply_updates="next_forward"``);
         nothing when none are pending. No collective."""
-        if self.deferred is not None and self.deferred.pending:
-            self.deferred.flush()
+        if self.next_forward is not None and self.next_forward.pending:
+            self.next_forward.flush()
 
     def _forward_returns(self, returns: list[Pending]) -> None:
         """Advances every return in flight by one hop (:meth:`Pending.forward`). On HSDP the hops this
@@ -351,8 +352,8 @@ class ShardRuntime:
         """Removes the backward hooks and stops the NS worker (also done when the runtime is freed)."""
         if self.backward is not None:
             self.backward.close()
-        if self.deferred is not None:
-            self.deferred.close()
+        if self.next_forward is not None:
+            self.next_forward.close()
 
 
 def _check_deferrable(callbacks: StepCallbacks) -> None:

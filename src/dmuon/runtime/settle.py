@@ -148,11 +148,11 @@ class StepSettler:
         # The owners' work on what landed from backward, returned with the agreement's flags (no
         # collective of its own: on shared cores each one issued costs the issuing rank its turn);
         # kept only if the flags keep every launch and the launches cover every active matrix
-        # (else the batches would differ). Only with one return wave: several waves return each
-        # batch as soon as it is done instead. Not after a step whose launches stood for rescaled
+        # (else the batches would differ). Only with one return wave: several waves (or one per
+        # unit, for the next forward) return each batch as soon as it is done instead. Not after a step whose launches stood for rescaled
         # gradients (clipping usually goes on): the owners' work would then run on directions the
         # agreement replaces.
-        if launches and not early and self.work.max_waves == 1 and not self.last_scaled:
+        if launches and not early and self.work.max_waves == 1 and not self.work.waves_by_unit and not self.last_scaled:
             return self._speculate(launches, managed, directions, rows, flags, settle)
         decide = self._start_all_reduce_max(flags)
         self.callbacks.independent()  # while the flags travel

@@ -26,7 +26,7 @@ step's agreement, the same on every rank) and on the order of the forward (the s
 every rank, as FSDP2's own all-gathers need), never on timing: every rank issues the same
 all-gathers in the same order.
 
-:meth:`DeferredUpdates.flush` applies whatever is pending (a unit whose forward did not
+:meth:`NextForwardUpdates.flush` applies whatever is pending (a unit whose forward did not
 run, or before anything reads the weights outside the forward: ``step()``, state dicts).
 """
 
@@ -45,7 +45,7 @@ Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], No
 """The rule's ``apply`` (its row states' argument given only to a row-state rule)."""
 
 
-class DeferredUpdates:
+class NextForwardUpdates:
     """The update returns of the last ``step()``, applied unit by unit in the next forward.
 
     Args:
