@@ -162,9 +162,9 @@ class DMuon(torch.optim.Optimizer):
         self._deferred = DeferredSetup(model) if waiting else None
         if not waiting:
             self._adopt_plan(plan if plan is not None else prepare(model, ns=self.ns, hsdp_mesh=hsdp_mesh))
-        self._groups = GroupSplitter(model, self._matrices, muon_defaults, self.adamw.group_defaults(lr),
-                                     adamw_lr_given=self.adamw.lr is not None)
-        named = self._groups.names()
+        self._splitter = GroupSplitter(model, self._matrices, muon_defaults, self.adamw.group_defaults(lr),
+                                       adamw_lr_given=self.adamw.lr is not None)
+        named = self._splitter.names()
         self._qk: AttentionClip | None = None if qk_clip is None else AttentionClip(
             qk_clip, {canonical_name(n): p for n, p in model.named_parameters()}, named)
         groups = self._split_groups(user_groups, named)
@@ -179,7 +179,8 @@ class DMuon(torch.optim.Optimizer):
         """The user's groups (None: every parameter in one) as DMuon's, each split in its Muon and AdamW halves."""
         if user_groups is None:
             user_groups = [{"params": list(self.model.parameters())}]
-        groups = [half for k, g in enumerate(user_groups) for half in self._groups.split(g, index=k, names=named)]
+        groups = [half for k, g in enumerate(user_groups)
+                  for half in self._splitter.split(g, index=k, names=named)]
         if any("param_names" not in g for g in groups):
             for g in groups:
                 g.pop("param_names", None)  # torch's rule: every group named, or none
@@ -266,7 +267,7 @@ class DMuon(torch.optim.Optimizer):
                     names: dict[int, str] | None = None) -> list[dict[str, Any]]:
         """A torch.optim-style param group as DMuon's: a Muon group and an AdamW group (either may be absent);
         :meth:`GroupSplitter.split <dmuon.optim.groups.GroupSplitter.split>` says which key goes where."""
-        return self._groups.split(group, index=index, names=names)
+        return self._splitter.split(group, index=index, names=names)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group, as torch.optim does: a torch.optim-style group is split as the constructor splits
@@ -279,7 +280,7 @@ class DMuon(torch.optim.Optimizer):
                     half.pop("param_names", None)
                 self.add_param_group(half)
             return
-        self._groups.complete(param_group)
+        self._splitter.complete(param_group)
         if param_group["algorithm"] == "muon":
             self.check_ns_keys(param_group)
             self.check_rule_keys(param_group)
