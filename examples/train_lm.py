@@ -19,7 +19,7 @@ Launch::
     python examples/train_lm.py --optimizer both --steps 40          # spawns 4 gloo CPU ranks
     torchrun --nproc-per-node 8 examples/train_lm.py --optimizer dmuon  # NCCL on GPUs
 
-The only dmuon-specific line is the optimizer (``dmuon.DMuon(model, lr=..., adamw_lr=...)``).
+The only dmuon-specific line is the optimizer (``dmuon.DMuon(model, lr=..., adamw=dmuon.AdamWConfig(lr=...))``).
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def build_optimizer(name: str, model, args):
     import dmuon
 
     return dmuon.DMuon(model, lr=args.muon_lr, weight_decay=args.weight_decay,
-                       ns_method=args.ns_method, adamw_lr=args.adamw_lr, adamw_betas=(0.9, 0.95),
-                       adamw_weight_decay=args.weight_decay)
+                       ns=dmuon.NSConfig(method=args.ns_method),
+                       adamw=dmuon.AdamWConfig(lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=args.weight_decay))
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:

@@ -86,7 +86,7 @@ def test_parameters_without_the_model_raise_a_type_error_saying_what_to_pass():
             dmuon.DMuon(given, lr=0.02)
     with pytest.raises(TypeError, match="two models"):
         dmuon.DMuon(model, module=OddNet())
-    with pytest.raises(TypeError, match="given twice"):
+    with pytest.raises(TypeError, match=r"'param_groups': pass the groups as the first argument"):
         dmuon.DMuon(model.parameters(), module=model, param_groups=[{"params": list(model.parameters())}])
 
 
@@ -97,7 +97,8 @@ def test_named_pairs_and_groups_equal_the_model_form():
     for form in ("model", "pairs", "groups"):
         torch.manual_seed(0)
         model = OddNet()
-        kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+        kw = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                  ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
         if form == "model":
             opt = dmuon.DMuon(model, **kw)
         elif form == "pairs":
@@ -122,17 +123,17 @@ def test_group_keys_map_onto_the_halves_as_documented():
     rest = [p for n, p in model.named_parameters() if not n.endswith("bias")]
     opt = dmuon.DMuon([{"params": rest, "weight_decay": 0.2, "lr": 0.05, "betas": (0.8, 0.9), "tag": "w"},
                        {"params": biases, "weight_decay": 0.0}], module=model, weight_decay=0.1,
-                      adamw_weight_decay=0.01, lr=0.02)
+                      adamw=dmuon.AdamWConfig(weight_decay=0.01), lr=0.02)
     muon, adamw, bias = opt.param_groups
     assert (muon["algorithm"], muon["weight_decay"], muon["lr"], muon["tag"]) == ("muon", 0.2, 0.05, "w")
     assert "betas" not in muon
-    # No adamw_lr anywhere: AdamW follows the group's lr, as it follows DMuon's lr.
+    # No AdamW lr anywhere: AdamW follows the group's lr, as it follows DMuon's lr.
     assert (adamw["algorithm"], adamw["weight_decay"], adamw["lr"], adamw["betas"], adamw["tag"]) == \
         ("adamw", 0.2, 0.05, (0.8, 0.9), "w")
     assert (bias["algorithm"], bias["weight_decay"], bias["lr"]) == ("adamw", 0.0, 0.02)
-    # DMuon's adamw_lr= and a group's adamw_ keys win over the group's plain lr / weight_decay.
+    # DMuon's AdamW lr and a group's adamw_ keys win over the group's plain lr / weight_decay.
     opt = dmuon.DMuon([{"params": rest, "lr": 0.05, "weight_decay": 0.2, "adamw_weight_decay": 0.03}],
-                      module=model, adamw_lr=1e-3)
+                      module=model, adamw=dmuon.AdamWConfig(lr=1e-3))
     _, adamw = opt.param_groups
     assert (adamw["lr"], adamw["weight_decay"]) == (1e-3, 0.03)
 

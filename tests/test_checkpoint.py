@@ -83,7 +83,7 @@ def test_bf16_parameters_keep_fp32_momentum_across_a_resume():
 
     torch.manual_seed(0)
     model = OddNet().to(torch.bfloat16)
-    kw = dict(lr=0.02, ns_method="standard", ns_dtype=torch.float32)
+    kw = dict(lr=0.02, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     opt = dmuon.DMuon(model, **kw)
     lm_loss(model, odd_batch(0, 0)).backward()
     opt.step()

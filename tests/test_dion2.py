@@ -39,7 +39,7 @@ def test_bad_settings_are_refused_naming_them(kw, match):
 
 def test_group_keys_are_the_matrix_groups_and_checked_naming_the_group():
     model = OddNet()
-    opt = dmuon.Dion2(model, param_groups=[{"params": list(model.parameters()), "fraction": 0.5}])
+    opt = dmuon.Dion2([{"params": list(model.parameters()), "fraction": 0.5}], module=model)
     by = {g["algorithm"]: g for g in opt.param_groups}
     assert by["muon"]["fraction"] == 0.5 and by["muon"]["ef_decay"] == 0.95
     assert by["muon"]["adjust_lr_fn"] == "spectral_unclamped" and by["muon"]["weight_decay"] == 0.01
@@ -54,7 +54,7 @@ def test_group_keys_are_the_matrix_groups_and_checked_naming_the_group():
 
 def test_single_process_equals_the_formula():
     model, opt, losses = one_process_oddnet(lambda model: dmuon.Dion2(
-        model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32, **DION2_KW))
+        model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32), **DION2_KW))
     ref, ref_losses, ref_buffers = oddnet_reference(RULE, 1)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
@@ -66,7 +66,7 @@ def test_single_process_equals_the_formula():
 
 def test_expert_stacks_and_row_groups_select_per_matrix():
     model, opt, ref, _ = one_process_experts(
-        lambda model, plan: dmuon.Dion2(model, plan, lr=0.02, adamw_lr=3e-3, **DION2_KW),
+        lambda model, plan: dmuon.Dion2(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), **DION2_KW),
         rule_reference(RULE, **DION2_KW))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)

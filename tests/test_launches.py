@@ -11,7 +11,7 @@ import dmuon
 
 from support.models import OddNet, lm_loss, odd_batch
 
-KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+KW = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
 
 
 def _trained(overlap: bool, backwards_per_step: int, clip: float | None = None, clipped_overlap: bool = True):

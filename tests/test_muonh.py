@@ -39,9 +39,9 @@ def test_weight_decay_is_refused_naming_the_group():
     with pytest.raises(ValueError, match=r"weight_decay=0.1: MuonH"):
         dmuon.MuonH(model, weight_decay=0.1)
     with pytest.raises(ValueError, match=r"param group 0: weight_decay=0.1"):
-        dmuon.MuonH(model, param_groups=[{"params": list(model.parameters()), "weight_decay": 0.1}])
+        dmuon.MuonH([{"params": list(model.parameters()), "weight_decay": 0.1}], module=model)
     # The other parameters' decay is AdamW's.
-    opt = dmuon.MuonH(model, param_groups=[{"params": list(model.parameters()), "adamw_weight_decay": 0.1}])
+    opt = dmuon.MuonH([{"params": list(model.parameters()), "adamw_weight_decay": 0.1}], module=model)
     assert {g["algorithm"]: g["weight_decay"] for g in opt.param_groups} == {"muon": 0.0, "adamw": 0.1}
     with pytest.raises(ValueError, match="param group 2: weight_decay"):
         opt.add_param_group({"params": [model.layers[0].mid.weight], "algorithm": "muon", "weight_decay": 1e-3})
@@ -56,7 +56,7 @@ def test_single_process_equals_the_formula_and_stays_on_the_sphere():
 
     def make(model):
         initial.update({n: p.detach().norm() for n, p in model.named_parameters()})
-        return dmuon.MuonH(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+        return dmuon.MuonH(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
 
     model, opt, losses = one_process_oddnet(make)
     ref, ref_losses, ref_radii = oddnet_reference(RULE, 1)
@@ -76,7 +76,7 @@ def test_expert_stacks_and_row_groups_each_on_their_own_sphere():
     """One process: a stack of 3 experts and a matrix viewed as 2 row groups, each its own matrix with
     its own radius (the stack's ``(3,)``, the groups' ``(2,)``)."""
     model, opt, ref, ref_radii = one_process_experts(
-        lambda model, plan: dmuon.MuonH(model, plan, lr=0.02, adamw_lr=3e-3), rule_reference(RULE))
+        lambda model, plan: dmuon.MuonH(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3)), rule_reference(RULE))
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
     stack = opt.state[model.moe.experts]["initial_norm"]

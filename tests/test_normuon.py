@@ -71,7 +71,7 @@ def test_bad_beta2_is_refused_naming_it():
 
 def test_beta2_is_a_key_of_the_matrix_groups_only():
     model = OddNet()
-    opt = dmuon.NorMuon(model, param_groups=[{"params": list(model.parameters()), "beta2": 0.8}])
+    opt = dmuon.NorMuon([{"params": list(model.parameters()), "beta2": 0.8}], module=model)
     by_algorithm = {g["algorithm"]: g for g in opt.param_groups}
     assert by_algorithm["muon"]["beta2"] == 0.8
     assert "beta2" not in by_algorithm["adamw"]
@@ -82,7 +82,7 @@ def test_single_process_equals_the_formula():
     from support.more_rules import one_process_oddnet
 
     model, opt, losses = one_process_oddnet(lambda model: dmuon.NorMuon(
-        model, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2, ns_method="standard", ns_dtype=torch.float32))
+        model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), beta2=NORMUON_BETA2, ns=dmuon.NSConfig(method="standard", dtype=torch.float32)))
     ref, ref_losses, ref_seconds = oddnet_reference(1)
     diff, worst = max_diff({n: p.detach() for n, p in model.named_parameters()}, ref)
     assert diff <= 1e-5, (worst, diff)
@@ -100,7 +100,7 @@ def test_expert_stacks_and_row_groups_normalize_each_matrix_alone():
     from support.normuon import normuon_reference_training
 
     model, opt, ref, ref_seconds = one_process_experts(
-        lambda model, plan: dmuon.NorMuon(model, plan, lr=0.02, adamw_lr=3e-3, beta2=NORMUON_BETA2),
+        lambda model, plan: dmuon.NorMuon(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), beta2=NORMUON_BETA2),
         lambda model, matrices, batches, loss_fn: normuon_reference_training(
             model, matrices, batches, loss_fn, **MUON_KW, beta2=NORMUON_BETA2,
             adamw_kwargs=dict(lr=3e-3, weight_decay=0.01)))

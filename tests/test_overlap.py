@@ -76,7 +76,7 @@ def test_ns_in_backward_needs_overlap():
 
     model = OddNet()
     with pytest.raises(ValueError, match="overlap=True"):
-        dmuon.DMuon(model, ns_in_backward=True, overlap=False)
+        dmuon.DMuon(model, execution=dmuon.ExecutionConfig(ns_in_backward=True, overlap=False))
 
 
 @pytest.mark.parametrize("mesh_shape,hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")])

@@ -65,8 +65,8 @@ def test_each_rule_in_one_process_equals_its_formula(label):
     model = PortNet()
     ns = dmuon.NSConfig(method="standard", dtype=torch.float32, coefficients=coefficients)
     plan = dmuon.prepare(model, matrix_view=VIEWS if rows else None, ns=ns)
-    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"], **rule)
+    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw=ADAMW,
+                      **rule)
     for step in range(STEPS):
         loss_of(model, batch(step, 0, 1)).backward()
         opt.step()
@@ -88,9 +88,8 @@ def test_param_group_keys_reach_the_muon_half_only():
     model = PortNet()
     ns = dmuon.NSConfig(method="standard", dtype=torch.float32, coefficients="polar_express_5")
     plan = dmuon.prepare(model, matrix_view=VIEWS, ns=ns)
-    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"],
-                      param_groups=[{"params": list(model.parameters()), **PORTED}])
+    opt = dmuon.DMuon([{"params": list(model.parameters()), **PORTED}], plan, module=model, lr=LR,
+                      weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw=ADAMW)
     muon, adamw = opt.param_groups
     assert {k: muon[k] for k in PORTED} == PORTED and not set(PORTED) & set(adamw)
     for step in range(STEPS):
@@ -126,18 +125,18 @@ def test_bad_settings_are_refused_naming_them():
 def test_a_state_dict_keeps_the_keys_and_an_older_one_loads_with_torchs_rule():
     torch.manual_seed(0)
     model = PortNet()
-    opt = dmuon.DMuon(model, ns_method="standard", ns_dtype=torch.float32, **PORTED)
+    opt = dmuon.DMuon(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32), **PORTED)
     loss_of(model, batch(0, 0, 1)).backward()
     opt.step()
     saved = opt.state_dict()
-    fresh = dmuon.DMuon(model, ns_method="standard", ns_dtype=torch.float32)
+    fresh = dmuon.DMuon(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     fresh.load_state_dict(saved)
     muon = [g for g in fresh.param_groups if g["algorithm"] == "muon"]
     assert [{k: g[k] for k in PORTED} for g in muon] == [PORTED]
     for group in saved["param_groups"]:  # a checkpoint from before these keys
         group.pop("extra_scale_factor", None)
         group.pop("cautious_weight_decay", None)
-    again = dmuon.DMuon(model, ns_method="standard", ns_dtype=torch.float32, **PORTED)
+    again = dmuon.DMuon(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32), **PORTED)
     again.load_state_dict(saved)
     muon = [g for g in again.param_groups if g["algorithm"] == "muon"]
     assert (muon[0]["extra_scale_factor"], muon[0]["cautious_weight_decay"]) == (1.0, False)

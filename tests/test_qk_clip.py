@@ -49,8 +49,8 @@ def _single(rule: str = "muon", nonfinite=None, skip: bool = False, **qk) -> dic
     model = QKNet()
     plan = dmuon.prepare(model, matrix_view={"fused.qkv.weight": "rows:8,8,8"},
                          ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    kw = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-              adamw_weight_decay=ADAMW["weight_decay"], nonfinite=nonfinite,
+    kw = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw=ADAMW,
+              execution=dmuon.ExecutionConfig(nonfinite=nonfinite),
               qk_clip=dmuon.QKClip(layers_of(), **({"tau": TAU, "alpha": ALPHA} | qk)))
     if rule == "dion2":  # Dion2's own keywords, its weight decay the reference's (MUON's)
         from support.cases import DION2_KW

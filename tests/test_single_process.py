@@ -26,7 +26,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
     torch.manual_seed(0)
     model = OddNet()
     plan = dmuon.prepare(model, ns=FP32_STANDARD)
-    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3)
+    opt = dmuon.DMuon(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for batch in _batches(steps):
         lm_loss(model, batch).backward()
@@ -70,7 +70,7 @@ def test_lr_scheduler_and_state_dict_round_trip():
     model2 = OddNet()
     model2.load_state_dict(model.state_dict())
     plan2 = dmuon.prepare(model2, ns=FP32_STANDARD)
-    opt2 = dmuon.DMuon(model2, plan2, lr=0.02, adamw_lr=3e-3)
+    opt2 = dmuon.DMuon(model2, plan2, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
     opt2.load_state_dict(saved)
     for m, o in ((model, opt), (model2, opt2)):
         lm_loss(m, odd_batch(9, 0, batch=4)).backward()
@@ -85,10 +85,10 @@ def test_param_groups_override_per_group():
     plan = dmuon.prepare(model)
     frozen_lr = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("layers.0.")]
-    opt = dmuon.DMuon(model, plan, lr=0.02, param_groups=[
+    opt = dmuon.DMuon([
         {"params": frozen_lr, "lr": 0.0, "weight_decay": 0.0, "adamw_lr": 0.0, "adamw_weight_decay": 0.0},
         {"params": rest},
-    ])
+    ], plan, module=model, lr=0.02)
     assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     lm_loss(model, odd_batch(0, 0)).backward()
@@ -199,9 +199,8 @@ def test_ns_keywords_come_from_the_plan_and_must_agree_with_it():
     with pytest.raises(ValueError, match=r"steps: 4 != 3.*dmuon.prepare"):
         dmuon.DMuon(model, plan, ns_steps=4)
     # Without a plan the keywords build the one DMuon prepares.
-    assert dmuon.DMuon(OddNet(), ns_method="standard").plan.ns == dmuon.NSConfig(method="standard")
-    for kwargs, name in ((dict(ns_method="magic"), "ns_method"), (dict(ns_steps=0), "ns_steps"),
-                         (dict(ns_dtype=torch.int8), "ns_dtype"), (dict(ns_coefficients="x"), "ns_coefficients"),
+    assert dmuon.DMuon(OddNet(), ns_steps=4).plan.ns == dmuon.NSConfig(steps=4)
+    for kwargs, name in ((dict(ns_steps=0), "ns_steps"), (dict(ns_coefficients="x"), "ns_coefficients"),
                          (dict(eps=-1.0), "eps")):
         with pytest.raises(ValueError, match=f"^{name}: "):
             dmuon.DMuon(OddNet(), **kwargs)
@@ -213,7 +212,7 @@ def test_post_optim_event_needs_a_device_with_events():
     import pytest
 
     with pytest.raises(ValueError, match="post_optim_event=True needs a device with events"):
-        dmuon.DMuon(OddNet(), post_optim_event=True)
+        dmuon.DMuon(OddNet(), execution=dmuon.ExecutionConfig(post_optim_event=True))
     assert dmuon.DMuon(OddNet()).runtime._root is None  # off by default: nothing handed to FSDP2
 
 
@@ -232,17 +231,15 @@ def test_ns_config_and_execution_config_are_accepted_directly():
     execution = dmuon.ExecutionConfig(overlap=False, nonfinite="skip", return_waves=2)
     opt = dmuon.DMuon(OddNet(), execution=execution)
     assert opt.execution == execution and opt.runtime.backward is None and opt.runtime.work.max_waves == 2
-    assert dmuon.DMuon(OddNet(), execution=execution, overlap=False).execution == execution
-    with pytest.raises(ValueError, match=r"overlap=True but execution.overlap=False"):
-        dmuon.DMuon(OddNet(), execution=execution, overlap=True)
+    # The switches are set in execution= only; a switch given as DMuon's keyword names it.
+    with pytest.raises(TypeError, match=r"'overlap': pass execution=dmuon.ExecutionConfig\(overlap=...\)"):
+        dmuon.DMuon(OddNet(), execution=execution, overlap=False)
     for kwargs, message in ((dict(overlap=1), "overlap must be True or False"),
                             (dict(nonfinite="ignore"), "nonfinite must be one of"),
                             (dict(return_waves=0), "return_waves must be an int >= 1"),
                             (dict(ns_in_backward=True, overlap=False), "ns_in_backward=True needs overlap=True")):
         with pytest.raises(ValueError, match=message):
             dmuon.ExecutionConfig(**kwargs)
-        with pytest.raises(ValueError, match=message):
-            dmuon.DMuon(OddNet(), **kwargs)
     with pytest.raises(ValueError, match="execution must be a dmuon.ExecutionConfig"):
         dmuon.DMuon(OddNet(), execution={"overlap": False})
     # hop_a_spread: 8 by default, 1 by default with returns in backward, as given when given.
@@ -263,17 +260,17 @@ def test_a_param_group_ns_setting_is_refused_naming_group_and_key():
     first = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("layers.0.")]
     # The plan's own values are fine (they are what a group gets by default).
-    dmuon.DMuon(model, plan, param_groups=[{"params": first, "ns_steps": plan.ns.steps}, {"params": rest}])
+    dmuon.DMuon([{"params": first, "ns_steps": plan.ns.steps}, {"params": rest}], plan, module=model)
     # Group 2 is the second Muon group (each user group splits into a Muon and an AdamW group).
     with pytest.raises(ValueError, match=r"param group 2: ns_steps=3 differs .*steps=5"):
-        dmuon.DMuon(model, plan, param_groups=[{"params": first}, {"params": rest, "ns_steps": 3}])
-    opt = dmuon.DMuon(model, plan, param_groups=[{"params": first}, {"params": rest}])
+        dmuon.DMuon([{"params": first}, {"params": rest, "ns_steps": 3}], plan, module=model)
+    opt = dmuon.DMuon([{"params": first}, {"params": rest}], plan, module=model)
     with pytest.raises(ValueError, match=r"param group 4: eps=0.1 differs"):
         opt.add_param_group({"params": [], "algorithm": "muon", "eps": 0.1})
     # Changed after construction: refused before any collective (by the launch in backward, or
     # by step() without overlap).
     for overlap in (True, False):
-        opt = dmuon.DMuon(model, plan, overlap=overlap)
+        opt = dmuon.DMuon(model, plan, execution=dmuon.ExecutionConfig(overlap=overlap))
         opt.param_groups[0]["ns_coefficients"] = (3.0, -3.0, 1.0)
         with pytest.raises(ValueError, match=r"param group 0: ns_coefficients=\(3.0, -3.0, 1.0\) differs"):
             lm_loss(model, odd_batch(0, 0)).backward()

@@ -93,7 +93,8 @@ def _cold_cache_run(rank: int, world_size: int, cache_dir: str, delay_s: float) 
         model = _sharded_chain(world_size)
         plan = dmuon.prepare(model, balancer="round_robin", ns=dmuon.NSConfig(method="auto", dtype=torch.float32))
         owned = sorted({info.matrix_shape for info in plan.infos if info.owner == rank})
-        opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, overlap=False, return_waves=2)
+        opt = dmuon.DMuon(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                          execution=dmuon.ExecutionConfig(overlap=False, return_waves=2))
         tuner = autotune.get_autotuner()
         at_setup = tuner.measurements
         runtime = opt.runtime
@@ -144,7 +145,7 @@ def _steps_never_time(rank: int, world_size: int, cache_dir: str) -> dict:
     model = _sharded_chain(world_size)
     # Built before prepare (the deferred setup, at the first forward); NS in backward's worker and the
     # returns in backward: every place the owners' work runs.
-    opt = dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3, ns_method="auto", ns_dtype=torch.bfloat16,
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="auto", dtype=torch.bfloat16),
                       execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True,
                                                       return_waves=2))
     timed = []

@@ -4,7 +4,7 @@
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]),
         gradient_accumulation_steps=2)
     model = TinyLM()
-    optimizer = dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3)
+    optimizer = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
     model, optimizer = accelerator.prepare(model, optimizer)
 
 ``prepare`` shards the model and swaps the sharded parameters into the optimizer's param groups;
@@ -30,7 +30,7 @@ import dmuon  # noqa: E402
 from tiny import TinyLM, assert_runs_equal, batch, full_params, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
-KW = dict(lr=0.02, adamw_lr=3e-3)
+KW = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
 
 
 def cpu_fsdp2(accelerator, plugin) -> None:

@@ -4,13 +4,13 @@
                              learning_rate=3e-3, weight_decay=0.1)
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       optimizer_cls_and_kwargs=(dmuon.DMuon, {"module": model, "lr": 0.02,
-                                                              "adamw_lr": args.learning_rate}))
+                                                              "adamw": {"lr": args.learning_rate}}))
 
 The Trainer builds the optimizer from its parameter groups before accelerate shards the model
 (``module=`` names the model they belong to); its weight-decay grouping holds: ``weight_decay`` of
 a group applies to its Muon and AdamW halves, so biases and norms (the Trainer's
 ``weight_decay=0.0`` group) are not decayed. ``optimizer_cls_and_kwargs`` passes no learning rate:
-``adamw_lr=args.learning_rate`` gives the Trainer's to AdamW (or ``lr=args.learning_rate`` with
+``adamw={"lr": args.learning_rate}`` gives the Trainer's to AdamW (or ``lr=args.learning_rate`` with
 ``adjust_lr_fn="match_rms_adamw"``: one rate for both).
 
 Run: ``accelerate launch examples/integrations/hf_trainer.py`` on GPUs. The Trainer turns FSDP2 on
@@ -96,7 +96,7 @@ def train(rank: int, world_size: int, out: str, resume: bool) -> dict:
     model = TinyLM()
     trainer = trainer_class()(model=model, args=args, train_dataset=Data(),
                               optimizer_cls_and_kwargs=(dmuon.DMuon, {"module": model, "lr": 0.02,
-                                                                      "adamw_lr": args.learning_rate}))
+                                                                      "adamw": {"lr": args.learning_rate}}))
     trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_EVERY}") if resume else None)
     opt = trainer.optimizer.optimizer  # accelerate's wrapper around DMuon
     groups = [{"algorithm": g["algorithm"], "weight_decay": g["weight_decay"], "initial_lr": g["initial_lr"],

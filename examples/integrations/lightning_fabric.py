@@ -5,7 +5,7 @@ forward (or at a checkpoint load, whichever comes first)::
 
     fabric = L.Fabric(strategy=ModelParallelStrategy(parallelize), devices=8)
     model = TinyLM()
-    model, optimizer = fabric.setup(model, dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3))
+    model, optimizer = fabric.setup(model, dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3)))
 
 Run: ``python examples/integrations/lightning_fabric.py`` (2 gloo CPU ranks) or under torchrun.
 It trains 4 steps (2 micro-batches each, clipping), saves after step 2, resumes a fresh run from
@@ -25,7 +25,7 @@ import dmuon  # noqa: E402
 from tiny import TinyLM, assert_runs_equal, batch, full_params, fully_shard_tiny, launch, scratch_dir  # noqa: E402
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
-KW = dict(lr=0.02, adamw_lr=3e-3)
+KW = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
 
 
 def parallelize(model, device_mesh):

@@ -6,7 +6,7 @@ after any ``fully_shard``::
         def configure_model(self):
             fully_shard_tiny(self.model, self.device_mesh["data_parallel"])
         def configure_optimizers(self):
-            return dmuon.DMuon(self.model, lr=0.02, adamw_lr=3e-3)
+            return dmuon.DMuon(self.model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
 
     L.Trainer(strategy=ModelParallelStrategy(), accumulate_grad_batches=2, gradient_clip_val=1.0).fit(LitLM(), data)
 
@@ -50,7 +50,7 @@ def lit_class():
             return loss
 
         def configure_optimizers(self):
-            return dmuon.DMuon(self.model, lr=0.02, adamw_lr=3e-3)
+            return dmuon.DMuon(self.model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
 
     return LitLM
 

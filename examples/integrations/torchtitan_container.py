@@ -10,7 +10,7 @@ torchtitan builds each optimizer from parameter groups (``params`` and ``param_n
 torchtitan's flat, name-keyed checkpoint state works from the ``param_names`` every DMuon group
 carries. Keys in ``optimizer_kwargs`` are param-group keys (``DMuon.split_group`` maps them onto
 the Muon and AdamW halves: AdamW's epsilon is ``adamw_eps``, ``eps`` being Muon's NS epsilon);
-DMuon's other keywords (``ns_method``, ``overlap``, ``hsdp_mesh``, ...) go in
+DMuon's other keywords (``ns``, ``execution``, ``adamw``, ``hsdp_mesh``, ...) go in
 ``optimizer_factory_kwargs_by_name={"DMuon": {...}}``.
 
 torchtitan's trainer needs CUDA; this script runs what runs on CPU: the container, torchtitan's LR
@@ -34,6 +34,9 @@ from tiny import TinyLM, assert_runs_equal, batch, full_params, fully_shard_tiny
 
 STEPS, SAVE_AT, MICRO = 4, 2, 2
 GROUP = {"lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.1, "adamw_weight_decay": 0.01}
+"""The param-group keys of the container's DMuon."""
+DIRECT = dict(lr=0.02, weight_decay=0.1, adamw=dmuon.AdamWConfig(lr=3e-3, weight_decay=0.01))
+""":data:`GROUP` as DMuon's keywords."""
 
 
 def container_class():
@@ -71,7 +74,7 @@ def train(rank: int, world_size: int, path: str, mode: str) -> dict:
     torch.manual_seed(0)
     model = fully_shard_tiny(TinyLM())
     if mode == "direct":
-        optimizers = dmuon.DMuon(model, **GROUP)
+        optimizers = dmuon.DMuon(model, **DIRECT)
     else:
         config = container_class().Config(param_groups=[
             ParamGroupConfig(pattern=r".*", optimizer_name="DMuon", optimizer_kwargs=dict(GROUP))])

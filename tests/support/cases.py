@@ -151,9 +151,10 @@ def shard_oddnet(model: OddNet, mesh, *, zero: int = 3, bf16: bool = False, comp
 def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer: str = "greedy",
                    bf16: bool = False, frozen: tuple[str, ...] = (), compile: bool = False,
                    column_sharded: tuple[str, ...] = (), hsdp: str = "fsdp2", rule: str = "muon", blocks: int = 3,
-                   **dmuon_kwargs):
-    """OddNet (seed 0) under FSDP2 + dmuon; fp32 standard NS unless ``dmuon_kwargs`` say otherwise
-    (``hsdp``, ``rule``: as :attr:`Case.hsdp`, :attr:`Case.rule`; ``blocks``: OddNet's).
+                   ns_method: str = "standard", ns_dtype: torch.dtype = torch.float32, **dmuon_kwargs):
+    """OddNet (seed 0) under FSDP2 + dmuon; the plan's NS ``ns_method`` in ``ns_dtype``; ``dmuon_kwargs``
+    the optimizer's keywords over ``lr=0.02, adamw=AdamWConfig(lr=3e-3)`` (``hsdp``, ``rule``: as
+    :attr:`Case.hsdp`, :attr:`Case.rule`; ``blocks``: OddNet's).
 
     Returns:
         ``(model, plan, optimizer)``.
@@ -165,9 +166,9 @@ def sharded_oddnet(world_size: int, *, zero: int = 3, mesh_shape=None, balancer:
     dmuon_level = mesh_shape is not None and hsdp == "dmuon"
     shard_oddnet(model, mesh["shard"] if dmuon_level else mesh, zero=zero, bf16=bf16, compile=compile,
                  column_sharded=column_sharded)
-    kw = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32) | dmuon_kwargs
+    kw = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3)) | dmuon_kwargs
     plan = dmuon.prepare(model, balancer=balancer, hsdp_mesh=mesh if dmuon_level else None,
-                         ns=dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype")))
+                         ns=dmuon.NSConfig(method=ns_method, dtype=ns_dtype))
     return model, plan, rule_optimizer(rule, model, plan, **kw)
 
 
@@ -179,7 +180,6 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
     """Trains OddNet under FSDP2 with dmuon (or the gather oracle) and reports everything."""
-    kw = dict(lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     if case.kind == "dmuon":
         model, plan, opt = sharded_oddnet(world_size, zero=case.zero, mesh_shape=case.mesh_shape,
                                           balancer=case.balancer, bf16=case.bf16, frozen=case.frozen,
@@ -191,7 +191,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                                               returns_in_backward=case.returns_in_backward,
                                               hop_a_spread=case.hop_a_spread,
                                               nonfinite=case.nonfinite),
-                                          **kw)
+                                          lr=case.lr, adamw=dmuon.AdamWConfig(lr=case.adamw_lr),
+                                          ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     else:
         mesh = make_mesh(world_size, case.mesh_shape)
         torch.manual_seed(0)
@@ -199,7 +200,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         freeze(model, case.frozen)
         shard_oddnet(model, mesh, zero=case.zero, bf16=case.bf16, compile=case.compile,
                      column_sharded=case.column_sharded)
-        opt = GatherThenCompute(model, **kw, **oracle_rule(case.rule))
+        opt = GatherThenCompute(model, lr=case.lr, adamw_lr=case.adamw_lr, ns_dtype=case.ns_dtype,
+                                ns_method=case.ns_method, **oracle_rule(case.rule))
     model.checkpoint = case.activation_checkpointing
     losses, stats, norms = [], [], []
     for step in range(case.steps):

@@ -186,7 +186,7 @@ def _round_robin_oddnet(world_size: int):
     model = OddNet()
     shard_oddnet(model, mesh, zero=3)
     plan = dmuon.prepare(model, balancer="round_robin", ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3)
+    opt = dmuon.DMuon(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))
     return model, plan, opt
 
 
@@ -330,7 +330,8 @@ def _sharded_model(world_size: int, **oddnet_kw):
     torch.manual_seed(0)
     model = OddNet(**oddnet_kw)
     shard_oddnet(model, mesh, zero=3)
-    return model, dmuon.DMuon(model, lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+    return model, dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                              ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
 
 
 def _clone(obj):

@@ -24,8 +24,8 @@ def resumed_clipping(rank: int, world_size: int, mesh_shape, hsdp: str, steps: i
             if step == resume_at:
                 state = opt.state_dict()  # a checkpoint; the straight run goes on with its optimizer
                 if resumed:
-                    opt = dmuon.DMuon(model, plan, lr=0.02, adamw_lr=3e-3, ns_method="standard",
-                                      ns_dtype=torch.float32)
+                    opt = dmuon.DMuon(model, plan, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                                      ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
                     opt.load_state_dict(state)
             lm_loss(model, odd_batch(step, rank)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

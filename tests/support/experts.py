@@ -130,9 +130,9 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
     views = None if view is None else {"moe.experts": view}
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
                          hsdp_mesh=hsdp_mesh)
-    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999), return_waves=return_waves,
-                      overlap=overlap)
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
+                      adamw=ADAMW | {"betas": (0.9, 0.999)},
+                      execution=dmuon.ExecutionConfig(return_waves=return_waves, overlap=overlap))
     params = _run(model, opt, rank, world, steps, clip)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],
@@ -167,8 +167,8 @@ def train_expert_parallel(rank: int, world: int, steps: int, experts: int = 3, e
     fully_shard(model.moe, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"], adamw_betas=(0.9, 0.999))
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
+                      adamw=ADAMW | {"betas": (0.9, 0.999)})
     params = _run(model, opt, mesh.get_coordinate()[0], world // ep, steps)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "placements": str(model.moe.experts.placements),
@@ -220,8 +220,7 @@ def train_qkv(rank: int, world: int, steps: int, groups: int, optimizer: str = "
     views = {"qkv.weight": f"rows:{groups}"}
     if optimizer == "dmuon":
         plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
-        opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                          adamw_weight_decay=ADAMW["weight_decay"])
+        opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw=ADAMW)
         names = [i.name for i in plan.infos]
     else:
         from dmuon.baselines import GatherThenCompute

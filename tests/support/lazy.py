@@ -12,7 +12,7 @@ from dmuon.optim.groups import canonical_name
 from support.cases import freeze, full_params, make_mesh, shard_oddnet
 from support.models import OddNet, lm_loss, odd_batch
 
-KW = dict(lr=0.02, adamw_lr=3e-3, ns_method="standard", ns_dtype=torch.float32)
+KW = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
 
 
 def _momenta(opt) -> dict[str, torch.Tensor]:

@@ -95,7 +95,7 @@ def adamw_vs_dmuon(rank: int, world_size: int, dim: int = 256, hidden: int = 102
     gc.collect()
 
     model = _build(world_size, dim, hidden, blocks)
-    opt = dmuon.DMuon(model, lr=0.02, adamw_lr=1e-3, ns_method="standard", ns_dtype=torch.float32)
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=1e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
     muon = _measure(model, opt, rank, dim, steps)
     muon["matrices"] = sorted(i.name for i in opt.plan.infos)
     return {"adamw": adamw, "dmuon": muon}

@@ -173,16 +173,16 @@ def build(world: int, *, kind: str = "dmuon", mesh_shape=None, hsdp: str = "fsdp
     for block in (model.attn, model.mlp):
         fully_shard(block, mesh=mesh["shard"] if dmuon_level else mesh, **kw)
     fully_shard(model, mesh=mesh["shard"] if dmuon_level else mesh, **kw)
-    settings = dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw_lr=ADAMW["lr"],
-                    adamw_weight_decay=ADAMW["weight_decay"], **rule)
+    settings = dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **rule)
     if kind == "dmuon":
         ns = dmuon.NSConfig(method="standard", dtype=torch.float32, coefficients=coefficients)
         plan = dmuon.prepare(model, matrix_view=views, ns=ns, hsdp_mesh=mesh if dmuon_level else None)
-        return model, dmuon.DMuon(model, plan, **settings), plan
+        return model, dmuon.DMuon(model, plan, adamw=ADAMW, **settings), plan
     from dmuon.baselines import GatherThenCompute
 
     opt = GatherThenCompute(model, ns_method="standard", ns_dtype=torch.float32, ns_coefficients=coefficients,
-                            matrix_view=views, **settings)
+                            matrix_view=views, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"],
+                            **settings)
     return model, opt, None
 
 
@@ -241,8 +241,7 @@ def run_tp(rank: int, world: int) -> dict:
     tp.parallelize(model, mesh, dp_mesh)
     ns = dmuon.NSConfig(method="standard", dtype=torch.float32, coefficients="polar_express_5")
     plan = dmuon.prepare(model, matrix_view=TP_VIEWS, ns=ns)
-    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw_lr=ADAMW["lr"],
-                      adamw_weight_decay=ADAMW["weight_decay"], **PORTED)
+    opt = dmuon.DMuon(model, plan, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, adamw=ADAMW, **PORTED)
     for step in range(STEPS):
         tp.loss_of(model, tp.batch(step, dp_rank, 2)).backward()
         opt.step()

@@ -413,8 +413,8 @@ def build(world: int, *, names=("gqa", "fused", "mla"), mesh_shape=None, hsdp: s
         return model, opt, dp_rank, dp
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=ns_dtype),
                          hsdp_mesh=model_mesh)
-    settings = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                    adamw_weight_decay=ADAMW["weight_decay"], **execution)
+    settings = dict(lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw=ADAMW,
+                    execution=dmuon.ExecutionConfig(**execution))
     if clip:
         settings["qk_clip"] = dmuon.QKClip(layers_of(names), tau=TAU, alpha=ALPHA)
     opt = dmuon.DMuon(model, plan, **settings) if rule == "muon" else dmuon.NorMuon(model, plan, beta2=BETA2,

@@ -12,6 +12,7 @@ dp = 2, and ``WIDTH = 7`` rows are 4 + 3. The colwise head is AdamW's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -146,7 +147,7 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
     matrix's whole second moment and this rank's share of it. ``rule``: ``"muonh"`` or ``"dion2"``
     (``support.cases.rule_optimizer``; MuonH's radii too). ``clip``: ``DMuon.clip_grad_norm_`` before
     each step (torch's refuses parameters on different meshes), the launches kept and rescaled per step
-    reported. ``execution``: the runtime's other switches (DMuon only)."""
+    reported. ``execution``: the runtime's other switches (DMuon only; ``overlap`` the given one)."""
     mesh, dp_mesh, dp_rank = tp_mesh(world, mesh_shape, hsdp)
     torch.manual_seed(0)
     model = TPNet(sequence_parallel)
@@ -161,8 +162,8 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
 
         rule = (dmuon.DMuon if beta2 is None else functools.partial(dmuon.NorMuon, beta2=beta2)) if rule is None \
             else functools.partial(rule_optimizer, rule)
-        opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw_lr=ADAMW["lr"],
-                   adamw_weight_decay=ADAMW["weight_decay"], overlap=overlap, execution=execution)
+        opt = rule(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"], adamw=ADAMW,
+                   execution=dataclasses.replace(execution or dmuon.ExecutionConfig(), overlap=overlap))
     else:
         from dmuon.baselines import GatherThenCompute
 
@@ -205,7 +206,8 @@ def counted_tp_step(rank: int, world: int, mesh_shape: tuple[int, ...], steps: i
     model = TPNet()
     parallelize(model, mesh, dp_mesh)
     plan = dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.bfloat16))
-    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], adamw_lr=ADAMW["lr"], return_waves=4)
+    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], adamw=dmuon.AdamWConfig(lr=ADAMW["lr"]),
+                      execution=dmuon.ExecutionConfig(return_waves=4))
     stats = {}
     for step in range(steps):
         loss_of(model, batch(step, dp_rank, dp_mesh.size())).backward()
@@ -232,7 +234,8 @@ def resume_matches_continuing(rank: int, world: int, mesh_shape: tuple[int, ...]
         torch.manual_seed(0)
         model = TPNet()
         parallelize(model, mesh, dp_mesh)
-        opt = dmuon.DMuon(model, lr=MUON["lr"], adamw_lr=ADAMW["lr"], ns_method="standard", ns_dtype=torch.float32)
+        opt = dmuon.DMuon(model, lr=MUON["lr"], adamw=dmuon.AdamWConfig(lr=ADAMW["lr"]),
+                          ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
         return model, opt, dp_rank, dp_mesh.size()
 
     def train_steps(model, opt, dp_rank, dp, steps):

@@ -76,8 +76,8 @@ def run_ortho_bench(
         restarts: Gram restart cadences for the method table, one row each per
             shape (the standard path is timed once per shape). ``None``: the
             defaults for 16-bit and for float32 results (every 3 and every 2 steps),
-            i.e. the Gram path as ``DMuon`` runs it with ``ns_dtype=torch.bfloat16``
-            and with ``ns_dtype=torch.float32``.
+            i.e. the Gram path as ``DMuon`` runs it with ``NSConfig(dtype=torch.bfloat16)``
+            and with ``NSConfig(dtype=torch.float32)``.
 
     Returns:
         One dict per row: the method rows (``kind="method"``, :func:`_method_rows`), then the batch rows

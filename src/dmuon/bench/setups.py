@@ -209,17 +209,18 @@ def build(config: str, workload, mesh, hyper: Hyper):
             torch.optim.Muon(mats, lr=hyper.lr, weight_decay=0.1),
             torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
         ), None
-    kw = dict(lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype, ns_method=hyper.ns_method)
+    ns = dmuon.NSConfig(method=hyper.ns_method, dtype=hyper.ns_dtype)
+    kw = dict(lr=hyper.lr, adamw=dmuon.AdamWConfig(lr=hyper.adamw_lr))
     replicate_level = uses_replicate_level(config, mesh)
     shard_workload(workload, mesh, reshard, replicate_level)
     if config == "adamw_local":
         plan = dmuon.prepare(model, select=lambda name, param: False)
         # DMuon's AdamW defaults are the adamw config's (weight decay 0.01, betas, eps).
-        return dmuon.DMuon(model, plan, **kw), plan
+        return dmuon.DMuon(model, plan, ns=ns, **kw), plan
     if config == "gather":
-        return GatherThenCompute(model, **kw), None
+        return GatherThenCompute(model, lr=hyper.lr, adamw_lr=hyper.adamw_lr, ns_dtype=hyper.ns_dtype,
+                                 ns_method=hyper.ns_method), None
     # Planned (and with --profile measured) with the NS the optimizer runs.
-    ns = dmuon.NSConfig(method=kw.pop("ns_method"), dtype=kw.pop("ns_dtype"))
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
                          hsdp_mesh=mesh if replicate_level else None)
     rule = {"_normuon": dmuon.NorMuon, "_muonh": dmuon.MuonH, "_dion2": dmuon.Dion2}.get(

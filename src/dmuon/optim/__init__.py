@@ -4,5 +4,6 @@ from dmuon.optim.dion2 import Dion2
 from dmuon.optim.dmuon import DMuon
 from dmuon.optim.muonh import MuonH
 from dmuon.optim.normuon import NorMuon
+from dmuon.optim.settings import AdamWConfig
 
-__all__ = ["DMuon", "Dion2", "MuonH", "NorMuon"]
+__all__ = ["AdamWConfig", "DMuon", "Dion2", "MuonH", "NorMuon"]

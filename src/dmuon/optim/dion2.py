@@ -36,10 +36,9 @@ class Dion2(DMuon):
         ef_decay: The error-feedback decay of the selected rows, ``>= 0``; a param-group key too.
         weight_decay: Decoupled weight decay of the matrices (with the base ``lr``).
         adjust_lr_fn: The step's shape scaling (:data:`dmuon.rules.muon.ADJUST_LR_FNS`).
-        **kwargs: :class:`DMuon`'s other keywords (the NS keywords and ``ns``, the AdamW keywords,
-            ``param_groups``, ``execution`` and its keywords, ``hsdp_mesh``, ``qk_clip``,
-            ``extra_scale_factor``, ``cautious_weight_decay``). ``momentum`` and ``nesterov`` are
-            not Dion2's (its ``M`` is a plain sum): refused.
+        **kwargs: :class:`DMuon`'s other keywords (the NS keywords and ``ns``, ``execution``, ``adamw``,
+            ``hsdp_mesh``, ``qk_clip``, ``extra_scale_factor``, ``cautious_weight_decay``). ``momentum`` and
+            ``nesterov`` are not Dion2's (its ``M`` is a plain sum): refused.
     """
 
     rule_callbacks = Dion2Callbacks

@@ -18,56 +18,47 @@ them in between (:mod:`dmuon.optim.deferred`).
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
-from dmuon.optim.deferred import DeferredSetup, waits_for_sharding
-from dmuon.optim.groups import ParamGroups, canonical_name
+from dmuon.optim.deferred import DeferredSetup, default_matrices, waits_for_sharding
+from dmuon.optim.groups import GroupSplitter, MuonMatrices, canonical_name, check_ns_keys, group_index
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
+from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
+                                  model_and_groups, refuse_settings_elsewhere, resolve_ns)
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
-from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
-def _check_nonnegative(name: str, value: float) -> None:
-    if not value >= 0.0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-NEEDS_THE_MODEL = (
-    "DMuon needs the model, not only its parameters: it reads the module tree (which blocks fully_shard "
-    "manages, the meshes) to give each matrix one owner. Pass DMuon(model, ...), or with parameter groups "
-    "or (name, param) pairs DMuon(groups, module=model, ...); the HF Trainer: "
-    "optimizer_cls_and_kwargs=(dmuon.DMuon, {'module': model, ...}); torchtitan: "
-    "examples/integrations/torchtitan_container.py"
-)
-
-
-class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
+class DMuon(torch.optim.Optimizer):
     """Muon on FSDP2 with one owner per matrix, AdamW for everything else.
 
     Build the model exactly as for AdamW (``fully_shard`` each block, then the
     root, any ``reshard_after_forward``, any ``MixedPrecisionPolicy``, a 1-D
-    mesh or a 2-D HSDP mesh), then ``DMuon(model, lr=..., adamw_lr=...)``. Or
-    build it where a framework builds ``torch.optim.AdamW``, before sharding:
+    mesh or a 2-D HSDP mesh), then ``DMuon(model, lr=..., adamw=dmuon.AdamWConfig(lr=...))``.
+    Or build it where a framework builds ``torch.optim.AdamW``, before sharding:
     it sets itself up at the model's first forward (see the module docstring).
 
     Args:
         model: The model (after ``fully_shard``, or before it with a process group
             up; plain in a single process). Or what torch optimizers take (the
             parameters, param groups, ``(name, param)`` pairs) with ``module=``
-            the model they belong to.
+            the model they belong to. Each param group (a dict with ``"params"`` and
+            torch.optim-style overrides) is split into a Muon group and an AdamW group
+            (:meth:`split_group` says which key goes where); NS settings are the plan's
+            for every group: a group's ``ns_steps``, ``ns_coefficients`` or ``eps`` that
+            differs is an error naming it.
         plan: A plan from :func:`dmuon.prepare` for this model (balancer,
             profiling and selection options); None builds one with the defaults.
         module: The model, when ``model`` holds parameters or groups (what the HF
@@ -76,6 +67,8 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
         nesterov: Nesterov momentum for Muon.
+        ns_coefficients, eps, ns_steps: torch.optim.Muon's keywords for the fields of ``ns``
+            (``coefficients``, ``eps``, ``steps``); given with ``ns`` or a plan they must agree with it.
         adjust_lr_fn: The step's shape scaling for an ``(m, n)`` matrix: ``None``/``"original"``
             (``sqrt(max(1, m/n))``, Keller's), ``"match_rms_adamw"`` (``0.2 sqrt(max(m, n))``),
             ``"spectral_unclamped"`` (``sqrt(m/n)``: torchtitan's name, dion's ``"spectral_norm"``)
@@ -89,25 +82,12 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
             coefficients, steps, eps, dtype (directions and updates travel in it).
             Default: the plan's (``prepare(ns=...)``), else ``NSConfig()``; given
             with a plan it must equal the plan's, which was priced with it.
-        ns_coefficients, eps, ns_steps, ns_method, ns_dtype: torch.optim.Muon-style
-            keywords for the fields of ``ns`` (``coefficients``, ``eps``, ``steps``,
-            ``method``, ``dtype``); given with ``ns`` or a plan they must agree with it.
-        adamw_lr: AdamW learning rate (None: ``lr``).
-        adamw_betas: AdamW betas.
-        adamw_eps: AdamW epsilon.
-        adamw_weight_decay: AdamW decoupled weight decay.
-        param_groups: Optional list of dicts, each with ``"params"`` (a subset of
-            the model's parameters, or ``(name, param)`` pairs) and torch.optim-style
-            overrides; each is split into a Muon group and an AdamW group
-            (:meth:`split_group` says which key goes where). Default: all parameters.
-            NS settings are the plan's for every group: a group's ``ns_steps``,
-            ``ns_coefficients`` or ``eps`` that differs is an error naming it.
         execution: When the runtime moves and computes
             (:class:`~dmuon.runtime.config.ExecutionConfig`: ``overlap``,
             ``ns_in_backward``, ``nonfinite``, ``return_waves``, ``post_optim_event``;
             its docstrings say what each does). Default: ``ExecutionConfig()``.
-        overlap, nonfinite, ns_in_backward, post_optim_event, return_waves: Keywords
-            for the fields of ``execution``; given with it they must agree with it.
+        adamw: AdamW's settings for every other parameter (:class:`~dmuon.optim.settings.AdamWConfig`:
+            ``lr`` (None: ``lr``), ``betas``, ``eps``, ``weight_decay``), or a dict of those keys.
         hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])`` mesh
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
@@ -119,7 +99,8 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
             None: no clip.
 
     Raises:
-        TypeError: Parameters or groups without ``module=`` (the message says what to pass).
+        TypeError: Parameters or groups without ``module=`` (the message says what to pass), or a keyword
+            whose setting belongs in ``ns=``, ``execution=`` or ``adamw=`` (the message names which).
     """
 
     rule_callbacks = MuonCallbacks
@@ -128,149 +109,85 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
     """The matrix rule's float32 state: key -> its ``(mesh, placements)`` for a matrix
     (``layout(momentum_layout, info)``); kept in float32 and in that layout on load."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> DMuon:
+        # Before the signature binds: a keyword whose setting lives in a typed config gets a TypeError
+        # naming that config, not Python's bare "unexpected keyword argument".
+        refuse_settings_elsewhere(cls.__name__, kwargs)
+        return super().__new__(cls)
+
     def _rule_defaults(self) -> dict[str, Any]:
         """The matrix rule's own param-group keys and their defaults (none for Muon)."""
         return {}
 
-    def __init__(
-        self,
-        model: nn.Module | Iterable[Any] | None = None,
-        plan: Plan | None = None,
-        *,
-        module: nn.Module | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        adjust_lr_fn: str | None = None,
-        extra_scale_factor: float = 1.0,
-        cautious_weight_decay: bool = False,
-        ns: NSConfig | None = None,
-        ns_coefficients: tuple[float, float, float] | str | None = None,
-        eps: float | None = None,
-        ns_steps: int | None = None,
-        ns_method: str | None = None,
-        ns_dtype: torch.dtype | None = None,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.01,
-        param_groups: list[dict[str, Any]] | None = None,
-        execution: ExecutionConfig | None = None,
-        overlap: bool | None = None,
-        nonfinite: str | None = None,
-        ns_in_backward: bool | None = None,
-        post_optim_event: bool | None = None,
-        return_waves: int | None = None,
-        hsdp_mesh=None,
-        qk_clip: QKClip | None = None,
-    ) -> None:
-        model, param_groups = self._model_and_groups(model, module, param_groups)
-        if plan is not None and not isinstance(plan, Plan):
-            raise ValueError(f"plan must be the Plan returned by dmuon.prepare, got {type(plan).__name__}")
-        ns = self._resolve_ns(plan, ns, dict(ns_method=ns_method, eps=eps, ns_coefficients=ns_coefficients,
-                                             ns_steps=ns_steps, ns_dtype=ns_dtype))
-        execution = ExecutionConfig.from_keywords(
-            execution, overlap=overlap, nonfinite=nonfinite, ns_in_backward=ns_in_backward,
-            post_optim_event=post_optim_event, return_waves=return_waves)
+    def __init__(self, model: nn.Module | Iterable[Any] | None = None, plan: Plan | None = None, *,
+                 module: nn.Module | None = None,
+                 lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] | str | None = None, eps: float | None = None,
+                 ns_steps: int | None = None, adjust_lr_fn: str | None = None,
+                 extra_scale_factor: float = 1.0, cautious_weight_decay: bool = False,
+                 ns: NSConfig | None = None, execution: ExecutionConfig | None = None,
+                 adamw: AdamWConfig | Mapping[str, Any] | None = None,
+                 hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None) -> None:
+        model, user_groups = model_and_groups(model, module)
+        check_plan_inputs(plan, hsdp_mesh, qk_clip)
+        self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
+        """The Newton-Schulz configuration the owners run (the plan's)."""
+        self.execution = check_execution(execution)
+        """When the runtime moves and computes."""
+        self.adamw = AdamWConfig.from_mapping(adamw)
+        """AdamW's settings, for the parameters Muon does not update."""
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
-        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
-                            ("adamw_lr", 0.0 if adamw_lr is None else adamw_lr),
-                            ("adamw_weight_decay", adamw_weight_decay), ("adamw_eps", adamw_eps)):
-            _check_nonnegative(name, value)
-        if plan is not None and hsdp_mesh is not None and hsdp_mesh != plan.hsdp_mesh:
-            raise ValueError("hsdp_mesh differs from the plan's; pass it to dmuon.prepare(hsdp_mesh=...)")
-        if qk_clip is not None and not isinstance(qk_clip, QKClip):
-            raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
+        check_nonnegative(lr=lr, weight_decay=weight_decay, momentum=momentum)
         self.model = model
         """The model this optimizer steps (the same object before and after ``fully_shard``)."""
-        self.ns = ns
-        """The Newton-Schulz configuration the owners run (the plan's)."""
-        self.execution = execution
-        """When the runtime moves and computes."""
         self.plan: Plan | None = None
         """The ownership plan (None until set up: see the module docstring)."""
         self.runtime: ShardRuntime | None = None
         self.param_names: dict[int, str] = {}
         """Parameter (by id) -> its name in the model (once set up)."""
+        self.qk_clip = qk_clip
+        """QK-clip's configuration (None: no clip)."""
         self._hsdp_mesh = hsdp_mesh
-        self._index: dict[int, list[int]] = {}  # parameter -> its matrices (several for a stack of experts)
-        self._lazy_muon: set[str] | None = None  # before setup: the Muon matrices' canonical names
-        self._built: dict[int, tuple[weakref.ref, str]] = {}  # the model's parameters the groups were built with
-        self._forward_hook = None
-        self._muon_defaults = dict(
+        self._last_report = StepReport()
+        muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns.coefficients, eps=ns.eps, ns_steps=ns.steps, adjust_lr_fn=adjust_lr_fn,
+            ns_coefficients=self.ns.coefficients, eps=self.ns.eps, ns_steps=self.ns.steps, adjust_lr_fn=adjust_lr_fn,
             extra_scale_factor=extra_scale_factor, cautious_weight_decay=cautious_weight_decay,
             **self._rule_defaults(),
         )
-        self._adamw_defaults = dict(
-            lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
-            weight_decay=adamw_weight_decay, foreach=None,
-        )
-        self._adamw_lr_given = adamw_lr is not None
-        if plan is None and waits_for_sharding(model):
-            # Before fully_shard: the default selection, on the model as it is, splits the groups;
-            # the plan follows on the sharded model (_ready).
-            self._lazy_muon = {canonical_name(n) for n, p in select_matrices(model) if p.requires_grad}
-        else:
-            self._adopt_plan(plan if plan is not None else prepare(model, ns=ns, hsdp_mesh=hsdp_mesh))
-        named = {id(p): canonical_name(n) for n, p in model.named_parameters()}
-        self.qk_clip = qk_clip
-        """QK-clip's configuration (None: no clip)."""
+        waiting = plan is None and waits_for_sharding(model)
+        # Before fully_shard the default selection, on the model as it is, splits the groups; the plan
+        # follows on the sharded model (_ready).
+        self._matrices = MuonMatrices(default_matrices(model) if waiting else None)
+        self._deferred = DeferredSetup(model) if waiting else None
+        if not waiting:
+            self._adopt_plan(plan if plan is not None else prepare(model, ns=self.ns, hsdp_mesh=hsdp_mesh))
+        self._splitter = GroupSplitter(model, self._matrices, muon_defaults, self.adamw.group_defaults(lr),
+                                       adamw_lr_given=self.adamw.lr is not None)
+        named = self._splitter.names()
         self._qk: AttentionClip | None = None if qk_clip is None else AttentionClip(
             qk_clip, {canonical_name(n): p for n, p in model.named_parameters()}, named)
-        user_groups = param_groups if param_groups is not None else [{"params": list(model.parameters())}]
-        groups = []
-        for k, g in enumerate(user_groups):
-            groups.extend(self.split_group(g, index=k, names=named))
+        groups = self._split_groups(user_groups, named)
+        super().__init__(groups, defaults=dict(muon_defaults))
+        if self._deferred is None:
+            self._start_runtime()
+        else:
+            self._deferred.wait_for_forward(self._ready)
+
+    # ------------------------------------------------------------------- setup
+    def _split_groups(self, user_groups: list[dict[str, Any]] | None, named: dict[int, str]) -> list[dict[str, Any]]:
+        """The user's groups (None: every parameter in one) as DMuon's, each split in its Muon and AdamW halves."""
+        if user_groups is None:
+            user_groups = [{"params": list(self.model.parameters())}]
+        groups = [half for k, g in enumerate(user_groups)
+                  for half in self._splitter.split(g, index=k, names=named)]
         if any("param_names" not in g for g in groups):
             for g in groups:
                 g.pop("param_names", None)  # torch's rule: every group named, or none
-        for g in groups:
-            for p in g["params"]:
-                if id(p) in named:
-                    self._built[id(p)] = (weakref.ref(p), named[id(p)])
-        self._last_report = StepReport()
-        super().__init__(groups, defaults=dict(self._muon_defaults))
-        if self._lazy_muon is None:
-            self._start_runtime()
-        else:
-            self._defer_setup()
+        if self._deferred is not None:
+            self._deferred.record(groups, named)
+        return groups
 
-    # ------------------------------------------------------------------ inputs
-    @staticmethod
-    def _model_and_groups(model: Any, module: Any, param_groups: Any) -> tuple[nn.Module, Any]:
-        """The model and the user's groups from what was passed (a model, or parameters/groups and ``module``)."""
-        if module is not None and not isinstance(module, nn.Module):
-            raise TypeError(f"module= must be the model (an nn.Module), got {type(module).__name__}")
-        if isinstance(model, nn.Module):
-            if module is not None and module is not model:
-                raise TypeError("DMuon got two models (model and module=); pass the model once")
-            return model, param_groups
-        if model is None:
-            if module is None:
-                raise TypeError(NEEDS_THE_MODEL)
-            return module, param_groups
-        if isinstance(model, torch.Tensor):
-            raise TypeError("DMuon's first argument must be the model or an iterable of parameters or groups, "
-                            f"got a tensor; {NEEDS_THE_MODEL}")
-        if isinstance(model, (set, frozenset)):
-            raise TypeError("parameters need an ordered collection (a list), not a set, as in torch.optim")
-        try:
-            groups = list(model)
-        except TypeError:
-            raise TypeError(f"DMuon's first argument must be the model or an iterable of parameters or groups, "
-                            f"got {type(model).__name__}") from None
-        if module is None:
-            raise TypeError(NEEDS_THE_MODEL)
-        if param_groups is not None:
-            raise TypeError("parameter groups given twice (as the first argument and as param_groups=); pass them once")
-        if not groups:
-            raise ValueError("optimizer got an empty parameter list")
-        return module, groups if isinstance(groups[0], dict) else [{"params": groups}]
-
-    # ------------------------------------------------------------------- setup
     def _adopt_plan(self, plan: Plan) -> None:
         """Takes ``plan`` for this model: the checks, the momentum layout and the matrices' index."""
         model = self.model
@@ -288,9 +205,7 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
         self.plan = plan
         self.momentum = MomentumLayout(plan)
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self._index = {}
-        for info in plan.infos:
-            self._index.setdefault(id(info.param), []).append(info.index)
+        self._matrices.adopt(plan)
 
     def _start_runtime(self) -> None:
         model = self.model
@@ -300,22 +215,94 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
         self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
 
-    @staticmethod
-    def _resolve_ns(plan: Plan | None, ns: NSConfig | None, keywords: dict[str, Any]) -> NSConfig:
-        """The one NS configuration from ``ns=``, the keywords and the plan; errors name what differs."""
-        if ns is not None and not isinstance(ns, NSConfig):
-            raise ValueError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
-        base = ns if ns is not None else None if plan is None else plan.ns
-        resolved = NSConfig.from_keywords(base, **keywords)
-        if ns is not None and resolved != ns:
-            raise ValueError("the NS keywords contradict ns= (" + "; ".join(resolved.differences(ns))
-                             + "); set each NS field in one place")
-        if plan is not None and resolved != plan.ns:
-            raise ValueError(
-                "the NS keywords differ from the plan's NS configuration, which its costs were priced with ("
-                + "; ".join(resolved.differences(plan.ns)) + "); pass ns=dmuon.NSConfig(...) to dmuon.prepare instead")
-        return resolved
+    def _me(self) -> DMuon:
+        """This optimizer, also when called through a wrapper that took DMuon's class and delegates
+        attribute reads to it (Lightning Fabric's ``_FabricOptimizer``), where writes must not land."""
+        return self if "param_groups" in self.__dict__ else self.optimizer
 
+    def _ready(self) -> None:
+        """Sets the optimizer up on the sharded model if it is not yet: on every rank alike (a collective)."""
+        self = self._me()
+        if self.runtime is not None:
+            return
+        deferred = self._deferred
+        deferred.check_sharded()
+        deferred.rebind(self.__dict__["param_groups"], self.state, strict=True)
+        self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
+        deferred.check_split(self.param_groups, self._matrices.planned, self.param_names)
+        self._start_runtime()
+        self._deferred = None
+        deferred.close()
+
+    @property
+    def is_set_up(self) -> bool:
+        """Whether the plan and the runtime exist (a DMuon built before ``fully_shard`` sets itself up at
+        the model's first forward, or at the first ``step()``, ``clip_grad_norm_`` or state load)."""
+        return self.runtime is not None
+
+    # ------------------------------------------------------------------- groups
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """torch.optim's param groups; before setup, every read first puts the model's current parameters
+        in them (:meth:`DeferredSetup.rebind`), so a framework's state-dict code sees the sharded parameters."""
+        try:
+            groups = self.__dict__["param_groups"]
+        except KeyError:
+            # A wrapper that took DMuon's class (Lightning's _FabricOptimizer) delegates through __getattr__.
+            raise AttributeError("param_groups") from None
+        deferred = self.__dict__.get("_deferred")
+        if deferred is not None:
+            deferred.rebind(groups, self.state)
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.__dict__["param_groups"] = value
+
+    def matrix_indices(self, param: torch.Tensor) -> list[int]:
+        """The plan indices of ``param``'s matrices (several for a stack of experts or row groups)."""
+        return self._matrices.indices(param)
+
+    def split_group(self, group: dict[str, Any], index: int = 0,
+                    names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """A torch.optim-style param group as DMuon's: a Muon group and an AdamW group (either may be absent);
+        :meth:`GroupSplitter.split <dmuon.optim.groups.GroupSplitter.split>` says which key goes where."""
+        return self._splitter.split(group, index=index, names=names)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group, as torch.optim does: a torch.optim-style group is split as the constructor splits
+        them (:meth:`split_group`: a Muon half, an AdamW half); one with DMuon's ``algorithm`` key is added
+        as it is, after checking its parameters are of that kind."""
+        if "algorithm" not in param_group:
+            named = all("param_names" in g for g in self.param_groups)
+            for half in self.split_group(param_group, index=len(self.param_groups)):
+                if not named:
+                    half.pop("param_names", None)
+                self.add_param_group(half)
+            return
+        self._splitter.complete(param_group)
+        if param_group["algorithm"] == "muon":
+            self.check_ns_keys(param_group)
+            self.check_rule_keys(param_group)
+        saved, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(param_group)
+        finally:
+            self.defaults = saved
+
+    def check_ns_keys(self, group: dict[str, Any]) -> None:
+        """Raises ``ValueError`` naming the group and key when a Muon group's NS setting differs from
+        :attr:`ns` (the plan priced every owner's work with one NS configuration, and the owners batch
+        matrices across groups)."""
+        check_ns_keys(group, group_index(self.param_groups, group), self.ns)
+
+    def check_rule_keys(self, group: dict[str, Any]) -> None:
+        """Raises ``ValueError`` naming the group and key for a Muon group's bad ``adjust_lr_fn``,
+        ``extra_scale_factor`` or ``cautious_weight_decay``."""
+        check_rule_settings(group["adjust_lr_fn"], group["extra_scale_factor"], group["cautious_weight_decay"],
+                            f"param group {group_index(self.param_groups, group)}: ")
+
+    # -------------------------------------------------------------------- state
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         fill_rule_defaults(self.__dict__.get("param_groups", []))
@@ -361,7 +348,7 @@ class DMuon(DeferredSetup, ParamGroups, torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for key, name, value in sorted(kept, key=lambda kv: (order.index(kv[0]), kv[1])):
             param = params[order.index(key)]
-            info = self.plan.infos[self._index[id(param)][0]]
+            info = self.plan.infos[self.matrix_indices(param)[0]]
             mesh, placements = self.matrix_state[name](self.momentum, info)
             if isinstance(value, DTensor) and value.device_mesh == mesh and tuple(value.placements) != placements:
                 value = value.redistribute(mesh, placements)

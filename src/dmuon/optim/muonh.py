@@ -41,11 +41,10 @@ class MuonH(DMuon):
         lr: Learning rate of the matrices (the step is ``adjusted_lr * R`` long).
         momentum: Momentum (``beta1``).
         nesterov: Nesterov momentum.
-        weight_decay: Must be 0 (the matrices' groups too); the other parameters' is ``adamw_weight_decay``.
+        weight_decay: Must be 0 (the matrices' groups too); the other parameters' is ``adamw``'s.
         **kwargs: :class:`DMuon`'s other keywords (``adjust_lr_fn``, ``extra_scale_factor``, the NS
-            keywords and ``ns``, the AdamW keywords, ``param_groups``, ``execution`` and its keywords,
-            ``hsdp_mesh``). Not ``qk_clip``: clipping scales rows off the sphere the next step would
-            put them back on; refused.
+            keywords and ``ns``, ``execution``, ``adamw``, ``hsdp_mesh``). Not ``qk_clip``: clipping scales
+            rows off the sphere the next step would put them back on; refused.
 
     Raises:
         ValueError: A nonzero ``weight_decay`` (naming the group), or ``qk_clip``.
@@ -74,5 +73,5 @@ class MuonH(DMuon):
 def _check_no_decay(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0:
         raise ValueError(f"{name}={value!r}: MuonH keeps each matrix on the sphere of its initial norm, which "
-                         "replaces weight decay; set it to 0 for the matrices (adamw_weight_decay sets the other "
-                         "parameters')")
+                         "replaces weight decay; set it to 0 for the matrices (adamw=dmuon.AdamWConfig("
+                         "weight_decay=...) sets the other parameters')")

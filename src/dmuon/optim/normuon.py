@@ -36,8 +36,9 @@ class NorMuon(DMuon):
         momentum: Momentum (``beta1``).
         nesterov: Nesterov momentum.
         beta2: The per-row second moment's decay, in ``[0, 1)``; a param-group key too.
-        **kwargs: :class:`DMuon`'s other keywords (``adjust_lr_fn``, the NS keywords and ``ns``,
-            the AdamW keywords, ``param_groups``, ``execution`` and its keywords, ``hsdp_mesh``).
+        **kwargs: :class:`DMuon`'s other keywords (``adjust_lr_fn``, ``extra_scale_factor``,
+            ``cautious_weight_decay``, the NS keywords and ``ns``, ``execution``, ``adamw``, ``hsdp_mesh``,
+            ``qk_clip``).
     """
 
     rule_callbacks = NorMuonCallbacks

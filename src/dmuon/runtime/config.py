@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from dmuon.plan.hop_a import resolve_spread
 
@@ -132,27 +131,3 @@ class ExecutionConfig:
     def resolved_hop_a_spread(self) -> int:
         """``hop_a_spread``, its None resolved (:func:`dmuon.plan.hop_a.default_spread`)."""
         return resolve_spread(self.hop_a_spread, self.returns_in_backward)
-
-    @classmethod
-    def from_keywords(cls, base: ExecutionConfig | None = None, **keywords: Any) -> ExecutionConfig:
-        """``base`` (default: the defaults) with the keywords given (None: unset).
-
-        Raises:
-            ValueError: For an unknown keyword, a bad value (named), or a keyword that
-                contradicts ``base``.
-        """
-        if base is not None and not isinstance(base, ExecutionConfig):
-            raise ValueError(f"execution must be a dmuon.ExecutionConfig, got {type(base).__name__}")
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(keywords) - set(names))
-        if unknown:
-            raise ValueError(f"unknown execution keyword {unknown[0]!r} (allowed: {', '.join(names)})")
-        given = {k: v for k, v in keywords.items() if v is not None}
-        if base is None:
-            return cls(**given)
-        clashes = [f"{k}={v!r} but execution.{k}={getattr(base, k)!r}" for k, v in given.items()
-                   if getattr(base, k) != v]
-        if clashes:
-            raise ValueError("the keywords contradict the ExecutionConfig passed as execution=: "
-                             + "; ".join(clashes) + "; set each switch in one place")
-        return base

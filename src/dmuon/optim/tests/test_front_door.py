@@ -1,7 +1,7 @@
 """The front door's own logic on one process: param groups split into Muon and AdamW halves, the
-setup that waits for sharding, and the validation of DMuon's keywords, each error naming its parameter.
-(NS keywords against ns= and the plan, ExecutionConfig's fields: tests/test_single_process.py;
-NSConfig's fields: ortho/tests/test_config.py.)"""
+setup that waits for sharding, and the validation of DMuon's keywords and of AdamWConfig, each error
+naming its parameter. (NS keywords against ns= and the plan, ExecutionConfig's fields:
+tests/test_single_process.py; NSConfig's fields: ortho/tests/test_config.py.)"""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_each_group_splits_into_a_muon_and_an_adamw_half_with_its_own_keys():
     model = TwoBlocks()
     groups = [{"params": list(model.a.parameters()), "lr": 0.05, "weight_decay": 0.2, "adamw_lr": 1e-4},
               {"params": list(model.b.parameters()) + list(model.norm.parameters())}]
-    opt = dmuon.DMuon(groups, module=model, lr=0.02, adamw_lr=3e-3, weight_decay=0.1)
+    opt = dmuon.DMuon(groups, module=model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), weight_decay=0.1)
     assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
     assert _names(opt, "muon") == [["a.weight"], ["b.weight"]]
     assert _names(opt, "adamw") == [["a.bias"], ["b.bias", "norm.weight", "norm.bias"]]
@@ -74,10 +74,99 @@ def test_bad_groups_are_named(groups, error, message):
         dmuon.DMuon(groups, module=model)
 
 
-@pytest.mark.parametrize("name", ["lr", "weight_decay", "momentum", "adamw_lr", "adamw_weight_decay", "adamw_eps"])
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "momentum"])
 def test_a_negative_setting_is_named(name):
     with pytest.raises(ValueError, match=f"^{name} must be >= 0, got -0.5"):
         dmuon.DMuon(TwoBlocks(), **{name: -0.5})
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(lr=-0.5), r"AdamWConfig.lr must be a number >= 0 or None, got -0.5"),
+    (dict(lr="3e-4"), r"AdamWConfig.lr must be a number >= 0 or None, got '3e-4'"),
+    (dict(eps=-1e-8), r"AdamWConfig.eps must be a number >= 0, got -1e-08"),
+    (dict(eps=None), r"AdamWConfig.eps must be a number >= 0, got None"),
+    (dict(weight_decay=-0.1), r"AdamWConfig.weight_decay must be a number >= 0, got -0.1"),
+    (dict(weight_decay=True), r"AdamWConfig.weight_decay must be a number >= 0, got True"),
+    (dict(betas=(0.9, 1.0)), r"AdamWConfig.betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+    (dict(betas=(-0.1, 0.9)), r"AdamWConfig.betas must be two numbers in \[0, 1\)"),
+    (dict(betas=(0.9,)), r"AdamWConfig.betas must be two numbers in \[0, 1\)"),
+    (dict(betas=0.9), r"AdamWConfig.betas must be two numbers in \[0, 1\)"),
+])
+def test_adamw_config_names_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        dmuon.AdamWConfig(**fields)
+    # The same check through DMuon, either form.
+    with pytest.raises(ValueError, match=f"^{message}"):
+        dmuon.DMuon(TwoBlocks(), adamw=fields)
+
+
+def test_adamw_config_defaults_and_its_mapping_form():
+    assert dmuon.AdamWConfig() == dmuon.AdamWConfig(lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    # A list (JSON, YAML) is kept as a tuple: the config stays hashable and equal to the tuple form.
+    config = dmuon.AdamWConfig.from_mapping({"lr": 3e-4, "betas": [0.8, 0.95]})
+    assert config == dmuon.AdamWConfig(lr=3e-4, betas=(0.8, 0.95)) and hash(config) == hash(config)
+    assert dmuon.AdamWConfig.from_mapping(config) is config and dmuon.AdamWConfig.from_mapping(None) == dmuon.AdamWConfig()
+    with pytest.raises(ValueError, match=r"^adamw: unknown keys 'beta', 'lrr' \(allowed: lr, betas, eps, weight_decay\)"):
+        dmuon.DMuon(TwoBlocks(), adamw={"lrr": 1e-3, "beta": (0.9, 0.99), "eps": 1e-8})
+    with pytest.raises(ValueError, match=r"^adamw: unknown key 'adamw_lr'"):
+        dmuon.DMuon(TwoBlocks(), adamw={"adamw_lr": 1e-3})
+    with pytest.raises(TypeError, match="adamw must be a dmuon.AdamWConfig or a dict of its fields, got float"):
+        dmuon.DMuon(TwoBlocks(), adamw=3e-4)
+
+
+@pytest.mark.parametrize("adamw", [dmuon.AdamWConfig(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
+                                   {"lr": 3e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.05}])
+def test_adamw_settings_reach_the_adamw_groups_only(adamw):
+    model = TwoBlocks()
+    groups = [{"params": list(model.a.parameters())}, {"params": list(model.b.parameters()), "adamw_eps": 1e-5}]
+    opt = dmuon.DMuon(groups, module=model, lr=0.02, weight_decay=0.1, adamw=adamw)
+    assert opt.adamw == dmuon.AdamWConfig(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    muon_a, adamw_a, muon_b, adamw_b = opt.param_groups
+    for g in (adamw_a, adamw_b):
+        assert (g["lr"], g["betas"], g["weight_decay"]) == (3e-3, (0.8, 0.95), 0.05)
+    assert (adamw_a["eps"], adamw_b["eps"]) == (1e-6, 1e-5)  # a group's adamw_ key wins
+    for g in (muon_a, muon_b):
+        assert (g["lr"], g["weight_decay"], g["eps"]) == (0.02, 0.1, opt.ns.eps) and "betas" not in g
+    # A group added later gets the same defaults.
+    opt.add_param_group({"params": list(model.norm.parameters())})
+    assert opt.param_groups[-1]["algorithm"] == "adamw"
+    assert (opt.param_groups[-1]["lr"], opt.param_groups[-1]["betas"]) == (3e-3, (0.8, 0.95))
+
+
+def test_adamw_lr_none_follows_muons_lr_and_a_groups_lr():
+    model = TwoBlocks()
+    groups = [{"params": list(model.a.parameters()), "lr": 0.05}, {"params": list(model.b.parameters())}]
+    opt = dmuon.DMuon(groups, module=model, lr=0.02, adamw=dmuon.AdamWConfig(weight_decay=0.0))
+    _, adamw_a, _, adamw_b = opt.param_groups
+    assert (adamw_a["lr"], adamw_b["lr"]) == (0.05, 0.02)
+    assert adamw_a["weight_decay"] == adamw_b["weight_decay"] == 0.0
+    # With AdamW's own lr, a group's plain lr stays the Muon half's.
+    opt = dmuon.DMuon(groups, module=model, lr=0.02, adamw={"lr": 1e-3})
+    _, adamw_a, _, adamw_b = opt.param_groups
+    assert (adamw_a["lr"], adamw_b["lr"]) == (1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("keyword,value,replacement", [
+    ("adamw_lr", 3e-4, r"adamw=dmuon.AdamWConfig\(lr=...\)"),
+    ("adamw_betas", (0.9, 0.95), r"adamw=dmuon.AdamWConfig\(betas=...\)"),
+    ("adamw_eps", 1e-8, r"adamw=dmuon.AdamWConfig\(eps=...\)"),
+    ("adamw_weight_decay", 0.0, r"adamw=dmuon.AdamWConfig\(weight_decay=...\)"),
+    ("ns_method", "standard", r"ns=dmuon.NSConfig\(method=...\)"),
+    ("ns_dtype", torch.float32, r"ns=dmuon.NSConfig\(dtype=...\)"),
+    ("overlap", False, r"execution=dmuon.ExecutionConfig\(overlap=...\)"),
+    ("nonfinite", "skip", r"execution=dmuon.ExecutionConfig\(nonfinite=...\)"),
+    ("ns_in_backward", True, r"execution=dmuon.ExecutionConfig\(ns_in_backward=...\)"),
+    ("post_optim_event", True, r"execution=dmuon.ExecutionConfig\(post_optim_event=...\)"),
+    ("return_waves", 2, r"execution=dmuon.ExecutionConfig\(return_waves=...\)"),
+    ("param_groups", [], r"the groups as the first argument, DMuon\(groups, module=model\)"),
+])
+@pytest.mark.parametrize("optimizer", ["DMuon", "NorMuon", "MuonH", "Dion2"])
+def test_a_setting_of_a_typed_config_given_as_a_keyword_names_the_config(optimizer, keyword, value, replacement):
+    with pytest.raises(TypeError, match=f"^{optimizer}\\(\\) got an unexpected keyword argument '{keyword}': "
+                                        f"pass {replacement}"):
+        getattr(dmuon, optimizer)(TwoBlocks(), **{keyword: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'adamw_learning_rate'"):
+        getattr(dmuon, optimizer)(TwoBlocks(), adamw_learning_rate=1e-3)  # Python's own, for any other name
 
 
 def test_the_first_argument_is_checked():
@@ -94,15 +183,10 @@ def test_the_first_argument_is_checked():
         dmuon.DMuon(model, {})
 
 
-def test_execution_keywords_unknown_or_contradicting_are_named():
-    with pytest.raises(ValueError, match="unknown execution keyword 'overlapp'"):
-        dmuon.ExecutionConfig.from_keywords(overlapp=True)
-    base = dmuon.ExecutionConfig(return_waves=2)
-    # None leaves the base's value; the same value again is fine.
-    assert dmuon.ExecutionConfig.from_keywords(base, return_waves=None) == base
-    assert dmuon.ExecutionConfig.from_keywords(base, return_waves=2) == base
-    with pytest.raises(ValueError, match="return_waves=3 but execution.return_waves=2"):
-        dmuon.ExecutionConfig.from_keywords(base, return_waves=3)
+def test_execution_must_be_an_execution_config():
+    assert dmuon.DMuon(TwoBlocks()).execution == dmuon.ExecutionConfig()
+    with pytest.raises(ValueError, match="execution must be a dmuon.ExecutionConfig, got dict"):
+        dmuon.DMuon(TwoBlocks(), execution={"overlap": False})
 
 
 def test_setup_waits_for_sharding_only_under_a_process_group():
