@@ -18,6 +18,7 @@ them in between (:mod:`dmuon.optim.deferred`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -132,7 +133,7 @@ class DMuon(torch.optim.Optimizer):
         check_plan_inputs(plan, hsdp_mesh, qk_clip)
         self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         """The Newton-Schulz configuration the owners run (the plan's)."""
-        self.execution = check_execution(execution)
+        self.execution = check_execution(execution, qk_clip)
         """When the runtime moves and computes."""
         self.adamw = AdamWConfig.from_mapping(adamw)
         """AdamW's settings, for the parameters Muon does not update."""
@@ -214,6 +215,28 @@ class DMuon(torch.optim.Optimizer):
                           {canonical_name(n): p for n, p in model.named_parameters()})
         self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
                                     root=model if isinstance(model, FSDPModule) else None)
+        if self.execution.apply_updates == "next_forward":
+            # Whatever reads or replaces the model's weights through its state dict sees every update
+            # applied (torch's get_state_dict/set_state_dict and DCP go through these).
+            me = weakref.ref(self)  # the model does not keep the optimizer alive
+
+            def flush(*_: Any) -> None:
+                if me() is not None:
+                    me().flush_updates()
+
+            model.register_state_dict_pre_hook(flush)
+            model.register_load_state_dict_pre_hook(flush)
+
+    def flush_updates(self) -> None:
+        """Applies every Muon update a step left for the next forward (``ExecutionConfig(apply_updates=
+        "next_forward")``): call it before reading the weights directly between ``step()`` and the next
+        forward (an EMA of the weights, their norms, a copy). It runs by itself before ``step()``, this
+        optimizer's ``state_dict``/``load_state_dict`` and the model's (so before torch's
+        ``get_state_dict``/``set_state_dict`` and DCP). Idempotent; nothing when nothing is pending;
+        no collective (every return was issued in ``step()``): it may be called on some ranks only."""
+        me = self._me()
+        if me.runtime is not None:
+            me.runtime.flush_updates()
 
     def _me(self) -> DMuon:
         """This optimizer, also when called through a wrapper that took DMuon's class and delegates
@@ -312,7 +335,8 @@ class DMuon(torch.optim.Optimizer):
         the owners' momentum copies stale: a run resumed from this state starts them from the exact
         momentum, so the run that goes on does too (the next step exchanges clipped blocks again and
         sends the momentum to the owners once), and both take the same steps bit for bit. No
-        collective: it may be taken on some ranks only."""
+        collective: it may be taken on some ranks only. Pending updates are applied first (:meth:`flush_updates`)."""
+        self.flush_updates()
         out = super().state_dict()
         if self.runtime is not None and self.runtime.owner_momentum is not None:
             self.runtime.owner_momentum.invalidate()
@@ -330,8 +354,9 @@ class DMuon(torch.optim.Optimizer):
         the same order. Built before sharding, DMuon sets itself up first (a
         collective, as loading a sharded checkpoint is) once the model is sharded;
         before that, only a state without momenta loads (what accelerate's
-        ``prepare`` does with a fresh optimizer).
+        ``prepare`` does with a fresh optimizer). Pending updates are applied first (:meth:`flush_updates`).
         """
+        self.flush_updates()
         if not self.is_set_up:
             if waits_for_sharding(self.model):
                 if any(isinstance(v, dict) and set(self.matrix_state) & v.keys() for v in state_dict["state"].values()):
