@@ -49,6 +49,8 @@ class Case:
     ns_in_backward: bool = False
     """DMuon's ``ns_in_backward``."""
     returns_in_backward: bool = False
+    apply_updates: str = "in_step"
+    """``ExecutionConfig.apply_updates``; the run flushes the updates before reading the parameters."""
     """``ExecutionConfig.returns_in_backward`` (with ``ns_in_backward``)."""
     hop_a_spread: int | None = 8
     """``ExecutionConfig.hop_a_spread`` (dmuon's replicate level; None: its default, 1 with returns in backward)."""
@@ -190,7 +192,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                                               ns_in_backward=case.ns_in_backward, return_waves=case.return_waves,
                                               returns_in_backward=case.returns_in_backward,
                                               hop_a_spread=case.hop_a_spread,
-                                              nonfinite=case.nonfinite),
+                                              nonfinite=case.nonfinite, apply_updates=case.apply_updates),
                                           lr=case.lr, adamw=dmuon.AdamWConfig(lr=case.adamw_lr),
                                           ns_dtype=case.ns_dtype, ns_method=case.ns_method)
     else:
@@ -229,6 +231,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
         stats.append(opt.last_step_stats())
+    if case.kind == "dmuon":
+        opt.flush_updates()  # apply_updates="next_forward": the last step's updates, no forward after it
     params = full_params(model)
     state_numel = {n: (opt.state[p]["momentum_buffer"].to_local().numel() if "momentum_buffer" in opt.state[p] else 0)
                    for n, p in model.named_parameters() if p in opt.state}

@@ -13,7 +13,7 @@ from support.models import lm_loss, odd_batch
 def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, ns_dtype: torch.dtype,
                  zero: int = 3, steps: int = 2, return_waves: int | None = None, hsdp: str = "fsdp2",
                  rule: str = "muon", hop_a_spread: int = 8, publication: str | None = None,
-                 returns_in_backward: bool = False, blocks: int = 3) -> dict:
+                 returns_in_backward: bool = False, blocks: int = 3, apply_updates: str = "in_step") -> dict:
     """Trains OddNet ``steps`` steps under FSDP2 + dmuon and returns the last step's collective log.
 
     ``publication`` forces the updates' route across replicas (``ShardExchange.publication``);
@@ -31,7 +31,8 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
     model, plan, opt = sharded_oddnet(world_size, zero=zero, mesh_shape=mesh_shape, ns_dtype=ns_dtype, hsdp=hsdp,
                                       rule=rule, blocks=blocks, execution=dmuon.ExecutionConfig(
                                           return_waves=return_waves, hop_a_spread=hop_a_spread,
-                                          ns_in_backward=returns_in_backward, returns_in_backward=returns_in_backward))
+                                          ns_in_backward=returns_in_backward, returns_in_backward=returns_in_backward,
+                                          apply_updates=apply_updates))
     if publication is not None:
         opt.runtime.exchange.publication = publication
     stats = {}
@@ -41,6 +42,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         opt.step()
         opt.zero_grad()
         stats = opt.last_step_stats()
+    opt.flush_updates()  # no collective
     return {
         "plan_rank": opt.runtime.topo.rank,
         "log": list(opt.runtime.stats.last_log),

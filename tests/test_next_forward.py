@@ -1,0 +1,152 @@
+"""``ExecutionConfig(apply_updates="next_forward")``: the Muon updates applied in the next forward.
+
+The same training, bit for bit, as ``"in_step"`` once the last step's updates are flushed (the units
+apply each matrix's own update, in the same arithmetic, only later), and the same as one process
+running torch.optim.Muon + AdamW; nothing between ``step()`` and the next forward reads a stale weight
+through a state dict, an evaluation forward or a second ``step()``; the collectives are the model's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import dmuon
+from support.cases import Case, full_params, run_cases, sharded_oddnet
+from support.equivalence import SKIP, STEPS, max_diff, reference
+from support.models import OddNet, lm_loss, odd_batch
+from support.spawn import run_distributed
+from support.step_comm import check_counted_log, counted_step
+from dmuon.costmodel.collectives import owner_exchange_collectives
+
+MODES = ("in_step", "next_forward")
+
+
+def _pairs(**kw) -> list[Case]:
+    return [Case(apply_updates=mode, steps=STEPS, **kw) for mode in MODES]
+
+
+def _assert_same(results, k: int, label: str) -> None:
+    """Case ``k`` (in_step) and ``k + 1`` (next_forward): the same parameters, bit for bit, and losses."""
+    ins, nfwd = results[0][k], results[0][k + 1]
+    for name in ins["params"]:
+        assert torch.equal(ins["params"][name], nfwd["params"][name]), f"{label}: {name} differs"
+    assert [r[k]["losses"] for r in results] == [r[k + 1]["losses"] for r in results], label
+
+
+@pytest.mark.parametrize("mesh_shape, world_size, hsdp", [(None, 2, "fsdp2"), (None, 1, "fsdp2"),
+                                                         ((2, 2), 4, "fsdp2"), ((2, 2), 4, "dmuon")],
+                         ids=["1-D", "one-rank", "native-2x2", "replicate-level-2x2"])
+def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_size, hsdp):
+    """ZeRO-3 and ZeRO-2, a block unused at step 1: bit for bit ``"in_step"``, and within 1e-5 of
+    torch.optim.Muon + AdamW in one process (fp32 NS)."""
+    cases = [c for zero in (3, 2) for c in _pairs(zero=zero, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
+    results = run_distributed(run_cases, world_size, cases, timeout_s=300)
+    ref, _ = reference(world_size, torch.float32)
+    for k in (0, 2):
+        _assert_same(results, k, f"zero={cases[k].zero}")
+        diff, worst = max_diff(results[0][k + 1]["params"], ref)
+        assert diff <= 1e-5, worst
+
+
+def test_next_forward_as_people_train():
+    """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
+    checkpointing, NorMuon and Dion2: each bit for bit its ``"in_step"`` run (2 ranks)."""
+    variants = {
+        "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
+        "frozen": dict(frozen=("layers.1.mid",)),
+        "accumulation": dict(micro_batches=2),
+        "clip": dict(clip=0.3),
+        "checkpointing": dict(activation_checkpointing="full"),
+        "normuon": dict(rule="normuon"),
+        "dion2": dict(rule="dion2"),
+    }
+    cases = [c for kw in variants.values() for c in _pairs(skip=SKIP, **kw)]
+    results = run_distributed(run_cases, 2, cases, timeout_s=400)
+    for k, label in enumerate(variants):
+        _assert_same(results, 2 * k, label)
+
+
+def _reads(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    """Two optimizers side by side, ``"in_step"`` and ``"next_forward"``; after each ``step()`` something
+    reads the weights before any training forward, and must see what ``"in_step"`` holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    runs = {mode: sharded_oddnet(world_size, execution=dmuon.ExecutionConfig(apply_updates=mode)) for mode in MODES}
+
+    def train(step: int) -> None:
+        for model, _, opt in runs.values():
+            lm_loss(model, odd_batch(step, rank)).backward()
+            opt.step()
+
+    def same(values: dict) -> bool:
+        a, b = (values[m] for m in MODES)
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def whole(state: dict) -> dict:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    seen = {}
+    train(0)
+    seen["model.state_dict"] = same({m: whole(r[0].state_dict()) for m, r in runs.items()})
+    train(1)
+    with torch.no_grad():  # an evaluation forward applies the updates as a training forward does
+        seen["eval forward"] = same({m: {"out": r[0].eval()(odd_batch(5, rank)[0]).float()} for m, r in runs.items()})
+    for model, _, _ in runs.values():
+        model.train()
+    train(2)
+    for _, _, opt in runs.values():
+        opt.zero_grad()
+        opt.step()  # a second step() without a forward between: no gradients, the last updates applied first
+    seen["second step()"] = same({m: full_params(r[0]) for m, r in runs.items()})
+    train(3)
+    seen["optimizer.state_dict"] = same({m: {str(k): v["momentum_buffer"].full_tensor()
+                                             for k, v in r[2].state_dict()["state"].items() if "momentum_buffer" in v}
+                                         for m, r in runs.items()})
+    seen["params after optimizer.state_dict"] = same({m: full_params(r[0]) for m, r in runs.items()})
+    train(4)
+    states = {m: get_state_dict(r[0], r[2]) for m, r in runs.items()}
+    seen["get_state_dict"] = same({m: whole(s[0]) for m, s in states.items()})
+    dcp.save({"model": states["next_forward"][0], "optim": states["next_forward"][1]}, checkpoint_id=checkpoint_dir)
+    dist.barrier()
+    return seen
+
+
+def test_reads_between_step_and_the_next_forward_see_every_update(tmp_path):
+    results = run_distributed(_reads, 2, str(tmp_path / "ckpt"), timeout_s=300)
+    for seen in results:
+        assert all(seen.values()), {k: v for k, v in seen.items() if not v}
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2")], ids=["1-D", "native-2x2"])
+def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
+    """One return per unit in plan order, every hop issued in ``step()``: per rank, in issue order, the
+    model's collectives for those waves."""
+    results = run_distributed(counted_step, 4, mesh_shape, torch.bfloat16, 3, 2, None, hsdp, "muon", 8, None, False,
+                              3, "next_forward", timeout_s=300)
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["waves"] == waves for r in results)
+    assert waves == [[i for i, b in enumerate(blocks) if b == block] for block in sorted(set(blocks))]
+    replicate, shard = mesh_shape or (1, 4)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves)
+    check_counted_log(backward + step, results, replicate, replicate_level=False)
+
+
+def test_bad_input_names_the_fix():
+    model = OddNet()
+    nfwd = dmuon.ExecutionConfig(apply_updates="next_forward")
+    with pytest.raises(ValueError, match="post_optim_event"):
+        dmuon.ExecutionConfig(apply_updates="next_forward", post_optim_event=True)
+    with pytest.raises(ValueError, match="apply_updates must be one of"):
+        dmuon.ExecutionConfig(apply_updates="later")
+    with pytest.raises(ValueError, match="MuonH.*apply_updates='in_step'"):
+        dmuon.MuonH(model, execution=nfwd)
+    with pytest.raises(ValueError, match="qk_clip"):
+        dmuon.DMuon(model, execution=nfwd, qk_clip=dmuon.QKClip(layers={}))
