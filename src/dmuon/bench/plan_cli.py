@@ -97,7 +97,7 @@ def _step_lines(plan: dict) -> list[str]:
 
 SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
               "dmuon": "dmuon (replicate level on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP)",
-              "dmuon_rbwd": "dmuon, returns in backward", "dmuon_nfwd": "dmuon, applied in next forward*",
+              "dmuon_rbwd": "dmuon, returns in backward", "dmuon_nfwd": "dmuon, applied in next forward",
               "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
 """Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
 
@@ -127,9 +127,8 @@ def _simulation_lines(plan: dict) -> list[str]:
                      f"{f['optimizer_seconds'] * 1e3:>13.1f} {(f'{over:.2f}x' if over else '-'):>13} "
                      f"{f['exposed_comm_seconds'] * 1e3:>16.1f}  "
                      + " / ".join(f"{v * 1e3:.1f}" for v in f["optimizer_busy_seconds"].values()))
-    lines.append("  * a design the runtime does not offer yet, modelled to decide whether to build it: each unit's updates "
-                 "applied in the next forward, just before it is gathered (docs/benchmarks/2026-12-04-modelled-h100-a800.md, "
-                 "\"Applied in the next forward\"); its step is the period from one forward's end to the next's")
+    lines.append("  applied in next forward: ExecutionConfig(apply_updates=\"next_forward\"), each unit's updates applied "
+                 "in the next forward just before its all-gather; its step is the period from one forward's end to the next's")
     return lines
 
 

@@ -84,12 +84,12 @@ def format_simulation_table(rows: Sequence[dict]) -> str:
     """``dmuon plan --simulate --scale-table``: per model and world size, each strategy's simulated
     step / optimizer phase / exposed communication in ms, the step's ratio to FSDP2 + AdamW's,
     gather-then-compute's optimizer phase over dmuon's (both designs, the replicate level with
-    ``returns_in_backward``, and the replicate level with its updates applied in the next forward, a design modelled
-    and not built: ``simulate.NEXT_FORWARD``), and what keeps dmuon's busiest rank busy in its optimizer phase."""
+    ``returns_in_backward``, and the replicate level with its updates applied in the next forward,
+    ``apply_updates="next_forward"``: ``simulate.NEXT_FORWARD``), and what keeps dmuon's busiest rank busy in its optimizer phase."""
     names = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute", "dmuon": "dmuon (replicate level)",
              "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP)",
              "dmuon_rbwd": "dmuon, returns in backward (rbwd)",
-             "dmuon_nfwd": "dmuon, applied in the next forward (nfwd; not built)", "dion_all_to_all": "all-to-all peer"}
+             "dmuon_nfwd": "dmuon, applied in the next forward (nfwd)", "dion_all_to_all": "all-to-all peer"}
     lines = ["| model | ranks | " + " | ".join(names[k] for k in SIMULATED)
              + " | dmuon step ÷ FSDP2 + AdamW's (repl / native / rbwd / nfwd) | gather's optimizer ÷ dmuon's (repl / native / "
              "rbwd / nfwd) | gather's step ÷ dmuon's (repl / native / rbwd / nfwd) | dmuon (replicate level)'s optimizer phase: NS / "

@@ -5,8 +5,9 @@ block's gradient-column all_to_all carrying the hop A of the block landed before
 the owners' NS batches wave by wave with each wave's return behind them (every return in flight one hop
 further before each wave's hop 1, as ``ShardRuntime._forward_returns`` advances them: a hop across
 replicas waits for the return's hop before it to land), AdamW, the applies; and two variants: the returns
-in backward (:data:`RETURNS_IN_BACKWARD`, which the runtime offers) and the updates applied in the next
-forward (:data:`NEXT_FORWARD`, which it does not yet).
+in backward (:data:`RETURNS_IN_BACKWARD`) and the updates applied in the next forward (:data:`NEXT_FORWARD`),
+as the runtime runs them with ``ExecutionConfig(returns_in_backward=True)`` and ``ExecutionConfig(apply_updates=
+"next_forward")``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ RETURNS_IN_BACKWARD = "dmuon_rbwd"
 and every launch standing: each block's NS on the worker as its directions land, its return (and
 publication across replicas) issued in backward, ``step()`` applying them."""
 NEXT_FORWARD = "dmuon_nfwd"
-"""dmuon (the recommended design) with the updates applied in the next forward, a design the runtime does
-not offer yet (``docs/architecture.md``, "the route not built"): NS and the returns in waves of one block
-each, in forward order, the publication's hops across replicas chained on the replicate stream (a side
-stream, not the compute stream), ``step()`` returning once every wave's return is issued; in the next
+"""dmuon (the recommended design) with ``ExecutionConfig(apply_updates="next_forward")``
+(:mod:`dmuon.runtime.next_forward`): NS and the returns in waves of one block each, in forward order,
+the publication's hops across replicas chained on the replicate stream (a side stream, not the compute
+stream), ``step()`` returning once every wave's return is issued; in the next
 forward each unit's pre-hook waits for the next unit's updates to land, applies them on the compute
 stream and then issues that unit's all-gather (FSDP2's prefetch, now after the apply). Its
 ``step_seconds`` is the steady-state period, from one forward's end to the next's (backward, the step
 and the next forward, stretched where an update lands late); ``optimizer_seconds`` that less the
-forward and backward the other strategies count. Modelled to decide whether to build it; nothing runs it."""
+forward and backward the other strategies count."""
 _ACROSS_ROLES = frozenset(RETURN_ROLES.values())
 """The roles of a return's hops across replicas; with ``"return_shard"`` (hop 1) every hop of a return."""
 

@@ -69,6 +69,11 @@ class NextForwardUpdates:
         """The units whose forward ran since the root's forward began."""
         self._prefetched: dict[int, object] = {}
         """Units whose all-gather an ahead hook issued, their handles (until the root's forward ends)."""
+        self._open = False
+        """The hooks apply: from ``hold`` until the root's forward ends. Not in backward, whose
+        recomputation (activation checkpointing) runs the pre-hooks again: a unit whose forward did not
+        run keeps its updates until :meth:`flush`, and nothing is gathered in backward that FSDP2 did
+        not ask for."""
         self._hooks = []
         if root is not None:
             self._hooks.append(root.register_forward_hook(self._root_forward_end))
@@ -95,6 +100,7 @@ class NextForwardUpdates:
                 self._pending.setdefault(infos[i].block, set()).add(i)
         if self._seen:
             self._order, self._seen = self._seen, []
+        self._open = bool(self._pending)
 
     def flush(self) -> None:
         """Applies every pending update, unit by unit in plan order (no collective: the returns' hops
@@ -104,9 +110,11 @@ class NextForwardUpdates:
 
     def _own_hook(self, block: int):
         def hook(module: nn.Module, args) -> None:
-            self._ran.add(block)
             if block not in self._seen:
                 self._seen.append(block)  # a recomputation (activation checkpointing) runs it again
+            if not self._open:
+                return
+            self._ran.add(block)
             if self._apply_unit(block):
                 _unshard(module)
 
@@ -115,7 +123,7 @@ class NextForwardUpdates:
     def _ahead_hook(self, block: int):
         def hook(module: nn.Module, args) -> None:
             order = self._order
-            if block in order and order.index(block) + 1 < len(order):
+            if self._open and block in order and order.index(block) + 1 < len(order):
                 following = order[order.index(block) + 1]
                 if self._apply_unit(following):
                     handle = _unshard(self.plan.blocks[following].module)
@@ -133,6 +141,7 @@ class NextForwardUpdates:
                 self.plan.blocks[block].module.reshard()
         self._prefetched.clear()
         self._ran.clear()
+        self._open = False
 
     @torch.no_grad()
     def _apply_unit(self, block: int) -> bool:

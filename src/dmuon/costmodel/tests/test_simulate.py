@@ -599,7 +599,7 @@ def test_the_root_gathered_again_at_the_start_of_backward(replicate, shard):
 
 
 def test_updates_applied_in_the_next_forward_by_hand():
-    """NEXT_FORWARD (modelled, not built): on one rank nothing overlaps, so the period is dmuon's step; with
+    """NEXT_FORWARD (``apply_updates="next_forward"``): on one rank nothing overlaps, so the period is dmuon's step; with
     free links too; with a slow link across replicas the publication goes behind the next forward: every
     unit's update is applied once its wave has landed, before that unit is gathered, in the pre-forward of
     the unit before it; the period is shorter than dmuon's step by nearly its publication."""
