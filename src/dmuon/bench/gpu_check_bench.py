@@ -34,10 +34,13 @@ import math
 import torch
 import torch.distributed as dist
 
-BENCH_CONFIGS = ("dmuon_z3_sync", "dmuon_z3", "dmuon_z3_nsbwd", "dmuon_z3_rbwd", "dmuon_z2_clip", "dmuon_z3_clip")
+BENCH_CONFIGS = ("dmuon_z3_sync", "dmuon_z3", "dmuon_z3_nsbwd", "dmuon_z3_rbwd", "dmuon_z2_clip", "dmuon_z3_clip",
+                 "dmuon_z3_nfwd")
 """``dmuon_z3`` runs the accelerator defaults (``return_waves=4`` on CUDA: the owners' work waits for
 the agreement, no speculation); ``_sync`` has every collective inside ``step()``; ``_nsbwd`` and
-``_rbwd`` run NS (and the returns) on the worker during backward; ``_clip`` clips every step."""
+``_rbwd`` run NS (and the returns) on the worker during backward; ``_clip`` clips every step; ``_nfwd``
+applies the updates in the next forward (the publication on dmuon's stream, each unit's all-gather from
+its forward hooks)."""
 LOCAL_CONFIG = "dmuon_z3_rbwd"
 """The configuration also run without loopback: the most paths of one configuration."""
 SAME_RESULTS = (("dmuon_z3", "dmuon_z3_sync"), ("dmuon_z3_rbwd", "dmuon_z3_nsbwd"))

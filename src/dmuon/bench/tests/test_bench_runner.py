@@ -17,7 +17,8 @@ def test_reshard_after_forward_per_config():
     """ZeRO-2 configurations keep the gathered weights; the rest keep FSDP2's default."""
     z2 = {c for c in ALL_CONFIGS if not reshard_after_forward(c)}
     assert z2 == {"adamw_z2", "dmuon_z2", "dmuon_z2_sync", "dmuon_z2_nsbwd", "dmuon_z2_native", "dmuon_z2_clip",
-                  "dmuon_z2_clip_refresh", "dmuon_z2_normuon", "dmuon_z2_muonh", "dmuon_z2_dion2", "dmuon_z2_rbwd"}
+                  "dmuon_z2_clip_refresh", "dmuon_z2_normuon", "dmuon_z2_muonh", "dmuon_z2_dion2", "dmuon_z2_rbwd",
+                  "dmuon_z2_nfwd"}
     assert reshard_after_forward("adamw") and reshard_after_forward("adamw_local")
     assert not reshard_after_forward("dmuon_z2_sync@lpt") and reshard_after_forward("dmuon_z3@milp")
     assert CONFIGS == ("adamw", "torch_muon", "gather", "dmuon_z2", "dmuon_z3")
