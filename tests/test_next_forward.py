@@ -69,6 +69,30 @@ def test_next_forward_as_people_train():
         _assert_same(results, 2 * k, label)
 
 
+def _tp_and_experts(rank: int, world_size: int) -> dict:
+    """TP on a (dp 2, tp 2) mesh and a stack of experts under FSDP2, each run in both modes."""
+    from support import experts, tp
+    from support.scenarios import run_each
+
+    nfwd = dmuon.ExecutionConfig(apply_updates="next_forward")
+    return run_each({
+        ("tp", "in_step"): lambda: tp.train(rank, world_size, 3, (2, 2))["params"],
+        ("tp", "next_forward"): lambda: tp.train(rank, world_size, 3, (2, 2), execution=nfwd)["params"],
+        ("experts", "in_step"): lambda: experts.train(rank, world_size, 3)["params"],
+        ("experts", "next_forward"): lambda: experts.train(rank, world_size, 3, apply_updates="next_forward")["params"],
+    })
+
+
+def test_next_forward_with_tensor_parallelism_and_experts():
+    """Tensor parallelism (dp 2 x tp 2) and a stack of experts (4 ranks): bit for bit ``"in_step"``."""
+    results = run_distributed(_tp_and_experts, 4, timeout_s=300)
+    for kind in ("tp", "experts"):
+        ins, nfwd = results[0][(kind, "in_step")], results[0][(kind, "next_forward")]
+        assert isinstance(ins, dict) and isinstance(nfwd, dict), (ins, nfwd)
+        for name in ins:
+            assert torch.equal(ins[name], nfwd[name]), f"{kind}: {name} differs"
+
+
 def _reads(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     """Two optimizers side by side, ``"in_step"`` and ``"next_forward"``; after each ``step()`` something
     reads the weights before any training forward, and must see what ``"in_step"`` holds."""

@@ -74,6 +74,8 @@ def _run(model: nn.Module, opt, data_rank: int, data_world: int, steps: int,
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+    if hasattr(opt, "flush_updates"):
+        opt.flush_updates()  # apply_updates="next_forward": the last step's updates
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
@@ -115,7 +117,7 @@ def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> 
 
 def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
           return_waves: int | None = None, hsdp: str = "fsdp2", clip: float | None = None,
-          overlap: bool = True) -> dict:
+          overlap: bool = True, apply_updates: str = "in_step") -> dict:
     """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan
     (``hsdp="dmuon"`` on a ``mesh_shape``: FSDP2 over the shard dim, dmuon's replicate level)."""
     torch.manual_seed(0)
@@ -132,7 +134,8 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
                          hsdp_mesh=hsdp_mesh)
     opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
                       adamw=ADAMW | {"betas": (0.9, 0.999)},
-                      execution=dmuon.ExecutionConfig(return_waves=return_waves, overlap=overlap))
+                      execution=dmuon.ExecutionConfig(return_waves=return_waves, overlap=overlap,
+                                                      apply_updates=apply_updates))
     params = _run(model, opt, rank, world, steps, clip)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],

@@ -182,6 +182,8 @@ def train(rank: int, world: int, steps: int, mesh_shape: tuple[int, ...], optimi
         launches.append((stats.get("blocks_exchanged_in_backward"), stats.get("rescaled_launches"),
                          stats.get("blocks_returned_in_backward")))
         opt.zero_grad()
+    if optimizer == "dmuon":
+        opt.flush_updates()  # apply_updates="next_forward": the last step's updates
     named = dict(model.named_parameters())
     out = {"params": {n: full(p) for n, p in named.items()}, "orthogonalized": orthogonalized,
            "launches": launches}
