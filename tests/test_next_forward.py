@@ -163,6 +163,27 @@ def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
     check_counted_log(backward + step, results, replicate, replicate_level=False)
 
 
+def _forward_prefetch(rank: int, world_size: int) -> str:
+    """FSDP2's explicit forward prefetch gathers the next unit in this unit's pre-forward, before dmuon's ahead
+    hook could apply its updates: refused on every rank, naming the fix."""
+    model, _, opt = sharded_oddnet(world_size, execution=dmuon.ExecutionConfig(apply_updates="next_forward"))
+    layers = list(model.layers)
+    for layer, following in zip(layers, layers[1:]):
+        layer.set_modules_to_forward_prefetch([following])
+    lm_loss(model, odd_batch(0, rank)).backward()
+    opt.step()
+    try:
+        lm_loss(model, odd_batch(1, rank))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_forward_prefetch_is_refused_on_every_rank():
+    messages = run_distributed(_forward_prefetch, 2, timeout_s=120)
+    assert all("set_modules_to_forward_prefetch" in m and "apply_updates='in_step'" in m for m in messages), messages
+
+
 def test_bad_input_names_the_fix():
     model = OddNet()
     nfwd = dmuon.ExecutionConfig(apply_updates="next_forward")

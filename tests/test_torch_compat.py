@@ -98,6 +98,24 @@ def _all_reduce_hook(rank: int, world_size: int, mesh) -> str | None:
     return None
 
 
+def _unshard_state(rank: int, world_size: int, mesh) -> str | None:
+    """gathered_or_gathering: False while sharded, True once an all-gather is issued (an explicit
+    ``unshard(async_op=True)``) and while unsharded, False again after ``reshard()``."""
+    model = _model(mesh)
+    if torch_compat.gathered_or_gathering(model[1]):
+        return f"{TORCH}: gathered_or_gathering is True on a sharded module"
+    handle = model[1].unshard(async_op=True)
+    if not torch_compat.gathered_or_gathering(model[1]):
+        return f"{TORCH}: gathered_or_gathering does not see an issued unshard(async_op=True)"
+    handle.wait()
+    if not torch_compat.gathered_or_gathering(model[1]):
+        return f"{TORCH}: gathered_or_gathering is False on an unsharded module"
+    model[1].reshard()
+    if torch_compat.gathered_or_gathering(model[1]) or torch_compat.gathered_or_gathering(model[0]):
+        return f"{TORCH}: gathered_or_gathering is True after reshard(), or on another module"
+    return None
+
+
 def _reduced_gradients(rank: int, world_size: int, mesh) -> str | None:
     """FSDP2 calls each sharded parameter's post-accumulate-grad hooks itself, once per backward,
     right after writing the reduced gradient shard, block after block; a callback queued from a hook
@@ -161,7 +179,8 @@ def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     mesh = init_device_mesh("cpu", (world_size,))
     results: dict[str, str | None] = {}
     for name, fn in (("local_shape_and_offset", _local_shape_and_offset), ("strided_shard", _strided_shard),
-                     ("all_reduce_hook", _all_reduce_hook), ("reduced_gradients", _reduced_gradients)):
+                     ("all_reduce_hook", _all_reduce_hook), ("reduced_gradients", _reduced_gradients),
+                     ("unshard_state", _unshard_state)):
         _check(results, name, lambda fn=fn: fn(rank, world_size, mesh))
     return results
 
@@ -171,7 +190,8 @@ def on_ranks() -> list[dict[str, str | None]]:
     return run_distributed(_every_check, WORLD)
 
 
-@pytest.mark.parametrize("name", ["local_shape_and_offset", "strided_shard", "all_reduce_hook", "reduced_gradients"])
+@pytest.mark.parametrize("name", ["local_shape_and_offset", "strided_shard", "all_reduce_hook", "reduced_gradients",
+                                  "unshard_state"])
 def test_each_wrapper_on_fsdp2_and_dtensor(on_ranks, name):
     problems = [f"rank {r}: {res[name]}" for r, res in enumerate(on_ranks) if res[name] is not None]
     assert not problems, "\n".join(problems)
@@ -240,6 +260,8 @@ def test_moved_fsdp_state_is_named():
     del State._fsdp_param_groups
     _raises_naming(lambda: torch_compat.has_all_reduce_hook(Module()), "FSDPState._fsdp_param_groups")
     _raises_naming(lambda: torch_compat.has_all_reduce_hook(object()), "FSDPModule._get_fsdp_state()")
+    State._fsdp_param_groups = [Group()]
+    _raises_naming(lambda: torch_compat.gathered_or_gathering(Module()), "FSDPParamGroup._all_gather_result")
 
 
 def test_a_moved_queue_callback_is_named(monkeypatch):

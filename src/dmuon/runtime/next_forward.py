@@ -40,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dmuon.comm import Pending
 from dmuon.plan.plan import Plan
+from dmuon.util.torch_compat import gathered_or_gathering
 
 Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], None]
 """The rule's ``apply`` (its row states' argument given only to a row-state rule)."""
@@ -150,6 +151,15 @@ class NextForwardUpdates:
         members = self._pending.pop(block, None)
         if members is None:
             return False
+        module = self.plan.blocks[block].module
+        if isinstance(module, FSDPModule) and gathered_or_gathering(module):
+            # Its all-gather would publish the weights before this step's updates (every rank alike: the
+            # same prefetch settings and hooks run on every rank).
+            raise RuntimeError(
+                f"dmuon: apply_updates='next_forward' found FSDP2 unit {self.plan.blocks[block].name or '<root>'!r} "
+                "already gathered before its updates were applied (FSDPModule.set_modules_to_forward_prefetch, "
+                "or an unshard() of yours in the forward); dmuon issues each unit's all-gather one unit ahead "
+                "itself: drop the forward prefetch, or use apply_updates='in_step'")
         for pending, carried in self._returns:
             mine = [i for i in carried if i in members]
             if not mine:

@@ -14,6 +14,7 @@ Private APIs:
 * :func:`strided_shard_type`: ``torch.distributed.tensor.placement_types._StridedShard``.
 * :func:`has_all_reduce_hook`: ``FSDPModule._get_fsdp_state()._fsdp_param_groups[*]._all_reduce_hook``.
 * :func:`queue_end_of_backward`: ``torch.autograd.Variable._execution_engine.queue_callback``.
+* :func:`gathered_or_gathering`: ``FSDPParamGroup._all_gather_result`` and ``is_unsharded``.
 
 Behaviour of FSDP2 (public APIs whose semantics changed across releases):
 
@@ -97,6 +98,20 @@ def has_all_reduce_hook(module) -> bool:
             raise _moved("FSDPParamGroup._all_reduce_hook (where set_all_reduce_hook keeps the hook)",
                          f"{type(g).__name__} has no _all_reduce_hook")
     return any(g._all_reduce_hook is not None for g in groups)
+
+
+def gathered_or_gathering(module) -> bool:
+    """Whether ``module``'s parameters are unsharded or an all-gather of them is issued and not waited for
+    (an ``unshard()`` of the user's, or FSDP2's explicit prefetch, ``set_modules_to_forward_prefetch``).
+
+    FSDP2 has no public getter for either, so this reads its param groups' state (read only).
+    """
+    groups = _param_groups(module)
+    for g in groups:
+        if not hasattr(g, "_all_gather_result") or not hasattr(g, "is_unsharded"):
+            raise _moved("FSDPParamGroup._all_gather_result / is_unsharded (FSDP2's unshard state)",
+                         f"{type(g).__name__} has no _all_gather_result or is_unsharded")
+    return any(g._all_gather_result is not None or g.is_unsharded for g in groups)
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
