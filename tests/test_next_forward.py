@@ -135,22 +135,43 @@ def _reads(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     train(4)
     states = {m: get_state_dict(r[0], r[2]) for m, r in runs.items()}
     seen["get_state_dict"] = same({m: whole(s[0]) for m, s in states.items()})
-    dcp.save({"model": states["next_forward"][0], "optim": states["next_forward"][1]}, checkpoint_id=checkpoint_dir)
+    for mode, (model_state, optim_state) in states.items():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{checkpoint_dir}/{mode}")
     dist.barrier()
     return seen
+
+
+def _resumed(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    """Both checkpoints loaded on another world size (``"in_step"``), then one more step each: the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = {}
+    for mode in MODES:
+        model, _, opt = sharded_oddnet(world_size)
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=f"{checkpoint_dir}/{mode}")
+        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+        lm_loss(model, odd_batch(9, rank)).backward()
+        opt.step()
+        out[mode] = full_params(model)
+    return out if rank == 0 else {}
 
 
 def test_reads_between_step_and_the_next_forward_see_every_update(tmp_path):
     results = run_distributed(_reads, 2, str(tmp_path / "ckpt"), timeout_s=300)
     for seen in results:
         assert all(seen.values()), {k: v for k, v in seen.items() if not v}
-    assert (tmp_path / "ckpt" / ".metadata").exists()
+    resumed = run_distributed(_resumed, 4, str(tmp_path / "ckpt"), timeout_s=300)[0]
+    for name, value in resumed["in_step"].items():
+        assert torch.equal(value, resumed["next_forward"][name]), f"resumed on 4 ranks: {name} differs"
 
 
-@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2")], ids=["1-D", "native-2x2"])
+@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
+                         ids=["1-D", "native-2x2", "replicate-level-2x2"])
 def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
-    """One return per unit in plan order, every hop issued in ``step()``: per rank, in issue order, the
-    model's collectives for those waves."""
+    """One return per unit in plan order, every hop issued in ``step()``: per rank the model's collectives
+    for those waves (in issue order; on the replicate level, whose reductions interleave, as a multiset)."""
     results = run_distributed(counted_step, 4, mesh_shape, torch.bfloat16, 3, 2, None, hsdp, "muon", 8, None, False,
                               3, "next_forward", timeout_s=300)
     infos = results[0]["infos"]
@@ -159,8 +180,10 @@ def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
     assert all(r["waves"] == waves for r in results)
     assert waves == [[i for i, b in enumerate(blocks) if b == block] for block in sorted(set(blocks))]
     replicate, shard = mesh_shape or (1, 4)
-    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves)
-    check_counted_log(backward + step, results, replicate, replicate_level=False)
+    replicate_level = hsdp == "dmuon"
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves,
+                                                gradient_bytes=4 if replicate_level else None)
+    check_counted_log(backward + step, results, replicate, replicate_level=replicate_level)
 
 
 def _forward_prefetch(rank: int, world_size: int) -> str:
