@@ -93,6 +93,27 @@ def test_next_forward_with_tensor_parallelism_and_experts():
             assert torch.equal(ins[name], nfwd[name]), f"{kind}: {name} differs"
 
 
+def _qk_clip(rank: int, world_size: int) -> dict:
+    from support import qk_clip
+    from support.scenarios import run_each
+
+    return run_each({mode: (lambda mode=mode: qk_clip.train(world_size, apply_updates=mode)) for mode in MODES})
+
+
+def test_next_forward_with_qk_clip():
+    """QK-clip (GQA, fused QKV and MLA layers; some heads clipped): each unit's query and key rows are
+    scaled right after its update in the next forward, bit for bit as ``"in_step"`` scales them."""
+    results = run_distributed(_qk_clip, 4, timeout_s=300)
+    for r in results:
+        ins, nfwd = r["in_step"], r["next_forward"]
+        assert isinstance(ins, dict) and isinstance(nfwd, dict), (ins, nfwd)
+        assert [sorted(a) for a in ins["agreed"]] == [sorted(a) for a in nfwd["agreed"]]
+        for step, (a, b) in enumerate(zip(ins["agreed"], nfwd["agreed"])):
+            assert all(torch.equal(a[k], b[k]) for k in a), step
+    for name, value in results[0]["in_step"]["params"].items():
+        assert torch.equal(value, results[0]["next_forward"]["params"][name]), name
+
+
 def _reads(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     """Two optimizers side by side, ``"in_step"`` and ``"next_forward"``; after each ``step()`` something
     reads the weights before any training forward, and must see what ``"in_step"`` holds."""
@@ -216,5 +237,3 @@ def test_bad_input_names_the_fix():
         dmuon.ExecutionConfig(apply_updates="later")
     with pytest.raises(ValueError, match="MuonH.*apply_updates='in_step'"):
         dmuon.MuonH(model, execution=nfwd)
-    with pytest.raises(ValueError, match="qk_clip"):
-        dmuon.DMuon(model, execution=nfwd, qk_clip=dmuon.QKClip(layers={}))

@@ -455,6 +455,8 @@ def train(world: int, *, steps: int = STEPS, skip: bool = False, micro_batches: 
         counts.append(dict(counter.counts))
         skipped.append(opt.last_step_stats().get("skipped_nonfinite", False))
         agreed.append(opt.last_attention_logits())
+    if hasattr(opt, "flush_updates"):
+        opt.flush_updates()  # apply_updates="next_forward": the last step's updates (and their clip)
     out = {"params": {n: full(p) for n, p in model.named_parameters()}, "local": local, "agreed": agreed,
            "skipped": skipped}
     if count:

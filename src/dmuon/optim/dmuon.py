@@ -133,7 +133,7 @@ class DMuon(torch.optim.Optimizer):
         check_plan_inputs(plan, hsdp_mesh, qk_clip)
         self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         """The Newton-Schulz configuration the owners run (the plan's)."""
-        self.execution = check_execution(execution, qk_clip)
+        self.execution = check_execution(execution)
         """When the runtime moves and computes."""
         self.adamw = AdamWConfig.from_mapping(adamw)
         """AdamW's settings, for the parameters Muon does not update."""

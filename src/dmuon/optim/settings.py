@@ -148,16 +148,12 @@ def check_plan_inputs(plan: Any, hsdp_mesh: Any, qk_clip: Any) -> None:
         raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
 
 
-def check_execution(execution: Any, qk_clip: Any = None) -> ExecutionConfig:
-    """``execution`` (None: the defaults); ``ValueError`` for anything but an :class:`ExecutionConfig`, or
-    ``apply_updates="next_forward"`` with QK-clip (whose clip follows the whole step's updates)."""
+def check_execution(execution: Any) -> ExecutionConfig:
+    """``execution`` (None: the defaults); ``ValueError`` for anything but an :class:`ExecutionConfig`."""
     if execution is None:
         return ExecutionConfig()
     if not isinstance(execution, ExecutionConfig):
         raise ValueError(f"execution must be a dmuon.ExecutionConfig, got {type(execution).__name__}")
-    if execution.apply_updates == "next_forward" and qk_clip is not None:
-        raise ValueError("apply_updates='next_forward' cannot take qk_clip: QK-clip scales the query and key rows "
-                         "after the step's updates, inside step(); use apply_updates='in_step' with qk_clip")
     return execution
 
 

@@ -256,7 +256,10 @@ class StepMaxima(abc.ABC):
 
         ``active`` holds the matrices the step updated (plan order); ``maxima`` the elementwise
         maximum over every rank of :meth:`step_maxima` (float32, on the CPU; empty without).
-        Called exactly once per step that is not skipped, and never for a skipped one.
+        Called exactly once per step that is not skipped, and never for a skipped one. With
+        ``ExecutionConfig(apply_updates="next_forward")`` the step's end calls it with no matrices,
+        and then each unit's apply in the next forward (or a flush) with that unit's matrices, right
+        after their update: what it does must be per matrix (QK-clip's row scaling is).
         """
 
 

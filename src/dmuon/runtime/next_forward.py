@@ -61,6 +61,7 @@ class NextForwardUpdates:
         self._apply = apply
         self.row_width = row_width
         self._returns: list[tuple[Pending, list[int]]] = []
+        self._finish: Callable[[list[int]], None] | None = None
         self._pending: dict[int, set[int]] = {}
         """Per unit (block index), the matrices whose update this rank has not applied yet."""
         self._order: list[int] = []
@@ -88,14 +89,17 @@ class NextForwardUpdates:
         """Whether some update waits to be applied (the same on every rank)."""
         return bool(self._pending)
 
-    def hold(self, returns: list[tuple[Pending, list[int]]]) -> None:
+    def hold(self, returns: list[tuple[Pending, list[int]]],
+             finish: Callable[[list[int]], None] | None = None) -> None:
         """Takes a step's returns, each with the matrices it carries (every rank's list: the same on
-        every rank), every hop issued."""
+        every rank), every hop issued; ``finish`` (a :class:`~dmuon.runtime.callbacks.StepMaxima` rule's
+        ``finish_step`` with the step's maxima) is called with each unit's matrices after their apply."""
         if self._pending:
             raise RuntimeError("dmuon: a step's updates were held while the last step's are pending; "
                                "flush() first")
         infos = self.plan.infos
         self._returns = returns
+        self._finish = finish
         for _, members in returns:
             for i in members:
                 self._pending.setdefault(infos[i].block, set()).add(i)
@@ -171,8 +175,10 @@ class NextForwardUpdates:
                 self._apply({i: updates[i] for i in held}, {i: rows[i] for i in held})
             else:
                 self._apply({i: updates[i] for i in held})
+        if self._finish is not None:
+            self._finish(sorted(members))  # QK-clip: this unit's query and key rows, after their update
         if not self._pending:
-            self._returns = []  # every buffer of the step's returns can go
+            self._returns, self._finish = [], None  # every buffer of the step's returns can go
         return True
 
     def close(self) -> None:

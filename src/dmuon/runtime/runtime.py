@@ -184,9 +184,11 @@ class ShardRuntime:
             cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
+        maxima = settled.agreement.maxima
         if self.next_forward is not None:
             self._publish(returns)
-            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))))
+            finish = (lambda members: cb.finish_step(members, maxima)) if isinstance(cb, StepMaxima) else None
+            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))), finish)
         else:
             self._apply(returns)
         self.norms.run(cb, active, applied=True)
@@ -197,9 +199,10 @@ class ShardRuntime:
         report.orthogonalized = len(owned)
         report.ns_seconds = sum(span.host_seconds for span in ns_spans)
         report.ns_spans = ns_spans
-        # Part of the step: before the event, so the next forward's all-gathers wait for it too.
+        # Part of the step: before the event, so the next forward's all-gathers wait for it too. With the
+        # updates left for the next forward, each unit's matrices follow their apply there (finish above).
         if isinstance(cb, StepMaxima):
-            cb.finish_step(active, settled.agreement.maxima)
+            cb.finish_step(active if self.next_forward is None else [], maxima)
         if self._root is not None:
             event = torch.Event(device=self.device)
             event.record()  # after every update of this step, on the current stream
@@ -357,11 +360,12 @@ class ShardRuntime:
 
 
 def _check_deferrable(callbacks: StepCallbacks) -> None:
-    """``apply_updates="next_forward"`` applies each unit's updates on their own: a rule whose step needs
-    every update applied at one point (sums over the updated weight) cannot be deferred."""
+    """``apply_updates="next_forward"`` applies each unit's updates on their own and without a collective: a
+    rule whose step adds sums over the updated weights over the ranks (MuonH) cannot be deferred."""
     if isinstance(callbacks, WeightSums):
         raise ValueError(f"apply_updates='next_forward' cannot defer {type(callbacks).__name__}'s updates: its sums "
-                         "over the updated weights need every update applied inside step(); use "
+                         "over the updated weights are a collective over every rank, which the next forward's "
+                         "applies (and a flush on some ranks, as a state dict's) cannot issue; use "
                          "apply_updates='in_step'")
 
 
