@@ -13,6 +13,7 @@ from support.spawn import run_distributed
 
 from support.lazy import before_and_after, unsharded_step
 from support.models import OddNet, lm_loss, odd_batch
+from support.scenarios import run_each
 
 
 def _same(got: dict, ref: dict) -> None:
@@ -24,15 +25,17 @@ def _same(got: dict, ref: dict) -> None:
 
 
 def _on_two(rank: int, world: int) -> dict:
-    """Every 2-rank run of this file in one process group (a spawn costs more than the work)."""
-    return {"1d": before_and_after(rank, world, None, "fsdp2"),
-            "torch": before_and_after(rank, world, None, "fsdp2", 2, 1, None, "torch"),
-            "wrapped": before_and_after(rank, world, None, "fsdp2", 2, 1, None, "all", True),
-            "unsharded": unsharded_step(rank, world)}
+    """Every 2-rank run of this file in one process group (a spawn costs more than the work), each with its
+    own result or its own error (:func:`support.scenarios.run_each`)."""
+    return run_each({"1d": lambda: before_and_after(rank, world, None, "fsdp2"),
+                     "torch": lambda: before_and_after(rank, world, None, "fsdp2", 2, 1, None, "torch"),
+                     "wrapped": lambda: before_and_after(rank, world, None, "fsdp2", 2, 1, None, "all", True),
+                     "unsharded": lambda: unsharded_step(rank, world)})
 
 
 def _on_four(rank: int, world: int) -> dict:
-    return {hsdp: before_and_after(rank, world, (2, 2), hsdp) for hsdp in ("fsdp2", "dmuon")}
+    return run_each({hsdp: (lambda hsdp=hsdp: before_and_after(rank, world, (2, 2), hsdp))
+                     for hsdp in ("fsdp2", "dmuon")})
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import dmuon
+from support.scenarios import run_each
 from support.spawn import run_distributed
 
 from support.experts import ExpertNet, reference, train
@@ -50,21 +51,23 @@ def _on_two(rank: int, world: int) -> dict:
     """Every 2-rank run of this file in one process group (a spawn costs more than the work)."""
     from support.experts import train_gather, train_qkv
 
-    return {"stacks": train(rank, world, STEPS, 3, None, None, None), "gather": train_gather(rank, world, STEPS),
-            **{f"qkv gather {g}": train_qkv(rank, world, STEPS, g, "gather") for g in (3, 6)}}
+    return run_each({"stacks": lambda: train(rank, world, STEPS, 3, None, None, None),
+                     "gather": lambda: train_gather(rank, world, STEPS),
+                     **{f"qkv gather {g}": (lambda g=g: train_qkv(rank, world, STEPS, g, "gather")) for g in (3, 6)}})
 
 
 def _on_four(rank: int, world: int) -> dict:
     """Every 4-rank run of this file in one process group."""
     from support.experts import train_expert_parallel, train_qkv
 
-    return {"stacks 4-ranks-waves": train(rank, world, STEPS, 3, None, None, 4),
-            "stacks hsdp-2x2-waves": train(rank, world, STEPS, 3, (2, 2), None, 4),
-            "expert parallel": train_expert_parallel(rank, world, STEPS),
-            "qkv 3": train_qkv(rank, world, STEPS, 3, "dmuon", None),
-            "qkv 6": train_qkv(rank, world, STEPS, 6, "dmuon", (2, 2)),
-            "stacks clipped": train(rank, world, STEPS, 3, None, None, None, clip=CLIP),
-            "stacks clipped, overlap off": train(rank, world, STEPS, 3, None, None, None, clip=CLIP, overlap=False)}
+    return run_each({
+        "stacks 4-ranks-waves": lambda: train(rank, world, STEPS, 3, None, None, 4),
+        "stacks hsdp-2x2-waves": lambda: train(rank, world, STEPS, 3, (2, 2), None, 4),
+        "expert parallel": lambda: train_expert_parallel(rank, world, STEPS),
+        "qkv 3": lambda: train_qkv(rank, world, STEPS, 3, "dmuon", None),
+        "qkv 6": lambda: train_qkv(rank, world, STEPS, 6, "dmuon", (2, 2)),
+        "stacks clipped": lambda: train(rank, world, STEPS, 3, None, None, None, clip=CLIP),
+        "stacks clipped, overlap off": lambda: train(rank, world, STEPS, 3, None, None, None, clip=CLIP, overlap=False)})
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from support.spawn import run_distributed
 from support import experts, tp
 from support.cases import MUON_KW, Case, full_params, run_cases, sharded_oddnet
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
+from support.scenarios import run_each
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
@@ -86,9 +87,10 @@ BF16_CASES = [Case(hsdp="dmuon", **BF16), Case(hsdp="fsdp2", **BF16), Case(kind=
 
 def _on_four_ranks(rank: int, world: int) -> dict:
     """Every 4-rank run of this file in one process group (a spawn costs more than the work)."""
-    return {"2x2": run_cases(rank, world, _cases((2, 2), full=True)), "bf16": run_cases(rank, world, BF16_CASES),
-            "experts": experts.train(rank, world, STEPS, 3, (2, 2), None, 4, "dmuon"),
-            "misuse": _bad_setups(rank, world), "by_hand": _grads_set_by_hand(rank, world)}
+    return run_each({"2x2": lambda: run_cases(rank, world, _cases((2, 2), full=True)),
+                     "bf16": lambda: run_cases(rank, world, BF16_CASES),
+                     "experts": lambda: experts.train(rank, world, STEPS, 3, (2, 2), None, 4, "dmuon"),
+                     "misuse": lambda: _bad_setups(rank, world), "by_hand": lambda: _grads_set_by_hand(rank, world)})
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import torch
 
 import dmuon
 from dmuon.costmodel.traffic import owner_traffic
+from support.scenarios import run_each
 from support.spawn import run_distributed
 
 from support.ported import (
@@ -154,16 +155,16 @@ def test_unequal_row_groups_in_the_plan_and_the_tuple_spelling():
 # ----------------------------------------------------------------------------- on ranks
 def _on_ranks(rank: int, world: int, path: str) -> dict:
     """Every run of this file on ``world`` ranks, in one process group (a spawn costs more than the work)."""
-    out = {"dmuon": run(rank, world, **ALL)}
+    scenarios = {"dmuon": lambda: run(rank, world, **ALL)}
     if world == 4:
-        out["gather"] = run(rank, world, kind="gather", **ALL)
-        out["bf16"] = run(rank, world, bf16=True, **ALL)
-        out["bf16 gather"] = run(rank, world, kind="gather", bf16=True, **ALL)
-        out["hsdp"] = run(rank, world, mesh_shape=(2, 2), **ALL)
-        out["hsdp dmuon"] = run(rank, world, mesh_shape=(2, 2), hsdp="dmuon", **ALL)
-        out["tp"] = run_tp(rank, world)
-        out["resume"] = resume(rank, world, path)
-    return out
+        scenarios |= {"gather": lambda: run(rank, world, kind="gather", **ALL),
+                      "bf16": lambda: run(rank, world, bf16=True, **ALL),
+                      "bf16 gather": lambda: run(rank, world, kind="gather", bf16=True, **ALL),
+                      "hsdp": lambda: run(rank, world, mesh_shape=(2, 2), **ALL),
+                      "hsdp dmuon": lambda: run(rank, world, mesh_shape=(2, 2), hsdp="dmuon", **ALL),
+                      "tp": lambda: run_tp(rank, world),
+                      "resume": lambda: resume(rank, world, path)}
+    return run_each(scenarios)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import dmuon
+from support.scenarios import run_each
 from support.spawn import run_distributed
 
 from support.qk_clip import (
@@ -164,9 +165,10 @@ COUNTED = ("1-D", "1-D skip", "hsdp 2x2 replicate level")
 
 
 def _on_ranks(rank: int, world: int) -> dict:
-    out = {label: train(world, count=True, **kw) for label, kw in RUNS.items()}
-    out |= {f"{label} without clip": train(world, count=True, clip=False, **RUNS[label]) for label in COUNTED}
-    return out
+    scenarios = {label: (lambda kw=kw: train(world, count=True, **kw)) for label, kw in RUNS.items()}
+    scenarios |= {f"{label} without clip": (lambda kw=RUNS[label]: train(world, count=True, clip=False, **kw))
+                  for label in COUNTED}
+    return run_each(scenarios)
 
 
 @functools.cache

@@ -12,22 +12,25 @@ from support.spawn import run_distributed, run_with_crashes
 from support import faults
 from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference
+from support.scenarios import run_each
 
 
 def _on_two(rank: int, world: int) -> dict:
     """The 2-rank misuse cases in one process group (each raises on every rank alike, then the next runs)."""
-    return {"mismatched": faults.mismatched_models(rank, world), "root": faults.root_not_sharded(rank, world),
-            "another plan": faults.plan_for_another_model(rank, world)}
+    return run_each({"mismatched": lambda: faults.mismatched_models(rank, world),
+                     "root": lambda: faults.root_not_sharded(rank, world),
+                     "another plan": lambda: faults.plan_for_another_model(rank, world)})
 
 
 def _on_three(rank: int, world: int) -> dict:
     """The 3-rank cases in one process group."""
-    return {"kernel": faults.kernel_sharded(rank, world), "blocks": faults.fsdp_blocks(rank, world),
-            "skip": faults.nonfinite(rank, world, "skip"), "raise": faults.nonfinite(rank, world, "raise"),
-            # The updates of the blocks launched first come back in backward; the skip drops them too.
-            "skip, returns in backward": faults.nonfinite(rank, world, "skip", ns_in_backward=True,
-                                                          returns_in_backward=True),
-            "milp": faults.milp_owners(rank, world)}
+    return run_each({
+        "kernel": lambda: faults.kernel_sharded(rank, world), "blocks": lambda: faults.fsdp_blocks(rank, world),
+        "skip": lambda: faults.nonfinite(rank, world, "skip"), "raise": lambda: faults.nonfinite(rank, world, "raise"),
+        # The updates of the blocks launched first come back in backward; the skip drops them too.
+        "skip, returns in backward": lambda: faults.nonfinite(rank, world, "skip", ns_in_backward=True,
+                                                              returns_in_backward=True),
+        "milp": lambda: faults.milp_owners(rank, world)})
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dmuon
+from support.scenarios import run_each
 from support.spawn import run_distributed
 
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
@@ -25,17 +26,18 @@ def _on_four(rank: int, world: int) -> dict:
     from support.tp import counted_tp_step
 
     shape = MESHES["dp2-tp2"]
-    return {("dp2-tp2", "dmuon"): train(rank, world, STEPS, shape, "dmuon"),
-            ("dp2-tp2", "gather"): train(rank, world, STEPS, shape, "gather"),
-            ("dp2-tp2", "counted"): counted_tp_step(rank, world, shape),
-            "sequence parallel": train(rank, world, STEPS, shape, "dmuon", True),
-            ("bf16", "dmuon"): train(rank, world, STEPS, shape, "dmuon", False, True),
-            ("bf16", "gather"): train(rank, world, STEPS, shape, "gather", False, True),
-            ("clip", "overlap"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP),
-            ("clip", "off"): train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False),
-            ("dp2-tp2", "returns in backward"): train(
-                rank, world, STEPS, shape, "dmuon",
-                execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True))}
+    return run_each({
+        ("dp2-tp2", "dmuon"): lambda: train(rank, world, STEPS, shape, "dmuon"),
+        ("dp2-tp2", "gather"): lambda: train(rank, world, STEPS, shape, "gather"),
+        ("dp2-tp2", "counted"): lambda: counted_tp_step(rank, world, shape),
+        "sequence parallel": lambda: train(rank, world, STEPS, shape, "dmuon", True),
+        ("bf16", "dmuon"): lambda: train(rank, world, STEPS, shape, "dmuon", False, True),
+        ("bf16", "gather"): lambda: train(rank, world, STEPS, shape, "gather", False, True),
+        ("clip", "overlap"): lambda: train(rank, world, STEPS, shape, "dmuon", clip=CLIP),
+        ("clip", "off"): lambda: train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False),
+        ("dp2-tp2", "returns in backward"): lambda: train(
+            rank, world, STEPS, shape, "dmuon",
+            execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True))})
 
 
 def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
@@ -43,9 +45,9 @@ def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
     from support.tp import counted_tp_step, resume_matches_continuing
 
     shape = MESHES["hsdp2x2-tp2"]
-    return {("hsdp2x2-tp2", "dmuon"): train(rank, world, STEPS, shape, "dmuon"),
-            ("hsdp2x2-tp2", "counted"): counted_tp_step(rank, world, shape),
-            "resume": resume_matches_continuing(rank, world, shape, checkpoint)}
+    return run_each({("hsdp2x2-tp2", "dmuon"): lambda: train(rank, world, STEPS, shape, "dmuon"),
+                     ("hsdp2x2-tp2", "counted"): lambda: counted_tp_step(rank, world, shape),
+                     "resume": lambda: resume_matches_continuing(rank, world, shape, checkpoint)})
 
 
 @functools.cache
