@@ -96,104 +96,8 @@ class Timeline:
         resource's virtual clock advances at ``rate / tasks``, and work W that joined at
         virtual time V ends when the clock reaches V + W.
         """
-        events, seq = [], [0]
-
-        def push(t: float, what: str, payload) -> None:
-            seq[0] += 1
-            heapq.heappush(events, (t, seq[0], what, payload))
-
         classes = self._symmetry_classes()
-        queues, unmet, after, after_all, left = self._wiring()
-        arrived = [0] * len(self.tasks)
-        # Compute seconds each rank has run since it last reached a collective on its compute stream
-        # (one that blocks its thread), and per such collective the skew its latest rank brings.
-        since = [0.0] * self.world
-        skew: dict[int, float] = {}
-        parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
-        shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
-        now = 0.0
-
-        def ready(n: int, k: int) -> None:
-            """Starts task n on rank k if it heads its stream there and nothing it needs is missing."""
-            task = self.tasks[n]
-            if unmet[n][k] or queues[(k, task.stream)][0] != n or k in task.start:
-                return
-            task.start[k] = now
-            if task.collective is not None:
-                arrived[n] += 1
-                if self.sync_skew or self.sync_delay:
-                    # A collective cannot end before its later rank has issued it; one that blocks the
-                    # threads (on the compute stream) also brings the ranks back in step.
-                    behind = self.sync_skew * since[k] + (self.sync_delay if since[k] > 0 else 0.0)
-                    skew[n] = max(skew.get(n, 0.0), behind)
-                    if task.stream == BLOCKING_STREAM:
-                        since[k] = 0.0
-                if arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
-                    push(now + _latency(task.collective, self.op_links.get(task.collective.op, self.links))
-                         + skew.get(n, 0.0), "moved", n)
-            elif task.seconds[k] == 0:
-                push(now, "done", (n, k))
-            else:
-                # The rank's compute engine is shared by whatever runs on it at once (kernels of
-                # several streams interleave), like a link's bandwidth: seconds of work at rate 1.
-                parts_left[(n, k)] = 1
-                engine = shared.setdefault((k, "engine", ""), _Shared(1.0))
-                engine.join(now, task.seconds[k], (n, k))
-                engine.schedule(push, (k, "engine", ""))
-
-        def done(n: int, k: int) -> None:
-            task = self.tasks[n]
-            task.end[k] = now
-            if task.seconds is not None and task.seconds[k]:
-                since[k] += task.seconds[k]
-            queue = queues[(k, task.stream)]
-            queue.popleft()
-            if queue:
-                ready(queue[0], k)
-            for m in after[n]:
-                if k in unmet[m]:
-                    unmet[m][k] -= 1
-                    ready(m, k)
-            left[n] -= 1
-            if left[n] == 0:
-                for m in after_all[n]:
-                    for j in self.tasks[m].ranks:
-                        unmet[m][j] -= 1
-                        ready(m, j)
-
-        for n, task in enumerate(self.tasks):
-            for k in task.ranks:
-                ready(n, k)
-        while events:
-            now, _, what, payload = heapq.heappop(events)
-            if what == "done":
-                done(*payload)
-            elif what == "moved":  # latency paid: every rank's bytes start moving
-                n = payload
-                c = self.tasks[n].collective
-                self.tasks[n].moving = now
-                bandwidth = _bandwidth(c, self.links)
-                # A kind with its own bandwidth occupies the level's link for bytes x (link's / its own).
-                scale = bandwidth / _bandwidth(c, self.op_links[c.op]) if c.op in self.op_links else 1.0
-                for k in self.tasks[n].ranks:
-                    flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
-                    parts_left[(n, k)] = len(flows)
-                    if not flows:
-                        done(n, k)
-                    for direction, nbytes in flows:
-                        link = shared.setdefault((k, c.level, direction), _Shared(bandwidth))
-                        link.join(now, nbytes * scale, (n, k))
-                        link.schedule(push, (k, c.level, direction))
-            elif what == "share":
-                key, version = payload
-                resource = shared[key]
-                if version != resource.version:
-                    continue  # rescheduled since
-                for n, k in resource.finish(now):
-                    parts_left[(n, k)] -= 1
-                    if parts_left[(n, k)] == 0:
-                        done(n, k)
-                resource.schedule(push, key)
+        _EventLoop(self).run()
         stuck = [t.name for t in self.tasks if len(t.end) < len(t.ranks)]
         if stuck:
             raise RuntimeError(f"simulation deadlocked; first unfinished tasks: {stuck[:5]}")
@@ -309,3 +213,117 @@ class _Shared:
         if self.flows:
             remaining = max(self.flows[0][0] - self.virtual, 0.0)
             push(self.at + remaining * len(self.flows) / self.bandwidth, "share", (key, self.version))
+
+
+class _EventLoop:
+    """One run of a :class:`Timeline`'s tasks (:meth:`Timeline.run`): the event heap and the state the
+    events change."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.tasks = timeline.tasks
+        self.events: list = []
+        self.seq = 0
+        self.queues, self.unmet, self.after, self.after_all, self.left = timeline._wiring()
+        self.arrived = [0] * len(self.tasks)
+        # Compute seconds each rank has run since it last reached a collective on its compute stream
+        # (one that blocks its thread), and per such collective the skew its latest rank brings.
+        self.since = [0.0] * timeline.world
+        self.skew: dict[int, float] = {}
+        self.parts_left: dict[tuple[int, int], int] = {}  # transfers (or engine work) of a task on a rank still running
+        self.shared: dict[tuple[int, str, str], _Shared] = {}  # (rank, level, direction) links and (rank, "engine", "")
+        self.now = 0.0
+
+    def push(self, t: float, what: str, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, what, payload))
+
+    def run(self) -> None:
+        for n, task in enumerate(self.tasks):
+            for k in task.ranks:
+                self.ready(n, k)
+        while self.events:
+            self.now, _, what, payload = heapq.heappop(self.events)
+            if what == "done":
+                self.done(*payload)
+            elif what == "moved":
+                self.moved(payload)
+            elif what == "share":
+                self.share(*payload)
+
+    def ready(self, n: int, k: int) -> None:
+        """Starts task n on rank k if it heads its stream there and nothing it needs is missing."""
+        task, timeline = self.tasks[n], self.timeline
+        if self.unmet[n][k] or self.queues[(k, task.stream)][0] != n or k in task.start:
+            return
+        task.start[k] = self.now
+        if task.collective is not None:
+            self.arrived[n] += 1
+            if timeline.sync_skew or timeline.sync_delay:
+                # A collective cannot end before its later rank has issued it; one that blocks the
+                # threads (on the compute stream) also brings the ranks back in step.
+                behind = timeline.sync_skew * self.since[k] + (timeline.sync_delay if self.since[k] > 0 else 0.0)
+                self.skew[n] = max(self.skew.get(n, 0.0), behind)
+                if task.stream == BLOCKING_STREAM:
+                    self.since[k] = 0.0
+            if self.arrived[n] == len(task.ranks):  # the last taking-part rank is here: it runs
+                links = timeline.op_links.get(task.collective.op, timeline.links)
+                self.push(self.now + _latency(task.collective, links) + self.skew.get(n, 0.0), "moved", n)
+        elif task.seconds[k] == 0:
+            self.push(self.now, "done", (n, k))
+        else:
+            # The rank's compute engine is shared by whatever runs on it at once (kernels of
+            # several streams interleave), like a link's bandwidth: seconds of work at rate 1.
+            self.parts_left[(n, k)] = 1
+            engine = self.shared.setdefault((k, "engine", ""), _Shared(1.0))
+            engine.join(self.now, task.seconds[k], (n, k))
+            engine.schedule(self.push, (k, "engine", ""))
+
+    def done(self, n: int, k: int) -> None:
+        task = self.tasks[n]
+        task.end[k] = self.now
+        if task.seconds is not None and task.seconds[k]:
+            self.since[k] += task.seconds[k]
+        queue = self.queues[(k, task.stream)]
+        queue.popleft()
+        if queue:
+            self.ready(queue[0], k)
+        for m in self.after[n]:
+            if k in self.unmet[m]:
+                self.unmet[m][k] -= 1
+                self.ready(m, k)
+        self.left[n] -= 1
+        if self.left[n] == 0:
+            for m in self.after_all[n]:
+                for j in self.tasks[m].ranks:
+                    self.unmet[m][j] -= 1
+                    self.ready(m, j)
+
+    def moved(self, n: int) -> None:
+        """A collective's latency is paid: every rank's bytes start moving."""
+        timeline = self.timeline
+        c = self.tasks[n].collective
+        self.tasks[n].moving = self.now
+        bandwidth = _bandwidth(c, timeline.links)
+        # A kind with its own bandwidth occupies the level's link for bytes x (link's / its own).
+        scale = bandwidth / _bandwidth(c, timeline.op_links[c.op]) if c.op in timeline.op_links else 1.0
+        for k in self.tasks[n].ranks:
+            flows = [(d, b) for d, b in zip(("tx", "rx"), c.ranks[k]) if b > 0]
+            self.parts_left[(n, k)] = len(flows)
+            if not flows:
+                self.done(n, k)
+            for direction, nbytes in flows:
+                link = self.shared.setdefault((k, c.level, direction), _Shared(bandwidth))
+                link.join(self.now, nbytes * scale, (n, k))
+                link.schedule(self.push, (k, c.level, direction))
+
+    def share(self, key: tuple[int, str, str], version: int) -> None:
+        """A shared resource's next transfer (or engine work) may have finished."""
+        resource = self.shared[key]
+        if version != resource.version:
+            return  # rescheduled since
+        for n, k in resource.finish(self.now):
+            self.parts_left[(n, k)] -= 1
+            if self.parts_left[(n, k)] == 0:
+                self.done(n, k)
+        resource.schedule(self.push, key)
