@@ -147,16 +147,40 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
     Returns:
         The collectives, and the blocks whose return went in backward.
     """
-    world = replicate * shard
-    spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i])
-                             for i in range(len(blocks))}, replicate, shard, elem_bytes, hop_a_spread)
-    launched: list[tuple[int, list[int]]] = []
-    sent_units: dict[int, int] = {}
-    completed: list[int] = []  # blocks whose last chunk went in the collective before
-    out: list[Collective] = []
+    walk = _SpreadWalk(blocks, tables, inner, owners, replicate, shard, elem_bytes, gradient_bytes, hop_a_spread,
+                       hop_b, returns)
+    for b in order:
+        walk.landing(b)
+    walk.take()
+    return walk.out, walk.back
 
-    def chunks(blocks_now: list[int]) -> tuple[Parts, list[int], list[int]]:
+
+class _SpreadWalk:
+    """:func:`spread_backward`'s walk through backward: the spreader, what each block has sent, and the
+    collectives in issue order."""
+
+    def __init__(self, blocks, tables, inner, owners, replicate: int, shard: int, elem_bytes: int,
+                 gradient_bytes: int, hop_a_spread: int, hop_b, returns) -> None:
+        self.blocks, self.tables, self.inner = blocks, tables, inner
+        self.replicate, self.shard, self.world = replicate, shard, replicate * shard
+        self.elem_bytes, self.gradient_bytes = elem_bytes, gradient_bytes
+        self.hop_b, self.returns = hop_b, returns
+        self.spreader = HopASpreader({i: slice_shape(owners[i] // shard, tables[i], replicate, inner[i])
+                                      for i in range(len(blocks))}, replicate, shard, elem_bytes, hop_a_spread)
+        self.launched: list[tuple[int, list[int]]] = []
+        self.sent_units: dict[int, int] = {}
+        self.completed: list[int] = []  # blocks whose last chunk went in the collective before
+        self.out: list[Collective] = []
+        # returns_in_backward: blocks whose hop B went at the last landing (their hop 1 goes at this one),
+        # and per block returning, its hops across replicas still to go (route stages' parts, role).
+        self.ready: list[int] = []
+        self.in_flight: dict[int, list[tuple[Parts, str]]] = {}
+        self.back: list[int] = []
+        self.members_of = {blk: [i for i in range(len(blocks)) if blocks[i] == blk] for blk in set(blocks)}
+
+    def chunks(self, blocks_now: list[int]) -> tuple[Parts, list[int], list[int]]:
         """The chunks the spreader just chose, as one all_to_all's parts; the blocks riding, completing."""
+        world, shard, spreader = self.world, self.shard, self.spreader
         sent, received = [0] * world, [0] * world
         peers_out: list[set] = [set() for _ in range(world)]
         peers_in: list[set] = [set() for _ in range(world)]
@@ -165,12 +189,12 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
         for blk in blocks_now:
             upto = spreader.upto(blk)
             for i, units in upto.items():
-                start = sent_units.get(i, 0)
-                sent_units[i] = units
-                for s, src, dst, moved in spreader.shapes[i].moves(start, units, shard, elem_bytes):
+                start = self.sent_units.get(i, 0)
+                self.sent_units[i] = units
+                for s, src, dst, moved in spreader.shapes[i].moves(start, units, shard, self.elem_bytes):
                     if blk not in riding:
                         riding.append(blk)
-                    for r in range(replicate):  # the position's whole replicate group takes part
+                    for r in range(self.replicate):  # the position's whole replicate group takes part
                         part[r * shard + s] = True
                     if moved:
                         sent[src] += moved
@@ -181,46 +205,55 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
                 completing.append(blk)
         return (sent, received, peers_out, peers_in, part), riding, completing
 
-    def hop_b_of(done: Sequence[int], at: int | None) -> None:
-        for blk, members in launched:
+    def hop_b_of(self, done: Sequence[int], at: int | None) -> None:
+        for blk, members in self.launched:
             if blk in done:
-                for c in hop_b(blk, members):
+                for c in self.hop_b(blk, members):
                     c.issued_at = at
-                    out.append(c)
+                    self.out.append(c)
 
-    # returns_in_backward: blocks whose hop B went at the last landing (their hop 1 goes at this one),
-    # and per block returning, its hops across replicas still to go (route stages' parts, role).
-    ready: list[int] = []
-    in_flight: dict[int, list[tuple[Parts, str]]] = {}
-    back: list[int] = []
-    members_of = {blk: [i for i in range(len(blocks)) if blocks[i] == blk] for blk in set(blocks)}
-
-    def hop_1(blk: int, at: int) -> None:
-        hop1, in_flight[blk] = return_hops(blk, members_of[blk], world, *returns)
+    def hop_1(self, blk: int, at: int) -> None:
+        hop1, self.in_flight[blk] = return_hops(blk, self.members_of[blk], self.world, *self.returns)
         if hop1 is not None:
             hop1.issued_at = at
-            out.append(hop1)
-        back.append(blk)
+            self.out.append(hop1)
+        self.back.append(blk)
 
-    for b in order:
-        members = [i for i in range(len(blocks)) if blocks[i] == b]
-        hop_b_of(completed, b)
+    def advance_returns(self, b: int) -> list:
+        """``BackwardLaunches._advance``: every return in flight one hop across (joined with the landing's
+        all_to_all), then the due hop 1's; the hops riding."""
         riding_returns = []
-        if returns is not None:
-            # BackwardLaunches._advance: every return in flight one hop across (joined below), then the due hop 1's.
-            for blk, hops in in_flight.items():
-                if hops:
-                    riding_returns.append((blk, *hops.pop(0)))
-            for blk in ready:
-                hop_1(blk, b)
-            ready = [blk for blk, _ in launched if blk in completed]
-        columns = gradient_columns(members, tables, inner, replicate, shard, gradient_bytes) if members else None
-        pending = spreader.pending()
+        for blk, hops in self.in_flight.items():
+            if hops:
+                riding_returns.append((blk, *hops.pop(0)))
+        for blk in self.ready:
+            self.hop_1(blk, b)
+        self.ready = [blk for blk, _ in self.launched if blk in self.completed]
+        return riding_returns
+
+    def landing(self, b: int) -> None:
+        """Unit ``b`` lands: the hop B's due, the returns' hops, one all_to_all across replicas."""
+        members = [i for i in range(len(self.blocks)) if self.blocks[i] == b]
+        self.hop_b_of(self.completed, b)
+        riding_returns = self.advance_returns(b) if self.returns is not None else []
+        tables, inner = self.tables, self.inner
+        columns = gradient_columns(members, tables, inner, self.replicate, self.shard, self.gradient_bytes) \
+            if members else None
+        pending = self.spreader.pending()
         # The runtime's own loads of the column reduce-scatter: its decisions are the same.
-        spreader.decide(column_reduce_loads([tables[i] for i in members], [inner[i] for i in members], replicate,
-                                            shard, gradient_bytes))
-        moving, riding, completed = chunks(pending)
+        self.spreader.decide(column_reduce_loads([tables[i] for i in members], [inner[i] for i in members],
+                                                 self.replicate, self.shard, self.gradient_bytes))
+        moving, riding, self.completed = self.chunks(pending)
+        self.append_across(b, columns, moving, riding, riding_returns)
+        if members:
+            self.spreader.add(b, members)
+            self.launched.append((b, members))
+
+    def append_across(self, b: int, columns, moving, riding: list[int], riding_returns: list) -> None:
+        """The landing's all_to_all across replicas: ``b``'s gradient columns, the chunks riding, the returns'
+        hops; none when nothing moves."""
         returning = [parts for _, parts, _ in riding_returns]
+        world, out = self.world, self.out
         if columns is not None:
             label = f"dmuon gradient columns block {b}" + (f" + direction slices of blocks {riding}" if riding else "")
             parts = [columns] + ([moving] if riding else []) + returning
@@ -230,32 +263,32 @@ def spread_backward(order: Sequence[int], blocks: Sequence[int], tables, inner: 
             label = f"dmuon direction slices of blocks {riding}" if riding else \
                 f"dmuon updates of blocks {[blk for blk, _, _ in riding_returns]} across replicas"
             out.append(a2a("inter", "backward", b, world, *merge_parts(*parts), label,
-                            "hop_a" if riding else riding_returns[0][2]))
-        if columns is not None or riding or returning:
-            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(completed)
-            out[-1].carries_returns = tuple(blk for blk, _, _ in riding_returns)
-            if riding_returns:
-                out[-1].label += f" + updates of blocks {list(out[-1].carries_returns)} across replicas"
-            out[-1].issued_at = b
-        if members:
-            spreader.add(b, members)
-            launched.append((b, members))
-    # step(): BackwardLaunches.take
-    pending = spreader.pending()
-    if pending:
-        spreader.decide([[0, 0] for _ in range(world)], final=True)
-        hop_b_of(completed, None)
-        moving, riding, last = chunks(pending)
-        if riding:
-            out.append(a2a("inter", "backward", None, world, *moving,
-                            f"dmuon direction slices of blocks {riding} left at the end of backward", "hop_a"))
-            out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(last)
-            out[-1].issued_at = None
-        hop_b_of(last, None)
-    else:
-        hop_b_of(completed, None)
-    for blk in back:  # take(): what is left of the returns, in launch order
-        for parts, role in in_flight[blk]:
-            out.append(across_collective(blk, world, parts, role))
-            out[-1].issued_at = None
-    return out, back
+                           "hop_a" if riding else riding_returns[0][2]))
+        else:
+            return
+        out[-1].carries_hop_a, out[-1].completes_hop_a = tuple(riding), tuple(self.completed)
+        out[-1].carries_returns = tuple(blk for blk, _, _ in riding_returns)
+        if riding_returns:
+            out[-1].label += f" + updates of blocks {list(out[-1].carries_returns)} across replicas"
+        out[-1].issued_at = b
+
+    def take(self) -> None:
+        """``step()``'s ``BackwardLaunches.take``: what is left of every block's slices in one last all_to_all,
+        the hop B's, then what is left of the returns, in launch order."""
+        pending = self.spreader.pending()
+        if pending:
+            self.spreader.decide([[0, 0] for _ in range(self.world)], final=True)
+            self.hop_b_of(self.completed, None)
+            moving, riding, last = self.chunks(pending)
+            if riding:
+                self.out.append(a2a("inter", "backward", None, self.world, *moving,
+                                    f"dmuon direction slices of blocks {riding} left at the end of backward", "hop_a"))
+                self.out[-1].carries_hop_a, self.out[-1].completes_hop_a = tuple(riding), tuple(last)
+                self.out[-1].issued_at = None
+            self.hop_b_of(last, None)
+        else:
+            self.hop_b_of(self.completed, None)
+        for blk in self.back:
+            for parts, role in self.in_flight[blk]:
+                self.out.append(across_collective(blk, self.world, parts, role))
+                self.out[-1].issued_at = None

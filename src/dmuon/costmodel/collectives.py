@@ -21,16 +21,13 @@ with :class:`Collective` in :mod:`dmuon.costmodel.collective`, the all-to-all pe
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Sequence
+from typing import Sequence
 
-from dmuon.costmodel.backward_order import backward_with_returns, spread_backward
-from dmuon.costmodel.collective import (AlphaBeta, Collective, Parts, a2a, merge_parts, shard_rows, stage_parts,
-                                        step_figures, uniform_collective)
+from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures, uniform_collective
+from dmuon.costmodel.exchange_model import ExchangeModel
 from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
-from dmuon.costmodel.rank_traffic import check_mesh, check_owners, piece_table, published_wave, row_width
-from dmuon.plan.publication import DIRECT, ROUTES, SCATTER, choose_route, route_stages
-from dmuon.plan.hop_a import resolve_spread
+from dmuon.costmodel.rank_traffic import check_mesh, check_owners, row_width
+from dmuon.plan.publication import ROUTES
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
@@ -190,138 +187,14 @@ def owner_exchange_collectives(
     check_owners(shapes, owners, replicate, shard)
     if len(blocks) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
-    world = replicate * shard
-    tables = [piece_table(shp, shard, None if pieces is None else pieces[i]) for i, shp in enumerate(shapes)]
-    inner = [math.prod(int(d) for d in shp[2:]) for shp in shapes]  # a conv kernel's elements per column
-
-    first_col = [[True] * shard if pieces is None else [p.col == 0 for p in pieces[i]] for i in range(len(shapes))]
-
-    def piece(i: int, s: int) -> int:
-        """Bytes of matrix ``i``'s update that come back to position ``s`` (with its rows' state)."""
-        rows, cols, _ = tables[i][s]
-        return rows * cols * inner[i] * elem_bytes + rows * row_bytes
-
-    def direction_bytes(i: int, s: int) -> int:
-        """Bytes of matrix ``i``'s direction position ``s`` sends (none from a copy)."""
-        rows, cols, sends = tables[i][s]
-        return rows * cols * inner[i] * elem_bytes if sends else 0
-
-    def sent_bytes(i: int, s: int) -> int:
-        """Bytes position ``s`` sends the owner of matrix ``i``: its direction piece and, from the
-        box at column 0, its rows' state."""
-        rows, _, sends = tables[i][s]
-        return direction_bytes(i, s) + (rows * row_bytes if sends and first_col[i][s] else 0)
-
-    def fresh():
-        return [0] * world, [0] * world, [set() for _ in range(world)], [set() for _ in range(world)]
-
+    model = ExchangeModel(shapes, owners, replicate, shard, elem_bytes, pieces, row_bytes, publication)
     order = sorted(set(blocks), reverse=True) if block_order is None else list(block_order)
-
-    def column_piece(i: int, r: int, s: int) -> int:
-        """Bytes of the direction's column slice ``r`` position ``s`` sends to the owner's replica."""
-        rows, cols, sends = tables[i][s]
-        return rows * shard_rows(cols, replicate)[r] * inner[i] * elem_bytes if sends else 0
-
-    def hop_a(members: list[int]) -> Parts:
-        sent, received, out, inn = fresh()
-        for i in members:
-            r_o = owners[i] // shard
-            for s in range(shard):
-                for r in range(replicate):
-                    moved = column_piece(i, r, s)
-                    if r != r_o and moved:
-                        src, dst = r * shard + s, r_o * shard + s
-                        sent[src] += moved
-                        received[dst] += moved
-                        out[src].add(dst)
-                        inn[dst].add(src)
-        return sent, received, out, inn, [any(direction_bytes(i, k % shard) for i in members) for k in range(world)]
-
-    def hop_a_alone(b: int, members: list[int]) -> Collective:
-        return a2a("inter", "backward", b, world, *hop_a(members), f"dmuon direction slices block {b}", "hop_a")
-
-    def within_owner_replica(members: Sequence[int], size: Callable[[int, int], int], to_owner: bool) -> Parts:
-        """Inside each owner's replica, ``size(i, s)`` bytes of each member between every other shard
-        position ``s`` and the member's owner, to it (hop B) or from it (hop 1); a replica owning none
-        of them takes no part."""
-        sent, received, out, inn = fresh()
-        for i in members:
-            r_o, s_o = divmod(owners[i], shard)
-            for s in range(shard):
-                moved = size(i, s)
-                if s != s_o and moved:
-                    src, dst = (r_o * shard + s, owners[i]) if to_owner else (owners[i], r_o * shard + s)
-                    sent[src] += moved
-                    received[dst] += moved
-                    out[src].add(dst)
-                    inn[dst].add(src)
-        owning = {owners[i] // shard for i in members}
-        return sent, received, out, inn, [k // shard in owning for k in range(world)]
-
-    def hop_b(b: int, members: list[int]) -> list[Collective]:
-        if shard == 1:
-            return []
-        return [a2a("intra", "backward", b, world, *within_owner_replica(members, sent_bytes, True),
-                     f"dmuon directions block {b}", "hop_b")]
-
-    def return_shard(wave: Sequence[int]) -> Parts | None:
-        """Hop 1 of a return: each owner's update pieces to its replica's shard positions."""
-        return None if shard == 1 else within_owner_replica(wave, piece, False)
-
-    def across(wave: Sequence[int]) -> tuple[str, list[Parts]]:
-        """Hop 2 of a return: its route and the route's stages (one direct, or scatter then all-gather;
-        none with one replica)."""
-        if replicate == 1:
-            return DIRECT, []
-        published = published_wave(wave, owners, shard, tables, inner)
-        route = publication or choose_route(published, replicate, shard, elem_bytes, row_bytes)
-        return route, [stage_parts(st) for st in route_stages(route, published, replicate, shard, elem_bytes,
-                                                                row_bytes, peers=True)]
-
-    back: list[int] = []  # blocks whose return goes in backward
-    backward: list[Collective] = []
-    returns = (return_shard, across) if returns_in_backward and world > 1 else None
-    if returns is not None and (replicate == 1 or gradient_bytes is None):
-        backward, back = backward_with_returns(order, blocks, replicate, world, hop_a_alone, hop_b, *returns)
-    elif replicate == 1 or gradient_bytes is None:
-        for b in order:
-            members = [i for i in range(len(shapes)) if blocks[i] == b]
-            if members:
-                backward += ([hop_a_alone(b, members)] if replicate > 1 else []) + hop_b(b, members)
-    else:
-        backward, back = spread_backward(order, blocks, tables, inner, owners, replicate, shard, elem_bytes,
-                                          gradient_bytes, resolve_spread(hop_a_spread, returns_in_backward),
-                                          hop_b, returns)
-    step: list[Collective] = []
-    if world == 1 or not shapes:
-        return backward, step
+    backward, back = model.backward(order, blocks, gradient_bytes, hop_a_spread, returns_in_backward)
+    if model.world == 1 or not shapes:
+        return backward, []
     rest = [i for i in range(len(shapes)) if blocks[i] not in back]
     chosen = ([rest] if rest else []) if waves is None else [list(w) for w in waves if w]
-    # The scatter route's all-gather of the wave before (its wave, label and parts): it travels in
-    # this wave's first collective across replicas.
-    gathering: tuple[int, str, Parts] | None = None
-    for w, wave in enumerate(chosen):
-        label = "" if waves is None else f" wave {w}"
-        hop1 = return_shard(wave)
-        if hop1 is not None:
-            step.append(a2a("intra", "step", None, world, *hop1, "dmuon updates to the shard columns" + label,
-                             "return_shard", w))
-        if replicate > 1:
-            route, stages = across(wave)
-            first = stages[0]
-            name = "dmuon updates to the replicas" if route == DIRECT else "dmuon update slices to the replicas"
-            name += label
-            if gathering is not None:
-                first = merge_parts(first, gathering[2])
-                name += f" + the slices' all-gather{gathering[1]}"
-            step.append(a2a("inter", "step", None, world, *first, name,
-                             "return_replicas" if route == DIRECT else "return_scatter", w))
-            step[-1].carries_gather = None if gathering is None else gathering[0]
-            gathering = (w, label, stages[1]) if route == SCATTER else None
-    if gathering is not None:
-        step.append(a2a("inter", "step", None, world, *gathering[2], "dmuon update slices' all-gather" + gathering[1],
-                         "return_gather", gathering[0]))
-    return backward, step
+    return backward, model.step(chosen, labelled=waves is not None)
 
 
 def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_bytes: int = 4,
