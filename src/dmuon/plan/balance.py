@@ -262,6 +262,20 @@ def balance(
         ImportError: For ``"milp"`` without scipy (``pip install dmuon[milp]``).
     """
     name = canonical(balancer)
+    _check_inputs(name, kinds, items, world_size, time_limit_s)
+    start = time.perf_counter()
+    unit = [kinds[k].costs[1] for k in items]
+    if name == "round_robin":
+        return _result(name, "round_robin", kinds, items, round_robin(unit, world_size), world_size, start)
+    if name == "lpt":
+        return _result(name, "lpt", kinds, items, lpt(unit, world_size), world_size, start)
+    if max_milp_variables is None:
+        max_milp_variables = AUTO_MAX_VARIABLES if name == "auto" else MILP_MAX_VARIABLES
+    return _MilpBalance(name, kinds, items, world_size, memory_factor, start).run(time_limit_s, max_milp_variables)
+
+
+def _check_inputs(name: str, kinds: Sequence[Kind], items: Sequence[int], world_size: int, time_limit_s) -> None:
+    """:func:`balance`'s argument checks (``ImportError`` for ``"milp"`` without scipy)."""
     if name == "milp":
         # Asked for by name, the MILP fails without scipy instead of quietly giving LPT ("auto" falls back
         # with a note naming the extra).
@@ -273,74 +287,89 @@ def balance(
     bad = [i for i, k in enumerate(items) if not 0 <= k < len(kinds)]
     if bad:
         raise ValueError(f"items: matrix {bad[0]} has kind {items[bad[0]]}, but there are {len(kinds)} kinds")
-    start = time.perf_counter()
-    unit = [kinds[k].costs[1] for k in items]
-    if name == "round_robin":
-        return _result(name, "round_robin", kinds, items, round_robin(unit, world_size), world_size, start)
-    if name == "lpt":
-        return _result(name, "lpt", kinds, items, lpt(unit, world_size), world_size, start)
 
-    counts = [sum(1 for k in items if k == j) for j in range(len(kinds))]
-    cap, notes = _milp.memory_cap(kinds, counts, world_size, memory_factor)
-    sizes = [kinds[k].state_bytes for k in items]
-    bound = _milp.lower_bound(kinds, counts, world_size)
 
-    def greedy_within(limit: float | None) -> tuple[list[int], list[float], list[int], bool]:
-        owners = lpt(unit, world_size, sizes=sizes, capacity=limit)
-        loads, _, state = evaluate(kinds, items, owners, world_size)
-        return owners, loads, state, limit is None or max(state) <= limit
+class _MilpBalance:
+    """``"milp"``/``"auto"``: the memory cap, the memory-aware LPT it falls back to (and compares with),
+    and the MILP of :mod:`dmuon.plan.milp`."""
 
-    greedy, g_loads, g_state, greedy_fits = greedy_within(cap)
+    def __init__(self, name: str, kinds: Sequence[Kind], items: Sequence[int], world_size: int,
+                 memory_factor: float | None, start: float) -> None:
+        self.name, self.kinds, self.items, self.world_size, self.start = name, kinds, items, world_size, start
+        self.unit = [kinds[k].costs[1] for k in items]
+        self.counts = [sum(1 for k in items if k == j) for j in range(len(kinds))]
+        self.cap, self.notes = _milp.memory_cap(kinds, self.counts, world_size, memory_factor)
+        self.sizes = [kinds[k].state_bytes for k in items]
+        self.bound = _milp.lower_bound(kinds, self.counts, world_size)
+        self.greedy_within(self.cap)
 
-    def fallback(why: str) -> BalanceResult:
-        limit = f" (memory cap {cap:.4g} B)" if cap is not None else ""
-        extra_notes = notes + [f"{why}; used LPT{limit}"]
-        if not greedy_fits:
-            extra_notes.append(f"LPT exceeds the memory cap: max state {max(g_state)} B > {cap:.4g} B")
-        return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap,
-                       lower_bound=bound, notes=extra_notes)
+    def greedy_within(self, limit: float | None) -> None:
+        """Memory-aware LPT under ``limit``: its owners, loads, state, and whether it fits."""
+        self.greedy = lpt(self.unit, self.world_size, sizes=self.sizes, capacity=limit)
+        self.g_loads, _, self.g_state = evaluate(self.kinds, self.items, self.greedy, self.world_size)
+        self.greedy_fits = limit is None or max(self.g_state) <= limit
 
-    if world_size == 1 or not items:
-        return _result(name, "milp", kinds, items, [0] * len(items), world_size, start, memory_cap=cap,
-                       status="optimal", lower_bound=bound, notes=notes)
-    batching = any(len(_milp.useful_batch_sizes(k, n)) > 1 for k, n in zip(kinds, counts))
-    lpt_optimal = greedy_fits and max(g_loads) <= bound * (1 + _milp.MIP_REL_GAP)
-    if lpt_optimal and not batching:
-        # Nothing left to optimize: the makespan is at its lower bound and,
-        # without batching, the total time is the same for every assignment.
-        return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap, status="optimal",
-                       lower_bound=bound, notes=notes + ["LPT meets the makespan lower bound; MILP not needed"])
-    nvars = _milp.variable_count(kinds, counts, world_size)
-    if max_milp_variables is None:
-        max_milp_variables = AUTO_MAX_VARIABLES if name == "auto" else MILP_MAX_VARIABLES
-    if nvars > max_milp_variables:
-        return fallback(f"MILP would have {nvars} variables > {max_milp_variables}")
-    try:
+    def result(self, algorithm: str, owners: list[int], **kw) -> BalanceResult:
+        return _result(self.name, algorithm, self.kinds, self.items, owners, self.world_size, self.start,
+                       memory_cap=self.cap, **kw)
+
+    def fallback(self, why: str) -> BalanceResult:
+        limit = f" (memory cap {self.cap:.4g} B)" if self.cap is not None else ""
+        extra_notes = self.notes + [f"{why}; used LPT{limit}"]
+        if not self.greedy_fits:
+            extra_notes.append(f"LPT exceeds the memory cap: max state {max(self.g_state)} B > {self.cap:.4g} B")
+        return self.result("lpt", self.greedy, lower_bound=self.bound, notes=extra_notes)
+
+    def run(self, time_limit_s: float, max_milp_variables: int) -> BalanceResult:
+        kinds, counts, world_size = self.kinds, self.counts, self.world_size
+        if world_size == 1 or not self.items:
+            return self.result("milp", [0] * len(self.items), status="optimal", lower_bound=self.bound,
+                               notes=self.notes)
+        batching = any(len(_milp.useful_batch_sizes(k, n)) > 1 for k, n in zip(kinds, counts))
+        lpt_optimal = self.greedy_fits and max(self.g_loads) <= self.bound * (1 + _milp.MIP_REL_GAP)
+        if lpt_optimal and not batching:
+            # Nothing left to optimize: the makespan is at its lower bound and,
+            # without batching, the total time is the same for every assignment.
+            return self.result("lpt", self.greedy, status="optimal", lower_bound=self.bound,
+                               notes=self.notes + ["LPT meets the makespan lower bound; MILP not needed"])
+        nvars = _milp.variable_count(kinds, counts, world_size)
+        if nvars > max_milp_variables:
+            return self.fallback(f"MILP would have {nvars} variables > {max_milp_variables}")
+        try:
+            sol = self.solve(time_limit_s, lpt_optimal)
+        except Exception as err:  # noqa: BLE001 - any solver failure must not stop training
+            return self.fallback(f"MILP failed ({type(err).__name__}: {err})")
+        if isinstance(sol, BalanceResult):
+            return sol
+        if sol.counts is None:
+            return self.fallback(f"MILP found no solution ({sol.status})")
+        owners = _milp.owners_from_counts(self.items, sol.counts)
+        result = self.result("milp", owners, status=sol.status, lower_bound=sol.lower_bound,
+                             notes=self.notes + sol.phases)
+        if self.greedy_fits and max(self.g_loads) < result.makespan * (1 - 1e-12):
+            return self.fallback(f"MILP stopped ({sol.status}) at makespan {result.makespan:.6g} "
+                                 f"> LPT's {max(self.g_loads):.6g}")
+        return result
+
+    def solve(self, time_limit_s: float, lpt_optimal: bool):
+        """The MILP's solution, or a result when LPT stands; an infeasible memory cap is relaxed to one some
+        assignment is known to meet and the MILP runs again in what is left of the time."""
+        kinds, counts, world_size = self.kinds, self.counts, self.world_size
         # At the lower bound LPT's makespan is optimal: only the total time is left to the MILP.
-        sol = _milp.solve(kinds, counts, world_size, time_limit_s=time_limit_s, cap_bytes=cap,
-                          known_makespan=max(g_loads) if lpt_optimal else None)
+        sol = _milp.solve(kinds, counts, world_size, time_limit_s=time_limit_s, cap_bytes=self.cap,
+                          known_makespan=max(self.g_loads) if lpt_optimal else None)
         if sol.counts is None and lpt_optimal:
-            return _result(name, "lpt", kinds, items, greedy, world_size, start, memory_cap=cap, status="optimal",
-                           lower_bound=bound, notes=notes + sol.phases + ["LPT meets the makespan lower bound"])
-        if sol.counts is None and sol.status == "infeasible" and cap is not None:
+            return self.result("lpt", self.greedy, status="optimal", lower_bound=self.bound,
+                               notes=self.notes + sol.phases + ["LPT meets the makespan lower bound"])
+        if sol.counts is None and sol.status == "infeasible" and self.cap is not None:
             # Bin packing can be infeasible at any factor; the greedy packing's
             # own maximum is a cap that some assignment is known to meet.
-            packed = lpt(sizes, world_size)
-            _, _, p_state = evaluate(kinds, items, packed, world_size)
-            cap = float(max(cap, max(p_state)))
-            notes.append(f"memory cap infeasible; relaxed to {cap:.4g} B (greedy packing of the state bytes)")
-            greedy, g_loads, g_state, greedy_fits = greedy_within(cap)
-            used = time.perf_counter() - start
+            packed = lpt(self.sizes, world_size)
+            _, _, p_state = evaluate(kinds, self.items, packed, world_size)
+            self.cap = float(max(self.cap, max(p_state)))
+            self.notes.append(f"memory cap infeasible; relaxed to {self.cap:.4g} B (greedy packing of the state bytes)")
+            self.greedy_within(self.cap)
+            used = time.perf_counter() - self.start
             sol = _milp.solve(kinds, counts, world_size, time_limit_s=max(time_limit_s - used, 0.1),
-                              cap_bytes=cap)
-    except Exception as err:  # noqa: BLE001 - any solver failure must not stop training
-        return fallback(f"MILP failed ({type(err).__name__}: {err})")
-    if sol.counts is None:
-        return fallback(f"MILP found no solution ({sol.status})")
-    owners = _milp.owners_from_counts(items, sol.counts)
-    result = _result(name, "milp", kinds, items, owners, world_size, start, memory_cap=cap,
-                     status=sol.status, lower_bound=sol.lower_bound, notes=notes + sol.phases)
-    if greedy_fits and max(g_loads) < result.makespan * (1 - 1e-12):
-        return fallback(f"MILP stopped ({sol.status}) at makespan {result.makespan:.6g} "
-                        f"> LPT's {max(g_loads):.6g}")
-    return result
+                              cap_bytes=self.cap)
+        return sol
