@@ -289,8 +289,6 @@ def solve(
         ImportError: Without scipy (the ``milp`` extra).
     """
     require_scipy()
-    from scipy.optimize import Bounds
-
     if len(kinds) != len(counts):
         raise ValueError(f"counts must have one entry per kind ({len(kinds)}), got {len(counts)}")
     if world_size < 1:
@@ -299,98 +297,128 @@ def solve(
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
     if symmetry not in ("none", "loads"):
         raise ValueError(f"symmetry must be 'none' or 'loads', got {symmetry!r}")
-    start = time.perf_counter()
-    W = world_size
-    active = [k for k, n in enumerate(counts) if n > 0]
-    # Variables: x[(k, b), r] in kind/batch/rank order, then T.
-    cols = [(k, b) for k in active for b in useful_batch_sizes(kinds[k], counts[k])]
-    nx = len(cols) * W
-    nvar = nx + 1
-    # Scale costs and bytes to O(1) so HiGHS's absolute tolerances mean the same for seconds and FLOPs.
-    cref = max((kinds[k].costs[b] for k, b in cols), default=1.0) or 1.0
-    mref = max((kinds[k].state_bytes for k in active), default=1) or 1
-    cost = [kinds[k].costs[b] / cref for k, b in cols]
-
-    rows = _Rows()
-    for k in active:
-        rows.add([(c * W + r, b) for c, (kk, b) in enumerate(cols) if kk == k for r in range(W)],
-                 counts[k], counts[k])
-    for r in range(W):
-        rows.add([(c * W + r, cost[c]) for c in range(len(cols))] + [(nx, -1.0)], -np.inf, 0.0)
-    if cap_bytes is not None:
-        for r in range(W):
-            rows.add([(c * W + r, kinds[k].state_bytes * b / mref) for c, (k, b) in enumerate(cols)],
-                     -np.inf, cap_bytes / mref * (1 + 1e-12))
-    if symmetry == "loads":
-        for r in range(W - 1):
-            rows.add([(c * W + r, cost[c]) for c in range(len(cols))]
-                     + [(c * W + r + 1, -cost[c]) for c in range(len(cols))], 0.0, np.inf)
-    constraint = rows.constraint(nvar)
-
-    lb, ub = np.zeros(nvar), np.empty(nvar)
-    for c, (k, b) in enumerate(cols):
-        ub[c * W:(c + 1) * W] = counts[k] // b
-    bound = lower_bound(kinds, counts, W)
-    lb[nx], ub[nx] = bound / cref * (1 - 1e-9), np.inf
-    integrality = np.ones(nvar)
-    integrality[nx] = 0
-
-    two_phase = any(b > 1 for _, b in cols)
-    objective2 = np.zeros(nvar)
-    objective2[:nx] = np.repeat(cost, W)
-
-    def phase2(t_max: float, budget: float):
-        ub2 = ub.copy()
-        ub2[nx] = t_max * (1 + PHASE2_TOLERANCE) + 1e-9
-        res2 = _run(objective2, integrality, Bounds(lb, ub2), constraint, budget, mip_rel_gap)
-        phases.append(f"MILP phase 2 (total time, {nvar} variables): {res2.message.strip()} "
-                      f"after {time.perf_counter() - start:.3f}s")
-        return res2
-
+    program = _Program(kinds, counts, world_size, cap_bytes, symmetry, mip_rel_gap, time.perf_counter())
     if known_makespan is not None:
-        phases: list[str] = ["MILP phase 1 skipped: the makespan is known to be optimal"]
-        t_star = known_makespan / cref
-        res = phase2(t_star, time_limit_s)
+        program.phases.append("MILP phase 1 skipped: the makespan is known to be optimal")
+        t_star = known_makespan / program.cref
+        res = program.phase2(t_star, time_limit_s)
         if res.x is None:
-            return MilpSolution(None, f"failed: {res.message.strip()}", lower_bound=bound,
-                                seconds=time.perf_counter() - start, phases=phases)
+            return program.solution(None, f"failed: {res.message.strip()}", program.bound)
         x, status, proven = res.x, "optimal", known_makespan
     else:
+        x, status, t_star, proven = program.phase1_then_2(time_limit_s)
+        if x is None:
+            return program.solution(None, status, program.bound)
+    per_kind = program.counts_of(x)
+    if per_kind is None:
+        return program.solution(None, "failed: rounded solution does not cover every matrix", program.bound)
+    return program.solution(per_kind, status, proven, makespan=t_star * program.cref)
+
+
+class _Program:
+    """The two-phase program of one :func:`solve` call: variables ``x[(k, b), r]`` in kind/batch/rank order,
+    then ``T``; costs and bytes scaled to O(1) so HiGHS's absolute tolerances mean the same for seconds and
+    FLOPs."""
+
+    def __init__(self, kinds: Sequence[Kind], counts: Sequence[int], world_size: int, cap_bytes: float | None,
+                 symmetry: str, mip_rel_gap: float, start: float) -> None:
+        self.kinds, self.counts, self.W, self.mip_rel_gap, self.start = kinds, counts, world_size, mip_rel_gap, start
+        active = [k for k, n in enumerate(counts) if n > 0]
+        self.cols = [(k, b) for k in active for b in useful_batch_sizes(kinds[k], counts[k])]
+        self.nx = len(self.cols) * world_size
+        self.nvar = self.nx + 1
+        self.cref = max((kinds[k].costs[b] for k, b in self.cols), default=1.0) or 1.0
+        self.mref = max((kinds[k].state_bytes for k in active), default=1) or 1
+        self.cost = [kinds[k].costs[b] / self.cref for k, b in self.cols]
+        self.constraint = self._constraint(active, cap_bytes, symmetry)
+        self.lb, self.ub = np.zeros(self.nvar), np.empty(self.nvar)
+        for c, (k, b) in enumerate(self.cols):
+            self.ub[c * world_size:(c + 1) * world_size] = counts[k] // b
+        self.bound = lower_bound(kinds, counts, world_size)
+        self.lb[self.nx], self.ub[self.nx] = self.bound / self.cref * (1 - 1e-9), np.inf
+        self.integrality = np.ones(self.nvar)
+        self.integrality[self.nx] = 0
+        self.two_phase = any(b > 1 for _, b in self.cols)
+        self.objective2 = np.zeros(self.nvar)
+        self.objective2[:self.nx] = np.repeat(self.cost, world_size)
+        self.phases: list[str] = []
+
+    def _constraint(self, active: list[int], cap_bytes: float | None, symmetry: str):
+        """Every matrix placed; ``T`` at least every rank's load; the memory cap; the loads' order."""
+        W, cols, cost, nx = self.W, self.cols, self.cost, self.nx
+        rows = _Rows()
+        for k in active:
+            rows.add([(c * W + r, b) for c, (kk, b) in enumerate(cols) if kk == k for r in range(W)],
+                     self.counts[k], self.counts[k])
+        for r in range(W):
+            rows.add([(c * W + r, cost[c]) for c in range(len(cols))] + [(nx, -1.0)], -np.inf, 0.0)
+        if cap_bytes is not None:
+            for r in range(W):
+                rows.add([(c * W + r, self.kinds[k].state_bytes * b / self.mref) for c, (k, b) in enumerate(cols)],
+                         -np.inf, cap_bytes / self.mref * (1 + 1e-12))
+        if symmetry == "loads":
+            for r in range(W - 1):
+                rows.add([(c * W + r, cost[c]) for c in range(len(cols))]
+                         + [(c * W + r + 1, -cost[c]) for c in range(len(cols))], 0.0, np.inf)
+        return rows.constraint(self.nvar)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def phase2(self, t_max: float, budget: float):
+        """The least total time with ``T`` at most ``t_max`` (within the phase-2 tolerance)."""
+        from scipy.optimize import Bounds
+
+        ub2 = self.ub.copy()
+        ub2[self.nx] = t_max * (1 + PHASE2_TOLERANCE) + 1e-9
+        res2 = _run(self.objective2, self.integrality, Bounds(self.lb, ub2), self.constraint, budget, self.mip_rel_gap)
+        self.phases.append(f"MILP phase 2 (total time, {self.nvar} variables): {res2.message.strip()} "
+                           f"after {self.elapsed():.3f}s")
+        return res2
+
+    def phase1_then_2(self, time_limit_s: float):
+        """Phase 1 (the makespan), then phase 2 in what is left: ``(x, status, t_star, proven bound)``,
+        ``x`` None (with the status) when phase 1 found nothing."""
+        from scipy.optimize import Bounds
+
         # Phase 2 can only shave total time; most of the budget goes to the makespan.
-        budget1 = time_limit_s * (0.75 if two_phase else 1.0)
-        objective = np.zeros(nvar)
-        objective[nx] = 1.0
-        res = _run(objective, integrality, Bounds(lb, ub), constraint, budget1, mip_rel_gap)
-        phases = [f"MILP phase 1 (makespan, {nvar} variables): {res.message.strip()} "
-                  f"after {time.perf_counter() - start:.3f}s"]
+        budget1 = time_limit_s * (0.75 if self.two_phase else 1.0)
+        objective = np.zeros(self.nvar)
+        objective[self.nx] = 1.0
+        res = _run(objective, self.integrality, Bounds(self.lb, self.ub), self.constraint, budget1, self.mip_rel_gap)
+        self.phases.append(f"MILP phase 1 (makespan, {self.nvar} variables): {res.message.strip()} "
+                           f"after {self.elapsed():.3f}s")
         if res.x is None:
-            status = "infeasible" if res.status == 2 else f"failed: {res.message.strip()}"
-            return MilpSolution(None, status, lower_bound=bound, seconds=time.perf_counter() - start,
-                                phases=phases)
+            return None, "infeasible" if res.status == 2 else f"failed: {res.message.strip()}", None, None
         x = res.x
         status = "optimal" if res.status == 0 else "time_limit"
-        t_star = float(x[nx])
+        t_star = float(x[self.nx])
         dual = getattr(res, "mip_dual_bound", None)
-        proven = max(bound, float(dual) * cref) if dual is not None and math.isfinite(dual) else bound
-        if two_phase:
-            left = time_limit_s - (time.perf_counter() - start)
+        proven = max(self.bound, float(dual) * self.cref) if dual is not None and math.isfinite(dual) else self.bound
+        if self.two_phase:
+            left = time_limit_s - self.elapsed()
             if left > 0.05:
-                res2 = phase2(t_star, left)
+                res2 = self.phase2(t_star, left)
                 if res2.x is not None:
                     x = res2.x
             else:
-                phases.append("MILP phase 2 skipped: time limit spent")
+                self.phases.append("MILP phase 2 skipped: time limit spent")
+        return x, status, t_star, proven
 
-    n = np.rint(x[:nx]).astype(np.int64).reshape(len(cols), W)
-    per_kind = [[0] * W for _ in kinds]
-    for c, (k, b) in enumerate(cols):
-        for r in range(W):
-            per_kind[k][r] += b * int(n[c, r])
-    if any(sum(per_kind[k]) != counts[k] for k in range(len(kinds))):
-        return MilpSolution(None, "failed: rounded solution does not cover every matrix", lower_bound=bound,
-                            seconds=time.perf_counter() - start, phases=phases)
-    return MilpSolution(per_kind, status, makespan=t_star * cref, lower_bound=proven,
-                        seconds=time.perf_counter() - start, phases=phases)
+    def counts_of(self, x) -> list[list[int]] | None:
+        """Per kind, per rank, the matrices ``x`` places (None if rounding lost one)."""
+        W = self.W
+        n = np.rint(x[:self.nx]).astype(np.int64).reshape(len(self.cols), W)
+        per_kind = [[0] * W for _ in self.kinds]
+        for c, (k, b) in enumerate(self.cols):
+            for r in range(W):
+                per_kind[k][r] += b * int(n[c, r])
+        if any(sum(per_kind[k]) != self.counts[k] for k in range(len(self.kinds))):
+            return None
+        return per_kind
+
+    def solution(self, per_kind, status: str, lower: float, **kw) -> MilpSolution:
+        return MilpSolution(per_kind, status, lower_bound=lower, seconds=self.elapsed(), phases=self.phases, **kw)
 
 
 def owners_from_counts(items: Sequence[int], counts: Sequence[Sequence[int]]) -> list[int]:
