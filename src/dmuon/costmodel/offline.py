@@ -198,14 +198,7 @@ def plan_offline(
         ValueError: For a non-positive world size, an unknown balancer or
             costs that miss a shape.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if zero not in (2, 3):
-        raise ValueError(f"zero must be 2 or 3, got {zero}")
-    shard = world_size if ranks_per_node is None else ranks_per_node
-    if shard < 1 or world_size % shard:
-        raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size})")
-    replicate = world_size // shard
+    replicate, shard = _mesh(world_size, zero, ranks_per_node)
     groups = list(groups)
     mats = expand(groups)
     table = _as_table(costs, mats, ns_steps)
@@ -213,78 +206,30 @@ def plan_offline(
     result = place_owners(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
         items, offline_blocks(mats), [m.numel for m in mats], replicate)
-    owners, loads = result.owners, result.loads
+    owners = result.owners
     # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
     owned: dict[int, list[int]] = {}
     for k, o in enumerate(owners):
         owned.setdefault(o, []).append(k)
     ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
     waves = return_waves(ns_batches, [], max_waves)
-    # HSDP layout: replicate across nodes, shard inside a node. dmuon's exchange as the runtime
-    # issues it: on the replicate level, whose column reduce-scatter moves gradients (fp32 by default),
-    # each wave's updates across replicas by the route the runtime picks for it.
     shapes = [m.shape for m in mats]
-    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, waves=waves)
-    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes, waves=waves)
-    ranks = []
-    for r in range(world_size):
-        mine = [k for k, o in enumerate(owners) if o == r]
-        ranks.append({
-            "rank": r,
-            "cost": loads[r],
-            "matrices": [mats[k].name for k in mine],
-            "batches": [{"shape": list(shape), "sizes": sizes} for shape, sizes in result.batches[r].items()],
-            "state_bytes": result.state_bytes[r],
-            "bytes_sent": traffic[r].sent,
-            "bytes_received": traffic[r].received,
-            "critical_bytes": traffic[r].busiest,
-            **traffic[r].as_dict(),
-        })
-    numels = [m.numel for m in mats]
-    fsdp2 = fsdp2_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
-    gather = gather_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
     plan = {
-        "world_size": world_size,
-        "balancer": balancer,
-        "method": result.method,
-        "status": result.status,
-        "zero": zero,
-        "root_regathered": root_regathered,
-        "cost_unit": "seconds" if table.unit == "seconds" else "flops (analytical)",
-        "cost_source": table.source,
-        "matrices": len(mats),
-        "makespan": result.makespan,
-        "mean": result.mean,
-        "imbalance": result.imbalance,
+        "world_size": world_size, "balancer": balancer, "method": result.method, "status": result.status,
+        "zero": zero, "root_regathered": root_regathered,
+        "cost_unit": "seconds" if table.unit == "seconds" else "flops (analytical)", "cost_source": table.source,
+        "matrices": len(mats), "makespan": result.makespan, "mean": result.mean, "imbalance": result.imbalance,
         "lower_bound": None if math.isnan(result.lower_bound) else result.lower_bound,
-        "solve_seconds": result.solve_seconds,
-        "memory_cap": result.memory_cap,
-        "notes": result.notes,
-        "mesh": [replicate, shard],
-        "wire_bytes": wire_bytes,
-        "fsdp_elem_bytes": fsdp_elem_bytes,
-        "fsdp2_bytes_per_rank": _uniform(fsdp2),
-        "gather_bytes_per_rank": _uniform(gather),
-        "critical_path_bytes": {"dmuon": critical_path(traffic), "dmuon_native_hsdp": critical_path(native),
-                                "fsdp2": fsdp2.busiest, "gather_then_compute": gather.busiest},
-        "ranks": ranks,
+        "solve_seconds": result.solve_seconds, "memory_cap": result.memory_cap, "notes": result.notes,
+        "mesh": [replicate, shard], "wire_bytes": wire_bytes, "fsdp_elem_bytes": fsdp_elem_bytes,
+        **_traffic(mats, result, waves, replicate, shard, zero, wire_bytes, fsdp_elem_bytes),
     }
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                                   zero=zero, root_block=0, model=alpha_beta, waves=waves,
                                   root_regathered=root_regathered)
-    plan["step_comm_model"] = {
-        **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
-        "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
-        "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
-                 "on HSDP the all-reduce (FSDP2's; under dmuon, the replicate level, dmuon's of the other parameters, after "
-                 "the next all_to_all), dmuon's all_to_alls (on HSDP under dmuon "
-                 "the gradient's column slices across replicas, carrying in the same all_to_all the direction "
-                 "slices of the block before in backward (the last block's go alone), and the rows to the "
-                 "owner); step: dmuon's returns or gather's all-gathers",
-        "return_waves": [w for w in waves if w],
-    }
+    plan["step_comm_model"] = _step_comm_model(alpha_beta, wire_bytes, param_bytes, reduce_bytes, waves)
     if hardware is not None:
         options = sim_options or SimOptions()
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
@@ -303,6 +248,68 @@ def plan_offline(
             shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
             reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups), waves=waves)
     return plan
+
+
+def _mesh(world_size: int, zero: int, ranks_per_node: int | None) -> tuple[int, int]:
+    """``(replicate, shard)``: replicate across nodes, shard inside one (all ranks without ``ranks_per_node``)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, got {zero}")
+    shard = world_size if ranks_per_node is None else ranks_per_node
+    if shard < 1 or world_size % shard:
+        raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide world_size ({world_size})")
+    return world_size // shard, shard
+
+
+def _traffic(mats: list, result, waves: list, replicate: int, shard: int, zero: int, wire_bytes: int,
+             fsdp_elem_bytes: int) -> dict:
+    """The plan's per-step bytes: FSDP2's and gather-then-compute's per rank, the critical paths, and per
+    rank dmuon's exchange as the runtime issues it (on the replicate level its column reduce-scatter moves
+    gradients, in ``fsdp_elem_bytes``; each wave's updates across replicas by the route picked for it)."""
+    owners, shapes = result.owners, [m.shape for m in mats]
+    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, waves=waves)
+    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes, waves=waves)
+    ranks = []
+    for r in range(replicate * shard):
+        mine = [k for k, o in enumerate(owners) if o == r]
+        ranks.append({
+            "rank": r,
+            "cost": result.loads[r],
+            "matrices": [mats[k].name for k in mine],
+            "batches": [{"shape": list(shape), "sizes": sizes} for shape, sizes in result.batches[r].items()],
+            "state_bytes": result.state_bytes[r],
+            "bytes_sent": traffic[r].sent,
+            "bytes_received": traffic[r].received,
+            "critical_bytes": traffic[r].busiest,
+            **traffic[r].as_dict(),
+        })
+    numels = [m.numel for m in mats]
+    fsdp2 = fsdp2_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    gather = gather_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    return {
+        "fsdp2_bytes_per_rank": _uniform(fsdp2),
+        "gather_bytes_per_rank": _uniform(gather),
+        "critical_path_bytes": {"dmuon": critical_path(traffic), "dmuon_native_hsdp": critical_path(native),
+                                "fsdp2": fsdp2.busiest, "gather_then_compute": gather.busiest},
+        "ranks": ranks,
+    }
+
+
+def _step_comm_model(alpha_beta: AlphaBeta, wire_bytes: int, param_bytes: int, reduce_bytes: int,
+                     waves: list) -> dict:
+    """What ``step_comm``'s figures assume."""
+    return {
+        **alpha_beta.as_dict(), "wire_bytes": wire_bytes, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes,
+        "blocks": "root (block 0) + one block per layer k of each 'name.*' group (shape lists carry no modules)",
+        "order": "forward all-gathers; per block in backward order: all-gather (ZeRO-3), reduce-scatter, "
+                 "on HSDP the all-reduce (FSDP2's; under dmuon, the replicate level, dmuon's of the other parameters, after "
+                 "the next all_to_all), dmuon's all_to_alls (on HSDP under dmuon "
+                 "the gradient's column slices across replicas, carrying in the same all_to_all the direction "
+                 "slices of the block before in backward (the last block's go alone), and the rows to the "
+                 "owner); step: dmuon's returns or gather's all-gathers",
+        "return_waves": [w for w in waves if w],
+    }
 
 
 def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
