@@ -20,6 +20,7 @@ from it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -41,7 +42,8 @@ from dmuon.util.bits import any_bits_differ
 
 @dataclasses.dataclass
 class Settled:
-    """What a step settled, identically on every rank (but the directions and row states, this rank's)."""
+    """What a step settled, identically on every rank (but the directions and row states, this rank's).
+    Not changed once made: the block sets derived from it are computed once."""
 
     agreement: Agreement
     managed: list[int]
@@ -65,18 +67,18 @@ class Settled:
     def skipped(self) -> bool:
         return self.agreement.skipped
 
-    @property
+    @functools.cached_property
     def kept(self) -> set[int]:
         """The blocks whose launch stands."""
         return {b for k, b in enumerate(sorted(self.launches)) if not self.agreement.stale[k]}
 
-    @property
+    @functools.cached_property
     def rescaled(self) -> set[int]:
         """The kept blocks whose launch stands for its gradients scaled since (clipping): the owners
         form their directions, so their early results do not stand."""
         return {b for k, b in enumerate(sorted(self.launches)) if self.agreement.rescaled[k]}
 
-    @property
+    @functools.cached_property
     def done(self) -> set[int]:
         """The blocks whose early owner results stand: kept, computed, not rescaled."""
         return (self.kept & self.early.keys()) - self.rescaled
