@@ -93,13 +93,8 @@ class ShardExchange:
     (:class:`dmuon.comm.exchange_core.ExchangeCore`).
 
     Args:
-        infos: The plan's matrices (owners and row splits set).
-        topology: Mesh shape, this rank's place in it and dmuon's process groups.
-        stats: Counters to update.
-        wire_dtype: Dtype of everything sent (NS's input and output dtype).
-        device: Device of the buffers.
-        row_width: float32 values of row state per matrix row that travel with the
-            matrices (see the module docstring); 0: none.
+        infos, topology, stats, wire_dtype, device, row_width: the wire's, as
+            :class:`~dmuon.comm.exchange_core.ExchangeCore` takes them.
         publication: How hop 2 crosses the replicas: None picks per return wave
             (:func:`dmuon.plan.publication.choose_route`), ``"direct"`` or ``"scatter"``
             forces one route for every wave (tests; every rank must pass the same).
