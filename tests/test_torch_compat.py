@@ -113,6 +113,8 @@ def _unshard_state(rank: int, world_size: int, mesh) -> str | None:
     model[1].reshard()
     if torch_compat.gathered_or_gathering(model[1]) or torch_compat.gathered_or_gathering(model[0]):
         return f"{TORCH}: gathered_or_gathering is True after reshard(), or on another module"
+    if torch_compat.fsdp_unit(model[1]) is torch_compat.fsdp_unit(model[0]):
+        return f"{TORCH}: fsdp_unit gives two fully_shard calls one unit"
     return None
 
 
@@ -262,6 +264,7 @@ def test_moved_fsdp_state_is_named():
     _raises_naming(lambda: torch_compat.has_all_reduce_hook(object()), "FSDPModule._get_fsdp_state()")
     State._fsdp_param_groups = [Group()]
     _raises_naming(lambda: torch_compat.gathered_or_gathering(Module()), "FSDPParamGroup._all_gather_result")
+    _raises_naming(lambda: torch_compat.fsdp_unit(object()), "FSDPModule._get_fsdp_state()")
 
 
 def test_a_moved_queue_callback_is_named(monkeypatch):

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dmuon.comm import Pending
 from dmuon.plan.plan import Plan
-from dmuon.util.torch_compat import gathered_or_gathering
+from dmuon.util.torch_compat import fsdp_unit, gathered_or_gathering
 
 Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], None]
 """The rule's ``apply`` (its row states' argument given only to a row-state rule)."""
@@ -76,6 +76,8 @@ class NextForwardUpdates:
         recomputation (activation checkpointing) runs the pre-hooks again: a unit whose forward did not
         run keeps its updates until :meth:`flush`, and nothing is gathered in backward that FSDP2 did
         not ask for."""
+        self._together = _gathered_together(plan)
+        """Per unit, the units one unshard gathers with it (``fully_shard([a, b])``), itself included."""
         self._hooks = []
         if root is not None:
             self._hooks.append(root.register_forward_hook(self._root_forward_end))
@@ -150,10 +152,10 @@ class NextForwardUpdates:
 
     @torch.no_grad()
     def _apply_unit(self, block: int) -> bool:
-        """Lands the returns carrying ``block``'s updates and applies this rank's rows of them; whether
-        there were any (the same on every rank)."""
-        members = self._pending.pop(block, None)
-        if members is None:
+        """Lands the returns carrying the updates of ``block`` and of the units gathered with it and applies
+        this rank's rows of them; whether there were any (the same on every rank)."""
+        together = [b for b in self._together[block] if b in self._pending]
+        if not together:
             return False
         module = self.plan.blocks[block].module
         if isinstance(module, FSDPModule) and gathered_or_gathering(module):
@@ -164,6 +166,14 @@ class NextForwardUpdates:
                 "already gathered before its updates were applied (FSDPModule.set_modules_to_forward_prefetch, "
                 "or an unshard() of yours in the forward); dmuon issues each unit's all-gather one unit ahead "
                 "itself: drop the forward prefetch, or use apply_updates='in_step'")
+        for b in together:
+            self._apply_members(self._pending.pop(b))
+        if not self._pending:
+            self._returns, self._finish = [], None  # every buffer of the step's returns can go
+        return True
+
+    def _apply_members(self, members: set[int]) -> None:
+        """This rank's rows of ``members``' updates into their shards (then the rule's per-unit finish)."""
         for pending, carried in self._returns:
             mine = [i for i in carried if i in members]
             if not mine:
@@ -177,15 +187,25 @@ class NextForwardUpdates:
                 self._apply({i: updates[i] for i in held})
         if self._finish is not None:
             self._finish(sorted(members))  # QK-clip: this unit's query and key rows, after their update
-        if not self._pending:
-            self._returns, self._finish = [], None  # every buffer of the step's returns can go
-        return True
 
     def close(self) -> None:
         """Removes the forward hooks."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _gathered_together(plan: Plan) -> dict[int, list[int]]:
+    """Per block, the blocks whose modules share its FSDP2 state (one ``unshard`` gathers them all), in
+    plan order; a block alone where FSDP2 does not manage the module."""
+    units: dict[int, list[int]] = {}
+    keys: dict[int, object] = {}
+    for block in plan.blocks:
+        module = block.module
+        unit = fsdp_unit(module) if isinstance(module, FSDPModule) else module
+        keys[block.index] = unit
+        units.setdefault(id(unit), []).append(block.index)
+    return {b: units[id(unit)] for b, unit in keys.items()}
 
 
 def _unshard(module: nn.Module):

@@ -15,6 +15,7 @@ Private APIs:
 * :func:`has_all_reduce_hook`: ``FSDPModule._get_fsdp_state()._fsdp_param_groups[*]._all_reduce_hook``.
 * :func:`queue_end_of_backward`: ``torch.autograd.Variable._execution_engine.queue_callback``.
 * :func:`gathered_or_gathering`: ``FSDPParamGroup._all_gather_result`` and ``is_unsharded``.
+* :func:`fsdp_unit`: ``FSDPModule._get_fsdp_state()``.
 
 Behaviour of FSDP2 (public APIs whose semantics changed across releases):
 
@@ -98,6 +99,14 @@ def has_all_reduce_hook(module) -> bool:
             raise _moved("FSDPParamGroup._all_reduce_hook (where set_all_reduce_hook keeps the hook)",
                          f"{type(g).__name__} has no _all_reduce_hook")
     return any(g._all_reduce_hook is not None for g in groups)
+
+
+def fsdp_unit(module) -> object:
+    """What ``module`` is gathered with: its FSDP2 state, which ``fully_shard([a, b])`` gives both ``a`` and ``b``
+    (one ``unshard`` gathers both); compare with ``is``."""
+    if not hasattr(module, "_get_fsdp_state"):
+        raise _moved("FSDPModule._get_fsdp_state()", f"{type(module).__name__} has no _get_fsdp_state")
+    return module._get_fsdp_state()
 
 
 def gathered_or_gathering(module) -> bool:
