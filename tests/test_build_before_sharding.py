@@ -13,7 +13,7 @@ from support.spawn import run_distributed
 
 from support.lazy import before_and_after, unsharded_step
 from support.models import OddNet, lm_loss, odd_batch
-from support.scenarios import run_each
+from support.scenarios import run_each, succeeded
 
 
 def _same(got: dict, ref: dict) -> None:
@@ -26,7 +26,7 @@ def _same(got: dict, ref: dict) -> None:
 
 def _on_two(rank: int, world: int) -> dict:
     """Every 2-rank run of this file in one process group (a spawn costs more than the work), each with its
-    own result or its own error (:func:`support.scenarios.run_each`)."""
+    own result or its own error."""
     return run_each({"1d": lambda: before_and_after(rank, world, None, "fsdp2"),
                      "torch": lambda: before_and_after(rank, world, None, "fsdp2", 2, 1, None, "torch"),
                      "wrapped": lambda: before_and_after(rank, world, None, "fsdp2", 2, 1, None, "all", True),
@@ -34,18 +34,27 @@ def _on_two(rank: int, world: int) -> dict:
 
 
 def _on_four(rank: int, world: int) -> dict:
-    return run_each({hsdp: (lambda hsdp=hsdp: before_and_after(rank, world, (2, 2), hsdp))
+    return run_each({hsdp: functools.partial(before_and_after, rank, world, (2, 2), hsdp)
                      for hsdp in ("fsdp2", "dmuon")})
 
 
 @functools.cache
-def _two() -> list[dict]:
+def _two_runs() -> list[dict]:
     return run_distributed(_on_two, 2, timeout_s=300)
 
 
 @functools.cache
-def _four() -> list[dict]:
+def _four_runs() -> list[dict]:
     return run_distributed(_on_four, 4, timeout_s=300)
+
+
+def _two(run: str) -> list:
+    """Each rank's result of the 2-rank run ``run`` (its ranks' error when it raised)."""
+    return [succeeded(r[run]) for r in _two_runs()]
+
+
+def _four(run: str) -> list:
+    return [succeeded(r[run]) for r in _four_runs()]
 
 
 @pytest.mark.parametrize("layout", ["1d-2-ranks", "hsdp-2x2-native", "hsdp-2x2-replicate-level"])
@@ -53,8 +62,7 @@ def test_built_before_sharding_equals_built_after_bit_for_bit(layout):
     """3 steps, 2 micro-batches under FSDP2's no-sync, torch's clip_grad_norm_, a frozen block: every
     parameter, every state tensor and the param groups are equal; the optimizer sets itself up at the
     first forward, so the first backward already runs its hooks."""
-    out = [r["1d"] for r in _two()] if layout == "1d-2-ranks" else \
-        [r["fsdp2" if layout == "hsdp-2x2-native" else "dmuon"] for r in _four()]
+    out = _two("1d") if layout == "1d-2-ranks" else _four("fsdp2" if layout == "hsdp-2x2-native" else "dmuon")
     _same(out[0]["before"], out[0]["after"])
     for rank in out:
         assert rank["before"]["seen"] == [("built", False), ("after the first backward", True)]
@@ -63,7 +71,7 @@ def test_built_before_sharding_equals_built_after_bit_for_bit(layout):
 
 def test_torch_style_groups_built_before_sharding_equal_built_after():
     """The HF Trainer's grouping (weight decay off for biases and norms), given as groups with module=."""
-    out = [r["torch"] for r in _two()]
+    out = _two("torch")
     _same(out[0]["before"], out[0]["after"])
     by_kind = {(g["algorithm"], g["weight_decay"]) for g in out[0]["after"]["groups"]}
     assert by_kind == {("muon", 0.05), ("adamw", 0.05), ("adamw", 0.0)}
@@ -72,12 +80,12 @@ def test_torch_style_groups_built_before_sharding_equal_built_after():
 def test_blocks_wrapped_for_activation_checkpointing_after_the_optimizer_was_built():
     """accelerate wraps blocks in torch's checkpoint wrapper between building the optimizer and sharding:
     the parameters' names gain ``_checkpoint_wrapped_module``, and DMuon still finds them."""
-    out = [r["wrapped"] for r in _two()]
+    out = _two("wrapped")
     _same(out[0]["before"], out[0]["after"])
 
 
 def test_a_step_on_a_model_never_sharded_names_the_fix():
-    for message in [r["unsharded"] for r in _two()]:
+    for message in _two("unsharded"):
         assert message is not None and "not sharded" in message and "fully_shard" in message, message
 
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import dmuon
-from support.scenarios import run_each
 from support.spawn import run_distributed
 
 from support.experts import ExpertNet, reference, train
+from support.scenarios import run_each, succeeded
 
 STEPS = 3
 
@@ -48,12 +48,14 @@ def test_one_process_equals_torch_muon_per_slice(view):
 
 
 def _on_two(rank: int, world: int) -> dict:
-    """Every 2-rank run of this file in one process group (a spawn costs more than the work)."""
+    """Every 2-rank run of this file in one process group (a spawn costs more than the work), each with its
+    own result or its own error."""
     from support.experts import train_gather, train_qkv
 
     return run_each({"stacks": lambda: train(rank, world, STEPS, 3, None, None, None),
                      "gather": lambda: train_gather(rank, world, STEPS),
-                     **{f"qkv gather {g}": (lambda g=g: train_qkv(rank, world, STEPS, g, "gather")) for g in (3, 6)}})
+                     **{f"qkv gather {g}": functools.partial(train_qkv, rank, world, STEPS, g, "gather")
+                        for g in (3, 6)}})
 
 
 def _on_four(rank: int, world: int) -> dict:
@@ -67,24 +69,34 @@ def _on_four(rank: int, world: int) -> dict:
         "qkv 3": lambda: train_qkv(rank, world, STEPS, 3, "dmuon", None),
         "qkv 6": lambda: train_qkv(rank, world, STEPS, 6, "dmuon", (2, 2)),
         "stacks clipped": lambda: train(rank, world, STEPS, 3, None, None, None, clip=CLIP),
-        "stacks clipped, overlap off": lambda: train(rank, world, STEPS, 3, None, None, None, clip=CLIP, overlap=False)})
+        "stacks clipped, overlap off": lambda: train(rank, world, STEPS, 3, None, None, None, clip=CLIP,
+                                                     overlap=False)})
 
 
 @functools.cache
-def _two() -> list[dict]:
+def _two_runs() -> list[dict]:
     return run_distributed(_on_two, 2, timeout_s=300)
 
 
 @functools.cache
-def _four() -> list[dict]:
+def _four_runs() -> list[dict]:
     return run_distributed(_on_four, 4, timeout_s=300)
+
+
+def _two(run: str) -> list:
+    """Each rank's result of the 2-rank run ``run`` (its ranks' error when it raised)."""
+    return [succeeded(r[run]) for r in _two_runs()]
+
+
+def _four(run: str) -> list:
+    return [succeeded(r[run]) for r in _four_runs()]
 
 
 @pytest.mark.parametrize("world,run", [(2, "stacks"), (4, "stacks 4-ranks-waves"), (4, "stacks hsdp-2x2-waves")],
                          ids=["2-ranks", "4-ranks-waves", "hsdp-2x2-waves"])
 def test_sharded_stacks_equal_torch_muon_per_slice(world, run):
     # 3 experts divide neither 2 nor 4 shard columns: on 4 ranks one column holds none.
-    results = [r[run] for r in (_two() if world == 2 else _four())]
+    results = (_two if world == 2 else _four)(run)
     name, err = _worst(results[0]["params"], reference(world, STEPS))
     assert err <= 1e-5, (name, err)
     # Each expert has its own owner; over the mesh each is orthogonalized once.
@@ -96,14 +108,14 @@ def test_sharded_stacks_equal_torch_muon_per_slice(world, run):
 
 
 def test_gather_then_compute_orthogonalizes_stacks_per_slice_too():
-    got = _two()[0]["gather"]
+    got = _two("gather")[0]
     name, err = _worst(got, reference(2, STEPS))
     assert err <= 1e-5, (name, err)
 
 
 def test_expert_parallel_stacks_equal_torch_muon_per_slice():
     """Experts split over an ``ep`` mesh dim (3 experts over 2: uneven), FSDP2 over ``dp`` inside it."""
-    results = [r["expert parallel"] for r in _four()]
+    results = _four("expert parallel")
     name, err = _worst(results[0]["params"], reference(2, STEPS))
     assert err <= 1e-5, (name, err)
     assert "_StridedShard(dim=0" in results[0]["placements"]
@@ -122,14 +134,14 @@ def test_row_groups_of_a_fused_qkv_equal_torch_muon_per_group(groups, mesh_shape
     over 4 (8, 8, 8, 6) or 2 shard ranks cut the groups at rank boundaries that are not group boundaries."""
     from support.experts import qkv_reference
 
-    results = [r[f"qkv {groups}"] for r in _four()]
+    results = _four(f"qkv {groups}")
     ref = qkv_reference(4, STEPS, groups)
     name, err = _worst(results[0]["params"], ref)
     assert err <= 1e-5, (name, err)
     height = 30 // groups
     assert results[0]["names"][:groups] == [f"qkv.weight[rows {g * height}:{(g + 1) * height}]" for g in range(groups)]
     assert sum(r["orthogonalized"] for r in results) == groups + 1
-    oracle = _two()[0][f"qkv gather {groups}"]
+    oracle = _two(f"qkv gather {groups}")[0]
     name, err = _worst(oracle["params"], qkv_reference(2, STEPS, groups))
     assert err <= 1e-5, ("gather", name, err)
 
@@ -148,10 +160,10 @@ CLIP = 1e-3  # below every gradient norm here: every step clips
 def test_launches_of_expert_stacks_survive_clipping():
     """Each expert its own matrix and owner: after torch's clip_grad_norm_ every launch stands for the
     clipped gradients (the owners rescale), within float32 rounding of ``overlap=False``."""
-    runs = _four()
-    for r in runs:
-        kept, rescaled = r["stacks clipped"]["launches"]
+    clipped, overlap_off = _four("stacks clipped"), _four("stacks clipped, overlap off")
+    for r, off in zip(clipped, overlap_off):
+        kept, rescaled = r["launches"]
         assert kept == rescaled > 0
-        assert r["stacks clipped, overlap off"]["launches"] == (0, 0)
-    got, want = runs[0]["stacks clipped"]["params"], runs[0]["stacks clipped, overlap off"]["params"]
+        assert off["launches"] == (0, 0)
+    got, want = clipped[0]["params"], overlap_off[0]["params"]
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6

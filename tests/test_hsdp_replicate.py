@@ -19,9 +19,9 @@ from support.spawn import run_distributed
 from support import experts, tp
 from support.cases import MUON_KW, Case, full_params, run_cases, sharded_oddnet
 from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, max_diff, reference
-from support.scenarios import run_each
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
+from support.scenarios import run_each, succeeded
 
 CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
 FROZEN = ("layers.1.mid",)
@@ -86,7 +86,8 @@ BF16_CASES = [Case(hsdp="dmuon", **BF16), Case(hsdp="fsdp2", **BF16), Case(kind=
 
 
 def _on_four_ranks(rank: int, world: int) -> dict:
-    """Every 4-rank run of this file in one process group (a spawn costs more than the work)."""
+    """Every 4-rank run of this file in one process group (a spawn costs more than the work), each with its
+    own result or its own error (each case of a list of cases too)."""
     return run_each({"2x2": lambda: run_cases(rank, world, _cases((2, 2), full=True)),
                      "bf16": lambda: run_cases(rank, world, BF16_CASES),
                      "experts": lambda: experts.train(rank, world, STEPS, 3, (2, 2), None, 4, "dmuon"),
@@ -94,8 +95,13 @@ def _on_four_ranks(rank: int, world: int) -> dict:
 
 
 @functools.cache
-def _four() -> list[dict]:
+def _four_runs() -> list[dict]:
     return run_distributed(_on_four_ranks, 4, timeout_s=600)
+
+
+def _four(run: str) -> list:
+    """Each rank's result of the 4-rank run ``run`` (its ranks' error when it raised)."""
+    return [succeeded(r[run]) for r in _four_runs()]
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), pytest.param((2, 4), marks=EIGHT_RANKS),
@@ -104,7 +110,7 @@ def test_replicate_level_matches_single_process_reference(mesh_shape):
     world = mesh_shape[0] * mesh_shape[1]
     full = mesh_shape == (2, 2)  # every variant on one mesh; the others run the two main ones (8 ranks cost)
     cases = _cases(mesh_shape, full)
-    results = [r["2x2"] for r in _four()] if full else run_distributed(run_cases, world, cases, timeout_s=600)
+    results = _four("2x2") if full else run_distributed(run_cases, world, cases, timeout_s=600)
     plain = reference(world, torch.float32)[0]
     clipped, norms = _reference_with(world, clip=CLIP)
     for k, case in enumerate(cases):
@@ -139,7 +145,7 @@ def test_bf16_mixed_precision_equals_native_hsdp():
     The gradients differ only in summation order across replicas (exact for these fp32 reductions
     over 2 replicas: a + b either way), so every bf16 rounding agrees.
     """
-    results = [r["bf16"] for r in _four()]
+    results = _four("bf16")
     for other in (1, 2):
         diff, worst = max_diff(results[0][0]["params"], results[0][other]["params"])
         assert diff <= 1e-6, (other, worst, diff)
@@ -158,7 +164,7 @@ def test_tensor_parallel_on_a_3d_mesh():
 
 
 def test_expert_stacks():
-    results = [r["experts"] for r in _four()]
+    results = _four("experts")
     ref = experts.reference(4, STEPS)
     diff = max((results[0]["params"][n] - ref[n]).abs().max().item() for n in ref)
     assert diff <= 1e-5
@@ -209,7 +215,7 @@ def _bad_setups(rank: int, world: int) -> dict:
 
 
 def test_misuse_is_refused_on_every_rank_naming_the_fix():
-    results = [r["misuse"] for r in _four()]
+    results = _four("misuse")
     expected = {
         "native model, hsdp_mesh": "fully_shard-ed over the whole hsdp_mesh",
         "shard sub-mesh, no hsdp_mesh": "pass hsdp_mesh=",
@@ -250,7 +256,7 @@ def _grads_set_by_hand(rank: int, world: int) -> dict:
 
 def test_gradients_set_by_hand_are_reduced_in_step_into_a_copy():
     """No hook fired: step() reduces the replicas' gradients itself, into tensors of its own."""
-    results = [r["by_hand"] for r in _four()]
+    results = _four("by_hand")
     ref = _reference_with(4, steps=1)[0]
     diff, worst = max_diff(results[0]["params"], ref)
     assert diff <= 1e-5, (worst, diff)

@@ -12,11 +12,12 @@ from support.spawn import run_distributed, run_with_crashes
 from support import faults
 from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference
-from support.scenarios import run_each
+from support.scenarios import run_each, succeeded
 
 
 def _on_two(rank: int, world: int) -> dict:
-    """The 2-rank misuse cases in one process group (each raises on every rank alike, then the next runs)."""
+    """The 2-rank misuse cases in one process group (each raises on every rank alike, then the next runs),
+    each with its own result or its own error."""
     return run_each({"mismatched": lambda: faults.mismatched_models(rank, world),
                      "root": lambda: faults.root_not_sharded(rank, world),
                      "another plan": lambda: faults.plan_for_another_model(rank, world)})
@@ -25,8 +26,10 @@ def _on_two(rank: int, world: int) -> dict:
 def _on_three(rank: int, world: int) -> dict:
     """The 3-rank cases in one process group."""
     return run_each({
-        "kernel": lambda: faults.kernel_sharded(rank, world), "blocks": lambda: faults.fsdp_blocks(rank, world),
-        "skip": lambda: faults.nonfinite(rank, world, "skip"), "raise": lambda: faults.nonfinite(rank, world, "raise"),
+        "kernel": lambda: faults.kernel_sharded(rank, world),
+        "blocks": lambda: faults.fsdp_blocks(rank, world),
+        "skip": lambda: faults.nonfinite(rank, world, "skip"),
+        "raise": lambda: faults.nonfinite(rank, world, "raise"),
         # The updates of the blocks launched first come back in backward; the skip drops them too.
         "skip, returns in backward": lambda: faults.nonfinite(rank, world, "skip", ns_in_backward=True,
                                                               returns_in_backward=True),
@@ -34,32 +37,41 @@ def _on_three(rank: int, world: int) -> dict:
 
 
 @functools.cache
-def _two() -> list[dict]:
+def _two_runs() -> list[dict]:
     return run_distributed(_on_two, 2, timeout_s=120)
 
 
 @functools.cache
-def _three() -> list[dict]:
+def _three_runs() -> list[dict]:
     return run_distributed(_on_three, 3, timeout_s=120)
 
 
+def _two(run: str) -> list:
+    """Each rank's result of the 2-rank case ``run`` (its ranks' error when it raised)."""
+    return [succeeded(r[run]) for r in _two_runs()]
+
+
+def _three(run: str) -> list:
+    return [succeeded(r[run]) for r in _three_runs()]
+
+
 def test_ranks_with_different_models_fail_clearly():
-    out = [r["mismatched"] for r in _two()]
+    out = _two("mismatched")
     assert all(o.startswith("ValueError") and "ranks [1] differ" in o for o in out), out
 
 
 def test_parameter_outside_fully_shard_is_named():
-    out = [r["root"] for r in _two()]
+    out = _two("root")
     assert all("not managed by any fully_shard" in o and "embed.weight" in o for o in out), out
 
 
 def test_unsupported_layout_is_named():
-    out = [r["kernel"] for r in _three()]  # FSDP2 splits dim 2 only evenly
+    out = _three("kernel")  # FSDP2 splits dim 2 only evenly
     assert all(o.startswith("ValueError") and "'conv.weight' is split on its dim 2" in o for o in out), out
 
 
 def test_plan_for_another_model_is_refused():
-    out = [r["another plan"] for r in _two()]
+    out = _two("another plan")
     assert all(o.startswith("ValueError") and "plan" in o for o in out), out
 
 
@@ -69,7 +81,7 @@ def test_sparse_gradient_names_the_parameter():
 
 
 def test_blocks_are_the_fsdp2_modules_and_rows_follow_shard0():
-    out = [r["blocks"] for r in _three()]
+    out = _three("blocks")
     for o in out:
         assert o["blocks"] == ["", "layers.0", "layers.1", "layers.2"]
         assert o["block_of"]["conv.weight"] == 0 and o["block_of"]["layers.2.down.weight"] == 3
@@ -79,7 +91,7 @@ def test_blocks_are_the_fsdp2_modules_and_rows_follow_shard0():
 
 @pytest.mark.parametrize("mode", ["skip", "raise", "skip, returns in backward"])
 def test_nonfinite_gradient_is_handled_on_every_rank(mode):
-    out = [r[mode] for r in _three()]
+    out = _three(mode)
     for o in out:
         assert o["outcome"][0] == ("stepped", True)
         if mode.startswith("skip"):
@@ -89,7 +101,7 @@ def test_nonfinite_gradient_is_handled_on_every_rank(mode):
 
 
 def test_milp_plan_is_identical_on_every_rank():
-    out = [r["milp"] for r in _three()]
+    out = _three("milp")
     assert all(o == out[0] for o in out) and set(out[0]) == {0, 1, 2}
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import dmuon
-from support.scenarios import run_each
 from support.spawn import run_distributed
 
+from support.scenarios import run_each, succeeded
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 
 STEPS = 3
@@ -22,7 +22,8 @@ MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
 
 
 def _on_four(rank: int, world: int) -> dict:
-    """Every 4-rank run of this file in one process group (a spawn costs more than the work)."""
+    """Every 4-rank run of this file in one process group (a spawn costs more than the work), each with its
+    own result or its own error."""
     from support.tp import counted_tp_step
 
     shape = MESHES["dp2-tp2"]
@@ -61,9 +62,14 @@ def _eight() -> list[dict]:
         return run_distributed(_on_eight, 8, f"{directory}/ckpt", timeout_s=300)
 
 
+def _ranks(runs: list[dict], key) -> list[dict]:
+    """Each rank's result of the run ``key`` (its ranks' error when it raised)."""
+    return [succeeded(r[key]) for r in runs]
+
+
 def _run(mesh: str, what: str = "dmuon") -> list[dict]:
     """Every rank's result of one run (``mesh``: a key of MESHES, or ``"bf16"``: dp2-tp2 in bf16)."""
-    return [r[(mesh, what)] for r in (_eight() if mesh == "hsdp2x2-tp2" else _four())]
+    return _ranks(_eight() if mesh == "hsdp2x2-tp2" else _four(), (mesh, what))
 
 
 def _worst(got: dict, ref: dict) -> tuple[str, float]:
@@ -140,7 +146,7 @@ def test_sequence_parallel_norms_and_embedding():
     stream split over the sequence; the matrices' result is still single-process torch.optim.Muon's."""
     from support.tp import SP_MATRICES
 
-    results = [r["sequence parallel"] for r in _four()]
+    results = _ranks(_four(), "sequence parallel")
     params, momenta = reference(2, STEPS, sequence_parallel=True)
     name, err = _worst(results[0]["params"], params)
     assert err <= 1e-5, (name, err)
@@ -152,7 +158,7 @@ def test_sequence_parallel_norms_and_embedding():
 def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp():
     """get_model/optimizer_state_dict + dcp.save/load + set_*: the rowwise momentum's columns are split
     over the replicas inside TP's split (_StridedShard), and the resumed run continues bit for bit."""
-    got = _eight()[0]["resume"]
+    got = _ranks(_eight(), "resume")[0]
     assert "_StridedShard(dim=1, sf=2)" in got["placements"], got["placements"]
     for name, value in got["continued"].items():
         assert torch.equal(got["resumed"][name], value), name
@@ -190,14 +196,14 @@ def test_launches_survive_clipping_under_tensor_parallelism():
     """``DMuon.clip_grad_norm_`` on the (dp, tp) mesh every step: from the second clipped step on every
     block's launch stands for the clipped gradients (the owners rescale), and the result is
     ``overlap=False``'s within float32 rounding (fp32 NS)."""
-    runs = _four()
-    for r in runs:
+    clipped, off = _run("clip", "overlap"), _run("clip", "off")
+    for r, r_off in zip(clipped, off):
         # The first clip exchanges again and starts the owners' copies; then every launch stands.
-        kept = [launch[:2] for launch in r[("clip", "overlap")]["launches"]]
+        kept = [launch[:2] for launch in r["launches"]]
         blocks = kept[-1][0]
         assert blocks > 0 and kept == [(0, 0)] + [(blocks, blocks)] * (STEPS - 1), kept
-        assert all(k[:2] == (0, 0) for k in r[("clip", "off")]["launches"])
-    got, want = runs[0][("clip", "overlap")]["params"], runs[0][("clip", "off")]["params"]
+        assert all(k[:2] == (0, 0) for k in r_off["launches"])
+    got, want = clipped[0]["params"], off[0]["params"]
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6
 
 

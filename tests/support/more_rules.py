@@ -24,6 +24,7 @@ from support.cases import DION2_KW, MUON_KW, Case, run_cases
 from support.equivalence import SKIP, STEPS, all_ranks_batches, max_diff
 from support.models import OddNet, lm_loss
 from support.reference import _fp32_zeropower
+from support.scenarios import run_grouped
 
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
 EPS = 1e-7
@@ -238,21 +239,27 @@ def rule_runs(rank: int, world_size: int, directory: str) -> dict:
 
     cases = equivalence_cases(world_size)
     out = {"cases": dict(zip(cases, run_cases(rank, world_size, list(cases.values())))), "resumed": {}}
+    # Each run on its own (support.scenarios): a run that raises fails only the tests reading it.
+    scenarios = {}
     for rule in RULES:
         path = f"{directory}/{rule}"
         if world_size == 2:
-            save_rule(rank, world_size, path, rule)
+            scenarios[("saved", rule)] = functools.partial(save_rule, rank, world_size, path, rule)
         elif world_size == 3:
-            out["resumed"][rule] = resume_rule(rank, world_size, path, rule)
+            scenarios[("resumed", rule)] = functools.partial(resume_rule, rank, world_size, path, rule)
         else:
-            out["resumed"][rule] = resume_rule(rank, world_size, path, rule, (2, 2), "dmuon")
+            scenarios[("resumed", rule)] = functools.partial(resume_rule, rank, world_size, path, rule, (2, 2),
+                                                             "dmuon")
     if world_size == 4:
-        out["counted"] = {(rule, name): counted_step(rank, world_size, mesh, dtype, 3, 2, waves, hsdp, rule)
-                          for rule in RULES for name, (mesh, dtype, waves, hsdp) in COUNTED.items()}
-        out["counted"][("muon", "1-D bf16 NS, 4 waves")] = counted_step(rank, world_size, None, torch.bfloat16, 3,
-                                                                        2, 4, "fsdp2", "muon")
-        out["tp"] = {rule: train(rank, world_size, STEPS, (2, 2), rule=rule) for rule in RULES}
-    return out
+        for rule in RULES:
+            for name, (mesh, dtype, waves, hsdp) in COUNTED.items():
+                scenarios[("counted", (rule, name))] = functools.partial(
+                    counted_step, rank, world_size, mesh, dtype, 3, 2, waves, hsdp, rule)
+        scenarios[("counted", ("muon", "1-D bf16 NS, 4 waves"))] = functools.partial(
+            counted_step, rank, world_size, None, torch.bfloat16, 3, 2, 4, "fsdp2", "muon")
+        for rule in RULES:
+            scenarios[("tp", rule)] = functools.partial(train, rank, world_size, STEPS, (2, 2), rule=rule)
+    return out | run_grouped(scenarios)
 
 
 _DIRECTORY = tempfile.TemporaryDirectory()

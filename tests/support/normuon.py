@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,6 +15,7 @@ from support.cases import MUON_KW, NORMUON_BETA2, Case, run_cases
 from support.equivalence import SKIP, STEPS, all_ranks_batches  # block 1 unused at step 1: its matrices keep their state
 from support.models import OddNet, lm_loss
 from support.reference import _fp32_zeropower
+from support.scenarios import run_grouped
 
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
 ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
@@ -181,16 +183,20 @@ def normuon_runs(rank: int, world_size: int, directory: str) -> dict:
 
     cases = equivalence_cases(world_size)
     out = {"cases": dict(zip(cases, run_cases(rank, world_size, list(cases.values()))))}
+    # Each run on its own (support.scenarios): a run that raises fails only the tests reading it.
     path = f"{directory}/saved"
     if world_size == 2:
-        save_normuon(rank, world_size, path)
+        scenarios = {("saved", "1-D"): functools.partial(save_normuon, rank, world_size, path)}
     else:
-        out["resumed"] = {"1-D": resume_normuon(rank, world_size, path)}
+        scenarios = {("resumed", "1-D"): functools.partial(resume_normuon, rank, world_size, path)}
         if world_size == 4:
-            out["resumed"]["replicate level 2x2"] = resume_normuon(rank, world_size, path, (2, 2), "dmuon")
+            scenarios[("resumed", "replicate level 2x2")] = functools.partial(
+                resume_normuon, rank, world_size, path, (2, 2), "dmuon")
     if world_size == 4:
-        out["counted"] = {name: counted_step(rank, world_size, mesh, dtype, 3, 2, waves, hsdp, "normuon")
-                          for name, (mesh, dtype, waves, hsdp) in COUNTED.items()}
-        out["tp"] = {what: train(rank, world_size, STEPS, (2, 2), what, beta2=NORMUON_BETA2)
-                     for what in ("dmuon", "gather")}
-    return out
+        for name, (mesh, dtype, waves, hsdp) in COUNTED.items():
+            scenarios[("counted", name)] = functools.partial(counted_step, rank, world_size, mesh, dtype, 3, 2,
+                                                             waves, hsdp, "normuon")
+        for what in ("dmuon", "gather"):
+            scenarios[("tp", what)] = functools.partial(train, rank, world_size, STEPS, (2, 2), what,
+                                                        beta2=NORMUON_BETA2)
+    return out | run_grouped(scenarios)

@@ -104,6 +104,22 @@ def run_each(scenarios: Mapping[Hashable, Callable[[], Any]]) -> dict[Hashable, 
     return out
 
 
+def succeeded(result: Any) -> Any:
+    """``result`` itself, or an AssertionError with the ranks' text when it is :class:`ScenarioFailed`: for
+    a test that reads a result other than through its keys (a string, a list, a comparison)."""
+    if isinstance(result, ScenarioFailed):
+        raise AssertionError(f"the scenario failed in its ranks:\n{dict.get(result, 'error')}")
+    return result
+
+
+def run_grouped(scenarios: Mapping[tuple[Hashable, Hashable], Callable[[], Any]]) -> dict[Hashable, dict]:
+    """:func:`run_each` over ``{(group, name): scenario}``: the results as ``{group: {name: result}}``."""
+    out: dict[Hashable, dict] = {}
+    for (group, name), result in run_each(scenarios).items():
+        out.setdefault(group, {})[name] = result
+    return out
+
+
 def run_listed(scenarios: list[Callable[[], Any]]) -> list[Any]:
     """:func:`run_each` over a list: the results in the list's order."""
     return list(run_each(dict(enumerate(scenarios))).values())
