@@ -2,7 +2,7 @@
 (3: the mesh divides no shape), FSDP2's HSDP and dmuon's replicate level on 2x2, TP (dp2 x tp2), FSDP2's
 column shards, a skipped step, clipping (launches rescaled); bf16 mixed precision stays on the sphere
 and near the fp32 formula; a checkpoint saved on 2 ranks resumes exactly on 3 and on 2x2; the counted
-bytes are the traffic model's plus the one weight-norm all-reduce.
+bytes are the traffic model's plus the one weight-norm all-gather.
 
 Each world size's runs (both MuonH's and Dion2's) share one process group (``support.more_rules.runs``).
 """
@@ -72,6 +72,31 @@ def test_single_process_equals_the_formula_and_stays_on_the_sphere():
     _on_sphere({n: p.detach() for n, p in named.items()}, radii, "one process")
 
 
+def test_updates_applied_in_the_next_forward_are_in_steps_bit_for_bit_on_bf16_weights():
+    """One process, the weights themselves in bf16: with ``apply_updates="next_forward"`` the norms after
+    each update come from ``weight_sums_after`` (the apply's step on a copy, in ``step()``), with
+    ``"in_step"`` from the updated weights; the same bits, and on the sphere."""
+    def trained(mode: str) -> tuple[dict, dict]:
+        def make(model):
+            model.to(torch.bfloat16)
+            return dmuon.MuonH(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                               ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
+                               execution=dmuon.ExecutionConfig(apply_updates=mode))
+
+        model, opt, _ = one_process_oddnet(make)
+        opt.flush_updates()
+        named = dict(model.named_parameters())
+        return ({n: p.detach().clone() for n, p in named.items()},
+                {n: opt.state[p]["initial_norm"] for n, p in named.items() if "initial_norm" in opt.state[p]})
+
+    (ins, radii), (nfwd, _) = trained("in_step"), trained("next_forward")
+    assert all(p.dtype == torch.bfloat16 for p in ins.values()) and len(radii) == N_MATRICES
+    for name in ins:
+        assert torch.equal(ins[name], nfwd[name]), name
+    for name, r in radii.items():  # each element rounded to bf16 (unit roundoff 2^-8) after the projection
+        assert abs(nfwd[name].float().norm().item() - r.item()) <= (2 ** -8 + 1e-6) * r.item(), name
+
+
 def test_expert_stacks_and_row_groups_each_on_their_own_sphere():
     """One process: a stack of 3 experts and a matrix viewed as 2 row groups, each its own matrix with
     its own radius (the stack's ``(3,)``, the groups' ``(2,)``)."""
@@ -125,13 +150,13 @@ def test_checkpoint_saved_on_two_ranks_resumes_exactly(where):
 
 
 @pytest.mark.parametrize("run", COUNTED)
-def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
+def test_counted_bytes_are_muons_plus_one_weight_norm_all_gather(run):
     """Every collective dmuon issues in a steady step, per rank: the exchange model's, then one float32
-    all-reduce of one value per matrix over the shard level (the step model's ``weight_norms``)."""
+    all-gather of one value per matrix over the shard level (the step model's ``weight_norms``)."""
     _, ns_dtype, _, hsdp = COUNTED[run]
     results, replicate, shard, shapes, owners, blocks, waves, exchange = counted_run(RULE, run)
     norms = weight_norm_collective(len(shapes), replicate, shard)
-    assert len(norms) == 1 and norms[0].ranks[0] == (2 * (shard - 1) * 4 * len(shapes) // shard,) * 2
+    assert len(norms) == 1 and norms[0].ranks[0] == ((shard - 1) * 4 * len(shapes),) * 2
     strategy = "dmuon" if hsdp == "dmuon" or replicate == 1 else "dmuon_native_hsdp"
     modelled = [c for c in step_collectives(strategy, shapes, owners, blocks, replicate, shard,
                                             wire_bytes=ns_dtype.itemsize, waves=waves, weight_norms=True)
@@ -140,5 +165,5 @@ def test_counted_bytes_are_muons_plus_one_weight_norm_all_reduce(run):
     assert sorted(c.label for c in modelled) == sorted(c.label for c in exchange + norms)
     for r in results:
         expected = expected_log(exchange + norms, r, replicate, False)
-        assert r["log"][-1] == expected[-1], f"plan rank {r['plan_rank']}: the norms' all-reduce comes last"
+        assert r["log"][-1] == expected[-1], f"plan rank {r['plan_rank']}: the norms' all-gather comes last"
     check_counted_log(exchange + norms, results, replicate, hsdp == "dmuon")

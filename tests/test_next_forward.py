@@ -8,6 +8,8 @@ through a state dict, an evaluation forward or a second ``step()``; the collecti
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ from support.equivalence import SKIP, STEPS, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
 from support.spawn import run_distributed
 from support.step_comm import check_counted_log, counted_step
-from dmuon.costmodel.collectives import owner_exchange_collectives
+from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, with_weight_norms_per_wave
 
 MODES = ("in_step", "next_forward")
 
@@ -52,9 +54,27 @@ def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_siz
         assert diff <= 1e-5, worst
 
 
+@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
+                         ids=["1-D-4-ranks", "native-2x2", "replicate-level-2x2"])
+def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
+    """MuonH, whose projection needs sums over the updated weight from every shard: ``step()`` issues each
+    return's totals behind it, so the next forward's applies issue no collective. ZeRO-3 with torch's
+    clipping every step and ZeRO-2, a block unused at step 1, 4 ranks: bit for bit ``"in_step"``, every
+    matrix on its sphere (``||W||_F = R``)."""
+    cases = [c for zero, clip in ((3, 0.3), (2, None))
+             for c in _pairs(rule="muonh", zero=zero, clip=clip, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
+    results = run_distributed(run_cases, 4, cases, timeout_s=300)
+    for k in (0, 2):
+        _assert_same(results, k, f"zero={cases[k].zero}")
+        params, radii = results[0][k + 1]["params"], results[0][k + 1]["rule_state"]
+        assert radii, "no radius"
+        for name, r in radii.items():
+            assert abs(params[name].norm().item() - r.item()) <= 1e-5 * r.item(), name
+
+
 def test_next_forward_as_people_train():
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
-    checkpointing, NorMuon and Dion2: each bit for bit its ``"in_step"`` run (2 ranks)."""
+    checkpointing, NorMuon, Dion2 and MuonH: each bit for bit its ``"in_step"`` run (2 ranks)."""
     variants = {
         "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
         "frozen": dict(frozen=("layers.1.mid",)),
@@ -63,6 +83,7 @@ def test_next_forward_as_people_train():
         "checkpointing": dict(activation_checkpointing="full"),
         "normuon": dict(rule="normuon"),
         "dion2": dict(rule="dion2"),
+        "muonh": dict(rule="muonh"),
     }
     cases = [c for kw in variants.values() for c in _pairs(skip=SKIP, **kw)]
     results = run_distributed(run_cases, 2, cases, timeout_s=400)
@@ -70,24 +91,31 @@ def test_next_forward_as_people_train():
         _assert_same(results, 2 * k, label)
 
 
+TP_AND_EXPERTS = {"tp": "muon", "experts": "muon", "tp-muonh": "muonh", "experts-muonh": "muonh"}
+"""Each run of :func:`_tp_and_experts` and its rule."""
+
+
 def _tp_and_experts(rank: int, world_size: int) -> dict:
-    """TP on a (dp 2, tp 2) mesh and a stack of experts under FSDP2, each run in both modes."""
+    """TP on a (dp 2, tp 2) mesh and a stack of experts under FSDP2, each run in both modes, with Muon and
+    with MuonH (its sums over the weight: TP's pieces and each expert its own matrix)."""
     from support import experts, tp
     from support.scenarios import run_each
 
-    nfwd = dmuon.ExecutionConfig(apply_updates="next_forward")
-    return run_each({
-        ("tp", "in_step"): lambda: tp.train(rank, world_size, 3, (2, 2))["params"],
-        ("tp", "next_forward"): lambda: tp.train(rank, world_size, 3, (2, 2), execution=nfwd)["params"],
-        ("experts", "in_step"): lambda: experts.train(rank, world_size, 3)["params"],
-        ("experts", "next_forward"): lambda: experts.train(rank, world_size, 3, apply_updates="next_forward")["params"],
-    })
+    def run(kind: str, mode: str) -> dict:
+        rule = TP_AND_EXPERTS[kind]
+        if kind.startswith("tp"):
+            return tp.train(rank, world_size, 3, (2, 2), rule=None if rule == "muon" else rule,
+                            execution=dmuon.ExecutionConfig(apply_updates=mode))["params"]
+        return experts.train(rank, world_size, 3, apply_updates=mode, rule=rule)["params"]
+
+    return run_each({(kind, mode): functools.partial(run, kind, mode) for kind in TP_AND_EXPERTS for mode in MODES})
 
 
 def test_next_forward_with_tensor_parallelism_and_experts():
-    """Tensor parallelism (dp 2 x tp 2) and a stack of experts (4 ranks): bit for bit ``"in_step"``."""
-    results = run_distributed(_tp_and_experts, 4, timeout_s=300)
-    for kind in ("tp", "experts"):
+    """Tensor parallelism (dp 2 x tp 2) and a stack of experts (4 ranks), under Muon and MuonH: bit for bit
+    ``"in_step"``."""
+    results = run_distributed(_tp_and_experts, 4, timeout_s=400)
+    for kind in TP_AND_EXPERTS:
         ins, nfwd = results[0][(kind, "in_step")], results[0][(kind, "next_forward")]
         assert isinstance(ins, dict) and isinstance(nfwd, dict), (ins, nfwd)
         for name in ins:
@@ -189,12 +217,15 @@ def test_reads_between_step_and_the_next_forward_see_every_update(tmp_path):
         assert torch.equal(value, resumed["next_forward"][name]), f"resumed on 4 ranks: {name} differs"
 
 
+@pytest.mark.parametrize("rule", ["muon", "muonh"])
 @pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
                          ids=["1-D", "native-2x2", "replicate-level-2x2"])
-def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
+def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp, rule):
     """One return per unit in plan order, every hop issued in ``step()``: per rank the model's collectives
-    for those waves (in issue order; on the replicate level, whose reductions interleave, as a multiset)."""
-    results = run_distributed(counted_step, 4, mesh_shape, torch.bfloat16, 3, 2, None, hsdp, "muon", 8, None, False,
+    for those waves (in issue order; on the replicate level, whose reductions interleave, as a multiset);
+    MuonH's weight-norm all-gather of each wave right behind the wave's last hop, as the step model places
+    it (``step_collectives(weight_norms=True, apply_updates="next_forward")``)."""
+    results = run_distributed(counted_step, 4, mesh_shape, torch.bfloat16, 3, 2, None, hsdp, rule, 8, None, False,
                               3, "next_forward", timeout_s=300)
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
@@ -205,6 +236,14 @@ def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp):
     replicate_level = hsdp == "dmuon"
     backward, step = owner_exchange_collectives(shapes, owners, blocks, replicate, shard, 2, waves=waves,
                                                 gradient_bytes=4 if replicate_level else None)
+    if rule == "muonh":
+        step = with_weight_norms_per_wave(step, waves, replicate, shard)
+        assert [c.label for c in step if c.role == "weight_norms"] == [f"dmuon weight norms wave {w}"
+                                                                        for w in range(len(waves))]
+        modelled = step_collectives("dmuon" if replicate_level or replicate == 1 else "dmuon_native_hsdp", shapes,
+                                    owners, blocks, replicate, shard, waves=waves, weight_norms=True,
+                                    apply_updates="next_forward")
+        assert [c.label for c in modelled if c.phase == "step"] == [c.label for c in step]
     check_counted_log(backward + step, results, replicate, replicate_level=replicate_level)
 
 
@@ -271,5 +310,4 @@ def test_bad_input_names_the_fix():
         dmuon.ExecutionConfig(apply_updates="next_forward", post_optim_event=True)
     with pytest.raises(ValueError, match="apply_updates must be one of"):
         dmuon.ExecutionConfig(apply_updates="later")
-    with pytest.raises(ValueError, match="MuonH.*apply_updates='in_step'"):
-        dmuon.MuonH(model, execution=nfwd)
+    dmuon.MuonH(model, execution=nfwd)  # its sums over the weight follow each return from step()

@@ -117,9 +117,12 @@ def reference(world: int, steps: int, experts: int = 3, view: str = "stack") -> 
 
 def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, view: str | None = None,
           return_waves: int | None = None, hsdp: str = "fsdp2", clip: float | None = None,
-          overlap: bool = True, apply_updates: str = "in_step") -> dict:
+          overlap: bool = True, apply_updates: str = "in_step", rule: str = "muon") -> dict:
     """FSDP2 (the MoE block, then the root) + DMuon with fp32 NS; every parameter's full value and the plan
-    (``hsdp="dmuon"`` on a ``mesh_shape``: FSDP2 over the shard dim, dmuon's replicate level)."""
+    (``hsdp="dmuon"`` on a ``mesh_shape``: FSDP2 over the shard dim, dmuon's replicate level). ``rule``:
+    another optimizer of :func:`support.cases.rule_optimizer`."""
+    from support.cases import rule_optimizer
+
     torch.manual_seed(0)
     model = ExpertNet(experts)
     hsdp_mesh = None
@@ -132,10 +135,10 @@ def train(rank: int, world: int, steps: int, experts: int = 3, mesh_shape=None, 
     views = None if view is None else {"moe.experts": view}
     plan = dmuon.prepare(model, matrix_view=views, ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
                          hsdp_mesh=hsdp_mesh)
-    opt = dmuon.DMuon(model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
-                      adamw=ADAMW | {"betas": (0.9, 0.999)},
-                      execution=dmuon.ExecutionConfig(return_waves=return_waves, overlap=overlap,
-                                                      apply_updates=apply_updates))
+    opt = rule_optimizer(rule, model, plan, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
+                         adamw=ADAMW | {"betas": (0.9, 0.999)},
+                         execution=dmuon.ExecutionConfig(return_waves=return_waves, overlap=overlap,
+                                                         apply_updates=apply_updates))
     params = _run(model, opt, rank, world, steps, clip)
     momentum = opt.state[model.moe.experts]["momentum_buffer"]
     return {"params": params, "names": [i.name for i in plan.infos], "owners": [i.owner for i in plan.infos],

@@ -120,7 +120,7 @@ def syrk_verdicts(payload: dict) -> list[dict]:
 
 # ------------------------------------------------------------------ csan: TORCH_CUDA_SANITIZER=1
 CSAN_STEPS = 2
-CSAN_EXTRA = ("dmuon_z3_nsbwd", "dmuon_z3_rbwd", "dmuon_z3_nfwd")
+CSAN_EXTRA = ("dmuon_z3_nsbwd", "dmuon_z3_rbwd", "dmuon_z3_nfwd", "dmuon_z3_muonh_nfwd")
 
 
 def plan_csan() -> list[str]:

@@ -20,7 +20,7 @@ EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd",
                  "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
                  "dmuon_z3_clip", "dmuon_z2_clip_refresh", "dmuon_z3_clip_refresh", "dmuon_z2_normuon",
                  "dmuon_z3_normuon", "dmuon_z2_muonh", "dmuon_z2_dion2", "dmuon_z2_rbwd", "dmuon_z3_rbwd",
-                 "dmuon_z2_nfwd", "dmuon_z3_nfwd")
+                 "dmuon_z2_nfwd", "dmuon_z3_nfwd", "dmuon_z3_muonh_nfwd")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``), with ``ns_in_backward=True`` (owners
@@ -49,13 +49,14 @@ copies buy.
 normalization cost.
 
 ``dmuon_z2_muonh``, ``dmuon_z2_dion2``: :class:`dmuon.MuonH` (no weight decay, its one weight-norm
-all-reduce a step) and :class:`dmuon.Dion2` (its defaults: a quarter of the rows orthogonalized) in
+all-gather a step) and :class:`dmuon.Dion2` (its defaults: a quarter of the rows orthogonalized) in
 place of ``DMuon``, otherwise ``dmuon_z2``.
 
 ``dmuon_z2_nfwd``, ``dmuon_z3_nfwd``: ``apply_updates="next_forward"`` (the updates applied in the next
 forward, unit by unit; the step is timed to its return, the applies fall in the next forward). Its gain
 needs an accelerator whose streams overlap the publication with the forward, across nodes; on CPU ranks
-it is a regression guard."""
+it is a regression guard. ``dmuon_z3_muonh_nfwd``: the same with :class:`dmuon.MuonH` (its weight norms
+added in ``step()`` behind each return)."""
 CLIP_MAX_NORM = 1e-3
 """The ``_clip`` configurations' ``max_norm``: the bench's gradient norms are far above it."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
@@ -229,14 +230,15 @@ def build(config: str, workload, mesh, hyper: Hyper):
     # Planned (and with --profile measured) with the NS the optimizer runs.
     plan = dmuon.prepare(model, balancer=balancer or hyper.balancer, profile=hyper.profile, ns=ns,
                          hsdp_mesh=mesh if replicate_level else None)
-    rule = {"_normuon": dmuon.NorMuon, "_muonh": dmuon.MuonH, "_dion2": dmuon.Dion2}.get(
-        "_" + base.rpartition("_")[2], dmuon.DMuon)
+    words = base.split("_")
+    rule = next((r for word, r in (("normuon", dmuon.NorMuon), ("muonh", dmuon.MuonH), ("dion2", dmuon.Dion2))
+                 if word in words), dmuon.DMuon)
     in_backward = base.endswith("_rbwd")
     execution = dmuon.ExecutionConfig(overlap=not base.endswith("_sync"),
                                       ns_in_backward=base.endswith("_nsbwd") or in_backward,
                                       returns_in_backward=in_backward,
                                       post_optim_event=base.endswith("_event"),
-                                      apply_updates="next_forward" if base.endswith("_nfwd") else "in_step",
+                                      apply_updates="next_forward" if "nfwd" in words else "in_step",
                                       clipped_overlap=not base.endswith("_refresh"),
                                       loopback_collectives=hyper.loopback)
     return rule(model, plan, execution=execution, **kw), plan

@@ -39,7 +39,8 @@ piece's part ``q`` to replica ``q``, then every replica's part to the others (th
 a collective of its own only for the last wave, else it rides in the next wave's hop 2, where
 :attr:`Collective.carries_gather` names its wave); gather-then-compute's all-gather of one
 direction; the peer's all-to-all to the batch's owner slice and back. ``"weight_norms"``: a rule's per-matrix sums over the weight (MuonH's norms), one
-all-reduce over the shard level after the step's last update (:func:`weight_norm_collective`)."""
+all-gather over the shard level after the step's last update, or one per return wave with the
+updates applied in the next forward (:func:`weight_norm_collective`)."""
 
 
 @dataclass

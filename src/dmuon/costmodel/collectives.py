@@ -198,19 +198,39 @@ def owner_exchange_collectives(
 
 
 def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_bytes: int = 4,
-                           values: int = 1) -> list[Collective]:
-    """The all-reduce of a rule's per-matrix sums over the weight (:mod:`dmuon.runtime.matrix_norms`):
-    ``values`` float32 per matrix for ``matrices`` matrices, one ring all-reduce over each replica's
+                           values: int = 1, index: int | None = None) -> list[Collective]:
+    """The all-gather of a rule's per-matrix sums over the weight (:mod:`dmuon.runtime.matrix_norms`):
+    ``values`` float32 per matrix for ``matrices`` matrices, one ring all-gather over each replica's
     shard group (FSDP2's shards and TP together; not across replicas, which hold the same weights),
-    ``2 (S-1)/S`` of the buffer each way. Empty with one shard position or no matrix. MuonH issues
-    one per step after its last update (and once more at a matrix's first step, for its radius,
-    which this steady-state step leaves out)."""
+    ``S-1`` times the rank's buffer each way. Empty with one shard position or no matrix. MuonH issues
+    one per step after its last update, or with ``apply_updates="next_forward"`` one per return
+    (``index``: the return's wave); and once more at a matrix's first step, for its radius, which this
+    steady-state step leaves out."""
     if shard == 1 or matrices == 0:
         return []
     nbytes = matrices * values * value_bytes
-    return [uniform_collective("all_reduce", "intra", "step", None, replicate * shard,
-                               2 * (shard - 1) * nbytes // shard, 2 * (shard - 1), "dmuon weight norms",
-                               "weight_norms")]
+    label = "dmuon weight norms" + ("" if index is None else f" wave {index}")
+    return [uniform_collective("all_gather", "intra", "step", None, replicate * shard, (shard - 1) * nbytes,
+                               shard - 1, label, "weight_norms", index)]
+
+
+def with_weight_norms_per_wave(returns: list[Collective], waves: Sequence[Sequence[int]], replicate: int,
+                         shard: int) -> list[Collective]:
+    """``returns`` (:func:`owner_exchange_collectives`' step part, wave by wave) with each wave's
+    weight-norm all-gather right after the collective that completes the wave (its last hop: the
+    scatter route's all-gather rides in the next wave's first collective across replicas), as the
+    runtime issues them with ``apply_updates="next_forward"``."""
+    last: dict[int, int] = {}
+    for k, c in enumerate(returns):
+        for w in (c.index, c.carries_gather):
+            if w is not None:
+                last[w] = k
+    out: list[Collective] = []
+    for k, c in enumerate(returns):
+        out.append(c)
+        out += [n for w, at in sorted(last.items()) if at == k
+                for n in weight_norm_collective(len(waves[w]), replicate, shard, index=w)]
+    return out
 
 
 def step_collectives(
@@ -236,6 +256,7 @@ def step_collectives(
     weight_norms: bool = False,
     returns_in_backward: bool = False,
     root_regathered: bool = False,
+    apply_updates: str = "in_step",
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -298,15 +319,24 @@ def step_collectives(
         publication: dmuon's route across replicas for every return wave
             (:func:`owner_exchange_collectives`); None: chosen per wave, as the runtime does.
         weight_norms: dmuon with a rule that needs each matrix's weight norm after the update
-            (MuonH): its all-reduce after the returns (:func:`weight_norm_collective`).
+            (MuonH): its all-gather after the returns, or one per wave right behind the wave's last hop
+            with ``apply_updates="next_forward"`` (:func:`weight_norm_collective`).
         returns_in_backward: dmuon's ``ExecutionConfig.returns_in_backward`` (every launch
             standing): the blocks' returns issued in backward (:func:`owner_exchange_collectives`).
+        apply_updates: dmuon's ``ExecutionConfig.apply_updates``; it places ``weight_norms``' collectives
+            (the returns are the same: pass ``waves`` one unit each, as the runtime makes them).
     """
     if strategy not in STEP_STRATEGIES + (PEER_STRATEGY,):
         raise ValueError(f"strategy must be one of {STEP_STRATEGIES + (PEER_STRATEGY,)}, got {strategy!r}")
     if zero not in (2, 3):
         raise ValueError(f"zero must be 2 or 3, got {zero}")
     check_mesh(replicate, shard, wire_bytes)
+    if apply_updates not in ("in_step", "next_forward"):
+        raise ValueError(f"apply_updates must be 'in_step' or 'next_forward', got {apply_updates!r}")
+    per_wave = weight_norms and apply_updates == "next_forward"
+    if per_wave and (returns_in_backward or waves is None):
+        raise ValueError("weight_norms with apply_updates='next_forward' is modelled for the step's waves "
+                         "(waves= given, returns_in_backward=False)")
     if len(blocks) != len(shapes):
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
     if len(other_blocks) != len(other_shapes):
@@ -350,8 +380,11 @@ def step_collectives(
                 out.append(c)
         out += by_block.get(b, [])
     out += by_block.get(None, [])  # the replicate level: what step() issues of the exchange (hop A left, hop B)
-    out += returns
-    if weight_norms and strategy in ("dmuon", "dmuon_native_hsdp"):
+    if per_wave and strategy in ("dmuon", "dmuon_native_hsdp"):
+        out += with_weight_norms_per_wave(returns, [w for w in waves if w], replicate, shard)
+    else:
+        out += returns
+    if weight_norms and not per_wave and strategy in ("dmuon", "dmuon_native_hsdp"):
         out += weight_norm_collective(len(shapes), replicate, shard)
     if strategy == "gather" and shard > 1:
         world = replicate * shard

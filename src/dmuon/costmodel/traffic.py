@@ -25,6 +25,7 @@ from dmuon.costmodel.collectives import (
     step_collectives,
     step_comm,
     weight_norm_collective,
+    with_weight_norms_per_wave,
 )
 from dmuon.costmodel.rank_traffic import (
     HSDP_DESIGNS,
@@ -65,4 +66,5 @@ __all__ = [
     "step_comm",
     "step_figures",
     "weight_norm_collective",
+    "with_weight_norms_per_wave",
 ]

@@ -252,6 +252,17 @@ class MuonHCallbacks(MuonCallbacks, WeightSums):
         return {i: muonh.sum_of_squares(self._local(i, infos[i].param)) for i in wanted}
 
     @torch.no_grad()
+    def weight_sums_after(self, members: list[int], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        infos, groups, out = self.plan.infos, self._groups(), {}
+        for i in members:
+            part = self._local(i, infos[i].param)
+            if i in updates:
+                part = part.clone(memory_format=torch.contiguous_format)  # apply's own step, on a copy
+                muonh.step(part, updates[i], self._radius(i), self._scaled_lr(i, groups[i]))
+            out[i] = muonh.sum_of_squares(part)
+        return out
+
+    @torch.no_grad()
     def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
         infos, eps = self.plan.infos, self.opt.ns.eps
         for i, total in totals.items():
@@ -268,9 +279,12 @@ class MuonHCallbacks(MuonCallbacks, WeightSums):
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
         groups = self._groups()
         for i, update in updates.items():
-            info, group = self.plan.infos[i], groups[i]
-            scaled = adjusted_lr(group["lr"], group["adjust_lr_fn"], info.matrix_shape) * group["extra_scale_factor"]
-            muonh.step(self._local(i, info.param), update, self._radius(i), scaled)
+            muonh.step(self._local(i, self.plan.infos[i].param), update, self._radius(i), self._scaled_lr(i, groups[i]))
+
+    def _scaled_lr(self, index: int, group: dict) -> float:
+        """Matrix ``index``'s step length before ``R``: Muon's shape-adjusted learning rate."""
+        return (adjusted_lr(group["lr"], group["adjust_lr_fn"], self.plan.infos[index].matrix_shape)
+                * group["extra_scale_factor"])
 
 
 class Dion2Callbacks(MuonFamily):

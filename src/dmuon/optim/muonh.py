@@ -21,7 +21,7 @@ class MuonH(DMuon):
         u = NS(D)                                       # on the matrix's owner
         N = u / max(||u||_F, eps)                       # on the owner (the whole u)
         W = W - adjusted_lr(lr) * R * N                 # every rank, its rows
-        W = R * W / max(||W||_F, eps)                   # ||W||: one all-reduce per step
+        W = R * W / max(||W||_F, eps)                   # ||W||: one all-gather per step
 
     ``eps`` is the NS epsilon (1e-7) and ``adjusted_lr`` Muon's shape scaling (``adjust_lr_fn``,
     torch's default ``sqrt(max(1, m/n))``; ``"unscaled"`` gives the paper's formula without it):
@@ -30,9 +30,11 @@ class MuonH(DMuon):
 
     ``||W||`` needs every rank's piece of the weight: each rank adds its piece's squares and the
     runtime sums them over the ranks that split the matrix (FSDP2's shards and TP; not across HSDP's
-    replicas, which hold the same weights) in one float32 all-reduce of one value per updated matrix,
+    replicas, which hold the same weights) in one float32 all-gather of one value per updated matrix,
     after the step's last update (:mod:`dmuon.runtime.matrix_norms`); a matrix's first step adds one
-    more, before its update, for ``R``. ``R`` is ``state["initial_norm"]`` (float32, one value per
+    more, before its update, for ``R``. With ``ExecutionConfig(apply_updates="next_forward")`` the
+    sums after each update are computed in ``step()`` (the update applied to a copy) and all-gathered
+    per return, so the next forward's projections need no collective. ``R`` is ``state["initial_norm"]`` (float32, one value per
     matrix of the parameter; a ``Replicate`` DTensor: DCP saves it, a resumed run keeps its sphere).
     A skipped step (``nonfinite="skip"``) updates nothing and renormalizes nothing (and sets no ``R``).
 

@@ -38,8 +38,9 @@ def normalize(updates: Sequence[torch.Tensor], eps: float) -> list[torch.Tensor]
 
 
 def sum_of_squares(part: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a matrix's ``||W||_F^2``, float32, 0-dim (0 for an empty part)."""
-    return part.to(torch.promote_types(part.dtype, torch.float32)).square().sum()
+    """This rank's part of a matrix's ``||W||_F^2``, float32, 0-dim (0 for an empty part); summed over
+    the contiguous layout, so a copy and the part it was taken from give the same bits."""
+    return part.contiguous().to(torch.promote_types(part.dtype, torch.float32)).square().sum()
 
 
 def radius(total: torch.Tensor, eps: float) -> torch.Tensor:

@@ -30,8 +30,9 @@ each costing nothing, no byte and no collective, to a rule that does not):
   matrices' whole momentum and a launch whose gradients were since scaled by one
   factor (clipping) still stands.
 * :class:`WeightSums`: per-matrix sums over the weight (MuonH's Frobenius norms),
-  before the step's first ``apply`` and after its last; the runtime adds them over
-  exactly the ranks that split each matrix in one all-reduce per call
+  before the step's first ``apply`` and after its last (with the updates applied in
+  the next forward: computed ahead, per return); the runtime adds them over exactly
+  the ranks that split each matrix in one all-gather per call
   (:mod:`dmuon.runtime.matrix_norms`).
 * :class:`StepMaxima`: a few values agreed as their maximum over every rank each
   step (QK-clip's per-head attention logit maxima: every rank must scale the same
@@ -229,10 +230,26 @@ class WeightSums(abc.ABC):
         """
 
     @abc.abstractmethod
+    def weight_sums_after(self, members: list[int], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """What :meth:`weight_sums` ``(members, applied=True)`` will return once ``apply(updates)`` has
+        run, computed now, the weight left as it is: the same bits (the same arithmetic, on a copy).
+
+        With ``ExecutionConfig(apply_updates="next_forward")`` it replaces ``weight_sums(...,
+        applied=True)``: ``step()`` asks it once per return of updates, as soon as the return has landed
+        (``members``: every rank's matrices of the return, the keys to give, the same on every rank;
+        ``updates``: this rank's rows of them, as ``apply`` will get them, none for a matrix of which
+        this rank holds nothing), so the totals are added while the updates wait for the next forward.
+        That forward then calls ``apply(updates)`` and ``weight_totals(totals, applied=True)`` for those
+        members, with no collective. No collective, no device sync.
+        """
+
+    @abc.abstractmethod
     def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
         """The totals of :meth:`weight_sums` (same keys and shapes, float32, on the runtime's device),
         each the sum over the whole matrix, the same on every rank; called right after the
-        :meth:`weight_sums` call that asked for them, when it asked for any."""
+        :meth:`weight_sums` call that asked for them, when it asked for any. With
+        ``apply_updates="next_forward"``, those of :meth:`weight_sums_after` (``applied=True``), right
+        after the ``apply`` of their updates."""
 
 
 class StepMaxima(abc.ABC):

@@ -26,6 +26,10 @@ step's agreement, the same on every rank) and on the order of the forward (the s
 every rank, as FSDP2's own all-gathers need), never on timing: every rank issues the same
 all-gathers in the same order.
 
+A rule that projects with sums over the updated weight (MuonH) gets them with its returns: ``step()``
+issued each return's totals behind it (:class:`~dmuon.runtime.matrix_norms.TotalsBehind`), and a unit's
+apply lands them, applies and projects, with no collective here.
+
 :meth:`NextForwardUpdates.flush` applies whatever is pending (a unit whose forward did not
 run, or before anything reads the weights outside the forward: ``step()``, state dicts).
 """
@@ -44,6 +48,8 @@ from dmuon.util.torch_compat import fsdp_unit, gathered_or_gathering
 
 Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], None]
 """The rule's ``apply`` (its row states' argument given only to a row-state rule)."""
+Project = Callable[[dict[int, torch.Tensor]], None]
+"""A :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_totals(totals, applied=True)``."""
 
 
 class NextForwardUpdates:
@@ -54,13 +60,18 @@ class NextForwardUpdates:
         apply: The rule's ``apply``.
         row_width: The rule's row state per row (0: none; then ``apply`` gets no row states).
         root: FSDP2's root module (None: one process without FSDP2, nothing to gather).
+        project: A :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_totals(..., applied=True)``,
+            called with each return's totals right after its ``apply`` (None: another rule).
     """
 
-    def __init__(self, plan: Plan, apply: Apply, row_width: int, root: nn.Module | None = None) -> None:
+    def __init__(self, plan: Plan, apply: Apply, row_width: int, root: nn.Module | None = None,
+                 project: Project | None = None) -> None:
         self.plan = plan
         self._apply = apply
+        self._project = project
         self.row_width = row_width
         self._returns: list[tuple[Pending, list[int]]] = []
+        self._totals: list[Pending] = []
         self._finish: Callable[[list[int]], None] | None = None
         self._pending: dict[int, set[int]] = {}
         """Per unit (block index), the matrices whose update this rank has not applied yet."""
@@ -92,15 +103,19 @@ class NextForwardUpdates:
         return bool(self._pending)
 
     def hold(self, returns: list[tuple[Pending, list[int]]],
-             finish: Callable[[list[int]], None] | None = None) -> None:
+             finish: Callable[[list[int]], None] | None = None, totals: list[Pending] | None = None) -> None:
         """Takes a step's returns, each with the matrices it carries (every rank's list: the same on
         every rank), every hop issued; ``finish`` (a :class:`~dmuon.runtime.callbacks.StepMaxima` rule's
-        ``finish_step`` with the step's maxima) is called with each unit's matrices after their apply."""
+        ``finish_step`` with the step's maxima) is called with each unit's matrices after their apply;
+        ``totals`` (with ``project``: one per return, issued) are handed to ``project`` after it."""
+        if (self._project is not None) != (totals is not None) or (totals is not None and len(totals) != len(returns)):
+            raise ValueError("dmuon: a WeightSums rule's step must hold one set of totals per return")
         if self._pending:
             raise RuntimeError("dmuon: a step's updates were held while the last step's are pending; "
                                "flush() first")
         infos = self.plan.infos
         self._returns = returns
+        self._totals = totals or []
         self._finish = finish
         for _, members in returns:
             for i in members:
@@ -169,22 +184,26 @@ class NextForwardUpdates:
         for b in together:
             self._apply_members(self._pending.pop(b))
         if not self._pending:
-            self._returns, self._finish = [], None  # every buffer of the step's returns can go
+            self._returns, self._totals, self._finish = [], [], None  # every buffer of the step's returns can go
         return True
 
     def _apply_members(self, members: set[int]) -> None:
         """This rank's rows of ``members``' updates into their shards (then the rule's per-unit finish)."""
-        for pending, carried in self._returns:
+        for k, (pending, carried) in enumerate(self._returns):
             mine = [i for i in carried if i in members]
             if not mine:
                 continue
             updates = pending.wait()
+            # Landed before the apply writes the weights: step() read them on dmuon's stream for these totals.
+            totals = self._totals[k].wait() if self._project is not None else None
             held = [i for i in mine if i in updates]  # a matrix of which this rank holds nothing has no entry
             if self.row_width:
                 rows = pending.row_states()
                 self._apply({i: updates[i] for i in held}, {i: rows[i] for i in held})
             else:
                 self._apply({i: updates[i] for i in held})
+            if totals is not None:
+                self._project({i: totals[i] for i in mine})  # every rank's matrices: also an empty piece
         if self._finish is not None:
             self._finish(sorted(members))  # QK-clip: this unit's query and key rows, after their update
 

@@ -25,7 +25,8 @@ One step (:meth:`ShardRuntime.step`), on every rank:
    (:meth:`ShardRuntime._apply`);
 5. with a rule that asks for sums over the weight (MuonH's norms), add them over the
    ranks that split each matrix, before the first ``apply`` and after the last
-   (:mod:`dmuon.runtime.matrix_norms`: one all-reduce each, none when no sums are asked);
+   (:mod:`dmuon.runtime.matrix_norms`: one all-gather each, none when no sums are asked; with the
+   updates applied in the next forward, the sums after each return's apply, computed ahead);
 6. hand the rule the step's agreed maxima (``finish_step``: QK-clip), then
    record the post-optimizer event.
 """
@@ -49,7 +50,7 @@ from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.next_forward import NextForwardUpdates
 from dmuon.runtime.gradients import GradientParts
-from dmuon.runtime.matrix_norms import MatrixNorms
+from dmuon.runtime.matrix_norms import MatrixNorms, TotalsBehind
 from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
@@ -120,8 +121,9 @@ class ShardRuntime:
         self.next_forward: NextForwardUpdates | None = None
         """With ``apply_updates="next_forward"``: the last step's updates, applied in the next forward."""
         if config.apply_updates == "next_forward":
-            _check_deferrable(callbacks)
-            self.next_forward = NextForwardUpdates(plan, callbacks.apply, self.row_width, root)
+            project = ((lambda totals: callbacks.weight_totals(totals, applied=True))
+                       if isinstance(callbacks, WeightSums) else None)
+            self.next_forward = NextForwardUpdates(plan, callbacks.apply, self.row_width, root, project)
         self.backward: BackwardLaunches | None = None
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks, config, self.gradients, self.work,
@@ -165,6 +167,9 @@ class ShardRuntime:
             settled.launches[b].pending.wait()  # stale: lands unused
         back = self._returned_in_backward(settled)
         report.blocks_returned_in_backward = len(back)
+        # The next forward's applies add no sums over the ranks: the totals follow each return from step().
+        behind = TotalsBehind(self.norms, cb if self.next_forward is not None and isinstance(cb, WeightSums)
+                              else None, self.streams)
         ns_spans = [settled.early[b].spent for b in settled.done if settled.early[b].spent is not None]
         owned = {i: u for b in settled.done for i, u in settled.early[b].updates.items()}  # this rank's own
         owned_rows = {i: r for b in settled.done for i, r in settled.early[b].rows.items()}
@@ -179,19 +184,20 @@ class ShardRuntime:
             with self.streams.interval() as in_step:  # on the compute stream: the device's time there too
                 ns_spans.append(in_step)
                 directions = self._owner_directions(settled, pending, used)
-                returns = self._return_waves(settled, directions, back, owned, owned_rows, report)
+                returns = self._return_waves(settled, directions, back, owned, owned_rows, report, behind)
         for i, d in used.items():  # NS does not modify its inputs; nothing reads the copies after this
             cb.advance_momentum(i, self.owner_momentum.of(i), d)
         if not settled.independent_done:
             cb.independent()  # while the last wave travels
         maxima = settled.agreement.maxima
         if self.next_forward is not None:
-            self._publish(returns)
+            self._publish(returns, behind)
             finish = (lambda members: cb.finish_step(members, maxima)) if isinstance(cb, StepMaxima) else None
-            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))), finish)
+            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))), finish,
+                                   behind.all_issued())
         else:
             self._apply(returns)
-        self.norms.run(cb, active, applied=True)
+            self.norms.run(cb, active, applied=True)
         report.blocks_exchanged_in_backward = len(settled.kept)
         if self.config.ns_in_backward:
             # A rescaled launch's early NS ran on the launched directions: redone in step().
@@ -263,9 +269,10 @@ class ShardRuntime:
 
     def _return_waves(self, settled: Settled, directions: _Directions, back: dict[int, Pending],
                       owned: dict[int, torch.Tensor], owned_rows: dict[int, torch.Tensor],
-                      report: StepReport) -> list[Pending]:
+                      report: StepReport, behind: TotalsBehind) -> list[Pending]:
         """Step 4: the owners' batches wave by wave, each wave's return issued behind its batches; the
-        returns to apply, in order (those issued in backward first). Adds to ``owned``/``owned_rows``."""
+        returns to apply, in order (those issued in backward first), each followed by ``behind``. Adds to
+        ``owned``/``owned_rows``."""
         infos = self.plan.infos
         # Matrices whose updates came back in backward take no part in the step's waves.
         active = [i for i in settled.agreement.active if infos[i].block not in back]
@@ -274,6 +281,8 @@ class ShardRuntime:
         report.return_waves = [members for members, _ in waves]
         full, full_rows = directions.full, directions.rows
         returns = list(back.values())
+        for b, returned in back.items():
+            behind.follow(returned, settled.launches[b].members)
         for members, batches in waves:
             for batch in batches:
                 updates, new_rows = self.work.run_batch(
@@ -282,9 +291,11 @@ class ShardRuntime:
                 owned.update(updates)
                 owned_rows.update(new_rows)
             self._forward_returns(returns)  # HSDP: the earlier waves' next hops, behind this wave's work
+            behind.issue_ready()
             returns.append(self.exchange.return_updates(
                 members, {i: owned[i] for i in members if i in owned}, None,
                 {i: owned_rows[i] for i in members if i in owned_rows} if self.row_width else None))
+            behind.follow(returns[-1], list(members))
         return returns
 
     def _apply(self, returns: list[Pending]) -> None:
@@ -297,14 +308,16 @@ class ShardRuntime:
             else:
                 self.callbacks.apply(wave.wait())
 
-    def _publish(self, returns: list[Pending]) -> None:
+    def _publish(self, returns: list[Pending], behind: TotalsBehind) -> None:
         """``apply_updates="next_forward"``: every hop of every return issued now, in the order
         :meth:`_apply` issues them, on dmuon's own stream (forked from the compute stream, which
-        waits for none of it here: the next forward lands each return where its unit needs it)."""
+        waits for none of it here: the next forward lands each return where its unit needs it);
+        ``behind`` issues each return's weight totals once its last hop is out."""
         with self.streams.use(self.streams.own("dmuon")):
             for k, wave in enumerate(returns):
                 while not wave.issued():
                     self._forward_returns(returns[k:])
+                    behind.issue_ready()
 
     @staticmethod
     def _carried(settled: Settled, back: dict[int, Pending], report: StepReport) -> list[list[int]]:
@@ -357,16 +370,6 @@ class ShardRuntime:
             self.backward.close()
         if self.next_forward is not None:
             self.next_forward.close()
-
-
-def _check_deferrable(callbacks: StepCallbacks) -> None:
-    """``apply_updates="next_forward"`` applies each unit's updates on their own and without a collective: a
-    rule whose step adds sums over the updated weights over the ranks (MuonH) cannot be deferred."""
-    if isinstance(callbacks, WeightSums):
-        raise ValueError(f"apply_updates='next_forward' cannot defer {type(callbacks).__name__}'s updates: its sums "
-                         "over the updated weights are a collective over every rank, which the next forward's "
-                         "applies (and a flush on some ranks, as a state dict's) cannot issue; use "
-                         "apply_updates='in_step'")
 
 
 def _topology(plan: Plan, config: ExecutionConfig):
