@@ -74,13 +74,15 @@ def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
 
 def test_next_forward_as_people_train():
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
-    checkpointing, NorMuon, Dion2 and MuonH: each bit for bit its ``"in_step"`` run (2 ranks)."""
+    checkpointing, ``torch.compile`` of each block (dmuon's hooks run eagerly, as FSDP2's), NorMuon, Dion2
+    and MuonH: each bit for bit its ``"in_step"`` run (2 ranks)."""
     variants = {
         "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
         "frozen": dict(frozen=("layers.1.mid",)),
         "accumulation": dict(micro_batches=2),
         "clip": dict(clip=0.3),
         "checkpointing": dict(activation_checkpointing="full"),
+        "compile": dict(compile=True),
         "normuon": dict(rule="normuon"),
         "dion2": dict(rule="dion2"),
         "muonh": dict(rule="muonh"),

@@ -131,6 +131,7 @@ class NextForwardUpdates:
             self._apply_unit(block)
 
     def _own_hook(self, block: int):
+        @torch.compiler.disable  # eager, as FSDP2's own hooks: it writes weights and issues an all-gather
         def hook(module: nn.Module, args) -> None:
             if block not in self._seen:
                 self._seen.append(block)  # a recomputation (activation checkpointing) runs it again
@@ -143,6 +144,7 @@ class NextForwardUpdates:
         return hook
 
     def _ahead_hook(self, block: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args) -> None:
             order = self._order
             if self._open and block in order and order.index(block) + 1 < len(order):
@@ -154,6 +156,7 @@ class NextForwardUpdates:
 
         return hook
 
+    @torch.compiler.disable
     def _root_forward_end(self, module: nn.Module, args, output) -> None:
         """The root's forward ended: a prefetched unit whose forward did not run is gathered and resharded
         (the same units on every rank: the forward is the same)."""
