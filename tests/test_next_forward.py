@@ -219,6 +219,42 @@ def test_reads_between_step_and_the_next_forward_see_every_update(tmp_path):
         assert torch.equal(value, resumed["next_forward"][name]), f"resumed on 4 ranks: {name} differs"
 
 
+def _read_on_one_rank(rank: int, world_size: int) -> dict:
+    """Muon and MuonH, both modes: after each ``step()`` rank 0 alone reads the optimizer's state dict, a
+    flush on one rank. The next forward must issue the same all-gathers on every rank all the same, and
+    MuonH's totals must already be in (no collective left to issue)."""
+    out = {}
+    for rule in ("muon", "muonh"):
+        for mode in MODES:
+            model, _, opt = sharded_oddnet(world_size, rule=rule, execution=dmuon.ExecutionConfig(apply_updates=mode))
+            read = []
+            for step in range(STEPS):
+                model.skip = SKIP.get(step, set())
+                lm_loss(model, odd_batch(step, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+                if rank == 0:
+                    read.append({f"{k}.{name}": v.to_local().clone()
+                                 for k, state in opt.state_dict()["state"].items()
+                                 for name, v in state.items() if isinstance(v, DTensor)})
+            opt.flush_updates()
+            out[rule, mode] = {"params": full_params(model), "read": read}
+    return out
+
+
+def test_a_read_on_one_rank_between_step_and_the_next_forward():
+    """A flush on one rank only (its optimizer state dict, under Muon and MuonH): no hang, what it reads is
+    ``"in_step"``'s, and both ranks go on bit for bit as ``"in_step"``."""
+    results = run_distributed(_read_on_one_rank, 2, timeout_s=300)
+    for rule in ("muon", "muonh"):
+        ins, nfwd = results[0][rule, "in_step"], results[0][rule, "next_forward"]
+        for name in ins["params"]:
+            assert torch.equal(ins["params"][name], nfwd["params"][name]), (rule, name)
+        assert len(ins["read"]) == STEPS and all(ins["read"]), rule
+        for a, b in zip(ins["read"], nfwd["read"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rule
+
+
 @pytest.mark.parametrize("rule", ["muon", "muonh"])
 @pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
                          ids=["1-D", "native-2x2", "replicate-level-2x2"])

@@ -21,17 +21,19 @@ for that all-gather only at the end of backward), so no all-gather is left behin
 Each apply lands its returns on the compute stream (the rule's ``apply`` runs there, as
 in ``step()``). The units are taken in the order their forwards ran last time; a unit
 whose forward comes out of that order applies its own updates in its own hook. Whether a
-rank applies and unshards a unit depends only on which units have updates pending (the
-step's agreement, the same on every rank) and on the order of the forward (the same on
-every rank, as FSDP2's own all-gathers need), never on timing: every rank issues the same
-all-gathers in the same order.
+rank unshards a unit depends only on which units got updates from the last step (the
+step's agreement, the same on every rank) and whose all-gather the forward has issued since
+(the order of the forward, the same on every rank, as FSDP2's own all-gathers need), never
+on timing, nor on whether this rank already applied them (a flush on some ranks): every
+rank issues the same all-gathers in the same order.
 
 A rule that projects with sums over the updated weight (MuonH) gets them with its returns: ``step()``
 issued each return's totals behind it (:class:`~dmuon.runtime.matrix_norms.TotalsBehind`), and a unit's
 apply lands them, applies and projects, with no collective here.
 
-:meth:`NextForwardUpdates.flush` applies whatever is pending (a unit whose forward did not
-run, or before anything reads the weights outside the forward: ``step()``, state dicts).
+:meth:`NextForwardUpdates.flush` applies whatever is pending on this rank (a unit whose forward did
+not run, or before anything reads the weights outside the forward: ``step()``, state dicts, on all
+ranks or some).
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ class NextForwardUpdates:
         self._totals: list[Pending] = []
         self._finish: Callable[[list[int]], None] | None = None
         self._pending: dict[int, set[int]] = {}
-        """Per unit (block index), the matrices whose update this rank has not applied yet."""
+        """Per unit (block index), the matrices whose update this rank has not applied yet (a flush on this
+        rank alone empties it: nothing collective depends on it)."""
+        self._ungathered: set[int] = set()
+        """The units holding the last step's updates whose all-gather the forward has not issued yet: the same
+        on every rank (only the forward's hooks, which run alike on every rank, take units out)."""
         self._order: list[int] = []
         """The units in the order their forwards ran last time."""
         self._seen: list[int] = []
@@ -99,7 +105,7 @@ class NextForwardUpdates:
 
     @property
     def pending(self) -> bool:
-        """Whether some update waits to be applied (the same on every rank)."""
+        """Whether some update waits to be applied on this rank."""
         return bool(self._pending)
 
     def hold(self, returns: list[tuple[Pending, list[int]]],
@@ -122,13 +128,16 @@ class NextForwardUpdates:
                 self._pending.setdefault(infos[i].block, set()).add(i)
         if self._seen:
             self._order, self._seen = self._seen, []
-        self._open = bool(self._pending)
+        self._ungathered = set(self._pending)
+        self._open = bool(self._ungathered)
 
     def flush(self) -> None:
-        """Applies every pending update, unit by unit in plan order (no collective: the returns' hops
-        were all issued in ``step()``)."""
+        """Applies every update pending on this rank, unit by unit in plan order (no collective: the returns'
+        hops were all issued in ``step()``). May run on some ranks only (a state dict taken on one): the
+        next forward still issues the same all-gathers on every rank."""
         for block in sorted(self._pending):
-            self._apply_unit(block)
+            self._check_not_gathered(block)
+        self._apply_units(sorted(self._pending))
 
     def _own_hook(self, block: int):
         @torch.compiler.disable  # eager, as FSDP2's own hooks: it writes weights and issues an all-gather
@@ -138,7 +147,7 @@ class NextForwardUpdates:
             if not self._open:
                 return
             self._ran.add(block)
-            if self._apply_unit(block):
+            if self._publish_unit(block):
                 _unshard(module)
 
         return hook
@@ -149,7 +158,7 @@ class NextForwardUpdates:
             order = self._order
             if self._open and block in order and order.index(block) + 1 < len(order):
                 following = order[order.index(block) + 1]
-                if self._apply_unit(following):
+                if self._publish_unit(following):
                     handle = _unshard(self.plan.blocks[following].module)
                     if handle is not None:
                         self._prefetched[following] = handle
@@ -168,13 +177,18 @@ class NextForwardUpdates:
         self._ran.clear()
         self._open = False
 
-    @torch.no_grad()
-    def _apply_unit(self, block: int) -> bool:
-        """Lands the returns carrying the updates of ``block`` and of the units gathered with it and applies
-        this rank's rows of them; whether there were any (the same on every rank)."""
-        together = [b for b in self._together[block] if b in self._pending]
+    def _publish_unit(self, block: int) -> bool:
+        """Whether ``block``'s all-gather is to be issued now for the last step's updates (the same on every
+        rank); if so, applies whatever this rank still holds of them and of the units gathered with it."""
+        together = [b for b in self._together[block] if b in self._ungathered]
         if not together:
             return False
+        self._check_not_gathered(block)
+        self._ungathered.difference_update(together)
+        self._apply_units(together)
+        return True
+
+    def _check_not_gathered(self, block: int) -> None:
         module = self.plan.blocks[block].module
         if isinstance(module, FSDPModule) and gathered_or_gathering(module):
             # Its all-gather would publish the weights before this step's updates (every rank alike: the
@@ -184,11 +198,15 @@ class NextForwardUpdates:
                 "already gathered before its updates were applied (FSDPModule.set_modules_to_forward_prefetch, "
                 "or an unshard() of yours in the forward); dmuon issues each unit's all-gather one unit ahead "
                 "itself: drop the forward prefetch, or use apply_updates='in_step'")
-        for b in together:
-            self._apply_members(self._pending.pop(b))
+
+    @torch.no_grad()
+    def _apply_units(self, blocks: list[int]) -> None:
+        """Lands the returns carrying the updates this rank still holds of ``blocks`` and applies its rows."""
+        for b in blocks:
+            if b in self._pending:
+                self._apply_members(self._pending.pop(b))
         if not self._pending:
             self._returns, self._totals, self._finish = [], [], None  # every buffer of the step's returns can go
-        return True
 
     def _apply_members(self, members: set[int]) -> None:
         """This rank's rows of ``members``' updates into their shards (then the rule's per-unit finish)."""
