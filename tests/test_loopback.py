@@ -56,15 +56,23 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
     return {"params": full_params(model), "counts": counts, "stats": stats, "blocks": len(plan.blocks)}
 
 
-def _pairs(rank: int, world_size: int, settings: list[str], clip: float | None) -> list[tuple[dict, dict]]:
-    return [(_train(rank, world_size, s, False, clip), _train(rank, world_size, s, True, clip)) for s in settings]
+def _pairs(rank: int, world_size: int, settings: list[str], clip: float | None) -> dict[str, dict]:
+    """Per setting, ``{"local": ..., "looped": ...}``; a setting that raised fails only its own assertions."""
+    from support.scenarios import run_each
+
+    def pair(setting: str) -> dict:
+        return {"local": _train(rank, world_size, setting, False, clip),
+                "looped": _train(rank, world_size, setting, True, clip)}
+
+    return run_each({s: (lambda s=s: pair(s)) for s in settings})
 
 
 @pytest.mark.parametrize("clip", [None, 0.3])
 def test_loopback_gives_the_same_bits_and_issues_the_collectives(clip):
     settings = list(SETTINGS)
     (results,) = run_distributed(_pairs, 1, settings, clip, timeout_s=300)
-    for setting, (local, looped) in zip(settings, results):
+    for setting in settings:
+        local, looped = results[setting]["local"], results[setting]["looped"]
         for name, value in local["params"].items():
             assert torch.equal(value, looped["params"][name]), f"{setting}: {name} differs with loopback"
         # One rank hands everything over locally: dmuon issues nothing on its groups.
@@ -88,7 +96,7 @@ def test_loopback_gives_the_same_bits_and_issues_the_collectives(clip):
             assert [s["rescaled_launches"] for s in looped["stats"]] == [0] + [blocks] * (STEPS - 1), setting
     if clip is None:
         # 1-D: every block's updates but the last one's came back during backward.
-        rbwd = results[settings.index("returns_in_backward")][1]
+        rbwd = results["returns_in_backward"]["looped"]
         assert [s["blocks_returned_in_backward"] for s in rbwd["stats"]] == [rbwd["blocks"] - 1] * STEPS
 
 

@@ -75,7 +75,8 @@ def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
 def test_next_forward_as_people_train():
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
     checkpointing, ``torch.compile`` of each block (dmuon's hooks run eagerly, as FSDP2's), NorMuon, Dion2
-    and MuonH: each bit for bit its ``"in_step"`` run (2 ranks)."""
+    and MuonH (also with the returns issued in backward, whose totals follow them from ``step()``): each bit
+    for bit its ``"in_step"`` run (2 ranks)."""
     variants = {
         "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
         "frozen": dict(frozen=("layers.1.mid",)),
@@ -86,6 +87,7 @@ def test_next_forward_as_people_train():
         "normuon": dict(rule="normuon"),
         "dion2": dict(rule="dion2"),
         "muonh": dict(rule="muonh"),
+        "muonh returns in backward": dict(rule="muonh", ns_in_backward=True, returns_in_backward=True),
     }
     cases = [c for kw in variants.values() for c in _pairs(skip=SKIP, **kw)]
     results = run_distributed(run_cases, 2, cases, timeout_s=400)
