@@ -322,6 +322,29 @@ def test_units_sharded_together_are_applied_together():
         assert torch.equal(ins[name], nfwd[name]), name
 
 
+def _whole_model_compiled(rank: int, world_size: int) -> dict:
+    """OddNet with the whole model compiled (``model.compile``, ``aot_eager``) after ``fully_shard``, both modes:
+    dmuon's hooks sit inside the compiled module's call and run eagerly (``torch.compiler.disable``)."""
+    out = {}
+    for mode in MODES:
+        model, _, opt = sharded_oddnet(world_size, execution=dmuon.ExecutionConfig(apply_updates=mode))
+        model.compile(backend="aot_eager")
+        for step in range(STEPS):
+            lm_loss(model, odd_batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush_updates()
+        out[mode] = full_params(model)
+    return out
+
+
+def test_next_forward_with_the_whole_model_compiled():
+    results = run_distributed(_whole_model_compiled, 2, timeout_s=300)
+    ins, nfwd = results[0]["in_step"], results[0]["next_forward"]
+    for name in ins:
+        assert torch.equal(ins[name], nfwd[name]), name
+
+
 def _forward_prefetch(rank: int, world_size: int) -> str:
     """FSDP2's explicit forward prefetch gathers the next unit in this unit's pre-forward, before dmuon's ahead
     hook could apply its updates: refused on every rank, naming the fix."""
