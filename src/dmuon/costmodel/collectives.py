@@ -215,7 +215,7 @@ def weight_norm_collective(matrices: int, replicate: int, shard: int, *, value_b
 
 
 def with_weight_norms_per_wave(returns: list[Collective], waves: Sequence[Sequence[int]], replicate: int,
-                         shard: int) -> list[Collective]:
+                               shard: int) -> list[Collective]:
     """``returns`` (:func:`owner_exchange_collectives`' step part, wave by wave) with each wave's
     weight-norm all-gather right after the collective that completes the wave (its last hop: the
     scatter route's all-gather rides in the next wave's first collective across replicas), as the
@@ -380,12 +380,11 @@ def step_collectives(
                 out.append(c)
         out += by_block.get(b, [])
     out += by_block.get(None, [])  # the replicate level: what step() issues of the exchange (hop A left, hop B)
-    if per_wave and strategy in ("dmuon", "dmuon_native_hsdp"):
+    norms = weight_norms and strategy in ("dmuon", "dmuon_native_hsdp")
+    if norms and per_wave:
         out += with_weight_norms_per_wave(returns, [w for w in waves if w], replicate, shard)
     else:
-        out += returns
-    if weight_norms and not per_wave and strategy in ("dmuon", "dmuon_native_hsdp"):
-        out += weight_norm_collective(len(shapes), replicate, shard)
+        out += returns + (weight_norm_collective(len(shapes), replicate, shard) if norms else [])
     if strategy == "gather" and shard > 1:
         world = replicate * shard
         for i, shape in enumerate(shapes):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, Pending
-from dmuon.comm.device_streams import active
+from dmuon.comm import device_streams
 from dmuon.comm.streams import Streams
 from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import StepCallbacks, WeightSums
@@ -61,13 +61,13 @@ class MatrixNorms:
         self.stats = stats
         self.device = plan.device
 
-    def run(self, callbacks: StepCallbacks, active_: list[int], applied: bool) -> bool:
-        """Asks a :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_sums(active_, applied)``,
+    def run(self, callbacks: StepCallbacks, active: list[int], applied: bool) -> bool:
+        """Asks a :class:`~dmuon.runtime.callbacks.WeightSums` rule's ``weight_sums(active, applied)``,
         adds them up and hands the totals to its ``weight_totals``; whether any were asked for (every
         rank alike; never for another rule)."""
         if not isinstance(callbacks, WeightSums):
             return False
-        sums = callbacks.weight_sums(active_, applied)
+        sums = callbacks.weight_sums(active, applied)
         if not sums:
             return False
         callbacks.weight_totals(self.add(sums).wait(), applied)
@@ -78,8 +78,7 @@ class MatrixNorms:
         rank's list) on the current stream, asks the rule for the sums its apply will leave
         (``weight_sums_after``) and issues their addition; the totals ``weight_totals(..., applied=True)``
         takes once the apply ran (the same bits as :meth:`run` after the apply would give)."""
-        updates = returned.wait()
-        return self.add(callbacks.weight_sums_after(members, {i: u for i, u in updates.items() if i in members}))
+        return self.add(callbacks.weight_sums_after(members, returned.wait()))
 
     def add(self, sums: dict[int, torch.Tensor]) -> Pending:
         """Issues the addition of this rank's partial ``sums`` (by plan index, the same keys and shapes on
@@ -107,7 +106,7 @@ class MatrixNorms:
         gathered = [torch.empty_like(flat) for _ in range(shard)]
         moved = ring_all_gather_bytes(flat.numel() * flat.element_size(), shard)
         self.stats.add("intra", moved, moved)
-        flight = active().issue(
+        flight = device_streams.active().issue(
             lambda: dist.all_gather(gathered, flat, group=self.topo.shard_group, async_op=True),
             reads=(flat,), writes=tuple(gathered))
 
@@ -125,8 +124,9 @@ class TotalsBehind:
     return of a step gets the weight totals its apply will need, issued in ``step()`` right behind the
     return, so the next forward's apply issues no collective.
 
-    The runtime hands it every return with its members (:meth:`follow`, in the order it applies them)
-    and calls :meth:`issue_ready` whenever it issued hops: each return whose every hop is issued gets its
+    The runtime hands it every return with its members (:meth:`follow`, in the order it applies them:
+    :attr:`followed`, what the next forward applies) and calls :meth:`issue_ready` whenever it issued
+    hops: each return whose every hop is issued gets its
     totals issued (:meth:`MatrixNorms.after_apply`), in the returns' order, on dmuon's own stream (the
     return lands there; the compute stream waits for none of it in ``step()``). Which returns are
     issued depends only on what was issued, the same on every rank: every rank issues the same
@@ -142,24 +142,24 @@ class TotalsBehind:
         self._norms = norms
         self._callbacks = callbacks
         self._streams = streams
-        self._returns: list[tuple[Pending, list[int]]] = []
+        self.followed: list[tuple[Pending, list[int]]] = []
+        """Every return of the step so far with the matrices it carries (every rank's list), in order."""
         self.totals: list[Pending] = []
         """Per return followed so far whose every hop is issued, its totals (``wait()`` on the stream of
         the apply)."""
 
     def follow(self, returned: Pending, members: list[int]) -> None:
         """The next return of the step (``members``: every rank's matrices it carries)."""
-        if self._callbacks is not None:
-            self._returns.append((returned, members))
-            self.issue_ready()
+        self.followed.append((returned, members))
+        self.issue_ready()
 
     def issue_ready(self) -> None:
         """Issues the totals of every followed return whose hops are all issued (in order)."""
         if self._callbacks is None:
             return
         with self._streams.use(self._streams.own("dmuon")):
-            while len(self.totals) < len(self._returns) and self._returns[len(self.totals)][0].issued():
-                returned, members = self._returns[len(self.totals)]
+            while len(self.totals) < len(self.followed) and self.followed[len(self.totals)][0].issued():
+                returned, members = self.followed[len(self.totals)]
                 self.totals.append(self._norms.after_apply(self._callbacks, members, returned))
 
     def all_issued(self) -> list[Pending] | None:
@@ -167,5 +167,5 @@ class TotalsBehind:
         if self._callbacks is None:
             return None
         self.issue_ready()
-        assert len(self.totals) == len(self._returns), "a return's hops were left unissued"
+        assert len(self.totals) == len(self.followed), "a return's hops were left unissued"
         return self.totals

@@ -193,8 +193,7 @@ class ShardRuntime:
         if self.next_forward is not None:
             self._publish(returns, behind)
             finish = (lambda members: cb.finish_step(members, maxima)) if isinstance(cb, StepMaxima) else None
-            self.next_forward.hold(list(zip(returns, self._carried(settled, back, report))), finish,
-                                   behind.all_issued())
+            self.next_forward.hold(behind.followed, finish, behind.all_issued())
         else:
             self._apply(returns)
             self.norms.run(cb, active, applied=True)
@@ -318,13 +317,6 @@ class ShardRuntime:
                 while not wave.issued():
                     self._forward_returns(returns[k:])
                     behind.issue_ready()
-
-    @staticmethod
-    def _carried(settled: Settled, back: dict[int, Pending], report: StepReport) -> list[list[int]]:
-        """The matrices each of ``_update``'s returns carries (every rank's, the same on every rank):
-        the returns from backward (their launches' members), then the waves."""
-        carried = [settled.launches[b].members for b in back]
-        return carried + [list(members) for members in report.return_waves]
 
     def flush_updates(self) -> None:
         """Applies the updates a step left for the next forward (``apply_updates="next_forward"``);
