@@ -30,11 +30,30 @@ def _pairs(**kw) -> list[Case]:
     return [Case(apply_updates=mode, steps=STEPS, **kw) for mode in MODES]
 
 
+def _trained(model, opt, rank: int, skip: dict = SKIP, after_step=None) -> dict:
+    """``STEPS`` steps of OddNet's batches (``skip``: the blocks left out per step), ``after_step()`` after
+    each, then the updates flushed; every parameter's full value."""
+    for step in range(STEPS):
+        model.skip = skip.get(step, set())
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step()
+    opt.flush_updates()
+    return full_params(model)
+
+
+def _assert_same_params(ins: dict, nfwd: dict, label) -> None:
+    """The ``"in_step"`` run's parameters and the ``"next_forward"`` run's, bit for bit."""
+    for name in ins:
+        assert torch.equal(ins[name], nfwd[name]), f"{label}: {name} differs"
+
+
 def _assert_same(results, k: int, label: str) -> None:
     """Case ``k`` (in_step) and ``k + 1`` (next_forward): the same parameters, bit for bit, and losses."""
     ins, nfwd = results[0][k], results[0][k + 1]
-    for name in ins["params"]:
-        assert torch.equal(ins["params"][name], nfwd["params"][name]), f"{label}: {name} differs"
+    _assert_same_params(ins["params"], nfwd["params"], label)
     assert [r[k]["losses"] for r in results] == [r[k + 1]["losses"] for r in results], label
 
 
@@ -122,8 +141,7 @@ def test_next_forward_with_tensor_parallelism_and_experts():
     for kind in TP_AND_EXPERTS:
         ins, nfwd = results[0][(kind, "in_step")], results[0][(kind, "next_forward")]
         assert isinstance(ins, dict) and isinstance(nfwd, dict), (ins, nfwd)
-        for name in ins:
-            assert torch.equal(ins[name], nfwd[name]), f"{kind}: {name} differs"
+        _assert_same_params(ins, nfwd, kind)
 
 
 def _qk_clip(rank: int, world_size: int) -> dict:
@@ -230,17 +248,14 @@ def _read_on_one_rank(rank: int, world_size: int) -> dict:
         for mode in MODES:
             model, _, opt = sharded_oddnet(world_size, rule=rule, execution=dmuon.ExecutionConfig(apply_updates=mode))
             read = []
-            for step in range(STEPS):
-                model.skip = SKIP.get(step, set())
-                lm_loss(model, odd_batch(step, rank)).backward()
-                opt.step()
-                opt.zero_grad()
+
+            def read_on_rank_0() -> None:
                 if rank == 0:
                     read.append({f"{k}.{name}": v.to_local().clone()
                                  for k, state in opt.state_dict()["state"].items()
                                  for name, v in state.items() if isinstance(v, DTensor)})
-            opt.flush_updates()
-            out[rule, mode] = {"params": full_params(model), "read": read}
+
+            out[rule, mode] = {"params": _trained(model, opt, rank, after_step=read_on_rank_0), "read": read}
     return out
 
 
@@ -250,8 +265,7 @@ def test_a_read_on_one_rank_between_step_and_the_next_forward():
     results = run_distributed(_read_on_one_rank, 2, timeout_s=300)
     for rule in ("muon", "muonh"):
         ins, nfwd = results[0][rule, "in_step"], results[0][rule, "next_forward"]
-        for name in ins["params"]:
-            assert torch.equal(ins["params"][name], nfwd["params"][name]), (rule, name)
+        _assert_same_params(ins["params"], nfwd["params"], rule)
         assert len(ins["read"]) == STEPS and all(ins["read"]), rule
         for a, b in zip(ins["read"], nfwd["read"]):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rule
@@ -303,13 +317,7 @@ def _grouped(rank: int, world_size: int) -> dict:
         opt = dmuon.DMuon(model, dmuon.prepare(model, ns=dmuon.NSConfig(method="standard", dtype=torch.float32)),
                           lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
                           execution=dmuon.ExecutionConfig(apply_updates=mode))
-        for step in range(STEPS):
-            model.skip = SKIP.get(step, set())
-            lm_loss(model, odd_batch(step, rank)).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.flush_updates()
-        out[mode] = full_params(model)
+        out[mode] = _trained(model, opt, rank)
     return out
 
 
@@ -317,9 +325,7 @@ def test_units_sharded_together_are_applied_together():
     """``fully_shard([a, b])``: one unshard gathers both, so both units' updates are applied before it; bit
     for bit ``"in_step"``, a block unused at step 1 included."""
     results = run_distributed(_grouped, 2, timeout_s=300)
-    ins, nfwd = results[0]["in_step"], results[0]["next_forward"]
-    for name in ins:
-        assert torch.equal(ins[name], nfwd[name]), name
+    _assert_same_params(results[0]["in_step"], results[0]["next_forward"], "grouped")
 
 
 def _whole_model_compiled(rank: int, world_size: int) -> dict:
@@ -329,20 +335,13 @@ def _whole_model_compiled(rank: int, world_size: int) -> dict:
     for mode in MODES:
         model, _, opt = sharded_oddnet(world_size, execution=dmuon.ExecutionConfig(apply_updates=mode))
         model.compile(backend="aot_eager")
-        for step in range(STEPS):
-            lm_loss(model, odd_batch(step, rank)).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.flush_updates()
-        out[mode] = full_params(model)
+        out[mode] = _trained(model, opt, rank, skip={})
     return out
 
 
 def test_next_forward_with_the_whole_model_compiled():
     results = run_distributed(_whole_model_compiled, 2, timeout_s=300)
-    ins, nfwd = results[0]["in_step"], results[0]["next_forward"]
-    for name in ins:
-        assert torch.equal(ins[name], nfwd[name]), name
+    _assert_same_params(results[0]["in_step"], results[0]["next_forward"], "whole model compiled")
 
 
 def _forward_prefetch(rank: int, world_size: int) -> str:
