@@ -27,7 +27,7 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
     """OddNet for :data:`STEPS` steps; dmuon's collectives on its own groups counted by kind."""
     execution = dmuon.ExecutionConfig(loopback_collectives=loopback, **SETTINGS[setting])
     model, plan, opt = sharded_oddnet(world_size, execution=execution)
-    ours = plan.topology.world_group
+    ours = plan.topology.mesh_group
     counts = {"all_to_all_single": 0, "all_reduce": 0}
     originals = {name: getattr(dist, name) for name in counts}
 

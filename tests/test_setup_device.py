@@ -94,8 +94,8 @@ def _warmed_groups(rank: int, world_size: int) -> dict:
         finally:
             dist.all_to_all_single = original
         topo = plan.topology
-        expected = [topo.world_group] + [g for g in (topo.shard_group, topo.replicate_group)
-                                         if g is not None and g is not topo.world_group]
+        expected = [topo.mesh_group] + [g for g in (topo.shard_group, topo.replicate_group)
+                                         if g is not None and g is not topo.mesh_group]
         # Each of dmuon's groups this rank belongs to: one warm-up, in creation order, inside prepare
         # (no backward has run), and no other all-to-all.
         out[name] = {"warmed_in_order": len(seen) == len(expected) and all(a is b for a, b in zip(seen, expected)),

@@ -128,7 +128,7 @@ def train(config: str, variant: str, size: str, steps: int, device: torch.device
     losses, reports, counts, delays = [], [], {}, [0]
     delay = delayed_reduce_scatter(DELAY_CYCLES, delays) if variant == "delayed" else contextlib.nullcontext()
     # The baselines (no plan) have no group of dmuon's to count on.
-    counted = counting_collectives(plan.topology.world_group, counts) if plan is not None else contextlib.nullcontext()
+    counted = counting_collectives(plan.topology.mesh_group, counts) if plan is not None else contextlib.nullcontext()
     with delay, counted:
         for step in range(steps):
             batch = workload.make_batch(step, 0)

@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon.comm.streams import Flight, Streams
-from dmuon.util.torch_compat import queue_end_of_backward
+from dmuon.util.torch_compat import in_backward, queue_end_of_backward
 
 __all__ = ["CheckedStreams", "StreamOrderError"]
 
@@ -394,7 +394,9 @@ class CheckedStreams(Streams):
         if stream.startswith(FSDP2):
             raise StreamOrderError(f"a wait for {what} lands on FSDP2's post-reduce stream: FSDP2's next "
                                    "reduce-scatter would queue behind it")
-        if stream == COMPUTE and self._in_backward:
+        # Outside autograd (FSDP2's reduction called by hand, as pipeline schedules do) no backward
+        # compute is queued on the compute stream for a wait to hold up.
+        if stream == COMPUTE and self._in_backward and in_backward():
             raise StreamOrderError(f"a wait for {what} lands on the compute stream during backward: backward's "
                                    "compute would queue behind it")
 

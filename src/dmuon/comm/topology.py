@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmuon.util.torch_compat import process_group_count
+
 
 @dataclass
 class Topology:
@@ -26,8 +28,9 @@ class Topology:
     """Process group of this rank's replica (S ranks, ordered by ``s``); None when S == 1."""
     replicate_group: object = None
     """Process group of this rank's shard position across replicas (R ranks, ordered by ``r``); None when R == 1."""
-    world_group: object = None
-    """All R*S ranks; None in a single process."""
+    mesh_group: object = None
+    """Every rank of dmuon's mesh (R*S ranks: the data-parallel group, the world or a part of it, such
+    as one pipeline stage's); None in a single process."""
     global_ranks: tuple[int, ...] = ()
     """The default group's rank of each plan rank (empty in a single process)."""
     groups: tuple = ()
@@ -84,7 +87,7 @@ def single_process() -> Topology:
     return Topology(1, 1, 0)
 
 
-def from_mesh(mesh, replicated: bool) -> Topology:
+def from_mesh(mesh, replicated: bool, device: torch.device | None = None) -> Topology:
     """Builds dedicated process groups for dmuon's traffic on a DeviceMesh of any dimension.
 
     The mesh's dims flatten into two levels: with ``replicated`` (HSDP) its dim 0
@@ -92,28 +95,77 @@ def from_mesh(mesh, replicated: bool) -> Topology:
     parallel dim) together the shard level S; otherwise R = 1. Plan ranks are
     the row-major positions in the mesh.
 
-    Every rank of the default group must call this (``new_group`` is collective
-    over the world), in the same order, which ``prepare`` guarantees.
+    The mesh may be any set of ranks (one pipeline stage's data-parallel group, one of two models
+    trained side by side): only the mesh's ranks call this, each in the same order with respect to
+    the other process groups it creates (``prepare`` guarantees it). Over the whole world, groups
+    are created as ``new_group`` always has (every rank calls it); over a part of it, with
+    ``use_local_synchronization``, so that other parts may create theirs at the same time. torch
+    names such a group by its ranks and the count of groups this rank already has, so the mesh's
+    ranks first check over the mesh's own group that their counts agree: otherwise they would wait
+    in the group's rendezvous for each other under different names (a hang), and they raise
+    instead.
+
+    ``device``: where the check's collective runs (the parameters' device; None: the mesh's device
+    type, the current CUDA device for ``"cuda"``).
     """
     replicate = mesh.size(0) if replicated else 1
     grid = mesh.mesh.reshape(replicate, -1)
     shard = grid.shape[1]
     ranks = grid.flatten().tolist()
-    assert dist.get_rank() in ranks, "this rank is not part of the mesh"
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"rank {dist.get_rank()} is not in the parameters' mesh {ranks}: build dmuon only on "
+                         "the ranks that hold the model (part) it steps")
     r, s = divmod(ranks.index(dist.get_rank()), shard)
-    # A separate set of groups keeps dmuon's collectives apart from FSDP2's.
-    world_group = dist.new_group(ranks=ranks)
+    everywhere = len(ranks) == dist.get_world_size()
+    if not everywhere:
+        _check_same_group_count(mesh, ranks, device)
+
+    def group(members: list[int]):
+        if everywhere:
+            return dist.new_group(ranks=members)
+        return dist.new_group(ranks=members, use_local_synchronization=True)
+
+    # A separate set of groups keeps dmuon's collectives apart from FSDP2's. Over the whole world
+    # every rank creates every group; over a part, each rank only those it belongs to.
+    mesh_group = group(ranks)
     shard_group = replicate_group = None
     for row in range(replicate):
-        g = world_group if replicate == 1 else dist.new_group(ranks=grid[row].tolist())
-        if row == r:
-            shard_group = g
+        if everywhere or row == r:
+            g = mesh_group if replicate == 1 else group(grid[row].tolist())
+            if row == r:
+                shard_group = g
     if replicate > 1:
         for col in range(shard):
-            g = dist.new_group(ranks=grid[:, col].tolist())
-            if col == s:
-                replicate_group = g
-    # Creation order (world, then the rows, then the columns), the same on every rank.
-    mine = [world_group] + [g for g in (shard_group, replicate_group) if g is not None and g is not world_group]
-    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, world_group, tuple(ranks),
+            if everywhere or col == s:
+                g = group(grid[:, col].tolist())
+                if col == s:
+                    replicate_group = g
+    # Creation order (the mesh, then the rows, then the columns), the same on every rank.
+    mine = [mesh_group] + [g for g in (shard_group, replicate_group) if g is not None and g is not mesh_group]
+    return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, mesh_group, tuple(ranks),
                     tuple(mine))
+
+
+def _check_same_group_count(mesh, ranks: list[int], device: torch.device | None) -> None:
+    """Raises on every rank of ``mesh`` when they hold different numbers of process groups (see
+    :func:`from_mesh`).
+
+    Two all-reduces (the least and the most) per mesh dim, on the groups the mesh already has
+    (FSDP2's; once, at setup): reduced along each dim in turn, they cover the whole mesh.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+    # torch's hashed group names count every group this rank knows of, its own included.
+    count = process_group_count()
+    low = torch.tensor([count], dtype=torch.int64, device=device)
+    high = low.clone()
+    for dim in range(mesh.ndim):
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    low, high = int(low.item()), int(high.item())
+    if low != high:
+        raise ValueError(
+            f"the ranks of dmuon's mesh {ranks} hold different numbers of process groups ({low} to "
+            f"{high}; this rank {count}), so they cannot create dmuon's groups together: create the same "
+            "process groups (new_group, DeviceMesh) on every rank of a data-parallel group before building dmuon")

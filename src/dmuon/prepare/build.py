@@ -128,7 +128,7 @@ def prepare(
               for b, (name, _, params) in enumerate(block_list) if any(p.requires_grad for p in params)]
     balance = assign(
         infos, topology.world_size, balancer, ns_steps=ns.steps, costs=cost_table, profile=profile,
-        ns_kwargs=ns.kwargs(), group=topology.world_group if topology.world_size > 1 else None,
+        ns_kwargs=ns.kwargs(), group=topology.mesh_group if topology.world_size > 1 else None,
         time_limit_s=time_limit_s, memory_factor=memory_factor, cache_dir=cache_dir,
         replicate=topology.replicate,
     )
@@ -149,10 +149,10 @@ def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSCon
     mesh, replicated = layout_of(model, hsdp_mesh)
     if hsdp_mesh is not None:
         check_no_all_reduce_hook(model)
-    topology = single_process() if mesh is None else from_mesh(mesh, replicated)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
     device, mixed = parameter_device(model, chosen, mesh)
+    topology = single_process() if mesh is None else from_mesh(mesh, replicated, device)
     topology.warm_up(device)  # dmuon's communicators exist before the first backward
     if topology.world_size > 1:
         # Whether this rank's parameters share one device is part of what every rank compares, so
@@ -229,7 +229,7 @@ def _check_momentum_layouts(infos: list[MatrixInfo], topology: Topology, hsdp_me
     Each rank can check only its own momentum shard: one all-reduce puts every rank on the error."""
     r, s = topology.coords
     ok = torch.tensor([int(momentum_ok(info, s, r, hsdp_mesh)) for info in infos] or [1], dtype=torch.int32).to(device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.world_group)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.mesh_group)
     bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})
     if bad:
         raise ValueError(f"parameters {bad[:5]}: no DTensor layout splits their momentum's columns over the "

@@ -33,7 +33,7 @@ def check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device)
     gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
     # torch 2.13 renamed all_gather_into_tensor; keep older releases working.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, fingerprint.to(device), group=topology.world_group)
+    all_gather(gathered, fingerprint.to(device), group=topology.mesh_group)
     rows = gathered.view(world_size, -1).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
@@ -82,10 +82,6 @@ def _check_hsdp_mesh(params_mesh, hsdp_mesh):
     if not isinstance(hsdp_mesh, DeviceMesh) or hsdp_mesh.ndim < 2 or hsdp_mesh.mesh_dim_names is None:
         raise ValueError("hsdp_mesh must be a DeviceMesh with named dims (replicate, shard[, tp...]), e.g. "
                          "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if hsdp_mesh.mesh.numel() != world:
-        raise ValueError(f"hsdp_mesh holds {hsdp_mesh.mesh.numel()} ranks but the default process group {world}; "
-                         "dmuon needs a mesh over every rank")
     inner = hsdp_mesh[tuple(hsdp_mesh.mesh_dim_names[1:])] if hsdp_mesh.ndim > 2 else \
         hsdp_mesh[hsdp_mesh.mesh_dim_names[1]]
     if params_mesh == hsdp_mesh:
@@ -93,6 +89,12 @@ def _check_hsdp_mesh(params_mesh, hsdp_mesh):
                          "all-reduces gradients across replicas itself); for dmuon's replicate level shard it "
                          f"over hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] (fully_shard(..., mesh="
                          f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}])), or drop hsdp_mesh= to keep native HSDP")
+    if params_mesh != inner and hsdp_mesh.mesh.numel() != params_mesh.mesh.numel() * hsdp_mesh.size(0):
+        raise ValueError(f"hsdp_mesh {hsdp_mesh} holds {hsdp_mesh.mesh.numel()} ranks, not the parameters' data-parallel "
+                         f"group ({params_mesh.mesh.numel()} ranks) times its {hsdp_mesh.size(0)} replicas: pass "
+                         "the (replicate, shard) mesh of this model part's data-parallel ranks only (under pipeline "
+                         "parallelism the stage's, e.g. world_mesh['replicate', 'shard'] of a (pp, replicate, "
+                         "shard) mesh), not one that spans other stages")
     if params_mesh != inner:
         raise ValueError(f"the parameters live on {params_mesh}, not on hsdp_mesh's non-replicate dims "
                          f"{hsdp_mesh.mesh_dim_names[1:]} ({inner}); shard the model over "
@@ -117,6 +119,9 @@ def check_no_all_reduce_hook(model: nn.Module) -> None:
 
 def layout_of(model: nn.Module, hsdp_mesh=None):
     """The mesh spanning every DTensor parameter, and whether its dim 0 replicates (HSDP).
+
+    The mesh may be any group of ranks: the world, or one pipeline stage's data-parallel ranks
+    (dmuon's groups are made over the mesh's ranks only, :func:`dmuon.comm.topology.from_mesh`).
 
     With ``hsdp_mesh`` (dmuon's replicate level) the parameters live on its
     non-replicate dims and ``hsdp_mesh`` is returned.
@@ -155,12 +160,13 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
         if names is None or mesh.mesh_dim_names is None or not set(mesh.mesh_dim_names) <= set(names):
             raise ValueError(f"parameter {name!r} lives on a DeviceMesh that is not a named sub-mesh of "
                              f"{first!r}'s; dmuon needs the parameters on one mesh and its sub-meshes")
+        if mesh.ndim >= root.ndim or not set(mesh.mesh.flatten().tolist()) <= set(root.mesh.flatten().tolist()):
+            raise ValueError(f"parameters {first!r} and {name!r} live on two different data-parallel groups "
+                             f"(ranks {root.mesh.flatten().tolist()} and {mesh.mesh.flatten().tolist()}): one "
+                             "DMuon steps one data-parallel group's parameters; build one per model part "
+                             "(each part fully_shard-ed over its own stage's mesh)")
     if hsdp_mesh is not None:
         return _check_hsdp_mesh(root, hsdp_mesh), True
-    if root.mesh.numel() != (dist.get_world_size() if dist.is_initialized() else 1):
-        raise ValueError(f"the parameters' mesh holds {root.mesh.numel()} ranks but the default process group "
-                         f"{dist.get_world_size()}; dmuon needs a mesh over every rank (HSDP with dmuon reducing "
-                         "across replicas: fully_shard over the shard dim of an HSDP mesh and pass hsdp_mesh=)")
     replicated = root.ndim >= 2
     for _, p in model.named_parameters():
         if isinstance(p, DTensor) and replicated:

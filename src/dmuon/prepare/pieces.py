@@ -50,7 +50,7 @@ def gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, dev
     flat = torch.tensor(mine, dtype=torch.int64).reshape(-1)
     gathered = torch.zeros(topology.world_size * flat.numel(), dtype=torch.int64, device=device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, flat.to(device), group=topology.world_group)
+    all_gather(gathered, flat.to(device), group=topology.mesh_group)
     # The group orders its members by global rank; plan ranks follow the mesh.
     by_global = gathered.cpu().view(topology.world_size, len(chosen), 1 + 2 * width).tolist()
     position = {g: k for k, g in enumerate(sorted(topology.global_ranks))}

@@ -59,7 +59,7 @@ from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.util.dtensor import local_tensor
-from dmuon.util.torch_compat import on_reduced_gradient, queue_end_of_backward
+from dmuon.util.torch_compat import in_backward, on_reduced_gradient, queue_end_of_backward
 
 @dataclass
 class Launch:
@@ -165,6 +165,9 @@ class BackwardLaunches:
             self._spreader = HopASpreader({i.index: _slice_shape(i, plan.shard) for i in plan.infos},
                                           plan.replicate, plan.shard, exchange.wire_dtype.itemsize, hop_a_spread)
         self.streams = streams_for(plan.device)
+        self._compute = self.streams.current()
+        """The stream the main thread computes on (built and stepped there), which waits for the
+        reductions landed outside autograd."""
         self._own_done = None
         """Event on dmuon's stream after the hooks' latest work (None: nothing since the compute stream waited)."""
         # The worker thread enters the plan's device first: Triton launches on the thread's current device.
@@ -228,8 +231,9 @@ class BackwardLaunches:
             self._own_done = None
 
     def _landed_one(self, param: torch.Tensor) -> None:
-        if self.replicate is not None:
-            if not self._in_backward:
+        by_hand = False
+        if self.replicate is not None and not self._in_backward:
+            if in_backward():
                 # Every reduction across replicas lands before this backward returns, and the
                 # compute stream waits for dmuon's, so user code before step() (clipping) never
                 # races one in flight. An autograd final callback runs after FSDP2's own (which
@@ -237,6 +241,13 @@ class BackwardLaunches:
                 # and FSDP1 install theirs the same way.
                 self._in_backward = True
                 queue_end_of_backward(self._end_of_backward)
+            else:
+                # FSDP2's reduction called by hand, outside autograd: torch's pipeline schedules
+                # reduce a stage's gradients once after its last micro-batch (REDUCE_GRAD), then
+                # scale them in place on the compute stream. No end of a backward pass follows to
+                # hook into, so each unit's reductions land as soon as the unit completes.
+                by_hand = True
+        if self.replicate is not None:
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
         if self._current is not None and self._current != unit:
@@ -246,6 +257,17 @@ class BackwardLaunches:
         landed.append(param)
         if len(landed) == len(self._units[unit].params):
             self._complete(unit)
+        if by_hand and self._current is None:
+            self._land_by_hand()
+
+    def _land_by_hand(self) -> None:
+        """Outside autograd (FSDP2's reduction called by hand): the reductions in flight land on dmuon's
+        stream, and the compute stream (where the caller reads and scales the gradients next) waits
+        for it. FSDP2's stream never waits for dmuon's: its next unit's reduce-scatter goes on."""
+        with self._on_own_stream():
+            self.replicate.land_all()
+        with self.streams.use(self._compute, fork=False):
+            self._join_own_stream()
 
     @torch.no_grad()
     def _complete(self, unit: int) -> None:
@@ -428,6 +450,7 @@ class BackwardLaunches:
     def take(self) -> tuple[dict[int, Launch], EarlyWork]:
         """The launches since the last call (a partly landed unit completes now), every hop of
         theirs issued, and the worker's results for them (empty without a worker)."""
+        self._compute = self.streams.current()
         if self._current is not None:
             self._complete(self._current)
         self._join_own_stream()

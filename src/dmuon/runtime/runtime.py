@@ -353,7 +353,7 @@ class ShardRuntime:
         if self.replicate is not None:
             self.replicate.finish()
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, replicate=self.replicate,
-                               group=self.topo.world_group if self.topo.world_size > 1 else None,
+                               group=self.topo.mesh_group if self.topo.world_size > 1 else None,
                                device=self.device)
 
     def close(self) -> None:
@@ -369,7 +369,7 @@ def _topology(plan: Plan, config: ExecutionConfig):
     and the agreement: :attr:`Topology.loopback`; the plan's stays as it is)."""
     if not config.loopback_collectives:
         return plan.topology
-    if plan.topology.world_group is None:
+    if plan.topology.mesh_group is None:
         raise ValueError("loopback_collectives=True needs dmuon's process groups: prepare() the "
                          "plan with torch.distributed initialized (one rank is enough)")
     return dataclasses.replace(plan.topology, loopback=True)

@@ -279,7 +279,7 @@ class StepSettler:
             return lambda: flags.cpu()
         flags = flags.to(self.plan.device)
         work = self.streams.issue(
-            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.world_group, async_op=True),
+            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.mesh_group, async_op=True),
             reads=(flags,), writes=(flags,))
 
         def landed() -> torch.Tensor:

@@ -16,6 +16,8 @@ Private APIs:
 * :func:`queue_end_of_backward`: ``torch.autograd.Variable._execution_engine.queue_callback``.
 * :func:`gathered_or_gathering`: ``FSDPParamGroup._all_gather_result`` and ``is_unsharded``.
 * :func:`fsdp_unit`: ``FSDPModule._get_fsdp_state()``.
+* :func:`process_group_count`: ``torch.distributed.distributed_c10d._world.pg_names``.
+* :func:`in_backward`: ``torch._C._current_graph_task_id``.
 
 Behaviour of FSDP2 (public APIs whose semantics changed across releases):
 
@@ -147,3 +149,20 @@ def on_reduced_gradient(param: torch.Tensor, hook: Callable[[torch.Tensor], None
     block by block in FSDP2's post-backward order. Returns the handle (``.remove()``).
     """
     return param.register_post_accumulate_grad_hook(hook)
+
+
+def process_group_count() -> int:
+    """How many process groups this rank knows of: what torch's name of a group created with
+    ``new_group(..., use_local_synchronization=True)`` depends on, besides its ranks."""
+    world = _private("torch.distributed.distributed_c10d", "_world")
+    names = getattr(world, "pg_names", None)
+    if names is None:
+        raise _moved("torch.distributed.distributed_c10d._world.pg_names", "the c10d world has no pg_names")
+    return len(names)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward pass (where :func:`queue_end_of_backward`
+    may be called); False in FSDP2's reduction called by hand, as torch's pipeline schedules do."""
+    current = _private("torch._C", "_current_graph_task_id")
+    return current() != -1

@@ -50,14 +50,36 @@ def test_a_write_over_another_streams_read_needs_an_event(streams):
 
 def test_waits_on_fsdp2s_stream_and_on_compute_in_backward_raise(streams):
     event = streams.record()
+    raised = []
+
+    def in_a_backward_pass(grad):
+        with streams.fsdp2_hook():
+            with pytest.raises(StreamOrderError, match="FSDP2's post-reduce stream"):
+                streams.wait(event)
+        # The hook marked backward as running: the compute stream must not wait until FSDP2 finalizes.
+        with pytest.raises(StreamOrderError, match="compute stream during backward"):
+            streams.wait(event)
+        with streams.use("dmuon"):
+            streams.wait(event)
+        raised.append(True)
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(in_a_backward_pass)
+    y.sum().backward()
+    assert raised == [True]
+
+
+def test_a_reduction_called_by_hand_may_order_the_compute_stream(streams):
+    # Pipeline schedules call FSDP2's post_backward outside autograd (REDUCE_GRAD): no backward compute
+    # is queued for a wait on the compute stream to hold up, and the caller scales the gradients there.
+    event = streams.record()
     with streams.fsdp2_hook():
         with pytest.raises(StreamOrderError, match="FSDP2's post-reduce stream"):
             streams.wait(event)
-    # The hook marked backward as running: the compute stream must not wait until FSDP2 finalizes.
-    with pytest.raises(StreamOrderError, match="compute stream during backward"):
-        streams.wait(event)
-    with streams.use("dmuon"):
-        streams.wait(event)
+        with streams.use("compute", fork=False):
+            streams.wait(event)
 
 
 class _Done:

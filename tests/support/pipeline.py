@@ -1,0 +1,173 @@
+"""Pipeline-parallel training with torch.distributed.pipelining: one DMuon per model part, each part
+``fully_shard``-ed over its stage's data-parallel ranks, against one process training the whole model.
+
+The model keeps torchtitan's layout for its parts: every part is the whole model with the layers of
+other stages removed (``None``), so each parameter keeps its name (``layers.3.up.weight``) and the
+single-process reference selects the same matrices.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import dmuon
+
+from support.cases import MUON_KW
+from support.models import OddBlock
+from support.reference import reference_training
+
+VOCAB, DIM, LAYERS = 50, 37, 4
+SEQ, MICROBATCH = 5, 1
+ADAMW_LR = 3e-3
+STEPS = 3
+
+
+class PipeNet(nn.Module):
+    """An embedding, odd-shaped blocks, a norm and a head: a part holds a contiguous run of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(k): OddBlock(DIM) for k in range(LAYERS)})
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def part_of(model: PipeNet, stage: int, stages: int) -> PipeNet:
+    """Stage ``stage`` of ``stages``: a copy of ``model`` keeping its run of layers (the first stage
+    the embedding, the last the norm and head)."""
+    part = copy.deepcopy(model)
+    per = LAYERS // stages
+    keep = {str(k) for k in range(stage * per, (stage + 1) * per)}
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.embed = None
+    if stage != stages - 1:
+        part.norm = None
+        part.head = None
+    return part
+
+
+def global_batch(step: int, dp: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every data-parallel rank's samples of ``step``, rank after rank."""
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, VOCAB, (dp * microbatches * MICROBATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def reference(dp: int, microbatches: int, steps: int = STEPS, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """One process training the whole model on every rank's samples with torch.optim.Muon + AdamW
+    (fp32 NS): the parameters after ``steps``."""
+    torch.manual_seed(0)
+    model = PipeNet()
+    batches = [global_batch(step, dp, microbatches) for step in range(steps)]
+    params, _ = reference_training(model, batches, lambda m, b: _ce(m(b[0]), b[1]), muon_kwargs=MUON_KW,
+                                   adamw_kwargs=dict(lr=ADAMW_LR, weight_decay=0.01), ns_dtype=torch.float32,
+                                   clip=clip)
+    return params
+
+
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI = {"interleaved1f1b": "ScheduleInterleaved1F1B", "loopedbfs": "ScheduleLoopedBFS",
+         "zbv": "ScheduleZBVZeroBubble", "interleavedzb": "ScheduleInterleavedZeroBubble"}
+
+
+def stages_of(schedule: str, pp_rank: int, pp: int) -> tuple[list[int], int]:
+    """The stage indices this pipeline rank holds under ``schedule``, and the number of stages."""
+    if schedule in SINGLE:
+        return [pp_rank], pp
+    if schedule == "zbv":  # V-shaped: rank r holds stages r and 2 pp - 1 - r
+        return [pp_rank, 2 * pp - 1 - pp_rank], 2 * pp
+    return [pp_rank, pp_rank + pp], 2 * pp
+
+
+def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
+          scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, steps: int = STEPS,
+          clip: float | None = None) -> dict:
+    """Trains :class:`PipeNet` on a ``(pp, dp)`` mesh (``hsdp``: ``(pp, replicate, shard)`` with two
+    replicas, ``"fsdp2"`` FSDP2's own HSDP, ``"dmuon"`` dmuon's replicate level), one DMuon per part.
+
+    Returns, on each rank, every parameter of its parts whole (by name) and the steps' reports.
+    """
+    from torch.distributed import pipelining
+
+    dp = world_size // pp
+    if hsdp is None:
+        world = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        shard_mesh, hsdp_mesh = world["dp"], None
+    else:
+        world = init_device_mesh("cpu", (pp, 2, dp // 2), mesh_dim_names=("pp", "replicate", "shard"))
+        if hsdp == "fsdp2":
+            shard_mesh, hsdp_mesh = world["replicate", "shard"], None
+        else:
+            shard_mesh, hsdp_mesh = world["shard"], world["replicate", "shard"]
+    pp_rank = world.get_local_rank("pp")
+    torch.manual_seed(0)
+    whole = PipeNet()
+    indices, n_stages = stages_of(schedule, pp_rank, pp)
+    parts, stages, optimizers = [], [], []
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for index in indices:
+        part = part_of(whole, index, n_stages)
+        for layer in part.layers.values():
+            fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+        fully_shard(part, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+        parts.append(part)
+        stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
+                                               group=world.get_group("pp")))
+        optimizers.append(dmuon.DMuon(part, **MUON_KW, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
+                                      ns=dmuon.NSConfig(dtype=torch.float32, method="standard"),
+                                      hsdp_mesh=hsdp_mesh))
+    divide = 1 if scale_grads else microbatches
+
+    def loss_fn(logits, targets):
+        return _ce(logits, targets) / divide
+
+    kind = getattr(pipelining, SINGLE.get(schedule) or MULTI[schedule])
+    pipe = kind(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    dp_rank = dist.get_rank(shard_mesh.get_group()) if hsdp is None else \
+        world.get_local_rank("replicate") * (dp // 2) + world.get_local_rank("shard")
+    reports = []
+    for step in range(steps):
+        tokens, targets = global_batch(step, dp, microbatches)
+        per = microbatches * MICROBATCH
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        holds_first, holds_last = 0 in indices, n_stages - 1 in indices
+        args = (tokens[mine],) if holds_first else ()
+        kwargs = {"target": targets[mine]} if holds_last else {}
+        pipe.step(*args, **kwargs)
+        if clip is not None:
+            for opt in optimizers:
+                opt.clip_grad_norm_(clip)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        reports.append([opt.last_step_report() for opt in optimizers])
+    params = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            params[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    return {"params": params, "reports": reports}
