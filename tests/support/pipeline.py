@@ -50,12 +50,13 @@ class PipeNet(nn.Module):
         return x
 
 
-def part_of(model: PipeNet, stage: int, stages: int) -> PipeNet:
+def part_of(model: PipeNet, stage: int, stages: int, split: tuple[int, ...] | None = None) -> PipeNet:
     """Stage ``stage`` of ``stages``: a copy of ``model`` keeping its run of layers (the first stage
-    the embedding, the last the norm and head)."""
+    the embedding, the last the norm and head); ``split``: the layers per stage (None: even)."""
     part = copy.deepcopy(model)
-    per = LAYERS // stages
-    keep = {str(k) for k in range(stage * per, (stage + 1) * per)}
+    split = split or (LAYERS // stages,) * stages
+    first = sum(split[:stage])
+    keep = {str(k) for k in range(first, first + split[stage])}
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
@@ -78,15 +79,18 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def reference(dp: int, microbatches: int, steps: int = STEPS, clip: float | None = None) -> dict[str, torch.Tensor]:
+def reference(dp: int, microbatches: int, steps: int = STEPS, clip: float | None = None,
+              skipped: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """One process training the whole model on every rank's samples with torch.optim.Muon + AdamW
-    (fp32 NS): the parameters after ``steps``."""
+    (fp32 NS): the parameters after ``steps`` (``skipped``: steps it leaves out, as a skipped step
+    changes nothing). The clipping norms are left in ``reference.norms``."""
     torch.manual_seed(0)
     model = PipeNet()
-    batches = [global_batch(step, dp, microbatches) for step in range(steps)]
+    batches = [global_batch(step, dp, microbatches) for step in range(steps) if step not in skipped]
     params, _ = reference_training(model, batches, lambda m, b: _ce(m(b[0]), b[1]), muon_kwargs=MUON_KW,
                                    adamw_kwargs=dict(lr=ADAMW_LR, weight_decay=0.01), ns_dtype=torch.float32,
                                    clip=clip)
+    reference.norms = list(reference_training.norms)
     return params
 
 
@@ -106,11 +110,20 @@ def stages_of(schedule: str, pp_rank: int, pp: int) -> tuple[list[int], int]:
 
 def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
           scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, steps: int = STEPS,
-          clip: float | None = None) -> dict:
+          clip: float | None = None, clip_with: str = "dmuon", one_optimizer: bool = False,
+          split: tuple[int, ...] | None = None, nonfinite: str | None = None, poison: tuple[int, int] | None = None,
+          ) -> dict:
     """Trains :class:`PipeNet` on a ``(pp, dp)`` mesh (``hsdp``: ``(pp, replicate, shard)`` with two
     replicas, ``"fsdp2"`` FSDP2's own HSDP, ``"dmuon"`` dmuon's replicate level), one DMuon per part.
 
-    Returns, on each rank, every parameter of its parts whole (by name) and the steps' reports.
+    ``clip``: clipping by the whole model's norm, through each DMuon's ``clip_grad_norm_`` (``clip_with=
+    "dmuon"``, ``pp_group`` given) or torch's as torchtitan calls it (``"torch"``: each rank's local norm
+    over its parts, the total all-reduced over the pp group, ``clip_grads_with_norm_``). ``split``: the
+    layers per stage. ``nonfinite``: DMuon's, with ``pp_group``; ``poison=(step, stage)`` puts a NaN in
+    that stage's first gradient at that step.
+
+    Returns, on each rank, every parameter of its parts whole (by name), the steps' reports and the
+    clipping norms.
     """
     from torch.distributed import pipelining
 
@@ -131,16 +144,21 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
     parts, stages, optimizers = [], [], []
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for index in indices:
-        part = part_of(whole, index, n_stages)
+        part = part_of(whole, index, n_stages, split)
         for layer in part.layers.values():
             fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
         fully_shard(part, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
         parts.append(part)
         stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
                                                group=world.get_group("pp")))
-        optimizers.append(dmuon.DMuon(part, **MUON_KW, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
-                                      ns=dmuon.NSConfig(dtype=torch.float32, method="standard"),
-                                      hsdp_mesh=hsdp_mesh))
+    settings = dict(MUON_KW, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
+                    ns=dmuon.NSConfig(dtype=torch.float32, method="standard"), hsdp_mesh=hsdp_mesh,
+                    pp_group=world["pp"] if (clip_with == "dmuon" or nonfinite) else None,
+                    execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
+    if one_optimizer or (len(parts) > 1 and settings["pp_group"] is not None):  # one DMuon over the rank's parts
+        optimizers.append(dmuon.DMuon(nn.ModuleList(parts), **settings))
+    else:
+        optimizers.extend(dmuon.DMuon(part, **settings) for part in parts)
     divide = 1 if scale_grads else microbatches
 
     def loss_fn(logits, targets):
@@ -150,7 +168,7 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
     pipe = kind(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     dp_rank = dist.get_rank(shard_mesh.get_group()) if hsdp is None else \
         world.get_local_rank("replicate") * (dp // 2) + world.get_local_rank("shard")
-    reports = []
+    reports, norms = [], []
     for step in range(steps):
         tokens, targets = global_batch(step, dp, microbatches)
         per = microbatches * MICROBATCH
@@ -159,9 +177,13 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
         args = (tokens[mine],) if holds_first else ()
         kwargs = {"target": targets[mine]} if holds_last else {}
         pipe.step(*args, **kwargs)
-        if clip is not None:
-            for opt in optimizers:
-                opt.clip_grad_norm_(clip)
+        if poison is not None and poison[0] == step and poison[1] in indices:
+            first = next(p for p in parts[indices.index(poison[1])].parameters() if p.grad is not None)
+            first.grad.to_local().view(-1)[0] = float("nan")
+        if clip is not None and clip_with == "dmuon":
+            norms.append([opt.clip_grad_norm_(clip).item() for opt in optimizers])
+        elif clip is not None:
+            norms.append(_torchtitan_clip([p for part in parts for p in part.parameters()], clip, world["pp"]))
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
@@ -170,4 +192,18 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
     for part in parts:
         for name, p in part.named_parameters():
             params[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return {"params": params, "reports": reports}
+    return {"params": params, "reports": reports, "norms": norms}
+
+
+def _torchtitan_clip(params: list[torch.Tensor], max_norm: float, pp_mesh) -> float:
+    """torch's clipping as torchtitan's ``clip_grad_norm_(..., pp_mesh=)`` runs it: the norm of this
+    rank's gradients (DTensors: over their mesh), squared, summed over the pipeline stages."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm ** 2
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    norm = norm ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()

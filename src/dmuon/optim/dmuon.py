@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -32,7 +33,7 @@ from dmuon.optim.deferred import DeferredSetup, default_matrices, waits_for_shar
 from dmuon.optim.groups import GroupSplitter, MuonMatrices, canonical_name, check_ns_keys, group_index
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
-from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
+from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs, pipeline_group,
                                   model_and_groups, refuse_settings_elsewhere, resolve_ns)
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
@@ -40,6 +41,24 @@ from dmuon.prepare import prepare
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
+
+
+_PIPELINE_MODELS: dict[int, list[weakref.ref]] = {}
+"""Per pipeline group (by id), the models of this rank's optimizers given it (weakly)."""
+
+
+def _claim_pipeline_group(group: Any, model: nn.Module) -> None:
+    """Raises when another live optimizer of this rank steps another model part with the same
+    ``pp_group``: each would agree with the other stages on its part's norm and NaNs alone, pairing
+    with the wrong parts of the other ranks. A new optimizer for the same model (resume) is fine."""
+    if group is None:
+        return
+    models = [m for m in (ref() for ref in _PIPELINE_MODELS.get(id(group), [])) if m is not None]
+    if any(m is not model for m in models):
+        raise ValueError("pp_group: another DMuon on this rank already steps another model part with this "
+                         "pipeline group; with several parts per rank (interleaved or V schedules) build one "
+                         "DMuon over all of them: dmuon.DMuon(torch.nn.ModuleList(parts), ..., pp_group=...)")
+    _PIPELINE_MODELS[id(group)] = [weakref.ref(m) for m in models] + [weakref.ref(model)]
 
 
 class DMuon(torch.optim.Optimizer):
@@ -98,6 +117,11 @@ class DMuon(torch.optim.Optimizer):
             key rows of every head whose largest pre-softmax logit (over every rank's tokens, as
             :meth:`report_attention_logits` reported them) exceeds ``tau`` are scaled back to it.
             None: no clip.
+        pp_group: Pipeline parallelism: the ranks holding the other stages of the model
+            (``world_mesh["pp"]``, a 1-D DeviceMesh, or a process group). :meth:`clip_grad_norm_` then
+            clips by the whole model's norm and ``nonfinite=`` skips (or raises on) every stage
+            alike, one scalar all-reduce over it each. None: this optimizer's parameters are the
+            whole model (or the caller combines the stages, as torchtitan's clipping does).
 
     Raises:
         TypeError: Parameters or groups without ``module=`` (the message says what to pass), or a keyword
@@ -128,8 +152,11 @@ class DMuon(torch.optim.Optimizer):
                  extra_scale_factor: float = 1.0, cautious_weight_decay: bool = False,
                  ns: NSConfig | None = None, execution: ExecutionConfig | None = None,
                  adamw: AdamWConfig | Mapping[str, Any] | None = None,
-                 hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None) -> None:
+                 hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None,
+                 pp_group: DeviceMesh | dist.ProcessGroup | None = None) -> None:
         model, user_groups = model_and_groups(model, module)
+        self._pp_group = pipeline_group(pp_group)
+        _claim_pipeline_group(self._pp_group, model)
         check_plan_inputs(plan, hsdp_mesh, qk_clip)
         self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         """The Newton-Schulz configuration the owners run (the plan's)."""
@@ -214,7 +241,8 @@ class DMuon(torch.optim.Optimizer):
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
         self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
-                                    root=model if isinstance(model, FSDPModule) else None)
+                                    root=model if isinstance(model, FSDPModule) else None,
+                                    pipeline_group=self._pp_group)
         if self.execution.apply_updates == "next_forward":
             # Whatever reads or replaces the model's weights through its state dict sees every update
             # applied (torch's get_state_dict/set_state_dict and DCP go through these).

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dmuon.ortho.config import NSConfig
@@ -146,6 +147,25 @@ def check_plan_inputs(plan: Any, hsdp_mesh: Any, qk_clip: Any) -> None:
         raise ValueError("hsdp_mesh differs from the plan's; pass it to dmuon.prepare(hsdp_mesh=...)")
     if qk_clip is not None and not isinstance(qk_clip, QKClip):
         raise ValueError(f"qk_clip must be a dmuon.QKClip, got {type(qk_clip).__name__}")
+
+
+def pipeline_group(pp_group: Any):
+    """``DMuon(pp_group=...)`` as a process group (None stays None): a 1-D DeviceMesh's group, or a
+    process group this rank belongs to; ``ValueError`` naming ``pp_group`` for anything else."""
+    if pp_group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(pp_group, DeviceMesh):
+        if pp_group.ndim != 1:
+            raise ValueError(f"pp_group must be a 1-D DeviceMesh (world_mesh['pp']), got {pp_group.ndim} dims")
+        return pp_group.get_group()
+    if not isinstance(pp_group, dist.ProcessGroup):
+        raise ValueError(f"pp_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_group).__name__}")
+    if dist.get_rank(pp_group) < 0:
+        raise ValueError("pp_group is a process group this rank is not in; pass the group of this rank's "
+                         "pipeline peers (world_mesh['pp'])")
+    return pp_group
 
 
 def check_execution(execution: Any) -> ExecutionConfig:

@@ -23,7 +23,8 @@ from dmuon.util.dtensor import local_tensor
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, *, replicate: ReplicateLevel | None = None,
-                    group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+                    group: dist.ProcessGroup | None = None, across: dist.ProcessGroup | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s result on every rank of ``group``.
 
     Each rank adds its local shards' ``|g|^p``, divided by how many ranks hold the same shard (the
@@ -32,7 +33,9 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
     (``replicate``, its gradients already reduced: :meth:`ReplicateLevel.finish`) a Muon matrix's
     reduced form holds R times its mean on one replica per column slice, so it counts once, divided
     by R. The norms are summed on ``device`` in parameter order and nothing is read to the host (a
-    read per parameter would wait for an accelerator each time).
+    read per parameter would wait for an accelerator each time). ``across``: the group spanning the
+    pipeline stages, whose ranks hold the other parts of the model: a second scalar all-reduce adds
+    their totals (torchtitan's ``pp_mesh``), so every stage clips by the whole model's norm.
 
     Returns:
         The total norm before clipping, a float32 tensor on ``device``.
@@ -54,6 +57,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
     if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=group)
+    if across is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=across)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     total = total.float()

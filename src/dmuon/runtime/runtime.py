@@ -79,6 +79,9 @@ class ShardRuntime:
         callbacks: The optimizer's rule (:class:`~dmuon.runtime.callbacks.StepCallbacks`).
         config: When things run (:class:`~dmuon.runtime.config.ExecutionConfig`).
         root: FSDP2's root module, for ``config.post_optim_event``.
+        pipeline_group: The process group spanning the pipeline stages (this rank's peers holding the
+            other parts of the model), or None: the gradient norm and ``nonfinite`` cover the whole
+            model there (one more scalar all-reduce each).
 
     Raises:
         ValueError: ``post_optim_event`` on a device without events (CPU), or without a root;
@@ -87,8 +90,9 @@ class ShardRuntime:
     """
 
     def __init__(self, plan: Plan, callbacks: StepCallbacks, config: ExecutionConfig = ExecutionConfig(),
-                 root=None) -> None:
+                 root=None, pipeline_group=None) -> None:
         self.plan = plan
+        self.pipeline_group = pipeline_group
         self.topo = _topology(plan, config)
         self.device = plan.device
         self.streams = streams_for(self.device)
@@ -117,7 +121,7 @@ class ShardRuntime:
         if config.overlap and config.clipped_overlap and isinstance(callbacks, Rescalable):
             self.owner_momentum = OwnerMomentum(plan, self.device)
         self.settler = StepSettler(plan, self.topo, callbacks, config, self.gradients, self.exchange, self.work,
-                                   self.streams, self.owner_momentum)
+                                   self.streams, self.owner_momentum, pipeline_group)
         self.next_forward: NextForwardUpdates | None = None
         """With ``apply_updates="next_forward"``: the last step's updates, applied in the next forward."""
         if config.apply_updates == "next_forward":
@@ -354,7 +358,7 @@ class ShardRuntime:
             self.replicate.finish()
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, replicate=self.replicate,
                                group=self.topo.mesh_group if self.topo.world_size > 1 else None,
-                               device=self.device)
+                               across=self.pipeline_group, device=self.device)
 
     def close(self) -> None:
         """Removes the backward hooks and stops the NS worker (also done when the runtime is freed)."""

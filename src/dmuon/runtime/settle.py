@@ -105,12 +105,15 @@ class StepSettler:
         work: The owners' batching (the speculative step's NS).
         streams: The runtime's streams.
         owner_momentum: With ``clipped_overlap``, the owners' momentum copies; else None.
+        pipeline_group: The group spanning the pipeline stages, or None: with ``nonfinite=`` a NaN/Inf on
+            any stage skips (or raises on) every stage.
     """
 
     def __init__(self, plan: Plan, topo: Topology, callbacks: StepCallbacks, config: ExecutionConfig,
                  gradients: GradientParts, exchange: ShardExchange, work: OwnerWork, streams: Streams,
-                 owner_momentum: OwnerMomentum | None) -> None:
+                 owner_momentum: OwnerMomentum | None, pipeline_group=None) -> None:
         self.plan, self.topo, self.callbacks, self.config = plan, topo, callbacks, config
+        self.pipeline_group = pipeline_group
         self.gradients, self.exchange, self.work, self.streams = gradients, exchange, work, streams
         self.owner_momentum = owner_momentum
         self.row_states = callbacks.row_states if isinstance(callbacks, RowState) else None
@@ -184,7 +187,13 @@ class StepSettler:
         checked = cb.checked_gradients() if isinstance(cb, CheckedGradients) else []
         flags, settle = agreement_flags(self.plan.infos, self.topo.coords[1], managed, here, self.config.nonfinite,
                                         checked, None, maxima)
-        agreement = settle(self._start_all_reduce_max(flags)().tolist())
+        agreed = self._start_all_reduce_max(flags)().tolist()
+        elsewhere = self._nonfinite_on_other_stages(agreed, flags.numel() - (0 if maxima is None else maxima.numel()))
+        agreement = settle(agreed)
+        if elsewhere and not agreement.skipped:
+            if self.config.nonfinite == "raise":
+                raise FloatingPointError("non-finite gradients on another pipeline stage")
+            agreement = agreement._replace(skipped=True)
         if agreement.skipped:
             return Settled(agreement, managed, launches, {}, None, False, early)
         directions = cb.commit(agreement.active, self.gradients.parts(agreement.active))
@@ -193,6 +202,18 @@ class StepSettler:
         stale, scaled, scale = self._launch_verdict(verdicts, len(launches))
         return Settled(agreement._replace(stale=stale, rescaled=scaled, scale=scale), managed, launches, directions,
                        rows, False, early)
+
+    def _nonfinite_on_other_stages(self, agreed: list[int], length: int) -> bool:
+        """With a pipeline group: whether another stage saw a NaN/Inf, from one scalar all-reduce over the
+        stages of whether this data-parallel group saw one (its agreed flags: the marks between the
+        matrices' two halves and the launches' verdicts, ``agreement_flags``' layout)."""
+        if self.pipeline_group is None:
+            return False
+        n = len(self.plan.infos)
+        mine = any(agreed[2 * n : length])  # no launch verdicts ride on this agreement (stale=None)
+        seen = torch.tensor([int(mine)], dtype=torch.int32, device=self.plan.device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.pipeline_group)
+        return bool(seen.item()) and not mine
 
     def _rows(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """A :class:`RowState` rule's rows of its state for ``members`` (what travels beside their directions)."""
