@@ -43,8 +43,9 @@ from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 
 
-_PIPELINE_MODELS: dict[int, list[weakref.ref]] = {}
-"""Per pipeline group (by id), the models of this rank's optimizers given it (weakly)."""
+_PIPELINE_MODELS: dict[int, tuple[Any, list[weakref.ref]]] = {}
+"""Per pipeline group (by id; the group kept, so that its id is never another's), the models of this
+rank's optimizers given it (weakly)."""
 
 
 def _claim_pipeline_group(group: Any, model: nn.Module) -> None:
@@ -53,12 +54,12 @@ def _claim_pipeline_group(group: Any, model: nn.Module) -> None:
     with the wrong parts of the other ranks. A new optimizer for the same model (resume) is fine."""
     if group is None:
         return
-    models = [m for m in (ref() for ref in _PIPELINE_MODELS.get(id(group), [])) if m is not None]
+    models = [m for m in (ref() for ref in _PIPELINE_MODELS.get(id(group), (group, []))[1]) if m is not None]
     if any(m is not model for m in models):
         raise ValueError("pp_group: another DMuon on this rank already steps another model part with this "
                          "pipeline group; with several parts per rank (interleaved or V schedules) build one "
                          "DMuon over all of them: dmuon.DMuon(torch.nn.ModuleList(parts), ..., pp_group=...)")
-    _PIPELINE_MODELS[id(group)] = [weakref.ref(m) for m in models] + [weakref.ref(model)]
+    _PIPELINE_MODELS[id(group)] = (group, [weakref.ref(m) for m in models] + [weakref.ref(model)])
 
 
 class DMuon(torch.optim.Optimizer):

@@ -1,0 +1,208 @@
+"""Pipeline parallelism: torch.distributed.pipelining's schedules, each stage ``fully_shard``-ed over its own
+data-parallel ranks, one DMuon per model part (or one over a rank's parts), against one process training
+the whole model with torch.optim.Muon + AdamW (fp32 NS) on the same global batch.
+
+4 ranks as (pp=2, dp=2) in the default suite: every schedule torch ships (GPipe, 1F1B, interleaved 1F1B,
+looped BFS, the zero-bubble ones with split input/weight backward), with the schedule's gradient scaling
+and without, ZeRO-2 and ZeRO-3, FSDP2's own HSDP and dmuon's replicate level as (pp=2, replicate=2,
+shard=1); clipping by the whole model's norm (dmuon's and torch's as torchtitan calls it), a stage
+without any Muon matrix, a NaN on one stage skipping every stage, bad setups. Every rank runs under
+the stream checker (conftest.py). 8 ranks as (pp=2, replicate=2, shard=2) with -m slow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+
+from support import pipeline
+from support.scenarios import run_each, succeeded
+from support.spawn import run_distributed
+
+CLIP = 0.05  # below every step's norm here: the clip acts on every step
+
+# name -> (schedule, train()'s keywords); each equals the single-process reference to 1e-5. The zero-bubble
+# schedules run ZeRO-2 only: with reshard_after_forward=True torch 2.13's split weight backward gives FSDP2
+# other gradients than one process, with no optimizer involved (see ZERO_BUBBLE).
+RUNS = {
+    "gpipe": ("gpipe", {}),
+    "1f1b zero3 unscaled": ("1f1b", dict(zero=3, scale_grads=False)),
+    "interleaved1f1b one optimizer": ("interleaved1f1b", dict(one_optimizer=True)),
+    "loopedbfs zero3": ("loopedbfs", dict(zero=3)),
+    "zbv unscaled": ("zbv", dict(scale_grads=False)),
+    "interleavedzb": ("interleavedzb", {}),
+    "1f1b native hsdp": ("1f1b", dict(hsdp="fsdp2")),
+    "1f1b replicate level": ("1f1b", dict(hsdp="dmuon")),
+    "zbv replicate level unscaled": ("zbv", dict(hsdp="dmuon", scale_grads=False)),
+    # Clipping by the whole model's norm; stage 1 holds only the norm and the head (no Muon matrix).
+    "clip, a stage without matrices": ("1f1b", dict(clip=CLIP, split=(4, 0))),
+    "clip as torchtitan, parts apart": ("interleaved1f1b", dict(clip=CLIP, clip_with="torch")),
+    "clip on the replicate level": ("1f1b", dict(clip=CLIP, hsdp="dmuon")),
+    # A NaN in stage 1's gradients at step 1: every stage skips that step.
+    "nan on one stage": ("1f1b", dict(nonfinite="skip", poison=(1, 1))),
+}
+
+
+def _on_four_ranks(rank: int, world: int) -> dict:
+    runs = {name: functools.partial(pipeline.train, rank, world, schedule, **kw)
+            for name, (schedule, kw) in RUNS.items()}
+    runs["misuse"] = lambda: _bad_setups(rank, world)
+    return run_each(runs)
+
+
+@functools.cache
+def _four_runs() -> list[dict]:
+    return run_distributed(_on_four_ranks, 4, timeout_s=600)
+
+
+@functools.cache
+def _reference(clip: float | None, skipped: tuple[int, ...]) -> tuple[dict, list[float]]:
+    params = pipeline.reference(2, 4, clip=clip, skipped=skipped)
+    return params, pipeline.reference.norms
+
+
+def _check(results: list[dict], clip: float | None = None, skipped: tuple[int, ...] = ()) -> None:
+    ref, norms = _reference(clip, skipped)
+    seen = set()
+    for r in results:
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            seen.add(name)
+        if clip is not None:  # every part's optimizer (or torch's) clipped by the whole model's norm
+            for step, step_norms in enumerate(r["norms"]):
+                for norm in (step_norms if isinstance(step_norms, list) else [step_norms]):
+                    assert norm == pytest.approx(norms[step], rel=1e-5), (step, norm, norms[step])
+    assert seen == set(ref), "every parameter of the model sits on some stage"
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_schedules_equal_one_process(run):
+    kw = RUNS[run][1]
+    results = [succeeded(r[run]) for r in _four_runs()]
+    _check(results, kw.get("clip"), (kw["poison"][0],) if "poison" in kw else ())
+
+
+def test_launches_from_the_schedules_reduction_stand():
+    """The hooks fire in the schedule's REDUCE_GRAD (outside autograd): the blocks are exchanged from
+    there, not again in step(), on every level; without the schedule's scaling none is rescaled."""
+    for run in ("1f1b zero3 unscaled", "zbv replicate level unscaled"):
+        for r in _four_runs():
+            for step_reports in succeeded(r[run])["reports"]:
+                for report in step_reports:
+                    if report.orthogonalized or report.blocks_exchanged_in_backward:
+                        assert report.blocks_exchanged_in_backward > 0, (run, report)
+                        assert report.rescaled_launches == 0, (run, report)
+
+
+def _bad_setups(rank: int, world: int) -> dict:
+    """Each misuse on every rank: the error text (None: nothing raised)."""
+    from torch.distributed.pipelining import PipelineStage  # noqa: F401  (the layout the misuse comes from)
+
+    out = {}
+
+    def attempt(name, build):
+        try:
+            build()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+
+    world3 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard"))
+    pp_rank = world3.get_local_rank("pp")
+
+    def stage(mesh):
+        torch.manual_seed(0)
+        part = pipeline.part_of(pipeline.PipeNet(), pp_rank, 2)
+        for layer in part.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(part, mesh=mesh)
+        return part
+
+    # hsdp_mesh over every stage's ranks, not the stage's (replicate, shard) ranks.
+    attempt("hsdp_mesh spanning stages", lambda: dmuon.DMuon(stage(world3["shard"]), hsdp_mesh=world3))
+    # A part whose blocks live on two different groups of ranks (its stage's and the pipeline's).
+    world2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+
+    def two_groups():
+        torch.manual_seed(0)
+        part = pipeline.part_of(pipeline.PipeNet(), pp_rank, 2)
+        first, second = list(part.layers.values())
+        fully_shard(first, mesh=world2["dp"])
+        fully_shard(second, mesh=world2["pp"])
+        fully_shard(part, mesh=world2["dp"])
+        return dmuon.DMuon(part)
+
+    attempt("two groups", two_groups)
+
+    def two_parts_one_group():
+        parts = [stage(world2["dp"]), stage(world2["dp"])]
+        return [dmuon.DMuon(part, pp_group=world2["pp"]) for part in parts]
+
+    attempt("two parts, one pp_group", two_parts_one_group)
+    attempt("pp_group not a mesh or group", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=[0, 2]))
+    attempt("pp_group of two dims", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=world2))
+    return out
+
+
+def test_misuse_is_refused_on_every_rank_naming_the_fix():
+    expected = {
+        "hsdp_mesh spanning stages": "not one that spans other stages",
+        "two groups": "sub-mesh",
+        "two parts, one pp_group": "nn.ModuleList(parts)",
+        "pp_group not a mesh or group": "pp_group must be a 1-D DeviceMesh or a ProcessGroup",
+        "pp_group of two dims": "pp_group must be a 1-D DeviceMesh",
+    }
+    for r in _four_runs():
+        errors = succeeded(r["misuse"])
+        for name, words in expected.items():
+            assert errors[name] is not None and words in errors[name], (name, errors[name])
+
+
+def _on_eight_ranks(rank: int, world: int) -> dict:
+    runs = {}
+    for schedule in ("1f1b", "interleaved1f1b", "zbv"):
+        for hsdp in ("fsdp2", "dmuon"):
+            for scale in (True, False):
+                runs[(schedule, hsdp, scale)] = functools.partial(
+                    pipeline.train, rank, world, schedule, hsdp=hsdp, scale_grads=scale,
+                    zero=2 if schedule in ZERO_BUBBLE else 3,
+                    clip=CLIP if hsdp == "dmuon" else None)
+    return run_each(runs)
+
+
+@pytest.mark.slow
+def test_eight_ranks_as_pp2_replicate2_shard2():
+    results = run_distributed(_on_eight_ranks, 8, timeout_s=900)
+    for key in results[0]:
+        clip = CLIP if key[1] == "dmuon" else None
+        ref = pipeline.reference(4, 4, clip=clip)  # 4 data-parallel ranks per stage: their global batch
+        for r in results:
+            for name, p in succeeded(r[key])["params"].items():
+                torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{key} {name}: {m}")
+
+
+ZERO_BUBBLE = ("zbv", "interleavedzb")
+"""Schedules with split input/weight backward: ZeRO-2 only (see RUNS)."""
+
+
+def _every_level(rank: int, world: int, schedule: str) -> dict:
+    zeros = (2,) if schedule in ZERO_BUBBLE else (2, 3)
+    return run_each({(level, scale, zero): functools.partial(pipeline.train, rank, world, schedule,
+                                                             hsdp=level, scale_grads=scale, zero=zero)
+                     for level in (None, "fsdp2", "dmuon") for scale in (True, False) for zero in zeros})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "interleavedzb"])
+def test_every_schedule_on_every_level(schedule):
+    """The whole matrix: both scalings, ZeRO-2 and -3, 1-D, FSDP2's HSDP and the replicate level."""
+    results = run_distributed(_every_level, 4, schedule, timeout_s=900)
+    for key in results[0]:
+        _check([succeeded(r[key]) for r in results])
