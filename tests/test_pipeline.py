@@ -13,6 +13,7 @@ the stream checker (conftest.py). 8 ranks as (pp=2, replicate=2, shard=2) with -
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -50,16 +51,25 @@ RUNS = {
 }
 
 
-def _on_four_ranks(rank: int, world: int) -> dict:
+SAVED_AT, MORE = 2, 2
+
+
+def _on_four_ranks(rank: int, world: int, directory: str) -> dict:
     runs = {name: functools.partial(pipeline.train, rank, world, schedule, **kw)
             for name, (schedule, kw) in RUNS.items()}
     runs["misuse"] = lambda: _bad_setups(rank, world)
+    runs["checkpoint"] = lambda: pipeline.save_and_go_on(rank, world, f"{directory}/dp2", SAVED_AT, MORE)
     return run_each(runs)
 
 
 @functools.cache
+def _checkpoints() -> str:
+    return tempfile.mkdtemp(prefix="dmuon-pipeline-")
+
+
+@functools.cache
 def _four_runs() -> list[dict]:
-    return run_distributed(_on_four_ranks, 4, timeout_s=600)
+    return run_distributed(_on_four_ranks, 4, _checkpoints(), timeout_s=600)
 
 
 @functools.cache
@@ -99,6 +109,32 @@ def test_launches_from_the_schedules_reduction_stand():
                     if report.orthogonalized or report.blocks_exchanged_in_backward:
                         assert report.blocks_exchanged_in_backward > 0, (run, report)
                         assert report.rescaled_launches == 0, (run, report)
+
+
+def test_a_checkpoint_per_stage_resumes_bit_for_bit():
+    """Every stage saves its part (torch's get_state_dict per part, one DCP checkpoint); a fresh pipeline
+    resumes and takes the same steps, bit for bit, as the run that went on."""
+    for r in _four_runs():
+        run = succeeded(r["checkpoint"])
+        assert run["went_on"].keys() == run["resumed"].keys()
+        for name, p in run["went_on"].items():
+            assert torch.equal(p, run["resumed"][name]), name
+
+
+def _resume_on_one_rank_per_stage(rank: int, world: int, path: str) -> dict:
+    # The same global batch: one data-parallel rank takes all eight micro-batches.
+    return pipeline.resume(rank, world, path, SAVED_AT, MORE, microbatches=8)
+
+
+def test_a_checkpoint_per_stage_resumes_on_another_data_parallel_size():
+    """Saved with two data-parallel ranks per stage, resumed with one: the whole run equals one process."""
+    for r in _four_runs():
+        succeeded(r["checkpoint"])
+    results = run_distributed(_resume_on_one_rank_per_stage, 2, f"{_checkpoints()}/dp2", timeout_s=600)
+    ref = pipeline.reference(2, 4, steps=SAVED_AT + MORE)
+    for params in results:
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def _bad_setups(rank: int, world: int) -> dict:

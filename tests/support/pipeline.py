@@ -9,13 +9,16 @@ single-process reference selects the same matrices.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import dmuon
@@ -108,40 +111,66 @@ def stages_of(schedule: str, pp_rank: int, pp: int) -> tuple[list[int], int]:
     return [pp_rank, pp_rank + pp], 2 * pp
 
 
-def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
-          scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, steps: int = STEPS,
-          clip: float | None = None, clip_with: str = "dmuon", one_optimizer: bool = False,
-          split: tuple[int, ...] | None = None, nonfinite: str | None = None, poison: tuple[int, int] | None = None,
-          ) -> dict:
-    """Trains :class:`PipeNet` on a ``(pp, dp)`` mesh (``hsdp``: ``(pp, replicate, shard)`` with two
-    replicas, ``"fsdp2"`` FSDP2's own HSDP, ``"dmuon"`` dmuon's replicate level), one DMuon per part.
+@dataclass
+class Pipeline:
+    """One rank's side of a pipeline-parallel training run (:func:`build`)."""
 
-    ``clip``: clipping by the whole model's norm, through each DMuon's ``clip_grad_norm_`` (``clip_with=
-    "dmuon"``, ``pp_group`` given) or torch's as torchtitan calls it (``"torch"``: each rank's local norm
-    over its parts, the total all-reduced over the pp group, ``clip_grads_with_norm_``). ``split``: the
-    layers per stage. ``nonfinite``: DMuon's, with ``pp_group``; ``poison=(step, stage)`` puts a NaN in
-    that stage's first gradient at that step.
+    world: object
+    parts: list[PipeNet]
+    stage_indices: list[int]
+    stages_total: int
+    optimizers: list
+    schedule: object
+    dp: int
+    dp_rank: int
+    microbatches: int
 
-    Returns, on each rank, every parameter of its parts whole (by name), the steps' reports and the
-    clipping norms.
-    """
+    def step(self, step: int) -> None:
+        """The schedule's forward and backward on this rank's share of ``step``'s global batch."""
+        tokens, targets = global_batch(step, self.dp, self.microbatches)
+        per = self.microbatches * MICROBATCH
+        mine = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        args = (tokens[mine],) if 0 in self.stage_indices else ()
+        kwargs = {"target": targets[mine]} if self.stages_total - 1 in self.stage_indices else {}
+        self.schedule.step(*args, **kwargs)
+
+    def optimize(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this rank's parts, whole (a collective over each stage's mesh)."""
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for part in self.parts for name, p in part.named_parameters()}
+
+
+def build(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
+          scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, pp_group: bool = False,
+          nonfinite: str | None = None, one_optimizer: bool = False, split: tuple[int, ...] | None = None,
+          ) -> Pipeline:
+    """:class:`PipeNet` on a ``(pp, dp)`` mesh (``hsdp``: ``(pp, replicate, shard)`` with two replicas,
+    ``"fsdp2"`` FSDP2's own HSDP, ``"dmuon"`` dmuon's replicate level), each part ``fully_shard``-ed over
+    its stage's data-parallel ranks, one DMuon per part (``one_optimizer``, or a pipeline group with
+    several parts per rank: one over the rank's parts), the schedule torch ships."""
     from torch.distributed import pipelining
 
     dp = world_size // pp
     if hsdp is None:
         world = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         shard_mesh, hsdp_mesh = world["dp"], None
+        dp_rank = world.get_local_rank("dp")
     else:
         world = init_device_mesh("cpu", (pp, 2, dp // 2), mesh_dim_names=("pp", "replicate", "shard"))
         if hsdp == "fsdp2":
             shard_mesh, hsdp_mesh = world["replicate", "shard"], None
         else:
             shard_mesh, hsdp_mesh = world["shard"], world["replicate", "shard"]
-    pp_rank = world.get_local_rank("pp")
+        dp_rank = world.get_local_rank("replicate") * (dp // 2) + world.get_local_rank("shard")
     torch.manual_seed(0)
     whole = PipeNet()
-    indices, n_stages = stages_of(schedule, pp_rank, pp)
-    parts, stages, optimizers = [], [], []
+    indices, n_stages = stages_of(schedule, world.get_local_rank("pp"), pp)
+    parts, stages = [], []
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for index in indices:
         part = part_of(whole, index, n_stages, split)
@@ -153,12 +182,11 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
                                                group=world.get_group("pp")))
     settings = dict(MUON_KW, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
                     ns=dmuon.NSConfig(dtype=torch.float32, method="standard"), hsdp_mesh=hsdp_mesh,
-                    pp_group=world["pp"] if (clip_with == "dmuon" or nonfinite) else None,
-                    execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
-    if one_optimizer or (len(parts) > 1 and settings["pp_group"] is not None):  # one DMuon over the rank's parts
-        optimizers.append(dmuon.DMuon(nn.ModuleList(parts), **settings))
+                    pp_group=world["pp"] if pp_group else None, execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
+    if one_optimizer or (len(parts) > 1 and pp_group):
+        optimizers = [dmuon.DMuon(nn.ModuleList(parts), **settings)]
     else:
-        optimizers.extend(dmuon.DMuon(part, **settings) for part in parts)
+        optimizers = [dmuon.DMuon(part, **settings) for part in parts]
     divide = 1 if scale_grads else microbatches
 
     def loss_fn(logits, targets):
@@ -166,33 +194,74 @@ def train(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
 
     kind = getattr(pipelining, SINGLE.get(schedule) or MULTI[schedule])
     pipe = kind(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    dp_rank = dist.get_rank(shard_mesh.get_group()) if hsdp is None else \
-        world.get_local_rank("replicate") * (dp // 2) + world.get_local_rank("shard")
+    return Pipeline(world, parts, indices, n_stages, optimizers, pipe, dp, dp_rank, microbatches)
+
+
+def train(rank: int, world_size: int, schedule: str, *, steps: int = STEPS, clip: float | None = None,
+          clip_with: str = "dmuon", nonfinite: str | None = None, poison: tuple[int, int] | None = None,
+          **options) -> dict:
+    """Trains a :func:`build` pipeline (``options``: its keywords) ``steps`` steps.
+
+    ``clip``: clipping by the whole model's norm, through each DMuon's ``clip_grad_norm_`` (``clip_with=
+    "dmuon"``, ``pp_group`` given) or torch's as torchtitan calls it (``"torch"``: each rank's local norm
+    over its parts, the total all-reduced over the pp group, ``clip_grads_with_norm_``). ``nonfinite``:
+    DMuon's, with ``pp_group``; ``poison=(step, stage)`` puts a NaN in that stage's first gradient at
+    that step.
+
+    Returns, on each rank, every parameter of its parts whole (by name), the steps' reports and the
+    clipping norms.
+    """
+    run = build(rank, world_size, schedule, nonfinite=nonfinite,
+                pp_group=(clip is not None and clip_with == "dmuon") or nonfinite is not None, **options)
     reports, norms = [], []
     for step in range(steps):
-        tokens, targets = global_batch(step, dp, microbatches)
-        per = microbatches * MICROBATCH
-        mine = slice(dp_rank * per, (dp_rank + 1) * per)
-        holds_first, holds_last = 0 in indices, n_stages - 1 in indices
-        args = (tokens[mine],) if holds_first else ()
-        kwargs = {"target": targets[mine]} if holds_last else {}
-        pipe.step(*args, **kwargs)
-        if poison is not None and poison[0] == step and poison[1] in indices:
-            first = next(p for p in parts[indices.index(poison[1])].parameters() if p.grad is not None)
+        run.step(step)
+        if poison is not None and poison[0] == step and poison[1] in run.stage_indices:
+            first = next(p for p in run.parts[run.stage_indices.index(poison[1])].parameters() if p.grad is not None)
             first.grad.to_local().view(-1)[0] = float("nan")
         if clip is not None and clip_with == "dmuon":
-            norms.append([opt.clip_grad_norm_(clip).item() for opt in optimizers])
+            norms.append([opt.clip_grad_norm_(clip).item() for opt in run.optimizers])
         elif clip is not None:
-            norms.append(_torchtitan_clip([p for part in parts for p in part.parameters()], clip, world["pp"]))
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        reports.append([opt.last_step_report() for opt in optimizers])
-    params = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            params[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return {"params": params, "reports": reports, "norms": norms}
+            norms.append(_torchtitan_clip([p for part in run.parts for p in part.parameters()], clip,
+                                          run.world["pp"]))
+        run.optimize()
+        reports.append([opt.last_step_report() for opt in run.optimizers])
+    return {"params": run.params(), "reports": reports, "norms": norms}
+
+
+def _state(run: Pipeline) -> list[dict]:
+    """Each part's model and optimizer state dicts, as torchtitan takes them (``get_state_dict`` per part)."""
+    return [dict(zip(("model", "optim"), get_state_dict(part, opt)))
+            for part, opt in zip(run.parts, run.optimizers)]
+
+
+def save_and_go_on(rank: int, world_size: int, path: str, saved_at: int, more: int, **options) -> dict:
+    """Trains ``saved_at`` steps, saves one DCP checkpoint for every stage, then trains ``more`` steps on;
+    then a fresh pipeline of the same layout resumes from the checkpoint and trains the same steps.
+    Returns both runs' parameters on each rank."""
+    run = build(rank, world_size, "1f1b", **options)
+    for step in range(saved_at):
+        run.step(step)
+        run.optimize()
+    dcp.save({f"part{i}": s for i, s in zip(run.stage_indices, _state(run))}, checkpoint_id=path)
+    for step in range(saved_at, saved_at + more):
+        run.step(step)
+        run.optimize()
+    went_on = run.params()
+    return {"went_on": went_on, "resumed": resume(rank, world_size, path, saved_at, more, **options)}
+
+
+def resume(rank: int, world_size: int, path: str, saved_at: int, more: int, **options) -> dict[str, torch.Tensor]:
+    """A fresh pipeline (of any data-parallel size) loads the checkpoint and trains ``more`` steps."""
+    run = build(rank, world_size, "1f1b", **options)
+    states = _state(run)
+    dcp.load({f"part{i}": s for i, s in zip(run.stage_indices, states)}, checkpoint_id=path)
+    for part, opt, state in zip(run.parts, run.optimizers, states):
+        set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in range(saved_at, saved_at + more):
+        run.step(step)
+        run.optimize()
+    return run.params()
 
 
 def _torchtitan_clip(params: list[torch.Tensor], max_norm: float, pp_mesh) -> float:
