@@ -46,6 +46,7 @@ RUNS = {
     "clip, a stage without matrices": ("1f1b", dict(clip=CLIP, split=(4, 0))),
     "clip as torchtitan, parts apart": ("interleaved1f1b", dict(clip=CLIP, clip_with="torch")),
     "clip on the replicate level": ("1f1b", dict(clip=CLIP, hsdp="dmuon")),
+    "interleaved1f1b built before sharding": ("interleaved1f1b", dict(built_before_sharding=True, hsdp="dmuon")),
     # A NaN in stage 1's gradients at step 1: every stage skips that step.
     "nan on one stage": ("1f1b", dict(nonfinite="skip", poison=(1, 1))),
 }

@@ -148,7 +148,7 @@ class Pipeline:
 def build(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
           scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, pp_group: bool = False,
           nonfinite: str | None = None, one_optimizer: bool = False, split: tuple[int, ...] | None = None,
-          ) -> Pipeline:
+          built_before_sharding: bool = False) -> Pipeline:
     """:class:`PipeNet` on a ``(pp, dp)`` mesh (``hsdp``: ``(pp, replicate, shard)`` with two replicas,
     ``"fsdp2"`` FSDP2's own HSDP, ``"dmuon"`` dmuon's replicate level), each part ``fully_shard``-ed over
     its stage's data-parallel ranks, one DMuon per part (``one_optimizer``, or a pipeline group with
@@ -170,23 +170,27 @@ def build(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
     torch.manual_seed(0)
     whole = PipeNet()
     indices, n_stages = stages_of(schedule, world.get_local_rank("pp"), pp)
-    parts, stages = [], []
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    for index in indices:
-        part = part_of(whole, index, n_stages, split)
-        for layer in part.layers.values():
-            fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
-        fully_shard(part, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
-        parts.append(part)
-        stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
-                                               group=world.get_group("pp")))
+    parts = [part_of(whole, index, n_stages, split) for index in indices]
     settings = dict(MUON_KW, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
                     ns=dmuon.NSConfig(dtype=torch.float32, method="standard"), hsdp_mesh=hsdp_mesh,
                     pp_group=world["pp"] if pp_group else None, execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
-    if one_optimizer or (len(parts) > 1 and pp_group):
-        optimizers = [dmuon.DMuon(nn.ModuleList(parts), **settings)]
-    else:
-        optimizers = [dmuon.DMuon(part, **settings) for part in parts]
+
+    def optimizers_of(parts):
+        if one_optimizer or (len(parts) > 1 and pp_group):
+            return [dmuon.DMuon(nn.ModuleList(parts), **settings)]
+        return [dmuon.DMuon(part, **settings) for part in parts]
+
+    # Built before sharding (a framework's order), DMuon sets itself up at the first forward.
+    optimizers = optimizers_of(parts) if built_before_sharding else None
+    stages = []
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for index, part in zip(indices, parts):
+        for layer in part.layers.values():
+            fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+        fully_shard(part, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
+        stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
+                                               group=world.get_group("pp")))
+    optimizers = optimizers or optimizers_of(parts)
     divide = 1 if scale_grads else microbatches
 
     def loss_fn(logits, targets):
