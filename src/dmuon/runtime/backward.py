@@ -58,6 +58,7 @@ from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
+from dmuon.runtime.schedule_divisor import ScheduleDivisor
 from dmuon.util.dtensor import local_tensor
 from dmuon.util.torch_compat import in_backward, on_reduced_gradient, queue_end_of_backward
 
@@ -192,6 +193,12 @@ class BackwardLaunches:
         self._current: int | None = None
         self._fired: set[int] = set()
         self._in_backward = False
+        self._by_hand = False
+        """The latest hook ran in FSDP2's reduction called by hand (a pipeline schedule's), not in a backward pass."""
+        self.divisor = ScheduleDivisor(plan.device)
+        """What a pipeline schedule divides the gradients by after its reduction (learned once)."""
+        self._to_keep: list[int] = []
+        """Replicate level: matrices whose launch was deferred, kept once their reduction lands."""
         self._launches: dict[int, Launch] = {}
         self._ref = weakref.ref(self)
         for u in self._units:
@@ -231,22 +238,20 @@ class BackwardLaunches:
             self._own_done = None
 
     def _landed_one(self, param: torch.Tensor) -> None:
-        by_hand = False
-        if self.replicate is not None and not self._in_backward:
-            if in_backward():
-                # Every reduction across replicas lands before this backward returns, and the
-                # compute stream waits for dmuon's, so user code before step() (clipping) never
-                # races one in flight. An autograd final callback runs after FSDP2's own (which
-                # reduces the root): the only hook into the end of a backward pass; FSDP2, DDP
-                # and FSDP1 install theirs the same way.
-                self._in_backward = True
-                queue_end_of_backward(self._end_of_backward)
-            else:
-                # FSDP2's reduction called by hand, outside autograd: torch's pipeline schedules
-                # reduce a stage's gradients once after its last micro-batch (REDUCE_GRAD), then
-                # scale them in place on the compute stream. No end of a backward pass follows to
-                # hook into, so each unit's reductions land as soon as the unit completes.
-                by_hand = True
+        # FSDP2's reduction called by hand, outside autograd: torch's pipeline schedules reduce a
+        # stage's gradients once after its last micro-batch (REDUCE_GRAD), then scale them in place
+        # on the compute stream (what the launches divide by: ScheduleDivisor). No end of a backward
+        # pass follows to hook into, so on the replicate level each unit's reductions land as soon
+        # as the unit completes.
+        self._by_hand = by_hand = not self._in_backward and not in_backward()
+        if self.replicate is not None and not self._in_backward and not by_hand:
+            # Every reduction across replicas lands before this backward returns, and the compute
+            # stream waits for dmuon's, so user code before step() (clipping) never races one in
+            # flight. An autograd final callback runs after FSDP2's own (which reduces the root):
+            # the only hook into the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the
+            # same way.
+            self._in_backward = True
+            queue_end_of_backward(self._end_of_backward)
         if self.replicate is not None:
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
@@ -257,7 +262,7 @@ class BackwardLaunches:
         landed.append(param)
         if len(landed) == len(self._units[unit].params):
             self._complete(unit)
-        if by_hand and self._current is None:
+        if by_hand and self.replicate is not None and self._current is None:
             self._land_by_hand()
 
     def _land_by_hand(self) -> None:
@@ -266,6 +271,9 @@ class BackwardLaunches:
         for it. FSDP2's stream never waits for dmuon's: its next unit's reduce-scatter goes on."""
         with self._on_own_stream():
             self.replicate.land_all()
+            if self._to_keep:  # the deferred launches' gradients, as the reductions left them
+                self.divisor.keep(self._kept_parts(self._to_keep))
+                self._to_keep = []
         with self.streams.use(self._compute, fork=False):
             self._join_own_stream()
 
@@ -324,12 +332,16 @@ class BackwardLaunches:
         block = self._units[unit].block
         # A matrix outside the optimizer's param groups is not stepped: nothing to send.
         members = [i for i in self._managed() if id(self.plan.infos[i].param) in landed] if block is not None else []
+        defer = self._by_hand and self.divisor.defers
+        divisor = self.divisor.value if self._by_hand else 1
         if self.replicate is not None:
             reduction = self.replicate.start_columns(params)
-            if first and members and self._directions:
+            if first and members and self._directions and defer:
+                self._to_keep.extend(members)
+            elif first and members and self._directions:
                 launch = Launch(block, members, {}, None)  # type: ignore[arg-type]
                 launch.pending = Pending([], no_result, self.exchange.stats,
-                                         then=lambda: self._send_after(reduction, launch))
+                                         then=lambda: self._send_after(reduction, launch, divisor))
                 self._add(launch)
                 if self._spreader is not None:
                     self._spreader.add(block, members)
@@ -338,13 +350,26 @@ class BackwardLaunches:
             # A second reduction in one step (accumulation without FSDP2's no-sync): the
             # launch is stale, and step()'s check will redo it.
             return None
+        if defer:
+            self.divisor.keep(self._kept_parts(members))
+            return None
         for i in members:
             self._check(i)
-        sent = self._peek(members, self._grad_parts(members))
+        sent = self._peek(members, self._divided(self._grad_parts(members), divisor))
         rows = self._rows_sent(members)
         self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows,
-                         self._gradient_copies(members)))
+                         self._gradient_copies(members, divisor=divisor)))
         return None
+
+    def _kept_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """This rank's part of each member's local gradient as it is now (``MatrixInfo.kept_view``)."""
+        r, s = divmod(self.plan.rank, self.plan.shard)
+        return {i: self.plan.infos[i].kept_view(local_tensor(self.plan.infos[i].param.grad), r, s) for i in members}
+
+    @staticmethod
+    def _divided(parts: dict[int, torch.Tensor], divisor: int | None) -> dict[int, torch.Tensor]:
+        """``parts`` as a schedule's in-place division by ``divisor`` leaves them (themselves for 1)."""
+        return parts if not divisor or divisor == 1 else {i: t.div(divisor) for i, t in parts.items()}
 
     def _end_of_backward(self) -> None:
         """Autograd final callback, on the compute stream after FSDP2's: the compute stream waits for
@@ -355,25 +380,30 @@ class BackwardLaunches:
         self._join_own_stream()
         self.replicate.land_all()
 
-    def _send_after(self, reduction: Reduction, launch: Launch) -> Pending:
-        """Main thread, once the unit's reduction across replicas has landed: the directions from it."""
+    def _send_after(self, reduction: Reduction, launch: Launch, divisor: int | None = 1) -> Pending:
+        """Main thread, once the unit's reduction across replicas has landed: the directions from it
+        (from its sums divided by a pipeline schedule's ``divisor`` first, as the schedule divides them)."""
         self.replicate.land(reduction)
         for i in launch.members:
             self._check(i)
-        sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members))
+        sums = self._divided(reduction.columns.wait(), divisor)
+        sent = self._peek(launch.members, self.replicate.mean_parts_of(reduction, launch.members, sums))
         launch.sent.update(sent)
         launch.rows = self._rows_sent(launch.members)
         # What the directions came from: the reduction's sums (a clip since scaled the gradients, not them).
-        launch.grads = self._gradient_copies(launch.members, reduction.columns.wait())
+        launch.grads = self._gradient_copies(launch.members, sums)
         spread = None if self._spreader is None else functools.partial(self._spreader.upto, launch.block)
         return self.exchange.send_directions(launch.members, sent, launch.rows, spread)
 
-    def _gradient_copies(self, members: list[int], sums: dict[int, torch.Tensor] | None = None
-                         ) -> dict[int, torch.Tensor] | None:
+    def _gradient_copies(self, members: list[int], sums: dict[int, torch.Tensor] | None = None,
+                         divisor: int | None = 1) -> dict[int, torch.Tensor] | None:
         """With ``keep_gradients``: a copy of this rank's part of each member's local gradient (``sums``:
-        on the replicate level, the landed reduction's, where the gradient holds them)."""
+        on the replicate level, the landed reduction's, where the gradient holds them), divided by a
+        pipeline schedule's ``divisor``."""
         if not self._keep_gradients:
             return None
+        if sums is None and divisor and divisor != 1:
+            return self._divided(self._kept_parts(members), divisor)
         r, s = divmod(self.plan.rank, self.plan.shard)
         infos = self.plan.infos
         sums = sums or {}
@@ -454,6 +484,7 @@ class BackwardLaunches:
         if self._current is not None:
             self._complete(self._current)
         self._join_own_stream()
+        self._learn_divisor()
         launches, self._launches = self._launches, {}
         self._landed.clear()
         self._fired.clear()
@@ -473,6 +504,16 @@ class BackwardLaunches:
         self._early.clear()
         self._ns_done.clear()
         return launches, early
+
+    def _learn_divisor(self) -> None:
+        """After launches deferred from a reduction called by hand: the schedule's divisor, from the
+        gradients as reduced and as they are now (every rank alike: one small all-reduce)."""
+        kept = self.divisor.kept()
+        if kept is None:
+            return
+        self.streams.keep(kept.values())  # copied on FSDP2's (or dmuon's) stream, read and freed here
+        topo = self.plan.topology
+        self.divisor.learn(self._kept_parts(list(kept)), topo.mesh_group if topo.world_size > 1 else None)
 
     def close(self) -> None:
         """Removes the hooks and stops the worker."""

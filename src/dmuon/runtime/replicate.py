@@ -220,9 +220,11 @@ class ReplicateLevel:
         info = self.plan.infos[index]
         return info.kept_view(local_tensor(info.param.grad), r, s) / self.replicate
 
-    def mean_parts_of(self, reduction: Reduction, members: list[int]) -> dict[int, torch.Tensor]:
-        """``members``' mean parts from ``reduction``'s landed sums (whatever the gradients hold now)."""
-        sums = reduction.columns.wait()
+    def mean_parts_of(self, reduction: Reduction, members: list[int],
+                      sums: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """``members``' mean parts from ``reduction``'s landed sums (whatever the gradients hold now), or
+        from ``sums`` given in their place (those divided as a pipeline schedule divides them)."""
+        sums = reduction.columns.wait() if sums is None else sums
         out = {}
         for i in members:
             if i in sums:

@@ -1,0 +1,105 @@
+"""The divisor a pipeline schedule applies to the gradients after reducing them, learned once.
+
+torch's pipeline schedules reduce a stage's gradients by hand after its last micro-batch
+(``REDUCE_GRAD``, outside autograd) and then, by default (``scale_grads=True``), divide every
+gradient in place by the number of micro-batches. dmuon's launches read the gradients at the
+reduction, before that division: launched as they are, every block would arrive at ``step()``
+as rescaled (``clipped_overlap``'s path: the owners' momentum copies; a divisor that is no power of
+two is not even one float32 factor, and the block is exchanged again).
+
+The division is the same every step, known before backward. So the first step that reduces by
+hand launches nothing from the reduction (its blocks are exchanged in ``step()``, as with
+``overlap=False``: no extra bytes) and keeps a copy of this rank's part of each matrix's gradient as
+reduced; ``step()`` then finds the integer ``n`` with ``reduced.div(n) == now``, bit for bit, on
+every part, and the ranks agree on it in one small all-reduce. From the next step on, the launches
+read ``gradient.div(n)``, the very bits the schedule's ``div_`` leaves, and stand as sent. A step
+whose gradients were edited otherwise (a clip on top) is what it always is: the launch's verdict in
+``step()`` (rescaled or stale). When no ``n`` fits (gradients edited otherwise at that first step),
+the next step learns again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+UNKNOWN = None
+NO_ANSWER = 0
+"""A rank's proposal when it holds no nonzero element to learn from."""
+REFUTED = -1
+"""A rank's proposal when no integer divisor gives its gradients."""
+_NONE_ABOVE = 2**31 - 1
+
+
+class ScheduleDivisor:
+    """Whether launches from a reduction called by hand wait, what they divide by, and the learning.
+
+    Args:
+        device: Where the agreement's all-reduce runs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.value: int | None = UNKNOWN
+        """The divisor every rank agreed on (1: the schedule does not scale), or None: not learned yet."""
+        self._reduced: dict[int, torch.Tensor] = {}
+        self._learning = False
+
+    @property
+    def defers(self) -> bool:
+        """Whether a launch from a reduction called by hand waits for ``step()`` (the divisor unknown)."""
+        return self.value is UNKNOWN
+
+    def keep(self, parts: dict[int, torch.Tensor]) -> None:
+        """A deferred launch: a copy of this rank's part of each matrix's gradient as reduced."""
+        self._learning = True
+        for i, part in parts.items():
+            self._reduced[i] = part.clone()
+
+    def kept(self) -> dict[int, torch.Tensor] | None:
+        """The copies kept since the last :meth:`learn`, or None when no launch was deferred."""
+        return self._reduced if self._learning else None
+
+    def learn(self, now: dict[int, torch.Tensor], group) -> None:
+        """At ``step()`` after a deferred launch, on every rank alike: the divisor from the kept copies and
+        ``now`` (this rank's parts of the same matrices, as the gradients hold them now), agreed over
+        ``group`` (None: one rank)."""
+        proposal = _proposal(self._reduced, now)
+        self._reduced, self._learning = {}, False
+        if group is None:
+            agreed = [max(proposal, 0), proposal if proposal != NO_ANSWER else _NONE_ABOVE]
+        else:
+            # The largest proposal, and the least with "no answer" counted as none: equal when every
+            # rank that proposed a divisor proposed the same one and none refuted every divisor.
+            flags = torch.tensor([-max(proposal, 0), proposal if proposal != NO_ANSWER else _NONE_ABOVE],
+                                 dtype=torch.int64, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+            agreed = [-int(flags[0]), int(flags[1])]
+        largest, least = agreed
+        if largest >= 1 and least == largest:
+            self.value = largest
+
+
+def _proposal(reduced: dict[int, torch.Tensor], now: dict[int, torch.Tensor]) -> int:
+    """This rank's divisor: the integer ``n`` with ``reduced[i].div(n) == now[i]`` bit for bit for every
+    ``i`` (guessed from the largest element, where the quotient's rounding matters least), or
+    :data:`NO_ANSWER` / :data:`REFUTED`."""
+    candidate = NO_ANSWER
+    for i, before in reduced.items():
+        if not before.numel():
+            continue
+        flat = before.reshape(-1).double()
+        at = int(flat.abs().argmax())
+        if flat[at] == 0 or not torch.isfinite(flat[at]):
+            continue
+        ratio = float(flat[at] / now[i].reshape(-1)[at].double()) if now[i].reshape(-1)[at] != 0 else 0.0
+        n = round(ratio) if ratio >= 0.5 else REFUTED
+        if n < 1 or (candidate not in (NO_ANSWER, n)):
+            return REFUTED
+        candidate = n
+    if candidate == NO_ANSWER:
+        return NO_ANSWER
+    for i, before in reduced.items():
+        if not torch.equal(before.div(candidate) if candidate != 1 else before, now[i]):
+            return REFUTED
+    return candidate

@@ -1,0 +1,42 @@
+"""ScheduleDivisor: the divisor a pipeline schedule applies after its reduction, learned from one step's
+gradients as reduced and as divided in place (one process: no agreement collective)."""
+
+import torch
+
+from dmuon.runtime.schedule_divisor import ScheduleDivisor
+
+
+def _learned(before: dict, divide) -> int | None:
+    divisor = ScheduleDivisor(torch.device("cpu"))
+    assert divisor.defers and divisor.kept() is None
+    divisor.keep(before)
+    now = {i: divide(t.clone()) for i, t in before.items()}
+    divisor.learn(now, None)
+    assert divisor.kept() is None  # the copies are dropped once learned from
+    return divisor.value
+
+
+def _gradients(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {0: torch.randn(7, 5, generator=g), 3: torch.randn(4, 9, generator=g), 5: torch.zeros(0, 9)}
+
+
+def test_the_schedules_divisor_is_found_bit_for_bit():
+    for n in (1, 2, 3, 4, 7, 12):
+        assert _learned(_gradients(n), lambda t: t.div_(n)) == n
+
+
+def test_a_multiplication_by_the_reciprocal_is_no_divisor():
+    # g * fl(1/3) differs from g / 3 in some elements: not what a schedule's div_ leaves.
+    before = _gradients(1)
+    assert any(not torch.equal(t.div(3), t.mul(1 / 3)) for t in before.values() if t.numel())
+    assert _learned(before, lambda t: t.mul_(1 / 3)) is None
+
+
+def test_gradients_edited_otherwise_teach_nothing():
+    assert _learned(_gradients(2), lambda t: t.clamp_(-0.5, 0.5)) is None
+    assert _learned(_gradients(2), lambda t: t.mul_(2)) is None  # no integer divisor
+
+
+def test_nothing_to_learn_from_zero_or_empty_parts():
+    assert _learned({0: torch.zeros(3, 3), 1: torch.zeros(0, 4)}, lambda t: t) is None
