@@ -438,3 +438,27 @@ def test_block_spreading_meets_the_cluster_scale_target():
         for key in ("dmuon", "dmuon_native_hsdp"):
             assert comm[key]["critical_bytes"]["total"] <= 1.15 * comm["fsdp_adamw"]["critical_bytes"]["total"], (
                 key, world)
+
+
+def test_plan_splits_the_layers_over_pipeline_stages(tmp_path, capsys):
+    """--pp: the repeated layers split evenly over the stages (the earlier ones taking one more), the
+    embeddings on the first stage and the head on the last, each stage planned on its own ranks."""
+    from dmuon.bench.shapes import pipeline_stages
+
+    groups = full_size_shapes("qwen2.5-7b")  # 28 layers, an embedding and a head
+    stages = pipeline_stages(groups, 3)
+    counts = [{g.name: g.count for g in stage} for stage in stages]
+    assert [c["layers.*.self_attn.q_proj"] for c in counts] == [10, 9, 9]
+    assert "embed_tokens" in counts[0] and all("embed_tokens" not in c for c in counts[1:])
+    assert "lm_head" in counts[2] and all("lm_head" not in c for c in counts[:2])
+    for g in groups:
+        assert sum(c.get(g.name, 0) for c in counts) == g.count, g.name
+
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", "12", "--pp", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("data-parallel ranks") == 3 and "pipeline stage 2 of 3" in printed
+    plans = json.loads(out.read_text())["stages"]
+    assert [p["world_size"] for p in plans] == [4, 4, 4]
+    assert [p["matrices"] for p in plans] == [70, 63, 63]  # 7 Muon matrices per layer
+    assert plan_cli.main(["--world-size", "12", "--pp", "5"]) == 2

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.costmodel.traffic import owner_exchange_collectives
 
 from support import pipeline
 from support.scenarios import run_each, succeeded
@@ -118,6 +119,24 @@ def test_launches_from_the_schedules_reduction_stand():
                     elif report.orthogonalized or report.traffic.collectives:
                         assert launched > 0 and report.traffic.collectives <= report.orthogonalized + 4, \
                             (run, step, report)
+
+
+@pytest.mark.parametrize("run", ["1f1b zero3 unscaled", "gpipe, three micro-batches", "interleaved1f1b one optimizer"])
+def test_counted_bytes_per_stage_equal_the_step_model(run):
+    """Each stage's dmuon collectives in a step (launched from the schedule's reduction), per rank, are the
+    step model's for that stage's matrices on its data-parallel ranks, with the same bytes: the launches
+    as a set (the schedule reduces FSDP2's units in its own order, not backward's), the step's in order."""
+    for r in _four_runs():
+        for counted in succeeded(r[run])["counted"]:
+            shapes, owners, blocks = (list(x) for x in zip(*counted["infos"]))
+            backward, step = owner_exchange_collectives(shapes, owners, blocks, 1, counted["shard"], 4,
+                                                        waves=counted["waves"])
+            k = counted["plan_rank"]
+            launches = [(c.level, *c.ranks[k]) for c in backward if c.ranks[k] is not None]
+            returns = [(c.level, *c.ranks[k]) for c in step if c.ranks[k] is not None]
+            log = counted["log"]
+            assert sorted(log[: len(launches)]) == sorted(launches) and log[len(launches):] == returns
+            assert launches and returns, "the stage exchanged something"
 
 
 def test_a_checkpoint_per_stage_resumes_bit_for_bit():

@@ -230,7 +230,12 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = STEPS, clip
                                           run.world["pp"]))
         run.optimize()
         reports.append([opt.last_step_report() for opt in run.optimizers])
-    return {"params": run.params(), "reports": reports, "norms": norms}
+    # What each optimizer's runtime counted in the last step (its launches from the reduction included),
+    # and its plan: for the step model's collectives.
+    counted = [{"log": list(opt.runtime.stats.last_log), "plan_rank": opt.runtime.topo.rank,
+                "waves": opt.last_step_stats()["return_waves"], "shard": opt.plan.topology.shard,
+                "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos]} for opt in run.optimizers]
+    return {"params": run.params(), "reports": reports, "norms": norms, "counted": counted}
 
 
 def _state(run: Pipeline) -> list[dict]:

@@ -7,7 +7,7 @@ import sys
 
 from dmuon.bench.plan_options import NS_DTYPES, build_parser
 from dmuon.bench.scale_table import format_scale_table, format_simulation_table, scale_rows
-from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json
+from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json, pipeline_stages
 from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS, Hardware, SimOptions
@@ -311,6 +311,37 @@ def _scale_table(args, model: AlphaBeta) -> int:
     return 0
 
 
+def _pipeline(args, groups, model: AlphaBeta) -> int:
+    """``--pp P``: each stage's plan on its own data-parallel ranks (world size / P), one after another."""
+    if args.pp < 1 or args.world_size % args.pp:
+        print(f"dmuon plan: --pp must be >= 1 and divide --world-size ({args.world_size}), got {args.pp}",
+              file=sys.stderr)
+        return 2
+    dp = args.world_size // args.pp
+    if args.ranks_per_node is not None and dp % args.ranks_per_node:
+        print(f"dmuon plan: --ranks-per-node must divide each stage's {dp} data-parallel ranks", file=sys.stderr)
+        return 2
+    if args.balancer == "all":
+        print("dmuon plan: --balancer all compares one plan; with --pp name one balancer", file=sys.stderr)
+        return 2
+    plans = []
+    try:
+        for stage, stage_groups in enumerate(pipeline_stages(groups, args.pp)):
+            plans.append(_plan(args, stage_groups, dp, args.balancer, _cost_table(args, stage_groups), model))
+    except (OSError, ValueError) as err:
+        print(f"dmuon plan: {err}", file=sys.stderr)
+        return 2
+    for stage, plan in enumerate(plans):
+        print(f"pipeline stage {stage} of {args.pp}: {dp} data-parallel ranks")
+        print(format_plan(plan, args.show_matrices))
+        print("")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"pp": args.pp, "stages": plans}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = hardware_from_args(args).links
@@ -323,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print("dmuon plan: --ranks-per-node must divide --world-size", file=sys.stderr)
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
+    if args.pp != 1:
+        return _pipeline(args, groups, model)
     try:
         table = _cost_table(args, groups)
         names = COMPARED if args.balancer == "all" else (args.balancer,)

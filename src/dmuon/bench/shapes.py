@@ -18,6 +18,8 @@ Available lists (see :func:`full_size_shapes`):
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 from dataclasses import dataclass
@@ -260,3 +262,26 @@ def load_shapes_json(path: str | os.PathLike[str]) -> list[MatrixShape]:
             raise ValueError(f"{at}: field 'muon' must be true or false, got {muon!r}")
         shapes.append(MatrixShape(name, shape, count, muon=muon))
     return shapes
+
+
+def pipeline_stages(groups: list[MatrixShape], pp: int) -> list[list[MatrixShape]]:
+    """The shape groups each of ``pp`` pipeline stages holds: every group of repeated layers (a name with
+    ``layers.`` or a count above 1) split evenly over the stages, the earlier stages taking one more
+    where the count does not divide (torchtitan's even split); the groups listed before the first such
+    group (embeddings) on the first stage, those after the last (the head) on the last stage."""
+    if pp < 1:
+        raise ValueError(f"--pp must be >= 1, got {pp}")
+    layered = [k for k, g in enumerate(groups) if "layers." in g.name or g.count > 1]
+    first, last = (layered[0], layered[-1]) if layered else (len(groups), len(groups) - 1)
+    stages: list[list[MatrixShape]] = [[] for _ in range(pp)]
+    for k, g in enumerate(groups):
+        if k < first:
+            stages[0].append(g)
+        elif k > last:
+            stages[-1].append(g)
+        else:
+            for stage in range(pp):
+                count = g.count // pp + (1 if stage < g.count % pp else 0)
+                if count:
+                    stages[stage].append(dataclasses.replace(g, count=count))
+    return stages
