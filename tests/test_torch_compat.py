@@ -175,6 +175,32 @@ def _reduced_gradients(rank: int, world_size: int, mesh) -> str | None:
     return None
 
 
+def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
+    """process_group_count, in_backward and root_mesh, as dmuon's setup and hooks read them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    before = torch_compat.process_group_count()
+    group = dist.new_group(ranks=list(range(world_size)), use_local_synchronization=True)
+    if torch_compat.process_group_count() != before + 1:
+        return f"{TORCH}: a new group left the group count at {torch_compat.process_group_count()}, was {before}"
+    names = [None] * world_size
+    dist.all_gather_object(names, dist.distributed_c10d._get_process_group_name(group))
+    if len(set(names)) != 1:
+        return f"{TORCH}: one group created with use_local_synchronization has the names {names} on the ranks"
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(torch_compat.in_backward()) or grad)
+    y.sum().backward()
+    if seen != [True] or torch_compat.in_backward():
+        return f"{TORCH}: in_backward was {seen} inside a backward hook and {torch_compat.in_backward()} outside"
+    two = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
+    if torch_compat.root_mesh(two["dp"]) is not two or torch_compat.root_mesh(two) is not two:
+        return f"{TORCH}: root_mesh of a slice is not the mesh it was sliced from"
+    return None
+
+
 def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -182,7 +208,7 @@ def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     results: dict[str, str | None] = {}
     for name, fn in (("local_shape_and_offset", _local_shape_and_offset), ("strided_shard", _strided_shard),
                      ("all_reduce_hook", _all_reduce_hook), ("reduced_gradients", _reduced_gradients),
-                     ("unshard_state", _unshard_state)):
+                     ("unshard_state", _unshard_state), ("groups_and_meshes", _groups_and_meshes)):
         _check(results, name, lambda fn=fn: fn(rank, world_size, mesh))
     return results
 
@@ -193,7 +219,7 @@ def on_ranks() -> list[dict[str, str | None]]:
 
 
 @pytest.mark.parametrize("name", ["local_shape_and_offset", "strided_shard", "all_reduce_hook", "reduced_gradients",
-                                  "unshard_state"])
+                                  "unshard_state", "groups_and_meshes"])
 def test_each_wrapper_on_fsdp2_and_dtensor(on_ranks, name):
     problems = [f"rank {r}: {res[name]}" for r, res in enumerate(on_ranks) if res[name] is not None]
     assert not problems, "\n".join(problems)
@@ -271,3 +297,18 @@ def test_a_moved_queue_callback_is_named(monkeypatch):
     monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
     _raises_naming(lambda: torch_compat.queue_end_of_backward(lambda: None),
                    "torch.autograd.Variable._execution_engine.queue_callback")
+
+
+def test_moved_group_graph_and_mesh_apis_are_named(monkeypatch):
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    monkeypatch.setattr(c10d, "_world", object())
+    with pytest.raises(RuntimeError, match=r"_world\.pg_names.*" + TORCH.replace("+", r"\+")):
+        torch_compat.process_group_count()
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(RuntimeError, match=r"_current_graph_task_id"):
+        torch_compat.in_backward()
+    monkeypatch.delattr(DeviceMesh, "_get_root_mesh")
+    with pytest.raises(RuntimeError, match=r"_get_root_mesh"):
+        torch_compat.root_mesh(object.__new__(DeviceMesh))

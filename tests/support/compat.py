@@ -25,6 +25,11 @@ COMPAT_TESTS = {
     # all-reduce hook refusal (has_all_reduce_hook).
     "tests/test_hsdp_replicate.py::test_replicate_level_matches_single_process_reference[2x2]",
     "tests/test_hsdp_replicate.py::test_misuse_is_refused_on_every_rank_naming_the_fix",
+    # Pipeline stages: torch's schedules calling FSDP2's reduction by hand (in_backward), groups over a
+    # stage's ranks (process_group_count), the replicate level landing there; a stage's data-parallel
+    # slice told from a replica's (root_mesh).
+    "tests/test_pipeline.py::test_schedules_equal_one_process[1f1b replicate level]",
+    "tests/test_pipeline.py::test_schedules_equal_one_process[zbv unscaled]",
     # Updates applied in the next forward: FSDPModule.unshard(async_op=True) from forward pre-hooks, on the
     # current stream (the stream checker), FSDP2's pre-forward waiting for it.
     "tests/test_next_forward.py::test_next_forward_trains_as_in_step_and_as_one_process[1-D]",

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from dmuon.comm.topology import Topology
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.layout import replicated_mesh
-from dmuon.util.torch_compat import has_all_reduce_hook, strided_shard_type
+from dmuon.util.torch_compat import has_all_reduce_hook, root_mesh, strided_shard_type
 
 # FSDP2 marks its row split inside a tensor-parallel one with _StridedShard; the momentum's
 # column split inside TP's is the same kind of layout.
@@ -102,6 +102,26 @@ def _check_hsdp_mesh(params_mesh, hsdp_mesh):
     return hsdp_mesh
 
 
+def _check_not_a_replica(mesh, name: str) -> None:
+    """Raises when the parameters' mesh is a slice of a mesh whose other dims include a replicate dim
+    (``"replicate"``, torchtitan's ``"dp_replicate"``): the ranks along it hold other replicas of this
+    model, whose gradients nothing would reduce with these (a model sharded over ``mesh["shard"]``
+    without ``hsdp_mesh=``). A slice along any other dim (a pipeline stage's ``"dp"`` of a
+    ``(pp, dp)`` mesh) is a data-parallel group of its own."""
+    parent = root_mesh(mesh)
+    if parent is mesh or parent.mesh_dim_names is None:
+        return
+    others = [d for d in parent.mesh_dim_names if d not in (mesh.mesh_dim_names or ())]
+    replicas = [d for d in others if "replicate" in d]
+    if replicas:
+        shard = ", ".join(repr(d) for d in (mesh.mesh_dim_names or ()))
+        raise ValueError(
+            f"parameter {name!r} is fully_shard-ed over the {shard} dims of a mesh whose {replicas[0]!r} dim holds "
+            "other replicas of this model, and nothing would reduce the gradients across them: pass "
+            f"hsdp_mesh=mesh[({replicas[0]!r}, {shard})] (dmuon's replicate level), or fully_shard over both "
+            "dims (FSDP2's own HSDP)")
+
+
 def check_no_all_reduce_hook(model: nn.Module) -> None:
     """dmuon reduces every gradient across replicas itself; an FSDP2 all-reduce hook of the user's
     (``FSDPModule.set_all_reduce_hook``) would reduce them a second time.
@@ -167,6 +187,7 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
                              "(each part fully_shard-ed over its own stage's mesh)")
     if hsdp_mesh is not None:
         return _check_hsdp_mesh(root, hsdp_mesh), True
+    _check_not_a_replica(root, first)
     replicated = root.ndim >= 2
     for _, p in model.named_parameters():
         if isinstance(p, DTensor) and replicated:

@@ -18,6 +18,7 @@ Private APIs:
 * :func:`fsdp_unit`: ``FSDPModule._get_fsdp_state()``.
 * :func:`process_group_count`: ``torch.distributed.distributed_c10d._world.pg_names``.
 * :func:`in_backward`: ``torch._C._current_graph_task_id``.
+* :func:`root_mesh`: ``DeviceMesh._get_root_mesh``.
 
 Behaviour of FSDP2 (public APIs whose semantics changed across releases):
 
@@ -166,3 +167,11 @@ def in_backward() -> bool:
     may be called); False in FSDP2's reduction called by hand, as torch's pipeline schedules do."""
     current = _private("torch._C", "_current_graph_task_id")
     return current() != -1
+
+
+def root_mesh(mesh) -> Any:
+    """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is None:
+        raise _moved("DeviceMesh._get_root_mesh", "a DeviceMesh has no _get_root_mesh")
+    return get_root()
