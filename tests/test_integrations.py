@@ -86,6 +86,16 @@ def test_hf_trainer_optimizer_cls_and_kwargs(tmp_path):
     assert seen == {n for n, _ in model.named_parameters()}
 
 
+def test_torchtitan_pipeline_parallel_parts(tmp_path):
+    """torchtitan's layout under pipeline parallelism on 4 ranks as (pp=2, dp=2): its container builds one
+    DMuon per model part, torch's 1F1B schedule, torchtitan's clipping over the pp mesh, its LR schedulers
+    and its name-keyed state through DCP: the resumed run ends bit for bit where the first one ends, and
+    the container equals DMuon(part) used directly, on every stage."""
+    recipe = _recipe("torchtitan_pipeline", "torchtitan")
+    for out in run_distributed(recipe.run, 4, str(tmp_path), timeout_s=600):
+        recipe.check(out)
+
+
 def test_torchtitan_optimizers_container(tmp_path):
     """A subclass of torchtitan's OptimizersContainer built from its Config with optimizer_name="DMuon":
     equal to DMuon(model) used directly; with torchtitan's LR scheduler container, its clip_grad_norm_
