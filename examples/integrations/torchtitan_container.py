@@ -63,31 +63,46 @@ def container_class():
     return DMuonOptimizersContainer
 
 
+def optimizers_for(model, mode: str, steps: int):
+    """``(optimizers, schedulers)`` for ``mode``: ``"direct"`` ``DMuon(model)``; otherwise torchtitan's
+    container over ``[model]``, with its LR scheduler container for ``"container"`` and ``"resume"``."""
+    from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
+
+    if mode == "direct":
+        return dmuon.DMuon(model, **DIRECT), None
+    config = container_class().Config(param_groups=[
+        ParamGroupConfig(pattern=r".*", optimizer_name="DMuon", optimizer_kwargs=dict(GROUP))])
+    optimizers = config.build(model_parts=[model])
+    if mode not in ("container", "resume"):
+        return optimizers, None
+    return optimizers, LRSchedulersContainer.Config(warmup_steps=1, decay_type="cosine").build(
+        optimizers=optimizers, training_steps=steps)
+
+
+def checkpoint(model, optimizers, schedulers, path: str, load: bool) -> None:
+    """torchtitan's checkpoint of the model, the container and the schedulers through DCP: saved, or loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model), "optimizer": optimizers, "lr_scheduler": schedulers}
+    if not load:
+        dcp.save(state, checkpoint_id=path)
+        return
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
 def train(rank: int, world_size: int, path: str, mode: str) -> dict:
     """``mode``: ``"container"`` (saves at SAVE_AT), ``"resume"`` (loads it), ``"plain"`` (container,
     no scheduler) or ``"direct"`` (``DMuon(model)``, no scheduler)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
     from torchtitan.distributed.utils import clip_grad_norm_
 
     torch.manual_seed(0)
     model = fully_shard_tiny(TinyLM())
-    if mode == "direct":
-        optimizers = dmuon.DMuon(model, **DIRECT)
-    else:
-        config = container_class().Config(param_groups=[
-            ParamGroupConfig(pattern=r".*", optimizer_name="DMuon", optimizer_kwargs=dict(GROUP))])
-        optimizers = config.build(model_parts=[model])
-    schedulers = None
-    if mode in ("container", "resume"):
-        schedulers = LRSchedulersContainer.Config(warmup_steps=1, decay_type="cosine").build(
-            optimizers=optimizers, training_steps=STEPS)
+    optimizers, schedulers = optimizers_for(model, mode, STEPS)
     start = 0
     if mode == "resume":
-        state = {"model": get_model_state_dict(model), "optimizer": optimizers, "lr_scheduler": schedulers}
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
+        checkpoint(model, optimizers, schedulers, path, load=True)
         start = SAVE_AT
     losses = []
     for step in range(start, STEPS):
@@ -103,8 +118,7 @@ def train(rank: int, world_size: int, path: str, mode: str) -> dict:
         optimizers.zero_grad()
         losses.append(loss.item())
         if mode == "container" and step + 1 == SAVE_AT:
-            dcp.save({"model": get_model_state_dict(model), "optimizer": optimizers, "lr_scheduler": schedulers},
-                     checkpoint_id=path)
+            checkpoint(model, optimizers, schedulers, path, load=False)
     return {"params": full_params(model), "losses": losses}
 
 

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import dmuon  # noqa: E402
 from tiny import DIM, VOCAB, Block, batch, full_params, launch, scratch_dir  # noqa: E402
-from torchtitan_container import DIRECT, GROUP, container_class  # noqa: E402
+from torchtitan_container import checkpoint, optimizers_for  # noqa: E402
 
 STEPS, SAVE_AT, MICRO, LAYERS, PP = 4, 2, 4, 4, 2
 
@@ -73,12 +72,9 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def train(rank: int, world_size: int, path: str, mode: str) -> dict:
     """``mode``: ``"container"`` (saves at SAVE_AT), ``"resume"`` (loads it), ``"plain"`` (container,
     no scheduler) or ``"direct"`` (``DMuon(part)``, no scheduler)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
     from torchtitan.distributed.utils import clip_grad_norm_
 
     world = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
@@ -89,21 +85,10 @@ def train(rank: int, world_size: int, path: str, mode: str) -> dict:
     fully_shard(part, mesh=world["dp"], reshard_after_forward=False)
     schedule = Schedule1F1B(PipelineStage(part, stage, PP, torch.device("cpu"), group=world.get_group("pp")),
                             MICRO, loss_fn=loss_fn)
-    if mode == "direct":
-        optimizers = dmuon.DMuon(part, **DIRECT)
-    else:
-        config = container_class().Config(param_groups=[
-            ParamGroupConfig(pattern=r".*", optimizer_name="DMuon", optimizer_kwargs=dict(GROUP))])
-        optimizers = config.build(model_parts=[part])
-    schedulers = None
-    if mode in ("container", "resume"):
-        schedulers = LRSchedulersContainer.Config(warmup_steps=1, decay_type="cosine").build(
-            optimizers=optimizers, training_steps=STEPS)
+    optimizers, schedulers = optimizers_for(part, mode, STEPS)  # the container's model parts: this stage's
     start = 0
     if mode == "resume":
-        state = {"model": get_model_state_dict(part), "optimizer": optimizers, "lr_scheduler": schedulers}
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(part, state["model"])
+        checkpoint(part, optimizers, schedulers, path, load=True)
         start = SAVE_AT
     for step in range(start, STEPS):
         inputs, labels = batch(step, dp_rank, size=MICRO)
@@ -114,8 +99,7 @@ def train(rank: int, world_size: int, path: str, mode: str) -> dict:
             schedulers.step()
         optimizers.zero_grad()
         if mode == "container" and step + 1 == SAVE_AT:
-            dcp.save({"model": get_model_state_dict(part), "optimizer": optimizers, "lr_scheduler": schedulers},
-                     checkpoint_id=path)
+            checkpoint(part, optimizers, schedulers, path, load=False)
     return {"params": full_params(part), "losses": []}
 
 
