@@ -30,6 +30,7 @@ from dmuon.prepare.mesh import (
     layout_of,
     parameter_device,
 )
+from dmuon.prepare.ddp import replicate_only
 from dmuon.prepare.pieces import gather_boxes, matrix_pieces, momentum_ok
 
 
@@ -147,6 +148,7 @@ def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSCon
     """Step 1: the mesh, the chosen matrices and their views, the device; every rank checks that
     every rank read the same (one all-gather), so a difference raises everywhere."""
     mesh, replicated = layout_of(model, hsdp_mesh)
+    replicated = replicated or replicate_only(model, mesh)
     if hsdp_mesh is not None:
         check_no_all_reduce_hook(model)
     topology = single_process() if mesh is None else from_mesh(mesh, replicated)

@@ -1,0 +1,201 @@
+"""Data parallelism without sharding: the routes a model that fits one device takes with dmuon.
+
+* "DDP with dmuon": FSDP2 over the one-rank ``shard`` dim of an ``(N, 1)`` mesh, ``hsdp_mesh=mesh``
+  (dmuon's replicate level reduces every gradient itself: the Muon matrices' by the momentum's column
+  slices, reduce-scattered to where each slice's momentum lives).
+* torch's FSDP2-based ``replicate`` (``replicate_with_fsdp``) per block and root: FSDP2 all-reduces every
+  gradient; dmuon reads the 1-D mesh as N replicas of one rank each.
+* torch's ``DistributedDataParallel``: refused with an error naming the route above, on every rank.
+
+Bytes are counted per rank on gloo (dmuon's own collectives, plus FSDP2's all-reduce where FSDP2 issues
+it) against DDP's all-reduce of every gradient (a ring's ``2 (N-1)/N`` of the fp32 gradients) and against
+the step model; training against one process with torch.optim.Muon + AdamW (fp32 NS).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dmuon
+from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives
+from support.cases import Case, full_params, run_case
+from support.equivalence import N_MATRICES, SKIP, STEPS, max_diff, reference
+from support.models import OddNet, lm_loss, odd_batch
+from support.scenarios import run_each, succeeded
+from support.spawn import run_distributed
+from support.step_comm import counted_step
+
+EVEN = 0.15  # every rank's bytes within this fraction of the ranks' mean
+
+
+def _ddp_bytes(world: int) -> int:
+    """What torch's DDP sends (and receives) per rank per step on OddNet: a ring all-reduce of every fp32
+    gradient, ``2 (N-1)/N`` of them (the bus bytes of its buckets, whatever their split)."""
+    total = sum(p.numel() * 4 for p in OddNet().parameters())
+    return 2 * (world - 1) * total // world
+
+
+def _replicated_oddnet(world: int, ns_dtype: torch.dtype):
+    """OddNet (seed 0) under torch's FSDP2-based ``replicate`` per block and root, with DMuon."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",))
+    torch.manual_seed(0)
+    model = OddNet()
+    for layer in model.layers:
+        replicate(layer, mesh=mesh)
+    replicate(model, mesh=mesh)
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(dtype=ns_dtype))
+    return model, opt
+
+
+def _replicate_trained(rank: int, world: int) -> dict:
+    """``replicate`` + DMuon, fp32 NS, the standard equivalence run (block 1 unused at step 1)."""
+    model, opt = _replicated_oddnet(world, torch.float32)
+    orthogonalized = []
+    for step in range(STEPS):
+        model.skip = SKIP.get(step, set())
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        orthogonalized.append(opt.last_step_stats()["orthogonalized"])
+    momentum = {n: opt.state[p]["momentum_buffer"].to_local().numel() for n, p in model.named_parameters()
+                if "momentum_buffer" in opt.state.get(p, {})}
+    return {"params": full_params(model), "orthogonalized": orthogonalized, "momentum_numel": momentum,
+            "shapes": {i.name: tuple(i.shape) for i in opt.plan.infos},
+            "topology": (opt.runtime.topo.replicate, opt.runtime.topo.shard)}
+
+
+def _replicate_counted(rank: int, world: int) -> dict:
+    """``replicate`` + DMuon with the default (bf16) wire: dmuon's counted collectives of the second step,
+    and the plan's matrices (shape, owner, block)."""
+    model, opt = _replicated_oddnet(world, torch.bfloat16)
+    for step in range(2):
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = opt.last_step_stats()
+    return {"plan_rank": opt.runtime.topo.rank, "log": list(opt.runtime.stats.last_log),
+            "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos], "waves": stats["return_waves"]}
+
+
+def _on_ranks(rank: int, world: int) -> dict:
+    """Every run of this file on ``world`` ranks in one process group, each with its own result or error."""
+    mesh = (world, 1)
+    return run_each({
+        "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
+                                                             steps=STEPS, skip=SKIP, zero=3)),
+        "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
+        "replicate": lambda: _replicate_trained(rank, world),
+        "replicate_bytes": lambda: _replicate_counted(rank, world),
+    })
+
+
+@functools.cache
+def _runs(world: int) -> list[dict]:
+    return run_distributed(_on_ranks, world, timeout_s=600)
+
+
+def _run(world: int, name: str) -> list:
+    return [succeeded(r[name]) for r in _runs(world)]
+
+
+def _check_even(totals: list[int]) -> None:
+    mean = sum(totals) / len(totals)
+    assert all(abs(t - mean) <= EVEN * mean for t in totals), totals
+
+
+def _check_momentum_split(momentum: list[dict], shapes: dict, world: int) -> None:
+    """Each Muon matrix's momentum is held once over the ranks, split 1/N along its dim 1 (torch.chunk's
+    split: a conv's ``(out, in, k)`` by its ``in``)."""
+    for name, shape in shapes.items():
+        numels = [m.get(name, 0) for m in momentum]
+        per_column = shape[0] * torch.Size(shape[2:]).numel()
+        widths = [c.numel() for c in torch.arange(shape[1]).chunk(world)] + [0] * world
+        assert sorted(numels) == sorted(per_column * w for w in widths[:world]), (name, numels)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_with_dmuon_matches_single_process(world):
+    """FSDP2 over the one-rank shard dim of an (N, 1) mesh, ``hsdp_mesh=mesh``: one process's
+    torch.optim.Muon + AdamW on the global batch, NS once per matrix, momentum split 1/N."""
+    results = _run(world, "ddp_with_dmuon")
+    diff, worst = max_diff(results[0]["params"], reference(world, torch.float32)[0])
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    for step in range(STEPS):
+        done = sum(r["stats"][step]["orthogonalized"] for r in results)
+        assert done == N_MATRICES - 3 * len(SKIP.get(step, ())), step
+    _check_momentum_split([r["momentum_numel"] for r in results], results[0]["shapes"], world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model(world):
+    """Every collective of the step is dmuon's (FSDP2 over one rank moves nothing): per rank, the step model's
+    (``step_collectives("dmuon")`` on an (N, 1) mesh: the Muon gradients' column reduce-scatter in fp32, the
+    updates' all-gather in bf16) plus the other parameters' all-reduce, at most DDP's all-reduce bytes and
+    even across ranks."""
+    results = _run(world, "ddp_with_dmuon_bytes")
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    assert all(r["waves"] == waves for r in results)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, world, 1, 2, waves=waves, gradient_bytes=4)
+    modelled = backward + step
+    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, world, 1, wire_bytes=2, waves=waves)
+               if c.label.startswith("dmuon")]
+    assert sorted(c.label for c in in_step) == sorted(c.label for c in modelled)
+    # One reduce-scatter across the replicas per block, nothing inside a replica of one rank.
+    assert {c.level for c in modelled} == {"inter"}
+    assert len([c for c in backward if c.role == "grad_columns"]) == len(set(blocks))
+    for r in results:
+        k = r["plan_rank"]
+        expected = [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None]
+        expected += [("inter", 2 * (world - 1) * b // world, 2 * (world - 1) * b // world)
+                     for b in r["other_bytes"] if b]
+        assert sorted(r["log"]) == sorted(expected), f"plan rank {k}"
+    ddp = _ddp_bytes(world)
+    sent = [sum(e[1] for e in r["log"]) for r in results]
+    received = [sum(e[2] for e in r["log"]) for r in results]
+    assert max(sent) <= ddp and max(received) <= ddp, (sent, received, ddp)
+    _check_even(sent)
+    _check_even(received)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_replicate_matches_single_process(world):
+    """torch's FSDP2-based ``replicate``: N replicas of one rank each (not N identical shards, where the
+    first sent every direction and every rank kept every momentum), exact, NS once per matrix, momentum
+    split 1/N."""
+    results = _run(world, "replicate")
+    assert all(r["topology"] == (world, 1) for r in results)
+    diff, worst = max_diff(results[0]["params"], reference(world, torch.float32)[0])
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    for step in range(STEPS):
+        assert sum(r["orthogonalized"][step] for r in results) == N_MATRICES - 3 * len(SKIP.get(step, ()))
+    _check_momentum_split([r["momentum_numel"] for r in results], results[0]["shapes"], world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_replicate_bytes_equal_the_model(world):
+    """``replicate``: FSDP2's all-reduce (DDP's bytes) and then dmuon's native-HSDP exchange with shards of one
+    rank (each replica's direction slices to the owner, the updates back in bf16): per rank the step model's
+    collectives, even across ranks; the total is DDP's bytes plus dmuon's (the README's figure)."""
+    results = _run(world, "replicate_bytes")
+    infos = results[0]["infos"]
+    shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
+    waves = results[0]["waves"]
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, world, 1, 2, waves=waves)
+    modelled = backward + step
+    for r in results:
+        k = r["plan_rank"]
+        assert r["log"] == [(c.level, *c.ranks[k]) for c in modelled if c.ranks[k] is not None], f"plan rank {k}"
+    ddp = _ddp_bytes(world)
+    sent = [ddp + sum(e[1] for e in r["log"]) for r in results]
+    received = [ddp + sum(e[2] for e in r["log"]) for r in results]
+    _check_even(sent)
+    _check_even(received)
