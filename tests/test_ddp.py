@@ -199,3 +199,82 @@ def test_fsdp2_replicate_bytes_equal_the_model(world):
     received = [ddp + sum(e[2] for e in r["log"]) for r in results]
     _check_even(sent)
     _check_even(received)
+
+
+def _ddp_misuse(rank: int, world: int) -> dict:
+    """Each way of handing dmuon a torch DDP model, on every rank: the error each rank raised, and where."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    # Every rank creates every group (new_group is collective), each keeps its own: DDP over one rank.
+    singles = [dist.new_group([r]) for r in range(world)]
+
+    def attempt(name, build):
+        torch.manual_seed(0)
+        try:
+            model, make = build(OddNet())
+            opt = make(model)
+            where = "forward"
+            lm_loss(model, odd_batch(0, rank)).backward()
+            where = "step"
+            opt.step()
+            out[name] = None
+        except ValueError as err:
+            out[name] = (where if "where" in locals() else "build", str(err))
+        dist.barrier()
+
+    def fully_sharded(model):
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return model
+
+    attempt("DMuon(ddp)", lambda m: (DDP(m), lambda d: dmuon.DMuon(d, lr=0.02)))
+    attempt("DMuon(ddp.parameters(), module=ddp)",
+            lambda m: (DDP(m), lambda d: dmuon.DMuon(d.parameters(), module=d, lr=0.02)))
+    attempt("DMuon(ddp.module)", lambda m: (DDP(m), lambda d: dmuon.DMuon(d.module, lr=0.02)))
+    attempt("DMuon(params, module=ddp.module)",
+            lambda m: (DDP(m), lambda d: dmuon.DMuon(list(d.module.parameters()), module=d.module, lr=0.02)))
+
+    def built_before_ddp(m):
+        holder = {}
+
+        def make(_):
+            return holder["opt"]
+        holder["opt"] = dmuon.DMuon(m, lr=0.02)
+        return DDP(m), make
+    attempt("DMuon before DDP", built_before_ddp)
+    attempt("DDP over a subgroup", lambda m: (DDP(m, process_group=singles[rank]), lambda d: dmuon.DMuon(d, lr=0.02)))
+
+    def mixed(m):
+        fully_sharded(m)
+        m.gate = DDP(m.gate)
+        return m, lambda d: dmuon.DMuon(d, lr=0.02)
+    attempt("DDP inside a fully_shard model", mixed)
+    return out
+
+
+@functools.cache
+def _misuse() -> list[dict]:
+    return run_distributed(_ddp_misuse, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("case,when,says", [
+    ("DMuon(ddp)", "build", "the model is a torch DistributedDataParallel"),
+    ("DMuon(ddp.parameters(), module=ddp)", "build", "the model is a torch DistributedDataParallel"),
+    ("DMuon(ddp.module)", "forward", "runs inside a torch DistributedDataParallel"),
+    ("DMuon(params, module=ddp.module)", "forward", "runs inside a torch DistributedDataParallel"),
+    ("DMuon before DDP", "forward", "built before DDP(...) wrapped the model"),
+    ("DDP over a subgroup", "build", "over a process group of 1 of the 2 ranks"),
+    ("DDP inside a fully_shard model", "build", "also uses fully_shard"),
+])
+def test_ddp_gets_an_error_naming_the_route_on_every_rank(case, when, says):
+    """torch's DDP (dmuon does not step it: README "DDP"): the same error on every rank, at construction or
+    at the first forward, naming what to write instead; never a hang or a message about fully_shard alone."""
+    errors = [r[case] for r in _misuse()]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    where, text = errors[0]
+    assert where == when and says in text, errors[0]
+    assert "hsdp_mesh=mesh" in text and "(world_size, 1)" in text and 'mesh["shard"]' in text

@@ -37,6 +37,7 @@ from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegativ
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
+from dmuon.prepare.ddp import check_no_ddp
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
@@ -130,6 +131,7 @@ class DMuon(torch.optim.Optimizer):
                  adamw: AdamWConfig | Mapping[str, Any] | None = None,
                  hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None) -> None:
         model, user_groups = model_and_groups(model, module)
+        check_no_ddp(model)
         check_plan_inputs(plan, hsdp_mesh, qk_clip)
         self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         """The Newton-Schulz configuration the owners run (the plan's)."""
