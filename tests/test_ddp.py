@@ -93,6 +93,7 @@ def _on_ranks(rank: int, world: int) -> dict:
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
         "replicate": lambda: _replicate_trained(rank, world),
         "replicate_bytes": lambda: _replicate_counted(rank, world),
+        "native_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "fsdp2"),
     })
 
 
@@ -181,14 +182,17 @@ def test_fsdp2_replicate_matches_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_replicate_bytes_equal_the_model(world):
-    """``replicate``: FSDP2's all-reduce (DDP's bytes) and then dmuon's native-HSDP exchange with shards of one
-    rank (each replica's direction slices to the owner, the updates back in bf16): per rank the step model's
-    collectives, even across ranks; the total is DDP's bytes plus dmuon's (the README's figure)."""
-    results = _run(world, "replicate_bytes")
+@pytest.mark.parametrize("run", ["replicate_bytes", "native_bytes"])
+def test_fsdp2_replicate_and_native_bytes_equal_the_model(world, run):
+    """``replicate``, and FSDP2's native HSDP on the (N, 1) mesh: FSDP2's all-reduce (DDP's bytes) and then
+    dmuon's native-HSDP exchange with shards of one rank (each replica's direction slices to the owner, the
+    updates back in bf16): per rank the step model's collectives, even across ranks; the total is DDP's
+    bytes plus dmuon's (the README's figure)."""
+    results = _run(world, run)
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
     waves = results[0]["waves"]
+    assert all(r["waves"] == waves for r in results)
     backward, step = owner_exchange_collectives(shapes, owners, blocks, world, 1, 2, waves=waves)
     modelled = backward + step
     for r in results:
