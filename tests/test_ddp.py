@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import dmuon
 from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives
+from support import tp
 from support.cases import Case, full_params, run_case
 from support.equivalence import N_MATRICES, SKIP, STEPS, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
@@ -87,7 +88,8 @@ def _replicate_counted(rank: int, world: int) -> dict:
 def _on_ranks(rank: int, world: int) -> dict:
     """Every run of this file on ``world`` ranks in one process group, each with its own result or error."""
     mesh = (world, 1)
-    return run_each({
+    with_tp = {"tp": lambda: tp.train(rank, world, STEPS, (world // 2, 1, 2), "dmuon", False, False, "dmuon")}
+    return run_each(with_tp if world == 4 else {}) | run_each({
         "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
                                                              steps=STEPS, skip=SKIP, zero=3)),
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
@@ -282,3 +284,20 @@ def test_ddp_gets_an_error_naming_the_route_on_every_rank(case, when, says):
     where, text = errors[0]
     assert where == when and says in text, errors[0]
     assert "hsdp_mesh=mesh" in text and "(world_size, 1)" in text and 'mesh["shard"]' in text
+
+
+def test_tensor_parallel_then_ddp_with_dmuon():
+    """DDP + TP: ``parallelize_module`` over ``tp``, then "DDP with dmuon" over the data-parallel ranks: the
+    ``(replicate, shard, tp) = (2, 1, 2)`` mesh, FSDP2 over the one-rank shard dim, ``hsdp_mesh=mesh``.
+    One process's result (fp32 NS), NS once per matrix, each momentum held once over the mesh."""
+    results = _run(4, "tp")
+    params, momenta = tp.reference(2, STEPS)
+    diff = max((results[0]["params"][n] - params[n]).abs().max().item() for n in params)
+    assert diff <= 1e-5
+    diff = max((results[0]["momentum"][n] - momenta[n]).abs().max().item() for n in momenta)
+    assert diff <= 1e-5
+    assert sum(r["orthogonalized"] for r in results) == len(tp.MATRICES)
+    for n in momenta:
+        # TP leaves ``mix`` whole: each tp rank keeps a copy (as it does of the weight and of AdamW's state).
+        held = sum(r["momentum_numel"][n] for r in results)
+        assert held == momenta[n].numel() * (2 if ".mix." in n else 1), (n, held)
