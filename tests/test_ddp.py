@@ -30,6 +30,7 @@ from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 from support.step_comm import counted_step
 
+RULES = ("normuon", "muonh", "dion2")
 EVEN = 0.15  # every rank's bytes within this fraction of the ranks' mean
 
 
@@ -89,7 +90,10 @@ def _on_ranks(rank: int, world: int) -> dict:
     """Every run of this file on ``world`` ranks in one process group, each with its own result or error."""
     mesh = (world, 1)
     with_tp = {"tp": lambda: tp.train(rank, world, STEPS, (world // 2, 1, 2), "dmuon", False, False, "dmuon")}
-    return run_each(with_tp if world == 4 else {}) | run_each({
+    rules = {rule: functools.partial(run_case, rank, world, Case(mesh_shape=mesh, hsdp="dmuon", rule=rule, steps=STEPS,
+                                                                 skip=SKIP))
+             for rule in RULES}
+    return run_each(with_tp if world == 4 else rules) | run_each({
         "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
                                                              steps=STEPS, skip=SKIP, zero=3)),
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
@@ -301,3 +305,21 @@ def test_tensor_parallel_then_ddp_with_dmuon():
         # TP leaves ``mix`` whole: each tp rank keeps a copy (as it does of the weight and of AdamW's state).
         held = sum(r["momentum_numel"][n] for r in results)
         assert held == momenta[n].numel() * (2 if ".mix." in n else 1), (n, held)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_other_rules_on_ddp_with_dmuon_equal_their_formulas(rule):
+    """NorMuon, MuonH and Dion2 on the (2, 1) mesh with ``hsdp_mesh``: one process's formula (fp32 NS),
+    parameters and the rule's state."""
+    from support import more_rules, normuon
+
+    results = _run(2, rule)
+    ref, _, state = normuon.oddnet_reference(2) if rule == "normuon" else more_rules.oddnet_reference(rule, 2)
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    if rule == "normuon":
+        got = {n: v.reshape(-1) for n, v in results[0]["second_moments"].items()}
+    else:
+        got = {n: v.reshape(-1) for n, v in results[0]["rule_state"].items()}
+    diff, worst = max_diff(got, state)
+    assert diff <= 1e-5, f"state of {worst} differs by {diff:.3g}"
