@@ -31,7 +31,8 @@ from support.spawn import run_distributed
 from support.step_comm import counted_step
 
 RULES = ("normuon", "muonh", "dion2")
-EVEN = 0.15  # every rank's bytes within this fraction of the ranks' mean
+EVEN = 0.15
+SAVED_AT, MORE = 2, 2  # the checkpoint runs' steps before and after the save  # every rank's bytes within this fraction of the ranks' mean
 
 
 def _ddp_bytes(world: int) -> int:
@@ -52,7 +53,8 @@ def _replicated_oddnet(world: int, ns_dtype: torch.dtype):
     for layer in model.layers:
         replicate(layer, mesh=mesh)
     replicate(model, mesh=mesh)
-    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(dtype=ns_dtype))
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                      ns=dmuon.NSConfig(method="standard", dtype=ns_dtype))
     return model, opt
 
 
@@ -323,3 +325,55 @@ def test_the_other_rules_on_ddp_with_dmuon_equal_their_formulas(rule):
         got = {n: v.reshape(-1) for n, v in results[0]["rule_state"].items()}
     diff, worst = max_diff(got, state)
     assert diff <= 1e-5, f"state of {worst} differs by {diff:.3g}"
+
+
+CHECKPOINT_ROUTES = ("ddp_with_dmuon", "replicate", "fsdp")
+
+
+def _checkpoints_across_routes(rank: int, world: int, directory: str) -> dict | None:
+    """Saved (DCP, torch's state-dict API) under DDP with dmuon and under ``replicate``, each resumed under the
+    two other routes of :data:`CHECKPOINT_ROUTES` (``fsdp``: 1-D FSDP2 over every rank) and trained on:
+    rank 0 gets each resumed run's full parameters, keyed ``(saved, resumed)``."""
+    from support.cases import sharded_oddnet
+    from support.checkpoint import _train, load, save
+
+    def build(route):
+        if route == "replicate":
+            return _replicated_oddnet(world, torch.float32)
+        model, _, opt = sharded_oddnet(world, mesh_shape=(world, 1) if route == "ddp_with_dmuon" else None,
+                                       hsdp="dmuon")
+        return model, opt
+
+    out = {}
+    for saved in CHECKPOINT_ROUTES[:2]:
+        path = f"{directory}/{saved}"
+        model, opt = build(saved)
+        _train(model, opt, rank, world, range(SAVED_AT))
+        save(model, opt, path)
+        for resumed in CHECKPOINT_ROUTES:
+            if resumed != saved:
+                model, opt = build(resumed)
+                load(model, opt, path)
+                _train(model, opt, rank, world, range(SAVED_AT, SAVED_AT + MORE))
+                out[(saved, resumed)] = full_params(model)
+    return out if rank == 0 else None
+
+
+def test_checkpoints_resume_across_routes(tmp_path):
+    """A DCP checkpoint saved under DDP with dmuon resumes under ``replicate`` and under 1-D FSDP2, and one saved
+    under ``replicate`` under DDP with dmuon and 1-D FSDP2: as if never stopped (one process, fp32 NS). The
+    momentum is a DTensor split by columns on the first two, by rows on the third; DCP reshards it."""
+    from support.cases import MUON_KW
+    from support.checkpoint import global_batch
+    from support.reference import reference_training
+
+    got = run_distributed(_checkpoints_across_routes, 2, str(tmp_path), timeout_s=300)[0]
+    torch.manual_seed(0)
+    model = OddNet()
+    ref, _ = reference_training(model, [global_batch(s) for s in range(SAVED_AT + MORE)], lm_loss,
+                                muon_kwargs=MUON_KW, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
+                                ns_dtype=torch.float32)
+    assert len(got) == 4
+    for key, params in got.items():
+        diff, worst = max_diff(params, ref)
+        assert diff <= 1e-5, (key, worst, diff)
