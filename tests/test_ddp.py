@@ -42,25 +42,30 @@ def _ddp_bytes(world: int, blocks: int = 3) -> int:
     return 2 * (world - 1) * total // world
 
 
-def _replicated_oddnet(world: int, ns_dtype: torch.dtype):
-    """OddNet (seed 0) under torch's FSDP2-based ``replicate`` per block and root, with DMuon."""
+def _replicated_oddnet(world: int, ns_dtype: torch.dtype, level: bool = False):
+    """OddNet (seed 0) under torch's FSDP2-based ``replicate`` per block and root, with DMuon: over a 1-D mesh of
+    every rank, or (``level``) over the one-rank shard dim of an ``(N, 1)`` mesh with ``hsdp_mesh=mesh``."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",))
+    if level:
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        over, hsdp_mesh = mesh["shard"], mesh
+    else:
+        over, hsdp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",)), None
     torch.manual_seed(0)
     model = OddNet()
     for layer in model.layers:
-        replicate(layer, mesh=mesh)
-    replicate(model, mesh=mesh)
-    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+        replicate(layer, mesh=over)
+    replicate(model, mesh=over)
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), hsdp_mesh=hsdp_mesh,
                       ns=dmuon.NSConfig(method="standard", dtype=ns_dtype))
     return model, opt
 
 
-def _replicate_trained(rank: int, world: int) -> dict:
+def _replicate_trained(rank: int, world: int, level: bool = False) -> dict:
     """``replicate`` + DMuon, fp32 NS, the standard equivalence run (block 1 unused at step 1)."""
-    model, opt = _replicated_oddnet(world, torch.float32)
+    model, opt = _replicated_oddnet(world, torch.float32, level)
     orthogonalized = []
     for step in range(STEPS):
         model.skip = SKIP.get(step, set())
@@ -75,17 +80,22 @@ def _replicate_trained(rank: int, world: int) -> dict:
             "topology": (opt.runtime.topo.replicate, opt.runtime.topo.shard)}
 
 
-def _replicate_counted(rank: int, world: int) -> dict:
-    """``replicate`` + DMuon with the default (bf16) wire: dmuon's counted collectives of the second step,
-    and the plan's matrices (shape, owner, block)."""
-    model, opt = _replicated_oddnet(world, torch.bfloat16)
+def _replicate_counted(rank: int, world: int, level: bool = False) -> dict:
+    """``replicate`` + DMuon with the default (bf16) wire: dmuon's counted collectives of the second step, the
+    plan's matrices (shape, owner, block) and (``level``) per FSDP2 group the other parameters' gradient bytes,
+    which dmuon all-reduces (as :func:`support.step_comm.counted_step`)."""
+    model, opt = _replicated_oddnet(world, torch.bfloat16, level)
     for step in range(2):
         lm_loss(model, odd_batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
-    stats = opt.last_step_stats()
+    plan = opt.plan
+    matrices = {id(i.param) for i in plan.infos}
     return {"plan_rank": opt.runtime.topo.rank, "log": list(opt.runtime.stats.last_log),
-            "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos], "waves": stats["return_waves"]}
+            "infos": [(tuple(i.shape), i.owner, i.block) for i in plan.infos],
+            "waves": opt.last_step_stats()["return_waves"],
+            "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in matrices)
+                            for g in plan.groups] if plan.reduces_replicas else []}
 
 
 def _on_ranks(rank: int, world: int) -> dict:
@@ -101,6 +111,8 @@ def _on_ranks(rank: int, world: int) -> dict:
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
         "replicate": lambda: _replicate_trained(rank, world),
         "replicate_bytes": lambda: _replicate_counted(rank, world),
+        "replicate_level": lambda: _replicate_trained(rank, world, level=True),
+        "replicate_level_bytes": lambda: _replicate_counted(rank, world, level=True),
         "native_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "fsdp2"),
     })
 
@@ -143,12 +155,13 @@ def test_ddp_with_dmuon_matches_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model(world):
-    """Every collective of the step is dmuon's (FSDP2 over one rank moves nothing): per rank, the step model's
-    (``step_collectives("dmuon")`` on an (N, 1) mesh: the Muon gradients' column reduce-scatter in fp32, the
-    updates' all-gather in bf16) plus the other parameters' all-reduce, at most DDP's all-reduce bytes and
-    even across ranks."""
-    _check_ddp_with_dmuon_bytes(_run(world, "ddp_with_dmuon_bytes"), world)
+@pytest.mark.parametrize("run", ["ddp_with_dmuon_bytes", "replicate_level_bytes"])
+def test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model(world, run):
+    """Every collective of the step is dmuon's (FSDP2 over one rank moves nothing, ``fully_shard`` or
+    ``replicate`` there): per rank, the step model's (``step_collectives("dmuon")`` on an (N, 1) mesh: the Muon
+    gradients' column reduce-scatter in fp32, the updates' all-gather in bf16) plus the other parameters'
+    all-reduce, at most DDP's all-reduce bytes and even across ranks."""
+    _check_ddp_with_dmuon_bytes(_run(world, run), world)
 
 
 def _check_ddp_with_dmuon_bytes(results: list[dict], world: int, model_blocks: int = 3, even: bool = True) -> None:
@@ -182,11 +195,12 @@ def _check_ddp_with_dmuon_bytes(results: list[dict], world: int, model_blocks: i
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_replicate_matches_single_process(world):
-    """torch's FSDP2-based ``replicate``: N replicas of one rank each (not N identical shards, where the
-    first sent every direction and every rank kept every momentum), exact, NS once per matrix, momentum
-    split 1/N."""
-    results = _run(world, "replicate")
+@pytest.mark.parametrize("run", ["replicate", "replicate_level"])
+def test_fsdp2_replicate_matches_single_process(world, run):
+    """torch's FSDP2-based ``replicate`` over every rank: N replicas of one rank each (not N identical shards,
+    where the first sent every direction and every rank kept every momentum); over the one-rank shard dim
+    with ``hsdp_mesh``: dmuon's replicate level. Exact, NS once per matrix, momentum split 1/N."""
+    results = _run(world, run)
     assert all(r["topology"] == (world, 1) for r in results)
     diff, worst = max_diff(results[0]["params"], reference(world, torch.float32)[0])
     assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
