@@ -271,3 +271,11 @@ def test_a_moved_queue_callback_is_named(monkeypatch):
     monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
     _raises_naming(lambda: torch_compat.queue_end_of_backward(lambda: None),
                    "torch.autograd.Variable._execution_engine.queue_callback")
+
+
+def test_a_moved_active_ddp_getter_is_named(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert torch_compat.active_ddp_module() is None  # no DDP forward running
+    monkeypatch.delattr(DistributedDataParallel, "_get_active_ddp_module")
+    _raises_naming(torch_compat.active_ddp_module, "DistributedDataParallel._get_active_ddp_module")
