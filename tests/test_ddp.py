@@ -32,6 +32,7 @@ from support.step_comm import counted_step
 
 RULES = ("normuon", "muonh", "dion2")
 EVEN = 0.15
+CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
 SAVED_AT, MORE = 2, 2  # the checkpoint runs' steps before and after the save  # every rank's bytes within this fraction of the ranks' mean
 
 
@@ -105,7 +106,11 @@ def _on_ranks(rank: int, world: int) -> dict:
     rules = {rule: functools.partial(run_case, rank, world, Case(mesh_shape=mesh, hsdp="dmuon", rule=rule, steps=STEPS,
                                                                  skip=SKIP))
              for rule in RULES}
-    return run_each(with_tp if world == 4 else rules) | run_each({
+    # What DDP users rely on, on the route they are told to use: accumulation without sync, torch's clipping.
+    usage = {"accumulate": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", steps=STEPS,
+                                                              micro_batches=2)),
+             "clip": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", steps=STEPS, clip=CLIP))}
+    return run_each(with_tp if world == 4 else rules | usage) | run_each({
         "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
                                                              steps=STEPS, skip=SKIP, zero=3)),
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
@@ -420,3 +425,34 @@ def test_ddp_with_dmuon_on_eight_ranks_more_ranks_than_matrices():
     counted = [succeeded(r["bytes"]) for r in runs]
     assert len({i[1] for i in counted[0]["infos"]}) < 8  # some rank owns nothing
     _check_ddp_with_dmuon_bytes(counted, 8, model_blocks=1, even=False)
+
+
+def _global_batches(world: int, micro: int = 1) -> list:
+    """Every rank's batches (``micro`` micro-batches' worth each) of ``STEPS`` steps, joined per step."""
+    batches = []
+    for step in range(STEPS):
+        parts = [odd_batch(step, r, batch=2 * micro) for r in range(world)]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    return batches
+
+
+@pytest.mark.parametrize("case", ["accumulate", "clip"])
+def test_accumulation_and_torchs_clipping_on_ddp_with_dmuon(case):
+    """DDP's ``no_sync()`` accumulation is FSDP2's ``set_requires_gradient_sync(False)`` on the earlier
+    micro-batches; torch's ``clip_grad_norm_`` clips the mean gradient: one process's result on the global
+    batch, and the clip's norm is the single-process one on every rank."""
+    from support.cases import MUON_KW
+    from support.reference import reference_training
+
+    results = _run(2, case)
+    torch.manual_seed(0)
+    model = OddNet()
+    ref, _ = reference_training(model, _global_batches(2, micro=2 if case == "accumulate" else 1), lm_loss,
+                                muon_kwargs=MUON_KW, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
+                                ns_dtype=torch.float32, clip=CLIP if case == "clip" else None)
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    if case == "clip":
+        assert len(reference_training.norms) == STEPS
+        for r in results:
+            assert r["norms"] == pytest.approx(list(reference_training.norms), rel=1e-5)
