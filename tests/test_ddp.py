@@ -114,6 +114,9 @@ def _on_ranks(rank: int, world: int) -> dict:
         "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
                                                              steps=STEPS, skip=SKIP, zero=3)),
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
+        # ExecutionConfig(ns_in_backward=True, returns_in_backward=True), seven blocks: returns during backward.
+        "ddp_with_dmuon_rbwd_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon",
+                                                          "muon", 1, None, True, 7),
         "replicate": lambda: _replicate_trained(rank, world),
         "replicate_bytes": lambda: _replicate_counted(rank, world),
         "replicate_level": lambda: _replicate_trained(rank, world, level=True),
@@ -160,25 +163,34 @@ def test_ddp_with_dmuon_matches_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("run", ["ddp_with_dmuon_bytes", "replicate_level_bytes"])
+@pytest.mark.parametrize("run", ["ddp_with_dmuon_bytes", "replicate_level_bytes", "ddp_with_dmuon_rbwd_bytes"])
 def test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model(world, run):
     """Every collective of the step is dmuon's (FSDP2 over one rank moves nothing, ``fully_shard`` or
     ``replicate`` there): per rank, the step model's (``step_collectives("dmuon")`` on an (N, 1) mesh: the Muon
     gradients' column reduce-scatter in fp32, the updates' all-gather in bf16) plus the other parameters'
     all-reduce, at most DDP's all-reduce bytes and even across ranks."""
-    _check_ddp_with_dmuon_bytes(_run(world, run), world)
+    if run.endswith("rbwd_bytes"):
+        results = _run(world, run)
+        assert all(r["blocks_returned_in_backward"] > 0 for r in results)
+        _check_ddp_with_dmuon_bytes(results, world, model_blocks=7, hop_a_spread=1, returns_in_backward=True)
+    else:
+        _check_ddp_with_dmuon_bytes(_run(world, run), world)
 
 
-def _check_ddp_with_dmuon_bytes(results: list[dict], world: int, model_blocks: int = 3, even: bool = True) -> None:
+def _check_ddp_with_dmuon_bytes(results: list[dict], world: int, model_blocks: int = 3, even: bool = True,
+                                **execution) -> None:
     """Every rank's counted collectives are the step model's, and at most DDP's all-reduce bytes on OddNet of
-    ``model_blocks`` blocks (``even``: every rank within :data:`EVEN` of the mean)."""
+    ``model_blocks`` blocks (``even``: every rank within :data:`EVEN` of the mean; ``execution``: the model's
+    ``hop_a_spread``/``returns_in_backward`` when the run set them)."""
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
     waves = results[0]["waves"]
     assert all(r["waves"] == waves for r in results)
-    backward, step = owner_exchange_collectives(shapes, owners, blocks, world, 1, 2, waves=waves, gradient_bytes=4)
+    backward, step = owner_exchange_collectives(shapes, owners, blocks, world, 1, 2, waves=waves, gradient_bytes=4,
+                                                **execution)
     modelled = backward + step
-    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, world, 1, wire_bytes=2, waves=waves)
+    in_step = [c for c in step_collectives("dmuon", shapes, owners, blocks, world, 1, wire_bytes=2, waves=waves,
+                                           **execution)
                if c.label.startswith("dmuon")]
     assert sorted(c.label for c in in_step) == sorted(c.label for c in modelled)
     # One reduce-scatter across the replicas per block, nothing inside a replica of one rank.
