@@ -468,3 +468,26 @@ def test_accumulation_and_torchs_clipping_on_ddp_with_dmuon(case):
         assert len(reference_training.norms) == STEPS
         for r in results:
             assert r["norms"] == pytest.approx(list(reference_training.norms), rel=1e-5)
+
+
+def test_dmuon_plan_ddp_models_the_route_against_ddps_all_reduce(tmp_path, capsys):
+    """``dmuon plan --ddp``: the (N, 1) layout; the Muon matrices' bytes of DDP with dmuon against DDP's all-reduce
+    (FSDP2 + AdamW's on that layout) are per rank ``(N-1)/N·P`` times 4 (the gradient's column slices) + 2/N (the
+    direction slices to the owner) + 2 (the update back), over DDP's 8: ``0.75 + 0.25/N``; native HSDP (FSDP2's
+    all-reduce, then dmuon's) costs more than DDP."""
+    from dmuon.bench import plan_cli
+
+    world = 8
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--model", "qwen2", "--world-size", str(world), "--ddp", "--analytical",
+                          "--json", str(out)]) == 0
+    import json
+
+    plan = json.loads(out.read_text())
+    assert plan["mesh"] == [world, 1]
+    designs = plan["hsdp_designs"]
+    ddp = designs["fsdp2_adamw"]["inter"]["total"]
+    assert designs["b"]["inter"]["total"] / ddp == pytest.approx(0.75 + 0.25 / world, rel=1e-9)
+    assert designs["a"]["inter"]["total"] > ddp
+    assert plan_cli.main(["--model", "qwen2", "--world-size", "8", "--ddp", "--ranks-per-node", "2"]) == 2
+    assert "--ddp is the (N, 1) layout" in capsys.readouterr().err
