@@ -491,3 +491,19 @@ def test_dmuon_plan_ddp_models_the_route_against_ddps_all_reduce(tmp_path, capsy
     assert designs["a"]["inter"]["total"] > ddp
     assert plan_cli.main(["--model", "qwen2", "--world-size", "8", "--ddp", "--ranks-per-node", "2"]) == 2
     assert "--ddp is the (N, 1) layout" in capsys.readouterr().err
+
+
+def test_dmuon_plan_ddp_simulates_returns_in_backward(tmp_path):
+    """``dmuon plan --ddp --simulate``: on one shard position a return's hop 1 is no collective and its first hop
+    across replicas rides in a landing's all_to_all; the timeline's blocks returning in backward are still the
+    step model's (the simulation checks it block by block and raised here before), and every strategy runs."""
+    import json
+
+    from dmuon.bench import plan_cli
+
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", "8", "--ddp", "--analytical", "--simulate",
+                          "--json", str(out)]) == 0
+    simulation = json.loads(out.read_text())["simulation"]
+    assert {"fsdp_adamw", "dmuon", "dmuon_rbwd", "dmuon_nfwd"} <= set(simulation)
+    assert all(s["step_seconds"] > 0 for s in simulation.values())
