@@ -15,9 +15,12 @@ def replicate_only(model: nn.Module, mesh) -> bool:
     ``replicate``: every parameter a ``Replicate()`` DTensor of ``mesh``).
 
     dmuon then reads the mesh as ``mesh.size(0)`` replicas of one rank each (native HSDP with
-    shards of one rank): each rank holds its column slice of every Muon matrix's momentum and
-    sends only that slice's updates, instead of every rank sending everything as the first of
-    identical pieces.
+    shards of one rank): each rank keeps its column slice of every Muon matrix's momentum and sends
+    the owner that slice's direction. Read as ``mesh.size(0)`` shards instead, every rank's piece
+    would be the whole matrix: every rank would keep every momentum, and the first of the identical
+    pieces would send every direction. (FSDP2 still all-reduces every gradient here; over the
+    one-rank shard dim of an ``(N, 1)`` mesh with ``hsdp_mesh`` dmuon reduces them itself, for fewer
+    bytes: README "DDP".)
     """
     if mesh is None or mesh.ndim != 1 or mesh.size(0) == 1:
         return False
@@ -30,8 +33,8 @@ RECOMMENDED = (
     "for data parallelism without sharding with dmuon (\"DDP with dmuon\", README \"DDP\": at most DDP's bytes, "
     "the momentum split over the ranks, NS once per matrix) drop DistributedDataParallel and write: "
     "mesh = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=(\"replicate\", \"shard\")); "
-    "fully_shard(block, mesh=mesh[\"shard\"]) for each block, then fully_shard(model, mesh=mesh[\"shard\"]); "
-    "opt = dmuon.DMuon(model, ..., hsdp_mesh=mesh)"
+    "fully_shard(block, mesh=mesh[\"shard\"]) for each block, then fully_shard(model, mesh=mesh[\"shard\"]) "
+    "(or torch's replicate(..., mesh=mesh[\"shard\"])); opt = dmuon.DMuon(model, ..., hsdp_mesh=mesh)"
 )
 """What a DDP user writes instead, named by every DDP error."""
 
