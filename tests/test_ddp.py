@@ -507,3 +507,23 @@ def test_dmuon_plan_ddp_simulates_returns_in_backward(tmp_path):
     simulation = json.loads(out.read_text())["simulation"]
     assert {"fsdp_adamw", "dmuon", "dmuon_rbwd", "dmuon_nfwd"} <= set(simulation)
     assert all(s["step_seconds"] > 0 for s in simulation.values())
+
+
+def test_dmuon_bench_ddp_runs_the_three_side_by_side(tmp_path):
+    """``dmuon bench --ddp``: the (N, 1) mesh; AdamW there moves DDP's all-reduce, torch.optim.Muon the same with
+    NS on every rank, dmuon fewer bytes than either (a regression guard on the bytes, not on the CPU's
+    seconds); the three train the same model to the same loss."""
+    import json
+
+    from dmuon.bench import cli as bench_cli
+
+    out = tmp_path / "ddp.json"
+    assert bench_cli.main(["--model", "tiny", "--world-size", "2", "--ddp", "--steps", "1", "--warmup", "1",
+                           "--configs", "adamw,torch_muon,dmuon_z2", "--json", str(out), "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["mesh"] == [2, 1]
+    by_config = {r["config"]: r for r in payload["results"]}
+    assert by_config["dmuon_z2"]["bytes_per_step"] < by_config["adamw"]["bytes_per_step"]
+    assert by_config["dmuon_z2"]["bytes_per_step"] < by_config["torch_muon"]["bytes_per_step"]
+    with pytest.raises(SystemExit, match="--ddp is the"):
+        bench_cli.main(["--model", "tiny", "--world-size", "2", "--ddp", "--hsdp", "2", "--quiet"])
