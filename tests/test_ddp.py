@@ -1,11 +1,14 @@
 """Data parallelism without sharding: the routes a model that fits one device takes with dmuon.
 
-* "DDP with dmuon": FSDP2 over the one-rank ``shard`` dim of an ``(N, 1)`` mesh, ``hsdp_mesh=mesh``
-  (dmuon's replicate level reduces every gradient itself: the Muon matrices' by the momentum's column
-  slices, reduce-scattered to where each slice's momentum lives).
-* torch's FSDP2-based ``replicate`` (``replicate_with_fsdp``) per block and root: FSDP2 all-reduces every
-  gradient; dmuon reads the 1-D mesh as N replicas of one rank each.
+* "DDP with dmuon": FSDP2 (``fully_shard``, or torch's FSDP2-based ``replicate``) over the one-rank ``shard``
+  dim of an ``(N, 1)`` mesh, ``hsdp_mesh=mesh`` (dmuon's replicate level reduces every gradient itself: the
+  Muon matrices' by the momentum's column slices, reduce-scattered to where each slice's momentum lives);
+  with TP, the other rules, accumulation, torch's clipping, DCP checkpoints across the routes.
+* torch's ``replicate`` (``replicate_with_fsdp``) per block and root over every rank, and FSDP2's native
+  HSDP on the ``(N, 1)`` mesh: FSDP2 all-reduces every gradient; dmuon reads the mesh as N replicas of one
+  rank each.
 * torch's ``DistributedDataParallel``: refused with an error naming the route above, on every rank.
+* ``dmuon plan --ddp`` (the route's bytes against DDP's, the simulated step) and ``dmuon bench --ddp``.
 
 Bytes are counted per rank on gloo (dmuon's own collectives, plus FSDP2's all-reduce where FSDP2 issues
 it) against DDP's all-reduce of every gradient (a ring's ``2 (N-1)/N`` of the fp32 gradients) and against
