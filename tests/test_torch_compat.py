@@ -312,3 +312,11 @@ def test_moved_group_graph_and_mesh_apis_are_named(monkeypatch):
     monkeypatch.delattr(DeviceMesh, "_get_root_mesh")
     with pytest.raises(RuntimeError, match=r"_get_root_mesh"):
         torch_compat.root_mesh(object.__new__(DeviceMesh))
+
+
+def test_a_moved_active_ddp_getter_is_named(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert torch_compat.active_ddp_module() is None  # no DDP forward running
+    monkeypatch.delattr(DistributedDataParallel, "_get_active_ddp_module")
+    _raises_naming(torch_compat.active_ddp_module, "DistributedDataParallel._get_active_ddp_module")

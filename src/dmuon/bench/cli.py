@@ -88,6 +88,12 @@ def run(args) -> dict:
     """Runs the bench; returns the JSON payload (on rank 0 / the launcher)."""
     configs = _configs(args)
     _check_args(args)
+    if args.ddp:  # every data-parallel rank its own replica
+        if args.hsdp != 1:
+            raise SystemExit("dmuon bench: --ddp is the (N, 1) mesh; drop --hsdp")
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+        args.hsdp = max(1, world_size // args.tp)
     opts = bench_options(args)
     if args.hsdp < 1 or args.tp < 1:
         raise SystemExit("dmuon bench: --hsdp and --tp must be >= 1")

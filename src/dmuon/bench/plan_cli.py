@@ -344,6 +344,12 @@ def _pipeline(args, groups, model: AlphaBeta) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.ddp:
+        if args.ranks_per_node not in (None, 1):
+            print("dmuon plan: --ddp is the (N, 1) layout, one rank per replica; drop --ranks-per-node",
+                  file=sys.stderr)
+            return 2
+        args.ranks_per_node = 1
     model = hardware_from_args(args).links
     if args.scale_table is not None:
         return _scale_table(args, model)

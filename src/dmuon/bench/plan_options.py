@@ -105,6 +105,11 @@ def _add_traffic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
                    help="HSDP layout: replicate across nodes, shard across the N ranks of a node; "
                         "reports intra- and inter-node bytes (default: one node, 1-D FSDP)")
+    g.add_argument("--ddp", action="store_true",
+                   help="data parallelism without sharding, DDP with dmuon (README \"DDP\"): an (N, 1) mesh, each rank "
+                        "its own replica (--ranks-per-node 1); FSDP2 + AdamW's figures are then DDP's all-reduce. "
+                        "Every byte travels on the replicate level's links, --inter-*: give a node's figures "
+                        "(e.g. --inter-bandwidth 450) for DDP inside one node")
     g.add_argument("--param-dtype", default="bfloat16", choices=sorted(NS_DTYPES),
                    help="step_comm: FSDP2's all-gather dtype (MixedPrecisionPolicy.param_dtype; default bf16)")
     g.add_argument("--reduce-dtype", default="float32", choices=sorted(NS_DTYPES),

@@ -112,8 +112,11 @@ class DMuonStepBuilder(StepBuilder):
     def return_waves(self) -> list[list[int]]:
         if self.returns_in_backward:
             # NS per block (the worker's batches), the returned blocks' in backward, the others' waves in step().
-            self.back = {c.block for c in self.listed([]) if c.phase == "backward"
-                         and (c.role == "return_shard" or c.role in _ACROSS_ROLES)}
+            # A return's hop 1 is no collective on one shard position (DDP with dmuon's (N, 1) mesh); there
+            # its first hop across replicas may ride in a landing's all_to_all (carries_returns).
+            listed = [c for c in self.listed([]) if c.phase == "backward"]
+            self.back = {c.block for c in listed if c.role == "return_shard" or c.role in _ACROSS_ROLES} | \
+                {b for c in listed for b in c.carries_returns}
             self.ns_batches = {rank: [part for batch in batches for part in self.by_block(batch)
                                       if self.inp.blocks[part[0]] not in self.back]
                                for rank, batches in self.inp.ns_batches.items()}

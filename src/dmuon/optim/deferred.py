@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.groups import canonical_name
 from dmuon.plan.selection import select_matrices
+from dmuon.prepare.ddp import RECOMMENDED, check_not_under_ddp
 
 
 def waits_for_sharding(model: nn.Module) -> bool:
@@ -75,6 +76,7 @@ class DeferredSetup:
             target = callback()
             if target is None or module is not model():
                 return
+            check_not_under_ddp(module)  # a DDP-wrapped model never gets sharded: say so at once
             if not waits_for_sharding(module):
                 target()
 
@@ -95,7 +97,8 @@ class DeferredSetup:
             raise ValueError(
                 f"DMuon was built before fully_shard and the model is still not sharded (parameter {bare[0]!r} "
                 "is not managed by any fully_shard): shard the model (fully_shard on its blocks and root, or "
-                "through your framework: accelerator.prepare, fabric.setup, Trainer) before the first step")
+                "through your framework: accelerator.prepare, fabric.setup, Trainer) before the first step; a model "
+                "wrapped in torch's DistributedDataParallel is not one dmuon steps: " + RECOMMENDED)
 
     @staticmethod
     def check_split(groups: list[dict[str, Any]], planned: Callable[[torch.Tensor], bool],

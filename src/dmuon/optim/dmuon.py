@@ -38,6 +38,7 @@ from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegativ
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
+from dmuon.prepare.ddp import check_no_ddp
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
@@ -156,6 +157,7 @@ class DMuon(torch.optim.Optimizer):
                  hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None,
                  pp_group: DeviceMesh | dist.ProcessGroup | None = None) -> None:
         model, user_groups = model_and_groups(model, module)
+        check_no_ddp(model)
         self._pp_group = pipeline_group(pp_group)
         _claim_pipeline_group(self._pp_group, model)
         check_plan_inputs(plan, hsdp_mesh, qk_clip)

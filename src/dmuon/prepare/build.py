@@ -30,6 +30,7 @@ from dmuon.prepare.mesh import (
     layout_of,
     parameter_device,
 )
+from dmuon.prepare.ddp import check_no_ddp, replicate_only
 from dmuon.prepare.pieces import gather_boxes, matrix_pieces, momentum_ok
 
 
@@ -146,7 +147,9 @@ def prepare(
 def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSConfig, hsdp_mesh) -> _Layout:
     """Step 1: the mesh, the chosen matrices and their views, the device; every rank checks that
     every rank read the same (one all-gather), so a difference raises everywhere."""
+    check_no_ddp(model)
     mesh, replicated = layout_of(model, hsdp_mesh)
+    replicated = replicated or replicate_only(model, mesh)
     if hsdp_mesh is not None:
         check_no_all_reduce_hook(model)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]

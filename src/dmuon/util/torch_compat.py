@@ -104,6 +104,18 @@ def has_all_reduce_hook(module) -> bool:
     return any(g._all_reduce_hook is not None for g in groups)
 
 
+def active_ddp_module() -> Any:
+    """The torch ``DistributedDataParallel`` whose forward is running now (the one calling its ``module``), or
+    None: DDP records it for TorchDynamo (``DistributedDataParallel._get_active_ddp_module``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    if getter is None:
+        raise _moved("DistributedDataParallel._get_active_ddp_module (the DDP whose forward runs)",
+                     "DistributedDataParallel has no _get_active_ddp_module")
+    return getter()
+
+
 def fsdp_unit(module) -> object:
     """What ``module`` is gathered with: its FSDP2 state, which ``fully_shard([a, b])`` gives both ``a`` and ``b``
     (one ``unshard`` gathers both); compare with ``is``."""
