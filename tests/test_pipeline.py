@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -61,6 +62,8 @@ def _on_four_ranks(rank: int, world: int, directory: str) -> dict:
     runs = {name: functools.partial(pipeline.train, rank, world, schedule, **kw)
             for name, (schedule, kw) in RUNS.items()}
     runs["misuse"] = lambda: _bad_setups(rank, world)
+    runs["nan on one stage, raise"] = functools.partial(pipeline.train, rank, world, "1f1b", nonfinite="raise",
+                                                         poison=(1, 1))
     runs["checkpoint"] = lambda: pipeline.save_and_go_on(rank, world, f"{directory}/dp2", SAVED_AT, MORE)
     return run_each(runs)
 
@@ -100,6 +103,15 @@ def test_schedules_equal_one_process(run):
     kw = RUNS[run][1]
     results = [succeeded(r[run]) for r in _four_runs()]
     _check(results, kw.get("clip"), (kw["poison"][0],) if "poison" in kw else (), kw.get("microbatches", 4))
+
+
+def test_a_nan_on_one_stage_raises_on_every_stage():
+    """nonfinite="raise" with pp_group: the stage that saw the NaN names it, every other stage raises too."""
+    for r in _four_runs():
+        text = r["nan on one stage, raise"]["error"]  # every rank's traceback
+        assert "raised on 4 of 4 ranks" in text, text
+        assert "FloatingPointError: non-finite gradients in ['layers.2." in text, text  # stage 1's ranks
+        assert "FloatingPointError: non-finite gradients on another pipeline stage" in text, text  # stage 0's
 
 
 def test_launches_from_the_schedules_reduction_stand():
@@ -210,6 +222,17 @@ def _bad_setups(rank: int, world: int) -> dict:
         return [dmuon.DMuon(part, pp_group=world2["pp"]) for part in parts]
 
     attempt("two parts, one pp_group", two_parts_one_group)
+    def tied_across_stages():
+        # The first stage's embedding and, on the last, an output head tied to it but named otherwise: the
+        # last stage's rule alone would send it to Muon, the first stage's copy goes to AdamW.
+        torch.manual_seed(0)
+        part = nn.Sequential(nn.Embedding(pipeline.VOCAB, pipeline.DIM) if pp_rank == 0 else
+                             nn.Linear(pipeline.DIM, pipeline.VOCAB, bias=False))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # a pp group no other DMuon holds
+        fully_shard(part, mesh=mesh["dp"])
+        dmuon.DMuon(part, pp_group=mesh["pp"]).step()
+
+    attempt("tied across stages", tied_across_stages)
     attempt("pp_group not a mesh or group", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=[0, 2]))
     attempt("pp_group of two dims", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=world2))
     return out
@@ -220,6 +243,8 @@ def test_misuse_is_refused_on_every_rank_naming_the_fix():
         "hsdp_mesh spanning stages": "not one that spans other stages",
         "two groups": "sub-mesh",
         "two parts, one pp_group": "nn.ModuleList(parts)",
+        "tied across stages": "'0.weight' (pipeline rank 1) goes to Muon but has the shape (50, 37) of the "
+                              "embedding '0.weight' on pipeline rank 0",
         "pp_group not a mesh or group": "pp_group must be a 1-D DeviceMesh or a ProcessGroup",
         "pp_group of two dims": "pp_group must be a 1-D DeviceMesh",
     }

@@ -35,6 +35,7 @@ from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
 from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs, pipeline_group,
                                   model_and_groups, refuse_settings_elsewhere, resolve_ns)
+from dmuon.optim.stages import check_ties_across_stages
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
@@ -160,6 +161,7 @@ class DMuon(torch.optim.Optimizer):
         check_no_ddp(model)
         self._pp_group = pipeline_group(pp_group)
         _claim_pipeline_group(self._pp_group, model)
+        self._stages_checked = False
         check_plan_inputs(plan, hsdp_mesh, qk_clip)
         self.ns = resolve_ns(plan, ns, eps=eps, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         """The Newton-Schulz configuration the owners run (the plan's)."""
@@ -426,6 +428,9 @@ class DMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ready()
+        if self._pp_group is not None and not self._stages_checked:
+            check_ties_across_stages(self.model, self.plan, self._pp_group)  # every stage's first step
+            self._stages_checked = True
         try:
             self._last_report = self.runtime.step()
         finally:
