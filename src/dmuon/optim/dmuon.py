@@ -18,6 +18,7 @@ them in between (:mod:`dmuon.optim.deferred`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Iterable, Mapping
 
@@ -29,14 +30,17 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
 from dmuon.optim.deferred import DeferredSetup, default_matrices, waits_for_sharding
-from dmuon.optim.groups import GroupSplitter, MuonMatrices, canonical_name, check_ns_keys, group_index
+from dmuon.optim.groups import (AdamWGroup, GroupSplitter, MuonMatrices, as_adamw_groups, canonical_name, check_named_alike,
+                               check_ns_keys, group_index, named_group)
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
 from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
-                                  model_and_groups, refuse_settings_elsewhere, resolve_ns)
+                                  check_tensor_lr, model_and_groups, refuse_settings_elsewhere, resolve_ns)
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
+from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
+from dmuon.rules.adamw import ADAMW_GROUP_DEFAULTS, check_adamw_group
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
@@ -138,6 +142,7 @@ class DMuon(torch.optim.Optimizer):
         self.adamw = AdamWConfig.from_mapping(adamw)
         """AdamW's settings, for the parameters Muon does not update."""
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
+        check_tensor_lr(lr)
         check_nonnegative(lr=lr, weight_decay=weight_decay, momentum=momentum)
         self.model = model
         """The model this optimizer steps (the same object before and after ``fully_shard``)."""
@@ -150,6 +155,10 @@ class DMuon(torch.optim.Optimizer):
         """QK-clip's configuration (None: no clip)."""
         self._hsdp_mesh = hsdp_mesh
         self._last_report = StepReport()
+        self._own_plan = plan is None  # a plan DMuon made may be made again (add_param_group)
+        self._user_named = bool(user_groups) and named_group(user_groups[0])
+        for group in user_groups or ():
+            check_named_alike(named_group(group), self._user_named)
         muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=self.ns.coefficients, eps=self.ns.eps, ns_steps=self.ns.steps, adjust_lr_fn=adjust_lr_fn,
@@ -213,7 +222,7 @@ class DMuon(torch.optim.Optimizer):
         if self._qk is not None:
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
-        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
+        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
                                     root=model if isinstance(model, FSDPModule) else None)
         if self.execution.apply_updates == "next_forward":
             # Whatever reads or replaces the model's weights through its state dict sees every update
@@ -226,6 +235,17 @@ class DMuon(torch.optim.Optimizer):
 
             model.register_state_dict_pre_hook(flush)
             model.register_load_state_dict_pre_hook(flush)
+
+    def _runtime_execution(self) -> ExecutionConfig:
+        """:attr:`execution` as the runtime runs it: in one process (one rank, no loopback collectives)
+        without ``clipped_overlap``. There the owners' rescaled directions would save no transfer (a
+        launch is handed over locally) and cost the bits: a step whose gradients were scaled after
+        backward (a clip, ``GradScaler.unscale_``, a step pre-hook) forms its directions again from
+        the gradients, as torch.optim.Muon does, bit for bit."""
+        execution = self.execution
+        if self.plan.world_size == 1 and not execution.loopback_collectives and execution.clipped_overlap:
+            return dataclasses.replace(execution, clipped_overlap=False)
+        return execution
 
     def flush_updates(self) -> None:
         """Applies every Muon update a step left for the next forward (``ExecutionConfig(apply_updates=
@@ -297,6 +317,8 @@ class DMuon(torch.optim.Optimizer):
         them (:meth:`split_group`: a Muon half, an AdamW half); one with DMuon's ``algorithm`` key is added
         as it is, after checking its parameters are of that kind."""
         if "algorithm" not in param_group:
+            check_named_alike(named_group(param_group), self._user_named)
+            self._plan_new_matrices(param_group)
             named = all("param_names" in g for g in self.param_groups)
             for half in self.split_group(param_group, index=len(self.param_groups)):
                 if not named:
@@ -307,11 +329,41 @@ class DMuon(torch.optim.Optimizer):
         if param_group["algorithm"] == "muon":
             self.check_ns_keys(param_group)
             self.check_rule_keys(param_group)
+        else:
+            check_adamw_group(param_group, f"param group {group_index(self.param_groups, param_group)}: ")
+            param_group = AdamWGroup(param_group)
         saved, self.defaults = self.defaults, {}
         try:
             super().add_param_group(param_group)
         finally:
             self.defaults = saved
+
+    def _plan_new_matrices(self, group: dict[str, Any]) -> None:
+        """Makes the matrices of ``group`` (a torch.optim-style group being added) that the default selection
+        takes now, and the plan does not hold (weights frozen when the plan was made, unfrozen since), Muon
+        matrices: before setup by selecting again on the model as it is; after it by making the plan again
+        (a collective, as ``dmuon.prepare``: add the group on every rank alike) and restarting the runtime
+        on it. With a plan of the user's, ``ValueError`` naming the first such weight."""
+        if self._deferred is not None:
+            self._matrices = MuonMatrices(default_matrices(self.model))
+            return
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        tensors = {id(p[1] if isinstance(p, tuple) else p) for p in params}
+        new = [n for n, p in select_matrices(self.model)
+               if p.requires_grad and id(p) in tensors and not self._matrices.planned(p)]
+        if not new:
+            return
+        if not self._own_plan:
+            raise ValueError(
+                f"parameter {new[0]!r} is a matrix Muon updates, but the plan given to DMuon was made while it was "
+                "frozen (requires_grad=False) and does not hold it: call dmuon.prepare again on the model as it is "
+                "now and build DMuon with that plan, or build DMuon without a plan")
+        self.runtime.close()
+        self.runtime = None
+        self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
+        DeferredSetup.check_split(self.param_groups, self._matrices.planned, self.param_names)
+        self._start_runtime()
 
     def check_ns_keys(self, group: dict[str, Any]) -> None:
         """Raises ``ValueError`` naming the group and key when a Muon group's NS setting differs from
@@ -326,9 +378,42 @@ class DMuon(torch.optim.Optimizer):
                             f"param group {group_index(self.param_groups, group)}: ")
 
     # -------------------------------------------------------------------- state
+    _NOT_COPIED = ("runtime", "_deferred", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                   "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                   "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+    """What a copy (``copy.deepcopy``, pickle) leaves out: the runtime, which the copy builds again on its
+    own model, and the hooks, which torch.optim's copies leave out too."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The optimizer with its model, plan and settings (torch.optim keeps only the defaults, state and
+        groups; DMuon needs its model to step): ``copy.deepcopy((model, opt))`` gives a copy stepping the
+        copied model, ``copy.deepcopy(opt)`` a copy with a copy of the model, pickle both."""
+        self.flush_updates()
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+        state["_set_up"] = self.runtime is not None
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        copied = "_set_up" in state
+        set_up = state.pop("_set_up", False)
         super().__setstate__(state)
-        fill_rule_defaults(self.__dict__.get("param_groups", []))
+        groups = self.__dict__.get("param_groups", [])
+        fill_rule_defaults(groups)
+        for group in groups:
+            if group.get("algorithm") == "adamw":
+                for key, value in ADAMW_GROUP_DEFAULTS.items():
+                    group.setdefault(key, value)  # torch's rule for keys a saved state may lack
+        as_adamw_groups(groups)
+        if not copied:
+            return  # torch.optim.Optimizer.load_state_dict's call: the groups and state only
+        self.runtime, self._deferred = None, None
+        if set_up:
+            self._adopt_plan(self.plan)
+            self._start_runtime()
+        else:
+            self._deferred = DeferredSetup(self.model)
+            self._deferred.record(groups, self._splitter.names())
+            self._deferred.wait_for_forward(self._ready)
 
     def state_dict(self) -> dict[str, Any]:
         """As ``torch.optim.Optimizer.state_dict``. With ``ExecutionConfig.clipped_overlap`` it also marks
