@@ -361,3 +361,34 @@ def test_named_and_unnamed_parameters_do_not_mix_as_in_torch():
     with pytest.raises(ValueError, match="cannot add param group without names"):
         opt.add_param_group({"params": [p for _, p in named[2:]]})
     opt.add_param_group({"params": named[2:]})  # named onto named: as torch
+
+
+# ------------------------------------------------------------------------------ 3. torch.compile and step()
+@pytest.mark.parametrize("compiled", ["step", "train step"])
+def test_step_under_torch_compile_runs_eagerly_and_equals_the_eager_step(compiled):
+    """``step()`` is a declared graph break (``torch.compiler.disable``): a compiled function that calls
+    it runs, the rest of the function compiled (backend ``aot_eager``: no C++ toolchain needed)."""
+    torch._dynamo.reset()
+    model, reference = _model(), _model()
+    opt = dmuon.DMuon(model, lr=0.02, ns=NS)
+    pair = _pair(reference)
+
+    @torch.compile(backend="aot_eager")
+    def step():
+        opt.step()
+
+    @torch.compile(backend="aot_eager")
+    def train_step(x, y):
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for s in range(STEPS):
+        if compiled == "step":
+            _backward(model, s)
+            step()
+            opt.zero_grad()
+        else:
+            train_step(*_batch(s))
+    _train(reference, pair)
+    _assert_same(model, reference)

@@ -467,9 +467,14 @@ class DMuon(torch.optim.Optimizer):
             self.runtime.owner_momentum.invalidate()  # the owners' copies follow the old momentum
 
     # --------------------------------------------------------------------- step
+    @torch.compiler.disable  # a declared graph break: collectives, host bookkeeping, a worker thread
     @torch.no_grad()
     def step(self, closure=None):
         """Performs one optimization step on every rank (a collective call).
+
+        Under ``torch.compile`` (a compiled function that calls it, torch's compiled-optimizer recipe)
+        it runs eagerly, a declared graph break: the step's agreement, exchanges and NS autotuning are
+        host work and collectives that a graph cannot hold; what is around it compiles as usual.
 
         The runtime runs it (:meth:`dmuon.runtime.ShardRuntime.step`): the
         agreement, the momentum (:meth:`MuonCallbacks.commit`), the owners' NS,
