@@ -239,6 +239,7 @@ def test_a_weight_unfrozen_and_added_later_goes_to_muon(planned):
     opt.add_param_group({"params": [model[3].weight]})
     pair[0].add_param_group({"params": [reference[3].weight]})
     assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon"]
+    assert opt.per_group(["built", "added"]) == ["built", "built", "added"]
     _train(model, [opt], range(2, STEPS + 2))
     _train(reference, pair, range(2, STEPS + 2))
     _assert_same(model, reference)
@@ -391,4 +392,31 @@ def test_step_under_torch_compile_runs_eagerly_and_equals_the_eager_step(compile
         else:
             train_step(*_batch(s))
     _train(reference, pair)
+    _assert_same(model, reference)
+
+
+# ------------------------------------------------------------------- one value per user group: per_group
+def test_a_scheduler_with_one_value_per_user_group_takes_per_group():
+    model, reference = _model(), _model()
+    first = [p for n, p in model.named_parameters() if n.startswith(("0.", "1."))]
+    rest = [p for n, p in model.named_parameters() if not n.startswith(("0.", "1."))]
+    opt = dmuon.DMuon([{"params": first}, {"params": rest}], module=model, lr=0.02, ns=NS)
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
+    with pytest.raises(ValueError, match="max_lr has 2 values, param_groups has 4"):
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.01], total_steps=STEPS + 1)
+    with pytest.raises(ValueError, match="per_group got 3 values for 2 user param groups"):
+        opt.per_group([1, 2, 3])
+    assert opt.per_group([0.02, 0.01]) == [0.02, 0.02, 0.01, 0.01]
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=opt.per_group([0.02, 0.01]), total_steps=STEPS + 1)
+    _train(model, [opt], schedulers=[scheduler])
+
+    ref_first = [p for n, p in reference.named_parameters() if n.startswith(("0.", "1."))]
+    ref_rest = [p for n, p in reference.named_parameters() if not n.startswith(("0.", "1."))]
+    muon = torch.optim.Muon([{"params": [p for p in ref_first if p.ndim == 2]},
+                             {"params": [p for p in ref_rest if p.ndim == 2]}], lr=0.02)
+    adamw = torch.optim.AdamW([{"params": [p for p in ref_first if p.ndim != 2]},
+                               {"params": [p for p in ref_rest if p.ndim != 2]}], lr=0.02, weight_decay=0.01)
+    pair = [muon, adamw]
+    _train(reference, pair, schedulers=[torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.02, 0.01],
+                                                                              total_steps=STEPS + 1) for o in pair])
     _assert_same(model, reference)

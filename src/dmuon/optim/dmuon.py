@@ -189,8 +189,9 @@ class DMuon(torch.optim.Optimizer):
         """The user's groups (None: every parameter in one) as DMuon's, each split in its Muon and AdamW halves."""
         if user_groups is None:
             user_groups = [{"params": list(self.model.parameters())}]
-        groups = [half for k, g in enumerate(user_groups)
-                  for half in self._splitter.split(g, index=k, names=named)]
+        halves = [(k, half) for k, g in enumerate(user_groups) for half in self._splitter.split(g, index=k, names=named)]
+        groups = [half for _, half in halves]
+        self._user_group_of = [k for k, _ in halves]  # DMuon's group -> the user's group it came from
         if any("param_names" not in g for g in groups):
             for g in groups:
                 g.pop("param_names", None)  # torch's rule: every group named, or none
@@ -320,11 +321,15 @@ class DMuon(torch.optim.Optimizer):
             check_named_alike(named_group(param_group), self._user_named)
             self._plan_new_matrices(param_group)
             named = all("param_names" in g for g in self.param_groups)
+            user_index = max(self._user_group_of, default=-1) + 1
             for half in self.split_group(param_group, index=len(self.param_groups)):
                 if not named:
                     half.pop("param_names", None)
+                self._user_group_of.append(user_index)
                 self.add_param_group(half)
             return
+        if len(self._user_group_of) == len(self.param_groups):  # one of DMuon's groups, added by the user
+            self._user_group_of.append(max(self._user_group_of, default=-1) + 1)
         self._splitter.complete(param_group)
         if param_group["algorithm"] == "muon":
             self.check_ns_keys(param_group)
@@ -337,6 +342,25 @@ class DMuon(torch.optim.Optimizer):
             super().add_param_group(param_group)
         finally:
             self.defaults = saved
+
+    def per_group(self, values: Iterable[Any]) -> list[Any]:
+        """One value per user param group (the constructor's groups, then each ``add_param_group``) as one
+        per DMuon param group: each user group is split in a Muon and an AdamW half (either may be
+        absent), and each half takes its user group's value.
+
+        What torch's schedulers with one value per group take: ``OneCycleLR(opt,
+        max_lr=opt.per_group([3e-3, 1e-3]))`` (a list of the user's length raises torch's "max_lr has 2
+        values, param_groups has 4"); a value per DMuon group may also be given directly.
+
+        Raises:
+            ValueError: For a length other than the number of user groups, naming both.
+        """
+        values = list(values)
+        users = max(self._user_group_of, default=-1) + 1
+        if len(values) != users:
+            raise ValueError(f"per_group got {len(values)} values for {users} user param groups (DMuon holds "
+                             f"{len(self.param_groups)} groups: a Muon and an AdamW half per user group)")
+        return [values[k] for k in self._user_group_of]
 
     def _plan_new_matrices(self, group: dict[str, Any]) -> None:
         """Makes the matrices of ``group`` (a torch.optim-style group being added) that the default selection
