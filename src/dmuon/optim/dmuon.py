@@ -412,6 +412,11 @@ class DMuon(torch.optim.Optimizer):
         """The optimizer with its model, plan and settings (torch.optim keeps only the defaults, state and
         groups; DMuon needs its model to step): ``copy.deepcopy((model, opt))`` gives a copy stepping the
         copied model, ``copy.deepcopy(opt)`` a copy with a copy of the model, pickle both."""
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            raise TypeError("DMuon on a sharded model cannot be copied or pickled: a copy steps its own copy of "
+                            "the model, and FSDP2 does not copy its modules (copy.deepcopy of a fully_shard-ed "
+                            "model raises); duplicate the training state with state dicts instead "
+                            "(torch.distributed.checkpoint, or model and optimizer state_dict()/load_state_dict())")
         self.flush_updates()
         state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
         state["_set_up"] = self.runtime is not None

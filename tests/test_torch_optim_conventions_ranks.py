@@ -1,0 +1,93 @@
+"""DMuon's torch.optim conventions where they meet the ranks (2 gloo ranks, FSDP2): a tensor learning rate
+with a momentum-cycling scheduler, a set-up optimizer's copy (refused by name: FSDP2 does not copy its modules), and GradScaler's unscale, each against
+torch's pair (torch.optim.Muon + AdamW, one scheduler each) in one process on all ranks' batches."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dmuon
+from support.cases import full_params, sharded_oddnet
+from support.equivalence import max_diff
+from support.models import OddNet, lm_loss, odd_batch
+from support.reference import ns_precision
+from support.spawn import run_distributed
+from dmuon.plan.selection import select_matrices
+
+WORLD = 2
+STEPS = 4
+LR, ADAMW_LR = 0.02, 3e-3
+
+
+def _schedulers(opts: list, max_lrs: list) -> list:
+    return [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=m, total_steps=STEPS + 1) for o, m in zip(opts, max_lrs)]
+
+
+def _ranks(rank: int, world_size: int, how: str) -> dict | None:
+    model, _, opt = sharded_oddnet(world_size, lr=torch.tensor(LR), adamw=dmuon.AdamWConfig(lr=torch.tensor(ADAMW_LR)))
+    # One value per DMuon group: its Muon half, then its AdamW half.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[LR, ADAMW_LR], total_steps=STEPS + 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if how == "grad scaler" else None
+    for step in range(STEPS):
+        loss = lm_loss(model, odd_batch(step, rank))
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        scheduler.step()
+        if how == "deepcopy" and step == 1:
+            # FSDP2 does not copy its modules, and a copy of DMuon steps a copy of its model: refused by
+            # name, the original going on untouched.
+            with pytest.raises(TypeError, match="DMuon on a sharded model cannot be copied or pickled.*state dicts"):
+                copy.deepcopy(opt)
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                pickle.dumps(opt)
+    dist.barrier()
+    params = full_params(model)
+    return {"params": params} if rank == 0 else None
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """torch's pair in one process on all ranks' batches, with a tensor lr and one OneCycleLR each."""
+    torch.manual_seed(0)
+    model = OddNet()
+    matrices = select_matrices(model)
+    ids = {id(p) for _, p in matrices}
+    views = [(p, torch.nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
+    muon = torch.optim.Muon([v for _, v in views], lr=torch.tensor(LR), weight_decay=0.1, momentum=0.95,
+                            nesterov=True)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=torch.tensor(ADAMW_LR),
+                              weight_decay=0.01)
+    schedulers = _schedulers([muon, adamw], [LR, ADAMW_LR])
+    for step in range(STEPS):
+        parts = [odd_batch(step, r) for r in range(WORLD)]
+        lm_loss(model, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
+        for p, v in views:
+            if v is not p:
+                v.grad = p.grad.view(v.shape)
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+        for _, v in views:
+            v.grad = None
+        for s in schedulers:
+            s.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["plain", "grad scaler", "deepcopy"])
+def test_tensor_lr_and_one_cycle_on_two_ranks_match_torch_pair(how):
+    result = run_distributed(_ranks, WORLD, how)[0]
+    diff, where = max_diff(result["params"], _reference())
+    assert diff <= 1e-5, f"{how}: {where} differs by {diff}"
