@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import dmuon
 from support.cases import full_params, sharded_oddnet
@@ -22,6 +23,8 @@ from dmuon.plan.selection import select_matrices
 WORLD = 2
 STEPS = 4
 LR, ADAMW_LR = 0.02, 3e-3
+SKIPPED = 2
+"""The step whose gradients hold an inf on rank 0 only (the sharded GradScaler case)."""
 
 
 def _schedulers(opts: list, max_lrs: list) -> list:
@@ -32,7 +35,11 @@ def _ranks(rank: int, world_size: int, how: str) -> dict | None:
     model, _, opt = sharded_oddnet(world_size, lr=torch.tensor(LR), adamw=dmuon.AdamWConfig(lr=torch.tensor(ADAMW_LR)))
     # One value per DMuon group: its Muon half, then its AdamW half.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[LR, ADAMW_LR], total_steps=STEPS + 1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if how == "grad scaler" else None
+    scaler = None
+    if how == "grad scaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    elif how == "sharded grad scaler, inf on one rank":
+        scaler = ShardedGradScaler("cpu", init_scale=256.0)
     for step in range(STEPS):
         loss = lm_loss(model, odd_batch(step, rank))
         if scaler is None:
@@ -40,8 +47,10 @@ def _ranks(rank: int, world_size: int, how: str) -> dict | None:
             opt.step()
         else:
             scaler.scale(loss).backward()
+            if step == SKIPPED and rank == 0 and isinstance(scaler, ShardedGradScaler):
+                next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
             scaler.unscale_(opt)
-            scaler.step(opt)
+            scaler.step(opt)  # skipped on every rank alike: ShardedGradScaler agrees on the infs
             scaler.update()
         opt.zero_grad()
         scheduler.step()
@@ -57,7 +66,7 @@ def _ranks(rank: int, world_size: int, how: str) -> dict | None:
     return {"params": params} if rank == 0 else None
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(skipped: int | None = None) -> dict[str, torch.Tensor]:
     """torch's pair in one process on all ranks' batches, with a tensor lr and one OneCycleLR each."""
     torch.manual_seed(0)
     model = OddNet()
@@ -75,9 +84,10 @@ def _reference() -> dict[str, torch.Tensor]:
         for p, v in views:
             if v is not p:
                 v.grad = p.grad.view(v.shape)
-        with ns_precision(torch.float32):
-            muon.step()
-        adamw.step()
+        if step != skipped:
+            with ns_precision(torch.float32):
+                muon.step()
+            adamw.step()
         model.zero_grad(set_to_none=True)
         for _, v in views:
             v.grad = None
@@ -86,8 +96,8 @@ def _reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("how", ["plain", "grad scaler", "deepcopy"])
+@pytest.mark.parametrize("how", ["plain", "grad scaler", "sharded grad scaler, inf on one rank", "deepcopy"])
 def test_tensor_lr_and_one_cycle_on_two_ranks_match_torch_pair(how):
     result = run_distributed(_ranks, WORLD, how)[0]
-    diff, where = max_diff(result["params"], _reference())
+    diff, where = max_diff(result["params"], _reference(SKIPPED if "inf" in how else None))
     assert diff <= 1e-5, f"{how}: {where} differs by {diff}"
