@@ -143,8 +143,9 @@ def model_and_groups(model: Any, module: Any) -> tuple[nn.Module, list[dict[str,
             raise TypeError(NEEDS_THE_MODEL)
         return module, None
     if isinstance(model, torch.Tensor):
-        raise TypeError("DMuon's first argument must be the model or an iterable of parameters or groups, "
-                        f"got a tensor; {NEEDS_THE_MODEL}")
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        "but got a tensor: DMuon's first argument must be the model or an iterable of parameters "
+                        f"or groups; {NEEDS_THE_MODEL}")
     if isinstance(model, (set, frozenset)):
         raise TypeError("parameters need an ordered collection (a list), not a set, as in torch.optim")
     try:

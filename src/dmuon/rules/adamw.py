@@ -67,6 +67,18 @@ def check_adamw_group(group: dict, where: str = "") -> None:
         if lr.numel() != 1:
             raise ValueError(f"{where}Tensor lr must be 1-element")
     betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}")
+    # torch.optim.AdamW's range checks, in its words.
+    if not 0.0 <= lr:
+        raise ValueError(f"{where}Invalid learning rate: {lr}")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"{where}Invalid epsilon value: {group['eps']}")
+    for k, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{where}Invalid beta parameter at index {k}: {beta}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"{where}Invalid weight_decay value: {group['weight_decay']}")
     if not (isinstance(betas[0], float) and isinstance(betas[1], float)
             or isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor)):
         raise ValueError(f"{where}betas must be either both floats or both Tensors")

@@ -68,7 +68,8 @@ def check_rule_settings(adjust_lr_fn: object, extra_scale_factor: object, cautio
                         where: str = "") -> None:
     """Raises ``ValueError`` naming the setting (after ``where``, e.g. ``"param group 2: "``) for a bad value."""
     if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"{where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        raise ValueError(f"{where}Adjust learning rate function {adjust_lr_fn} is not supported (torch.optim.Muon's "
+                         f"words): adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if isinstance(extra_scale_factor, bool) or not isinstance(extra_scale_factor, (int, float)) \
             or not math.isfinite(extra_scale_factor) or extra_scale_factor < 0:
         raise ValueError(f"{where}extra_scale_factor must be a finite number >= 0, got {extra_scale_factor!r}")
