@@ -1,5 +1,6 @@
 """DMuon's torch.optim conventions where they meet the ranks (2 gloo ranks, FSDP2): a tensor learning rate
-with a momentum-cycling scheduler, a set-up optimizer's copy (refused by name: FSDP2 does not copy its modules), and GradScaler's unscale, each against
+with a momentum-cycling scheduler, a set-up optimizer's copy (refused by name: FSDP2 does not copy its
+modules), and GradScaler's unscale (ShardedGradScaler with an inf on one rank: skipped on both), each against
 torch's pair (torch.optim.Muon + AdamW, one scheduler each) in one process on all ranks' batches."""
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         groups = self._groups()
         for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
-            apply_update(self._local(i, info.param), update, lr=scalar_lr(group["lr"]), weight_decay=group["weight_decay"],
+            apply_update(self._local(i, info.param), update, lr=scalar_lr(group["lr"]),
+                         weight_decay=group["weight_decay"],
                          adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape,
                          extra_scale_factor=group["extra_scale_factor"],
                          cautious_weight_decay=group["cautious_weight_decay"])

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
 from dmuon.optim.deferred import DeferredSetup, default_matrices, waits_for_sharding
-from dmuon.optim.groups import (AdamWGroup, GroupSplitter, MuonMatrices, as_adamw_groups, canonical_name, check_named_alike,
-                               check_ns_keys, group_index, named_group)
+from dmuon.optim.groups import (AdamWGroup, GroupSplitter, MuonMatrices, as_adamw_groups, canonical_name,
+                               check_named_alike, check_ns_keys, group_index, named_group)
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
 from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
@@ -68,7 +68,8 @@ class DMuon(torch.optim.Optimizer):
             profiling and selection options); None builds one with the defaults.
         module: The model, when ``model`` holds parameters or groups (what the HF
             Trainer and torchtitan's optimizer container pass).
-        lr: Muon learning rate.
+        lr: Muon learning rate: a float or a 1-element tensor (as torch.optim's; each AdamW half gets its own
+            tensor when ``adamw`` gives no ``lr``).
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
         nesterov: Nesterov momentum for Muon.
@@ -92,7 +93,10 @@ class DMuon(torch.optim.Optimizer):
             ``ns_in_backward``, ``nonfinite``, ``return_waves``, ``post_optim_event``;
             its docstrings say what each does). Default: ``ExecutionConfig()``.
         adamw: AdamW's settings for every other parameter (:class:`~dmuon.optim.settings.AdamWConfig`:
-            ``lr`` (None: ``lr``), ``betas``, ``eps``, ``weight_decay``), or a dict of those keys.
+            ``lr`` (None: ``lr``), ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), or a dict of
+            those keys. A group's torch.optim.AdamW keys (``amsgrad``, ``maximize``, ``foreach``, ``fused``,
+            ``capturable``) reach its AdamW half and run as there; ``differentiable=True`` and
+            ``decoupled_weight_decay=False`` are refused by name.
         hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])`` mesh
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
@@ -102,6 +106,11 @@ class DMuon(torch.optim.Optimizer):
             key rows of every head whose largest pre-softmax logit (over every rank's tokens, as
             :meth:`report_attention_logits` reported them) exceeds ``tau`` are scaled back to it.
             None: no clip.
+
+    torch.optim's conventions (README, "torch.optim conventions"): in one process every step equals
+    torch.optim.Muon + torch.optim.AdamW's bit for bit whatever is done to the gradients before ``step()``
+    (:meth:`_runtime_execution`); ``copy.deepcopy`` and pickle give an optimizer stepping its own copy of the
+    model (not on a sharded model); a param group of yours is a Muon and an AdamW half (:meth:`per_group`).
 
     Raises:
         TypeError: Parameters or groups without ``module=`` (the message says what to pass), or a keyword
@@ -189,7 +198,8 @@ class DMuon(torch.optim.Optimizer):
         """The user's groups (None: every parameter in one) as DMuon's, each split in its Muon and AdamW halves."""
         if user_groups is None:
             user_groups = [{"params": list(self.model.parameters())}]
-        halves = [(k, half) for k, g in enumerate(user_groups) for half in self._splitter.split(g, index=k, names=named)]
+        halves = [(k, half) for k, g in enumerate(user_groups)
+                  for half in self._splitter.split(g, index=k, names=named)]
         groups = [half for _, half in halves]
         self._user_group_of = [k for k, _ in halves]  # DMuon's group -> the user's group it came from
         if any("param_names" not in g for g in groups):
