@@ -102,3 +102,64 @@ def test_tensor_lr_and_one_cycle_on_two_ranks_match_torch_pair(how):
     result = run_distributed(_ranks, WORLD, how)[0]
     diff, where = max_diff(result["params"], _reference(SKIPPED if "inf" in how else None))
     assert diff <= 1e-5, f"{how}: {where} differs by {diff}"
+
+
+FROZEN = "layers.1.mid.weight"
+"""A matrix frozen when the optimizer is built, unfrozen and added with add_param_group after 2 steps."""
+
+
+def _unfrozen_ranks(rank: int, world_size: int) -> dict | None:
+    from support.cases import freeze, make_mesh, shard_oddnet
+
+    mesh = make_mesh(world_size, None)
+    torch.manual_seed(0)
+    model = OddNet()
+    freeze(model, (FROZEN,))
+    shard_oddnet(model, mesh, zero=3)
+    opt = dmuon.DMuon([p for p in model.parameters() if p.requires_grad], module=model, lr=LR,
+                      adamw=dmuon.AdamWConfig(lr=ADAMW_LR), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    for step in range(STEPS):
+        if step == 2:
+            weight = dict(model.named_parameters())[FROZEN]
+            weight.requires_grad_(True)
+            opt.add_param_group({"params": [weight]})  # the plan is made again: on every rank
+            assert opt.param_groups[-1]["algorithm"] == "muon"
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    params = full_params(model)
+    return {"params": params} if rank == 0 else None
+
+
+def _unfrozen_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = OddNet()
+    model.get_parameter(FROZEN).requires_grad_(False)
+    matrices = [(n, p) for n, p in select_matrices(model) if p.requires_grad]
+    views = {n: (p, torch.nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for n, p in
+             list(matrices) + [(FROZEN, model.get_parameter(FROZEN))]}
+    muon = torch.optim.Muon([views[n][1] for n, _ in matrices], lr=LR, weight_decay=0.1, momentum=0.95, nesterov=True)
+    ids = {id(p) for _, p in matrices} | {id(model.get_parameter(FROZEN))}
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=ADAMW_LR, weight_decay=0.01)
+    for step in range(STEPS):
+        if step == 2:
+            model.get_parameter(FROZEN).requires_grad_(True)
+            muon.add_param_group({"params": [views[FROZEN][1]]})
+        parts = [odd_batch(step, r) for r in range(WORLD)]
+        lm_loss(model, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
+        for p, v in views.values():
+            if v is not p:
+                v.grad = None if p.grad is None else p.grad.view(v.shape)
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+        for _, v in views.values():
+            v.grad = None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_matrix_unfrozen_and_added_later_goes_to_muon_on_two_ranks():
+    result = run_distributed(_unfrozen_ranks, WORLD)[0]
+    diff, where = max_diff(result["params"], _unfrozen_reference())
+    assert diff <= 1e-5, f"{where} differs by {diff}"
