@@ -105,21 +105,30 @@ def test_tensor_lr_and_one_cycle_on_two_ranks_match_torch_pair(how):
 
 
 FROZEN = "layers.1.mid.weight"
-"""A matrix frozen when the optimizer is built, unfrozen and added with add_param_group after 2 steps."""
+"""A matrix frozen when the optimizer is built, unfrozen and added with add_param_group later."""
 
 
-def _unfrozen_ranks(rank: int, world_size: int) -> dict | None:
+def _unfrozen_ranks(rank: int, world_size: int, added: int) -> dict | None:
     from support.cases import freeze, make_mesh, shard_oddnet
 
     mesh = make_mesh(world_size, None)
     torch.manual_seed(0)
     model = OddNet()
     freeze(model, (FROZEN,))
-    shard_oddnet(model, mesh, zero=3)
+    if added != 0:
+        shard_oddnet(model, mesh, zero=3)
     opt = dmuon.DMuon([p for p in model.parameters() if p.requires_grad], module=model, lr=LR,
                       adamw=dmuon.AdamWConfig(lr=ADAMW_LR), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    if added == 0:
+        # Built before fully_shard (as frameworks do), the weight added before the setup: the groups are
+        # split again by the selection on the model as it is, and the plan follows on the sharded model.
+        weight = dict(model.named_parameters())[FROZEN]
+        weight.requires_grad_(True)
+        opt.add_param_group({"params": [weight]})
+        assert not opt.is_set_up and opt.param_groups[-1]["algorithm"] == "muon"
+        shard_oddnet(model, mesh, zero=3)
     for step in range(STEPS):
-        if step == 2:
+        if step == added and step != 0:
             weight = dict(model.named_parameters())[FROZEN]
             weight.requires_grad_(True)
             opt.add_param_group({"params": [weight]})  # the plan is made again: on every rank
@@ -131,7 +140,7 @@ def _unfrozen_ranks(rank: int, world_size: int) -> dict | None:
     return {"params": params} if rank == 0 else None
 
 
-def _unfrozen_reference() -> dict[str, torch.Tensor]:
+def _unfrozen_reference(added: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = OddNet()
     model.get_parameter(FROZEN).requires_grad_(False)
@@ -142,7 +151,7 @@ def _unfrozen_reference() -> dict[str, torch.Tensor]:
     ids = {id(p) for _, p in matrices} | {id(model.get_parameter(FROZEN))}
     adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=ADAMW_LR, weight_decay=0.01)
     for step in range(STEPS):
-        if step == 2:
+        if step == added:
             model.get_parameter(FROZEN).requires_grad_(True)
             muon.add_param_group({"params": [views[FROZEN][1]]})
         parts = [odd_batch(step, r) for r in range(WORLD)]
@@ -159,7 +168,8 @@ def _unfrozen_reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_a_matrix_unfrozen_and_added_later_goes_to_muon_on_two_ranks():
-    result = run_distributed(_unfrozen_ranks, WORLD)[0]
-    diff, where = max_diff(result["params"], _unfrozen_reference())
+@pytest.mark.parametrize("added", [0, 2], ids=["before sharding", "after 2 steps"])
+def test_a_matrix_unfrozen_and_added_later_goes_to_muon_on_two_ranks(added):
+    result = run_distributed(_unfrozen_ranks, WORLD, added)[0]
+    diff, where = max_diff(result["params"], _unfrozen_reference(added))
     assert diff <= 1e-5, f"{where} differs by {diff}"

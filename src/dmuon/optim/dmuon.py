@@ -352,6 +352,8 @@ class DMuon(torch.optim.Optimizer):
             super().add_param_group(param_group)
         finally:
             self.defaults = saved
+        if self.__dict__.get("_deferred") is not None:
+            self._deferred.record([param_group], self._splitter.names())  # swapped for the sharded one at setup
 
     def per_group(self, values: Iterable[Any]) -> list[Any]:
         """One value per user param group (the constructor's groups, then each ``add_param_group``) as one
@@ -379,7 +381,7 @@ class DMuon(torch.optim.Optimizer):
         (a collective, as ``dmuon.prepare``: add the group on every rank alike) and restarting the runtime
         on it. With a plan of the user's, ``ValueError`` naming the first such weight."""
         if self._deferred is not None:
-            self._matrices = MuonMatrices(default_matrices(self.model))
+            self._matrices.reselect(default_matrices(self.model))
             return
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)

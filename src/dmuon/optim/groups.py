@@ -67,6 +67,10 @@ class MuonMatrices:
         self._selected = None if selected is None else frozenset(selected)
         self._index: dict[int, list[int]] = {}  # parameter id -> its matrices (several for a stack of experts)
 
+    def reselect(self, selected: set[str]) -> None:
+        """Before a plan: from now on, the parameters named in ``selected`` (a selection made again)."""
+        self._selected = frozenset(selected)
+
     def adopt(self, plan: Plan) -> None:
         """From now on, the matrices of ``plan``."""
         self._index = {}
