@@ -14,7 +14,8 @@ from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step
-from dmuon.rules.muon import adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction, rescaled_direction
+from dmuon.rules.muon import (adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction,
+                              rescaled_direction, scalar_lr)
 from dmuon.rules.normuon import normalize_rows
 from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import CheckedGradients, Rescalable, RowState, StepCallbacks, StepMaxima, WeightSums
@@ -116,7 +117,8 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         groups = self._groups()
         for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
-            apply_update(self._local(i, info.param), update, lr=group["lr"], weight_decay=group["weight_decay"],
+            apply_update(self._local(i, info.param), update, lr=scalar_lr(group["lr"]),
+                         weight_decay=group["weight_decay"],
                          adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape,
                          extra_scale_factor=group["extra_scale_factor"],
                          cautious_weight_decay=group["cautious_weight_decay"])
@@ -283,7 +285,7 @@ class MuonHCallbacks(MuonCallbacks, WeightSums):
 
     def _scaled_lr(self, index: int, group: dict) -> float:
         """Matrix ``index``'s step length before ``R``: Muon's shape-adjusted learning rate."""
-        return (adjusted_lr(group["lr"], group["adjust_lr_fn"], self.plan.infos[index].matrix_shape)
+        return (adjusted_lr(scalar_lr(group["lr"]), group["adjust_lr_fn"], self.plan.infos[index].matrix_shape)
                 * group["extra_scale_factor"])
 
 

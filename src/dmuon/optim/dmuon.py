@@ -18,6 +18,7 @@ them in between (:mod:`dmuon.optim.deferred`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Iterable, Mapping
 
@@ -30,16 +31,20 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.callbacks import MuonCallbacks
 from dmuon.optim.deferred import DeferredSetup, default_matrices, waits_for_sharding
-from dmuon.optim.groups import GroupSplitter, MuonMatrices, canonical_name, check_ns_keys, group_index
+from dmuon.optim.groups import (AdamWGroup, GroupSplitter, MuonMatrices, as_adamw_groups, canonical_name,
+                               check_named_alike, check_ns_keys, group_index, named_group)
 from dmuon.optim.momentum import MomentumLayout
 from dmuon.optim.qk_clip import AttentionClip
-from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs, pipeline_group,
-                                  model_and_groups, refuse_settings_elsewhere, resolve_ns)
+from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
+                                  check_tensor_lr, model_and_groups, pipeline_group, refuse_settings_elsewhere,
+                                  resolve_ns)
 from dmuon.optim.stages import check_ties_across_stages
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
+from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
 from dmuon.prepare.ddp import check_no_ddp
+from dmuon.rules.adamw import ADAMW_GROUP_DEFAULTS, check_adamw_group
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
@@ -86,7 +91,8 @@ class DMuon(torch.optim.Optimizer):
             profiling and selection options); None builds one with the defaults.
         module: The model, when ``model`` holds parameters or groups (what the HF
             Trainer and torchtitan's optimizer container pass).
-        lr: Muon learning rate.
+        lr: Muon learning rate: a float or a 1-element tensor (as torch.optim's; each AdamW half gets its own
+            tensor when ``adamw`` gives no ``lr``).
         weight_decay: Muon decoupled weight decay.
         momentum: Muon momentum.
         nesterov: Nesterov momentum for Muon.
@@ -110,7 +116,10 @@ class DMuon(torch.optim.Optimizer):
             ``ns_in_backward``, ``nonfinite``, ``return_waves``, ``post_optim_event``;
             its docstrings say what each does). Default: ``ExecutionConfig()``.
         adamw: AdamW's settings for every other parameter (:class:`~dmuon.optim.settings.AdamWConfig`:
-            ``lr`` (None: ``lr``), ``betas``, ``eps``, ``weight_decay``), or a dict of those keys.
+            ``lr`` (None: ``lr``), ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``), or a dict of
+            those keys. A group's torch.optim.AdamW keys (``amsgrad``, ``maximize``, ``foreach``, ``fused``,
+            ``capturable``) reach its AdamW half and run as there; ``differentiable=True`` and
+            ``decoupled_weight_decay=False`` are refused by name.
         hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])`` mesh
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
@@ -125,6 +134,11 @@ class DMuon(torch.optim.Optimizer):
             clips by the whole model's norm and ``nonfinite=`` skips (or raises on) every stage
             alike, one scalar all-reduce over it each. None: this optimizer's parameters are the
             whole model (or the caller combines the stages, as torchtitan's clipping does).
+
+    torch.optim's conventions (README, "torch.optim conventions"): in one process every step equals
+    torch.optim.Muon + torch.optim.AdamW's bit for bit whatever is done to the gradients before ``step()``
+    (:meth:`_runtime_execution`); ``copy.deepcopy`` and pickle give an optimizer stepping its own copy of the
+    model (not on a sharded model); a param group of yours is a Muon and an AdamW half (:meth:`per_group`).
 
     Raises:
         TypeError: Parameters or groups without ``module=`` (the message says what to pass), or a keyword
@@ -170,6 +184,7 @@ class DMuon(torch.optim.Optimizer):
         self.adamw = AdamWConfig.from_mapping(adamw)
         """AdamW's settings, for the parameters Muon does not update."""
         check_rule_settings(adjust_lr_fn, extra_scale_factor, cautious_weight_decay)
+        check_tensor_lr(lr)
         check_nonnegative(lr=lr, weight_decay=weight_decay, momentum=momentum)
         self.model = model
         """The model this optimizer steps (the same object before and after ``fully_shard``)."""
@@ -182,6 +197,10 @@ class DMuon(torch.optim.Optimizer):
         """QK-clip's configuration (None: no clip)."""
         self._hsdp_mesh = hsdp_mesh
         self._last_report = StepReport()
+        self._own_plan = plan is None  # a plan DMuon made may be made again (add_param_group)
+        self._user_named = bool(user_groups) and named_group(user_groups[0])
+        for group in user_groups or ():
+            check_named_alike(named_group(group), self._user_named)
         muon_defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=self.ns.coefficients, eps=self.ns.eps, ns_steps=self.ns.steps, adjust_lr_fn=adjust_lr_fn,
@@ -212,8 +231,10 @@ class DMuon(torch.optim.Optimizer):
         """The user's groups (None: every parameter in one) as DMuon's, each split in its Muon and AdamW halves."""
         if user_groups is None:
             user_groups = [{"params": list(self.model.parameters())}]
-        groups = [half for k, g in enumerate(user_groups)
+        halves = [(k, half) for k, g in enumerate(user_groups)
                   for half in self._splitter.split(g, index=k, names=named)]
+        groups = [half for _, half in halves]
+        self._user_group_of = [k for k, _ in halves]  # DMuon's group -> the user's group it came from
         if any("param_names" not in g for g in groups):
             for g in groups:
                 g.pop("param_names", None)  # torch's rule: every group named, or none
@@ -245,7 +266,7 @@ class DMuon(torch.optim.Optimizer):
         if self._qk is not None:
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
-        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self.execution,
+        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
                                     root=model if isinstance(model, FSDPModule) else None,
                                     pipeline_group=self._pp_group)
         if self.execution.apply_updates == "next_forward":
@@ -259,6 +280,17 @@ class DMuon(torch.optim.Optimizer):
 
             model.register_state_dict_pre_hook(flush)
             model.register_load_state_dict_pre_hook(flush)
+
+    def _runtime_execution(self) -> ExecutionConfig:
+        """:attr:`execution` as the runtime runs it: in one process (one rank, no loopback collectives)
+        without ``clipped_overlap``. There the owners' rescaled directions would save no transfer (a
+        launch is handed over locally) and cost the bits: a step whose gradients were scaled after
+        backward (a clip, ``GradScaler.unscale_``, a step pre-hook) forms its directions again from
+        the gradients, as torch.optim.Muon does, bit for bit."""
+        execution = self.execution
+        if self.plan.world_size == 1 and not execution.loopback_collectives and execution.clipped_overlap:
+            return dataclasses.replace(execution, clipped_overlap=False)
+        return execution
 
     def flush_updates(self) -> None:
         """Applies every Muon update a step left for the next forward (``ExecutionConfig(apply_updates=
@@ -330,21 +362,78 @@ class DMuon(torch.optim.Optimizer):
         them (:meth:`split_group`: a Muon half, an AdamW half); one with DMuon's ``algorithm`` key is added
         as it is, after checking its parameters are of that kind."""
         if "algorithm" not in param_group:
+            check_named_alike(named_group(param_group), self._user_named)
+            self._plan_new_matrices(param_group)
             named = all("param_names" in g for g in self.param_groups)
+            user_index = max(self._user_group_of, default=-1) + 1
             for half in self.split_group(param_group, index=len(self.param_groups)):
                 if not named:
                     half.pop("param_names", None)
+                self._user_group_of.append(user_index)
                 self.add_param_group(half)
             return
+        if len(self._user_group_of) == len(self.param_groups):  # one of DMuon's groups, added by the user
+            self._user_group_of.append(max(self._user_group_of, default=-1) + 1)
         self._splitter.complete(param_group)
         if param_group["algorithm"] == "muon":
             self.check_ns_keys(param_group)
             self.check_rule_keys(param_group)
+        else:
+            check_adamw_group(param_group, f"param group {group_index(self.param_groups, param_group)}: ")
+            param_group = AdamWGroup(param_group)
         saved, self.defaults = self.defaults, {}
         try:
             super().add_param_group(param_group)
         finally:
             self.defaults = saved
+        if self.__dict__.get("_deferred") is not None:
+            self._deferred.record([param_group], self._splitter.names())  # swapped for the sharded one at setup
+
+    def per_group(self, values: Iterable[Any]) -> list[Any]:
+        """One value per user param group (the constructor's groups, then each ``add_param_group``) as one
+        per DMuon param group: each user group is split in a Muon and an AdamW half (either may be
+        absent), and each half takes its user group's value.
+
+        What torch's schedulers with one value per group take: ``OneCycleLR(opt,
+        max_lr=opt.per_group([3e-3, 1e-3]))`` (a list of the user's length raises torch's "max_lr has 2
+        values, param_groups has 4"); a value per DMuon group may also be given directly.
+
+        Raises:
+            ValueError: For a length other than the number of user groups, naming both.
+        """
+        values = list(values)
+        users = max(self._user_group_of, default=-1) + 1
+        if len(values) != users:
+            raise ValueError(f"per_group got {len(values)} values for {users} user param groups (DMuon holds "
+                             f"{len(self.param_groups)} groups: a Muon and an AdamW half per user group)")
+        return [values[k] for k in self._user_group_of]
+
+    def _plan_new_matrices(self, group: dict[str, Any]) -> None:
+        """Makes the matrices of ``group`` (a torch.optim-style group being added) that the default selection
+        takes now, and the plan does not hold (weights frozen when the plan was made, unfrozen since), Muon
+        matrices: before setup by selecting again on the model as it is; after it by making the plan again
+        (a collective, as ``dmuon.prepare``: add the group on every rank alike) and restarting the runtime
+        on it. With a plan of the user's, ``ValueError`` naming the first such weight."""
+        if self._deferred is not None:
+            self._matrices.reselect(default_matrices(self.model))
+            return
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        tensors = {id(p[1] if isinstance(p, tuple) else p) for p in params}
+        new = [n for n, p in select_matrices(self.model)
+               if p.requires_grad and id(p) in tensors and not self._matrices.planned(p)]
+        if not new:
+            return
+        if not self._own_plan:
+            raise ValueError(
+                f"parameter {new[0]!r} is a matrix Muon updates, but the plan given to DMuon was made while it was "
+                "frozen (requires_grad=False) and does not hold it: call dmuon.prepare again on the model as it is "
+                "now and build DMuon with that plan, or build DMuon without a plan")
+        self.runtime.close()
+        self.runtime = None
+        self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
+        DeferredSetup.check_split(self.param_groups, self._matrices.planned, self.param_names)
+        self._start_runtime()
 
     def check_ns_keys(self, group: dict[str, Any]) -> None:
         """Raises ``ValueError`` naming the group and key when a Muon group's NS setting differs from
@@ -359,9 +448,47 @@ class DMuon(torch.optim.Optimizer):
                             f"param group {group_index(self.param_groups, group)}: ")
 
     # -------------------------------------------------------------------- state
+    _NOT_COPIED = ("runtime", "_deferred", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                   "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                   "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+    """What a copy (``copy.deepcopy``, pickle) leaves out: the runtime, which the copy builds again on its
+    own model, and the hooks, which torch.optim's copies leave out too."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The optimizer with its model, plan and settings (torch.optim keeps only the defaults, state and
+        groups; DMuon needs its model to step): ``copy.deepcopy((model, opt))`` gives a copy stepping the
+        copied model, ``copy.deepcopy(opt)`` a copy with a copy of the model, pickle both."""
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            raise TypeError("DMuon on a sharded model cannot be copied or pickled: a copy steps its own copy of "
+                            "the model, and FSDP2 does not copy its modules (copy.deepcopy of a fully_shard-ed "
+                            "model raises); duplicate the training state with state dicts instead "
+                            "(torch.distributed.checkpoint, or model and optimizer state_dict()/load_state_dict())")
+        self.flush_updates()
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+        state["_set_up"] = self.runtime is not None
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        copied = "_set_up" in state
+        set_up = state.pop("_set_up", False)
         super().__setstate__(state)
-        fill_rule_defaults(self.__dict__.get("param_groups", []))
+        groups = self.__dict__.get("param_groups", [])
+        fill_rule_defaults(groups)
+        for group in groups:
+            if group.get("algorithm") == "adamw":
+                for key, value in ADAMW_GROUP_DEFAULTS.items():
+                    group.setdefault(key, value)  # torch's rule for keys a saved state may lack
+        as_adamw_groups(groups)
+        if not copied:
+            return  # torch.optim.Optimizer.load_state_dict's call: the groups and state only
+        self.runtime, self._deferred = None, None
+        if set_up:
+            self._adopt_plan(self.plan)
+            self._start_runtime()
+        else:
+            self._deferred = DeferredSetup(self.model)
+            self._deferred.record(groups, self._splitter.names())
+            self._deferred.wait_for_forward(self._ready)
 
     def state_dict(self) -> dict[str, Any]:
         """As ``torch.optim.Optimizer.state_dict``. With ``ExecutionConfig.clipped_overlap`` it also marks
@@ -415,9 +542,14 @@ class DMuon(torch.optim.Optimizer):
             self.runtime.owner_momentum.invalidate()  # the owners' copies follow the old momentum
 
     # --------------------------------------------------------------------- step
+    @torch.compiler.disable  # a declared graph break: collectives, host bookkeeping, a worker thread
     @torch.no_grad()
     def step(self, closure=None):
         """Performs one optimization step on every rank (a collective call).
+
+        Under ``torch.compile`` (a compiled function that calls it, torch's compiled-optimizer recipe)
+        it runs eagerly, a declared graph break: the step's agreement, exchanges and NS autotuning are
+        host work and collectives that a graph cannot hold; what is around it compiles as usual.
 
         The runtime runs it (:meth:`dmuon.runtime.ShardRuntime.step`): the
         agreement, the momentum (:meth:`MuonCallbacks.commit`), the owners' NS,

@@ -28,6 +28,30 @@ ADAMW_KEYS = ("betas", "foreach", "fused", "amsgrad", "maximize", "capturable", 
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
+class AdamWGroup(dict):
+    """An AdamW param group (a plain dict otherwise) whose ``momentum``, when written, is its first beta.
+
+    torch's momentum-cycling schedulers (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum=True``)
+    read one optimizer's ``defaults`` to decide between writing each group's ``momentum`` (SGD, Muon)
+    and its ``betas[0]`` (Adam); DMuon's defaults are Muon's, so they write ``momentum`` into every
+    group. Here that write sets ``betas[0]``, what the same scheduler on a torch.optim.AdamW would
+    write, so one scheduler on DMuon cycles what torch's pair, one scheduler each, cycles: Muon's
+    momentum and AdamW's beta1. A ``momentum`` key is never stored in an AdamW group.
+    """
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "momentum":
+            key, value = "betas", (value, *self["betas"][1:])
+        super().__setitem__(key, value)
+
+
+def as_adamw_groups(groups: list[dict[str, Any]]) -> None:
+    """Makes every AdamW group of ``groups`` an :class:`AdamWGroup` (in place; a state load gives plain dicts)."""
+    for k, group in enumerate(groups):
+        if group.get("algorithm") == "adamw" and not isinstance(group, AdamWGroup):
+            groups[k] = AdamWGroup(group)
+
+
 def canonical_name(name: str) -> str:
     """A parameter's name without the parts wrappers insert (activation checkpointing's
     ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``, FSDP1's
@@ -42,6 +66,10 @@ class MuonMatrices:
     def __init__(self, selected: set[str] | None = None) -> None:
         self._selected = None if selected is None else frozenset(selected)
         self._index: dict[int, list[int]] = {}  # parameter id -> its matrices (several for a stack of experts)
+
+    def reselect(self, selected: set[str]) -> None:
+        """Before a plan: from now on, the parameters named in ``selected`` (a selection made again)."""
+        self._selected = frozenset(selected)
 
     def adopt(self, plan: Plan) -> None:
         """From now on, the matrices of ``plan``."""
@@ -157,7 +185,8 @@ class GroupSplitter:
         if "weight_decay" in extra:
             g["weight_decay"] = extra["weight_decay"]
         if "lr" in extra and not self.adamw_lr_given:
-            g["lr"] = extra["lr"]
+            lr = extra["lr"]  # a tensor lr: the half's own (a scheduler fills each group's in place)
+            g["lr"] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         g.update({k[len("adamw_"):]: v for k, v in extra.items() if k.startswith("adamw_")})
         return g
 
@@ -180,6 +209,34 @@ class GroupSplitter:
             raise ValueError(f"param group algorithm must be 'muon' or 'adamw', got {algorithm!r}")
         for key, value in defaults.items():
             group.setdefault(key, value)
+
+
+def named_group(group: dict[str, Any]) -> bool:
+    """Whether a torch.optim-style group names its parameters (``(name, param)`` pairs or ``param_names``).
+
+    Raises:
+        ValueError: torch.optim's, for a group where some parameters are named and some not.
+    """
+    raw = group.get("params", ())
+    if isinstance(raw, (set, frozenset)) or not isinstance(raw, (torch.Tensor, list, tuple)) and \
+            not hasattr(raw, "__iter__"):
+        return "param_names" in group  # refused by the split, as in torch.optim
+    if isinstance(raw, torch.Tensor):
+        raw = [raw]
+    elif not isinstance(raw, (list, tuple)):
+        raw = group["params"] = list(raw)  # a generator, read once
+    pairs = [isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in raw]
+    if any(pairs) and not all(pairs):
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    return all(pairs) and bool(pairs) or "param_names" in group
+
+
+def check_named_alike(named: bool, optimizer_named: bool) -> None:
+    """Raises torch.optim's ``ValueError`` for a group named otherwise than the optimizer's groups (by the
+    user: DMuon names every half from the model either way)."""
+    if named != optimizer_named:
+        raise ValueError("all optimizer param groups should be with/without names. "
+                         f"cannot add param group {'with' if named else 'without'} names to the optimizer")
 
 
 def _params_and_labels(group: dict[str, Any], index: int, names: dict[int, str]) -> tuple[list, list]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
+from dmuon.rules.adamw import ADAMW_GROUP_DEFAULTS
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig
 
@@ -26,7 +27,8 @@ NEEDS_THE_MODEL = (
 )
 
 SETTINGS_ELSEWHERE = {
-    **{f"adamw_{key}": f"adamw=dmuon.AdamWConfig({key}=...)" for key in ("lr", "betas", "eps", "weight_decay")},
+    **{f"adamw_{key}": f"adamw=dmuon.AdamWConfig({key}=...)"
+       for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")},
     "ns_method": "ns=dmuon.NSConfig(method=...)",
     "ns_dtype": "ns=dmuon.NSConfig(dtype=...)",
     **{key: f"execution=dmuon.ExecutionConfig({key}=...)"
@@ -46,6 +48,12 @@ def refuse_settings_elsewhere(optimizer: str, keywords: Mapping[str, Any]) -> No
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_tensor_lr(lr: Any, name: str = "lr") -> None:
+    """Raises torch.optim's ``ValueError`` for a tensor learning rate of more than one element."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element ({name} has {lr.numel()})")
 
 
 def check_nonnegative(**values: Any) -> None:
@@ -72,10 +80,20 @@ class AdamWConfig:
     """Added to the second moment's root (``>= 0``)."""
     weight_decay: float = 0.01
     """Decoupled weight decay (``>= 0``)."""
+    amsgrad: bool = False
+    """torch.optim.AdamW's ``amsgrad``: the step divides by the largest second moment so far."""
+    maximize: bool = False
+    """torch.optim.AdamW's ``maximize``: ascend the objective."""
 
     def __post_init__(self) -> None:
+        check_tensor_lr(self.lr, "AdamWConfig.lr")
+        for name in ("amsgrad", "maximize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AdamWConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("lr", "eps", "weight_decay"):
             value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and name == "lr":
+                value = value.item()  # 1-element (checked above)
             if not (value is None and name == "lr" or _number(value) and value >= 0.0):
                 raise ValueError(f"AdamWConfig.{name} must be a number >= 0{' or None' if name == 'lr' else ''}, "
                                  f"got {value!r}")
@@ -105,8 +123,12 @@ class AdamWConfig:
 
     def group_defaults(self, muon_lr: float) -> dict[str, Any]:
         """The keys an AdamW param group leaves out, as torch.optim.AdamW's (``lr`` None: ``muon_lr``)."""
-        return dict(lr=muon_lr if self.lr is None else self.lr, betas=self.betas, eps=self.eps,
-                    weight_decay=self.weight_decay, foreach=None)
+        lr = self.lr
+        if lr is None:
+            # A tensor lr is the AdamW half's own tensor (a scheduler fills each group's in place).
+            lr = muon_lr.detach().clone() if isinstance(muon_lr, torch.Tensor) else muon_lr
+        return dict(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                    **{**ADAMW_GROUP_DEFAULTS, "amsgrad": self.amsgrad, "maximize": self.maximize})
 
 
 def model_and_groups(model: Any, module: Any) -> tuple[nn.Module, list[dict[str, Any]] | None]:
@@ -122,8 +144,9 @@ def model_and_groups(model: Any, module: Any) -> tuple[nn.Module, list[dict[str,
             raise TypeError(NEEDS_THE_MODEL)
         return module, None
     if isinstance(model, torch.Tensor):
-        raise TypeError("DMuon's first argument must be the model or an iterable of parameters or groups, "
-                        f"got a tensor; {NEEDS_THE_MODEL}")
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        "but got a tensor: DMuon's first argument must be the model or an iterable of parameters "
+                        f"or groups; {NEEDS_THE_MODEL}")
     if isinstance(model, (set, frozenset)):
         raise TypeError("parameters need an ordered collection (a list), not a set, as in torch.optim")
     try:

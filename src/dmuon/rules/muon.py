@@ -32,12 +32,21 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, matrix_shape: tuple[int, in
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
+        return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch.optim.Muon's order: bit-identical steps
     if adjust_lr_fn == "spectral_unclamped":
         return lr * math.sqrt(rows / cols)
     if adjust_lr_fn == "unscaled":
         return lr
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def scalar_lr(lr: float | torch.Tensor) -> float | torch.Tensor:
+    """A group's learning rate as torch.optim.Muon uses it (``torch.optim.optimizer._to_scalar``): a
+    float as it is, a 1-element tensor (``lr=torch.tensor(0.02)``) as a 0-dim one, so that the decay
+    factor and the step's ``alpha`` are computed by the same tensor arithmetic as torch's."""
+    if isinstance(lr, torch.Tensor) and lr.dim() != 0:
+        return lr.squeeze()
+    return lr
 
 
 RULE_DEFAULTS = {"extra_scale_factor": 1.0, "cautious_weight_decay": False}
@@ -59,7 +68,8 @@ def check_rule_settings(adjust_lr_fn: object, extra_scale_factor: object, cautio
                         where: str = "") -> None:
     """Raises ``ValueError`` naming the setting (after ``where``, e.g. ``"param group 2: "``) for a bad value."""
     if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"{where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        raise ValueError(f"{where}Adjust learning rate function {adjust_lr_fn} is not supported (torch.optim.Muon's "
+                         f"words): adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if isinstance(extra_scale_factor, bool) or not isinstance(extra_scale_factor, (int, float)) \
             or not math.isfinite(extra_scale_factor) or extra_scale_factor < 0:
         raise ValueError(f"{where}extra_scale_factor must be a finite number >= 0, got {extra_scale_factor!r}")

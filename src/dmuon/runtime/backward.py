@@ -215,6 +215,7 @@ class BackwardLaunches:
         # has been garbage-collected yet, which can differ between ranks), the hook does nothing.
         launches = self._ref
 
+        @torch.compiler.disable  # eager, as FSDP2's own hooks: host bookkeeping, collectives, a worker thread
         def hook(param: torch.Tensor) -> None:
             me = launches()
             if me is not None and _NEWEST.get(id(param)) is launches:

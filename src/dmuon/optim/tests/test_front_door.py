@@ -106,7 +106,7 @@ def test_adamw_config_defaults_and_its_mapping_form():
     config = dmuon.AdamWConfig.from_mapping({"lr": 3e-4, "betas": [0.8, 0.95]})
     assert config == dmuon.AdamWConfig(lr=3e-4, betas=(0.8, 0.95)) and hash(config) == hash(config)
     assert dmuon.AdamWConfig.from_mapping(config) is config and dmuon.AdamWConfig.from_mapping(None) == dmuon.AdamWConfig()
-    with pytest.raises(ValueError, match=r"^adamw: unknown keys 'beta', 'lrr' \(allowed: lr, betas, eps, weight_decay\)"):
+    with pytest.raises(ValueError, match=r"^adamw: unknown keys 'beta', 'lrr' \(allowed: lr, betas, eps, weight_decay, amsgrad, maximize\)"):
         dmuon.DMuon(TwoBlocks(), adamw={"lrr": 1e-3, "beta": (0.9, 0.99), "eps": 1e-8})
     with pytest.raises(ValueError, match=r"^adamw: unknown key 'adamw_lr'"):
         dmuon.DMuon(TwoBlocks(), adamw={"adamw_lr": 1e-3})
