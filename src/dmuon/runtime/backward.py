@@ -59,6 +59,7 @@ from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.util.dtensor import local_tensor
+from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import on_reduced_gradient, queue_end_of_backward
 
 @dataclass
@@ -248,6 +249,7 @@ class BackwardLaunches:
             self._complete(unit)
 
     @torch.no_grad()
+    @ranged("launch")
     def _complete(self, unit: int) -> None:
         """A unit's gradients have landed (all of them, or the next unit started landing)."""
         landed = {id(p) for p in self._landed.pop(unit)}
@@ -411,6 +413,7 @@ class BackwardLaunches:
         return result
 
     @torch.no_grad()
+    @ranged("ns.worker")
     def _block_work(self, launch: Launch) -> OwnerResults:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.
