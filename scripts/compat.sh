@@ -38,8 +38,9 @@ if [ -n "$find_links" ] && [ -d "$find_links" ]; then
     links=(--find-links "$find_links")
 fi
 mkdir -p "$venvs"
-# PIP_CONSTRAINT="" replaces the constraint files of pip's configuration; the -c below still applies.
-export PIP_CONSTRAINT=""
+# An empty constraint file in place of the ones pip's configuration names (an empty PIP_CONSTRAINT
+# does not replace them); the -c below still applies.
+export PIP_CONSTRAINT=/dev/null
 summary=()
 failed=0
 
