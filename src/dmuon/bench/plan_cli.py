@@ -276,7 +276,36 @@ def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta)
                         hardware=hardware_from_args(args) if args.simulate else None,
                         sim_options=sim_options_from_args(args, table) if args.simulate else None,
                         max_waves=args.return_waves, hop_a_spread=args.hop_a_spread,
-                        root_regathered=args.root_reshard)
+                        root_regathered=args.root_reshard, trace=_trace_request(args))
+
+
+def _trace_request(args) -> dict | None:
+    """``plan_offline``'s ``trace`` keywords from ``--trace`` (None without it)."""
+    if getattr(args, "trace", None) is None:
+        return None
+    if not args.simulate:
+        raise ValueError("--trace draws the simulated step: add --simulate")
+    strategies = [s for s in args.trace_strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in SIM_STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"--trace-strategies takes names from {SIM_STRATEGIES}, got {args.trace_strategies!r}")
+    ranks = None
+    if args.trace_ranks is not None:
+        try:
+            ranks = [int(k) for k in args.trace_ranks.split(",") if k]
+        except ValueError:
+            raise ValueError(f"--trace-ranks takes rank numbers, got {args.trace_ranks!r}") from None
+    return {"strategies": strategies, "ranks": ranks}
+
+
+def write_trace(plan: dict, path: str) -> None:
+    """Moves the plan's ``simulation_trace`` to ``path`` (JSON), saying where it went."""
+    trace = plan.pop("simulation_trace")
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    shown = trace["otherData"]
+    print(f"wrote {path}: the simulated step of {', '.join(shown['last_task_end_ms'])} on ranks "
+          f"{shown['ranks_shown']} (Chrome trace: open it in Perfetto or chrome://tracing)")
 
 
 def _scale_table(args, model: AlphaBeta) -> int:
@@ -315,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = hardware_from_args(args).links
     if args.scale_table is not None:
+        if args.trace is not None:
+            print("dmuon plan: --trace draws one configuration's step, not a --scale-table", file=sys.stderr)
+            return 2
         return _scale_table(args, model)
     if args.world_size < 1:
         print("dmuon plan: --world-size must be >= 1", file=sys.stderr)
@@ -345,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"best: {plan['balancer']}")
     else:
         plan = plans[0]
+    trace = plan.pop("simulation_trace", None)
+    for other in plans:
+        other.pop("simulation_trace", None)
     print(format_plan(plan, args.show_matrices))
+    if trace is not None:
+        write_trace({"simulation_trace": trace}, args.trace)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan, f, indent=1)
