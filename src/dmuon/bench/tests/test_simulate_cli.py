@@ -125,3 +125,22 @@ def test_plan_simulate_trace_and_its_picture(tmp_path, capsys):
     assert "add --simulate" in capsys.readouterr().err
     assert plan_cli.main(argv + ["--trace", str(two), "--trace-strategies", "adam"]) == 2
     assert plan_cli.main(argv + ["--trace", str(two), "--trace-ranks", "16"]) == 2
+
+
+def test_plan_recommend(tmp_path, capsys):
+    """``--recommend``: the fastest configuration as code, against FSDP2 + AdamW, with what it asks; the
+    candidates in --json, the printed one among them."""
+    out = tmp_path / "rec.json"
+    assert plan_cli.main(["--model", "pi0", "--world-size", "16", "--ranks-per-node", "8", "--zero", "3",
+                          "--analytical", "--recommend", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    best = rec["recommended"]
+    assert rec["mesh"] == [2, 8] and len(rec["candidates"]) == 3 * 4  # 3 balancers x 4 (layout, execution)
+    assert f"layout {best['layout']}, ExecutionConfig: {best['execution']}, balancer {best['balancer']}" in printed
+    assert (f"predicted step {best['step_seconds'] * 1e3:.1f} ms against FSDP2 + AdamW's "
+            f"{rec['fsdp_adamw']['step_seconds'] * 1e3:.1f} ms") in printed
+    assert 'init_device_mesh("cuda", (2, 8), mesh_dim_names=("replicate", "shard"))' in printed
+    for text in best["asks"].values():
+        assert text in printed
+    assert plan_cli.main(["--model", "pi0", "--world-size", "16", "--ranks-per-node", "3", "--recommend"]) == 2
