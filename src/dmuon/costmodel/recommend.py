@@ -30,7 +30,7 @@ from dmuon.costmodel.sim_config import Hardware, SimOptions
 from dmuon.costmodel.simulate import NEXT_FORWARD, RETURNS_IN_BACKWARD, simulate
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
-from dmuon.plan.batches import RETURN_WAVES, return_waves
+from dmuon.plan.batches import RETURN_WAVES
 from dmuon.plan.cost_table import CostTable
 from dmuon.plan.spread import place_owners
 
