@@ -47,7 +47,8 @@ def test_the_logger_prints_nothing_unless_the_application_configures_logging():
             "m(torch.ones(2, 4)).sum().backward(); opt.step()\n"
             "logging.getLogger('dmuon').warning('not shown')\n"
             "print('handlers', [type(h).__name__ for h in logging.getLogger('dmuon').handlers])\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]))
+    src = os.path.dirname(os.path.dirname(dmuon.__file__))  # the dmuon under test, installed or not
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "handlers ['NullHandler']"
