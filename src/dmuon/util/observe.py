@@ -12,7 +12,7 @@ batches, the returns, the applies and AdamW where they ran. While no profiler re
 (:func:`dmuon.util.torch_compat.profiler_active`), :func:`phase` hands out one shared do-nothing
 context and :func:`ranged` calls the function straight through: a ``record_function`` costs some
 microseconds even with no profiler (it enters the dispatcher), this a read of one flag
-(docs/benchmarks/2026-12-05-profiler-ranges.md measures both). The NS worker's ranges
+(docs/benchmarks/2026-12-05-cpu-2core-xeon-profiler-ranges.md measures both). The NS worker's ranges
 (``ns_in_backward``) are recorded where the profiler records every thread
 (``experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)``).
 """
