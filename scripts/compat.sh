@@ -7,6 +7,8 @@
 # DMUON_COMPAT_FIND_LINKS (a folder of wheels pip may take torch and its dependencies from; default
 # /opt/pypi-more/files where it exists), PYTHON (the interpreter the venvs are made from; default python3),
 # DMUON_COMPAT_TIMEOUT (seconds the subset may take per release; default 1800).
+# A pip configuration that caps torch (a `constraint` file, as some machines set up) does not apply in these
+# venvs: each pins its own torch, and a cap below it would refuse the release asked for.
 # A release that cannot be installed fails the command (exit 1); it is never skipped. Exit status: 0 every
 # release installed and passed, 1 an install or a test failed, 2 usage. Each release's pytest output is kept
 # in <venv>/compat.log; the last lines printed are one summary line per release.
@@ -18,7 +20,7 @@ versions=()
 for arg in "$@"; do
     case "$arg" in
         --install-only) install_only=1 ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "compat.sh: unknown option $arg" >&2; exit 2 ;;
         *) versions+=("$arg") ;;
     esac
@@ -36,6 +38,9 @@ if [ -n "$find_links" ] && [ -d "$find_links" ]; then
     links=(--find-links "$find_links")
 fi
 mkdir -p "$venvs"
+# An empty constraint file in place of the ones pip's configuration names (an empty PIP_CONSTRAINT
+# does not replace them); the -c below still applies.
+export PIP_CONSTRAINT=/dev/null
 summary=()
 failed=0
 

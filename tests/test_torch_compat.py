@@ -320,3 +320,24 @@ def test_a_moved_active_ddp_getter_is_named(monkeypatch):
     assert torch_compat.active_ddp_module() is None  # no DDP forward running
     monkeypatch.delattr(DistributedDataParallel, "_get_active_ddp_module")
     _raises_naming(torch_compat.active_ddp_module, "DistributedDataParallel._get_active_ddp_module")
+
+
+def test_profiler_active_follows_every_profiler_on_every_thread():
+    """``profiler_active``: False with no profiler; True inside torch.profiler.profile and
+    torch.autograd.profiler.profile, also read from another thread (dmuon's NS worker)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert torch_compat.profiler_active() is False
+    with ThreadPoolExecutor(1) as worker:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            assert torch_compat.profiler_active() is True
+            assert worker.submit(torch_compat.profiler_active).result() is True
+        with torch.autograd.profiler.profile():
+            assert torch_compat.profiler_active() is True
+        assert worker.submit(torch_compat.profiler_active).result() is False
+    assert torch_compat.profiler_active() is False
+
+
+def test_a_moved_profiler_flag_is_named(monkeypatch):
+    monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
+    _raises_naming(torch_compat.profiler_active, "torch.autograd.profiler._is_profiler_enabled")

@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, payload)
         print(f"wrote {args.json}")
+    if args.trace:
+        print(f"wrote torch.profiler traces to {args.trace}/ (<config>-rank<k>.json; open them in Perfetto)")
     if args.plot:
         write_plot(args.plot, payload["results"], f"{payload['model']} on {payload['world_size']} ranks")
         print(f"wrote {args.plot}")

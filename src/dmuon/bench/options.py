@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dmuon: balance with measured, batch-aware owner-update costs (cached on disk)")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG step-time breakdown")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after the timed steps, one more step of each configuration under torch.profiler, "
+                        "written as DIR/<config>-rank<k>.json (Chrome traces; dmuon's phases are ranges dmuon.*)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--ortho", action="store_true",
                    help="run the owner-math benchmark instead (see `dmuon bench --ortho --help`)")
@@ -79,7 +82,7 @@ def bench_options(args) -> BenchOptions:
     return BenchOptions(
         model=args.model, size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
         steps=args.steps, warmup=args.warmup, progress=not args.quiet, hsdp=args.hsdp, tp=args.tp,
-        rounds=args.rounds, interleave=not args.sequential,
+        rounds=args.rounds, interleave=not args.sequential, trace_dir=args.trace,
         hyper=Hyper(ns_dtype=ns_dtype, ns_method=args.ns_method,
                     balancer="greedy" if args.balancer == "all" else args.balancer, profile=args.profile),
     )

@@ -9,6 +9,7 @@ from dmuon.bench.plan_options import NS_DTYPES, build_parser
 from dmuon.bench.scale_table import format_scale_table, format_simulation_table, scale_rows
 from dmuon.bench.shapes import FULL_SIZE_NAMES, full_size_shapes, load_shapes_json, pipeline_stages
 from dmuon.costmodel.offline import expand, plan_offline
+from dmuon.costmodel.recommend import recommend, recommended_code
 from dmuon.plan.profile import CostTable, cached_costs, load_costs_json, profile_costs
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS, Hardware, SimOptions
 from dmuon.costmodel.simulate import SIM_STRATEGIES
@@ -276,7 +277,36 @@ def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta)
                         hardware=hardware_from_args(args) if args.simulate else None,
                         sim_options=sim_options_from_args(args, table) if args.simulate else None,
                         max_waves=args.return_waves, hop_a_spread=args.hop_a_spread,
-                        root_regathered=args.root_reshard)
+                        root_regathered=args.root_reshard, trace=_trace_request(args))
+
+
+def _trace_request(args) -> dict | None:
+    """``plan_offline``'s ``trace`` keywords from ``--trace`` (None without it)."""
+    if getattr(args, "trace", None) is None:
+        return None
+    if not args.simulate:
+        raise ValueError("--trace draws the simulated step: add --simulate")
+    strategies = [s for s in args.trace_strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in SIM_STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"--trace-strategies takes names from {SIM_STRATEGIES}, got {args.trace_strategies!r}")
+    ranks = None
+    if args.trace_ranks is not None:
+        try:
+            ranks = [int(k) for k in args.trace_ranks.split(",") if k]
+        except ValueError:
+            raise ValueError(f"--trace-ranks takes rank numbers, got {args.trace_ranks!r}") from None
+    return {"strategies": strategies, "ranks": ranks}
+
+
+def write_trace(plan: dict, path: str) -> None:
+    """Moves the plan's ``simulation_trace`` to ``path`` (JSON), saying where it went."""
+    trace = plan.pop("simulation_trace")
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    shown = trace["otherData"]
+    print(f"wrote {path}: the simulated step of {', '.join(shown['last_task_end_ms'])} on ranks "
+          f"{shown['ranks_shown']} (Chrome trace: open it in Perfetto or chrome://tracing)")
 
 
 def _scale_table(args, model: AlphaBeta) -> int:
@@ -342,6 +372,65 @@ def _pipeline(args, groups, model: AlphaBeta) -> int:
     return 0
 
 
+def format_recommendation(rec: dict, what: str) -> str:
+    """The ``--recommend`` report: the fastest configuration as code, its step against FSDP2 + AdamW's,
+    what it asks of the user, and every candidate."""
+    best, base = rec["recommended"], rec["fsdp_adamw"]["step_seconds"]
+    replicate, shard = rec["mesh"]
+    lines = [f"recommended for {what} on {rec['world_size']} GPUs ({replicate} x {shard}: nodes x GPUs per node), "
+             f"ZeRO-{rec['zero']}, {rec['hardware']} (simulated step: modelled, not measured):",
+             f"  layout {best['layout']}, ExecutionConfig: {best['execution']}, balancer {best['balancer']}",
+             *[f"    {line}" for line in recommended_code(rec)],
+             f"  predicted step {best['step_seconds'] * 1e3:.1f} ms against FSDP2 + AdamW's {base * 1e3:.1f} ms "
+             f"({best['vs_fsdp_adamw']:.3f}x; optimizer phase {best['optimizer_seconds'] * 1e3:.1f} ms, against "
+             f"{rec['fsdp_adamw']['optimizer_seconds'] * 1e3:.1f} ms)"]
+    if best["asks"]:
+        lines.append("  what it asks of you:")
+        lines += [f"    {choice}: {text}" for choice, text in best["asks"].items()]
+    else:
+        lines.append("  what it asks of you: nothing beyond what AdamW asks")
+    lines.append(f"  (among candidates within {rec['tie'] * 100:g}% of the fastest, the one asking least)")
+    lines.append("candidates, fastest first:")
+    lines.append(f"  {'layout':<16} {'execution':<20} {'balancer':<12} {'step ms':>9} {'vs AdamW':>9} "
+                 f"{'optimizer ms':>13} {'imbalance':>10}")
+    for c in rec["candidates"]:
+        lines.append(f"  {c['layout']:<16} {c['execution']:<20} {c['balancer']:<12} {c['step_seconds'] * 1e3:>9.1f} "
+                     f"{c['vs_fsdp_adamw']:>8.3f}x {c['optimizer_seconds'] * 1e3:>13.1f} {c['imbalance']:>10.3f}")
+    return "\n".join(lines)
+
+
+def _recommend(args, groups) -> int:
+    """``dmuon plan --recommend``."""
+    gpus_per_node = args.ranks_per_node
+    if gpus_per_node is None:
+        gpus_per_node = 8 if args.world_size % 8 == 0 else args.world_size
+    balancers = ("greedy", "round_robin", "milp")
+    try:
+        import scipy  # noqa: F401 - the MILP's solver
+    except ImportError:
+        balancers = ("greedy", "round_robin")
+        print("note: scipy is not installed: the MILP balancer is not tried (pip install 'dmuon[milp]')")
+    try:
+        table = _cost_table(args, groups)
+        if args.return_waves < 1:
+            raise ValueError(f"--return-waves must be >= 1, got {args.return_waves}")
+        rec = recommend(groups, args.world_size, gpus_per_node, hardware_from_args(args),
+                        sim_options_from_args(args, table), zero=args.zero, balancers=balancers, costs=table,
+                        ns_steps=args.ns_steps, wire_bytes=NS_DTYPES[args.ns_dtype].itemsize,
+                        param_bytes=NS_DTYPES[args.param_dtype].itemsize,
+                        reduce_bytes=NS_DTYPES[args.reduce_dtype].itemsize, max_waves=args.return_waves,
+                        time_limit_s=args.time_limit, memory_factor=args.memory_factor)
+    except (OSError, ValueError) as err:
+        print(f"dmuon plan: {err}", file=sys.stderr)
+        return 2
+    print(format_recommendation(rec, args.shapes or args.model))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rec, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.ddp:
@@ -352,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         args.ranks_per_node = 1
     model = hardware_from_args(args).links
     if args.scale_table is not None:
+        if args.trace is not None:
+            print("dmuon plan: --trace draws one configuration's step, not a --scale-table", file=sys.stderr)
+            return 2
         return _scale_table(args, model)
     if args.world_size < 1:
         print("dmuon plan: --world-size must be >= 1", file=sys.stderr)
@@ -361,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
     if args.pp != 1:
+        if args.recommend or args.trace is not None:
+            print("dmuon plan: --pp plans each stage; --recommend and --trace take one stage's shapes (--shapes)",
+                  file=sys.stderr)
+            return 2
         return _pipeline(args, groups, model)
+    if args.recommend:
+        return _recommend(args, groups)
     try:
         table = _cost_table(args, groups)
         names = COMPARED if args.balancer == "all" else (args.balancer,)
@@ -384,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"best: {plan['balancer']}")
     else:
         plan = plans[0]
+    trace = plan.pop("simulation_trace", None)
+    for other in plans:
+        other.pop("simulation_trace", None)
     print(format_plan(plan, args.show_matrices))
+    if trace is not None:
+        write_trace({"simulation_trace": trace}, args.trace)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan, f, indent=1)

@@ -171,6 +171,17 @@ def _add_simulation_arguments(p: argparse.ArgumentParser) -> None:
                           "blocks return in backward)")
     sim.add_argument("--serial", action="store_true",
                      help="no overlap: every task after the previous one on every rank")
+    sim.add_argument("--recommend", action="store_true",
+                     help="simulate every layout (replicate level, native HSDP), ExecutionConfig and balancer "
+                          "dmuon offers on --world-size GPUs of --ranks-per-node each (default 8) and print the "
+                          "fastest, its step against FSDP2 + AdamW and what each choice asks of you")
+    sim.add_argument("--trace", default=None, metavar="FILE.json",
+                     help="write the simulated step as a Chrome trace (Perfetto, chrome://tracing): per rank "
+                          "its compute, NS, FSDP2's and dmuon's collectives, one lane each; needs --simulate")
+    sim.add_argument("--trace-strategies", default="dmuon,fsdp_adamw", metavar="S,S,...",
+                     help="the steps --trace draws, one above the other (default dmuon,fsdp_adamw)")
+    sim.add_argument("--trace-ranks", default=None, metavar="K,K,...",
+                     help="the ranks --trace draws (default: the first node's, at most 8)")
 
 
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import resource
 import socket
 import statistics
@@ -58,6 +59,9 @@ class BenchOptions:
     """Optimizer settings."""
     progress: bool = True
     """Rank 0 prints a progress bar on stderr."""
+    trace_dir: str | None = None
+    """With it, after the timed steps, one more (untimed) step of each configuration runs under
+    torch.profiler, every thread recorded, and each rank writes ``<trace_dir>/<config>-rank<k>.json``."""
 
 
 def _proc_status_bytes(field_name: str) -> int | None:
@@ -220,6 +224,21 @@ class _ConfigRun:
             self.kept.append(stats.get("blocks_exchanged_in_backward", 0))
             self.round_of_step.append(round_index)
 
+    def traced_step(self) -> str:
+        """One untimed step under torch.profiler (CPU, and CUDA on a GPU; every thread, so dmuon's NS worker
+        too), written as a Chrome trace; its path."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+        with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+            self.train_step(timed=False)
+        self.losses.pop()  # the results are the timed run's
+        os.makedirs(self.opts.trace_dir, exist_ok=True)
+        path = os.path.join(self.opts.trace_dir, f"{self.config}-rank{self.rank}.json")
+        prof.export_chrome_trace(path)
+        return path
+
     def _synchronize(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -380,6 +399,8 @@ def run_config(rank: int, world_size: int, config: str, opts: BenchOptions) -> d
         if rank == 0 and opts.progress:
             _progress(config, step + 1, total)
     run.record_peak()
+    if opts.trace_dir is not None:
+        run.traced_step()
     return run.result()
 
 
@@ -404,6 +425,9 @@ def _run_interleaved(rank: int, world_size: int, configs: list[str], opts: Bench
                 run.train_step(timed=True, round_index=k)
         if rank == 0 and opts.progress:
             _progress("timed", k + 1, len(sizes))
+    if opts.trace_dir is not None:
+        for run in runs:
+            run.traced_step()
     return [run.result() for run in runs]
 
 

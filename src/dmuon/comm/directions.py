@@ -10,6 +10,7 @@ import torch
 from dmuon.comm.exchange_core import ExchangeCore
 from dmuon.comm.pending import Pending, no_result
 from dmuon.plan.hop_a import UNITS
+from dmuon.util.observe import ranged
 
 ToOwners = Callable[[Sequence[int], dict[int, torch.Tensor], dict[int, torch.Tensor] | None], Pending]
 """Hop B: ``(members, local, rows)`` to the pending exchange of the members' directions to their owners."""
@@ -58,6 +59,7 @@ class DirectionSender:
         (:class:`_SlicesToOwnerReplica`); then hop B (:meth:`_rows_to_owners`) from there."""
         return _SlicesToOwnerReplica(self.core, members, local, rows, spread, self._rows_to_owners).issue()
 
+    @ranged("directions.hop_b")
     def _rows_to_owners(self, members: Sequence[int], local: dict[int, torch.Tensor],
                         rows: dict[int, torch.Tensor] | None = None) -> Pending:
         """Hop B: inside each replica, its ranks' pieces of the members it owns go to their owners
@@ -152,6 +154,7 @@ class _SlicesToOwnerReplica:
         held = self.core.infos[i].rows[s] if self.core.sent(i, s) else 0
         return held * a // UNITS, held * b // UNITS
 
+    @ranged("directions.hop_a")
     def issue(self) -> Pending:
         core, infos = self.core, self.core.infos
         topo = core.topo

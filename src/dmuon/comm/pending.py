@@ -12,6 +12,7 @@ import torch
 from dmuon.comm.device_streams import active
 from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import kept
+from dmuon.util.observe import ranged
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Pending:
     def __post_init__(self) -> None:
         self._made = active().record()
 
+    @ranged("land")
     def _land(self, exposed: bool) -> None:
         # Host time: on CUDA wait() only enqueues the stream's wait.
         start = time.perf_counter()

@@ -34,6 +34,7 @@ from dmuon.comm.pending import Pending, no_result
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
+from dmuon.util.observe import ranged
 
 
 class ReplicateReduce:
@@ -57,6 +58,7 @@ class ReplicateReduce:
         self.device = device
         self.across = across
 
+    @ranged("replicate.all_reduce")
     def all_reduce_mean(self, tensors: Sequence[torch.Tensor]) -> Pending:
         """The mean over the replicas of each tensor (this rank's local shards, any dtype).
 
@@ -87,6 +89,7 @@ class ReplicateReduce:
         info = self.infos[i]
         return info.pieces[s].rows * info.replica_columns(s)[q] * info.inner
 
+    @ranged("replicate.reduce_columns")
     def reduce_columns(self, members: Sequence[int], pieces: dict[int, torch.Tensor]) -> Pending:
         """Each member's column slice ``r`` summed over the replicas, on rank ``(r, s)``.
 

@@ -10,6 +10,7 @@ import torch
 from dmuon.comm.exchange_core import ExchangeCore
 from dmuon.comm.pending import Pending, no_result
 from dmuon.plan.publication import DIRECT, ROUTES, Published, choose_route, state_rows
+from dmuon.util.observe import ranged
 
 Part = tuple[torch.Tensor, torch.Tensor | None]
 """Part ``q`` of a piece on the scatter route: its column slice ``(rows, cols_q, inner)`` and its row
@@ -89,6 +90,7 @@ class UpdateReturns:
         """What travels back of one member's piece: its update, then (with a row state) its rows' state."""
         return [update.reshape(-1)] if not self.core.row_elems else [update.reshape(-1), self.core.encode(rows)]
 
+    @ranged("returns.hop_1")
     def _updates_to_columns(self, members: Sequence[int], owned: dict[int, torch.Tensor],
                             flags: torch.Tensor | None, rows: dict[int, torch.Tensor] | None) -> Pending:
         """Hop 1: inside each replica, the owners send every shard position its piece of the members
@@ -154,6 +156,7 @@ class UpdateReturns:
         return updates, rows
 
     # ----------------------------------------------------- hop 2, direct route
+    @ranged("returns.hop_2")
     def _rows_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
                           flags: torch.Tensor | None, rows: dict[int, torch.Tensor]) -> Pending:
         """Hop 2: my rows of the members owned in my replica go to my column of every other replica
@@ -204,6 +207,7 @@ class UpdateReturns:
             return columns, None
         return columns, core.decode(flat[numel:], state_rows(p.rows, core.topo.replicate)[q])
 
+    @ranged("returns.hop_2")
     def _slices_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
                             flags: torch.Tensor | None, rows: dict[int, torch.Tensor]) -> Pending:
         """Hop 2 on the scatter route, stage a: part ``q`` of my piece of each member owned in my replica to
@@ -245,6 +249,7 @@ class UpdateReturns:
 
         return Pending(works, no_result, core.stats, then=then)
 
+    @ranged("returns.hop_2")
     def _parts_to_replicas(self, members: Sequence[int], updates: dict[int, torch.Tensor],
                            rows: dict[int, torch.Tensor], mine: dict[int, Part],
                            flags: torch.Tensor | None) -> Pending:

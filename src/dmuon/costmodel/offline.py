@@ -24,6 +24,7 @@ from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.simulate import goal_ratios, simulate_strategies
+from dmuon.costmodel.trace import chrome_trace
 from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.hop_a import default_spread
 from dmuon.plan.spread import place_owners
@@ -129,6 +130,7 @@ def plan_offline(
     max_waves: int = RETURN_WAVES,
     hop_a_spread: int | None = None,
     root_regathered: bool = False,
+    trace: dict | None = None,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -162,6 +164,9 @@ def plan_offline(
         root_regathered: The root module resharded after forward and gathered again at the start of
             backward (``fully_shard(root, reshard_after_forward=True)`` passed explicitly), in
             ``step_comm`` and the simulation.
+        trace: With ``hardware``: also ``simulation_trace``, the simulated step as a Chrome trace
+            (:func:`~dmuon.costmodel.trace.chrome_trace`, called with these keywords: ``strategies``,
+            ``ranks``); not JSON-small, so the CLI writes it to its own file.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -237,6 +242,8 @@ def plan_offline(
                              hop_a_spread=hop_a_spread, root_regathered=root_regathered)
         plan["simulation"] = simulate_strategies(inputs, hardware, options)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
+        if trace is not None:
+            plan["simulation_trace"] = chrome_trace(inputs, hardware, options, **trace)
         plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
                                     "root_regathered": root_regathered,
                                     "return_waves": max_waves,

@@ -20,6 +20,7 @@ from dmuon.rules.normuon import normalize_rows
 from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import CheckedGradients, Rescalable, RowState, StepCallbacks, StepMaxima, WeightSums
 from dmuon.util.dtensor import local_tensor
+from dmuon.util.observe import ranged
 
 
 class RuleHost(Protocol):
@@ -123,6 +124,7 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
                          extra_scale_factor=group["extra_scale_factor"],
                          cautious_weight_decay=group["cautious_weight_decay"])
 
+    @ranged("adamw")
     def independent(self) -> None:
         for group in self.opt.param_groups:
             if group["algorithm"] == "adamw":

@@ -42,6 +42,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ import torch
 from dmuon.util.jsoncache import (
     cache_file, default_cache_dir, file_lock, read_entries, resolve_cache_dir, write_entries,
 )
+from dmuon.util.observe import logger
 
 from .coefficients import Schedule, schedule_key
 from .gram import gram_newton_schulz
@@ -249,7 +251,10 @@ class Autotuner:
             entries = self._entries(device_fp)
             entry = entries.get(key)
             if not valid(entry):
+                start = time.perf_counter()
                 entry = measure()
+                logger.debug("autotune: measured %s on %s in %.2f s: %s", key, device_fp,
+                            time.perf_counter() - start, entry)
                 entries[key] = entry
                 self._write(device_fp)
         return entry

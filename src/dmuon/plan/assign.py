@@ -146,6 +146,8 @@ def assign(
     # The MILP stops on a wall-clock limit, so with a group one rank solves and all follow.
     result = broadcast_from_rank0(solve, group, "assign: balancing") if name in ("milp", "auto") else solve()
     result = place_owners(result, items, [info.block for info in infos], [info.numel for info in infos], replicate)
+    units = {t.unit for t in (tables.values() if isinstance(tables, Mapping) else [tables])}
+    result.cost_unit = units.pop() if len(units) == 1 else "mixed"
     if profile and costs is None:
         for label, table in tables.items():
             result.notes.append(f"profile ({label}): {table.measured} entries measured on {table.device} "

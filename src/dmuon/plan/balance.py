@@ -124,6 +124,9 @@ class BalanceResult:
     """Why anything unexpected happened (fallbacks, relaxed memory caps)."""
     kind_keys: list[Hashable] = field(default_factory=list)
     """Kind key (the keys of ``batches``) of each matrix, in plan order."""
+    cost_unit: str = "flops"
+    """The unit of ``loads`` and the matrices' costs: ``"seconds"`` (measured, or a table of seconds) or
+    ``"flops"`` (the analytical model); ``"mixed"`` where tables of both were given."""
 
     def ns_batches(self, indices: Sequence[int], rank: int) -> list[list[int]]:
         """Splits matrices owned by ``rank`` into the NS batches this result costed it with.

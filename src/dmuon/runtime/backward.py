@@ -60,6 +60,7 @@ from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
 from dmuon.util.dtensor import local_tensor
+from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import in_backward, on_reduced_gradient, queue_end_of_backward
 
 @dataclass
@@ -279,6 +280,7 @@ class BackwardLaunches:
             self._join_own_stream()
 
     @torch.no_grad()
+    @ranged("launch")
     def _complete(self, unit: int) -> None:
         """A unit's gradients have landed (all of them, or the next unit started landing)."""
         landed = {id(p) for p in self._landed.pop(unit)}
@@ -464,6 +466,7 @@ class BackwardLaunches:
         return result
 
     @torch.no_grad()
+    @ranged("ns.worker")
     def _block_work(self, launch: Launch) -> OwnerResults:
         # Worker thread: waits only on an exchange the main thread launched and issues
         # no collective itself, so every rank's collective order stays the main thread's.

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dmuon.comm import Pending
 from dmuon.plan.plan import Plan
+from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import fsdp_unit, gathered_or_gathering
 
 Apply = Callable[[dict[int, torch.Tensor], "dict[int, torch.Tensor] | None"], None]
@@ -200,6 +201,7 @@ class NextForwardUpdates:
                 "itself: drop the forward prefetch, or use apply_updates='in_step'")
 
     @torch.no_grad()
+    @ranged("next_forward.apply")
     def _apply_units(self, blocks: list[int]) -> None:
         """Lands the returns carrying the updates this rank still holds of ``blocks`` and applies its rows."""
         for b in blocks:

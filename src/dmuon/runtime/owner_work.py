@@ -13,6 +13,7 @@ import torch
 
 from dmuon.plan.batches import return_waves
 from dmuon.plan.plan import Plan
+from dmuon.util.observe import ranged
 
 OwnerFn = Callable[..., "list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]"]
 """A batch of matrices and their whole directions -> their whole updates; with a row state
@@ -90,6 +91,7 @@ class OwnerWork:
         return [(members, self.batches([i for i in members if i not in ready and self.plan.infos[i].owner == rank], rank))
                 for _, members in sorted(units.items())]
 
+    @ranged("ns.batch")
     def run_batch(self, work: OwnerFn, batch: list[int], directions: list[torch.Tensor],
                   rows: list[torch.Tensor] | None = None) -> Results:
         """One call of the owner's work for a batch (``rows``: their whole row states, with a row state)."""

@@ -47,6 +47,7 @@ from dmuon.comm.replicate import ReplicateReduce
 from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import Plan
 from dmuon.util.dtensor import local_tensor
+from dmuon.util.observe import ranged
 
 
 @dataclass
@@ -153,6 +154,7 @@ class ReplicateLevel:
         NS, while the other gradients are needed only by ``step()``'s AdamW."""
         reduction.mean = self.reduce.all_reduce_mean([local_tensor(p.grad) for p in reduction.others])
 
+    @ranged("replicate.land")
     def land(self, reduction: Reduction) -> None:
         """Writes a landed reduction into the gradients it read, where they have not changed since."""
         if reduction.landed:
@@ -191,6 +193,7 @@ class ReplicateLevel:
         """Whether ``param.grad`` is the gradient dmuon left reduced (and not replaced or accumulated into since)."""
         return param.grad is not None and self._reduced.get(id(param)) == id(param.grad)
 
+    @ranged("replicate.finish")
     def finish(self) -> None:
         """Before the step (or a clip) reads gradients: everything landed and every gradient reduced.
 

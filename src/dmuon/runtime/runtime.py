@@ -55,7 +55,9 @@ from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.settle import Settled, StepSettler, land_unused
+from dmuon.runtime.setup_log import log_setup
 from dmuon.runtime.tuning import TunedOwnerWork
+from dmuon.util.observe import ranged
 
 
 class _Directions(NamedTuple):
@@ -108,7 +110,9 @@ class ShardRuntime:
         waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
         self.work = TunedOwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves,
                                    waves_by_unit=config.apply_updates == "next_forward")
-        self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
+        tune_start = time.perf_counter()
+        tuned = self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
+        log_setup(plan, tuned, time.perf_counter() - tune_start)
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
         if plan.reduces_replicas:
@@ -141,6 +145,7 @@ class ShardRuntime:
 
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
+    @ranged("step")
     def step(self) -> StepReport:
         """Runs one step on every rank (a collective call); what it did on this rank."""
         start = time.perf_counter()
@@ -301,6 +306,7 @@ class ShardRuntime:
             behind.follow(returns[-1], list(members))
         return returns
 
+    @ranged("apply")
     def _apply(self, returns: list[Pending]) -> None:
         """Hands each return's rows to the rule's ``apply``, in order, forwarding the later ones' hops."""
         for k, wave in enumerate(returns):

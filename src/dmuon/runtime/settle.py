@@ -38,6 +38,7 @@ from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.owner_work import OwnerWork
 from dmuon.util.bits import any_bits_differ
+from dmuon.util.observe import ranged
 
 
 @dataclasses.dataclass
@@ -120,6 +121,7 @@ class StepSettler:
         self.last_scaled = False
         """The last step's launches stood for rescaled gradients (the same on every rank)."""
 
+    @ranged("settle")
     def settle(self, launches: dict[int, Launch], early: EarlyWork) -> Settled:
         """The step's agreement and the rule's directions, from the launches and the worker's results."""
         cb = self.callbacks

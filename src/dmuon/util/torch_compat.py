@@ -19,6 +19,7 @@ Private APIs:
 * :func:`process_group_count`: ``torch.distributed.distributed_c10d._world.pg_names``.
 * :func:`in_backward`: ``torch._C._current_graph_task_id``.
 * :func:`root_mesh`: ``DeviceMesh._get_root_mesh``.
+* :func:`profiler_active`: ``torch.autograd.profiler._is_profiler_enabled``.
 
 Behaviour of FSDP2 (public APIs whose semantics changed across releases):
 
@@ -32,6 +33,7 @@ import importlib
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
 
 def _moved(what: str, detail: str) -> RuntimeError:
@@ -150,6 +152,23 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
         raise _moved("torch.autograd.Variable._execution_engine.queue_callback",
                      "the autograd engine exposes no queue_callback")
     queue(callback)
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler records now, on any thread: ``torch.profiler.profile``,
+    ``torch.autograd.profiler.profile``, ``emit_nvtx`` or ``emit_itt``.
+
+    torch keeps it in ``torch.autograd.profiler._is_profiler_enabled`` (private), a process-wide bool
+    the profilers set on entry and clear on exit; torch's own compiled code reads it the same way
+    to skip its ranges. ``torch._C._autograd._profiler_enabled()`` is public but per thread: false on
+    a thread the profiler did not start on (dmuon's NS worker) even where ``profile_all_threads``
+    records that thread's ranges.
+    """
+    flag = getattr(_autograd_profiler, "_is_profiler_enabled", None)
+    if flag.__class__ is not bool:
+        raise _moved("torch.autograd.profiler._is_profiler_enabled (a bool)",
+                     f"found {type(flag).__name__}")
+    return flag
 
 
 def on_reduced_gradient(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:

@@ -93,3 +93,54 @@ def test_plan_non_gemm_ms_adds_its_seconds_to_every_strategys_compute(tmp_path, 
     capsys.readouterr()
     assert plan_cli.main(argv + ["--non-gemm-ms", "-1"]) == 2
     assert "--non-gemm-ms" in capsys.readouterr().err
+
+
+def test_plan_simulate_trace_and_its_picture(tmp_path, capsys):
+    """``--trace``: the simulated step of dmuon and FSDP2 + AdamW as a Chrome trace (the first node's ranks),
+    whose steps are the simulation table's; the picture of it is a PNG; --json holds no trace."""
+    from dmuon.bench import trace_plot
+
+    trace_path, out, png = tmp_path / "step.json", tmp_path / "plan.json", tmp_path / "step.png"
+    argv = ["--model", "pi0", "--world-size", "16", "--ranks-per-node", "8", "--zero", "3", "--simulate"]
+    assert plan_cli.main(argv + ["--trace", str(trace_path), "--json", str(out)]) == 0
+    assert f"wrote {trace_path}" in capsys.readouterr().out
+    trace, plan = json.loads(trace_path.read_text()), json.loads(out.read_text())
+    assert "simulation_trace" not in plan
+    assert trace["otherData"]["ranks_shown"] == list(range(8))
+    for strategy in ("dmuon", "fsdp_adamw"):
+        assert trace["otherData"]["last_task_end_ms"][strategy] == pytest.approx(
+            plan["simulation"][strategy]["step_seconds"] * 1e3)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {"dmuon rank 0", "FSDP2 + AdamW rank 7"} <= names
+    assert trace_plot.main([str(trace_path), str(png), "--rank", "3"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert trace_plot.main([str(trace_path), str(tmp_path / "x.png"), "--rank", "9"]) == 2  # not drawn
+    # Choices, and what --trace refuses.
+    two = tmp_path / "two.json"
+    assert plan_cli.main(argv + ["--trace", str(two), "--trace-strategies", "dmuon_nfwd",
+                                 "--trace-ranks", "0,15"]) == 0
+    assert json.loads(two.read_text())["otherData"]["ranks_shown"] == [0, 15]
+    capsys.readouterr()
+    assert plan_cli.main(argv[:-1] + ["--trace", str(two)]) == 2
+    assert "add --simulate" in capsys.readouterr().err
+    assert plan_cli.main(argv + ["--trace", str(two), "--trace-strategies", "adam"]) == 2
+    assert plan_cli.main(argv + ["--trace", str(two), "--trace-ranks", "16"]) == 2
+
+
+def test_plan_recommend(tmp_path, capsys):
+    """``--recommend``: the fastest configuration as code, against FSDP2 + AdamW, with what it asks; the
+    candidates in --json, the printed one among them."""
+    out = tmp_path / "rec.json"
+    assert plan_cli.main(["--model", "pi0", "--world-size", "16", "--ranks-per-node", "8", "--zero", "3",
+                          "--analytical", "--recommend", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    best = rec["recommended"]
+    assert rec["mesh"] == [2, 8] and len(rec["candidates"]) == 3 * 4  # 3 balancers x 4 (layout, execution)
+    assert f"layout {best['layout']}, ExecutionConfig: {best['execution']}, balancer {best['balancer']}" in printed
+    assert (f"predicted step {best['step_seconds'] * 1e3:.1f} ms against FSDP2 + AdamW's "
+            f"{rec['fsdp_adamw']['step_seconds'] * 1e3:.1f} ms") in printed
+    assert 'init_device_mesh("cuda", (2, 8), mesh_dim_names=("replicate", "shard"))' in printed
+    for text in best["asks"].values():
+        assert text in printed
+    assert plan_cli.main(["--model", "pi0", "--world-size", "16", "--ranks-per-node", "3", "--recommend"]) == 2

@@ -1,0 +1,177 @@
+"""A configuration for a cluster: the layout, balancer and ``ExecutionConfig`` whose simulated step is fastest.
+
+:func:`recommend` plans the matrices with each balancer, simulates one step
+(:func:`~dmuon.costmodel.simulate.simulate`) for every way dmuon can run on the mesh, and
+returns them all, fastest first, with FSDP2 + AdamW's step beside them. The mesh is the one the
+simulation prices: ``(nodes, GPUs per node)``, FSDP2 sharding inside a node (its collectives on the
+intra-node links) and replicating across nodes, or one node's 1-D FSDP2. A 1-D FSDP2 mesh across
+nodes is not among the candidates: the model prices the shard level at intra-node links.
+
+The choices and what each asks of the user:
+
+* **layout** on more than one node: ``"replicate level"`` (FSDP2 over ``mesh["shard"]``, dmuon
+  given ``hsdp_mesh=mesh`` reduces across replicas) or ``"native HSDP"`` (FSDP2 over the 2-D mesh);
+  on one node ``"1-D FSDP2"``.
+* **execution**: ``"in_step"`` (the default), ``"returns_in_backward"``
+  (``ExecutionConfig(ns_in_backward=True, returns_in_backward=True)``) or ``"next_forward"``
+  (``ExecutionConfig(apply_updates="next_forward")``); with native HSDP only the default is modelled.
+* **balancer**: ``"greedy"`` (LPT, the default), ``"round_robin"``, ``"milp"`` (HiGHS through scipy).
+
+The recommendation is the fastest candidate, except that among candidates within
+:data:`TIE` of the fastest the one asking least of the user wins (:data:`ASKS`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from dmuon.costmodel.offline import _as_table, _mesh, expand, offline_blocks, step_inputs
+from dmuon.costmodel.sim_config import Hardware, SimOptions
+from dmuon.costmodel.simulate import NEXT_FORWARD, RETURNS_IN_BACKWARD, simulate
+from dmuon.plan.assign import build_kinds
+from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.batches import RETURN_WAVES
+from dmuon.plan.cost_table import CostTable
+from dmuon.plan.spread import place_owners
+
+TIE = 0.005
+"""Candidates whose simulated steps are within this fraction of the fastest count as equally fast."""
+
+EXECUTIONS = {
+    "in_step": "dmuon.ExecutionConfig()",
+    "returns_in_backward": "dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True)",
+    "next_forward": 'dmuon.ExecutionConfig(apply_updates="next_forward")',
+}
+"""Each execution choice as the code that asks for it."""
+
+ASKS = {
+    ("layout", "1-D FSDP2"): "",
+    ("layout", "native HSDP"): "",
+    ("layout", "replicate level"): (
+        'fully_shard every module over mesh["shard"] (not the 2-D mesh) and give dmuon hsdp_mesh=mesh; clip with '
+        "opt.clip_grad_norm_(max_norm); an FSDP2 all-reduce hook of yours is refused"),
+    ("execution", "in_step"): "",
+    ("execution", "returns_in_backward"): (
+        "a gradient clipped or edited after backward has its blocks exchanged again in step() (same results, "
+        "a slower step): for runs that rarely clip"),
+    ("execution", "next_forward"): (
+        "the updates land in the next forward: call opt.flush_updates() before reading the weights directly "
+        "between step() and the next forward (an EMA, evaluation outside the model's forward, saving weights by "
+        "hand); step(), state dicts and DCP see them applied"),
+    ("balancer", "greedy"): "",
+    ("balancer", "round_robin"): "",
+    ("balancer", "milp"): "scipy (pip install 'dmuon[milp]'); rank 0 solves, within the time limit, at setup",
+}
+"""What each choice asks of the user ('': nothing beyond what AdamW asks)."""
+
+STRATEGIES = {
+    ("replicate level", "in_step"): "dmuon",
+    ("replicate level", "returns_in_backward"): RETURNS_IN_BACKWARD,
+    ("replicate level", "next_forward"): NEXT_FORWARD,
+    ("native HSDP", "in_step"): "dmuon_native_hsdp",
+    ("1-D FSDP2", "in_step"): "dmuon",
+    ("1-D FSDP2", "returns_in_backward"): RETURNS_IN_BACKWARD,
+    ("1-D FSDP2", "next_forward"): NEXT_FORWARD,
+}
+"""The simulated strategy of each (layout, execution)."""
+
+
+def _asked(candidate: dict) -> int:
+    return sum(bool(ASKS[(k, candidate[k])]) for k in ("layout", "execution", "balancer"))
+
+
+def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: Hardware,
+              options: SimOptions | None = None, *, zero: int = 3,
+              balancers: Sequence[str] = ("greedy", "round_robin", "milp"),
+              costs: CostTable | None = None, ns_steps: int = 5, wire_bytes: int = 2, param_bytes: int = 2,
+              reduce_bytes: int = 4, max_waves: int = RETURN_WAVES, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+              memory_factor: float | None = DEFAULT_MEMORY_FACTOR) -> dict:
+    """Simulates every candidate configuration on a ``world_size``-GPU cluster of ``gpus_per_node``-GPU nodes.
+
+    Args:
+        groups: The shapes (``name``, ``shape``, ``count``, optionally ``muon``), as ``dmuon plan`` reads them.
+        world_size, gpus_per_node: The cluster (``gpus_per_node`` must divide ``world_size``; a world
+            within one node is one node's 1-D FSDP2).
+        hardware, options: The simulation's (:class:`~dmuon.costmodel.sim_config.Hardware`,
+            :class:`~dmuon.costmodel.sim_config.SimOptions`).
+        zero: FSDP2's resharding (3: ``reshard_after_forward=True``; 2: ``False``).
+        balancers: The balancers to try (``"milp"`` needs scipy).
+        costs, ns_steps, wire_bytes, param_bytes, reduce_bytes, max_waves, time_limit_s, memory_factor:
+            As :func:`~dmuon.costmodel.offline.plan_offline` takes them.
+
+    Returns:
+        JSON-ready: ``mesh`` ``[R, S]``, ``zero``, ``fsdp_adamw`` (FSDP2 + AdamW's figures on that mesh),
+        ``candidates`` (fastest first: ``layout``, ``execution``, ``balancer``, ``strategy``,
+        ``step_seconds``, ``optimizer_seconds``, ``exposed_comm_seconds``, ``vs_fsdp_adamw``,
+        ``imbalance``, ``balancer_method``), ``recommended`` (one of them, with ``asks``: what each of its
+        choices asks of the user) and ``tie``.
+
+    Raises:
+        ValueError: ``gpus_per_node`` not dividing ``world_size``, or an unknown balancer.
+    """
+    if gpus_per_node < 1 or world_size % gpus_per_node:
+        raise ValueError(f"gpus_per_node ({gpus_per_node}) must divide world_size ({world_size})")
+    replicate, shard = _mesh(world_size, zero, min(gpus_per_node, world_size))
+    groups = list(groups)
+    mats = expand(groups)
+    table = _as_table(costs, mats, ns_steps)
+    kinds, items = build_kinds([m.shape for m in mats], table)
+    layouts = ("replicate level", "native HSDP") if replicate > 1 else ("1-D FSDP2",)
+    baseline = None
+    candidates = []
+    for name in balancers:
+        result = place_owners(balance(kinds, items, world_size, name, time_limit_s=time_limit_s,
+                                      memory_factor=memory_factor),
+                              items, offline_blocks(mats), [m.numel for m in mats], replicate)
+        owned: dict[int, list[int]] = {}
+        for k, o in enumerate(result.owners):
+            owned.setdefault(o, []).append(k)
+        ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
+        inputs = step_inputs(groups, result.owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
+                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+        if baseline is None:  # FSDP2 + AdamW has no owners: one run
+            baseline = simulate("fsdp_adamw", inputs, hardware, options)
+        for (layout, execution), strategy in STRATEGIES.items():
+            if layout not in layouts:
+                continue
+            figures = simulate(strategy, inputs, hardware, options)
+            candidates.append({
+                "layout": layout, "execution": execution, "balancer": name, "strategy": strategy,
+                "step_seconds": figures["step_seconds"], "optimizer_seconds": figures["optimizer_seconds"],
+                "exposed_comm_seconds": figures["exposed_comm_seconds"],
+                "vs_fsdp_adamw": figures["step_seconds"] / baseline["step_seconds"],
+                "imbalance": result.imbalance, "balancer_method": result.method,
+            })
+    candidates.sort(key=lambda c: (c["step_seconds"], _asked(c)))
+    fastest = candidates[0]["step_seconds"]
+    near = [c for c in candidates if c["step_seconds"] <= fastest * (1 + TIE)]
+    best = dict(min(near, key=lambda c: (_asked(c), c["step_seconds"])))
+    best["asks"] = {k: ASKS[(k, best[k])] for k in ("layout", "execution", "balancer") if ASKS[(k, best[k])]}
+    return {"world_size": world_size, "gpus_per_node": gpus_per_node, "mesh": [replicate, shard], "zero": zero,
+            "hardware": hardware.name, "cost_unit": table.unit, "fsdp_adamw": baseline,
+            "candidates": candidates, "recommended": best, "tie": TIE}
+
+
+def recommended_code(rec: dict) -> list[str]:
+    """The recommendation as the lines of a training script that ask for it."""
+    best = rec["recommended"]
+    replicate, shard = rec["mesh"]
+    reshard = "True" if rec["zero"] == 3 else "False"
+    execution = "" if best["execution"] == "in_step" else f", execution={EXECUTIONS[best['execution']]}"
+    if best["layout"] == "1-D FSDP2":
+        lines = [f'mesh = init_device_mesh("cuda", ({shard},))', "shard_over = mesh"]
+        hsdp = ""
+    else:
+        lines = [f'mesh = init_device_mesh("cuda", ({replicate}, {shard}), mesh_dim_names=("replicate", "shard"))']
+        replicate_level = best["layout"] == "replicate level"
+        lines.append('shard_over = mesh["shard"]' if replicate_level else "shard_over = mesh")
+        hsdp = ", hsdp_mesh=mesh" if replicate_level else ""
+    lines += ["for block in model.layers:",
+              f"    fully_shard(block, mesh=shard_over, reshard_after_forward={reshard})",
+              f"fully_shard(model, mesh=shard_over, reshard_after_forward={reshard})"]
+    if best["balancer"] == "greedy":
+        lines.append(f"opt = dmuon.DMuon(model{hsdp}{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))")
+    else:
+        lines.append(f'plan = dmuon.prepare(model, balancer="{best["balancer"]}"{hsdp})')
+        lines.append(f"opt = dmuon.DMuon(model, plan{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))")
+    return lines
