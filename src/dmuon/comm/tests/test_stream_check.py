@@ -60,6 +60,47 @@ def test_waits_on_fsdp2s_stream_and_on_compute_in_backward_raise(streams):
         streams.wait(event)
 
 
+def test_a_storage_made_before_start_is_ordered_like_any_other():
+    # FSDP2's sharded parameters exist before the runtime starts the checker: a read of one on dmuon's
+    # stream and a write over it on the compute stream with no event between is the race it catches.
+    weight = torch.ones(4)
+    checker = CheckedStreams().start()
+    try:
+        with checker.use("dmuon"):
+            weight.sum()
+        with pytest.raises(StreamOrderError, match=r"made before the checker started.*written on stream 'compute'"
+                                                   r".*'dmuon' may still be reading"):
+            weight.mul_(2)
+        with checker.use("dmuon"):
+            weight.sum()
+            read = checker.record()
+        checker.wait(read)
+        weight.mul_(2)  # ordered after the read
+        with checker.use("dmuon", fork=False):
+            with pytest.raises(StreamOrderError, match=r"written on stream 'compute'.*read on stream 'dmuon'"):
+                weight.sum()
+    finally:
+        checker.stop()
+
+
+def test_a_storage_made_before_start_is_not_tracked_for_reuse():
+    # Which stream's pool it came from is unknown: its release frees nothing a stream's next allocation
+    # could get back early (and its entry goes with it: a new storage at the same address starts clean).
+    weight = torch.ones(4)
+    checker = CheckedStreams().start()
+    try:
+        with checker.use("dmuon"):
+            weight.sum()
+        key = id(weight.untyped_storage())
+        assert "made before the checker started" in checker._buffers[key].name
+        del weight
+        gc.collect()
+        assert key not in checker._buffers
+        torch.ones(4).mul_(2)  # no "freed while stream 'dmuon' may still use it"
+    finally:
+        checker.stop()
+
+
 class _Done:
     def wait(self):
         return True
