@@ -59,8 +59,12 @@ def _assert_same(results, k: int, label: str) -> None:
 
 @pytest.mark.parametrize("mesh_shape, world_size, hsdp", [
     (None, 2, "fsdp2"), (None, 1, "fsdp2"), (None, 4, "fsdp2"), ((2, 2), 4, "fsdp2"), ((2, 2), 4, "dmuon"),
+    # Three replicas: the returns across replicas take the scatter route, a wave's all-gather coalesced with
+    # the next wave's first hop; the next forward reads the coalesced copy-out on the compute stream.
+    ((3, 2), 6, "dmuon"),
     pytest.param((2, 4), 8, "dmuon", marks=pytest.mark.slow)],  # eight processes on two cores (-m slow)
-    ids=["1-D", "one-rank", "1-D-4-ranks", "native-2x2", "replicate-level-2x2", "replicate-level-2x4"])
+    ids=["1-D", "one-rank", "1-D-4-ranks", "native-2x2", "replicate-level-2x2", "replicate-level-3x2",
+         "replicate-level-2x4"])
 def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_size, hsdp):
     """ZeRO-3 and ZeRO-2, a block unused at step 1: bit for bit ``"in_step"``, and within 1e-5 of
     torch.optim.Muon + AdamW in one process (fp32 NS)."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmuon.comm.stream_check import StreamOrderError
 from support.cases import Case, run_cases
 from support.scenarios import ScenarioFailed, run_each
 from support.spawn import run_distributed
@@ -50,6 +53,28 @@ def test_a_scenario_that_raises_on_one_rank_does_not_hang_the_others():
     message = str(info.value)
     assert "scenario 'raises' raised on 2 of 2 ranks" in message and "ValueError: injected on rank 1" in message
     assert "the run cannot go on" in message
+
+
+def _checker_error_on_rank_1(rank: int, world_size: int) -> dict:
+    def unordered() -> float:
+        if dist.get_rank() == 1:  # as an error of a hook reaches backward's caller: the checker's as its cause
+            try:
+                raise StreamOrderError("injected hand-over with no event")
+            except StreamOrderError as exc:
+                raise RuntimeError("a hook failed") from exc
+        return _sum_of_ranks()
+
+    return run_each({"before": _sum_of_ranks, "unordered": unordered, "after": _sum_of_ranks})
+
+
+def test_a_stream_checker_error_ends_every_rank_at_once():
+    """Rank 0 waits in an all_reduce that rank 1, whose scenario hit the stream checker, never issues: no
+    agreement waits for the group's timeout (300 s here); the run fails with the checker's error now."""
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="injected hand-over with no event"):
+        run_distributed(_checker_error_on_rank_1, 2, timeout_s=300)
+    elapsed = time.monotonic() - start
+    assert elapsed < 120, f"the run took {elapsed:.0f} s to fail"
 
 
 def test_a_case_that_raises_fails_only_its_own_assertions():

@@ -14,7 +14,10 @@ ranks then stand at different points of the default group's collective sequence 
 the others went into a collective), that group is out of step for good: no later scenario, nor the
 launcher's closing barrier, can run on it, so every rank raises an error naming the scenario with the
 ranks' tracebacks, and the whole run fails with that text. A rank that does not reach the gather in time
-raises its scenario's exception, and the run fails as it would without this module.
+raises its scenario's exception, and the run fails as it would without this module. A scenario that
+raised a :class:`~dmuon.comm.stream_check.StreamOrderError` (the CPU stream checker's) skips the agreement:
+the checker raises mid-step, where the other ranks wait in the step's collectives until the group's
+timeout, so the rank raises at once and the launcher ends every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from dmuon.comm.stream_check import StreamOrderError
 
 
 class ScenarioFailed(dict):
@@ -81,6 +86,11 @@ def run_each(scenarios: Mapping[Hashable, Callable[[], Any]]) -> dict[Hashable, 
         try:
             out[name] = scenario()
         except Exception as exc:
+            if _from_the_stream_checker(exc):
+                # An unordered hand-over, raised mid-step (in a hook, a worker thread): the other ranks wait in
+                # the step's collectives, where the agreement would wait for them until the group's timeout.
+                # The rank leaves now, and the launcher ends the others.
+                raise
             raised = exc
             text = f"rank {rank}: {traceback.format_exc()}"
         sequence = dist.group.WORLD._get_sequence_number_for_group()
@@ -102,6 +112,17 @@ def run_each(scenarios: Mapping[Hashable, Callable[[], Any]]) -> dict[Hashable, 
                                    f"collectives (sequence numbers {sequences}): the run cannot go on")
             out[name] = ScenarioFailed(text)
     return out
+
+
+def _from_the_stream_checker(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling or because of, a :class:`StreamOrderError`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StreamOrderError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def succeeded(result: Any) -> Any:

@@ -144,6 +144,11 @@ def train(config: str, variant: str, size: str, steps: int, device: torch.device
             reports.append({k: stats.get(k, 0) for k in ("blocks_exchanged_in_backward", "rescaled_launches",
                                                   "orthogonalized", "orthogonalized_in_backward",
                                                   "blocks_returned_in_backward")})
+        if hasattr(opt, "flush_updates"):
+            # ``_nfwd``: the last step's returns land here. Left in flight, they are dropped with the run, their
+            # buffers freed with no stream ever waiting for them (the stream checker raises that in the next
+            # run, at whichever op follows the garbage collection that frees them).
+            opt.flush_updates()
     return {"config": config, "variant": variant, "blocks": len(plan.blocks) if plan is not None else 0, "losses": losses,
             "reports": reports, "collectives": counts, "delays": delays[0]}
 
@@ -224,6 +229,21 @@ def verdicts(runs: list[dict], device_type: str) -> list[dict]:
     return checks
 
 
+def _released_cleanly() -> None:
+    """Frees what the run just left (its model, optimizer, buffers) now, and raises what the stream
+    checker (on CPU) found in their release (a buffer freed with its collective never landed), so the
+    error names this run, not whichever later run a garbage collection happens to fall in."""
+    import gc
+
+    from dmuon.comm import device_streams
+    from dmuon.comm.stream_check import CheckedStreams
+
+    gc.collect()
+    streams = device_streams.active()
+    if isinstance(streams, CheckedStreams):
+        streams.raise_pending()
+
+
 def bench_section(size: str, steps: int, device: torch.device, out: str) -> dict:
     """Runs :func:`plan_runs` in this process's one-rank group; the JSON at ``out`` is rewritten after
     every run, so a timeout still leaves the runs done."""
@@ -242,6 +262,7 @@ def bench_section(size: str, steps: int, device: torch.device, out: str) -> dict
                 continue  # no stream to delay on CPU
             try:
                 payload["runs"].append(train(config, variant, size, steps, device))
+                _released_cleanly()
             except Exception as exc:  # the others still run; the verdict names the missing run
                 payload.setdefault("errors", []).append(f"{config} {variant}: {type(exc).__name__}: {exc}")
             with open(out, "w") as f:

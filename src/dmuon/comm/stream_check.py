@@ -16,12 +16,15 @@ gives each piece of work the stream it has on CUDA, as *logical* streams, and ra
 * **Order**: each stream keeps a vector clock. Events carry the recording stream's clock
   to the waiting stream; landing a collective carries the collective's clock. A read of a
   buffer last written on another stream, or a write over another stream's read or write,
-  with no such edge, raises naming the buffer, both streams and the ops.
+  with no such edge, raises naming the buffer, both streams and the ops. A storage made
+  before the checker started (FSDP2's sharded parameters, a model's buffers) is ordered
+  from its first use under the checker on.
 * **Memory** (CUDA's caching allocator): a buffer freed while a stream other than the one
   that allocated it may still use it (no :meth:`~dmuon.comm.streams.Streams.keep` for that
   stream, no edge from it back to the allocating stream) is reusable by the allocating
   stream's next allocation: that allocation raises unless the allocating stream has waited
-  since.
+  since. (Not for a storage made before the checker started: which pool it came from is
+  unknown.)
 * **Waits**: a wait on FSDP2's stream, or on the compute stream while backward runs,
   raises (it would queue FSDP2's reduce-scatters, or backward's compute, behind dmuon).
 * **Threads**: a thread other than the one that installed the checker must
@@ -62,7 +65,8 @@ class StreamOrderError(RuntimeError):
 @dataclass
 class _Buffer:
     name: str
-    allocated_on: str
+    allocated_on: str | None
+    """None: made before the checker started (ordered, never tracked for reuse)."""
     write: tuple[str, int, str] | None = None
     """(stream, clock, op) of the last write."""
     reads: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -429,7 +433,7 @@ class CheckedStreams(Streams):
             return
         buf = self._buffers.get(key)
         if buf is None:
-            return  # made before the checker started (parameters, state): nothing recorded yet
+            buf = self._untracked(t, key)
         at = clock if clock is not None else self._clock(stream)[stream]
         if buf.write is not None:
             w_stream, w_clock, w_op = buf.write
@@ -448,6 +452,18 @@ class CheckedStreams(Streams):
             buf.reads = {}
         else:
             buf.reads[stream] = (at, op)
+
+    def _untracked(self, t: torch.Tensor, key: int) -> _Buffer:
+        """A storage first seen in use, not allocated under the checker (made before it started: FSDP2's
+        sharded parameters, a model's buffers): ordered from now on like any other, but never handed to
+        a stream's next allocation (which stream's pool it came from is unknown)."""
+        nbytes = t.untyped_storage().nbytes()
+        name = f"{str(t.dtype).removeprefix('torch.')}[{nbytes} bytes] made before the checker started"
+        if self.trace:
+            name += ", first used at\n" + "".join(traceback.format_stack(limit=14)[:-4])
+        buf = self._buffers[key] = _Buffer(name, None)
+        weakref.finalize(t.untyped_storage(), self._released, key)
+        return buf
 
     def _allocated(self, t: torch.Tensor, stream: str, op: str, clock: int) -> None:
         key = _key(t)
@@ -473,7 +489,7 @@ class CheckedStreams(Streams):
                 # Dropped with its collective never waited for: no stream is ordered after it, ever.
                 self._pending_errors.append(f"buffer {buf.name} was released while {', '.join(unlanded)}, which "
                                             "uses it, was never landed (no stream waited for it)")
-            if open_uses:
+            if open_uses and buf.allocated_on is not None:
                 name = buf.name
                 if self.trace:
                     name += "\nfreed at\n" + "".join(traceback.format_stack(limit=14)[:-2])

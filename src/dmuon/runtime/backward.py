@@ -236,6 +236,11 @@ class BackwardLaunches:
     def _join_own_stream(self) -> None:
         """The current (compute) stream waits for what the hooks left on dmuon's stream."""
         if self._own_done is not None:
+            # No hand-over depends on this wait alone today: what dmuon's stream produces reaches the compute
+            # stream through a Pending (the event of its making or of its result) or a collective landed there
+            # (its stream forked from dmuon's at the issue), and dmuon's stream reads the gradients only
+            # before issuing the collectives that carry them (landed on the compute stream before step() or a
+            # clip reads them). Kept: one wait per backward orders whatever a later hand-over leaves out.
             self.streams.wait(self._own_done)
             self._own_done = None
 
@@ -462,6 +467,11 @@ class BackwardLaunches:
         before the current stream's next work and kept for it."""
         result = self._early[block].result()
         self.streams.wait(self._ns_done[block])
+        # Redundant on every path today: the results stay referenced (self._early, then step()'s settled work)
+        # past take(), and the NS stream's next allocation follows its landing of the next backward's exchange,
+        # whose Pending first waits for the event of its making, on a stream forked (through FSDP2's
+        # reduce-scatter stream, which waits for the compute stream) after take() joined dmuon's stream into
+        # the compute stream. Kept as every hand-over to another stream is.
         self.streams.keep(kept([result.updates, result.rows]))
         return result
 

@@ -13,6 +13,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -60,6 +61,24 @@ def _result_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.pkl")
 
 
+def _raised_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.raised")
+
+
+def _exit_raising(out_dir: str, rank: int) -> None:
+    """Leaves a rank whose function raised at once, its traceback where :func:`run_distributed` reads it.
+
+    Neither ``destroy_process_group`` nor an interpreter shutdown: both wait for this rank's
+    collectives still in flight (the group's, a worker thread's), which the other ranks, waiting in
+    a collective this rank left, never complete: the launch would hang for the group's whole
+    timeout instead of failing now (the launcher ends the other ranks once this one exits)."""
+    with open(_raised_path(out_dir, rank), "w") as f:
+        f.write(traceback.format_exc())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
             timeout_s: float, threads: int, environ: dict[str, str]) -> None:
     _join_gloo_group(rank, world_size, port, timeout_s, threads, environ)
@@ -67,9 +86,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
         result = fn(rank, world_size, *args)
         # No rank tears its connections down while another still talks to it.
         dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
+    except BaseException:  # noqa: BLE001 - reported through the file, then the rank leaves
+        _exit_raising(out_dir, rank)
     with open(_result_path(out_dir, rank), "wb") as f:
         pickle.dump(result, f)
     sys.stdout.flush()
@@ -100,14 +118,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: If any rank raised; the
-            other ranks are terminated.
+            other ranks are terminated at once (not left to time out in a
+            collective the raising rank left).
         torch.multiprocessing.ProcessExitedException: If a rank died (a native
             crash prints every thread's Python stack to stderr first).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
-                                          dict(os.environ)),
-                           nprocs=world_size, join=True, start_method=_start_method())
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, threads,
+                                              dict(os.environ)),
+                               nprocs=world_size, join=True, start_method=_start_method())
+        except mp.ProcessExitedException as exc:
+            raised = _raised_path(out_dir, exc.error_index)
+            if not os.path.exists(raised):
+                raise
+            with open(raised) as f:  # the rank's exception, as torch reports one that reaches its wrapper
+                text = f"\n\n-- Process {exc.error_index:d} terminated with the following error:\n{f.read()}"
+            raise mp.ProcessRaisedException(text, exc.error_index, exc.error_pid) from None
         results = []
         for rank in range(world_size):
             with open(_result_path(out_dir, rank), "rb") as f:

@@ -202,7 +202,8 @@ def test_bench_section_on_cpu_with_loopback(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads(out.read_text())
-    assert payload["backend"] == "gloo" and "errors" not in payload
+    assert payload["backend"] == "gloo"
+    assert "errors" not in payload, "runs that raised:\n" + "\n".join(payload["errors"]) + "\n" + res.stderr[-3000:]
     checks = gpu_check.collect_checks({"bench": {**payload, "wall_s": 1.0}})
     assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
     ran = {(r["config"], r["variant"]) for r in payload["runs"]}

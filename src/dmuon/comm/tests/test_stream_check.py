@@ -82,6 +82,47 @@ def test_a_reduction_called_by_hand_may_order_the_compute_stream(streams):
             streams.wait(event)
 
 
+def test_a_storage_made_before_start_is_ordered_like_any_other():
+    # FSDP2's sharded parameters exist before the runtime starts the checker: a read of one on dmuon's
+    # stream and a write over it on the compute stream with no event between is the race it catches.
+    weight = torch.ones(4)
+    checker = CheckedStreams().start()
+    try:
+        with checker.use("dmuon"):
+            weight.sum()
+        with pytest.raises(StreamOrderError, match=r"made before the checker started.*written on stream 'compute'"
+                                                   r".*'dmuon' may still be reading"):
+            weight.mul_(2)
+        with checker.use("dmuon"):
+            weight.sum()
+            read = checker.record()
+        checker.wait(read)
+        weight.mul_(2)  # ordered after the read
+        with checker.use("dmuon", fork=False):
+            with pytest.raises(StreamOrderError, match=r"written on stream 'compute'.*read on stream 'dmuon'"):
+                weight.sum()
+    finally:
+        checker.stop()
+
+
+def test_a_storage_made_before_start_is_not_tracked_for_reuse():
+    # Which stream's pool it came from is unknown: its release frees nothing a stream's next allocation
+    # could get back early (and its entry goes with it: a new storage at the same address starts clean).
+    weight = torch.ones(4)
+    checker = CheckedStreams().start()
+    try:
+        with checker.use("dmuon"):
+            weight.sum()
+        key = id(weight.untyped_storage())
+        assert "made before the checker started" in checker._buffers[key].name
+        del weight
+        gc.collect()
+        assert key not in checker._buffers
+        torch.ones(4).mul_(2)  # no "freed while stream 'dmuon' may still use it"
+    finally:
+        checker.stop()
+
+
 class _Done:
     def wait(self):
         return True
@@ -178,3 +219,81 @@ def _all_reduce_worker(rank: int, world_size: int):
         flight = streams.issue(lambda: dist.all_reduce(x, async_op=True), reads=(x,), writes=(x,))
         flight.wait()
         return x.tolist()
+
+
+@pytest.fixture
+def active_checker(streams):
+    """``streams`` as the process's active streams (what Pending and the coalesced all-to-alls use)."""
+    from dmuon.comm import device_streams
+
+    previous_active, previous = device_streams._active, device_streams.install(streams)
+    try:
+        yield streams
+    finally:
+        device_streams._active = previous_active
+        if previous is None:
+            device_streams._by_device.pop(str(streams.device), None)
+        else:
+            device_streams._by_device[str(streams.device)] = previous
+
+
+def test_a_pending_result_reaches_a_second_stream_behind_its_event_and_kept(active_checker):
+    """Pending.wait on a second stream: it waits for the event recorded where the result was computed (a
+    read before it would be unordered), and keeps the result for that stream (its release would otherwise
+    give the memory back to the computing stream while the second still reads it)."""
+    from dmuon.comm.pending import Pending
+    from dmuon.comm.stats import CommStats
+
+    streams = active_checker
+    with streams.use("dmuon"):
+        pending = Pending([], lambda: {0: torch.ones(8) * 3}, CommStats())
+        computed = pending.wait()  # landed and computed on "dmuon"
+    del computed
+    with streams.use("ns", fork=False):  # ordered after "dmuon" only by the result's event
+        assert pending.wait()[0].sum().item() == 24
+    del pending
+    gc.collect()
+    with streams.use("dmuon", fork=False):
+        # Reuses the result's memory with no wait for "ns": safe only because the result was kept for "ns"
+        # (CUDA's record_stream: the allocator holds the block until "ns"'s work so far has run).
+        torch.empty(8) * 1
+
+
+def test_a_pending_lands_after_what_its_creator_made(active_checker):
+    """Pending lands on the stream that first waits for it after that stream waited for the creator's
+    stream as it was when the exchange was made: ``finish`` reads the creator's buffers (a local exchange
+    has no collective to order them)."""
+    from dmuon.comm.pending import Pending
+    from dmuon.comm.stats import CommStats
+
+    streams = active_checker
+    with streams.use("dmuon"):
+        made = torch.ones(8) * 2
+        pending = Pending([], lambda: {0: made + 1}, CommStats())
+    with streams.use("ns", fork=False):
+        assert pending.wait()[0].sum().item() == 24
+
+
+def test_a_coalesced_part_reaches_a_later_waiter_behind_the_copies_and_kept(active_checker):
+    """The joined all-to-all lands once, on its first waiter's stream, which copies every part's bytes out;
+    a part waited for on another stream waits for the event after the copies and keeps the parts' buffers
+    for that stream."""
+    from dmuon.comm.coalesce import _JoinedWork, _Part, _Queued
+
+    streams = active_checker
+    with streams.use("dmuon"):
+        # The receive buffer as the collective leaves it (a loopback: the bytes sent), 4 float32 as bytes.
+        send = torch.arange(4.0) * 1
+        recv = send.clone().view(torch.uint8)
+        flight = _flight(streams, send, recv)
+        out = torch.empty(4)
+        joined = _JoinedWork(flight, recv, [_Part(out, send, [4], [4], _Queued())], [[0]])
+        del send, recv
+        joined.wait()  # lands the collective and copies the part out, on "dmuon"
+    with streams.use("ns", fork=False):
+        joined.wait()
+        assert (out * 1).tolist() == [0.0, 1.0, 2.0, 3.0]
+    del out, joined, flight
+    gc.collect()
+    with streams.use("dmuon", fork=False):
+        torch.empty(4) * 1  # may reuse the part's memory: it was kept for "ns"

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dmuon.util.spawn import run_distributed
@@ -42,3 +46,27 @@ def test_a_native_crash_fails_without_a_retry(tmp_path):
 def test_an_exception_fails_the_call():
     with pytest.raises(mp.ProcessRaisedException, match="raised by a rank"):
         run_distributed(_raise, 2)
+
+
+def _raise_with_a_collective_in_flight(rank: int, world_size: int) -> int:
+    """Rank 1 raises with an all-reduce in flight that a thread of its own waits for (a worker thread's
+    collective), while rank 0 waits in a receive rank 1 never sends: neither completes before the
+    group's timeout."""
+    x = torch.ones(2)
+    if rank == 1:
+        work = dist.all_reduce(x, async_op=True)
+        threading.Thread(target=work.wait, name="waits-in-a-collective").start()
+        raise ValueError("raised with a collective in flight")
+    dist.recv(x, src=1)
+    return rank
+
+
+def test_a_rank_that_raises_while_the_others_wait_in_a_collective_fails_the_call_at_once():
+    # Tearing the group down or shutting the interpreter down in the raising rank waits for its collective
+    # in flight until the group's timeout (300 s here); the launch must fail as soon as the rank raised.
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="raised with a collective in flight") as info:
+        run_distributed(_raise_with_a_collective_in_flight, 2, timeout_s=300)
+    elapsed = time.monotonic() - start
+    assert "-- Process 1 terminated with the following error" in str(info.value)
+    assert elapsed < 120, f"the launch took {elapsed:.0f} s to fail"
