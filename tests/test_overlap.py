@@ -66,8 +66,10 @@ def test_ns_in_backward_matches_the_reference(mesh_shape, world_size):
     diff, worst = max_diff(results[0][2]["params"], results[0][3]["params"])
     assert diff <= 1e-6, worst
     assert all(s["orthogonalized_in_backward"] == 0 for r in results for s in r[2]["stats"])
-    # The first clip exchanges again and starts the owners' copies; then every launch stands.
-    assert all([s["rescaled_launches"] for s in r[2]["stats"]] == [0] + [4] * (STEPS - 1) for r in results)
+    # The first clip exchanges again and starts the owners' copies; then every launch stands. In one
+    # process the clipped blocks are exchanged again every step (nothing to save by rescaling there).
+    rescaled = [0] * STEPS if world_size == 1 else [0] + [4] * (STEPS - 1)
+    assert all([s["rescaled_launches"] for s in r[2]["stats"]] == rescaled for r in results)
 
 
 def test_ns_in_backward_needs_overlap():
