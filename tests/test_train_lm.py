@@ -62,6 +62,7 @@ def test_resume_reproduces_losses_and_json_fields(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the example trained once per rate: test_resume_reproduces_losses_and_json_fields trains it by default
 def test_lr_sweep_runs_each_rate_and_marks_the_best(tmp_path):
     sweep = os.path.join(os.path.dirname(SCRIPT), "lr_sweep.py")
     tiny = [a for a in TINY if a not in ("--optimizer", "both", "--quiet", "--activation-checkpointing")]

@@ -206,7 +206,10 @@ def test_blas_threads_follow_torch_and_are_restored():
 
 
 @pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
-def test_every_triton_tile_config_under_interpreter():
+@pytest.mark.parametrize("configs", ["T.TILE_CONFIGS[:1] + (T.INTERPRET_CONFIG,)",
+                                     pytest.param("T.TILE_CONFIGS[1:]", marks=pytest.mark.slow)],
+                         ids=["first-and-interpreter", "the-others"])  # about 6.5 s a config: the rest with -m slow
+def test_every_triton_tile_config_under_interpreter(configs):
     # Every tile configuration in the file, not only the one the autotuner picks: ragged
     # shapes, M = 1, K = 1, 16-bit operands, the fused addend, a stack, and M = 512 (the
     # largest that runs in about a second per config in the interpreter on a 2-core CPU).
@@ -219,7 +222,7 @@ def test_every_triton_tile_config_under_interpreter():
         from dmuon.ortho import triton_syrk as T
         g = torch.Generator().manual_seed(0)
         shapes = [(1, 1), (1, 37), (37, 1), (70, 45), (129, 130), (512, 40)]
-        for cfg in T.TILE_CONFIGS + (T.INTERPRET_CONFIG,):
+        for cfg in CONFIGS:
             for M, K in shapes:
                 for dt in (torch.float32, torch.bfloat16, torch.float16):
                     for stack in ((), (3,)) if M == 70 else ((),):
@@ -260,6 +263,7 @@ def test_every_triton_tile_config_under_interpreter():
         print("ok")
         """
     )
+    script = script.replace("CONFIGS", configs)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
