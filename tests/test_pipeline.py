@@ -13,7 +13,9 @@ calls it runs in the torchtitan recipe (pytest -m integrations).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 
 import pytest
@@ -68,7 +70,9 @@ def _on_four_ranks(rank: int, world: int, directory: str) -> dict:
 
 @functools.cache
 def _checkpoints() -> str:
-    return tempfile.mkdtemp(prefix="dmuon-pipeline-")
+    directory = tempfile.mkdtemp(prefix="dmuon-pipeline-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # the checkpoints outlive no test run
+    return directory
 
 
 @functools.cache
