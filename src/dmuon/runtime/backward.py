@@ -410,13 +410,12 @@ class BackwardLaunches:
         pipeline schedule's ``divisor``."""
         if not self._keep_gradients:
             return None
-        if sums is None and divisor and divisor != 1:
-            return self._divided(self._kept_parts(members), divisor)
-        r, s = divmod(self.plan.rank, self.plan.shard)
-        infos = self.plan.infos
         sums = sums or {}
-        return {i: (sums[i] if i in sums else infos[i].kept_view(local_tensor(infos[i].param.grad), r, s)).clone()
-                for i in members}
+        local = self._kept_parts([i for i in members if i not in sums])
+        parts = {i: sums[i] if i in sums else local[i] for i in members}
+        if divisor and divisor != 1:
+            return self._divided(parts, divisor)  # copies already
+        return {i: t.clone() for i, t in parts.items()}
 
     def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until
