@@ -334,6 +334,7 @@ class Dion2Callbacks(MuonFamily):
         groups = self._groups()
         for i, update in updates.items():
             info = self.plan.infos[i]
-            buf = self.opt.state[info.param]["momentum_buffer"]
-            dion2.decay_selected(self._local(i, buf), dion2.selected_rows(update), groups[i]["ef_decay"])
+            buf = self.opt.state[info.param].get("momentum_buffer")
+            if buf is not None:  # under DDP only the owner keeps the momentum
+                dion2.decay_selected(self._local(i, buf), dion2.selected_rows(update), groups[i]["ef_decay"])
         super().apply(updates)

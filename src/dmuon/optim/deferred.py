@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.optim.groups import canonical_name
 from dmuon.plan.selection import select_matrices
-from dmuon.prepare.ddp import RECOMMENDED, check_not_under_ddp
+from dmuon.util.torch_compat import active_ddp_module
 
 
 def waits_for_sharding(model: nn.Module) -> bool:
@@ -76,8 +76,8 @@ class DeferredSetup:
             target = callback()
             if target is None or module is not model():
                 return
-            check_not_under_ddp(module)  # a DDP-wrapped model never gets sharded: say so at once
-            if not waits_for_sharding(module):
+            active = active_ddp_module()  # DistributedDataParallel(...) wrapped it: set up over DDP's group
+            if (active is not None and active.module is module) or not waits_for_sharding(module):
                 target()
 
         self._hook = nn.modules.module.register_module_forward_pre_hook(hook)
@@ -97,8 +97,8 @@ class DeferredSetup:
             raise ValueError(
                 f"DMuon was built before fully_shard and the model is still not sharded (parameter {bare[0]!r} "
                 "is not managed by any fully_shard): shard the model (fully_shard on its blocks and root, or "
-                "through your framework: accelerator.prepare, fabric.setup, Trainer) before the first step; a model "
-                "wrapped in torch's DistributedDataParallel is not one dmuon steps: " + RECOMMENDED)
+                "through your framework: accelerator.prepare, fabric.setup, Trainer) or wrap it in torch's "
+                "DistributedDataParallel before the first step")
 
     @staticmethod
     def check_split(groups: list[dict[str, Any]], planned: Callable[[torch.Tensor], bool],

@@ -43,11 +43,12 @@ from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
-from dmuon.prepare.ddp import check_no_ddp
+from dmuon.prepare.ddp import ddp_root, wrapping_ddp
 from dmuon.rules.adamw import ADAMW_GROUP_DEFAULTS, check_adamw_group
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
+from dmuon.runtime.replicas import ReplicaRuntime
 
 
 _PIPELINE_MODELS: dict[int, tuple[Any, list[weakref.ref]]] = {}
@@ -172,7 +173,13 @@ class DMuon(torch.optim.Optimizer):
                  hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None,
                  pp_group: DeviceMesh | dist.ProcessGroup | None = None) -> None:
         model, user_groups = model_and_groups(model, module)
-        check_no_ddp(model)
+        # Under torch's DistributedDataParallel (given the wrapper, or its .module or parameters once it
+        # exists) the plan is made over DDP's group; a model DDP wraps later is found at its first forward.
+        ddp = ddp_root(model)
+        if ddp is None and waits_for_sharding(model):
+            ddp = wrapping_ddp(model)
+        if ddp is not None:
+            model = ddp.module
         self._pp_group = pipeline_group(pp_group)
         _claim_pipeline_group(self._pp_group, model)
         self._stages_checked = False
@@ -207,13 +214,14 @@ class DMuon(torch.optim.Optimizer):
             extra_scale_factor=extra_scale_factor, cautious_weight_decay=cautious_weight_decay,
             **self._rule_defaults(),
         )
-        waiting = plan is None and waits_for_sharding(model)
+        waiting = plan is None and ddp is None and waits_for_sharding(model)
         # Before fully_shard the default selection, on the model as it is, splits the groups; the plan
         # follows on the sharded model (_ready).
         self._matrices = MuonMatrices(default_matrices(model) if waiting else None)
         self._deferred = DeferredSetup(model) if waiting else None
         if not waiting:
-            self._adopt_plan(plan if plan is not None else prepare(model, ns=self.ns, hsdp_mesh=hsdp_mesh))
+            self._adopt_plan(plan if plan is not None else
+                             prepare(model if ddp is None else ddp, ns=self.ns, hsdp_mesh=hsdp_mesh))
         self._splitter = GroupSplitter(model, self._matrices, muon_defaults, self.adamw.group_defaults(lr),
                                        adamw_lr_given=self.adamw.lr is not None)
         named = self._splitter.names()
@@ -266,9 +274,13 @@ class DMuon(torch.optim.Optimizer):
         if self._qk is not None:
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
-        self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
-                                    root=model if isinstance(model, FSDPModule) else None,
-                                    pipeline_group=self._pp_group)
+        if self.plan.replicas:  # torch's DDP: every rank holds the whole model and its mean gradient
+            self.runtime = ReplicaRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
+                                          pipeline_group=self._pp_group)
+        else:
+            self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
+                                        root=model if isinstance(model, FSDPModule) else None,
+                                        pipeline_group=self._pp_group)
         if self.execution.apply_updates == "next_forward":
             # Whatever reads or replaces the model's weights through its state dict sees every update
             # applied (torch's get_state_dict/set_state_dict and DCP go through these).
@@ -314,9 +326,11 @@ class DMuon(torch.optim.Optimizer):
         if self.runtime is not None:
             return
         deferred = self._deferred
-        deferred.check_sharded()
+        ddp = wrapping_ddp(self.model)  # DDP(...) wrapped the model after DMuon was built
+        if ddp is None:
+            deferred.check_sharded()
         deferred.rebind(self.__dict__["param_groups"], self.state, strict=True)
-        self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
+        self._adopt_plan(prepare(self.model if ddp is None else ddp, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
         deferred.check_split(self.param_groups, self._matrices.planned, self.param_names)
         self._start_runtime()
         self._deferred = None
@@ -518,7 +532,7 @@ class DMuon(torch.optim.Optimizer):
         """
         self.flush_updates()
         if not self.is_set_up:
-            if waits_for_sharding(self.model):
+            if waits_for_sharding(self.model) and wrapping_ddp(self.model) is None:
                 if any(isinstance(v, dict) and set(self.matrix_state) & v.keys() for v in state_dict["state"].values()):
                     raise ValueError("DMuon was built before fully_shard and the model is not sharded yet: load "
                                      "optimizer checkpoints after sharding (after accelerator.prepare, fabric.setup "

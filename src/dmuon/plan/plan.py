@@ -247,6 +247,10 @@ class Plan:
     the model is sharded over; dmuon reduces every gradient across its dim 0. None otherwise."""
     groups: list = field(default_factory=list, repr=False)
     """Every FSDP2 module with trainable parameters (:class:`ReductionGroup`), in model order."""
+    replicas: bool = False
+    """Every rank holds every parameter whole and its mean gradient after backward (torch's
+    ``DistributedDataParallel``): each matrix's owner keeps its momentum and runs its NS, and the
+    updates are all-gathered (:mod:`dmuon.runtime.replicas`); no direction moves."""
 
     @property
     def reduces_replicas(self) -> bool:

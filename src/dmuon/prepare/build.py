@@ -30,7 +30,7 @@ from dmuon.prepare.mesh import (
     layout_of,
     parameter_device,
 )
-from dmuon.prepare.ddp import check_no_ddp, replicate_only
+from dmuon.prepare.ddp import ddp_mesh, ddp_root, replicate_only
 from dmuon.prepare.pieces import gather_boxes, matrix_pieces, momentum_ok
 
 
@@ -59,16 +59,18 @@ def prepare(
     cache_dir=None,
     hsdp_mesh=None,
 ) -> Plan:
-    """Reads a ``fully_shard``-ed model, selects its Muon matrices and assigns each one owner.
+    """Reads a ``fully_shard``-ed (or ``DistributedDataParallel``) model, selects its Muon matrices and
+    assigns each one owner.
 
-    Call it on every rank after ``fully_shard`` (exactly as for AdamW) and pass
-    the plan to :class:`dmuon.DMuon`; ``DMuon(model)`` calls it with the defaults.
+    Call it on every rank after ``fully_shard`` or ``DistributedDataParallel(...)`` (exactly as for AdamW)
+    and pass the plan to :class:`dmuon.DMuon`; ``DMuon(model)`` calls it with the defaults.
 
     Args:
         model: The model: every trainable parameter a DTensor of one mesh or its
             named sub-meshes (1-D FSDP, 2-D ``(replicate, shard)`` HSDP, with a
-            tensor- or expert-parallel dim after them), or plain tensors in a
-            single process.
+            tensor- or expert-parallel dim after them); a torch
+            ``DistributedDataParallel`` (the plan is then its ``.module``'s, over DDP's
+            process group: ``Plan.replicas``); or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
         matrix_view: How each chosen parameter is seen: ``"flatten"`` (one
@@ -116,9 +118,13 @@ def prepare(
         ns = NSConfig()
     elif not isinstance(ns, NSConfig):
         raise ValueError(f"ns must be a dmuon.NSConfig, got {type(ns).__name__}")
-    layout = _read_layout(model, select, matrix_view, balancer, ns, hsdp_mesh)
+    ddp = ddp_root(model)
+    if ddp is not None:
+        model = ddp.module
+    layout = _read_layout(model, select, matrix_view, balancer, ns, hsdp_mesh, ddp)
     topology = layout.topology
-    block_list = [("", model, list(model.parameters()))] if layout.mesh is None else fsdp_blocks(model)
+    whole = layout.mesh is None or ddp is not None  # one block: the model (nothing reduces it by units)
+    block_list = [("", model, list(model.parameters()))] if whole else fsdp_blocks(model)
     infos, blocks = _matrices(layout, block_list)
     if topology.replicate > 1:
         _check_momentum_layouts(infos, topology, hsdp_mesh, layout.device)
@@ -141,20 +147,31 @@ def prepare(
     plan.ns = ns
     plan.hsdp_mesh = hsdp_mesh
     plan.groups = groups
+    plan.replicas = ddp is not None
     return plan
 
 
-def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSConfig, hsdp_mesh) -> _Layout:
+def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSConfig, hsdp_mesh, ddp=None) -> _Layout:
     """Step 1: the mesh, the chosen matrices and their views, the device; every rank checks that
-    every rank read the same (one all-gather), so a difference raises everywhere."""
-    check_no_ddp(model)
-    mesh, replicated = layout_of(model, hsdp_mesh)
-    replicated = replicated or replicate_only(model, mesh)
+    every rank read the same (one all-gather), so a difference raises everywhere.
+
+    Under ``ddp`` (torch's DistributedDataParallel around ``model``) the mesh is DDP's process group,
+    1-D: every rank a shard position holding every matrix whole."""
+    if ddp is not None:
+        if hsdp_mesh is not None:
+            raise ValueError("hsdp_mesh is for a model fully_shard-ed over its shard dims; a DistributedDataParallel "
+                             "model has no such dims: drop hsdp_mesh (DDP's process group is the data-parallel group)")
+        mesh, replicated = None, False
+    else:
+        mesh, replicated = layout_of(model, hsdp_mesh)
+        replicated = replicated or replicate_only(model, mesh)
     if hsdp_mesh is not None:
         check_no_all_reduce_hook(model)
     chosen = [(n, p) for n, p in select_matrices(model, select) if p.requires_grad]
     views = matrix_views(model, chosen, matrix_view)
     device, mixed = parameter_device(model, chosen, mesh)
+    if ddp is not None:
+        mesh = ddp_mesh(ddp, device.type)
     topology = single_process() if mesh is None else from_mesh(mesh, replicated, device)
     topology.warm_up(device)  # dmuon's communicators exist before the first backward
     if topology.world_size > 1:

@@ -1,7 +1,15 @@
-"""Data parallelism without sharding: FSDP2's ``replicate`` (read as replicas of one rank) and torch's
-``DistributedDataParallel`` (refused, naming the route to write instead: ``RECOMMENDED``)."""
+"""Data parallelism without sharding: torch's ``DistributedDataParallel`` (stepped as replicas of the whole
+model, :mod:`dmuon.runtime.replicas`) and FSDP2's ``replicate`` (read as replicas of one rank each).
+
+Under DDP every rank holds every parameter whole and, after backward, its mean gradient (DDP's all-reduce):
+dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps its momentum and runs its NS, and
+all-gathers the updates. What finds the DDP wrapper and checks the ways it can be misused lives here; the
+plan is made by :func:`dmuon.prepare.prepare` as for any model.
+"""
 
 from __future__ import annotations
+
+import gc
 
 import torch.distributed as dist
 from torch import nn
@@ -30,13 +38,13 @@ def replicate_only(model: nn.Module, mesh) -> bool:
 
 
 RECOMMENDED = (
-    "for data parallelism without sharding with dmuon (\"DDP with dmuon\", README \"DDP\": at most DDP's bytes, "
-    "the momentum split over the ranks, NS once per matrix) drop DistributedDataParallel and write: "
+    "for data parallelism at DDP's bytes or below (\"DDP with dmuon\", README \"DDP\": the gradients reduced "
+    "by dmuon, the momentum split over the ranks, NS once per matrix) write: "
     "mesh = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=(\"replicate\", \"shard\")); "
     "fully_shard(block, mesh=mesh[\"shard\"]) for each block, then fully_shard(model, mesh=mesh[\"shard\"]) "
     "(or torch's replicate(..., mesh=mesh[\"shard\"])); opt = dmuon.DMuon(model, ..., hsdp_mesh=mesh)"
 )
-"""What a DDP user writes instead, named by every DDP error."""
+"""The route at DDP's bytes or below, named where a DDP setup cannot be stepped."""
 
 
 def _ddp_type():
@@ -52,40 +60,47 @@ def _sharded(module: nn.Module) -> bool:
         any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def check_no_ddp(model: nn.Module) -> None:
-    """Raises ``ValueError`` naming what to write instead when ``model`` is, or holds, a torch
-    ``DistributedDataParallel``: DDP all-reduces every gradient itself, in buckets of its own choosing,
-    so dmuon would reduce them a second time and could not split the momentum.
+def ddp_root(model: nn.Module):
+    """``model`` itself when it is a torch ``DistributedDataParallel`` dmuon can step, else None.
 
-    Structural (no collective): every rank with the same model raises the same error.
+    Raises:
+        ValueError: A DDP inside the model (not its root), or a DDP around a model that also uses
+            ``fully_shard``, naming what to write instead. Structural (no collective): every rank with
+            the same model raises the same error.
     """
     ddp_type = _ddp_type()
-    wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, ddp_type)]
-    if not wrappers:
-        return
-    name, ddp = wrappers[0]
-    where = "the model is" if not name else f"submodule {name!r} is"
-    if _sharded(model):
-        raise ValueError(f"{where} a torch DistributedDataParallel and the model also uses fully_shard (FSDP2): "
-                         "the two reduce gradients each on their own and dmuon steps no such mix; " + RECOMMENDED)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    group = getattr(ddp, "process_group", None)
-    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else world
-    if size != world:
-        raise ValueError(f"{where} a torch DistributedDataParallel over a process group of {size} of the {world} "
-                         "ranks; dmuon does not step DDP models, and it reduces over the parameters' DeviceMesh "
-                         "(not a DDP process group); " + RECOMMENDED)
-    raise ValueError(f"{where} a torch DistributedDataParallel: dmuon does not step DDP models (DDP all-reduces "
-                     "every gradient itself; dmuon would reduce the Muon matrices again and keep every "
-                     "momentum on every rank); " + RECOMMENDED)
+    inner = [name for name, m in model.named_modules() if name and isinstance(m, ddp_type)]
+    if inner:
+        raise ValueError(f"submodule {inner[0]!r} is a torch DistributedDataParallel inside the model: DDP "
+                         "wraps the whole model (model = DistributedDataParallel(model)), and dmuon steps it "
+                         "given that wrapper, its .module or its parameters")
+    if not isinstance(model, ddp_type):
+        return None
+    if _sharded(model.module):
+        raise ValueError("the model is a torch DistributedDataParallel and also uses fully_shard (FSDP2): the two "
+                         "reduce gradients each on their own and dmuon steps no such mix; use one of them: "
+                         "DistributedDataParallel(model) alone, or " + RECOMMENDED)
+    return model
 
 
-def check_not_under_ddp(model: nn.Module) -> None:
-    """Raises ``ValueError`` when ``model`` runs its forward inside a torch ``DistributedDataParallel``'s (the
-    optimizer was given ``ddp.module`` or the parameters, or was built before ``DDP(...)`` wrapped the
-    model): called at the model's first forward, on every rank."""
+def wrapping_ddp(module: nn.Module):
+    """The torch ``DistributedDataParallel`` whose ``.module`` is ``module``, or None.
+
+    The one running its forward now when there is one (DDP records it); otherwise found among the
+    process's objects (an optimizer given ``ddp.module`` or its parameters, set up before any forward:
+    a state load on resume). Local: no collective.
+    """
     active = active_ddp_module()
-    if active is not None and active.module is model:
-        raise ValueError("the model runs inside a torch DistributedDataParallel (DMuon was given ddp.module or "
-                         "its parameters, or was built before DDP(...) wrapped the model): dmuon does not step "
-                         "DDP models; " + RECOMMENDED)
+    if active is not None and active.module is module:
+        return active
+    ddp_type = _ddp_type()
+    found = [o for o in gc.get_objects() if isinstance(o, ddp_type) and o.module is module]
+    return found[0] if found else None
+
+
+def ddp_mesh(ddp, device_type: str):
+    """DDP's process group as a 1-D DeviceMesh (dmuon makes its own groups over those ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = ddp.process_group if getattr(ddp, "process_group", None) is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("ddp",))

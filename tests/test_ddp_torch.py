@@ -1,0 +1,398 @@
+"""torch's ``DistributedDataParallel`` as people write it, stepped by dmuon (:mod:`dmuon.runtime.replicas`).
+
+DDP keeps reducing every gradient; dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps
+its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks, every rank under the
+stream checker, against one process with torch.optim.Muon + AdamW on the global batch (fp32 NS):
+``DMuon(ddp)``, ``DMuon(ddp.module)``, ``DMuon(ddp.parameters(), module=ddp)``, an optimizer built before
+``DDP(...)``; ``find_unused_parameters`` (a block unused at step 1), ``static_graph``, ``no_sync()``
+accumulation, torch's ``clip_grad_norm_``, bf16 autocast (against torch's pair on the same DDP gradients),
+the other rules, per-rank ``state_dict`` resume and DCP; bytes counted per rank equal to the step model.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dmuon
+from dmuon.runtime.replicas import replica_collectives
+from support.cases import MUON_KW, NORMUON_BETA2
+from support.equivalence import N_MATRICES, SKIP, STEPS, all_ranks_batches, max_diff, reference
+from support.models import OddNet, lm_loss, odd_batch
+from support.reference import reference_training
+from support.scenarios import run_each, succeeded
+from support.spawn import run_distributed
+
+CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
+ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
+FP32 = dmuon.NSConfig(method="standard", dtype=torch.float32)
+
+
+def _ddp(**kwargs):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    return DDP(OddNet(), **kwargs)
+
+
+def _dmuon(target, **kwargs):
+    return dmuon.DMuon(target, adamw=dmuon.AdamWConfig(**ADAMW_KW), ns=FP32, **{**MUON_KW, **kwargs})
+
+
+def _trained(ddp, opt, rank: int, steps=range(STEPS), micro: int = 1, clip: float | None = None,
+             autocast: bool = False, skip: dict = SKIP) -> dict:
+    """Trains with the standard batches (``micro`` micro-batches per step under ``no_sync()``; ``skip``'s
+    blocks left out); returns the parameters, the stats and each Muon parameter's momentum (or None)."""
+    stats, norms = [], []
+    for step in steps:
+        ddp.module.skip = skip.get(step, set())
+        for k in range(micro):
+            batch = odd_batch(step, rank * micro + k)
+            with (ddp.no_sync() if k < micro - 1 else torch.enable_grad()):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = lm_loss(ddp, batch)
+                (loss / micro).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        stats.append(opt.last_step_stats())
+    ddp.module.skip = set()
+    state = opt.state
+    return {"params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+            "stats": stats, "norms": norms,
+            "momentum": {n: (state[p]["momentum_buffer"].clone() if "momentum_buffer" in state[p] else None)
+                         for n, p in ddp.module.named_parameters()},
+            "owners": {info.name: info.owner for info in opt.plan.infos}}
+
+
+def _built_before_ddp(rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = OddNet()
+    opt = _dmuon(model)
+    assert not opt.is_set_up  # set up at the first forward, under DDP
+    ddp = DDP(model, find_unused_parameters=True)
+    return _trained(ddp, opt, rank)
+
+
+def _torch_pair_on_ddp(rank: int, autocast: bool) -> dict:
+    """torch.optim.Muon + AdamW on DDP's gradients (every rank runs every NS): the same DDP run's reference."""
+    ddp = _ddp(find_unused_parameters=True)
+    batches = [odd_batch(step, rank) for step in range(STEPS)]
+
+    def loss_fn(m, batch, _step=[0]):
+        ddp.module.skip = SKIP.get(_step[0], set())
+        _step[0] += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return lm_loss(m, batch)
+
+    params, _ = reference_training(ddp, batches, loss_fn, muon_kwargs=MUON_KW, adamw_kwargs=ADAMW_KW,
+                                   ns_dtype=torch.float32)
+    return {n.removeprefix("module."): p for n, p in params.items()}
+
+
+RULE_STATE = {"normuon": "second_momentum_buffer", "muonh": "initial_norm", "dion2": "momentum_buffer"}
+
+
+def _rule(rank: int, rule: str) -> dict:
+    """The other rules with the settings their formulas use (``support.more_rules``, ``support.normuon``)."""
+    from support.more_rules import rule_kwargs
+
+    ddp = _ddp(find_unused_parameters=True)
+    adamw = dmuon.AdamWConfig(**ADAMW_KW)
+    if rule == "normuon":
+        opt = dmuon.NorMuon(ddp, adamw=adamw, ns=FP32, beta2=NORMUON_BETA2, **MUON_KW)
+    else:
+        opt = {"muonh": dmuon.MuonH, "dion2": dmuon.Dion2}[rule](ddp, adamw=adamw, ns=FP32, **rule_kwargs(rule))
+    out = _trained(ddp, opt, rank)
+    key = RULE_STATE[rule]
+    out["rule_state"] = {n: opt.state[p][key].reshape(-1).clone() for n, p in ddp.module.named_parameters()
+                         if key in opt.state[p]}
+    return out
+
+
+def _resumed(rank: int) -> dict:
+    """Two steps, the optimizer's and the model's state dicts through torch.save, a fresh DDP + DMuon that
+    loads them and trains the third step; beside three steps straight."""
+    straight = _trained(*_pair(), rank)
+    ddp, opt = _pair()
+    _trained(ddp, opt, rank, steps=range(2))
+    saved = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict()}, saved)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    ddp, opt = _pair()
+    ddp.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    resumed = _trained(ddp, opt, rank, steps=range(2, STEPS))
+    return {"straight": straight["params"], "resumed": resumed["params"]}
+
+
+def _pair(**kwargs):
+    ddp = _ddp(find_unused_parameters=True, **kwargs)
+    return ddp, _dmuon(ddp)
+
+
+def _counted(rank: int, world: int) -> dict:
+    """One step's dmuon collectives on this rank (bf16 wire, the default), beside the plan's model of them."""
+    ddp = _ddp()
+    opt = dmuon.DMuon(ddp, lr=0.02, ns=dmuon.NSConfig(method="standard"))
+    lm_loss(ddp, odd_batch(0, rank)).backward()
+    opt.step()
+    stats = opt.last_step_stats()
+    wire = torch.finfo(opt.plan.ns.dtype).bits // 8
+    return {"log": list(opt.runtime.stats.last_log), "waves": stats["return_waves"],
+            "model": replica_collectives(opt.plan, stats["return_waves"], wire),
+            "ddp_bytes": 2 * (world - 1) * sum(p.numel() * 4 for p in ddp.parameters()) // world,
+            "shapes": [info.shape for info in opt.plan.infos]}
+
+
+def _on_ranks(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    scenarios = {
+        "wrapper": lambda: _trained(*_pair(), rank),
+        "module": lambda: (lambda d: _trained(d, _dmuon(d.module), rank))(_ddp(find_unused_parameters=True)),
+        "parameters": lambda: (lambda d: _trained(d, _dmuon(d.parameters(), module=d), rank))(
+            _ddp(find_unused_parameters=True)),
+        "built_before": lambda: _built_before_ddp(rank),
+        "static_graph": lambda: (lambda d: _trained(d, _dmuon(d), rank, skip={}))(_ddp(static_graph=True)),
+        "no_sync": lambda: _trained(*_pair(), rank, micro=2),
+        "clip": lambda: _trained(*_pair(), rank, clip=CLIP),
+        "autocast": lambda: _trained(*_pair(), rank, autocast=True),
+        "autocast_torch": lambda: _torch_pair_on_ddp(rank, autocast=True),
+        "resume": lambda: _resumed(rank),
+        "bytes": lambda: _counted(rank, world),
+    }
+    if world == 2:
+        scenarios |= {rule: functools.partial(_rule, rank, rule) for rule in ("normuon", "muonh", "dion2")}
+    assert DDP
+    return run_each(scenarios)
+
+
+@functools.cache
+def _runs(world: int) -> list[dict]:
+    return run_distributed(_on_ranks, world, timeout_s=600)
+
+
+def _run(world: int, name: str) -> list:
+    return [succeeded(r[name]) for r in _runs(world)]
+
+
+def _check_owners_only(results: list[dict]) -> None:
+    """Each Muon matrix's momentum lives on its owner, whole, and nowhere else."""
+    owners = results[0]["owners"]
+    for name, owner in owners.items():
+        held = [r for r, res in enumerate(results) if res["momentum"][name] is not None]
+        assert held == [owner], (name, held, owner)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before"])
+def test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner(world, how):
+    """``DDP(model, find_unused_parameters=True)`` with a block unused at step 1: one process's result on the
+    global batch (fp32 NS), each matrix orthogonalized once across the ranks, its momentum on its owner only."""
+    results = _run(world, how)
+    diff, worst = max_diff(results[0]["params"], reference(world, torch.float32)[0])
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    for r in results[1:]:
+        assert max_diff(r["params"], results[0]["params"])[0] == 0  # the ranks' weights stay bit-equal
+    for step in range(STEPS):
+        done = sum(r["stats"][step]["orthogonalized"] for r in results)
+        assert done == N_MATRICES - 3 * len(SKIP.get(step, ())), step
+    _check_owners_only(results)
+
+
+def _reference_on(world: int, micro: int = 1, clip: float | None = None, skip: dict = SKIP):
+    torch.manual_seed(0)
+    model = OddNet()
+    batches = []
+    for step in range(STEPS):
+        parts = [odd_batch(step, r) for r in range(world * micro)]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+
+    def loss_fn(m, batch, _step=[0]):
+        m.skip = skip.get(_step[0], set())
+        _step[0] += 1
+        return lm_loss(m, batch)
+
+    return reference_training(model, batches, loss_fn, muon_kwargs=MUON_KW, adamw_kwargs=ADAMW_KW,
+                              ns_dtype=torch.float32, clip=clip)[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["static_graph", "no_sync", "clip"])
+def test_ddps_own_features_train_as_one_process(world, case):
+    """``static_graph=True``, ``no_sync()`` accumulation over two micro-batches, torch's ``clip_grad_norm_`` on
+    DDP's parameters every step: one process's result on the global batch; the clip's norm is the
+    single-process one on every rank."""
+    results = _run(world, case)
+    ref = _reference_on(world, micro=2 if case == "no_sync" else 1, clip=CLIP if case == "clip" else None,
+                        skip={} if case == "static_graph" else SKIP)
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    if case == "clip":
+        for r in results:
+            assert r["norms"] == pytest.approx(list(reference_training.norms), rel=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_autocast_equals_torchs_pair_on_the_same_ddp_gradients(world):
+    """bf16 autocast: DDP's gradients are the same bits under either optimizer, so DMuon equals torch's
+    Muon + AdamW run on every rank of the same DDP setup (fp32 NS) after three steps."""
+    ours, torchs = _run(world, "autocast"), _run(world, "autocast_torch")
+    diff, worst = max_diff(ours[0]["params"], torchs[0])
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+
+
+@pytest.mark.parametrize("rule", ["normuon", "muonh", "dion2"])
+def test_the_other_rules_under_ddp_equal_their_formulas(rule):
+    """NorMuon, MuonH and Dion2 under DDP: one process's formula (fp32 NS), parameters and the rule's state;
+    the momentum on the owner only (NorMuon's second moment too)."""
+    from support import more_rules, normuon
+
+    results = _run(2, rule)
+    ref, _, state = normuon.oddnet_reference(2) if rule == "normuon" else more_rules.oddnet_reference(rule, 2)
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    _check_owners_only(results)
+    held = {}
+    for r in results:
+        for name, value in r["rule_state"].items():
+            held.setdefault(name, value)
+    diff, worst = max_diff({n: held[n] for n in state}, state)
+    assert diff <= 1e-5, f"state of {worst} differs by {diff:.3g}"
+    if rule == "normuon":  # the second moment lives with the momentum, on the owner only
+        owners = results[0]["owners"]
+        for name in state:
+            assert [k for k, r in enumerate(results) if name in r["rule_state"]] == [owners[name]], name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_rank_state_dicts_resume_bit_for_bit(world):
+    """Each rank's ``opt.state_dict()`` (its owned momenta and AdamW's state) through torch.save and
+    ``torch.load(weights_only=True)``: the resumed run equals the straight one, bit for bit."""
+    for r in _run(world, "resume"):
+        assert max_diff(r["resumed"], r["straight"])[0] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_are_the_models_and_even(world):
+    """One step's collectives on every rank equal :func:`replica_collectives` (one padded all-gather per wave),
+    and every rank sends the same bytes (DDP's all-reduce comes on top: README "DDP")."""
+    results = _run(world, "bytes")
+    for r in results:
+        assert [("intra", s, g) for _, s, g in r["model"]] == [tuple(e) for e in r["log"]]
+    sent = [sum(e[1] for e in r["log"]) for r in results]
+    assert len(set(sent)) == 1
+    # Each owner's share padded to the largest (the balancer evens NS time, not elements): at most twice
+    # the even all-gather of the Muon matrices' bf16 updates, ``(N-1)/N`` of them.
+    muon = sum(torch.Size(s).numel() for s in results[0]["shapes"])
+    assert sent[0] <= 2 * (world - 1) * muon * 2 // world
+
+
+def _misuse(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def raised(build):
+        try:
+            build()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def mixed_inside():
+        torch.manual_seed(0)
+        model = OddNet()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        model.gate = DDP(model.gate)
+        dmuon.DMuon(model, lr=0.02)
+
+    def next_forward():
+        dmuon.DMuon(_ddp(), lr=0.02, execution=dmuon.ExecutionConfig(apply_updates="next_forward"))
+
+    def hsdp_mesh():
+        dmuon.DMuon(_ddp(), lr=0.02, hsdp_mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("r", "s")))
+
+    return {"DDP inside the model": raised(mixed_inside), "next_forward": raised(next_forward),
+            "hsdp_mesh": raised(hsdp_mesh)}
+
+
+@functools.cache
+def _misuses() -> list[dict]:
+    return run_distributed(_misuse, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("case,says", [
+    ("DDP inside the model", "submodule 'gate' is a torch DistributedDataParallel inside the model"),
+    ("next_forward", "apply_updates=\"next_forward\") does not apply to a DistributedDataParallel model"),
+    ("hsdp_mesh", "drop hsdp_mesh"),
+])
+def test_ddp_misuse_gets_the_same_error_on_every_rank(case, says):
+    """What dmuon cannot step under DDP: the same error on every rank at construction, naming what to change."""
+    errors = [r[case] for r in _misuses()]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert says in errors[0], errors[0]
+
+
+def _subgroups(rank: int, world: int) -> dict:
+    """Two DDP groups of two ranks each (as pipeline stages or two models side by side), each its own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    torch.manual_seed(0)
+    ddp = DDP(OddNet(), process_group=mine, find_unused_parameters=True)
+    opt = _dmuon(ddp)
+    out = _trained(ddp, opt, rank % 2)
+    out["plan_world"] = opt.plan.world_size
+    return out
+
+
+def test_ddp_over_a_subgroup_steps_that_group():
+    """DDP over a process group of part of the world (a pipeline stage's data-parallel ranks): dmuon's plan,
+    groups and collectives are that group's; each group trains as one process on its own batches."""
+    results = run_distributed(_subgroups, 4, timeout_s=300)
+    ref = reference(2, torch.float32)[0]
+    for r in results:
+        assert r["plan_world"] == 2
+        diff, worst = max_diff(r["params"], ref)
+        assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    _check_owners_only(results[:2])
+    _check_owners_only(results[2:])
+
+
+def _eight(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(OddNet(blocks=1))
+    opt = _dmuon(ddp)
+    out = _trained(ddp, opt, rank, skip={})
+    return out
+
+
+@pytest.mark.slow  # eight processes on two cores
+def test_ddp_on_eight_ranks_more_ranks_than_matrices():
+    """Eight ranks, six matrices (two ranks own none): one process's result, NS once per matrix."""
+    results = run_distributed(_eight, 8, timeout_s=600)
+    torch.manual_seed(0)
+    model = OddNet(blocks=1)
+    batches, _ = all_ranks_batches(8)
+    ref, _ = reference_training(model, batches, lm_loss, muon_kwargs=MUON_KW, adamw_kwargs=ADAMW_KW,
+                                ns_dtype=torch.float32)
+    diff, worst = max_diff(results[0]["params"], ref)
+    assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
+    assert sum(r["stats"][0]["orthogonalized"] for r in results) == 6
+    assert sum(1 for r in results if r["stats"][0]["orthogonalized"] == 0) >= 2
+    _check_owners_only(results)
