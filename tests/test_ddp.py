@@ -7,7 +7,8 @@
 * torch's ``replicate`` (``replicate_with_fsdp``) per block and root over every rank, and FSDP2's native
   HSDP on the ``(N, 1)`` mesh: FSDP2 all-reduces every gradient; dmuon reads the mesh as N replicas of one
   rank each.
-* torch's ``DistributedDataParallel``: refused with an error naming the route above, on every rank.
+* torch's ``DistributedDataParallel`` itself: ``tests/test_ddp_torch.py``; here its checkpoints resume on the
+  other routes and theirs under it.
 * ``dmuon plan --ddp`` (the route's bytes against DDP's, the simulated step) and ``dmuon bench --ddp``.
 
 Bytes are counted per rank on gloo (dmuon's own collectives, plus FSDP2's all-reduce where FSDP2 issues
@@ -253,85 +254,6 @@ def test_fsdp2_replicate_and_native_bytes_equal_the_model(world, run):
     _check_even(received)
 
 
-def _ddp_misuse(rank: int, world: int) -> dict:
-    """Each way of handing dmuon a torch DDP model, on every rank: the error each rank raised, and where."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    out = {}
-    # Every rank creates every group (new_group is collective), each keeps its own: DDP over one rank.
-    singles = [dist.new_group([r]) for r in range(world)]
-
-    def attempt(name, build):
-        torch.manual_seed(0)
-        try:
-            model, make = build(OddNet())
-            opt = make(model)
-            where = "forward"
-            lm_loss(model, odd_batch(0, rank)).backward()
-            where = "step"
-            opt.step()
-            out[name] = None
-        except ValueError as err:
-            out[name] = (where if "where" in locals() else "build", str(err))
-        dist.barrier()
-
-    def fully_sharded(model):
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        return model
-
-    attempt("DMuon(ddp)", lambda m: (DDP(m), lambda d: dmuon.DMuon(d, lr=0.02)))
-    attempt("DMuon(ddp.parameters(), module=ddp)",
-            lambda m: (DDP(m), lambda d: dmuon.DMuon(d.parameters(), module=d, lr=0.02)))
-    attempt("DMuon(ddp.module)", lambda m: (DDP(m), lambda d: dmuon.DMuon(d.module, lr=0.02)))
-    attempt("DMuon(params, module=ddp.module)",
-            lambda m: (DDP(m), lambda d: dmuon.DMuon(list(d.module.parameters()), module=d.module, lr=0.02)))
-
-    def built_before_ddp(m):
-        holder = {}
-
-        def make(_):
-            return holder["opt"]
-        holder["opt"] = dmuon.DMuon(m, lr=0.02)
-        return DDP(m), make
-    attempt("DMuon before DDP", built_before_ddp)
-    attempt("DDP over a subgroup", lambda m: (DDP(m, process_group=singles[rank]), lambda d: dmuon.DMuon(d, lr=0.02)))
-
-    def mixed(m):
-        fully_sharded(m)
-        m.gate = DDP(m.gate)
-        return m, lambda d: dmuon.DMuon(d, lr=0.02)
-    attempt("DDP inside a fully_shard model", mixed)
-    return out
-
-
-@functools.cache
-def _misuse() -> list[dict]:
-    return run_distributed(_ddp_misuse, 2, timeout_s=300)
-
-
-@pytest.mark.parametrize("case,when,says", [
-    ("DMuon(ddp)", "build", "the model is a torch DistributedDataParallel"),
-    ("DMuon(ddp.parameters(), module=ddp)", "build", "the model is a torch DistributedDataParallel"),
-    ("DMuon(ddp.module)", "forward", "runs inside a torch DistributedDataParallel"),
-    ("DMuon(params, module=ddp.module)", "forward", "runs inside a torch DistributedDataParallel"),
-    ("DMuon before DDP", "forward", "built before DDP(...) wrapped the model"),
-    ("DDP over a subgroup", "build", "over a process group of 1 of the 2 ranks"),
-    ("DDP inside a fully_shard model", "build", "also uses fully_shard"),
-])
-def test_ddp_gets_an_error_naming_the_route_on_every_rank(case, when, says):
-    """torch's DDP (dmuon does not step it: README "DDP"): the same error on every rank, at construction or
-    at the first forward, naming what to write instead; never a hang or a message about fully_shard alone."""
-    errors = [r[case] for r in _misuse()]
-    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
-    where, text = errors[0]
-    assert where == when and says in text, errors[0]
-    assert "hsdp_mesh=mesh" in text and "(world_size, 1)" in text and 'mesh["shard"]' in text
-
-
 def test_tensor_parallel_then_ddp_with_dmuon():
     """DDP + TP: ``parallelize_module`` over ``tp``, then "DDP with dmuon" over the data-parallel ranks: the
     ``(replicate, shard, tp) = (2, 1, 2)`` mesh, FSDP2 over the one-rank shard dim, ``hsdp_mesh=mesh``.
@@ -367,7 +289,7 @@ def test_the_other_rules_on_ddp_with_dmuon_equal_their_formulas(rule):
     assert diff <= 1e-5, f"state of {worst} differs by {diff:.3g}"
 
 
-CHECKPOINT_ROUTES = ("ddp_with_dmuon", "replicate", "fsdp")
+CHECKPOINT_ROUTES = ("ddp_with_dmuon", "replicate", "torch_ddp", "fsdp")
 
 
 def _checkpoints_across_routes(rank: int, world: int, directory: str) -> dict | None:
@@ -380,12 +302,19 @@ def _checkpoints_across_routes(rank: int, world: int, directory: str) -> dict | 
     def build(route):
         if route == "replicate":
             return _replicated_oddnet(world, torch.float32)
+        if route == "torch_ddp":  # torch's DistributedDataParallel: the owners keep the momenta, whole
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            torch.manual_seed(0)
+            ddp = DDP(OddNet())
+            return ddp, dmuon.DMuon(ddp, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
+                                    ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
         model, _, opt = sharded_oddnet(world, mesh_shape=(world, 1) if route == "ddp_with_dmuon" else None,
                                        hsdp="dmuon")
         return model, opt
 
     out = {}
-    for saved in CHECKPOINT_ROUTES[:2]:
+    for saved in CHECKPOINT_ROUTES[:3]:
         path = f"{directory}/{saved}"
         model, opt = build(saved)
         _train(model, opt, rank, world, range(SAVED_AT))
@@ -395,14 +324,15 @@ def _checkpoints_across_routes(rank: int, world: int, directory: str) -> dict | 
                 model, opt = build(resumed)
                 load(model, opt, path)
                 _train(model, opt, rank, world, range(SAVED_AT, SAVED_AT + MORE))
-                out[(saved, resumed)] = full_params(model)
+                out[(saved, resumed)] = full_params(getattr(model, "module", model))
     return out if rank == 0 else None
 
 
 def test_checkpoints_resume_across_routes(tmp_path):
-    """A DCP checkpoint saved under DDP with dmuon resumes under ``replicate`` and under 1-D FSDP2, and one saved
-    under ``replicate`` under DDP with dmuon and 1-D FSDP2: as if never stopped (one process, fp32 NS). The
-    momentum is a DTensor split by columns on the first two, by rows on the third; DCP reshards it."""
+    """A DCP checkpoint (torch's ``get_state_dict``) saved under DDP with dmuon, under ``replicate`` or under torch's
+    ``DistributedDataParallel`` resumes under each other route and under 1-D FSDP2: as if never stopped (one
+    process, fp32 NS). The momentum is a DTensor split by columns on the first two routes, a whole tensor on its
+    owner only under torch's DDP, a DTensor split by rows under FSDP2; DCP reshards it."""
     from support.cases import MUON_KW
     from support.checkpoint import global_batch
     from support.reference import reference_training
@@ -413,7 +343,7 @@ def test_checkpoints_resume_across_routes(tmp_path):
     ref, _ = reference_training(model, [global_batch(s) for s in range(SAVED_AT + MORE)], lm_loss,
                                 muon_kwargs=MUON_KW, adamw_kwargs=dict(lr=3e-3, weight_decay=0.01),
                                 ns_dtype=torch.float32)
-    assert len(got) == 4
+    assert len(got) == 9
     for key, params in got.items():
         diff, worst = max_diff(params, ref)
         assert diff <= 1e-5, (key, worst, diff)

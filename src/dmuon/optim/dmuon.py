@@ -579,10 +579,21 @@ class DMuon(torch.optim.Optimizer):
             self._stages_checked = True
         try:
             self._last_report = self.runtime.step()
+            if self.plan.replicas:
+                self._mark_stepped()
         finally:
             if self._qk is not None:
                 self._qk.reset()  # a step's reports are its own, applied or skipped
         return loss
+
+    def _mark_stepped(self) -> None:
+        """Under DDP: an (empty) state entry for each stepped matrix this rank does not own, so that the
+        state dict names every stepped parameter on every rank, as torch's optimizers' do (torch's
+        ``set_optimizer_state_dict`` requires it; DCP then loads each owner's momentum where it lives now)."""
+        if not self._last_report.skipped_nonfinite:
+            for info in self.plan.infos:
+                if info.param.grad is not None:
+                    self.state[info.param]  # noqa: B018 (the defaultdict's entry)
 
     @torch.compiler.disable  # bookkeeping on a buffer outside the graph; a compiled forward breaks here
     def report_attention_logits(self, layer: str, max_logits: torch.Tensor, first_head: int = 0) -> None:
