@@ -16,7 +16,7 @@ from dmuon.bench.report import (
 from dmuon.bench.models import resolve_size
 from dmuon.bench.options import bench_options, build_parser
 from dmuon.bench.runner import run_all
-from dmuon.bench.setups import ALL_CONFIGS, SWEPT_BALANCERS
+from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, DDP_CONFIGS, SWEPT_BALANCERS
 from dmuon.util.spawn import run_distributed
 
 def _configs(args) -> list[str]:
@@ -91,6 +91,9 @@ def run(args) -> dict:
     if args.ddp:  # every data-parallel rank its own replica
         if args.hsdp != 1:
             raise SystemExit("dmuon bench: --ddp is the (N, 1) mesh; drop --hsdp")
+        if args.configs == ",".join(CONFIGS):  # not named: torch's DDP three ways, and the route
+            args.configs = ",".join(DDP_CONFIGS)
+            configs = _configs(args)
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
         args.hsdp = max(1, world_size // args.tp)

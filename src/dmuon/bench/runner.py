@@ -318,9 +318,14 @@ class _ConfigRun:
             # (in NS's input dtype: torch.optim.Muon casts to bfloat16 before NS).
             opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
-        fsdp_bytes = _fsdp_bytes_per_step(model, self.workload.blocks, world_size, self.opts.hsdp,
-                                          self.reshard_after_forward, self.opts.tp,
-                                          all_reduce=not (self.plan is not None and self.plan.reduces_replicas))
+        if config.startswith("ddp_"):
+            # torch's DDP: a ring all-reduce of every fp32 gradient, 2 (N-1)/N of them each way.
+            fsdp_bytes = 2 * 2 * (world_size - 1) * sum(p.numel() * p.element_size() for p in model.parameters()
+                                                        if p.requires_grad) // world_size
+        else:
+            fsdp_bytes = _fsdp_bytes_per_step(model, self.workload.blocks, world_size, self.opts.hsdp,
+                                              self.reshard_after_forward, self.opts.tp,
+                                              all_reduce=not (self.plan is not None and self.plan.reduces_replicas))
         live = self.live_bytes()
         balance = self.plan.balance_result if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))

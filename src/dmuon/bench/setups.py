@@ -20,7 +20,8 @@ EXTRA_CONFIGS = ("adamw_z2", "dmuon_z2_sync", "dmuon_z3_sync", "dmuon_z2_nsbwd",
                  "dmuon_z3_event", "dmuon_z2_native", "dmuon_z3_native", "adamw_clip", "dmuon_z2_clip",
                  "dmuon_z3_clip", "dmuon_z2_clip_refresh", "dmuon_z3_clip_refresh", "dmuon_z2_normuon",
                  "dmuon_z3_normuon", "dmuon_z2_muonh", "dmuon_z2_dion2", "dmuon_z2_rbwd", "dmuon_z3_rbwd",
-                 "dmuon_z2_nfwd", "dmuon_z3_nfwd", "dmuon_z3_muonh_nfwd")
+                 "dmuon_z2_nfwd", "dmuon_z3_nfwd", "dmuon_z3_muonh_nfwd", "ddp_adamw", "ddp_torch_muon",
+                 "ddp_dmuon")
 """``adamw_z2``: FSDP2 + torch.optim.AdamW with ``reshard_after_forward=False``,
 the like-for-like reference for ``dmuon_z2``; dmuon with ``overlap=False``
 (every collective inside ``step()``), with ``ns_in_backward=True`` (owners
@@ -56,11 +57,20 @@ place of ``DMuon``, otherwise ``dmuon_z2``.
 forward, unit by unit; the step is timed to its return, the applies fall in the next forward). Its gain
 needs an accelerator whose streams overlap the publication with the forward, across nodes; on CPU ranks
 it is a regression guard. ``dmuon_z3_muonh_nfwd``: the same with :class:`dmuon.MuonH` (its weight norms
-added in ``step()`` behind each return)."""
+added in ``step()`` behind each return).
+
+``ddp_adamw``, ``ddp_torch_muon``, ``ddp_dmuon``: torch's ``DistributedDataParallel`` over every rank (no
+FSDP2; the mesh is not used), with torch.optim.AdamW, with torch.optim.Muon + AdamW (every rank runs every
+NS) and with :class:`dmuon.DMuon` given the DDP model (each matrix's NS on its owner, the updates
+all-gathered: :mod:`dmuon.runtime.replicas`)."""
 CLIP_MAX_NORM = 1e-3
 """The ``_clip`` configurations' ``max_norm``: the bench's gradient norms are far above it."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
-MUON_CONFIGS = ("torch_muon", "gather") + tuple(c for c in ALL_CONFIGS if c.startswith("dmuon"))
+DDP_CONFIGS = ("ddp_adamw", "ddp_torch_muon", "ddp_dmuon", "dmuon_z2")
+"""``dmuon bench --ddp``'s default set: torch's DDP three ways, and "DDP with dmuon" (``dmuon_z2`` on the
+``(N, 1)`` mesh with ``hsdp_mesh``)."""
+MUON_CONFIGS = ("torch_muon", "gather", "ddp_torch_muon", "ddp_dmuon") + tuple(c for c in ALL_CONFIGS
+                                                                             if c.startswith("dmuon"))
 SWEPT_BALANCERS = ("round_robin", "lpt", "milp")
 """What ``--balancer all`` runs each dmuon configuration with (as ``dmuon_z2@lpt`` etc.)."""
 
@@ -186,6 +196,31 @@ def shard_root(model, mesh, reshard: bool) -> None:
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
+def _pair_of(model, hyper: Hyper, names: set[str]) -> _Pair:
+    """torch.optim.Muon on the 2-D Muon matrices ``names``, AdamW on the rest (conv kernels included: torch's
+    Muon takes 2-D parameters only, what its users have to do)."""
+    mats = [p for n, p in model.named_parameters() if n in names and p.ndim == 2]
+    rest = [p for n, p in model.named_parameters() if not (n in names and p.ndim == 2)]
+    return _Pair(torch.optim.Muon(mats, lr=hyper.lr, weight_decay=0.1),
+                 torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01))
+
+
+def _under_ddp(config: str, workload, hyper: Hyper):
+    """``workload.model`` wrapped in torch's ``DistributedDataParallel`` (the workload then holds the wrapper:
+    the forward goes through it) with ``config``'s optimizer; ``(optimizer, plan)``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = workload.model
+    workload.model = DistributedDataParallel(inner)
+    if config == "ddp_adamw":
+        return torch.optim.AdamW(inner.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
+    if config == "ddp_torch_muon":
+        return _pair_of(inner, hyper, {n for n, _ in select_matrices(inner)}), None
+    ns = dmuon.NSConfig(method=hyper.ns_method, dtype=hyper.ns_dtype)
+    plan = dmuon.prepare(workload.model, balancer=hyper.balancer, profile=hyper.profile, ns=ns)
+    return dmuon.DMuon(workload.model, plan, lr=hyper.lr, adamw=dmuon.AdamWConfig(lr=hyper.adamw_lr), ns=ns), plan
+
+
 def build(config: str, workload, mesh, hyper: Hyper):
     """Shards ``workload.model`` for ``config`` and returns ``(optimizer, plan)``.
 
@@ -201,21 +236,16 @@ def build(config: str, workload, mesh, hyper: Hyper):
     base, _, balancer = config.partition("@")
     if balancer and not base.startswith("dmuon_z"):
         raise ValueError(f"only dmuon configurations take a balancer (dmuon_*@NAME), got {config!r}")
+    if base.startswith("ddp_"):
+        return _under_ddp(base, workload, hyper)
     if config in ("adamw", "adamw_z2", "adamw_clip"):
         shard_workload(workload, mesh, reshard)
         return torch.optim.AdamW(model.parameters(), lr=hyper.adamw_lr, weight_decay=0.01), None
     if config == "torch_muon":
-        # Select before sharding: FSDP2 swaps the parameters for DTensors in place.
+        # Selected before sharding (FSDP2 swaps the parameters for DTensors), the pair built after.
         names = {n for n, _ in select_matrices(model)}
         shard_workload(workload, mesh, reshard)
-        # torch.optim.Muon takes 2-D parameters only; conv kernels go to AdamW,
-        # which is what its users have to do.
-        mats = [p for n, p in model.named_parameters() if n in names and p.ndim == 2]
-        rest = [p for n, p in model.named_parameters() if not (n in names and p.ndim == 2)]
-        return _Pair(
-            torch.optim.Muon(mats, lr=hyper.lr, weight_decay=0.1),
-            torch.optim.AdamW(rest, lr=hyper.adamw_lr, weight_decay=0.01),
-        ), None
+        return _pair_of(model, hyper, names), None
     ns = dmuon.NSConfig(method=hyper.ns_method, dtype=hyper.ns_dtype)
     kw = dict(lr=hyper.lr, adamw=dmuon.AdamWConfig(lr=hyper.adamw_lr))
     replicate_level = uses_replicate_level(config, mesh)
