@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.runtime.replicas import replica_collectives
+from dmuon.costmodel.traffic import replica_collectives
 from support.cases import MUON_KW, NORMUON_BETA2
 from support.equivalence import N_MATRICES, SKIP, STEPS, all_ranks_batches, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
@@ -148,7 +148,8 @@ def _counted(rank: int, world: int) -> dict:
     stats = opt.last_step_stats()
     wire = torch.finfo(opt.plan.ns.dtype).bits // 8
     return {"log": list(opt.runtime.stats.last_log), "waves": stats["return_waves"],
-            "model": replica_collectives(opt.plan, stats["return_waves"], wire),
+            "model": replica_collectives([i.shape for i in opt.plan.infos], [i.owner for i in opt.plan.infos],
+                                         world, stats["return_waves"], wire),
             "ddp_bytes": 2 * (world - 1) * sum(p.numel() * 4 for p in ddp.parameters()) // world,
             "shapes": [info.shape for info in opt.plan.infos]}
 
@@ -288,7 +289,7 @@ def test_bytes_are_the_models_and_even(world):
     and every rank sends the same bytes (DDP's all-reduce comes on top: README "DDP")."""
     results = _run(world, "bytes")
     for r in results:
-        assert [("intra", s, g) for _, s, g in r["model"]] == [tuple(e) for e in r["log"]]
+        assert [("intra", s, g) for s, g in r["model"]] == [tuple(e) for e in r["log"]]
     sent = [sum(e[1] for e in r["log"]) for r in results]
     assert len(set(sent)) == 1
     # Each owner's share padded to the largest (the balancer evens NS time, not elements): at most twice

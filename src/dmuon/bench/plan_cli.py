@@ -66,6 +66,7 @@ _DESIGN_LABELS = {
     "fsdp2_adamw": "FSDP2 + AdamW (gradient all-reduce)",
     "a": "native HSDP, dmuon_native_hsdp (FSDP2's all-reduce + update to the replicas)",
     "b": "replicate level, dmuon (gradient column reduce-scatter + update to the replicas)",
+    "ddp": "torch's DistributedDataParallel + dmuon (DDP's all-reduce + the updates' all-gather)",
 }
 
 
@@ -143,6 +144,8 @@ def _design_lines(plan: dict) -> list[str]:
     lines = ["HSDP replicate level, inter-node bytes per step for the Muon matrices "
              "(total over ranks; critical path = most one rank sends or receives):"]
     for key, label in _DESIGN_LABELS.items():
+        if key not in designs:
+            continue  # "ddp": one rank per replica only
         inter = designs[key]["inter"]
         ratio = f"{inter['total'] / base:.3f}x" if base else "-"
         lines.append(f"  {label}: total {_mib(inter['total'])} MiB ({ratio} FSDP2 + AdamW), "

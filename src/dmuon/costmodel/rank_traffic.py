@@ -357,7 +357,27 @@ def gather_traffic(
 HSDP_DESIGNS: tuple[str, ...] = ("fsdp2_adamw", "a", "b")
 """Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, native HSDP (FSDP2's native HSDP
 all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), the replicate level (the runtime's on HSDP:
-``step_comm``'s ``"dmuon"``)."""
+``step_comm``'s ``"dmuon"``); with one rank per replica also ``"ddp"``, torch's DistributedDataParallel
+with dmuon (:func:`replica_collectives` after DDP's all-reduce)."""
+
+
+def replica_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
+                        waves: Sequence[Sequence[int]] | None = None, elem_bytes: int = 2) -> list[tuple[int, int]]:
+    """dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`): ``(sent, received)``
+    bytes per rank of each collective of a step, one all-gather per return wave (``waves``: matrix indices;
+    None: one wave of every matrix). Each rank contributes the wave's largest owner share of elements
+    (the others pad to it), and a ring moves ``N - 1`` such chunks each way through every rank."""
+    if world == 1:
+        return []
+    numels = [math.prod(int(d) for d in shape) for shape in shapes]
+    out = []
+    for wave in (waves if waves is not None else [range(len(shapes))]):
+        share = [0] * world
+        for i in wave:
+            share[owners[i]] += numels[i]
+        nbytes = (world - 1) * max(share) * elem_bytes
+        out.append((nbytes, nbytes))
+    return out
 
 
 def _plus(t: Sequence[RankTraffic], u: RankTraffic) -> list[RankTraffic]:
@@ -396,12 +416,16 @@ def hsdp_design_traffic(
     fsdp2 = fsdp2_traffic(numels, replicate, shard, grad_bytes, reshard_after_forward)
     within = RankTraffic(fsdp2.intra_sent, fsdp2.intra_received, 0, 0)
     world = replicate * shard
-    return {
+    out = {
         "fsdp2_adamw": [RankTraffic(**fsdp2.as_dict()) for _ in range(world)],
         "a": _plus(owner_traffic(shapes, owners, replicate, shard, elem_bytes, waves=waves), fsdp2),
         "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes, waves=waves),
                    within),
     }
+    if shard == 1:  # one rank per replica: torch's DDP, its all-reduce then dmuon's all-gathers of the updates
+        gathered = [sum(c) for c in zip(*replica_collectives(shapes, owners, world, waves, elem_bytes))] or [0, 0]
+        out["ddp"] = _plus([RankTraffic(0, 0, *gathered)] * world, fsdp2)
+    return out
 
 
 def level_figures(traffic: Sequence[RankTraffic], level: str) -> dict:

@@ -38,6 +38,7 @@ from dmuon.costmodel.rank_traffic import (
     level_figures,
     owner_traffic,
     owner_traffic_column_reduce,
+    replica_collectives,
     replicate_all_reduce_traffic,
     row_width,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "level_figures",
     "owner_exchange_collectives",
     "owner_traffic",
+    "replica_collectives",
     "owner_traffic_column_reduce",
     "replicate_all_reduce_traffic",
     "row_width",

@@ -11,7 +11,8 @@ direction moves.
 
 Bytes per rank and step, besides DDP's all-reduce (``2 (N-1)/N`` of the fp32 gradients): one all-gather
 per wave of ``(N-1)`` times the largest rank's share of the wave, in the wire dtype (with even owners and
-bf16 updates, a quarter of the Muon matrices' all-reduce bytes: :func:`replica_collectives`). Every
+bf16 updates, a quarter of the Muon matrices' all-reduce bytes: the model is
+:func:`dmuon.costmodel.traffic.replica_collectives`). Every
 gradient element crosses the wire in fp32 once more than on the route where dmuon reduces the gradients
 itself (README "DDP").
 
@@ -86,17 +87,6 @@ def wave_chunk(plan: Plan, members: list[int]) -> int:
         info = plan.infos[i]
         share[info.owner] += info.numel
     return max(share, default=0)
-
-
-def replica_collectives(plan: Plan, waves: list[list[int]], wire_bytes: int) -> list[tuple[str, int, int]]:
-    """``(kind, bytes sent, bytes received)`` per rank of each collective dmuon issues in one step of
-    ``plan`` (a replicas plan) whose update returns are ``waves``: one all-gather per wave (a ring's
-    ``(N-1)`` chunks each way), no agreement byte counted (it is a few int32 flags)."""
-    n = plan.world_size
-    if n == 1:
-        return []
-    return [("all_gather", (n - 1) * wave_chunk(plan, w) * wire_bytes, (n - 1) * wave_chunk(plan, w) * wire_bytes)
-            for w in waves]
 
 
 class ReplicaRuntime:
@@ -279,14 +269,4 @@ class ReplicaRuntime:
 
     def close(self) -> None:
         """Nothing to remove: no hook, no worker."""
-
-
-def replica_bytes_per_step(plan: Plan, wire_bytes: int, waves: int = 1) -> int:
-    """Bytes one rank sends per step in dmuon's all-gathers (:func:`replica_collectives`) with every
-    matrix active, returned in ``waves`` waves."""
-    from dmuon.runtime.owner_work import OwnerWork
-
-    active = list(range(len(plan.infos)))
-    members = [w for w, _ in OwnerWork(plan, per_block=False, max_waves=max(1, waves)).return_waves(active, set())]
-    return sum(sent for _, sent, _ in replica_collectives(plan, members, wire_bytes))
 
