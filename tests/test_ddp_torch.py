@@ -149,9 +149,9 @@ def _counted(rank: int, world: int) -> dict:
     wire = torch.finfo(opt.plan.ns.dtype).bits // 8
     return {"log": list(opt.runtime.stats.last_log), "waves": stats["return_waves"],
             "model": replica_collectives([i.shape for i in opt.plan.infos], [i.owner for i in opt.plan.infos],
-                                         world, stats["return_waves"], wire),
+                                         world, stats["return_waves"], wire, opt.plan.rank),
             "ddp_bytes": 2 * (world - 1) * sum(p.numel() * 4 for p in ddp.parameters()) // world,
-            "shapes": [info.shape for info in opt.plan.infos]}
+            "shapes": [info.shape for info in opt.plan.infos], "owners": [info.owner for info in opt.plan.infos]}
 
 
 def _on_ranks(rank: int, world: int) -> dict:
@@ -285,17 +285,27 @@ def test_per_rank_state_dicts_resume_bit_for_bit(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_are_the_models_and_even(world):
-    """One step's collectives on every rank equal :func:`replica_collectives` (one padded all-gather per wave),
-    and every rank sends the same bytes (DDP's all-reduce comes on top: README "DDP")."""
+    """One step's collectives on every rank equal :func:`replica_collectives` (per wave, a padded all-gather or a
+    broadcast per owner, whichever moves fewer bytes), every update reaching every rank once (DDP's all-reduce
+    comes on top: README "DDP")."""
     results = _run(world, "bytes")
     for r in results:
         assert [("intra", s, g) for s, g in r["model"]] == [tuple(e) for e in r["log"]]
     sent = [sum(e[1] for e in r["log"]) for r in results]
-    assert len(set(sent)) == 1
-    # Each owner's share padded to the largest (the balancer evens NS time, not elements): at most twice
-    # the even all-gather of the Muon matrices' bf16 updates, ``(N-1)/N`` of them.
-    muon = sum(torch.Size(s).numel() for s in results[0]["shapes"])
-    assert sent[0] <= 2 * (world - 1) * muon * 2 // world
+    received = [sum(e[2] for e in r["log"]) for r in results]
+    # Every update reaches every rank once: each rank receives every share but its own, and no rank sends
+    # more than every share once (a chain of broadcasts) or N - 1 shares padded to the largest (an all-gather),
+    # whichever route the wave took (the cheaper one).
+    muon = sum(torch.Size(s).numel() for s in results[0]["shapes"]) * 2
+    shares = [0] * world
+    for shape, owner in zip(results[0]["shapes"], results[0]["owners"]):
+        shares[owner] += torch.Size(shape).numel() * 2
+    padded = (world - 1) * max(shares)
+    # OddNet's owners: even enough on 2 ranks for the all-gather, not on 4 (one broadcast per owner).
+    assert len(results[0]["log"]) == (1 if world == 2 else sum(1 for x in shares if x))
+    for r, (s_, g) in enumerate(zip(sent, received)):
+        assert s_ <= min(padded, muon), (r, s_)
+        assert g in (muon - shares[r], padded), (r, g)
 
 
 def _misuse(rank: int, world: int) -> dict:

@@ -66,7 +66,7 @@ _DESIGN_LABELS = {
     "fsdp2_adamw": "FSDP2 + AdamW (gradient all-reduce)",
     "a": "native HSDP, dmuon_native_hsdp (FSDP2's all-reduce + update to the replicas)",
     "b": "replicate level, dmuon (gradient column reduce-scatter + update to the replicas)",
-    "ddp": "torch's DistributedDataParallel + dmuon (DDP's all-reduce + the updates' all-gather)",
+    "ddp": "torch's DistributedDataParallel + dmuon (DDP's all-reduce + the updates to every rank)",
 }
 
 

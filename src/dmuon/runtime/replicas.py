@@ -9,10 +9,12 @@ its NS. The updates are all-gathered in the wire dtype (``NSConfig.dtype``), wav
 owners' batches, and every rank applies every update, so the weights stay equal on every rank. No
 direction moves.
 
-Bytes per rank and step, besides DDP's all-reduce (``2 (N-1)/N`` of the fp32 gradients): one all-gather
-per wave of ``(N-1)`` times the largest rank's share of the wave, in the wire dtype (with even owners and
-bf16 updates, a quarter of the Muon matrices' all-reduce bytes: the model is
-:func:`dmuon.costmodel.traffic.replica_collectives`). Every
+Bytes per rank and step, besides DDP's all-reduce (``2 (N-1)/N`` of the fp32 gradients): the updates in
+the wire dtype, once through every rank, wave by wave: one all-gather when the owners' shares of the wave
+are even (``(N-1)`` times the largest share), one broadcast per owner when padding to the largest would
+cost more (every share once; more ranks than matrices). With bf16 updates that is about a quarter of the
+Muon matrices' all-reduce bytes (:func:`dmuon.costmodel.traffic.replica_route`,
+:func:`~dmuon.costmodel.traffic.replica_collectives`). Every
 gradient element crosses the wire in fp32 once more than on the route where dmuon reduces the gradients
 itself (README "DDP").
 
@@ -22,7 +24,7 @@ agreed flags):
 1. agree, in one small all-reduce, which matrices have a gradient (DDP gives every rank a gradient or
    none), whether one is non-finite (``nonfinite=``), and the rule's step maxima (QK-clip);
 2. on each owner: ``commit`` (the momentum advances there only), then the owner's work batch by batch,
-   each wave's all-gather issued as soon as the wave's batches are done;
+   each wave's publication (an all-gather, or a broadcast per owner) issued as soon as its batches are done;
 3. ``independent`` (AdamW) while the waves travel;
 4. each wave landed, every rank ``apply``-s every update of it (with a row state, the owner alone
    stores the new rows: nobody else keeps them);
@@ -31,9 +33,9 @@ agreed flags):
 Streams: everything runs on the thread calling ``step()``, on its current stream (the compute stream).
 DDP's reducer has already made that stream wait for its all-reduces when backward returns (its
 finalization copies the reduced buckets into the gradients there). A wave's send buffer is written on
-the compute stream before its all-gather is issued from it (:meth:`~dmuon.comm.streams.Streams.issue`:
-the communicator's stream waits for it), the compute stream waits for the wave before unpacking it
-(:meth:`~dmuon.comm.streams.Flight.wait`), and the flight holds both buffers until then. Whether a
+the compute stream before its collectives are issued from it (:meth:`~dmuon.comm.streams.Streams.issue`:
+the communicator's stream waits for it), the compute stream waits for each of them before unpacking the
+wave (:meth:`~dmuon.comm.streams.Flight.wait`), and each flight holds its buffers until then. Whether a
 rank enters a collective depends only on the plan and the agreement.
 """
 
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 from dmuon.comm.device_streams import streams_for
 from dmuon.comm.stats import CommStats
+from dmuon.costmodel.traffic import chain_bytes, replica_route
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import agreement_flags
@@ -79,14 +82,12 @@ def check_replica_execution(config: ExecutionConfig) -> None:
                          "model (DDP has no per-unit all-gather in forward to apply them before); leave it \"in_step\"")
 
 
-def wave_chunk(plan: Plan, members: list[int]) -> int:
-    """Elements each rank contributes to a wave's all-gather: the largest rank's share of ``members``
-    (the others pad to it; every rank computes it alike from the plan)."""
+def owner_shares(plan: Plan, members: list[int]) -> list[int]:
+    """Each plan rank's elements among ``members`` (the updates it owns in the wave)."""
     share = [0] * plan.world_size
     for i in members:
-        info = plan.infos[i]
-        share[info.owner] += info.numel
-    return max(share, default=0)
+        share[plan.infos[i].owner] += plan.infos[i].numel
+    return share
 
 
 class ReplicaRuntime:
@@ -193,12 +194,12 @@ class ReplicaRuntime:
                         [rows.pop(i) for i in batch] if self.row_width else None)
                     updates.update(done)
                     new_rows.update(done_rows)
-                flights.append((members, new_rows, self._all_gather(members, updates)))
+                flights.append((members, new_rows, *self._publish(members, updates)))
         cb.independent()  # while the waves travel
-        for members, new_rows, (flight, gathered, chunk) in flights:
-            if flight is not None:
+        for members, new_rows, landing, segments in flights:
+            for flight in landing:
                 flight.wait()
-            updates = self._unpack(members, gathered, chunk)
+            updates = self._unpack(members, segments())
             if self.row_width:
                 cb.apply(updates, new_rows)  # the owner's rows: the only holder of the row state
             else:
@@ -211,38 +212,59 @@ class ReplicaRuntime:
         report.ns_spans = [span]
 
     @ranged("exchange")
-    def _all_gather(self, members: list[int], updates: dict[int, torch.Tensor]):
-        """Issues one wave's all-gather of every owner's updates (this rank's, packed in plan order and
-        padded to :func:`wave_chunk`); returns ``(flight or None, gathered buffer, chunk)``."""
-        plan, n = self.plan, self.plan.world_size
-        chunk = wave_chunk(plan, members)
-        send = torch.zeros(chunk, dtype=plan.ns.dtype, device=self.device)
+    def _publish(self, members: list[int], updates: dict[int, torch.Tensor]):
+        """Issues one wave's collectives carrying every owner's updates to every rank, by
+        :func:`~dmuon.costmodel.traffic.replica_route` (decided from the plan, alike on every rank): one
+        all-gather of the shares padded to the largest, or one broadcast per owner with a share.
+
+        Returns ``(flights, segments)``: once the flights have landed, ``segments()[r]`` holds owner ``r``'s
+        updates of the wave, in plan order."""
+        plan, n, me = self.plan, self.plan.world_size, self.plan.rank
+        shares = owner_shares(plan, members)
+        mine = torch.empty(shares[me], dtype=plan.ns.dtype, device=self.device)
         offset = 0
         for i in members:
-            if plan.infos[i].owner == plan.rank:
+            if plan.infos[i].owner == me:
                 numel = plan.infos[i].numel
-                send[offset : offset + numel].copy_(updates[i].reshape(-1))
+                mine[offset : offset + numel].copy_(updates[i].reshape(-1))
                 offset += numel
         if n == 1:
-            return None, send, chunk
-        gathered = torch.empty(n * chunk, dtype=send.dtype, device=self.device)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        flight = self.streams.issue(
-            lambda: all_gather(gathered, send, group=self.topo.mesh_group, async_op=True),
-            reads=(send,), writes=(gathered,))
-        nbytes = (n - 1) * chunk * send.element_size()
-        self.stats.add("intra", nbytes, nbytes)
-        return flight, gathered, chunk
+            return [], lambda: {me: mine}
+        group, elem = self.topo.mesh_group, mine.element_size()
+        if replica_route(shares) == "all_gather":
+            chunk = max(shares)
+            send = torch.zeros(chunk, dtype=mine.dtype, device=self.device)
+            send[: shares[me]].copy_(mine)
+            gathered = torch.empty(n * chunk, dtype=mine.dtype, device=self.device)
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            flight = self.streams.issue(lambda: all_gather(gathered, send, group=group, async_op=True),
+                                        reads=(send,), writes=(gathered,))
+            self.stats.add("intra", (n - 1) * chunk * elem, (n - 1) * chunk * elem)
+            start = [self._slot[r] * chunk for r in range(n)]
+            # Cut once landed: a view is a read of the buffer the collective writes.
+            return [flight], lambda: {r: gathered[start[r] : start[r] + shares[r]] for r in range(n)}
+        flights, segments = [], {}
+        for r in range(n):  # owner order, the same on every rank
+            if not shares[r]:
+                continue
+            segment = mine if r == me else torch.empty(shares[r], dtype=mine.dtype, device=self.device)
+            source = self.topo.global_ranks[r]
+            flights.append(self.streams.issue(
+                lambda segment=segment, source=source: dist.broadcast(segment, src=source, group=group,
+                                                                       async_op=True),
+                reads=(segment,), writes=(segment,)))
+            self.stats.add("intra", *chain_bytes(shares[r] * elem, r, me, n))
+            segments[r] = segment
+        return flights, lambda: segments
 
-    def _unpack(self, members: list[int], gathered: torch.Tensor, chunk: int) -> dict[int, torch.Tensor]:
-        """Each member's whole update from the landed wave: each owner's updates in its slot, in plan order."""
-        plan = self.plan
-        offsets = [self._slot[r] * chunk for r in range(plan.world_size)]
+    def _unpack(self, members: list[int], segments: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each member's whole update from the landed wave: its owner's segment, the owner's members in plan order."""
+        offsets = dict.fromkeys(segments, 0)
         out = {}
         for i in members:
-            info = plan.infos[i]
+            info = self.plan.infos[i]
             start = offsets[info.owner]
-            out[i] = gathered[start : start + info.numel].view(info.matrix_shape)
+            out[i] = segments[info.owner][start : start + info.numel].view(info.matrix_shape)
             offsets[info.owner] += info.numel
         return out
 
