@@ -169,6 +169,9 @@ def _on_ranks(rank: int, world: int) -> dict:
         "autocast": lambda: _trained(*_pair(), rank, autocast=True),
         "autocast_torch": lambda: _torch_pair_on_ddp(rank, autocast=True),
         "resume": lambda: _resumed(rank),
+        # torch.compile(DDP(model)) given to DMuon (dynamo's eager backend: the wrapping, not the kernels).
+        "compiled": lambda: (lambda c: _trained(c, _dmuon(c), rank))(
+            torch.compile(_ddp(find_unused_parameters=True), backend="eager")),
         "bytes": lambda: _counted(rank, world),
     }
     if world == 2:
@@ -195,7 +198,7 @@ def _check_owners_only(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before"])
+@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before", "compiled"])
 def test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner(world, how):
     """``DDP(model, find_unused_parameters=True)`` with a block unused at step 1: one process's result on the
     global batch (fp32 NS), each matrix orthogonalized once across the ranks, its momentum on its owner only."""

@@ -61,7 +61,8 @@ def _sharded(module: nn.Module) -> bool:
 
 
 def ddp_root(model: nn.Module):
-    """``model`` itself when it is a torch ``DistributedDataParallel`` dmuon can step, else None.
+    """``model`` itself when it is a torch ``DistributedDataParallel`` dmuon can step (also under
+    ``torch.compile``: the DDP it compiled), else None.
 
     Raises:
         ValueError: A DDP inside the model (not its root), or a DDP around a model that also uses
@@ -69,6 +70,9 @@ def ddp_root(model: nn.Module):
             the same model raises the same error.
     """
     ddp_type = _ddp_type()
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the wrapper under the compiled one
+    if isinstance(compiled, ddp_type):
+        model = compiled
     inner = [name for name, m in model.named_modules() if name and isinstance(m, ddp_type)]
     if inner:
         raise ValueError(f"submodule {inner[0]!r} is a torch DistributedDataParallel inside the model: DDP "
