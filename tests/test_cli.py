@@ -44,6 +44,7 @@ def test_bench_short_mode_writes_every_field(tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # torchrun's launch of the bench; the spawned bench runs by default (test_bench_short_mode_writes_every_field)
 def test_bench_under_torchrun(tmp_path):
     """``torchrun -m dmuon.bench``: the ranks are torchrun's, rank 0 writes the results, and every
     rank leaves cleanly (before the bench freed its models while the process groups lived, gloo's
@@ -322,6 +323,7 @@ def test_plan_zero_changes_only_the_fsdp2_figures():
         plan_offline(groups, 16, zero=1)
 
 
+@pytest.mark.slow  # three balancers' benches; each balancer is tested by default in src/dmuon/plan/tests
 def test_bench_balancer_sweep_with_profiled_costs(tmp_path, monkeypatch):
     monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "sweep.json"

@@ -47,7 +47,7 @@ def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, variant
     return counts
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
+@pytest.mark.parametrize("mesh_shape", [None, pytest.param((2, 2), marks=pytest.mark.slow)])  # 2x2: under -m slow
 def test_step_reads_the_device_a_fixed_number_of_times(mesh_shape):
     world_size = 2 if mesh_shape is None else 4
     for variant in ("no clip", "torch clip", "dmuon clip", "nonfinite"):

@@ -192,6 +192,7 @@ def test_dry_run_through_the_script(tmp_path):
     assert "CSANError: made-up report" in table
 
 
+@pytest.mark.slow  # a whole bench section on gloo; scripts/gpu_check.sh runs it on the device, the dry run here by default
 def test_bench_section_on_cpu_with_loopback(tmp_path):
     """The stream section for real on CPU (gloo, every run's streams under the checker): the launch
     verdicts, the measured tolerance and the comparisons pass (no delay: CPU has no streams to delay)."""

@@ -127,6 +127,7 @@ def test_plan_simulate_trace_and_its_picture(tmp_path, capsys):
     assert plan_cli.main(argv + ["--trace", str(two), "--trace-ranks", "16"]) == 2
 
 
+@pytest.mark.slow  # the recommender over every layout; src/dmuon/costmodel/tests/test_recommend.py tests it by default
 def test_plan_recommend(tmp_path, capsys):
     """``--recommend``: the fastest configuration as code, against FSDP2 + AdamW, with what it asks; the
     candidates in --json, the printed one among them."""
