@@ -201,6 +201,26 @@ def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
     return None
 
 
+def _ddp_wrapper(rank: int, world_size: int, mesh) -> str | None:
+    """active_ddp_module inside and outside DDP's forward, and DeviceMesh.from_group over DDP's group (what
+    dmuon's plan under DDP is made over)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = nn.Linear(3, 2)
+    ddp = DistributedDataParallel(inner)
+    seen = []
+    handle = inner.register_forward_pre_hook(lambda module, args: seen.append(torch_compat.active_ddp_module()))
+    ddp(torch.ones(1, 3)).sum().backward()
+    handle.remove()
+    if seen != [ddp] or torch_compat.active_ddp_module() is not None:
+        return f"{TORCH}: active_ddp_module was {seen} inside DDP's forward, {torch_compat.active_ddp_module()} after"
+    from_group = DeviceMesh.from_group(ddp.process_group, "cpu", mesh_dim_names=("ddp",))
+    if from_group.mesh.tolist() != list(range(world_size)) or from_group.get_rank() != rank:
+        return f"{TORCH}: DeviceMesh.from_group(DDP's group) holds {from_group.mesh.tolist()}"
+    return None
+
+
 def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -208,7 +228,8 @@ def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     results: dict[str, str | None] = {}
     for name, fn in (("local_shape_and_offset", _local_shape_and_offset), ("strided_shard", _strided_shard),
                      ("all_reduce_hook", _all_reduce_hook), ("reduced_gradients", _reduced_gradients),
-                     ("unshard_state", _unshard_state), ("groups_and_meshes", _groups_and_meshes)):
+                     ("unshard_state", _unshard_state), ("groups_and_meshes", _groups_and_meshes),
+                     ("ddp_wrapper", _ddp_wrapper)):
         _check(results, name, lambda fn=fn: fn(rank, world_size, mesh))
     return results
 
@@ -219,7 +240,7 @@ def on_ranks() -> list[dict[str, str | None]]:
 
 
 @pytest.mark.parametrize("name", ["local_shape_and_offset", "strided_shard", "all_reduce_hook", "reduced_gradients",
-                                  "unshard_state", "groups_and_meshes"])
+                                  "unshard_state", "groups_and_meshes", "ddp_wrapper"])
 def test_each_wrapper_on_fsdp2_and_dtensor(on_ranks, name):
     problems = [f"rank {r}: {res[name]}" for r, res in enumerate(on_ranks) if res[name] is not None]
     assert not problems, "\n".join(problems)
