@@ -356,7 +356,8 @@ class _ConfigRun:
             "inter_bytes_per_step": int(statistics.median(inter)) if inter else 0,
             # dmuon: the launches from backward step() kept, per timed step (rank 0's), of the plan's blocks.
             "kept_launches_per_step": list(self.kept),
-            "blocks": len(self.plan.blocks) if self.plan is not None else 0,
+            # No launches under torch's DDP (its gradients exist only once backward ends): nothing to report.
+            "blocks": len(self.plan.blocks) if self.plan is not None and not self.plan.replicas else 0,
             "losses": self.losses,
             "tokens_per_rank": self.workload.tokens_per_rank,
             "imbalance": self.plan.imbalance() if self.plan is not None else None,
