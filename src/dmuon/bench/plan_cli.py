@@ -100,7 +100,7 @@ def _step_lines(plan: dict) -> list[str]:
 SIM_LABELS = {"fsdp_adamw": "FSDP2 + AdamW", "gather": "gather-then-compute",
               "dmuon": "dmuon (replicate level on HSDP)", "dmuon_native_hsdp": "dmuon_native_hsdp (native HSDP)",
               "dmuon_rbwd": "dmuon, returns in backward", "dmuon_nfwd": "dmuon, applied in next forward",
-              "dion_all_to_all": "all-to-all peer (dion, DistMuon)"}
+              "dion_all_to_all": "all-to-all peer (dion, DistMuon)", "ddp_dmuon": "torch's DDP + dmuon"}
 """Row names of the simulation's table, in :data:`SIM_STRATEGIES` order."""
 
 
@@ -122,7 +122,7 @@ def _simulation_lines(plan: dict) -> list[str]:
              f"waves{'; serialised' if not m['overlap'] else ''}):",
              f"  {'strategy':<34} {'step ms':>9} {'vs AdamW':>9} {'optimizer ms':>13} {'gather opt /':>13} "
              f"{'exposed comm ms':>16}  optimizer phase, busiest rank: NS / elementwise / intra / inter link ms"]
-    for key in SIM_STRATEGIES:
+    for key in sim:  # SIM_STRATEGIES, then torch's DDP + dmuon on one rank per replica
         f, r = sim[key], ratios[key]
         over = r["gather_optimizer_over_this"]
         lines.append(f"  {SIM_LABELS[key]:<34} {f['step_seconds'] * 1e3:>9.1f} {r['step_vs_fsdp_adamw']:>8.3f}x "

@@ -23,7 +23,8 @@ from dmuon.costmodel.traffic import (
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
-from dmuon.costmodel.simulate import goal_ratios, simulate_strategies
+from dmuon.costmodel.collectives import REPLICAS_STRATEGY
+from dmuon.costmodel.simulate import SIM_STRATEGIES, goal_ratios, simulate_strategies
 from dmuon.costmodel.trace import chrome_trace
 from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.hop_a import default_spread
@@ -240,7 +241,9 @@ def plan_offline(
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                              hop_a_spread=hop_a_spread, root_regathered=root_regathered)
-        plan["simulation"] = simulate_strategies(inputs, hardware, options)
+        # One rank per replica (the (N, 1) layout): torch's DDP + dmuon is one more way to run it.
+        strategies = SIM_STRATEGIES + ((REPLICAS_STRATEGY,) if shard == 1 and replicate > 1 else ())
+        plan["simulation"] = simulate_strategies(inputs, hardware, options, strategies)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
         if trace is not None:
             plan["simulation_trace"] = chrome_trace(inputs, hardware, options, **trace)

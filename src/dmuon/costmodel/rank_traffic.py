@@ -33,6 +33,7 @@ from typing import Sequence
 
 from dmuon.plan.layout import shard_rows
 from dmuon.plan.publication import Published, choose_route, route_stages
+from dmuon.plan.replicas import replica_hops
 
 
 @dataclass
@@ -361,36 +362,12 @@ all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), the replicate level (the r
 with dmuon (:func:`replica_collectives` after DDP's all-reduce)."""
 
 
-def replica_route(shares: Sequence[int]) -> str:
-    """How one wave of owners' updates reaches every rank under torch's DDP (:mod:`dmuon.runtime.replicas`),
-    from each rank's share of the wave's elements (every rank decides alike, from the plan):
-
-    * ``"all_gather"``: one all-gather, each share padded to the largest; a ring moves ``N - 1`` padded
-      shares through every rank, ``(N - 1) * max(shares)``;
-    * ``"broadcast"``: one broadcast per owner with a share; a chain from each owner moves every share
-      through every rank once, ``sum(shares)``, for one collective per owner.
-
-    The all-gather when it moves no more (even shares), the broadcasts when padding would cost more (owners
-    with uneven shares; more ranks than matrices, where the largest matrix would be padded ``N - 1`` times).
-    """
-    world = len(shares)
-    return "all_gather" if (world - 1) * max(shares, default=0) <= sum(shares) else "broadcast"
-
-
-def chain_bytes(nbytes: int, root: int, rank: int, world: int) -> tuple[int, int]:
-    """``(sent, received)`` of ``rank`` in a broadcast of ``nbytes`` from ``root`` along the chain
-    ``root, root + 1, ...`` (mod ``world``): each rank passes it to the next, the last keeps it."""
-    position = (rank - root) % world
-    return (nbytes if position < world - 1 else 0, nbytes if position > 0 else 0)
-
-
 def replica_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
                         waves: Sequence[Sequence[int]] | None = None, elem_bytes: int = 2,
                         rank: int = 0) -> list[tuple[int, int]]:
     """dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`): ``(sent, received)``
     bytes of ``rank`` in each collective of a step, wave by wave (``waves``: matrix indices; None: one wave
-    of every matrix), each wave by :func:`replica_route`: one padded all-gather, or one broadcast per owner
-    with a share, in owner order (:func:`chain_bytes`)."""
+    of every matrix), each wave's hops by :func:`replica_hops`, in order."""
     if world == 1:
         return []
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
@@ -399,11 +376,7 @@ def replica_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], 
         share = [0] * world
         for i in wave:
             share[owners[i]] += numels[i]
-        if replica_route(share) == "all_gather":
-            nbytes = (world - 1) * max(share) * elem_bytes
-            out.append((nbytes, nbytes))
-        else:
-            out.extend(chain_bytes(share[r] * elem_bytes, r, rank, world) for r in range(world) if share[r])
+        out.extend(hop[rank] for hop in replica_hops(share, elem_bytes)[1])
     return out
 
 

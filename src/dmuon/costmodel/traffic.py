@@ -38,13 +38,12 @@ from dmuon.costmodel.rank_traffic import (
     level_figures,
     owner_traffic,
     owner_traffic_column_reduce,
-    chain_bytes,
     replica_collectives,
-    replica_route,
     replicate_all_reduce_traffic,
     row_width,
 )
 from dmuon.plan.layout import shard_rows
+from dmuon.plan.replicas import replica_hops, replica_route, scatter_parts  # the routes priced here
 
 __all__ = [
     "HSDP_DESIGNS",
@@ -61,12 +60,13 @@ __all__ = [
     "level_figures",
     "owner_exchange_collectives",
     "owner_traffic",
-    "chain_bytes",
     "replica_collectives",
+    "replica_hops",
     "replica_route",
     "owner_traffic_column_reduce",
     "replicate_all_reduce_traffic",
     "row_width",
+    "scatter_parts",
     "shard_rows",
     "step_collectives",
     "step_comm",

@@ -10,13 +10,13 @@ owners' batches, and every rank applies every update, so the weights stay equal 
 direction moves.
 
 Bytes per rank and step, besides DDP's all-reduce (``2 (N-1)/N`` of the fp32 gradients): the updates in
-the wire dtype, once through every rank, wave by wave: one all-gather when the owners' shares of the wave
-are even (``(N-1)`` times the largest share), one broadcast per owner when padding to the largest would
-cost more (every share once; more ranks than matrices). With bf16 updates that is about a quarter of the
-Muon matrices' all-reduce bytes (:func:`dmuon.costmodel.traffic.replica_route`,
-:func:`~dmuon.costmodel.traffic.replica_collectives`). Every
-gradient element crosses the wire in fp32 once more than on the route where dmuon reduces the gradients
-itself (README "DDP").
+the wire dtype, through every rank once, wave by wave: one all-gather when the owners' shares of the wave
+are even (``(N-1)`` times the largest share), else the scatter route, an all-to-all that evens them out and
+an all-gather of the even chunks (about ``(N-1)/N`` of the share and of the wave through the busiest rank),
+whichever moves less through the busiest rank, two collectives at most whatever ``N``. With bf16 updates that
+is about a quarter of the Muon matrices' all-reduce bytes (:func:`dmuon.plan.replicas.replica_hops`,
+:func:`dmuon.costmodel.traffic.replica_collectives`). Every gradient element crosses the wire in fp32 once
+more than on the route where dmuon reduces the gradients itself (README "DDP").
 
 One step, on every rank alike (the same collectives in the same order, decided by the plan and the
 agreed flags):
@@ -24,7 +24,8 @@ agreed flags):
 1. agree, in one small all-reduce, which matrices have a gradient (DDP gives every rank a gradient or
    none), whether one is non-finite (``nonfinite=``), and the rule's step maxima (QK-clip);
 2. on each owner: ``commit`` (the momentum advances there only), then the owner's work batch by batch,
-   each wave's publication (an all-gather, or a broadcast per owner) issued as soon as its batches are done;
+   each wave's publication (an all-gather, or the scatter's all-to-all) issued as soon as its batches are
+   done, its second hop (the scatter's all-gather) behind the next wave's batches;
 3. ``independent`` (AdamW) while the waves travel;
 4. each wave landed, every rank ``apply``-s every update of it (with a row state, the owner alone
    stores the new rows: nobody else keeps them);
@@ -41,6 +42,7 @@ rank enters a collective depends only on the plan and the agreement.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from dmuon.comm.device_streams import streams_for
 from dmuon.comm.stats import CommStats
-from dmuon.costmodel.traffic import chain_bytes, replica_route
+from dmuon.plan.replicas import replica_hops, scatter_parts
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import agreement_flags
@@ -183,7 +185,7 @@ class ReplicaRuntime:
         self._weight_totals(active, applied=False)
         waves = self.work.return_waves(active, set())
         report.return_waves = [list(members) for members, _ in waves]
-        flights = []
+        publications: list[tuple[list[int], dict[int, torch.Tensor], _Publication]] = []
         with self.streams.interval() as span:  # on the compute stream: the device's time there too
             for members, batches in waves:
                 updates: dict[int, torch.Tensor] = {}
@@ -194,12 +196,12 @@ class ReplicaRuntime:
                         [rows.pop(i) for i in batch] if self.row_width else None)
                     updates.update(done)
                     new_rows.update(done_rows)
-                flights.append((members, new_rows, *self._publish(members, updates)))
+                for _, _, earlier in publications:
+                    earlier.advance()  # the earlier waves' next hops, behind this wave's work
+                publications.append((members, new_rows, _Publication(self, members, updates)))
         cb.independent()  # while the waves travel
-        for members, new_rows, landing, segments in flights:
-            for flight in landing:
-                flight.wait()
-            updates = self._unpack(members, segments())
+        for members, new_rows, publication in publications:
+            updates = self._unpack(members, publication.land())
             if self.row_width:
                 cb.apply(updates, new_rows)  # the owner's rows: the only holder of the row state
             else:
@@ -210,52 +212,6 @@ class ReplicaRuntime:
         report.orthogonalized = len(mine)
         report.ns_seconds = span.host_seconds
         report.ns_spans = [span]
-
-    @ranged("exchange")
-    def _publish(self, members: list[int], updates: dict[int, torch.Tensor]):
-        """Issues one wave's collectives carrying every owner's updates to every rank, by
-        :func:`~dmuon.costmodel.traffic.replica_route` (decided from the plan, alike on every rank): one
-        all-gather of the shares padded to the largest, or one broadcast per owner with a share.
-
-        Returns ``(flights, segments)``: once the flights have landed, ``segments()[r]`` holds owner ``r``'s
-        updates of the wave, in plan order."""
-        plan, n, me = self.plan, self.plan.world_size, self.plan.rank
-        shares = owner_shares(plan, members)
-        mine = torch.empty(shares[me], dtype=plan.ns.dtype, device=self.device)
-        offset = 0
-        for i in members:
-            if plan.infos[i].owner == me:
-                numel = plan.infos[i].numel
-                mine[offset : offset + numel].copy_(updates[i].reshape(-1))
-                offset += numel
-        if n == 1:
-            return [], lambda: {me: mine}
-        group, elem = self.topo.mesh_group, mine.element_size()
-        if replica_route(shares) == "all_gather":
-            chunk = max(shares)
-            send = torch.zeros(chunk, dtype=mine.dtype, device=self.device)
-            send[: shares[me]].copy_(mine)
-            gathered = torch.empty(n * chunk, dtype=mine.dtype, device=self.device)
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            flight = self.streams.issue(lambda: all_gather(gathered, send, group=group, async_op=True),
-                                        reads=(send,), writes=(gathered,))
-            self.stats.add("intra", (n - 1) * chunk * elem, (n - 1) * chunk * elem)
-            start = [self._slot[r] * chunk for r in range(n)]
-            # Cut once landed: a view is a read of the buffer the collective writes.
-            return [flight], lambda: {r: gathered[start[r] : start[r] + shares[r]] for r in range(n)}
-        flights, segments = [], {}
-        for r in range(n):  # owner order, the same on every rank
-            if not shares[r]:
-                continue
-            segment = mine if r == me else torch.empty(shares[r], dtype=mine.dtype, device=self.device)
-            source = self.topo.global_ranks[r]
-            flights.append(self.streams.issue(
-                lambda segment=segment, source=source: dist.broadcast(segment, src=source, group=group,
-                                                                       async_op=True),
-                reads=(segment,), writes=(segment,)))
-            self.stats.add("intra", *chain_bytes(shares[r] * elem, r, me, n))
-            segments[r] = segment
-        return flights, lambda: segments
 
     def _unpack(self, members: list[int], segments: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each member's whole update from the landed wave: its owner's segment, the owner's members in plan order."""
@@ -292,3 +248,90 @@ class ReplicaRuntime:
     def close(self) -> None:
         """Nothing to remove: no hook, no worker."""
 
+
+class _Publication:
+    """One wave's updates on their way to every rank (:func:`~dmuon.plan.replicas.replica_hops`' route,
+    decided from the plan alike on every rank), hop by hop: issued from the compute stream, the first hop at
+    once, the next by :meth:`advance` (after the next wave's work, so that the transfer overlaps it).
+
+    The updates lie end to end in the group's rank order (each owner's, its members in plan order); on the
+    all-gather route each owner's share padded to the largest, on the scatter route cut in even chunks, each
+    rank's chunk gathered by an all-to-all first."""
+
+    def __init__(self, runtime: "ReplicaRuntime", members: list[int], updates: dict[int, torch.Tensor]) -> None:
+        plan, n, me = runtime.plan, runtime.plan.world_size, runtime.plan.rank
+        self.runtime, self.slot = runtime, runtime._slot
+        shares = owner_shares(plan, members)
+        self.shares = [0] * n  # by slot: the group's rank order
+        for r in range(n):
+            self.shares[self.slot[r]] = shares[r]
+        self.mine = torch.empty(shares[me], dtype=plan.ns.dtype, device=runtime.device)
+        offset = 0
+        for i in members:
+            if plan.infos[i].owner == me:
+                numel = plan.infos[i].numel
+                self.mine[offset : offset + numel].copy_(updates[i].reshape(-1))
+                offset += numel
+        self.flights: list = []
+        self.gathered: torch.Tensor | None = None
+        self.route, self.hops = replica_hops(self.shares, self.mine.element_size()) if n > 1 else ("local", [])
+        if self.route == "all_gather":
+            self.chunk = max(self.shares)
+            send = torch.zeros(self.chunk, dtype=self.mine.dtype, device=runtime.device)
+            send[: self.mine.numel()].copy_(self.mine)
+            self._all_gather(send)
+        elif self.route == "scatter":
+            parts, self.chunk = scatter_parts(self.shares)
+            mine = self.slot[me]
+            self.received = torch.empty(sum(parts[a][mine] for a in range(n)), dtype=self.mine.dtype,
+                                        device=runtime.device)
+            mine_in, mine_out = parts[mine], [parts[a][mine] for a in range(n)]
+            group, received, send = runtime.topo.mesh_group, self.received, self.mine
+            self._issue(lambda: dist.all_to_all_single(received, send, mine_out, mine_in, group=group, async_op=True),
+                        (send,), (received,), 0)
+
+    @property
+    def issued(self) -> bool:
+        """Every hop is issued (what is left is landing it)."""
+        return self.gathered is not None or self.route == "local"
+
+    def _issue(self, collective, reads, writes, hop: int) -> None:
+        runtime = self.runtime
+        self.flights.append(runtime.streams.issue(collective, reads, writes))
+        runtime.stats.add("intra", *self.hops[hop][self.slot[runtime.plan.rank]])
+
+    def _all_gather(self, send: torch.Tensor) -> None:
+        runtime = self.runtime
+        self.gathered = torch.empty(runtime.plan.world_size * self.chunk, dtype=send.dtype, device=runtime.device)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        group, gathered = runtime.topo.mesh_group, self.gathered
+        self._issue(lambda: all_gather(gathered, send, group=group, async_op=True), (send,), (gathered,),
+                    len(self.hops) - 1)
+
+    @ranged("exchange")
+    def advance(self) -> None:
+        """Issues the next hop, if any: on the scatter route the even chunks' all-gather, once the compute
+        stream has waited for the all-to-all that brought this rank's chunk."""
+        if self.issued:
+            return
+        self.flights[-1].wait()
+        send = torch.zeros(self.chunk, dtype=self.mine.dtype, device=self.runtime.device)
+        send[: self.received.numel()].copy_(self.received)
+        self._all_gather(send)
+
+    def land(self) -> dict[int, torch.Tensor]:
+        """Every hop issued and landed on the compute stream; each owner's updates by plan rank (views of the
+        landed buffer: a view is a read, taken only now)."""
+        self.advance()
+        for flight in self.flights:
+            flight.wait()
+        n = self.runtime.plan.world_size
+        if self.route == "local":
+            return {self.runtime.plan.rank: self.mine}
+        if self.route == "all_gather":
+            start = [self.slot[r] * self.chunk for r in range(n)]
+        else:
+            ends = list(itertools.accumulate(self.shares))
+            start = [ends[self.slot[r]] - self.shares[self.slot[r]] for r in range(n)]
+        by_slot = {r: self.shares[self.slot[r]] for r in range(n)}
+        return {r: self.gathered[start[r] : start[r] + by_slot[r]] for r in range(n)}
