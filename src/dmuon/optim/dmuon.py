@@ -326,7 +326,8 @@ class DMuon(torch.optim.Optimizer):
         if self.runtime is not None:
             return
         deferred = self._deferred
-        ddp = wrapping_ddp(self.model)  # DDP(...) wrapped the model after DMuon was built
+        # DDP(...) wrapped the model after DMuon was built (looked for only while nothing is sharded).
+        ddp = wrapping_ddp(self.model) if waits_for_sharding(self.model) else None
         if ddp is None:
             deferred.check_sharded()
         deferred.rebind(self.__dict__["param_groups"], self.state, strict=True)
