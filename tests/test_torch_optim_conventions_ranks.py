@@ -2,9 +2,9 @@
 with a momentum-cycling scheduler, a set-up optimizer's copy (refused by name: FSDP2 does not copy its
 modules), and GradScaler's unscale (ShardedGradScaler with an inf on one rank: skipped on both), each against
 torch's pair (torch.optim.Muon + AdamW, one scheduler each) in one process on all ranks' batches; and fp16
-training as people write it (fp16 autocast, a loss scale that overflows, unscale_, torch's clip) with
-ShardedGradScaler on FSDP2 and torch's GradScaler on torch's DistributedDataParallel, against torch's pair
-with torch's GradScaler in one process."""
+training as people write it (fp16 autocast or FSDP2's fp16 MixedPrecisionPolicy, a loss scale that overflows,
+unscale_, torch's clip) with ShardedGradScaler on FSDP2 and torch's GradScaler on torch's DistributedDataParallel,
+against torch's pair with torch's GradScaler in one process."""
 
 from __future__ import annotations
 
@@ -190,14 +190,14 @@ LAUNCHES = 4
 """OddNet's units with Muon matrices (three blocks and the root): the launches from each FSDP2 backward."""
 
 
-def _fp16_trained(model, opt, scaler, rank: int, module) -> dict:
+def _fp16_trained(model, opt, scaler, rank: int, module, autocast: bool = True) -> dict:
     """fp16 training as people write it: the forward under fp16 autocast, the scaled loss's backward,
     ``unscale_``, torch's ``clip_grad_norm_``, ``scaler.step``, ``scaler.update``. Returns the weights each
     step started from and the last step's (``module``'s, whole on every rank), the scales, the clip's norms,
     the stats."""
     weights, scales, norms, stats = [full_params(module)], [], [], []
     for step in range(FP16_STEPS):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
             loss = lm_loss(model, odd_batch(step, rank))
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -216,6 +216,25 @@ def _fp16_fsdp2(rank: int, world_size: int) -> dict:
     return _fp16_trained(model, opt, ShardedGradScaler("cpu", **FP16_SCALER), rank, model)
 
 
+def _fp16_params_fsdp2(rank: int, world_size: int) -> dict:
+    """FSDP2's own fp16: ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`` (the root's
+    output in float32, for the loss), no autocast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from support.cases import make_mesh
+
+    mesh = make_mesh(world_size)
+    torch.manual_seed(0)
+    model = OddNet()
+    policy = dict(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
+    opt = dmuon.DMuon(model, lr=LR, adamw=dmuon.AdamWConfig(lr=ADAMW_LR),
+                      ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
+    return _fp16_trained(model, opt, ShardedGradScaler("cpu", **FP16_SCALER), rank, model, autocast=False)
+
+
 def _fp16_ddp(rank: int, world_size: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -227,8 +246,38 @@ def _fp16_ddp(rank: int, world_size: int) -> dict:
     return _fp16_trained(ddp, opt, torch.amp.GradScaler("cpu", **FP16_SCALER), rank, ddp.module)
 
 
+class _Recorded(torch.optim.SGD):
+    """SGD at lr 0 (no collective, no change) that records whether a scaler called its ``step()``."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.0)
+        self.stepped = False
+
+    def step(self, closure=None):
+        self.stepped = True
+        return super().step(closure)
+
+
+def _scalers_steps(rank: int, world_size: int) -> dict:
+    """Whether each scaler steps on this rank when rank 0's gradient shards hold an inf."""
+    model, _, _ = sharded_oddnet(world_size)
+    stepped = {}
+    for name, scaler in (("GradScaler", torch.amp.GradScaler("cpu")), ("ShardedGradScaler", ShardedGradScaler("cpu"))):
+        opt = _Recorded(model.parameters())
+        scaler.scale(lm_loss(model, odd_batch(0, rank))).backward()
+        if rank == 0:
+            next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        stepped[name] = opt.stepped
+        opt.zero_grad()
+    return stepped
+
+
 def _fp16_on_ranks(rank: int, world_size: int) -> dict:
-    return run_each({"fsdp2": lambda: _fp16_fsdp2(rank, world_size), "ddp": lambda: _fp16_ddp(rank, world_size)})
+    return run_each({"fsdp2": lambda: _fp16_fsdp2(rank, world_size), "ddp": lambda: _fp16_ddp(rank, world_size),
+                     "fsdp2 fp16 params": lambda: _fp16_params_fsdp2(rank, world_size),
+                     "scalers": lambda: _scalers_steps(rank, world_size)})
 
 
 @functools.cache
@@ -236,7 +285,7 @@ def _fp16_runs() -> list[dict]:
     return run_distributed(_fp16_on_ranks, WORLD, timeout_s=300)
 
 
-def _fp16_reference(starts: list[dict[str, torch.Tensor]]) -> dict:
+def _fp16_reference(starts: list[dict[str, torch.Tensor]], params_in_fp16: bool = False) -> dict:
     """torch's pair with torch's GradScaler in one process, each step from the weights ``starts[step]``.
 
     The global batch goes through as the ranks' batches, each loss scaled and backpropagated as its rank
@@ -244,7 +293,11 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]]) -> dict:
     fp32. An fp16 backward overflows on a rank's loss where it would not on the global batch's mean (its
     gradients inside backward are twice as large), so the scales agree only this way. torch's scaler
     steps each optimizer of the pair on its own infs; DMuon is one optimizer, so a step with an inf
-    anywhere is skipped for both here, and the scaler's update halves the scale (checked)."""
+    anywhere is skipped for both here, and the scaler's update halves the scale (checked).
+
+    ``params_in_fp16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`` instead of
+    autocast: the forward and backward on a float16 copy of the weights (the logits cast to float32, as the
+    root's ``output_dtype`` does), each batch's gradients cast to float32 before they are summed."""
     torch.manual_seed(0)
     model = OddNet()
     matrices = select_matrices(model)
@@ -253,16 +306,25 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]]) -> dict:
     muon = torch.optim.Muon([v for _, v in views], lr=LR, weight_decay=0.1, momentum=0.95, nesterov=True)
     adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=ADAMW_LR, weight_decay=0.01)
     scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    half = copy.deepcopy(model).half() if params_in_fp16 else None
     assert max_diff(full_params(model), starts[0])[0] == 0  # the same initial weights, bit for bit
     ends, scales, norms, skipped = [], [], [], []
     for step in range(FP16_STEPS):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(starts[step][name])  # the ranks' weights; the optimizers' states are the pair's own
+                if half is not None:
+                    half.get_parameter(name).copy_(p)
         for r in range(WORLD):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = lm_loss(model, odd_batch(step, r))
-            scaler.scale(loss).backward()
+            if half is None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = lm_loss(model, odd_batch(step, r))
+                scaler.scale(loss).backward()
+                continue
+            scaler.scale(lm_loss(lambda tokens: half(tokens).float(), odd_batch(step, r))).backward()
+            for p, h in zip(model.parameters(), half.parameters()):
+                p.grad = h.grad.float() if p.grad is None else p.grad.add_(h.grad.float())
+                h.grad = None
         for p in model.parameters():
             p.grad.div_(WORLD)
         for p, v in views:
@@ -288,10 +350,10 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]]) -> dict:
     return {"ends": ends, "scales": scales, "norms": norms, "skipped": skipped}
 
 
-@pytest.mark.parametrize("route", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("route", ["fsdp2", "ddp", "fsdp2 fp16 params"])
 def test_fp16_autocast_with_a_grad_scaler_on_two_ranks_steps_as_torch_pair(route):
-    """fp16 autocast, a loss scale that overflows at the start and after good steps, ``unscale_``, torch's clip:
-    FSDP2 with ShardedGradScaler, DDP with torch's GradScaler. Every rank skips the overflowing steps (its
+    """fp16 autocast (or FSDP2's fp16 ``MixedPrecisionPolicy``), a loss scale that overflows at the start and after
+    good steps, ``unscale_``, torch's clip: FSDP2 with ShardedGradScaler, DDP with torch's GradScaler. Every rank skips the overflowing steps (its
     weights unchanged, bit for bit), the scales are torch's scaler's in one process on the same steps, and
     each good step gives torch's pair's weights.
 
@@ -301,11 +363,11 @@ def test_fp16_autocast_with_a_grad_scaler_on_two_ranks_steps_as_torch_pair(route
     coefficient, whose norm the ranks sum in another order (its last bit); what is left is fp32 NS across
     ranks: the project's 1e-5. Both optimizers' states stay their own, so a momentum gone wrong shows at the
     next steps. Run freely instead, the two part after the first good step by as much as torch's pair does from
-    itself with each weight moved by one fp32 ulp (1.1e-4 after one more step, measured on this model: the next
+    itself with each weight moved by one fp32 ulp (about 1e-4 after one more step, measured on this model: the next
     fp16 forward rounds a few weights the other way and NS magnifies the gradient's smallest directions),
     where no tolerance could tell a bug from rounding."""
     results = [succeeded(r[route]) for r in _fp16_runs()]
-    ref = _fp16_reference(results[0]["weights"])
+    ref = _fp16_reference(results[0]["weights"], params_in_fp16=route == "fsdp2 fp16 params")
     assert ref["skipped"][0] and ref["skipped"][3] and sum(ref["skipped"]) == 2, ref["skipped"]
     for rank, result in enumerate(results):
         assert result["scales"] == ref["scales"], rank
@@ -320,15 +382,26 @@ def test_fp16_autocast_with_a_grad_scaler_on_two_ranks_steps_as_torch_pair(route
             assert result["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-6), (rank, step)
 
 
-def test_fp16_grad_scalers_unscale_on_fsdp2_is_kept_as_a_clip():
+@pytest.mark.parametrize("route", ["fsdp2", "fsdp2 fp16 params"])
+def test_fp16_grad_scalers_unscale_on_fsdp2_is_kept_as_a_clip(route):
     """``unscale_`` (and the clip) scale every gradient by one factor after backward sent its directions: with
     ``clipped_overlap`` the owners form the directions from the launched ones, from the second good step that
     follows a good one (the first such step exchanges again and sends the owners the momentum, as a first
     clip does). A step after a skipped one exchanges again: its backward launched nothing (the skipped
     step's launches, never stepped, stand for its discarded gradients)."""
-    results = [succeeded(r["fsdp2"]) for r in _fp16_runs()]
+    results = [succeeded(r[route]) for r in _fp16_runs()]
     # Steps: 0 skipped, 1 after a skip, 2 the first good after a good one, 3 skipped, 4 after a skip, 5, 6.
     for result in results:
         kept = [(s["blocks_exchanged_in_backward"], s["rescaled_launches"]) for s in result["stats"]]
         assert [kept[k] for k in (1, 2, 4)] == [(0, 0)] * 3, kept
         assert [kept[k] for k in (5, 6)] == [(LAUNCHES, LAUNCHES)] * 2, kept
+
+
+def test_on_fsdp2_both_grad_scalers_skip_on_every_rank():
+    """An inf in rank 0's gradient shards only: torch's GradScaler skips ``step()`` on both ranks too, as
+    ShardedGradScaler (which all-reduces what it found) does: DTensor's dispatch of the scaler's inf check
+    (``_amp_foreach_non_finite_check_and_unscale_``) reduces its ``found_inf`` over the gradients' mesh. Were
+    it the rank's own, rank 1 would call ``step()`` alone and wait there in DMuon's collectives."""
+    stepped = [succeeded(r["scalers"]) for r in _fp16_runs()]
+    assert [s["GradScaler"] for s in stepped] == [False, False]
+    assert [s["ShardedGradScaler"] for s in stepped] == [False, False]
