@@ -185,13 +185,16 @@ FP16_SCALER = dict(init_scale=2.0 ** 18, growth_interval=2)
 """A loss scale at which the first step's fp16 backward overflows (its gradients reach inf: skipped, the scale
 halved), doubled after every two good steps, which overflows again at step 3: each route sees an overflow at
 the start and one after good steps, and good steps after each."""
+FP16_OVERFLOWS = (0, 3)
+"""The steps whose fp16 backward overflows at :data:`FP16_SCALER`'s scales (on both routes)."""
 FP16_CLIP = 1.0  # below every good step's norm here: the clip acts on each
 LAUNCHES = 4
 """OddNet's units with Muon matrices (three blocks and the root): the launches from each FSDP2 backward."""
 
 
 def _fp16_trained(model, opt, scaler, rank: int, module, autocast: bool = True) -> dict:
-    """fp16 training as people write it: the forward under fp16 autocast, the scaled loss's backward,
+    """fp16 training as people write it: the forward under fp16 autocast (``autocast``; else the model's own
+    fp16 weights), the scaled loss's backward,
     ``unscale_``, torch's ``clip_grad_norm_``, ``scaler.step``, ``scaler.update``. Returns the weights each
     step started from and the last step's (``module``'s, whole on every rank), the scales, the clip's norms,
     the stats."""
@@ -262,7 +265,8 @@ def _scalers_steps(rank: int, world_size: int) -> dict:
     """Whether each scaler steps on this rank when rank 0's gradient shards hold an inf."""
     model, _, _ = sharded_oddnet(world_size)
     stepped = {}
-    for name, scaler in (("GradScaler", torch.amp.GradScaler("cpu")), ("ShardedGradScaler", ShardedGradScaler("cpu"))):
+    scalers = {"GradScaler": torch.amp.GradScaler("cpu"), "ShardedGradScaler": ShardedGradScaler("cpu")}
+    for name, scaler in scalers.items():
         opt = _Recorded(model.parameters())
         scaler.scale(lm_loss(model, odd_batch(0, rank))).backward()
         if rank == 0:
@@ -353,22 +357,22 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]], params_in_fp16: bool 
 @pytest.mark.parametrize("route", ["fsdp2", "ddp", "fsdp2 fp16 params"])
 def test_fp16_autocast_with_a_grad_scaler_on_two_ranks_steps_as_torch_pair(route):
     """fp16 autocast (or FSDP2's fp16 ``MixedPrecisionPolicy``), a loss scale that overflows at the start and after
-    good steps, ``unscale_``, torch's clip: FSDP2 with ShardedGradScaler, DDP with torch's GradScaler. Every rank skips the overflowing steps (its
-    weights unchanged, bit for bit), the scales are torch's scaler's in one process on the same steps, and
-    each good step gives torch's pair's weights.
+    good steps, ``unscale_``, torch's clip: FSDP2 with ShardedGradScaler, DDP with torch's GradScaler. Every rank
+    skips the overflowing steps (its weights unchanged, bit for bit), the scales are torch's scaler's in one
+    process on the same steps, and each good step gives torch's pair's weights.
 
     Each step is compared from the same weights: the ranks' weights before it are loaded into the reference.
     Both then run the same fp16 forward and backward on the same values (a rank's batch is one of the
     reference's, the mean over two ranks is its halved sum, exact), so the gradients agree up to the clip's
     coefficient, whose norm the ranks sum in another order (its last bit); what is left is fp32 NS across
     ranks: the project's 1e-5. Both optimizers' states stay their own, so a momentum gone wrong shows at the
-    next steps. Run freely instead, the two part after the first good step by as much as torch's pair does from
-    itself with each weight moved by one fp32 ulp (about 1e-4 after one more step, measured on this model: the next
-    fp16 forward rounds a few weights the other way and NS magnifies the gradient's smallest directions),
-    where no tolerance could tell a bug from rounding."""
+    next steps. Run freely instead, the two part after the first good step by as much as torch's pair does
+    from itself with each weight moved by one fp32 ulp (about 1e-4 after one more step, measured on this
+    model: the next fp16 forward rounds a few weights the other way and NS magnifies the gradient's smallest
+    directions), where no tolerance could tell a bug from rounding."""
     results = [succeeded(r[route]) for r in _fp16_runs()]
     ref = _fp16_reference(results[0]["weights"], params_in_fp16=route == "fsdp2 fp16 params")
-    assert ref["skipped"][0] and ref["skipped"][3] and sum(ref["skipped"]) == 2, ref["skipped"]
+    assert ref["skipped"] == [step in FP16_OVERFLOWS for step in range(FP16_STEPS)], ref["skipped"]
     for rank, result in enumerate(results):
         assert result["scales"] == ref["scales"], rank
         weights = result["weights"]
@@ -391,6 +395,7 @@ def test_fp16_grad_scalers_unscale_on_fsdp2_is_kept_as_a_clip(route):
     step's launches, never stepped, stand for its discarded gradients)."""
     results = [succeeded(r[route]) for r in _fp16_runs()]
     # Steps: 0 skipped, 1 after a skip, 2 the first good after a good one, 3 skipped, 4 after a skip, 5, 6.
+    assert FP16_OVERFLOWS == (0, 3)
     for result in results:
         kept = [(s["blocks_exchanged_in_backward"], s["rescaled_launches"]) for s in result["stats"]]
         assert [kept[k] for k in (1, 2, 4)] == [(0, 0)] * 3, kept
