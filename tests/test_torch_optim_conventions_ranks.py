@@ -402,6 +402,15 @@ def test_fp16_grad_scalers_unscale_on_fsdp2_is_kept_as_a_clip(route):
         assert [kept[k] for k in (5, 6)] == [(LAUNCHES, LAUNCHES)] * 2, kept
 
 
+def test_fp16_grad_scalers_unscale_under_ddp_costs_nothing():
+    """Under DDP nothing is launched in backward: every good step, the first, those after a skip and those
+    after ``unscale_`` alike, sends the same bytes and keeps no launch."""
+    for result in (succeeded(r["ddp"]) for r in _fp16_runs()):
+        good = [s for k, s in enumerate(result["stats"]) if k not in FP16_OVERFLOWS]
+        assert {(s["blocks_exchanged_in_backward"], s["rescaled_launches"]) for s in good} == {(0, 0)}
+        assert len({s["bytes_sent"] for s in good}) == 1 and good[0]["bytes_sent"] > 0
+
+
 def test_on_fsdp2_both_grad_scalers_skip_on_every_rank():
     """An inf in rank 0's gradient shards only: torch's GradScaler skips ``step()`` on both ranks too, as
     ShardedGradScaler (which all-reduces what it found) does: DTensor's dispatch of the scaler's inf check
