@@ -262,8 +262,12 @@ class _Recorded(torch.optim.SGD):
 
 
 def _scalers_steps(rank: int, world_size: int) -> dict:
-    """Whether each scaler steps on this rank when rank 0's gradient shards hold an inf."""
-    model, _, _ = sharded_oddnet(world_size)
+    """Whether each scaler steps on this rank when rank 0's gradient shards hold an inf (FSDP2, no DMuon)."""
+    from support.cases import make_mesh, shard_oddnet
+
+    torch.manual_seed(0)
+    model = OddNet()
+    shard_oddnet(model, make_mesh(world_size))
     stepped = {}
     scalers = {"GradScaler": torch.amp.GradScaler("cpu"), "ShardedGradScaler": ShardedGradScaler("cpu")}
     for name, scaler in scalers.items():
