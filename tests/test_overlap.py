@@ -81,7 +81,9 @@ def test_ns_in_backward_needs_overlap():
         dmuon.DMuon(model, execution=dmuon.ExecutionConfig(ns_in_backward=True, overlap=False))
 
 
-@pytest.mark.parametrize("mesh_shape,hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")])
+# Native HSDP under -m slow: the replicate level's 2x2 (by default) runs the same returns plus its own hops.
+@pytest.mark.parametrize("mesh_shape,hsdp", [(None, "fsdp2"), pytest.param((2, 2), "fsdp2", marks=pytest.mark.slow),
+                                             ((2, 2), "dmuon")])
 def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, hsdp):
     """``returns_in_backward``: the blocks whose launches stand apply updates that came back during backward;
     the parameters are those of ``ns_in_backward`` alone bit for bit (the same per-block NS), with an unused
