@@ -139,10 +139,11 @@ def _pair(**kwargs):
     return ddp, _dmuon(ddp)
 
 
-def _counted(rank: int, world: int) -> dict:
+def _counted(rank: int, world: int, waves: int | None = None) -> dict:
     """One step's dmuon collectives on this rank (bf16 wire, the default), beside the plan's model of them."""
     ddp = _ddp()
-    opt = dmuon.DMuon(ddp, lr=0.02, ns=dmuon.NSConfig(method="standard"))
+    opt = dmuon.DMuon(ddp, lr=0.02, ns=dmuon.NSConfig(method="standard"),
+                      execution=dmuon.ExecutionConfig(return_waves=waves))
     lm_loss(ddp, odd_batch(0, rank)).backward()
     opt.step()
     stats = opt.last_step_stats()
@@ -168,6 +169,10 @@ def _on_ranks(rank: int, world: int) -> dict:
         "clip": lambda: _trained(*_pair(), rank, clip=CLIP),
         "autocast": lambda: _trained(*_pair(), rank, autocast=True),
         "autocast_torch": lambda: _torch_pair_on_ddp(rank, autocast=True),
+        # Three return waves (the accelerator default is several): each wave's second hop behind the next's NS.
+        "waves": lambda: (lambda d: _trained(d, _dmuon(d, execution=dmuon.ExecutionConfig(return_waves=3)), rank))(
+            _ddp(find_unused_parameters=True)),
+        "bytes_waves": lambda: _counted(rank, world, waves=3),
         "resume": lambda: _resumed(rank),
         # torch.compile(DDP(model)) given to DMuon (dynamo's eager backend: the wrapping, not the kernels).
         "compiled": lambda: (lambda c: _trained(c, _dmuon(c), rank))(
@@ -198,7 +203,7 @@ def _check_owners_only(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before", "compiled"])
+@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before", "compiled", "waves"])
 def test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner(world, how):
     """``DDP(model, find_unused_parameters=True)`` with a block unused at step 1: one process's result on the
     global batch (fp32 NS), each matrix orthogonalized once across the ranks, its momentum on its owner only."""
@@ -291,6 +296,10 @@ def test_bytes_are_the_models_and_the_route_the_cheaper(world):
     """One step's collectives on every rank equal :func:`replica_collectives` (per wave, a padded all-gather or the
     scatter's all-to-all and even all-gather, whichever moves less through the busiest rank; DDP's all-reduce
     comes on top: README "DDP")."""
+    for r in _run(world, "bytes_waves"):  # three waves, each by its own route
+        assert len(r["waves"]) == 3
+        assert len(r["log"]) > 3 or world == 2  # on 4 ranks a wave takes the scatter's two hops
+        assert [("intra", s, g) for s, g in r["model"]] == [tuple(e) for e in r["log"]]
     results = _run(world, "bytes")
     for r in results:
         assert [("intra", s, g) for s, g in r["model"]] == [tuple(e) for e in r["log"]]
