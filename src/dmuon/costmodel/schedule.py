@@ -12,6 +12,7 @@ build on it in :mod:`dmuon.costmodel.schedule_dmuon`.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from dmuon.costmodel.collective import Collective
@@ -136,6 +137,27 @@ class StepBuilder:
 
     def wait(self, name: str, stream: str, deps, phase: str = "step") -> Task:
         return self.tl.wait(name, self.s[stream], deps, phase=phase)
+
+    def agreement(self, flags: int, stream: str, deps=()) -> Task:
+        """dmuon's step agreement: a tree all-reduce (up and down) of ``flags`` values of
+        :attr:`SimOptions.agreement_bytes` each, on the replicate level when there is one."""
+        inp = self.inp
+        nbytes = self.opt.agreement_bytes * flags
+        hops = 2 * math.ceil(math.log2(inp.world))
+        c = Collective("all_reduce", "inter" if inp.replicate > 1 else "intra", "step", None,
+                       [(nbytes, nbytes)] * inp.world, hops, "dmuon agreement", "agreement")
+        return self.tl.collective(c, self.s[stream], deps, phase="step")
+
+    def owner_wave_batches(self) -> list[list[list[tuple[tuple[int, int], int]]]]:
+        """Per rank, per return wave, its NS batches as ``(shape, count)``: its k-th batch in wave k, the
+        batches past the last wave in the last (:func:`dmuon.plan.batches.return_waves`)."""
+        last = len(self.waves) - 1
+        out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
+        for rank, batches in self.ns_batches.items():
+            for k, batch in enumerate(batches):
+                if batch:
+                    out[rank][min(k, last)].append((self.inp.shapes[batch[0]], len(batch)))
+        return out
 
     def ns_seconds(self, shape: tuple[int, int], count: int, owner_copy: bool) -> float:
         """One NS batch of ``count`` matrices of ``shape`` (with the owner's assembling and cutting)."""

@@ -12,7 +12,6 @@ as the runtime runs them with ``ExecutionConfig(returns_in_backward=True)`` and 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from dmuon.costmodel.backward_order import RETURN_ROLES
@@ -323,11 +322,7 @@ class DMuonStepBuilder(StepBuilder):
         speculative = inp.return_waves == 1 and not (self.returns_in_backward or self.next_forward)
         agreement = None
         if not speculative and inp.world > 1:
-            flags = self.opt.agreement_bytes * (len(inp.shapes) + len(set(inp.blocks)))
-            hops = 2 * math.ceil(math.log2(inp.world))  # a tree all-reduce: up and down
-            c = Collective("all_reduce", "inter" if inp.replicate > 1 else "intra", "step", None,
-                           [(flags, flags)] * inp.world, hops, "dmuon agreement", "agreement")
-            agreement = tl.collective(c, self.s[DW], [checked], phase="step")
+            agreement = self.agreement(len(inp.shapes) + len(set(inp.blocks)), DW, [checked])
             self.adamw(self.other_local())  # while the flags travel
             self.wait("agreed", C, [agreement])
         self.wait("directions at the owners", C, [t for launch in self.launches for t in launch.landing()])
@@ -393,11 +388,5 @@ class DMuonStepBuilder(StepBuilder):
         if self.next_forward:
             per_wave = [self.batches_by_shape(wave) for wave in self.waves]
             return [[batches[rank] for batches in per_wave] for rank in range(self.inp.world)]
-        last = len(self.waves) - 1
-        out = [[[] for _ in self.waves] for _ in range(self.inp.world)]
-        for rank, batches in self.ns_batches.items():
-            for k, batch in enumerate(batches):
-                if batch:
-                    out[rank][min(k, last)].append((self.inp.shapes[batch[0]], len(batch)))
-        return out
+        return self.owner_wave_batches()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-from dmuon.costmodel.collective import Collective
 from dmuon.costmodel.collectives import REPLICAS_STRATEGY
 from dmuon.costmodel.schedule import C, DW, StepBuilder
 from dmuon.costmodel.sim_config import APPLY_BYTES, MOMENTUM_BYTES, Hardware, SimOptions, StepInputs
@@ -39,23 +38,13 @@ class ReplicaStepBuilder(StepBuilder):
         inp, tl = self.inp, self.tl
         rate = self.hw.elementwise_bytes
         everything = range(len(inp.shapes))
-        if inp.world > 1:
-            flags = self.opt.agreement_bytes * len(inp.shapes)
-            hops = 2 * math.ceil(math.log2(inp.world))  # a tree all-reduce: up and down
-            agreement = tl.collective(Collective("all_reduce", "inter", "step", None, [(flags, flags)] * inp.world,
-                                                 hops, "dmuon agreement", "agreement"), self.s[DW], [], phase="step")
-            self.adamw(self.other_local())  # while the flags travel
+        agreement = self.agreement(len(inp.shapes), DW) if inp.world > 1 else None
+        self.adamw(self.other_local())  # while the flags travel
+        if agreement is not None:
             self.wait("agreed", C, [agreement])
-        else:
-            self.adamw(self.other_local())
         tl.compute("momentum (owners)", C, [self.seconds(MOMENTUM_BYTES * self._owned(k, everything), rate)
                                            for k in range(inp.world)], phase="step", kind="elementwise")
-        last = len(self.waves) - 1
-        mine = [[[] for _ in self.waves] for _ in range(inp.world)]
-        for rank, batches in inp.ns_batches.items():
-            for k, batch in enumerate(batches):
-                if batch:
-                    mine[rank][min(k, last)].append((inp.shapes[batch[0]], len(batch)))
+        mine = self.owner_wave_batches()
         published: dict[int, Task] = {}
         scattered: list[tuple[int, Task]] = []  # the scatter's all-to-all issued, its all-gather not yet
 
