@@ -28,9 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on an R x (N/R) (replicate, shard) HSDP mesh")
     p.add_argument("--ddp", action="store_true",
                    help="data parallelism without sharding: the (N, 1) mesh (--hsdp N; with --tp T, (N/T, 1, T)); "
-                        "by default runs ddp_adamw,ddp_torch_muon,ddp_dmuon,dmuon_z2 side by side: torch's DistributedDataParallel with AdamW, with "
-                        "torch.optim.Muon (NS on every rank) and with dmuon (ddp_dmuon), and \"DDP with dmuon\" "
-                        "(dmuon_z2 on the (N, 1) mesh, README \"DDP\")")
+                        "by default runs ddp_adamw,ddp_torch_muon,ddp_dmuon,dmuon_z2 side by side: torch's "
+                        "DistributedDataParallel with AdamW, with torch.optim.Muon (NS on every rank) and with dmuon "
+                        "(ddp_dmuon), and \"DDP with dmuon\" (dmuon_z2 on the (N, 1) mesh, README \"DDP\")")
     p.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor parallel: a (N/T, T) (dp, tp) mesh, with --hsdp R (R, N/(R*T), T); torch's "
                         "parallelize_module splits each block (colwise q/k/v/gate/up/fc1, rowwise o/down/fc2), "

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.bench.memory import live_state_bytes
 from dmuon.bench.models import build_workload
 from dmuon.bench.setups import Hyper, build, clip_norm, reshard_after_forward
-from dmuon.costmodel.traffic import fsdp2_traffic
+from dmuon.costmodel.traffic import fsdp2_traffic, replicate_all_reduce_traffic
 
 LIVE_KINDS = ("params", "grads", "optimizer_state", "total")
 """The live-memory figures, per rank: unique storages of each kind, and of all three together."""
@@ -319,9 +319,10 @@ class _ConfigRun:
             opt_bytes = sum(2 * p.numel() * torch.bfloat16.itemsize * (world_size - 1) // world_size
                             for g in self.optimizer.opts[0].param_groups for p in g["params"])
         if config.startswith("ddp_"):
-            # torch's DDP: a ring all-reduce of every fp32 gradient, 2 (N-1)/N of them each way.
-            fsdp_bytes = 2 * 2 * (world_size - 1) * sum(p.numel() * p.element_size() for p in model.parameters()
-                                                        if p.requires_grad) // world_size
+            # torch's DDP: a ring all-reduce of every gradient across the N replicas (counted in bytes).
+            ring = replicate_all_reduce_traffic([p.numel() * p.element_size() for p in model.parameters()
+                                                 if p.requires_grad], world_size, 1, elem_bytes=1)
+            fsdp_bytes = ring.inter_sent + ring.inter_received
         else:
             fsdp_bytes = _fsdp_bytes_per_step(model, self.workload.blocks, world_size, self.opts.hsdp,
                                               self.reshard_after_forward, self.opts.tp,
