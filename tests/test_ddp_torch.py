@@ -12,6 +12,7 @@ the other rules, per-rank ``state_dict`` resume and DCP; bytes counted per rank 
 from __future__ import annotations
 
 import functools
+import gc
 import io
 
 import pytest
@@ -390,6 +391,45 @@ def test_ddp_over_a_subgroup_steps_that_group():
         assert diff <= 1e-5, f"{worst} differs by {diff:.3g}"
     _check_owners_only(results[:2])
     _check_owners_only(results[2:])
+
+
+def _stages(rank: int, world: int) -> dict:
+    """Two pipeline stages, each a DDP over its two ranks (a (pp=2, dp=2) mesh), ``pp_group`` across them; a NaN
+    in stage 0's gradients at step 1: with ``nonfinite="raise"`` every rank raises (none waits for the
+    others), with ``"skip"`` every rank skips that step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = rank // 2
+    out = {}
+    for nonfinite in ("raise", "skip"):
+        torch.manual_seed(0)
+        ddp = DDP(OddNet(), process_group=mesh["dp"].get_group())
+        opt = _dmuon(ddp, pp_group=mesh["pp"], execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
+        before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        lm_loss(ddp, odd_batch(0, rank % 2)).backward()
+        if stage == 0:
+            ddp.module.layers[0].mid.weight.grad[0, 0] = float("nan")
+        try:
+            opt.step()
+            out[nonfinite] = max_diff({n: p.detach() for n, p in ddp.module.named_parameters()}, before)[0]
+        except FloatingPointError as err:
+            out[nonfinite] = str(err)
+        del ddp, opt  # one DMuon per rank on a pp group: the next run's takes it over
+        gc.collect()
+        dist.barrier()
+    return out
+
+
+def test_a_nan_on_one_stage_raises_or_skips_on_every_stage_under_ddp():
+    """DDP per pipeline stage with ``pp_group``: the stages agree on a NaN before any of them decides (a stage
+    whose own NaN raised first would leave the others waiting in the stages' all-reduce)."""
+    results = run_distributed(_stages, 4, timeout_s=300)
+    for rank, r in enumerate(results):
+        expected = "non-finite gradients in" if rank < 2 else "non-finite gradients on another pipeline stage"
+        assert isinstance(r["raise"], str) and expected in r["raise"], (rank, r["raise"])
+        assert r["skip"] == 0, (rank, r["skip"])  # skipped: the weights as they were
 
 
 def _eight(rank: int, world: int) -> dict:

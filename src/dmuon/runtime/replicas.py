@@ -59,6 +59,7 @@ from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.report import StepReport
+from dmuon.runtime.settle import nonfinite_on_other_stages, with_other_stages
 from dmuon.runtime.setup_log import log_setup
 from dmuon.runtime.tuning import TunedOwnerWork
 from dmuon.util.observe import ranged
@@ -163,17 +164,12 @@ class ReplicaRuntime:
             self.streams.issue(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.mesh_group,
                                                        async_op=True), reads=(flags,), writes=(flags,)).wait()
         agreed = flags.cpu().tolist()
-        agreement = decide(agreed)
-        if nonfinite is not None and self.pipeline_group is not None:
-            n = len(infos)
-            mine = any(agreed[2 * n : 2 * n + n + len(checked)])
-            seen = torch.tensor([int(mine)], dtype=torch.int32, device=self.device)
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.pipeline_group)
-            if bool(seen.item()) and not agreement.skipped:
-                if nonfinite == "raise":
-                    raise FloatingPointError("non-finite gradients on another pipeline stage")
-                agreement = agreement._replace(skipped=True)
-        return agreement
+        if nonfinite is None:
+            return decide(agreed)
+        # Across the stages before this group decides (its own NaN may raise): every stage takes the all-reduce.
+        elsewhere = nonfinite_on_other_stages(agreed, 3 * len(infos) + len(checked), len(infos),
+                                              self.pipeline_group, self.device)
+        return with_other_stages(decide(agreed), elsewhere, nonfinite)
 
     def _update(self, agreement, report: StepReport) -> None:
         """Steps 2 to 5 of a step that is not skipped."""

@@ -190,12 +190,9 @@ class StepSettler:
         flags, settle = agreement_flags(self.plan.infos, self.topo.coords[1], managed, here, self.config.nonfinite,
                                         checked, None, maxima)
         agreed = self._start_all_reduce_max(flags)().tolist()
-        elsewhere = self._nonfinite_on_other_stages(agreed, flags.numel() - (0 if maxima is None else maxima.numel()))
-        agreement = settle(agreed)
-        if elsewhere and not agreement.skipped:
-            if self.config.nonfinite == "raise":
-                raise FloatingPointError("non-finite gradients on another pipeline stage")
-            agreement = agreement._replace(skipped=True)
+        elsewhere = nonfinite_on_other_stages(agreed, flags.numel() - (0 if maxima is None else maxima.numel()),
+                                              len(self.plan.infos), self.pipeline_group, self.plan.device)
+        agreement = with_other_stages(settle(agreed), elsewhere, self.config.nonfinite)
         if agreement.skipped:
             return Settled(agreement, managed, launches, {}, None, False, early)
         directions = cb.commit(agreement.active, self.gradients.parts(agreement.active))
@@ -204,18 +201,6 @@ class StepSettler:
         stale, scaled, scale = self._launch_verdict(verdicts, len(launches))
         return Settled(agreement._replace(stale=stale, rescaled=scaled, scale=scale), managed, launches, directions,
                        rows, False, early)
-
-    def _nonfinite_on_other_stages(self, agreed: list[int], length: int) -> bool:
-        """With a pipeline group: whether another stage saw a NaN/Inf, from one scalar all-reduce over the
-        stages of whether this data-parallel group saw one (its agreed flags: the marks between the
-        matrices' two halves and the launches' verdicts, ``agreement_flags``' layout)."""
-        if self.pipeline_group is None:
-            return False
-        n = len(self.plan.infos)
-        mine = any(agreed[2 * n : length])  # no launch verdicts ride on this agreement (stale=None)
-        seen = torch.tensor([int(mine)], dtype=torch.int32, device=self.plan.device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.pipeline_group)
-        return bool(seen.item()) and not mine
 
     def _rows(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """A :class:`RowState` rule's rows of its state for ``members`` (what travels beside their directions)."""
@@ -310,3 +295,29 @@ class StepSettler:
             return flags.cpu()
 
         return landed
+
+
+def nonfinite_on_other_stages(agreed: list[int], length: int, matrices: int, pipeline_group,
+                              device: torch.device) -> bool:
+    """With a pipeline group: whether another stage saw a NaN/Inf, from one scalar all-reduce over the
+    stages of whether this data-parallel group saw one (``agreed[:length]``: its agreed flags without the
+    maxima, ``agreement_flags``' layout, no launch verdicts riding on them; the marks follow the
+    ``matrices``' two halves). Every stage's ranks call it before deciding anything from their own flags
+    (a decision that raises first would leave the other stages waiting in this all-reduce). False, and
+    no collective, without a pipeline group."""
+    if pipeline_group is None:
+        return False
+    mine = any(agreed[2 * matrices : length])
+    seen = torch.tensor([int(mine)], dtype=torch.int32, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=pipeline_group)
+    return bool(seen.item()) and not mine
+
+
+def with_other_stages(agreement: Agreement, elsewhere: bool, nonfinite: str | None) -> Agreement:
+    """``agreement`` once another stage's NaN/Inf (``elsewhere``) is known: raised with ``nonfinite="raise"``,
+    the step skipped with ``"skip"``."""
+    if not elsewhere or agreement.skipped:
+        return agreement
+    if nonfinite == "raise":
+        raise FloatingPointError("non-finite gradients on another pipeline stage")
+    return agreement._replace(skipped=True)
