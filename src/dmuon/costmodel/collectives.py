@@ -29,18 +29,19 @@ from dmuon.costmodel.exchange_model import ExchangeModel
 from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, row_width
 from dmuon.plan.publication import ROUTES
-from dmuon.plan.replicas import replica_hops, scatter_parts
+from dmuon.plan.replicas import owner_shares, replica_hops, scatter_parts
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
-REPLICAS_STRATEGY = "ddp_dmuon"
-"""dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`), one rank per replica: DDP's
-all-reduce of every gradient (FSDP2's per unit on the ``(N, 1)`` mesh: the same bytes, its buckets being the
-units), then each wave's updates to every rank (:func:`replica_publish_collectives`)."""
 """Keys of :func:`step_comm`: ``"dmuon"`` (on the replicate level: FSDP2 over the shard sub-mesh,
 dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_native_hsdp"``
 (native HSDP: FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
 ``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
+REPLICAS_STRATEGY = "ddp_dmuon"
+"""dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`), one rank per replica: DDP's
+all-reduce of every gradient (FSDP2's per unit on the ``(N, 1)`` mesh: the same bytes, its buckets being the
+units), then each wave's updates to every rank (:func:`replica_publish_collectives`)."""
+
 
 def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
     """Bytes of one rank's FSDP2 shard of ``shapes``: ``ceil(m / S)`` rows each (FSDP2 pads to that)."""
@@ -409,8 +410,7 @@ def step_collectives(
 
 def replica_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
                                 waves: Sequence[Sequence[int]] | None, wire_bytes: int) -> list[Collective]:
-    """Under torch's DDP, each wave's updates to every rank by :func:`~dmuon.costmodel.rank_traffic.replica_hops`'
-    route: one all-gather of the shares padded to the largest, or the scatter's all-to-all evening them out
+    """Under torch's DDP, each wave's updates to every rank by :func:`~dmuon.plan.replicas.replica_hops`' route: one all-gather of the shares padded to the largest, or the scatter's all-to-all evening them out
     (each rank to the ranks whose chunks its updates fall in) and the all-gather of the even chunks (``index``
     ``2 w`` and ``2 w + 1``). Every rank is its own replica: the ``"inter"`` level."""
     if world == 1:
@@ -418,9 +418,7 @@ def replica_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequenc
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
     out = []
     for w, wave in enumerate(waves if waves is not None else [list(range(len(shapes)))]):
-        share = [0] * world
-        for i in wave:
-            share[owners[i]] += numels[i]
+        share = owner_shares(numels, owners, world, wave)
         route, hops = replica_hops(share, wire_bytes)
         if route == "scatter":
             parts, _ = scatter_parts(share)

@@ -33,7 +33,7 @@ from typing import Sequence
 
 from dmuon.plan.layout import shard_rows
 from dmuon.plan.publication import Published, choose_route, route_stages
-from dmuon.plan.replicas import replica_hops
+from dmuon.plan.replicas import owner_shares, replica_hops
 
 
 @dataclass
@@ -373,10 +373,7 @@ def replica_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], 
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
     out = []
     for wave in (waves if waves is not None else [range(len(shapes))]):
-        share = [0] * world
-        for i in wave:
-            share[owners[i]] += numels[i]
-        out.extend(hop[rank] for hop in replica_hops(share, elem_bytes)[1])
+        out.extend(hop[rank] for hop in replica_hops(owner_shares(numels, owners, world, wave), elem_bytes)[1])
     return out
 
 
@@ -422,7 +419,7 @@ def hsdp_design_traffic(
         "b": _plus(owner_traffic_column_reduce(shapes, owners, replicate, shard, elem_bytes, grad_bytes, waves=waves),
                    within),
     }
-    if shard == 1:  # one rank per replica: torch's DDP, its all-reduce then dmuon's all-gathers of the updates
+    if shard == 1:  # one rank per replica: torch's DDP, its all-reduce, then dmuon's updates to every rank
         published = [[sum(c) for c in zip(*replica_collectives(shapes, owners, world, waves, elem_bytes, r))]
                      or [0, 0] for r in range(world)]
         out["ddp"] = [_plus([RankTraffic(0, 0, *p)], fsdp2)[0] for p in published]

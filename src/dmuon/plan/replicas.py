@@ -9,6 +9,15 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def owner_shares(numels: Sequence[int], owners: Sequence[int], world: int, members) -> list[int]:
+    """Each rank's elements among the matrices ``members`` (``numels[i]`` elements, owned by ``owners[i]``): the
+    updates it sends in the wave."""
+    share = [0] * world
+    for i in members:
+        share[owners[i]] += numels[i]
+    return share
+
+
 def scatter_parts(shares: Sequence[int]) -> tuple[list[list[int]], int]:
     """The scatter route's first hop under torch's DDP (:mod:`dmuon.runtime.replicas`): the wave's updates laid
     end to end, owner after owner in rank order (``shares[r]`` elements each), cut in ``N`` chunks of

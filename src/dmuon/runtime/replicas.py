@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from dmuon.comm.device_streams import streams_for
 from dmuon.comm.stats import CommStats
-from dmuon.plan.replicas import replica_hops, scatter_parts
+from dmuon.plan.replicas import owner_shares, replica_hops, scatter_parts
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import agreement_flags
@@ -83,14 +83,6 @@ def check_replica_execution(config: ExecutionConfig) -> None:
     if config.apply_updates != "in_step":
         raise ValueError("ExecutionConfig(apply_updates=\"next_forward\") does not apply to a DistributedDataParallel "
                          "model (DDP has no per-unit all-gather in forward to apply them before); leave it \"in_step\"")
-
-
-def owner_shares(plan: Plan, members: list[int]) -> list[int]:
-    """Each plan rank's elements among ``members`` (the updates it owns in the wave)."""
-    share = [0] * plan.world_size
-    for i in members:
-        share[plan.infos[i].owner] += plan.infos[i].numel
-    return share
 
 
 class ReplicaRuntime:
@@ -257,7 +249,7 @@ class _Publication:
     def __init__(self, runtime: "ReplicaRuntime", members: list[int], updates: dict[int, torch.Tensor]) -> None:
         plan, n, me = runtime.plan, runtime.plan.world_size, runtime.plan.rank
         self.runtime, self.slot = runtime, runtime._slot
-        shares = owner_shares(plan, members)
+        shares = owner_shares([info.numel for info in plan.infos], [info.owner for info in plan.infos], n, members)
         self.shares = [0] * n  # by slot: the group's rank order
         for r in range(n):
             self.shares[self.slot[r]] = shares[r]
