@@ -49,6 +49,7 @@ from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.util.autocast import autocast_off
 
 
 _PIPELINE_MODELS: dict[int, tuple[Any, list[weakref.ref]]] = {}
@@ -574,18 +575,28 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._ready()
-        if self._pp_group is not None and not self._stages_checked:
-            check_ties_across_stages(self.model, self.plan, self._pp_group)  # every stage's first step
-            self._stages_checked = True
-        try:
-            self._last_report = self.runtime.step()
-            if self.plan.replicas:
-                self._mark_stepped()
-        finally:
-            if self._qk is not None:
-                self._qk.reset()  # a step's reports are its own, applied or skipped
+        # Under the caller's autocast (a loop written wholly inside torch.autocast) the owners' NS on this
+        # thread would drop to the autocast dtype while the NS worker's runs as configured: the step runs
+        # as configured wherever its work runs (dmuon.util.autocast).
+        with autocast_off(self._device()):
+            self._ready()
+            if self._pp_group is not None and not self._stages_checked:
+                check_ties_across_stages(self.model, self.plan, self._pp_group)  # every stage's first step
+                self._stages_checked = True
+            try:
+                self._last_report = self.runtime.step()
+                if self.plan.replicas:
+                    self._mark_stepped()
+            finally:
+                if self._qk is not None:
+                    self._qk.reset()  # a step's reports are its own, applied or skipped
         return loss
+
+    def _device(self) -> torch.device | None:
+        """The plan's device (None before setup: the first parameter's, where the setup will run)."""
+        if self.plan is not None:
+            return self.plan.device
+        return next((p.device for p in self.model.parameters()), None)
 
     def _mark_stepped(self) -> None:
         """Under DDP: an (empty) state entry for each stepped matrix this rank does not own, so that the

@@ -59,6 +59,7 @@ from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
+from dmuon.util.autocast import autocast_off
 from dmuon.util.dtensor import local_tensor
 from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import in_backward, on_reduced_gradient, queue_end_of_backward
@@ -220,7 +221,9 @@ class BackwardLaunches:
         def hook(param: torch.Tensor) -> None:
             me = launches()
             if me is not None and _NEWEST.get(id(param)) is launches:
-                with me.streams.fsdp2_hook():
+                # A backward under the caller's autocast (its state travels into autograd's hooks): the
+                # launch's directions as configured, as the step's (dmuon.util.autocast).
+                with me.streams.fsdp2_hook(), autocast_off(me.plan.device):
                     me._landed_one(param)
 
         return hook
@@ -384,7 +387,8 @@ class BackwardLaunches:
         dmuon's; on the replicate level the last unit completes and every reduction lands."""
         self._in_backward = False
         if self._current is not None:
-            self._complete(self._current)
+            with autocast_off(self.plan.device):  # the last launch, as the hooks' (under the caller's autocast)
+                self._complete(self._current)
         self._join_own_stream()
         self.replicate.land_all()
 

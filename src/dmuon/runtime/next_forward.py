@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dmuon.comm import Pending
 from dmuon.plan.plan import Plan
+from dmuon.util.autocast import autocast_off
 from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import fsdp_unit, gathered_or_gathering
 
@@ -204,9 +205,10 @@ class NextForwardUpdates:
     @ranged("next_forward.apply")
     def _apply_units(self, blocks: list[int]) -> None:
         """Lands the returns carrying the updates this rank still holds of ``blocks`` and applies its rows."""
-        for b in blocks:
-            if b in self._pending:
-                self._apply_members(self._pending.pop(b))
+        with autocast_off(self.plan.device):  # inside the forward, under the caller's autocast: as configured
+            for b in blocks:
+                if b in self._pending:
+                    self._apply_members(self._pending.pop(b))
         if not self._pending:
             self._returns, self._totals, self._finish = [], [], None  # every buffer of the step's returns can go
 
