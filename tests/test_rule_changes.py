@@ -94,3 +94,146 @@ def test_step_under_autocast_runs_as_configured_on_two_ranks():
     result = run_distributed(_autocast_ranks, 2)[0]
     for name, (diff, where) in result.items():
         assert diff == 0.0, f"{name}: {where} differs by {diff}"
+
+
+# ------------------------------------------------------------------------------- a matrix that starts training later
+NS_BF16 = dmuon.NSConfig(method="standard")  # torch.optim.Muon's iteration, in bf16 as torch's: bit for bit in one process
+THAW_AT = 2
+STEPS = 5
+
+
+def _train_small(model: nn.Module, opts: list, steps: range) -> None:
+    for step in steps:
+        x, y = _small_batch(step)
+        ((model(x) - y) ** 2).mean().backward()
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+
+
+def test_a_frozen_matrix_thawed_later_is_stepped_by_muon_in_one_process():
+    """The rule follows the selection whenever a matrix starts training: ``DMuon(model)`` built with a frozen
+    2-D weight (a backbone thawed after warm-up), then ``requires_grad_(True)``, steps it by Muon from that step
+    on, bit for bit as torch.optim.Muon + AdamW holding it from the start (before: AdamW, silently). The groups
+    stay as built (a scheduler's view of them), and the owners run one more NS per step."""
+    model, reference = _small(), _small()
+    for m in (model, reference):
+        m[3].weight.requires_grad_(False)
+    opt = dmuon.DMuon(model, lr=0.02, ns=NS_BF16)
+    pair = [torch.optim.Muon([p for p in reference.parameters() if p.ndim == 2], lr=0.02),
+            torch.optim.AdamW([p for p in reference.parameters() if p.ndim != 2], lr=0.02, weight_decay=0.01)]
+    groups = [(g["algorithm"], len(g["params"])) for g in opt.param_groups]
+    assert groups == [("muon", 3), ("adamw", 5)], groups  # the frozen matrix sits in the Muon half
+    _train_small(model, [opt], range(THAW_AT))
+    _train_small(reference, pair, range(THAW_AT))
+    before = opt.last_step_stats()["orthogonalized"]
+    frozen_value = model[3].weight.detach().clone()
+    assert torch.equal(frozen_value, _small()[3].weight), "a frozen matrix is not stepped"
+    for m in (model, reference):
+        m[3].weight.requires_grad_(True)
+    _train_small(model, [opt], range(THAW_AT, STEPS))
+    _train_small(reference, pair, range(THAW_AT, STEPS))
+    assert (before, opt.last_step_stats()["orthogonalized"]) == (2, 3)
+    assert [(g["algorithm"], len(g["params"])) for g in opt.param_groups] == groups
+    assert "momentum_buffer" in opt.state[model[3].weight]
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item()}"
+
+
+def test_a_frozen_matrix_thawed_under_a_plan_of_the_user_s_raises_naming_it():
+    """A plan given to DMuon was made with a selection DMuon cannot make again: a matrix it left out while
+    frozen that trains later raises at ``step()``, naming it and the fix, before anything changes (it never goes
+    to AdamW silently); and adding a parameter DMuon(model) already holds says why it is there."""
+    model = _small()
+    model[3].weight.requires_grad_(False)
+    opt = dmuon.DMuon(model, dmuon.prepare(model, ns=NS_BF16), lr=0.02)
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw"]
+    _train_small(model, [opt], range(1))
+    model[3].weight.requires_grad_(True)
+    x, y = _small_batch(1)
+    ((model(x) - y) ** 2).mean().backward()
+    with pytest.raises(ValueError, match=r"'3.weight' trains now .* dmuon.prepare again"):
+        opt.step()
+    with pytest.raises(ValueError, match=r"more than one parameter group: '3.weight' is in param group 1"):
+        opt.add_param_group({"params": [model[3].weight]})
+
+    held = _small()
+    held[3].weight.requires_grad_(False)
+    own = dmuon.DMuon(held, lr=0.02, ns=NS_BF16)
+    held[3].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"'3.weight' is in param group 0 already \('muon'\).*requires_grad_\(True\) "
+                                         r"is enough"):
+        own.add_param_group({"params": [held[3].weight]})
+
+
+THAWED = "layers.1.mid.weight"
+"""OddNet's matrix frozen when DMuon is built and thawed at :data:`THAW_AT` on 2 ranks."""
+
+
+def _thawed_ranks(rank: int, world_size: int, thaw_at: int) -> dict | None:
+    from support.cases import freeze, make_mesh, shard_oddnet
+    from support.models import OddNet
+
+    mesh = make_mesh(world_size, None)
+    torch.manual_seed(0)
+    model = OddNet(blocks=2)
+    freeze(model, (THAWED,))
+    shard_oddnet(model, mesh)
+    opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=FP32_NS)
+    counts = []
+    for step in range(STEPS):
+        if step == thaw_at:
+            model.get_parameter(THAWED).requires_grad_(True)  # on every rank, as the model is everywhere the same
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        count = torch.tensor([opt.last_step_stats()["orthogonalized"]])
+        dist.all_reduce(count)
+        counts.append(int(count))
+    params = full_params(model)
+    return {"params": params, "counts": counts} if rank == 0 else None
+
+
+def _thawed_reference(thaw_at: int, world_size: int = 2) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon (fp32 NS) + AdamW in one process on every rank's batches, Muon holding the frozen
+    matrix from the start (it steps nothing without a gradient)."""
+    from support.models import OddNet
+    from support.reference import ns_precision
+    from dmuon.plan.selection import select_matrices
+
+    torch.manual_seed(0)
+    model = OddNet(blocks=2)
+    model.get_parameter(THAWED).requires_grad_(False)
+    matrices = select_matrices(model)
+    views = [(p, nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
+    muon = torch.optim.Muon([v for _, v in views], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    ids = {id(p) for _, p in matrices}
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=3e-3, weight_decay=0.01)
+    for step in range(STEPS):
+        if step == thaw_at:
+            model.get_parameter(THAWED).requires_grad_(True)
+        parts = [odd_batch(step, r) for r in range(world_size)]
+        lm_loss(model, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
+        for p, v in views:
+            if v is not p:
+                v.grad = None if p.grad is None else p.grad.view(v.shape)
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+        for _, v in views:
+            v.grad = None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_frozen_matrix_thawed_later_is_stepped_by_muon_on_two_ranks():
+    """On 2 FSDP2 ranks: ``DMuon(model)`` built with a frozen matrix, thawed at step 2 on every rank: every rank
+    finds it at that ``step()`` and makes the plan again (one more NS per step over the ranks from then on), and
+    the run equals torch.optim.Muon + AdamW in one process holding it in Muon from the start (before: AdamW
+    stepped it, the NS count unchanged)."""
+    result = run_distributed(_thawed_ranks, 2, THAW_AT)[0]
+    counts = result["counts"]
+    assert counts[THAW_AT:] == [counts[0] + 1] * (STEPS - THAW_AT) and counts[:THAW_AT] == [counts[0]] * THAW_AT, counts
+    diff, where = max_diff(result["params"], _thawed_reference(THAW_AT))
+    assert diff <= 1e-5, f"{where} differs by {diff}"

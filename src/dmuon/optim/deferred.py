@@ -39,8 +39,9 @@ def waits_for_sharding(model: nn.Module) -> bool:
 
 def default_matrices(model: nn.Module) -> set[str]:
     """The canonical names of the parameters the default selection makes Muon matrices, on the model as it
-    is (what splits the groups until the plan, made on the sharded model, takes over)."""
-    return {canonical_name(n) for n, p in select_matrices(model) if p.requires_grad}
+    is (what splits the groups until the plan, made on the sharded model, takes over). Frozen ones too: a
+    matrix that trains later is Muon's then (:class:`~dmuon.optim.groups.MuonMatrices`)."""
+    return {canonical_name(n) for n, p in select_matrices(model)}
 
 
 class DeferredSetup:
@@ -104,7 +105,8 @@ class DeferredSetup:
     def check_split(groups: list[dict[str, Any]], planned: Callable[[torch.Tensor], bool],
                     names: dict[int, str]) -> None:
         """Raises ``ValueError`` naming the first parameter whose group (split before sharding) disagrees
-        with the plan made on the sharded model (``planned``: whether the plan holds a parameter)."""
+        with the plan made on the sharded model (``planned``: whether a parameter is the plan's, or a frozen
+        matrix its selection takes once it trains)."""
         for k, g in enumerate(groups):
             for p in g["params"]:
                 if planned(p) != (g["algorithm"] == "muon"):

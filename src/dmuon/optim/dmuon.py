@@ -49,6 +49,7 @@ from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
 from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.runtime.settle import land_unused
 from dmuon.util.autocast import autocast_off
 
 
@@ -181,6 +182,9 @@ class DMuon(torch.optim.Optimizer):
             ddp = wrapping_ddp(model)
         if ddp is not None:
             model = ddp.module
+        self._ddp = ddp
+        """torch's DistributedDataParallel around the model (None: none, or not found yet): what a plan made
+        again is made over."""
         self._pp_group = pipeline_group(pp_group)
         _claim_pipeline_group(self._pp_group, model)
         self._stages_checked = False
@@ -205,7 +209,8 @@ class DMuon(torch.optim.Optimizer):
         """QK-clip's configuration (None: no clip)."""
         self._hsdp_mesh = hsdp_mesh
         self._last_report = StepReport()
-        self._own_plan = plan is None  # a plan DMuon made may be made again (add_param_group)
+        self._own_plan = plan is None  # a plan DMuon made may be made again (add_param_group, a matrix thawed)
+        self._thawing: list[tuple[str, torch.Tensor]] | None = None  # see _thawed
         self._user_named = bool(user_groups) and named_group(user_groups[0])
         for group in user_groups or ():
             check_named_alike(named_group(group), self._user_named)
@@ -268,7 +273,14 @@ class DMuon(torch.optim.Optimizer):
         self.plan = plan
         self.momentum = MomentumLayout(plan)
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self._matrices.adopt(plan)
+        planned = {id(info.param) for info in plan.infos}
+        # The default selection's matrices the plan left out because they were frozen (a vision tower or
+        # backbone thawed after warm-up): Muon's once they train. A plan of the user's was made with a
+        # selection DMuon does not know: only its own matrices are Muon's (a frozen one thawed raises at step()).
+        default = [p for _, p in select_matrices(model)]
+        frozen = {id(p) for p in default if not p.requires_grad and id(p) not in planned}
+        self._matrices.adopt(plan, {id(p) for p in default} if self._own_plan else planned, frozen)
+        self._thawing = None
 
     def _start_runtime(self) -> None:
         model = self.model
@@ -316,6 +328,71 @@ class DMuon(torch.optim.Optimizer):
         if me.runtime is not None:
             me.runtime.flush_updates()
 
+    def _thawed(self) -> list[tuple[str, torch.Tensor]]:
+        """The matrices the plan left out because they were frozen and that train now (``requires_grad``),
+        in the optimizer's groups; the same on every rank (the model is). One flag read per such matrix."""
+        if self._thawing is None:
+            frozen = self._matrices.frozen
+            self._thawing = [(self.param_names.get(id(p), "?"), p) for g in self.param_groups for p in g["params"]
+                             if id(p) in frozen]
+        return [(name, p) for name, p in self._thawing if p.requires_grad]
+
+    def follow_requires_grad(self) -> None:
+        """Makes the plan follow the parameters' ``requires_grad`` now: a matrix frozen when the plan was made
+        (``requires_grad_(False)``: a backbone thawed after warm-up) is stepped by Muon once it trains, as in
+        ``torch.optim.Muon`` + ``AdamW`` holding it from the start. A collective, on every rank alike (the plan
+        is made again over the model as it is: :func:`dmuon.prepare`, and the runtime restarted on it).
+
+        ``step()`` calls it by itself at the first step where such a matrix trains. Call it yourself (after
+        ``requires_grad_(True)``, before the next forward) with ``hsdp_mesh``, where the backward's reductions
+        across replicas follow the plan and would leave the matrix's gradient out. Nothing when no matrix left
+        out of the plan trains.
+
+        Raises:
+            ValueError: For a plan given to DMuon (made with a selection DMuon cannot make again), naming the
+                matrix and the fix; with ``hsdp_mesh`` at a step whose backward ran on the old plan. Raised on
+                every rank alike, before anything changes.
+        """
+        me = self._me()
+        me._ready()
+        thawed = me._thawed()
+        if not thawed:
+            return
+        name, param = thawed[0]
+        if not me._own_plan:
+            raise ValueError(
+                f"parameter {name!r} trains now (requires_grad=True) but was frozen when the plan given to DMuon "
+                "was made, which does not hold it, so Muon cannot step it and AdamW would step a Muon matrix: "
+                "call dmuon.prepare again on the model as it is now and build DMuon with that plan (or build DMuon "
+                "without a plan, which makes the plan again by itself); to train it with AdamW, give it to DMuon "
+                "in a group {'params': [...], 'algorithm': 'adamw'} when building it")
+        if me.plan.reduces_replicas and any(p.grad is not None for _, p in thawed):
+            raise ValueError(
+                f"parameter {name!r} started training (requires_grad=True) after DMuon's plan was made, and this "
+                "backward ran on that plan: with hsdp_mesh dmuon reduces the gradients across replicas in backward "
+                "by the plan, which left this one out. Call opt.follow_requires_grad() on every rank after "
+                "requires_grad_(True) and before the next forward")
+        me._replan()
+
+    def _replan(self) -> None:
+        """Makes the plan again on the model as it is and restarts the runtime on it (a collective, on every
+        rank alike). The old runtime is emptied first: the last step's updates held for the next forward
+        applied (:meth:`flush_updates`), the exchanges backward launched landed unused (the new runtime
+        exchanges every direction in ``step()`` from the gradients, which the launches only read) and the
+        NS worker's results taken."""
+        runtime = self.runtime
+        runtime.flush_updates()
+        backward = getattr(runtime, "backward", None)
+        if backward is not None:
+            launches, _ = backward.take()
+            land_unused(launches)
+        runtime.close()
+        self.runtime = None
+        self._adopt_plan(prepare(self.model if self._ddp is None else self._ddp, ns=self.ns,
+                                 hsdp_mesh=self._hsdp_mesh))
+        DeferredSetup.check_split(self.param_groups, lambda p: self._matrices.holds(p, None), self.param_names)
+        self._start_runtime()
+
     def _me(self) -> DMuon:
         """This optimizer, also when called through a wrapper that took DMuon's class and delegates
         attribute reads to it (Lightning Fabric's ``_FabricOptimizer``), where writes must not land."""
@@ -331,9 +408,10 @@ class DMuon(torch.optim.Optimizer):
         ddp = wrapping_ddp(self.model) if waits_for_sharding(self.model) else None
         if ddp is None:
             deferred.check_sharded()
+        self._ddp = ddp
         deferred.rebind(self.__dict__["param_groups"], self.state, strict=True)
         self._adopt_plan(prepare(self.model if ddp is None else ddp, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
-        deferred.check_split(self.param_groups, self._matrices.planned, self.param_names)
+        deferred.check_split(self.param_groups, lambda p: self._matrices.holds(p, None), self.param_names)
         self._start_runtime()
         self._deferred = None
         deferred.close()
@@ -379,6 +457,7 @@ class DMuon(torch.optim.Optimizer):
         as it is, after checking its parameters are of that kind."""
         if "algorithm" not in param_group:
             check_named_alike(named_group(param_group), self._user_named)
+            self._check_not_held(param_group)
             self._plan_new_matrices(param_group)
             named = all("param_names" in g for g in self.param_groups)
             user_index = max(self._user_group_of, default=-1) + 1
@@ -404,6 +483,25 @@ class DMuon(torch.optim.Optimizer):
             self.defaults = saved
         if self.__dict__.get("_deferred") is not None:
             self._deferred.record([param_group], self._splitter.names())  # swapped for the sharded one at setup
+        self._thawing = None  # the group may hold a frozen matrix (_thawed)
+
+    def _check_not_held(self, group: dict[str, Any]) -> None:
+        """torch.optim's ``ValueError`` for a parameter already in a group, raised before anything changes
+        and saying why it is there (a frozen matrix ``DMuon(model)`` holds is Muon's once it trains)."""
+        params = group.get("params", ())
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if not isinstance(params, (list, tuple)):
+            return  # refused by the split, as torch.optim refuses it
+        held = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        for item in params:
+            p = item[1] if isinstance(item, tuple) else item
+            if id(p) in held:
+                name = self.param_names.get(id(p)) or self._splitter.names().get(id(p), "?")
+                raise ValueError(
+                    f"some parameters appear in more than one parameter group: {name!r} is in param group "
+                    f"{held[id(p)]} already ({self.param_groups[held[id(p)]]['algorithm']!r}). DMuon(model) holds "
+                    "every parameter of the model, frozen ones too, and a frozen matrix is stepped by Muon once "
+                    "it trains (requires_grad_(True) is enough, no add_param_group)")
 
     def per_group(self, values: Iterable[Any]) -> list[Any]:
         """One value per user param group (the constructor's groups, then each ``add_param_group``) as one
@@ -448,7 +546,7 @@ class DMuon(torch.optim.Optimizer):
         self.runtime.close()
         self.runtime = None
         self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
-        DeferredSetup.check_split(self.param_groups, self._matrices.planned, self.param_names)
+        DeferredSetup.check_split(self.param_groups, lambda p: self._matrices.holds(p, None), self.param_names)
         self._start_runtime()
 
     def check_ns_keys(self, group: dict[str, Any]) -> None:
@@ -464,7 +562,7 @@ class DMuon(torch.optim.Optimizer):
                             f"param group {group_index(self.param_groups, group)}: ")
 
     # -------------------------------------------------------------------- state
-    _NOT_COPIED = ("runtime", "_deferred", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+    _NOT_COPIED = ("runtime", "_deferred", "_ddp", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
     """What a copy (``copy.deepcopy``, pickle) leaves out: the runtime, which the copy builds again on its
@@ -497,7 +595,7 @@ class DMuon(torch.optim.Optimizer):
         as_adamw_groups(groups)
         if not copied:
             return  # torch.optim.Optimizer.load_state_dict's call: the groups and state only
-        self.runtime, self._deferred = None, None
+        self.runtime, self._deferred, self._ddp = None, None, None
         if set_up:
             self._adopt_plan(self.plan)
             self._start_runtime()
@@ -580,6 +678,8 @@ class DMuon(torch.optim.Optimizer):
         # as configured wherever its work runs (dmuon.util.autocast).
         with autocast_off(self._device()):
             self._ready()
+            if self._thawed():
+                self.follow_requires_grad()
             if self._pp_group is not None and not self._stages_checked:
                 check_ties_across_stages(self.model, self.plan, self._pp_group)  # every stage's first step
                 self._stages_checked = True

@@ -61,27 +61,40 @@ def canonical_name(name: str) -> str:
 
 class MuonMatrices:
     """Which parameters Muon updates: before a plan, those the default selection chose (by canonical name);
-    with one, the plan's matrices (by parameter object, with their plan indices)."""
+    with one, the plan's matrices (by parameter object, with their plan indices) and the matrices the plan's
+    selection takes once they train (``requires_grad=False`` when the plan was made: a frozen backbone).
+
+    A frozen matrix sits in a Muon group from the start, as it would in ``torch.optim.Muon``'s (which steps
+    nothing without a gradient): once it trains the plan is made again (:meth:`DMuon.follow_requires_grad
+    <dmuon.optim.dmuon.DMuon.follow_requires_grad>`), and the groups, a scheduler's view of them, stay as
+    they are."""
 
     def __init__(self, selected: set[str] | None = None) -> None:
         self._selected = None if selected is None else frozenset(selected)
         self._index: dict[int, list[int]] = {}  # parameter id -> its matrices (several for a stack of experts)
+        self._selectable: frozenset[int] = frozenset()
+        self.frozen: frozenset[int] = frozenset()
+        """With a plan: the parameters (by id) the default selection takes but the plan left out, frozen then."""
 
     def reselect(self, selected: set[str]) -> None:
         """Before a plan: from now on, the parameters named in ``selected`` (a selection made again)."""
         self._selected = frozenset(selected)
 
-    def adopt(self, plan: Plan) -> None:
-        """From now on, the matrices of ``plan``."""
+    def adopt(self, plan: Plan, selectable: set[int], frozen: set[int]) -> None:
+        """From now on, the matrices of ``plan``, and ``selectable`` (ids): the parameters its selection takes
+        whether or not they train now (the plan's own matrices for a plan DMuon cannot make again);
+        ``frozen`` (ids): the default selection's matrices the plan left out, frozen when it was made."""
         self._index = {}
         for info in plan.infos:
             self._index.setdefault(id(info.param), []).append(info.index)
+        self._selectable = frozenset(selectable) | frozenset(self._index)
+        self.frozen = frozenset(frozen)
         self._selected = None
 
     def holds(self, param: torch.Tensor, name: str | None) -> bool:
         """Whether ``param`` (named ``name`` in the model, if it is one of its parameters) is a Muon matrix."""
         if self._selected is None:
-            return id(param) in self._index
+            return id(param) in self._selectable
         return name is not None and name in self._selected
 
     def planned(self, param: torch.Tensor) -> bool:
@@ -89,7 +102,10 @@ class MuonMatrices:
         return id(param) in self._index
 
     def indices(self, param: torch.Tensor) -> list[int]:
-        """The plan indices of ``param``'s matrices (several for a stack of experts or row groups)."""
+        """The plan indices of ``param``'s matrices (several for a stack of experts or row groups; none for a
+        frozen matrix the plan does not hold yet). ``KeyError`` for a parameter that is no Muon matrix."""
+        if id(param) not in self._index and id(param) in self._selectable:
+            return []
         return self._index[id(param)]
 
 
