@@ -237,3 +237,71 @@ def test_a_frozen_matrix_thawed_later_is_stepped_by_muon_on_two_ranks():
     assert counts[THAW_AT:] == [counts[0] + 1] * (STEPS - THAW_AT) and counts[:THAW_AT] == [counts[0]] * THAW_AT, counts
     diff, where = max_diff(result["params"], _thawed_reference(THAW_AT))
     assert diff <= 1e-5, f"{where} differs by {diff}"
+
+
+# ------------------------------------------------------------------------------------ add_param_group after setup
+def _added_ranks(rank: int, world_size: int) -> dict:
+    """A matrix frozen when DMuon is built from the trainable parameters (so no group holds it), thawed and
+    ``add_param_group``-ed at :data:`THAW_AT`: under FSDP2 with each ``apply_updates``, and under torch's DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from support.cases import freeze, make_mesh, shard_oddnet
+    from support.models import OddNet
+
+    out: dict = {}
+    for route in ("in_step", "next_forward", "ddp"):
+        torch.manual_seed(0)
+        model = OddNet(blocks=2)
+        freeze(model, (THAWED,))
+        if route == "ddp":
+            target = DDP(model)
+        else:
+            shard_oddnet(model, make_mesh(world_size, None))
+            target = model
+        opt = dmuon.DMuon([p for p in model.parameters() if p.requires_grad], module=target, lr=0.02,
+                          adamw=dmuon.AdamWConfig(lr=3e-3), ns=FP32_NS,
+                          execution=dmuon.ExecutionConfig(apply_updates="in_step" if route == "ddp" else route))
+        counts = []
+        for step in range(STEPS):
+            if step == THAW_AT:
+                weight = model.get_parameter(THAWED)
+                weight.requires_grad_(True)
+                # The plan is made again here, on every rank; under next_forward the last step's updates, held
+                # for this forward, are applied first.
+                opt.add_param_group({"params": [weight]})
+            lm_loss(target, odd_batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            count = torch.tensor([opt.last_step_stats()["orthogonalized"]])
+            dist.all_reduce(count)
+            counts.append(int(count))
+        opt.flush_updates()
+        params = full_params(model)
+        if route == "ddp":
+            # DDP built while the matrix was frozen does not reduce its gradient (torch's DDP registers its
+            # hooks at construction): its owner's update reaches every rank, so every rank holds the same model.
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, params)
+            out[route] = {"counts": counts, "same": max(max_diff(gathered[0], g)[0] for g in gathered)}
+        else:
+            out[route] = {"counts": counts, "params": params}
+    return out if rank == 0 else None
+
+
+def test_add_param_group_after_setup_keeps_the_held_updates_and_works_under_ddp():
+    """``add_param_group`` after setup makes the plan again without losing a step: under
+    ``apply_updates="next_forward"`` the updates the last step held for the next forward are applied first
+    (before: dropped, 1.1e-2 from ``in_step`` two steps later), so both equal torch.optim.Muon + AdamW in one
+    process; under torch's DDP the plan is made again over DDP's group (before: it raised after the old runtime
+    was gone) and the thawed matrix's NS runs from that step on."""
+    result = run_distributed(_added_ranks, 2)[0]
+    reference = _thawed_reference(THAW_AT)
+    for route in ("in_step", "next_forward"):
+        diff, where = max_diff(result[route]["params"], reference)
+        assert diff <= 1e-5, f"{route}: {where} differs from torch's pair by {diff}"
+    diff, where = max_diff(result["in_step"]["params"], result["next_forward"]["params"])
+    assert diff <= 1e-6, f"next_forward: {where} differs from in_step by {diff}"
+    for route, r in result.items():
+        counts = r["counts"]
+        assert counts[THAW_AT:] == [counts[0] + 1] * (STEPS - THAW_AT), (route, counts)
+    assert result["ddp"]["same"] == 0.0

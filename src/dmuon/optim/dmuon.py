@@ -377,19 +377,22 @@ class DMuon(torch.optim.Optimizer):
     def _replan(self) -> None:
         """Makes the plan again on the model as it is and restarts the runtime on it (a collective, on every
         rank alike). The old runtime is emptied first: the last step's updates held for the next forward
-        applied (:meth:`flush_updates`), the exchanges backward launched landed unused (the new runtime
-        exchanges every direction in ``step()`` from the gradients, which the launches only read) and the
-        NS worker's results taken."""
+        applied (:meth:`flush_updates`: dropped with the runtime otherwise, a lost step), the exchanges
+        backward launched landed unused (the new runtime exchanges every direction in ``step()`` from the
+        gradients, which the launches only read) and the NS worker's results taken. The new plan is made
+        before the old runtime is closed, so an error there (raised on every rank by :func:`dmuon.prepare`)
+        leaves the optimizer stepping on the old one."""
         runtime = self.runtime
         runtime.flush_updates()
         backward = getattr(runtime, "backward", None)
         if backward is not None:
             launches, _ = backward.take()
             land_unused(launches)
+        # Under torch's DDP the plan is made over DDP's group: prepare() is given the wrapper, as at setup.
+        plan = prepare(self.model if self._ddp is None else self._ddp, ns=self.ns, hsdp_mesh=self._hsdp_mesh)
         runtime.close()
         self.runtime = None
-        self._adopt_plan(prepare(self.model if self._ddp is None else self._ddp, ns=self.ns,
-                                 hsdp_mesh=self._hsdp_mesh))
+        self._adopt_plan(plan)
         DeferredSetup.check_split(self.param_groups, lambda p: self._matrices.holds(p, None), self.param_names)
         self._start_runtime()
 
@@ -527,7 +530,8 @@ class DMuon(torch.optim.Optimizer):
         takes now, and the plan does not hold (weights frozen when the plan was made, unfrozen since), Muon
         matrices: before setup by selecting again on the model as it is; after it by making the plan again
         (a collective, as ``dmuon.prepare``: add the group on every rank alike) and restarting the runtime
-        on it. With a plan of the user's, ``ValueError`` naming the first such weight."""
+        on it (:meth:`_replan`: the updates held for the next forward applied first). With a plan of the user's,
+        ``ValueError`` naming the first such weight."""
         if self._deferred is not None:
             self._matrices.reselect(default_matrices(self.model))
             return
@@ -543,11 +547,7 @@ class DMuon(torch.optim.Optimizer):
                 f"parameter {new[0]!r} is a matrix Muon updates, but the plan given to DMuon was made while it was "
                 "frozen (requires_grad=False) and does not hold it: call dmuon.prepare again on the model as it is "
                 "now and build DMuon with that plan, or build DMuon without a plan")
-        self.runtime.close()
-        self.runtime = None
-        self._adopt_plan(prepare(self.model, ns=self.ns, hsdp_mesh=self._hsdp_mesh))
-        DeferredSetup.check_split(self.param_groups, lambda p: self._matrices.holds(p, None), self.param_names)
-        self._start_runtime()
+        self._replan()
 
     def check_ns_keys(self, group: dict[str, Any]) -> None:
         """Raises ``ValueError`` naming the group and key when a Muon group's NS setting differs from
