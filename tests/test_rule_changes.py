@@ -305,3 +305,66 @@ def test_add_param_group_after_setup_keeps_the_held_updates_and_works_under_ddp(
         counts = r["counts"]
         assert counts[THAW_AT:] == [counts[0] + 1] * (STEPS - THAW_AT), (route, counts)
     assert result["ddp"]["same"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------ a tensor lr on the host
+class _Reads:
+    """Host reads while entered: the dispatch counter's (``.item()``, ``bool(t)``, ``torch.equal``) and every
+    ``Tensor.tolist()`` (which dispatches nothing on CPU, so the counter alone would not see it)."""
+
+    def __init__(self, ignored) -> None:
+        from dmuon.bench.op_count import HostReadCounter
+
+        self.counter = HostReadCounter(ignored)
+        self.tolist = 0
+
+    def __enter__(self):
+        original = self._original = torch.Tensor.tolist
+
+        def counted(t, *args, **kwargs):
+            self.tolist += 1
+            return original(t, *args, **kwargs)
+
+        torch.Tensor.tolist = counted
+        self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.counter.__exit__(*exc)
+        torch.Tensor.tolist = self._original
+
+    @property
+    def count(self) -> int:
+        return self.counter.count + self.tolist
+
+
+@pytest.mark.parametrize("apply_updates", ["in_step", "next_forward"])
+def test_a_tensor_lr_is_read_to_the_host_once_per_step(apply_updates):
+    """A tensor Muon ``lr`` (changed in place every step by a scheduler) costs one host read per step at most,
+    however many matrices there are (before: one per matrix, each a device sync; under ``next_forward`` inside
+    the units' forwards), counted over the forward, backward and ``step()``; the steps equal the float-lr run's
+    (the alphas read are torch.optim.Muon's values, bit for bit)."""
+    def run(lr) -> tuple[list[int], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+        opt = dmuon.DMuon(model, lr=lr, ns=NS_BF16, adamw=dmuon.AdamWConfig(lr=0.01),
+                          execution=dmuon.ExecutionConfig(apply_updates=apply_updates))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+        counts = []
+        for step in range(4):
+            ignored = [s["step"] for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)]
+            with _Reads(ignored) as reads:  # AdamW's step counters live on the host: not counted
+                g = torch.Generator().manual_seed(step)
+                model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            counts.append(reads.count)
+        opt.flush_updates()
+        return counts, _params(model)
+
+    (floats, expected), (tensors, got) = run(0.02), run(torch.tensor(0.02))
+    # The first step sets up (its own reads, the same either way); from then on at most one more read.
+    assert all(t - f <= 1 for t, f in zip(tensors[1:], floats[1:])), (floats, tensors)
+    diff, where = max_diff(got, expected)
+    assert diff == 0.0, f"{where} differs by {diff}"

@@ -14,7 +14,7 @@ from dmuon.ortho.config import NSConfig
 from dmuon.ortho.owner import owner_update
 from dmuon.rules import dion2, muonh
 from dmuon.rules.adamw import adamw_group_step
-from dmuon.rules.muon import (adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction,
+from dmuon.rules.muon import (HostAlphas, adjusted_lr, apply_update, momentum_after, momentum_update, peek_direction,
                               rescaled_direction, scalar_lr)
 from dmuon.rules.normuon import normalize_rows
 from dmuon.plan.plan import Plan
@@ -59,6 +59,8 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         self.opt = optimizer
         self.plan = optimizer.plan
         self._column = divmod(self.plan.rank, self.plan.shard)[1]
+        self._host_alphas = HostAlphas()
+        self._shapes = {info.index: info.matrix_shape for info in self.plan.infos}
 
     # ----------------------------------------------------------------- helpers
     def _groups(self) -> dict[int, dict]:
@@ -116,13 +118,14 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
         # Muon keeps no row state (``rows`` is None).
         groups = self._groups()
+        alphas = self._host_alphas.get(groups, self._shapes)  # a tensor lr: one read for every matrix
         for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
             apply_update(self._local(i, info.param), update, lr=scalar_lr(group["lr"]),
                          weight_decay=group["weight_decay"],
                          adjust_lr_fn=group["adjust_lr_fn"], matrix_shape=info.matrix_shape,
                          extra_scale_factor=group["extra_scale_factor"],
-                         cautious_weight_decay=group["cautious_weight_decay"])
+                         cautious_weight_decay=group["cautious_weight_decay"], alpha=alphas.get(i))
 
     @ranged("adamw")
     def independent(self) -> None:

@@ -109,26 +109,76 @@ def apply_update(
     matrix_shape: tuple[int, int],
     extra_scale_factor: float = 1.0,
     cautious_weight_decay: bool = False,
+    alpha: float | None = None,
 ) -> None:
     """Decoupled weight decay with the raw lr, then the shape-adjusted step.
 
     ``param <- param - lr * weight_decay * mask * param - adjusted_lr * extra_scale_factor * ortho``,
     ``mask`` all ones, or with ``cautious_weight_decay`` 1 where ``param * ortho >= 0`` (the update
     and the weight share a sign, or one is zero) and 0 elsewhere, taken before either change:
+    ``alpha``: the step's ``-adjusted_lr * extra_scale_factor`` already on the host (a tensor ``lr``: read
+    once for every matrix, :class:`HostAlphas`; None computes it here, a device read for a tensor ``lr``);
     microsoft/dion's ``cautious_wd=True`` (``muon_update_post_orthogonalize``), modded-nanogpt's
     and nanochat's mask (Chen et al., arXiv:2510.12402). ``extra_scale_factor`` multiplies the step
     only, not the decay (NVIDIA Emerging-Optimizers' ``extra_scale_factor``).
     """
     ortho = ortho.view(param.shape)
     if cautious_weight_decay:
-        if lr * weight_decay:
+        # A tensor lr is not read to ask: a zero decay subtracts zeros, the same weights.
+        if isinstance(lr, torch.Tensor) or lr * weight_decay:
             # The mask from the weight before decay, as dion and modded-nanogpt take it.
             param.sub_(param * ((param * ortho) >= 0) * (lr * weight_decay))
     else:
         param.mul_(1 - lr * weight_decay)
     # As torch.optim.Muon: the NS-dtype update added as is (promoted inside the kernel, no copy);
     # extra_scale_factor=1.0 leaves alpha, so the result stays bit-identical to torch's.
-    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, matrix_shape) * extra_scale_factor)
+    if alpha is None:
+        alpha = -adjusted_lr(lr, adjust_lr_fn, matrix_shape) * extra_scale_factor
+    param.add_(ortho, alpha=alpha)
+
+
+class HostAlphas:
+    """Each matrix's step ``-adjusted_lr * extra_scale_factor`` on the host, for groups whose ``lr`` is a tensor.
+
+    ``add_(alpha=...)`` takes a Python number: a tensor ``lr`` (on an accelerator) handed to it reads the device,
+    which waits for everything queued before it, once per matrix (and under ``apply_updates="next_forward"``
+    inside each unit's forward). Here every matrix's value is computed on the device with the same ops
+    (the same bits: torch.optim.Muon's) and read in one ``tolist()``, again only once an ``lr`` changed in
+    place (a scheduler's ``fill_``: its version counter) or a group's keys did: one read per step at most.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._kept: list[torch.Tensor] = []  # the lrs the key names, alive while it names them (ids not reused)
+        self._alphas: dict[int, float] = {}
+
+    def get(self, groups: dict[int, dict], shapes: dict[int, tuple[int, int]]) -> dict[int, float]:
+        """Per matrix index of ``groups`` (index -> its group) whose ``lr`` is a tensor, its alpha;
+        ``shapes``: index -> the matrix's shape."""
+        seen: dict[int, dict] = {}
+        for group in groups.values():
+            if isinstance(group["lr"], torch.Tensor):
+                seen.setdefault(id(group), group)
+        if not seen:
+            return {}
+        key = tuple((k, id(g["lr"]), g["lr"]._version, g["adjust_lr_fn"], g["extra_scale_factor"])
+                    for k, g in seen.items()) + (tuple(groups), )
+        if key != self._key:
+            values: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}
+            order = []
+            for i, group in groups.items():
+                if id(group) in seen:
+                    at = (id(group), tuple(shapes[i]))
+                    if at not in values:
+                        values[at] = -adjusted_lr(scalar_lr(group["lr"]), group["adjust_lr_fn"],
+                                                  shapes[i]) * group["extra_scale_factor"]
+                    order.append((i, at))
+            slots = list(values)
+            read = torch.stack([values[at].reshape(()).double() for at in slots]).tolist()  # the one read (exact)
+            by_slot = dict(zip(slots, read))
+            self._alphas = {i: by_slot[at] for i, at in order}
+            self._key, self._kept = key, [g["lr"] for g in seen.values()]
+        return self._alphas
 
 
 def rescaled_direction(launched: torch.Tensor, momentum_before: torch.Tensor, scale: float, momentum: float,
