@@ -368,3 +368,59 @@ def test_a_tensor_lr_is_read_to_the_host_once_per_step(apply_updates):
     assert all(t - f <= 1 for t, f in zip(tensors[1:], floats[1:])), (floats, tensors)
     diff, where = max_diff(got, expected)
     assert diff == 0.0, f"{where} differs by {diff}"
+
+
+# ------------------------------------------------------------------------------------------------ small host costs
+class _Ops:
+    """Counts every aten op dispatched while entered."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self._mode = 0, Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _clipped(layers: int, norm_type: float) -> tuple[int, torch.Tensor, torch.Tensor, float]:
+    """DMuon's clip on a ``layers``-Linear model and torch's on a copy: the ops DMuon's dispatched, the largest
+    difference between the clipped gradients, and both norms."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+
+    ours, theirs = model(), model()
+    opt = dmuon.DMuon(ours, lr=0.02, ns=NS_BF16)
+    for m in (ours, theirs):
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    opt.clip_grad_norm_(1e9)  # sets the optimizer up (its first call); clips nothing at this bound
+    with _Ops() as ops:
+        norm = opt.clip_grad_norm_(0.1, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1, norm_type)
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return ops.count, diff, norm, expected
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_runs_a_constant_number_of_kernels_per_group(norm_type):
+    """``DMuon.clip_grad_norm_`` is foreach, as torch's: one ``_foreach_norm`` and one ``_foreach_mul_`` per
+    (device, dtype) group of gradients, so the ops it dispatches do not grow with the parameters (before: about
+    five per parameter); the norm and the clipped gradients are torch's clip_grad_norm_'s in one process."""
+    few, diff_few, norm_few, expected_few = _clipped(3, norm_type)
+    many, diff_many, norm_many, expected_many = _clipped(9, norm_type)
+    assert few == many, (few, many)
+    for diff, norm, expected in ((diff_few, norm_few, expected_few), (diff_many, norm_many, expected_many)):
+        assert torch.allclose(norm, expected, rtol=1e-6, atol=0), (norm, expected)
+        assert diff <= 1e-7, diff
