@@ -424,3 +424,24 @@ def test_clip_grad_norm_runs_a_constant_number_of_kernels_per_group(norm_type):
     for diff, norm, expected in ((diff_few, norm_few, expected_few), (diff_many, norm_many, expected_many)):
         assert torch.allclose(norm, expected, rtol=1e-6, atol=0), (norm, expected)
         assert diff <= 1e-7, diff
+
+
+def test_the_agreement_s_host_flags_go_through_pinned_memory_on_an_accelerator(monkeypatch):
+    """The step's host-built flags reach an accelerator through pinned memory, non-blocking (a pageable copy
+    makes the host wait every step); on the CPU they are used as they are, no copy and no pinning."""
+    from dmuon.runtime import agreement
+
+    assert agreement.pins_host_copies(torch.device("cuda", 0)) and agreement.pins_host_copies("xpu")
+    assert not agreement.pins_host_copies("cpu")
+    host = torch.arange(4, dtype=torch.int32)
+    assert agreement.host_to_device(host, "cpu") is host
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking=False):
+            calls.append((device, non_blocking))
+            return host
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pinned") or Pinned())
+    agreement.host_to_device(host, torch.device("cuda", 0))
+    assert calls == ["pinned", (torch.device("cuda", 0), True)]

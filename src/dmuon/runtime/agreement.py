@@ -102,13 +102,29 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
         parts.insert(0, marks)
     # The host's flags beside the others, on their device (which no one reads before the agreement lands).
     device = next((t.device for t in parts if t.numel()), stale.device)
-    flags = torch.cat([torch.tensor(values, dtype=torch.int32, device=device), *(t.to(device) for t in parts)])
+    flags = torch.cat([host_to_device(torch.tensor(values, dtype=torch.int32), device),
+                       *(host_to_device(t, device) if t.device.type == "cpu" else t.to(device) for t in parts)])
     extra = 0 if maxima is None else maxima.numel()
     if extra:
         # Beside the values, on their device: reading them to the host here would wait for the device.
         flags = torch.cat([flags.to(maxima.device), maxima_bits(maxima)])
     names = [name for name, _ in checked]
     return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count, extra)
+
+
+def pins_host_copies(device: torch.device | str) -> bool:
+    """Whether a host tensor bound for ``device`` goes through pinned memory: on an accelerator a pageable
+    host-to-device copy is synchronous (the host waits for the device's queue to take it, every step); a
+    pinned one with ``non_blocking`` is queued and the host goes on. On the CPU there is nothing to copy."""
+    return torch.device(device).type not in ("cpu", "meta")
+
+
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: as it is on the CPU, else through pinned memory, non-blocking
+    (torch's pinned allocator keeps the staging block until the copy has run, so it may be dropped at once)."""
+    if not pins_host_copies(device):
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def maxima_bits(values: torch.Tensor) -> torch.Tensor:
