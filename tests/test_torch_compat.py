@@ -184,6 +184,9 @@ def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
     group = dist.new_group(ranks=list(range(world_size)), use_local_synchronization=True)
     if torch_compat.process_group_count() != before + 1:
         return f"{TORCH}: a new group left the group count at {torch_compat.process_group_count()}, was {before}"
+    torch_compat.default_store().set(f"compat/{rank}", "1")
+    if torch_compat.default_store().get(f"compat/{rank}") != b"1":
+        return f"{TORCH}: default_store does not keep what was set"
     if torch_compat.new_group_splits_world():
         return f"{TORCH}: new_group_splits_world says a gloo default group bound to no device splits"
     if (group, tuple(range(world_size))) not in torch_compat.registered_groups():

@@ -19,6 +19,7 @@ Private APIs:
 * :func:`process_group_count`: ``torch.distributed.distributed_c10d._world.pg_names``.
 * :func:`new_group_splits_world`: ``torch.distributed.distributed_c10d._get_split_source``.
 * :func:`registered_groups`: ``torch.distributed.distributed_c10d._world.pg_group_ranks``.
+* :func:`default_store`: ``torch.distributed.distributed_c10d._get_default_store``.
 * :func:`in_backward`: ``torch._C._current_graph_task_id``.
 * :func:`root_mesh`: ``DeviceMesh._get_root_mesh``.
 * :func:`profiler_active`: ``torch.autograd.profiler._is_profiler_enabled``.
@@ -223,6 +224,12 @@ def registered_groups() -> list[tuple[Any, tuple[int, ...]]]:
     # torch records the groups this rank is not in too, under the NON_GROUP_MEMBER sentinel.
     return [(group, tuple(sorted(mapping, key=mapping.get))) for group, mapping in ranks.items()
             if isinstance(group, dist.ProcessGroup)]
+
+
+def default_store() -> Any:
+    """The default group's key-value store (the ``TCPStore`` of ``init_process_group``): where ranks
+    wait for each other on the host, outside any collective and its watchdog."""
+    return _private("torch.distributed.distributed_c10d", "_get_default_store")()
 
 
 def in_backward() -> bool:
