@@ -226,27 +226,52 @@ def _bad_setups(rank: int, world: int) -> dict:
     attempt("two parts, one pp_group", two_parts_one_group)
     def tied_across_stages():
         # The first stage's embedding and, on the last, an output head tied to it but named otherwise: the
-        # last stage's rule alone would send it to Muon, the first stage's copy goes to AdamW.
+        # last stage's rule alone would send it to Muon, the first stage's copy goes to AdamW. Tied as a
+        # framework ties them: the head starts as a copy of the embedding.
         torch.manual_seed(0)
-        part = nn.Sequential(nn.Embedding(pipeline.VOCAB, pipeline.DIM) if pp_rank == 0 else
-                             nn.Linear(pipeline.DIM, pipeline.VOCAB, bias=False))
+        embedding = nn.Embedding(pipeline.VOCAB, pipeline.DIM)
+        head = nn.Linear(pipeline.DIM, pipeline.VOCAB, bias=False)
+        head.weight.data.copy_(embedding.weight.data)
+        part = nn.Sequential(embedding if pp_rank == 0 else head)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # a pp group no other DMuon holds
         fully_shard(part, mesh=mesh["dp"])
         dmuon.DMuon(part, pp_group=mesh["pp"]).step()
 
     attempt("tied across stages", tied_across_stages)
+
+    def shaped_like_another_stages_embedding():
+        # A vocabulary of 64 on the first stage, an MLP of 64 x 32 on the last: one shape, no tie. It trains.
+        torch.manual_seed(0)
+        embedding, mlp = nn.Embedding(64, 32), nn.Linear(32, 64, bias=False)
+        part = nn.Sequential(embedding, nn.Linear(32, 16, bias=False)) if pp_rank == 0 else nn.Sequential(mlp)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        fully_shard(part, mesh=mesh["dp"])
+        opt = dmuon.DMuon(part, lr=0.02, pp_group=mesh["pp"])
+        before = {n: p.full_tensor().clone() for n, p in part.named_parameters()}
+        x = torch.arange(4).reshape(2, 2) if pp_rank == 0 else torch.ones(2, 32)
+        part(x).square().sum().backward()
+        opt.step()
+        moved = [n for n, p in part.named_parameters() if not torch.equal(p.full_tensor(), before[n])]
+        if moved != list(before):
+            raise AssertionError(f"not every parameter trained: {moved} of {list(before)}")
+
+    attempt("shaped like another stage's embedding", shaped_like_another_stages_embedding)
     attempt("pp_group not a mesh or group", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=[0, 2]))
     attempt("pp_group of two dims", lambda: dmuon.DMuon(stage(world2["dp"]), pp_group=world2))
     return out
 
 
 def test_misuse_is_refused_on_every_rank_naming_the_fix():
+    """Each misuse raises on every rank (NCCL rule: a rank that raises alone leaves its peers in the
+    next collective). A head tied across stages (a copy of another stage's embedding) is refused; a
+    matrix that merely shares an embedding's shape trains: the stages compare fingerprints of the
+    values, every rank of a stage computing the same ones in the same order (one collective path)."""
     expected = {
         "hsdp_mesh spanning stages": "not one that spans other stages",
         "two groups": "sub-mesh",
         "two parts, one pp_group": "nn.ModuleList(parts)",
-        "tied across stages": "'0.weight' (pipeline rank 1) goes to Muon but has the shape (50, 37) of the "
-                              "embedding '0.weight' on pipeline rank 0",
+        "tied across stages": "'0.weight' (pipeline rank 1) goes to Muon but is a copy of the embedding "
+                              "'0.weight' on pipeline rank 0 (the shape (50, 37)",
         "pp_group not a mesh or group": "pp_group must be a 1-D DeviceMesh or a ProcessGroup",
         "pp_group of two dims": "pp_group must be a 1-D DeviceMesh",
     }
@@ -254,6 +279,8 @@ def test_misuse_is_refused_on_every_rank_naming_the_fix():
         errors = succeeded(r["misuse"])
         for name, words in expected.items():
             assert errors[name] is not None and words in errors[name], (name, errors[name])
+        # A shape shared with another stage's embedding ties nothing: that model trains.
+        assert errors["shaped like another stage's embedding"] is None
 
 
 def _on_eight_ranks(rank: int, world: int) -> dict:

@@ -184,6 +184,13 @@ def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
     group = dist.new_group(ranks=list(range(world_size)), use_local_synchronization=True)
     if torch_compat.process_group_count() != before + 1:
         return f"{TORCH}: a new group left the group count at {torch_compat.process_group_count()}, was {before}"
+    torch_compat.default_store().set(f"compat/{rank}", "1")
+    if torch_compat.default_store().get(f"compat/{rank}") != b"1":
+        return f"{TORCH}: default_store does not keep what was set"
+    if torch_compat.new_group_splits_world():
+        return f"{TORCH}: new_group_splits_world says a gloo default group bound to no device splits"
+    if (group, tuple(range(world_size))) not in torch_compat.registered_groups():
+        return f"{TORCH}: registered_groups lacks a new group over every rank: {torch_compat.registered_groups()}"
     names = [None] * world_size
     dist.all_gather_object(names, dist.distributed_c10d._get_process_group_name(group))
     if len(set(names)) != 1:
@@ -327,6 +334,8 @@ def test_moved_group_graph_and_mesh_apis_are_named(monkeypatch):
     monkeypatch.setattr(c10d, "_world", object())
     with pytest.raises(RuntimeError, match=r"_world\.pg_names.*" + TORCH.replace("+", r"\+")):
         torch_compat.process_group_count()
+    with pytest.raises(RuntimeError, match=r"_world\.pg_group_ranks"):
+        torch_compat.registered_groups()
     monkeypatch.delattr(torch._C, "_current_graph_task_id")
     with pytest.raises(RuntimeError, match=r"_current_graph_task_id"):
         torch_compat.in_backward()

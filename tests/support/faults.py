@@ -182,3 +182,40 @@ def rank_crashes(rank: int, world_size: int, where: str, zero: int) -> dict:
             raise
         return {"failed_after_s": time.perf_counter() - start, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return {"finished": True}
+
+
+def _worker_stack(thread) -> list[str]:
+    """The functions on ``thread``'s Python stack, innermost first."""
+    import sys
+
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        names.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return names
+
+
+def raise_mid_backward_with_the_worker_waiting(rank: int, world_size: int) -> None:
+    """HSDP (dmuon's replicate level), NS in backward: rank 1 raises inside backward's second block,
+    once the NS worker waits for a hop of the first block's exchange that the main thread would
+    issue next; it prints ``worker waiting in [...] at <time.time()>`` first. The exception leaves the
+    function: run by a process's top level, the interpreter's own exit follows (no ``os._exit``)."""
+    import sys
+    import threading
+
+    model, plan, opt = sharded_oddnet(world_size, mesh_shape=(world_size, 1), hsdp="dmuon",
+                                      execution=dmuon.ExecutionConfig(ns_in_backward=True))
+    for step in range(2):
+        if step == 1 and rank == 1:
+            def broken_hook(module, grad_output):
+                worker = next(t for t in threading.enumerate() if t.name.startswith("dmuon-ns"))
+                deadline = time.monotonic() + 10.0
+                while time.monotonic() < deadline and "pending.py:wait" not in _worker_stack(worker):
+                    time.sleep(0.01)
+                print(f"worker waiting in {_worker_stack(worker)[:3]} at {time.time()}", file=sys.stderr, flush=True)
+                raise RuntimeError("injected failure inside backward")
+
+            model.layers[0].mid.register_full_backward_pre_hook(broken_hook)
+        lm_loss(model, odd_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()

@@ -46,6 +46,7 @@ class Pending:
     """What ``finish`` found of the row state that rode along (see :meth:`row_states`)."""
     _next: "Pending | None" = field(default=None, repr=False)
     _forwarded: threading.Event = field(default_factory=threading.Event, repr=False)
+    _abandoned: bool = field(default=False, repr=False)
     _made: Any = field(default=None, repr=False)
     """Event on the creator's stream when this was made."""
     _ready: Any = field(default=None, repr=False)
@@ -74,6 +75,14 @@ class Pending:
             self._land(exposed=True)
             self._next = self.then()
             self._forwarded.set()
+
+    def abandon(self) -> None:
+        """Main thread, at teardown: no hop will be issued any more; a side thread waiting for the
+        next one (:meth:`wait` with ``exposed=False``) raises instead of waiting forever."""
+        self._abandoned = True
+        if self._next is not None:
+            self._next.abandon()
+        self._forwarded.set()
 
     def issued(self) -> bool:
         """Whether every hop has been issued."""
@@ -113,6 +122,9 @@ class Pending:
                     self.forward()
                 else:
                     self._forwarded.wait()
+                    if self._abandoned:
+                        raise RuntimeError("the exchange was abandoned before its next hop was issued "
+                                           "(the runtime was closed, or its rank raised mid-backward)")
                 assert self._next is not None
                 self.result = self._next.wait(exposed)
             else:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmuon.util import torch_compat
 from dmuon.util.torch_compat import process_group_count
 
 
@@ -98,12 +99,22 @@ def from_mesh(mesh, replicated: bool, device: torch.device | None = None) -> Top
     The mesh may be any set of ranks (one pipeline stage's data-parallel group, one of two models
     trained side by side): only the mesh's ranks call this, each in the same order with respect to
     the other process groups it creates (``prepare`` guarantees it). Over the whole world, groups
-    are created as ``new_group`` always has (every rank calls it); over a part of it, with
-    ``use_local_synchronization``, so that other parts may create theirs at the same time. torch
-    names such a group by its ranks and the count of groups this rank already has, so the mesh's
-    ranks first check over the mesh's own group that their counts agree: otherwise they would wait
-    in the group's rendezvous for each other under different names (a hang), and they raise
-    instead.
+    are created as ``new_group`` always has (every rank calls it). Over a part of it, exactly the
+    mesh's ranks take part, in one of two ways:
+
+    * torch builds a group's communicator on its own (the default group is not bound to a device,
+      or its backend cannot split): ``new_group`` with ``use_local_synchronization``, so that other
+      parts may create theirs at the same time. torch names such a group by its ranks and the count
+      of groups this rank already has, so the mesh's ranks first check over the mesh's own groups
+      that their counts agree: otherwise they would wait in the group's rendezvous for each other
+      under different names (a hang), and they raise instead.
+    * torch splits every new group from the default group's communicator (``init_process_group(
+      device_id=...)`` with NCCL: ``ncclCommSplit``, which every rank of the parent must enter): a
+      ``new_group`` here would wait for the ranks outside the mesh, which never call it. The groups
+      are split instead (``split_group``) from a group over exactly the mesh's ranks, which every
+      member enters: a 1-D mesh's own group, or for a mesh of several dims one the user made over
+      its ranks (a flattened dim); the rows and columns are then split from dmuon's mesh group.
+      Without such a group this raises on every rank of the mesh.
 
     ``device``: where the check's collective runs (the parameters' device; None: the mesh's device
     type, the current CUDA device for ``"cuda"``).
@@ -116,34 +127,73 @@ def from_mesh(mesh, replicated: bool, device: torch.device | None = None) -> Top
         raise ValueError(f"rank {dist.get_rank()} is not in the parameters' mesh {ranks}: build dmuon only on "
                          "the ranks that hold the model (part) it steps")
     r, s = divmod(ranks.index(dist.get_rank()), shard)
+    rows = [grid[row].tolist() for row in range(replicate)]
+    cols = [grid[:, col].tolist() for col in range(shard)]
     everywhere = len(ranks) == dist.get_world_size()
     if not everywhere:
         _check_same_group_count(mesh, ranks, device)
-
-    def group(members: list[int]):
-        if everywhere:
-            return dist.new_group(ranks=members)
-        return dist.new_group(ranks=members, use_local_synchronization=True)
-
-    # A separate set of groups keeps dmuon's collectives apart from FSDP2's. Over the whole world
-    # every rank creates every group; over a part, each rank only those it belongs to.
-    mesh_group = group(ranks)
-    shard_group = replicate_group = None
-    for row in range(replicate):
-        if everywhere or row == r:
-            g = mesh_group if replicate == 1 else group(grid[row].tolist())
-            if row == r:
-                shard_group = g
-    if replicate > 1:
-        for col in range(shard):
-            if everywhere or col == s:
-                g = group(grid[:, col].tolist())
-                if col == s:
-                    replicate_group = g
+    # A separate set of groups keeps dmuon's collectives apart from FSDP2's.
+    if everywhere:
+        mesh_group, shard_group, replicate_group = _world_groups(ranks, rows, cols, r, s)
+    elif torch_compat.new_group_splits_world():
+        mesh_group, shard_group, replicate_group = _split_groups(ranks, rows, cols)
+    else:
+        mesh_group, shard_group, replicate_group = _local_groups(ranks, rows, cols, r, s)
     # Creation order (the mesh, then the rows, then the columns), the same on every rank.
     mine = [mesh_group] + [g for g in (shard_group, replicate_group) if g is not None and g is not mesh_group]
     return Topology(replicate, shard, r * shard + s, shard_group, replicate_group, mesh_group, tuple(ranks),
                     tuple(mine))
+
+
+def _world_groups(ranks: list[int], rows: list[list[int]], cols: list[list[int]], r: int, s: int):
+    """Over the whole world every rank creates every group (``new_group``'s contract)."""
+    mesh_group = dist.new_group(ranks=ranks)
+    shard_group = mesh_group if len(rows) == 1 else [dist.new_group(ranks=row) for row in rows][r]
+    replicate_group = [dist.new_group(ranks=col) for col in cols][s] if len(rows) > 1 else None
+    return mesh_group, shard_group, replicate_group
+
+
+def _local_groups(ranks: list[int], rows: list[list[int]], cols: list[list[int]], r: int, s: int):
+    """Over a part of the world, when torch builds each communicator on its own: each rank creates
+    only the groups it belongs to (``use_local_synchronization``)."""
+    def group(members: list[int]):
+        return dist.new_group(ranks=members, use_local_synchronization=True)
+
+    mesh_group = group(ranks)
+    shard_group = mesh_group if len(rows) == 1 else group(rows[r])
+    replicate_group = group(cols[s]) if len(rows) > 1 else None
+    return mesh_group, shard_group, replicate_group
+
+
+def _split_groups(ranks: list[int], rows: list[list[int]], cols: list[list[int]]):
+    """Over a part of the world, when torch splits new groups from the world's communicator: each
+    group split from one every member of which enters the split (the NCCL rule of ``ncclCommSplit``)
+    and no other rank. ``split_group`` takes the members' ranks in the parent group and sorts them:
+    dmuon's mesh group, like ``new_group``'s, then lists the ranks in ascending order."""
+    members = tuple(sorted(ranks))
+    parent = next((g for g, held in torch_compat.registered_groups()
+                   if held == members and g is not _default_group()), None)
+    if parent is None:
+        raise ValueError(
+            f"dmuon's mesh {ranks} is part of the world, and torch makes every new group by splitting the "
+            "default group's communicator (init_process_group(device_id=...)), a split the ranks outside the "
+            "mesh would have to enter; dmuon splits its groups from a process group over exactly the mesh's "
+            "ranks instead, and this rank has none: create one on every rank before building dmuon (flatten "
+            "the mesh's dims, e.g. world_mesh['replicate', 'shard']._flatten('dp'), or dist.new_group(ranks) "
+            "for each such set of ranks)")
+    mesh_group = dist.split_group(parent_pg=parent, split_ranks=[list(range(len(members)))])
+
+    def local(sets: list[list[int]]) -> list[list[int]]:
+        return [[dist.get_group_rank(mesh_group, g) for g in members_] for members_ in sets]
+
+    # Every rank of the mesh enters each split once, with every row (every column): each gets its own.
+    shard_group = mesh_group if len(rows) == 1 else dist.split_group(parent_pg=mesh_group, split_ranks=local(rows))
+    replicate_group = dist.split_group(parent_pg=mesh_group, split_ranks=local(cols)) if len(rows) > 1 else None
+    return mesh_group, shard_group, replicate_group
+
+
+def _default_group():
+    return dist.group.WORLD
 
 
 def _check_same_group_count(mesh, ranks: list[int], device: torch.device | None) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import threading
 import time
 import warnings
@@ -226,7 +227,9 @@ class Autotuner:
         if not self.persist:
             yield
             return
-        with file_lock(self.cache_path(device_fp).with_suffix(".lock")):
+        # Keyed by host: a home shared by a cluster's hosts holds one cache, but only a host's ranks share
+        # cores and a device's neighbours; the hosts tune side by side, each under its own lock.
+        with file_lock(self.cache_path(device_fp).with_suffix(f".{socket.gethostname()}.lock")):
             yield
 
     def _cached_or_measured(self, device_fp: str, key: str, valid: Callable[[object], bool],

@@ -15,6 +15,7 @@ CPU tensors through Triton's interpreter (used by the tests); CUDA launches go t
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -191,16 +192,33 @@ def syrk(
         config = _pinned.get(_key(M, K, A.dtype, has_c0, ieee))
     if interpreting() or config is not None:
         block, block_k, warps, stages = config or INTERPRET_CONFIG
-        _syrk_kernel[(_tiles(M, block), nb)](
-            *args, HAS_C0=has_c0, IEEE=ieee, UPCAST=upcast, BLOCK=block, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages,
-        )
+        with on_device(A.device):
+            _syrk_kernel[(_tiles(M, block), nb)](
+                *args, HAS_C0=has_c0, IEEE=ieee, UPCAST=upcast, BLOCK=block, BLOCK_K=block_k,
+                num_warps=warps, num_stages=stages,
+            )
     else:
         global _syrk_autotuned
         if _syrk_autotuned is None:
             _syrk_autotuned = _make_autotuned()
-        _syrk_autotuned[lambda meta: (_tiles(M, meta["BLOCK"]), nb)](*args, HAS_C0=has_c0, IEEE=ieee, UPCAST=False)
+        with on_device(A.device):  # the autotuner's trial launches too
+            _syrk_autotuned[lambda meta: (_tiles(M, meta["BLOCK"]), nb)](*args, HAS_C0=has_c0, IEEE=ieee,
+                                                                         UPCAST=False)
     return out if batched else out[0]
+
+
+def on_device(device: torch.device):
+    """Where every Triton launch runs: the tensors' CUDA device.
+
+    Triton launches on the calling thread's current CUDA device, not the arguments'. The NS worker
+    enters the plan's device, but ``step()`` and the tuning at build run on the caller's thread: a
+    script with ``model.to(rank)`` and no ``torch.cuda.set_device`` would launch rank k's kernels on
+    cuda:0 (an illegal address, or another rank's device). A CPU tensor (Triton's interpreter) needs
+    nothing.
+    """
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 # Tile configurations restored from the dmuon autotune cache, keyed like the tuning:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -58,6 +58,7 @@ from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
+from dmuon.runtime.worker import DaemonWorker
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
 from dmuon.util.autocast import autocast_off
 from dmuon.util.dtensor import local_tensor
@@ -174,8 +175,8 @@ class BackwardLaunches:
         self._own_done = None
         """Event on dmuon's stream after the hooks' latest work (None: nothing since the compute stream waited)."""
         # The worker thread enters the plan's device first: Triton launches on the thread's current device.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-ns",
-                                          initializer=self.streams.enter) if self._owner_work else None
+        # A daemon: a rank that raises mid-backward exits although its worker waits for a hop never issued.
+        self._worker = DaemonWorker("dmuon-ns", initializer=self.streams.enter) if self._owner_work else None
         self._early: dict[int, Future] = {}
         self._ns_done: dict[int, Any] = {}
         """Per block: the event on the NS stream after the worker's work on it."""
@@ -533,12 +534,15 @@ class BackwardLaunches:
         self.divisor.learn(self._kept_parts(list(kept)), topo.mesh_group if topo.world_size > 1 else None)
 
     def close(self) -> None:
-        """Removes the hooks and stops the worker."""
+        """Removes the hooks and stops the worker, waking it where it waits for a hop of a launch
+        that the main thread will not forward any more (it then ends that block with an error)."""
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
         self._hooks = []
+        for launch in getattr(self, "_launches", {}).values():
+            launch.pending.abandon()
         if getattr(self, "_worker", None) is not None:
-            self._worker.shutdown(wait=False)
+            self._worker.shutdown()
             self._worker = None
 
     def __del__(self) -> None:

@@ -61,7 +61,7 @@ from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.settle import nonfinite_on_other_stages, with_other_stages
 from dmuon.runtime.setup_log import log_setup
-from dmuon.runtime.tuning import TunedOwnerWork
+from dmuon.runtime.tuning import TunedOwnerWork, wait_for_tuning
 from dmuon.util.observe import ranged
 
 _NOT_UNDER_DDP = {
@@ -118,7 +118,9 @@ class ReplicaRuntime:
         self.work = TunedOwnerWork(plan, per_block=False, max_waves=waves)
         tune_start = time.perf_counter()
         tuned = self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
-        log_setup(plan, tuned, time.perf_counter() - tune_start)
+        tune_seconds = time.perf_counter() - tune_start
+        # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
+        log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
         self.gradients = GradientParts(plan, self.topo.coords, None)
         # The all-gather orders its outputs by the group's ranks (the global ranks, ascending); plan
         # ranks follow DDP's group: each plan rank's slot in the gathered buffer.

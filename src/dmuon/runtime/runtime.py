@@ -56,7 +56,7 @@ from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.settle import Settled, StepSettler, land_unused
 from dmuon.runtime.setup_log import log_setup
-from dmuon.runtime.tuning import TunedOwnerWork
+from dmuon.runtime.tuning import TunedOwnerWork, wait_for_tuning
 from dmuon.util.observe import ranged
 
 
@@ -112,7 +112,9 @@ class ShardRuntime:
                                    waves_by_unit=config.apply_updates == "next_forward")
         tune_start = time.perf_counter()
         tuned = self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
-        log_setup(plan, tuned, time.perf_counter() - tune_start)
+        tune_seconds = time.perf_counter() - tune_start
+        # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
+        log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
         if plan.reduces_replicas:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 
 from dmuon.plan.plan import Plan
+from dmuon.util import jsoncache
 from dmuon.util.observe import logger
+
+_said_unlocked = False
 
 
 def predicted_ns(plan: Plan) -> str:
@@ -21,10 +24,17 @@ def predicted_ns(plan: Plan) -> str:
     return f"{slowest:.3g} ({unit} costs) on the slowest owner"
 
 
-def log_setup(plan: Plan, tuned_batches: int, tune_seconds: float) -> None:
+def log_setup(plan: Plan, tuned_batches: int, tune_seconds: float, spread: float | None = None) -> None:
     """On plan rank 0: the matrices and their owners (the plan's table), the balance (the largest
-    owner's cost over the mean), the predicted NS time, and the NS tuning done and how long it took.
-    Nothing on the other ranks, nor where INFO is off."""
+    owner's cost over the mean), the predicted NS time, the NS tuning done and how long it took, and
+    ``spread``, the seconds between the first and the last rank's end of tuning. Nothing on the other
+    ranks, nor where INFO is off. On any rank, once per process, at WARNING: that the tuning ran
+    without the host's lock (the file system refused ``flock``), so the host's ranks measured at once."""
+    global _said_unlocked
+    if jsoncache.UNLOCKED and not _said_unlocked:
+        _said_unlocked = True
+        logger.warning("dmuon setup: NS tuning ran without the host's lock (%s): the host's ranks measured at "
+                       "the same time, each timing the others' load", jsoncache.UNLOCKED[0])
     if plan.rank != 0 or not logger.isEnabledFor(logging.INFO):
         return
     logger.info("%s", plan)
@@ -35,6 +45,8 @@ def log_setup(plan: Plan, tuned_batches: int, tune_seconds: float) -> None:
                   f"(method={ns.method}, batching={ns.batching}; the other ranks tune their own)")
     else:
         tuning = f"no NS tuning (method={ns.method}, batching={ns.batching} fixed)"
+    if spread is not None:
+        tuning += f"; the ranks ended tuning within {spread:.2f} s of each other (waited on the store)"
     solve = f", balanced in {balance.solve_seconds:.2f} s ({balance.method})" if balance is not None else ""
     logger.info("dmuon setup: %d Muon matrices on %d ranks, balancer=%s%s; balance (largest owner's cost "
                 "over the mean) %.3f; predicted NS per step: %s; %s", len(plan.infos), plan.world_size,

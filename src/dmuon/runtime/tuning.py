@@ -21,9 +21,14 @@ the choice changes how fast NS runs, never which collectives a rank issues.
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 
 from dmuon.ortho.autotune import frozen
+from dmuon.util import torch_compat
 from dmuon.runtime.owner_work import OwnerFn, OwnerWork, Results
 
 
@@ -65,3 +70,32 @@ class TunedOwnerWork(OwnerWork):
         """As :meth:`OwnerWork.run_batch`, with tuning frozen (verdicts read, never measured)."""
         with frozen():
             return super().run_batch(work, batch, directions, rows)
+
+
+TUNING_WAIT_S = 1800.0
+"""How long a rank done tuning waits on the store for the mesh's slowest before raising."""
+
+_ROUNDS: dict[tuple[int, ...], int] = {}
+"""Per mesh (its global ranks): how many runtimes this process built on it; every rank of a mesh
+builds its runtimes in one order, so the count names the same wait on each."""
+
+
+def wait_for_tuning(global_ranks: tuple[int, ...]) -> float | None:
+    """After this rank's tuning at build: waits until every rank of the mesh is done tuning; returns
+    the spread between the first and the last rank's end of tuning (their wall clocks), None alone.
+
+    The wait is on the default group's store, not in a collective: the ranks of a host tune one after
+    another (the host's lock), and the first done would otherwise sit in the next NCCL collective for
+    the others' whole tuning, past a watchdog's timeout (300 s is common).
+    """
+    if len(global_ranks) <= 1 or not dist.is_initialized():
+        return None
+    store = torch_compat.default_store()
+    round_ = _ROUNDS.get(global_ranks, 0)
+    _ROUNDS[global_ranks] = round_ + 1
+    prefix = f"dmuon/tuned/{'_'.join(map(str, global_ranks))}/{round_}"
+    store.set(f"{prefix}/{dist.get_rank()}", repr(time.time()))
+    keys = [f"{prefix}/{g}" for g in global_ranks]
+    store.wait(keys, timedelta(seconds=TUNING_WAIT_S))
+    ends = [float(store.get(k)) for k in keys]
+    return max(ends) - min(ends)

@@ -73,6 +73,10 @@ def write_entries(path: Path, header: Mapping, entries: Mapping) -> bool:
     return True
 
 
+UNLOCKED: list[str] = []
+"""The first lock that could not be taken (``flock`` raised), for the setup log to say once."""
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``path`` (created if missing) for the block.
@@ -91,7 +95,15 @@ def file_lock(path: Path) -> Iterator[None]:
         yield
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as e:
+            # A file system without locks (NFS or Lustre mounted without them: ENOLCK, EOPNOTSUPP) must
+            # not fail the optimizer's construction: the block runs unlocked, noted once for the setup log.
+            if not UNLOCKED:
+                UNLOCKED.append(f"{path}: {e}")
+            yield
+            return
         try:
             yield
         finally:

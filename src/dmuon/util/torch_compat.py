@@ -17,6 +17,9 @@ Private APIs:
 * :func:`gathered_or_gathering`: ``FSDPParamGroup._all_gather_result`` and ``is_unsharded``.
 * :func:`fsdp_unit`: ``FSDPModule._get_fsdp_state()``.
 * :func:`process_group_count`: ``torch.distributed.distributed_c10d._world.pg_names``.
+* :func:`new_group_splits_world`: ``torch.distributed.distributed_c10d._get_split_source``.
+* :func:`registered_groups`: ``torch.distributed.distributed_c10d._world.pg_group_ranks``.
+* :func:`default_store`: ``torch.distributed.distributed_c10d._get_default_store``.
 * :func:`in_backward`: ``torch._C._current_graph_task_id``.
 * :func:`root_mesh`: ``DeviceMesh._get_root_mesh``.
 * :func:`profiler_active`: ``torch.autograd.profiler._is_profiler_enabled``.
@@ -191,6 +194,42 @@ def process_group_count() -> int:
     if names is None:
         raise _moved("torch.distributed.distributed_c10d._world.pg_names", "the c10d world has no pg_names")
     return len(names)
+
+
+def new_group_splits_world() -> bool:
+    """Whether ``new_group`` makes a group's communicator by splitting the default group's
+    (``ncclCommSplit``), which every rank of the world must then enter, members or not.
+
+    torch 2.13 does so when the default group is bound to a device (``init_process_group(device_id=
+    ...)``) and its backend can split (NCCL); ``use_local_synchronization`` does not change it: the
+    members split, the ranks that do not call ``new_group`` never do, and the members wait.
+    """
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    default = c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is None:
+        return False
+    source = _private("torch.distributed.distributed_c10d", "_get_split_source")
+    return source(default) is not None
+
+
+def registered_groups() -> list[tuple[Any, tuple[int, ...]]]:
+    """Every process group this rank belongs to, with its members' default-group ranks in the
+    group's rank order, in the order this rank created them."""
+    world = _private("torch.distributed.distributed_c10d", "_world")
+    ranks = getattr(world, "pg_group_ranks", None)
+    if ranks is None:
+        raise _moved("torch.distributed.distributed_c10d._world.pg_group_ranks", "the c10d world has no pg_group_ranks")
+    import torch.distributed as dist
+
+    # torch records the groups this rank is not in too, under the NON_GROUP_MEMBER sentinel.
+    return [(group, tuple(sorted(mapping, key=mapping.get))) for group, mapping in ranks.items()
+            if isinstance(group, dist.ProcessGroup)]
+
+
+def default_store() -> Any:
+    """The default group's key-value store (the ``TCPStore`` of ``init_process_group``): where ranks
+    wait for each other on the host, outside any collective and its watchdog."""
+    return _private("torch.distributed.distributed_c10d", "_get_default_store")()
 
 
 def in_backward() -> bool:
