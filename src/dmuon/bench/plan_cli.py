@@ -458,6 +458,8 @@ def _recommend(args, groups) -> int:
 def _ep_problem(args, groups) -> str | None:
     """What is wrong with ``--ep`` for these shapes and ranks (None: nothing)."""
     moe = any(getattr(g, "experts", 0) for g in groups)
+    if moe and args.pp != 1:
+        return "--pp: pipeline stages of an MoE model (routed-expert stacks) are not modelled"
     if args.ep is None:
         return None
     if not moe:
@@ -466,8 +468,6 @@ def _ep_problem(args, groups) -> str | None:
     if args.ep < 1 or args.ep > args.world_size or shard % args.ep:
         return (f"--ep ({args.ep}) must divide the ranks each parameter is sharded over ({shard}: --ranks-per-node "
                 f"under HSDP, else --world-size)")
-    if args.pp != 1:
-        return "--ep with --pp: pipeline stages of an MoE model are not modelled"
     return None
 
 

@@ -261,7 +261,7 @@ def plan_offline(
         **_traffic(mats, result, waves, replicate, shard, zero, wire_bytes, fsdp_elem_bytes, pieces, layout),
     }
     if layout is not None:
-        plan["experts"] = expert_summary(mats, result, pieces, layout, replicate)
+        plan["experts"] = expert_summary(mats, result, pieces, layout, replicate, ns_batches)
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
@@ -401,10 +401,11 @@ def owners_and_batches(result, items: Sequence[int], pieces: list | None, replic
     return result.owners, {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
 
 
-def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: ExpertLayout, replicate: int
-                   ) -> dict:
+def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: ExpertLayout, replicate: int,
+                   ns_batches: dict[int, list[list[int]]]) -> dict:
     """The expert slices' owners in the plan: the layout, per rank how many expert slices and dense
-    matrices it owns and how many of its slices it holds rows of, and the largest NS batch."""
+    matrices it owns and how many of its slices it holds rows of, and the largest NS batch the owners run
+    (``ns_batches``: one call of NS on matrices of one shape)."""
     shard = layout.shard
     world = replicate * shard
     slices, dense, on_holder = [0] * world, [0] * world, [0] * world
@@ -414,8 +415,8 @@ def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: 
             continue
         slices[owner] += 1
         on_holder[owner] += bool(pieces[i][owner % shard].rows)
-    largest = max(((size, shape, r) for r in range(world) for shape, sizes in result.batches[r].items()
-                   for size in sizes), default=(0, None, None))
+    largest = max(((len(batch), mats[batch[0]].shape, r) for r, batches in ns_batches.items()
+                   for batch in batches if batch), default=(0, None, None))
     return {**layout.as_dict(mats_experts(mats)), "slices": sum(slices), "dense": sum(dense),
             "slices_per_rank": slices, "dense_per_rank": dense, "owned_where_held": on_holder,
             "largest_batch": {"size": largest[0], "shape": list(largest[1]) if largest[1] else None,

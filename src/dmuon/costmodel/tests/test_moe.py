@@ -141,6 +141,7 @@ def test_plan_cli_moe_presets(tmp_path, capsys):
     (["--model", "deepseek-v2-lite", "--world-size", "16", "--ranks-per-node", "8", "--ep", "3"], "--ep (3) must divide"),
     (["--model", "deepseek-v2-lite", "--world-size", "8", "--ep", "16"], "--ep (16) must divide"),
     (["--model", "qwen2.5-7b", "--world-size", "8", "--ep", "2"], "--ep 2: qwen2.5-7b has no routed experts"),
+    (["--model", "deepseek-v2-lite", "--world-size", "16", "--pp", "2"], "--pp: pipeline stages of an MoE model"),
 ])
 def test_plan_cli_bad_ep(argv, says, capsys):
     assert plan_cli.main(argv + ["--analytical"]) == 2
