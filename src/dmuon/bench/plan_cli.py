@@ -155,6 +155,26 @@ def _design_lines(plan: dict) -> list[str]:
     return lines
 
 
+def _expert_lines(plan: dict) -> list[str]:
+    """The expert slices' owners: the layout, how the slices and dense matrices spread over the ranks,
+    how many slices their owner already holds rows of, and the largest NS batch."""
+    x = plan.get("experts")
+    if not x:
+        return []
+    slices, dense, held = x["slices_per_rank"], x["dense_per_rank"], x["owned_where_held"]
+    owning = sum(1 for n in slices if n)
+    big = x["largest_batch"]
+    dim = "whole experts per rank (dim 0)" if x["fsdp_dim"] == 0 else "each expert's rows split (dim 1)"
+    return [
+        f"routed experts: ep {x['ep']} x efsdp {x['efsdp']} in each shard dim, {min(x['experts_per_ep_rank'])}-"
+        f"{max(x['experts_per_ep_rank'])} experts per ep rank, FSDP2 over efsdp: {dim}",
+        f"expert-slice owners: {x['slices']} slices over {owning} of {len(slices)} ranks ({min(slices)}-{max(slices)} "
+        f"per rank), {x['dense']} dense matrices ({min(dense)}-{max(dense)} per rank); {sum(held)} slices owned "
+        f"on a rank holding their rows ({sum(held) / max(1, x['slices']):.1%}); largest NS batch "
+        f"{big['size']} x {tuple(big['shape']) if big['shape'] else '-'} (rank {big['rank']})",
+    ]
+
+
 def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> str:
     lines = [
         f"world size {plan['world_size']}, balancer {plan['balancer']}, "
@@ -176,6 +196,7 @@ def format_plan(plan: dict, show_matrices: bool = False, max_rows: int = 16) -> 
         if show_matrices and r["matrices"]:
             lines.append("      " + ", ".join(r["matrices"]))
     lines.append("")
+    lines.extend(_expert_lines(plan))
     lines.extend(_traffic_lines(plan))
     lines.extend(_design_lines(plan))
     lines.extend(_step_lines(plan))
@@ -280,7 +301,7 @@ def _plan(args, groups, world_size: int, balancer: str, table, model: AlphaBeta)
                         hardware=hardware_from_args(args) if args.simulate else None,
                         sim_options=sim_options_from_args(args, table) if args.simulate else None,
                         max_waves=args.return_waves, hop_a_spread=args.hop_a_spread,
-                        root_regathered=args.root_reshard, trace=_trace_request(args))
+                        root_regathered=args.root_reshard, trace=_trace_request(args), ep=args.ep)
 
 
 def _trace_request(args) -> dict | None:
@@ -422,7 +443,7 @@ def _recommend(args, groups) -> int:
                         ns_steps=args.ns_steps, wire_bytes=NS_DTYPES[args.ns_dtype].itemsize,
                         param_bytes=NS_DTYPES[args.param_dtype].itemsize,
                         reduce_bytes=NS_DTYPES[args.reduce_dtype].itemsize, max_waves=args.return_waves,
-                        time_limit_s=args.time_limit, memory_factor=args.memory_factor)
+                        time_limit_s=args.time_limit, memory_factor=args.memory_factor, ep=args.ep)
     except (OSError, ValueError) as err:
         print(f"dmuon plan: {err}", file=sys.stderr)
         return 2
@@ -432,6 +453,22 @@ def _recommend(args, groups) -> int:
             json.dump(rec, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def _ep_problem(args, groups) -> str | None:
+    """What is wrong with ``--ep`` for these shapes and ranks (None: nothing)."""
+    moe = any(getattr(g, "experts", 0) for g in groups)
+    if moe and args.pp != 1:
+        return "--pp: pipeline stages of an MoE model (routed-expert stacks) are not modelled"
+    if args.ep is None:
+        return None
+    if not moe:
+        return f"--ep {args.ep}: {args.shapes or args.model} has no routed experts (--ep is for an MoE model)"
+    shard = args.ranks_per_node or (8 if args.recommend and args.world_size % 8 == 0 else args.world_size)
+    if args.ep < 1 or args.ep > args.world_size or shard % args.ep:
+        return (f"--ep ({args.ep}) must divide the ranks each parameter is sharded over ({shard}: --ranks-per-node "
+                f"under HSDP, else --world-size)")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         print("dmuon plan: --ranks-per-node must divide --world-size", file=sys.stderr)
         return 2
     groups = load_shapes_json(args.shapes) if args.shapes else full_size_shapes(args.model, size=args.size)
+    problem = _ep_problem(args, groups)
+    if problem:
+        print(f"dmuon plan: {problem}", file=sys.stderr)
+        return 2
     if args.pp != 1:
         if args.recommend or args.trace is not None:
             print("dmuon plan: --pp plans each stage; --recommend and --trace take one stage's shapes (--shapes)",

@@ -60,6 +60,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shapes", default=None, metavar="FILE",
                    help='JSON list of {"name": str, "shape": [m, n], "count": int}; overrides --model')
     g.add_argument("--world-size", type=int, default=8)
+    g.add_argument("--ep", type=int, default=None, metavar="K",
+                   help="an MoE model's expert parallelism (torchtitan's): each routed-expert stack split over K "
+                        "ranks of the shard dim, whole experts each, the rest sharding them (efsdp); K divides "
+                        "--ranks-per-node (HSDP) or --world-size (default 1; only for a model with routed experts)")
     g.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline parallelism: the layers split evenly over P stages (embeddings on the first, the "
                         "head on the last), each stage planned (and simulated) on its own world-size/P "

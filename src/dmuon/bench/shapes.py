@@ -12,6 +12,10 @@ Available lists (see :func:`full_size_shapes`):
 
 * ``"qwen2.5-7b"``: Qwen2.5-7B.
 * ``"pi0"``: a Pi0-like VLA (PaliGemma-3B backbone + Gemma-300M action expert).
+* ``"deepseek-v2-lite"``: DeepSeek-V2-Lite, a 16B-A2.4B MoE of Moonlight-16B-A3B's
+  shape (64 routed experts, 2 shared, 27 layers).
+* ``"deepseek-v3-12l"``: DeepSeek-V3's widths and 256 routed experts, 12 of its 61
+  layers (a scaled-down variant: 3 dense layers and 9 MoE layers).
 * ``"qwen2"`` / ``"vla"`` / ``"tiny"``: the benchmark models of
   :mod:`dmuon.bench.models` at a given size preset.
 """
@@ -30,6 +34,7 @@ from dmuon.util.records import check_positive_int, check_shape, iter_records, lo
 
 __all__ = [
     "FULL_SIZE_NAMES",
+    "MOE_NAMES",
     "MatrixShape",
     "full_size_shapes",
     "load_shapes_json",
@@ -54,13 +59,27 @@ class MatrixShape:
     """Whether Muon optimises these matrices (``False`` for embeddings, output
     heads, input/output projections and convolutions)."""
 
+    experts: int = 0
+    """Routed experts: each of the ``count`` entries is a stack ``(experts, *shape)``, one
+    slice ``shape`` per expert, each slice a Muon matrix of its own (0: plain matrices)."""
+
+    experts_per_token: int = 0
+    """Routed experts each token runs through (top-k), for the share of the tokens one
+    expert computes: ``experts_per_token / experts``."""
+
+    first_layer: int = 0
+    """The decoder layer of the first of the ``count`` entries (the k-th is in layer
+    ``first_layer + k``): MoE layers after leading dense ones."""
+
     @property
     def numel(self) -> int:
-        """Total number of elements over all ``count`` matrices."""
-        return self.shape[0] * self.shape[1] * self.count
+        """Total number of elements over all ``count`` matrices (every expert of a stack)."""
+        return self.shape[0] * self.shape[1] * self.count * max(1, self.experts)
 
 
-FULL_SIZE_NAMES: tuple[str, ...] = ("qwen2.5-7b", "pi0", "qwen2", "vla", "tiny")
+MOE_NAMES: tuple[str, ...] = ("deepseek-v2-lite", "deepseek-v3-12l")
+"""The mixture-of-experts lists among :data:`FULL_SIZE_NAMES` (routed-expert stacks: ``dmuon plan --ep``)."""
+FULL_SIZE_NAMES: tuple[str, ...] = ("qwen2.5-7b", "pi0", "qwen2", "vla", "tiny") + MOE_NAMES
 """Names accepted by :func:`full_size_shapes`."""
 
 
@@ -100,6 +119,79 @@ def _qwen25_7b() -> list[MatrixShape]:
         MatrixShape("layers.*.mlp.down_proj", (h, i), layers),
         MatrixShape("lm_head", (vocab, h), 1, muon=False),
     ]
+
+
+def _mla(h: int, heads: int, q_lora: int | None, kv_lora: int, nope: int, rope: int, v: int, layers: int
+         ) -> list[MatrixShape]:
+    """DeepSeek's multi-head latent attention of ``layers`` layers (``modeling_deepseek.py``): queries
+    straight from the hidden state (``q_lora`` None) or through a rank-``q_lora`` bottleneck; keys and
+    values from one ``kv_lora``-rank latent plus a shared rope key."""
+    qk = heads * (nope + rope)
+    q = ([MatrixShape("layers.*.self_attn.q_proj", (qk, h), layers)] if q_lora is None else
+         [MatrixShape("layers.*.self_attn.q_a_proj", (q_lora, h), layers),
+          MatrixShape("layers.*.self_attn.q_b_proj", (qk, q_lora), layers)])
+    return q + [
+        MatrixShape("layers.*.self_attn.kv_a_proj_with_mqa", (kv_lora + rope, h), layers),
+        MatrixShape("layers.*.self_attn.kv_b_proj", (heads * (nope + v), kv_lora), layers),
+        MatrixShape("layers.*.self_attn.o_proj", (h, heads * v), layers),
+    ]
+
+
+def _deepseek_moe(h: int, vocab: int, layers: int, dense: int, dense_mlp: int, expert_mlp: int, routed: int,
+                  shared: int, top_k: int, attention: list[MatrixShape]) -> list[MatrixShape]:
+    """A DeepSeek-MoE decoder: ``dense`` leading layers with a ``dense_mlp`` SwiGLU MLP, then MoE layers
+    with a router ``(routed, h)``, ``shared`` shared experts (one SwiGLU MLP ``shared x expert_mlp`` wide,
+    as ``DeepseekV2MoE`` builds them) and ``routed`` routed experts as torchtitan's ``GroupedExperts``
+    stacks ``w1``/``w3`` ``(routed, expert_mlp, h)`` and ``w2`` ``(routed, h, expert_mlp)``; untied
+    embedding and head."""
+    moe, wide = layers - dense, shared * expert_mlp
+    at = {"first_layer": dense}
+    return [
+        MatrixShape("embed_tokens", (vocab, h), 1, muon=False),
+        *attention,
+        MatrixShape("layers.*.mlp.gate_proj", (dense_mlp, h), dense),
+        MatrixShape("layers.*.mlp.up_proj", (dense_mlp, h), dense),
+        MatrixShape("layers.*.mlp.down_proj", (h, dense_mlp), dense),
+        MatrixShape("layers.*.moe.router.gate", (routed, h), moe, **at),
+        MatrixShape("layers.*.moe.shared_experts.gate_proj", (wide, h), moe, **at),
+        MatrixShape("layers.*.moe.shared_experts.up_proj", (wide, h), moe, **at),
+        MatrixShape("layers.*.moe.shared_experts.down_proj", (h, wide), moe, **at),
+        MatrixShape("layers.*.moe.experts.w1", (expert_mlp, h), moe, experts=routed, experts_per_token=top_k, **at),
+        MatrixShape("layers.*.moe.experts.w2", (h, expert_mlp), moe, experts=routed, experts_per_token=top_k, **at),
+        MatrixShape("layers.*.moe.experts.w3", (expert_mlp, h), moe, experts=routed, experts_per_token=top_k, **at),
+        MatrixShape("lm_head", (vocab, h), 1, muon=False),
+    ]
+
+
+def _deepseek_v2_lite() -> list[MatrixShape]:
+    """DeepSeek-V2-Lite (``deepseek-ai/DeepSeek-V2-Lite`` ``config.json``), the shape of Moonlight-16B-A3B
+    (``moonshotai/Moonlight-16B-A3B``: the same layers and widths, vocabulary 163840, dense MLP 11264).
+
+    hidden 2048, 27 layers of which the first is dense (``first_k_dense_replace`` 1, MLP 10944), 26 MoE
+    layers of 64 routed experts (``moe_intermediate_size`` 1408, 6 per token) and 2 shared experts;
+    attention MLA without a query bottleneck (``q_lora_rank`` null): 16 heads, ``kv_lora_rank`` 512,
+    ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128; vocabulary 102400, untied head.
+    About 15.7B parameters in matrices; per token 2.2B of the Muon matrices (6 of the 64 experts) and the
+    0.42B embedding and head.
+    """
+    h = 2048
+    return _deepseek_moe(h, 102400, 27, 1, 10944, 1408, 64, 2, 6,
+                         _mla(h, 16, None, 512, 128, 64, 128, 27))
+
+
+def _deepseek_v3_12l() -> list[MatrixShape]:
+    """DeepSeek-V3's widths (``deepseek-ai/DeepSeek-V3`` ``config.json``) on 12 of its 61 layers: a
+    scaled-down variant that keeps every matrix's shape and the expert count (256 routed, 8 per token,
+    one shared; ``moe_intermediate_size`` 2048), the 3 leading dense layers (MLP 18432) and 9 MoE layers
+    in place of 58, so that a step of its 7000 Muon matrices simulates on a laptop.
+
+    hidden 7168; MLA with a query bottleneck: 128 heads, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
+    ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128; vocabulary 129280, untied head.
+    About 107B parameters in matrices, 101B of them routed experts (the full model: 671B).
+    """
+    h = 7168
+    return _deepseek_moe(h, 129280, 12, 3, 18432, 2048, 256, 1, 8,
+                         _mla(h, 128, 1536, 512, 128, 64, 128, 12))
 
 
 def _gemma_layers(prefix: str, width: int, mlp: int, layers: int, heads: int,
@@ -211,7 +303,7 @@ def full_size_shapes(name: str, *, size: str | None = None) -> list[MatrixShape]
     """Returns the weight-matrix shape list of a model.
 
     Args:
-        name: ``"qwen2.5-7b"``, ``"pi0"``, or a benchmark model ``"qwen2"``,
+        name: ``"qwen2.5-7b"``, ``"pi0"``, an MoE list (:data:`MOE_NAMES`), or a benchmark model ``"qwen2"``,
             ``"vla"`` or ``"tiny"``.
         size: Size preset for the benchmark models (``None``: the family's
             default); ignored otherwise.
@@ -226,6 +318,10 @@ def full_size_shapes(name: str, *, size: str | None = None) -> list[MatrixShape]
         return _qwen25_7b()
     if name == "pi0":
         return _pi0()
+    if name == "deepseek-v2-lite":
+        return _deepseek_v2_lite()
+    if name == "deepseek-v3-12l":
+        return _deepseek_v3_12l()
     if name in ("qwen2", "vla", "tiny"):
         return bench_model_shapes(name, size)
     raise ValueError(f"name must be one of {FULL_SIZE_NAMES}, got {name!r}")

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures, uniform_collective
 from dmuon.costmodel.exchange_model import ExchangeModel
+from dmuon.costmodel.moe import ExpertLayout, expert_fsdp2_collective, expert_gather_collective, merged
 from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, row_width
 from dmuon.plan.publication import ROUTES
@@ -264,6 +265,8 @@ def step_collectives(
     returns_in_backward: bool = False,
     root_regathered: bool = False,
     apply_updates: str = "in_step",
+    pieces: Sequence | None = None,
+    experts: ExpertLayout | None = None,
 ) -> list[Collective]:
     """Every collective the Muon matrices cause in one training step under ``strategy``, in issue order.
 
@@ -332,6 +335,12 @@ def step_collectives(
             standing): the blocks' returns issued in backward (:func:`owner_exchange_collectives`).
         apply_updates: dmuon's ``ExecutionConfig.apply_updates``; it places ``weight_norms``' collectives
             (the returns are the same: pass ``waves`` one unit each, as the runtime makes them).
+        pieces, experts: Routed experts (:mod:`dmuon.costmodel.moe`): per matrix its pieces per shard
+            position for an expert slice (None for a dense matrix), and the :class:`ExpertLayout` they
+            follow. FSDP2's collectives of a block then carry its expert unit's over the efsdp groups
+            (:func:`~dmuon.costmodel.moe.expert_fsdp2_collective`, back to back with the dense unit's: one
+            entry), dmuon's exchange moves each slice's pieces, and gather-then-compute gathers a slice over
+            the ranks holding it (every one of them then runs its NS).
     """
     known = STEP_STRATEGIES + (PEER_STRATEGY, REPLICAS_STRATEGY)
     if strategy not in known:
@@ -351,9 +360,25 @@ def step_collectives(
         raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
     if len(other_blocks) != len(other_shapes):
         raise ValueError(f"{len(other_shapes)} other shapes but {len(other_blocks)} other blocks")
+    if (pieces is None) != (experts is None) or (pieces is not None and len(pieces) != len(shapes)):
+        raise ValueError("pieces (one entry per matrix) and experts go together")
+    if pieces is not None and strategy == PEER_STRATEGY:
+        raise ValueError(f"{PEER_STRATEGY} is not modelled for routed experts")
+    expert = [pieces is not None and pieces[i] is not None for i in range(len(shapes))]
     order = sorted(set(blocks) | set(other_blocks))
-    of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b] for b in order}
+    of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b and not expert[i]] for b in order}
+    stacks = {b: [pieces[i] for i in range(len(shapes)) if blocks[i] == b and expert[i]] for b in order}
     rest = {b: [other_shapes[i] for i in range(len(other_shapes)) if other_blocks[i] == b] for b in order}
+
+    def fsdp2(dense: Sequence[Sequence[int]], b: int, phase: str, op: str, elem_bytes: int,
+              with_experts: bool = True) -> list[Collective]:
+        ours = fsdp2_block_collectives(dense, replicate, shard, phase=phase, block=b, op=op, elem_bytes=elem_bytes)
+        if not with_experts or not stacks[b]:
+            return ours
+        theirs = expert_fsdp2_collective(op, stacks[b], experts, replicate, phase=phase, block=b,
+                                         elem_bytes=elem_bytes)
+        both = merged(ours[0] if ours else None, theirs)
+        return [both] if both is not None else []
     exchange, returns = ([], [])
     design_b = strategy == "dmuon" and replicate > 1
     if strategy in ("dmuon", "dmuon_native_hsdp"):
@@ -362,30 +387,25 @@ def step_collectives(
                                                        block_order=order[::-1], waves=waves,
                                                        gradient_bytes=reduce_bytes if design_b else None,
                                                        row_bytes=row_bytes, hop_a_spread=hop_a_spread,
-                                                       publication=publication, returns_in_backward=returns_in_backward)
+                                                       publication=publication, returns_in_backward=returns_in_backward,
+                                                       pieces=pieces)
     by_block: dict[int | None, list[Collective]] = {}  # by the landing that issues them
     for c in exchange:
         by_block.setdefault(c.issued_at, []).append(c)
     out: list[Collective] = []
     for b in order:
-        out += fsdp2_block_collectives(of[b] + rest[b], replicate, shard, phase="forward", block=b,
-                                       op="all_gather", elem_bytes=param_bytes)
+        out += fsdp2(of[b] + rest[b], b, "forward", "all_gather", param_bytes)
     if root_regathered and root_block in of:
-        out += fsdp2_block_collectives(of[root_block] + rest[root_block], replicate, shard, phase="backward",
-                                       block=root_block, op="all_gather", elem_bytes=param_bytes)
+        out += fsdp2(of[root_block] + rest[root_block], root_block, "backward", "all_gather", param_bytes)
     for b in order[::-1]:
         every = of[b] + rest[b]
         if zero == 3 and b != root_block:
-            out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="all_gather",
-                                           elem_bytes=param_bytes)
-        out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="reduce_scatter",
-                                       elem_bytes=reduce_bytes)
+            out += fsdp2(every, b, "backward", "all_gather", param_bytes)
+        out += fsdp2(every, b, "backward", "reduce_scatter", reduce_bytes)
         if not design_b:
-            out += fsdp2_block_collectives(every, replicate, shard, phase="backward", block=b, op="all_reduce",
-                                           elem_bytes=reduce_bytes)
+            out += fsdp2(every, b, "backward", "all_reduce", reduce_bytes)
         else:
-            for c in fsdp2_block_collectives(rest[b], replicate, shard, phase="backward", block=b,
-                                             op="all_reduce", elem_bytes=reduce_bytes):
+            for c in fsdp2(rest[b], b, "backward", "all_reduce", reduce_bytes, with_experts=False):
                 c.label, c.role = f"dmuon all_reduce of the other parameters block {b}", "replicate_all_reduce"
                 out.append(c)
         out += by_block.get(b, [])
@@ -398,6 +418,10 @@ def step_collectives(
     if strategy == "gather" and shard > 1:
         world = replicate * shard
         for i, shape in enumerate(shapes):
+            if expert[i]:
+                gathered = expert_gather_collective(pieces[i], replicate, blocks[i], i, wire_bytes)
+                out += [gathered] if gathered is not None else []
+                continue
             out.append(uniform_collective("all_gather", "intra", "step", blocks[i], world,
                                           (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
                                           shard - 1, f"gather direction {i}", "gather", i))
@@ -446,10 +470,16 @@ def step_comm(
     model: AlphaBeta | None = None,
     waves: Sequence[Sequence[int]] | None = None,
     root_regathered: bool = False,
+    other_shapes: Sequence[Sequence[int]] = (),
+    other_blocks: Sequence[int] = (),
+    pieces: Sequence | None = None,
+    experts: ExpertLayout | None = None,
 ) -> dict:
     """:func:`step_figures` of :func:`step_collectives` for each of :data:`STEP_STRATEGIES`, JSON-ready."""
     return {s: step_figures(step_collectives(s, shapes, owners, blocks, replicate, shard, wire_bytes=wire_bytes,
                                              param_bytes=param_bytes, reduce_bytes=reduce_bytes, zero=zero,
-                                             root_block=root_block, waves=waves, root_regathered=root_regathered),
+                                             root_block=root_block, waves=waves, root_regathered=root_regathered,
+                                             other_shapes=other_shapes, other_blocks=other_blocks,
+                                             pieces=pieces, experts=experts),
                             model)
             for s in STEP_STRATEGIES}

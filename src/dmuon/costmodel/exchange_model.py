@@ -26,7 +26,7 @@ class ExchangeModel:
         self.elem_bytes, self.row_bytes, self.publication = elem_bytes, row_bytes, publication
         self.tables = [piece_table(shp, shard, None if pieces is None else pieces[i]) for i, shp in enumerate(shapes)]
         self.inner = [math.prod(int(d) for d in shp[2:]) for shp in shapes]  # a conv kernel's elements per column
-        self.first_col = [[True] * shard if pieces is None else [p.col == 0 for p in pieces[i]]
+        self.first_col = [[True] * shard if pieces is None or pieces[i] is None else [p.col == 0 for p in pieces[i]]
                           for i in range(len(shapes))]
 
     # ------------------------------------------------------------- bytes of one matrix's part

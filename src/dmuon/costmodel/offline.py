@@ -24,6 +24,8 @@ from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.collectives import REPLICAS_STRATEGY
+from dmuon.costmodel.moe import ExpertLayout, expert_ring_traffic, prefer_holders
+from dmuon.costmodel.peer import PEER_STRATEGY
 from dmuon.costmodel.simulate import SIM_STRATEGIES, goal_ratios, simulate_strategies
 from dmuon.costmodel.trace import chrome_trace
 from dmuon.plan.batches import RETURN_WAVES, return_waves
@@ -37,9 +39,17 @@ class OfflineMatrix:
     """One matrix of a shape list, expanded from its count."""
 
     name: str
-    """Unique name (``group[k]`` when a group has several matrices)."""
+    """Unique name (``group[k]`` when a group has several matrices; an expert slice ``group[layer][e]``)."""
     shape: tuple[int, int]
     """``(rows, cols)``."""
+    layer: int | None = None
+    """The decoder layer, where the group says it (``first_layer``, expert stacks); None: from the name."""
+    expert: int | None = None
+    """An expert slice: its expert in the stack (None: a plain matrix)."""
+    experts: int = 0
+    """An expert slice: the experts of its stack."""
+    token_share: float = 1.0
+    """The share of the tokens that run through it (an expert slice: top-k over the experts)."""
 
     @property
     def numel(self) -> int:
@@ -54,11 +64,26 @@ def expand(groups: Iterable, muon: bool = True) -> list[OfflineMatrix]:
         if getattr(g, "muon", True) != muon:
             continue
         shape = (int(g.shape[0]), int(g.shape[1]))
-        if g.count == 1:
-            out.append(OfflineMatrix(g.name, shape))
+        experts, first = getattr(g, "experts", 0), getattr(g, "first_layer", 0)
+        if experts:
+            share = getattr(g, "experts_per_token", 0) / experts
+            out.extend(OfflineMatrix(f"{g.name}[{first + k}][{e}]", shape, first + k, e, experts, share)
+                       for k in range(g.count) for e in range(experts))
+        elif g.count == 1:
+            out.append(OfflineMatrix(g.name, shape, first if first else None))
         else:
-            out.extend(OfflineMatrix(f"{g.name}[{k}]", shape) for k in range(g.count))
+            out.extend(OfflineMatrix(f"{g.name}[{first + k}]", shape, first + k if first else None)
+                       for k in range(g.count))
     return out
+
+
+def expert_pieces(mats: Sequence[OfflineMatrix], layout) -> list | None:
+    """Per matrix its :class:`~dmuon.plan.plan.Piece` per shard position under ``layout``
+    (:class:`~dmuon.costmodel.moe.ExpertLayout`) for an expert slice, None for a dense matrix (FSDP2's row
+    chunks); None for all when no matrix is an expert slice."""
+    if not any(m.expert is not None for m in mats):
+        return None
+    return [None if m.expert is None else layout.slice_pieces(m.shape, m.experts, m.expert) for m in mats]
 
 
 def offline_blocks(mats: Sequence[OfflineMatrix]) -> list[int]:
@@ -78,7 +103,10 @@ def offline_blocks(mats: Sequence[OfflineMatrix]) -> list[int]:
             keys.append(None)
             continue
         prefix = m.name.split("*")[0]
-        k = int(m.name[m.name.rindex("[") + 1 : -1]) if m.name.endswith("]") else 0
+        if getattr(m, "layer", None) is not None:
+            k = m.layer
+        else:
+            k = int(m.name[m.name.rindex("[") + 1 : -1]) if m.name.endswith("]") else 0
         stacks.setdefault(prefix, len(stacks))
         keys.append((prefix, k))
     order = sorted({key for key in keys if key is not None}, key=lambda key: (stacks[key[0]], key[1]))
@@ -132,6 +160,7 @@ def plan_offline(
     hop_a_spread: int | None = None,
     root_regathered: bool = False,
     trace: dict | None = None,
+    ep: int | None = None,
 ) -> dict:
     """Assigns owners for a shape list and reports per-rank load, memory and traffic.
 
@@ -168,6 +197,10 @@ def plan_offline(
         trace: With ``hardware``: also ``simulation_trace``, the simulated step as a Chrome trace
             (:func:`~dmuon.costmodel.trace.chrome_trace`, called with these keywords: ``strategies``,
             ``ranks``); not JSON-small, so the CLI writes it to its own file.
+        ep: Expert-parallel size of the groups' routed-expert stacks (:mod:`dmuon.costmodel.moe`; None: 1);
+            it must divide the shard dim. With experts the plan also has ``experts``
+            (:func:`expert_summary`), each slice owned on a rank holding it where the balancer's counts
+            allow (:func:`~dmuon.costmodel.moe.prefer_holders`), and no ``hsdp_designs``.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -207,17 +240,14 @@ def plan_offline(
     replicate, shard = _mesh(world_size, zero, ranks_per_node)
     groups = list(groups)
     mats = expand(groups)
+    layout, pieces = expert_layout(mats, ep, shard)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
     result = place_owners(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
-        items, offline_blocks(mats), [m.numel for m in mats], replicate)
-    owners = result.owners
+        spread_kinds(items, pieces), offline_blocks(mats), [m.numel for m in mats], replicate)
+    owners, ns_batches = owners_and_batches(result, items, pieces, replicate, shard)
     # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
-    owned: dict[int, list[int]] = {}
-    for k, o in enumerate(owners):
-        owned.setdefault(o, []).append(k)
-    ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
     waves = return_waves(ns_batches, [], max_waves)
     shapes = [m.shape for m in mats]
     plan = {
@@ -228,21 +258,25 @@ def plan_offline(
         "lower_bound": None if math.isnan(result.lower_bound) else result.lower_bound,
         "solve_seconds": result.solve_seconds, "memory_cap": result.memory_cap, "notes": result.notes,
         "mesh": [replicate, shard], "wire_bytes": wire_bytes, "fsdp_elem_bytes": fsdp_elem_bytes,
-        **_traffic(mats, result, waves, replicate, shard, zero, wire_bytes, fsdp_elem_bytes),
+        **_traffic(mats, result, waves, replicate, shard, zero, wire_bytes, fsdp_elem_bytes, pieces, layout),
     }
+    if layout is not None:
+        plan["experts"] = expert_summary(mats, result, pieces, layout, replicate, ns_batches)
     alpha_beta = AlphaBeta() if alpha_beta is None else alpha_beta
     plan["step_comm"] = step_comm(shapes, owners, offline_blocks(mats), replicate, shard,
                                   wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                                   zero=zero, root_block=0, model=alpha_beta, waves=waves,
-                                  root_regathered=root_regathered)
+                                  root_regathered=root_regathered, pieces=pieces, experts=layout)
     plan["step_comm_model"] = _step_comm_model(alpha_beta, wire_bytes, param_bytes, reduce_bytes, waves)
     if hardware is not None:
         options = sim_options or SimOptions()
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
-                             hop_a_spread=hop_a_spread, root_regathered=root_regathered)
+                             hop_a_spread=hop_a_spread, root_regathered=root_regathered, ep=ep)
         # One rank per replica (the (N, 1) layout): torch's DDP + dmuon is one more way to run it.
         strategies = SIM_STRATEGIES + ((REPLICAS_STRATEGY,) if shard == 1 and replicate > 1 else ())
+        if layout is not None:  # the all-to-all peer's batches are not modelled for expert slices
+            strategies = tuple(k for k in strategies if k != PEER_STRATEGY)
         plan["simulation"] = simulate_strategies(inputs, hardware, options, strategies)
         plan["simulation_ratios"] = goal_ratios(plan["simulation"])
         if trace is not None:
@@ -253,7 +287,7 @@ def plan_offline(
                                     "hop_a_spread": hop_a_spread if hop_a_spread is not None else
                                     f"{default_spread(False)}; {default_spread(True)} for dmuon_rbwd",
                                     "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
-    if replicate > 1:
+    if replicate > 1 and layout is None:
         plan["hsdp_designs"] = compare_hsdp_designs(
             shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
             reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups), waves=waves)
@@ -273,13 +307,16 @@ def _mesh(world_size: int, zero: int, ranks_per_node: int | None) -> tuple[int, 
 
 
 def _traffic(mats: list, result, waves: list, replicate: int, shard: int, zero: int, wire_bytes: int,
-             fsdp_elem_bytes: int) -> dict:
+             fsdp_elem_bytes: int, pieces: list | None = None, layout: ExpertLayout | None = None) -> dict:
     """The plan's per-step bytes: FSDP2's and gather-then-compute's per rank, the critical paths, and per
     rank dmuon's exchange as the runtime issues it (on the replicate level its column reduce-scatter moves
-    gradients, in ``fsdp_elem_bytes``; each wave's updates across replicas by the route picked for it)."""
+    gradients, in ``fsdp_elem_bytes``; each wave's updates across replicas by the route picked for it).
+    With experts (``pieces``, ``layout``) FSDP2's and gather-then-compute's figures are the busiest rank's
+    (:func:`~dmuon.costmodel.moe.expert_ring_traffic` for the expert units)."""
     owners, shapes = result.owners, [m.shape for m in mats]
-    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, waves=waves)
-    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes, waves=waves)
+    native = owner_traffic(shapes, owners, replicate, shard, wire_bytes, pieces=pieces, waves=waves)
+    traffic = owner_traffic_column_reduce(shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
+                                          pieces=pieces, waves=waves)
     ranks = []
     for r in range(replicate * shard):
         mine = [k for k, o in enumerate(owners) if o == r]
@@ -294,9 +331,16 @@ def _traffic(mats: list, result, waves: list, replicate: int, shard: int, zero: 
             "critical_bytes": traffic[r].busiest,
             **traffic[r].as_dict(),
         })
-    numels = [m.numel for m in mats]
-    fsdp2 = fsdp2_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
-    gather = gather_traffic(numels, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    dense = [m.numel for i, m in enumerate(mats) if pieces is None or pieces[i] is None]
+    fsdp2 = fsdp2_traffic(dense, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    gather = gather_traffic(dense, replicate, shard, fsdp_elem_bytes, reshard_after_forward=zero == 3)
+    if layout is not None:
+        stacks = [p for p in pieces if p is not None]
+        passes = 3 if zero == 3 else 2
+        # Gather-then-compute gathers a slice over its holders: one ring pass more where they are several.
+        fsdp2 = _added(fsdp2, expert_ring_traffic(stacks, layout, replicate, fsdp_elem_bytes, passes))
+        gather = _added(gather, expert_ring_traffic(stacks, layout, replicate, fsdp_elem_bytes,
+                                                    passes + (not layout.whole_experts(mats_experts(mats)))))
     return {
         "fsdp2_bytes_per_rank": _uniform(fsdp2),
         "gather_bytes_per_rank": _uniform(gather),
@@ -304,6 +348,79 @@ def _traffic(mats: list, result, waves: list, replicate: int, shard: int, zero: 
                                 "fsdp2": fsdp2.busiest, "gather_then_compute": gather.busiest},
         "ranks": ranks,
     }
+
+
+def _added(a: RankTraffic, b: RankTraffic) -> RankTraffic:
+    return RankTraffic(a.intra_sent + b.intra_sent, a.intra_received + b.intra_received,
+                       a.inter_sent + b.inter_sent, a.inter_received + b.inter_received)
+
+
+def mats_experts(mats: Sequence[OfflineMatrix]) -> int:
+    """The experts of the stacks (one count for every stack: torchtitan's layout rule reads it)."""
+    counts = {m.experts for m in mats if m.expert is not None}
+    if len(counts) > 1:
+        raise ValueError(f"expert stacks of different sizes {sorted(counts)}: one --ep layout is modelled")
+    return counts.pop() if counts else 0
+
+
+def expert_layout(mats: Sequence[OfflineMatrix], ep: int | None, shard: int
+                  ) -> tuple[ExpertLayout | None, list | None]:
+    """The :class:`~dmuon.costmodel.moe.ExpertLayout` of ``mats``' expert stacks over ``ep`` ranks of the
+    ``shard`` dim and each matrix's pieces (:func:`expert_pieces`); ``(None, None)`` without experts."""
+    experts = mats_experts(mats)
+    if not experts:
+        if ep not in (None, 1):
+            raise ValueError(f"--ep {ep}: the matrices have no routed-expert stack (an MoE shape list takes --ep)")
+        return None, None
+    layout = ExpertLayout(1 if ep is None else ep, shard)
+    return layout, expert_pieces(mats, layout)
+
+
+def spread_kinds(items: Sequence[int], pieces: list | None) -> list[int]:
+    """The kinds :func:`~dmuon.plan.spread.place_owners`' block spreading swaps within: ``items``, each expert
+    slice a kind of its own. Its pairwise swaps grow with the square of a kind's matrices (thousands of
+    slices share a shape), and :func:`owners_and_batches` places the slices by their holders afterwards."""
+    if pieces is None:
+        return list(items)
+    top = max(items, default=-1) + 1
+    return [k if p is None else top + i for i, (k, p) in enumerate(zip(items, pieces))]
+
+
+def owners_and_batches(result, items: Sequence[int], pieces: list | None, replicate: int, shard: int
+                       ) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """The plan's owners (with ``pieces``, each expert slice moved to a rank holding it where the balancer's
+    counts allow: :func:`~dmuon.costmodel.moe.prefer_holders`; ``result.owners`` updated) and each owner's
+    NS batches (matrix indices, in the order it runs them)."""
+    if pieces is not None:
+        holder_ranks = [None if p is None else [r * shard + s for r in range(replicate)
+                                                for s, piece in enumerate(p) if piece.rows] for p in pieces]
+        result.owners = prefer_holders(result.owners, items, holder_ranks)
+    owned: dict[int, list[int]] = {}
+    for k, o in enumerate(result.owners):
+        owned.setdefault(o, []).append(k)
+    return result.owners, {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
+
+
+def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: ExpertLayout, replicate: int,
+                   ns_batches: dict[int, list[list[int]]]) -> dict:
+    """The expert slices' owners in the plan: the layout, per rank how many expert slices and dense
+    matrices it owns and how many of its slices it holds rows of, and the largest NS batch the owners run
+    (``ns_batches``: one call of NS on matrices of one shape)."""
+    shard = layout.shard
+    world = replicate * shard
+    slices, dense, on_holder = [0] * world, [0] * world, [0] * world
+    for i, owner in enumerate(result.owners):
+        if pieces[i] is None:
+            dense[owner] += 1
+            continue
+        slices[owner] += 1
+        on_holder[owner] += bool(pieces[i][owner % shard].rows)
+    largest = max(((len(batch), mats[batch[0]].shape, r) for r, batches in ns_batches.items()
+                   for batch in batches if batch), default=(0, None, None))
+    return {**layout.as_dict(mats_experts(mats)), "slices": sum(slices), "dense": sum(dense),
+            "slices_per_rank": slices, "dense_per_rank": dense, "owned_where_held": on_holder,
+            "largest_batch": {"size": largest[0], "shape": list(largest[1]) if largest[1] else None,
+                              "rank": largest[2]}}
 
 
 def _step_comm_model(alpha_beta: AlphaBeta, wire_bytes: int, param_bytes: int, reduce_bytes: int,
@@ -325,7 +442,7 @@ def _step_comm_model(alpha_beta: AlphaBeta, wire_bytes: int, param_bytes: int, r
 def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, list[list[int]]], replicate: int,
                 shard: int, *, zero: int = 3, max_waves: int = RETURN_WAVES, wire_bytes: int = 2,
                 param_bytes: int = 2, reduce_bytes: int = 4, hop_a_spread: int | None = None,
-                root_regathered: bool = False) -> StepInputs:
+                root_regathered: bool = False, ep: int | None = None) -> StepInputs:
     """What :mod:`~dmuon.costmodel.simulate` needs of a shape list and its plan: the Muon matrices
     (in :func:`expand` order, with ``owners`` and ``ns_batches`` over those indices), the other
     groups (AdamW's: FSDP2 moves and AdamW updates them too), and every one's block
@@ -333,8 +450,11 @@ def step_inputs(groups: Iterable, owners: Sequence[int], ns_batches: dict[int, l
     groups = list(groups)
     mats, others = expand(groups), expand(groups, muon=False)
     blocks = offline_blocks(mats + others)
+    layout, pieces = expert_layout(mats, ep, shard)
     return StepInputs(shapes=[m.shape for m in mats], owners=list(owners), blocks=blocks[:len(mats)],
                       replicate=replicate, shard=shard, ns_batches=ns_batches,
                       other_shapes=[m.shape for m in others], other_blocks=blocks[len(mats):],
                       return_waves=max_waves, zero=zero, wire_bytes=wire_bytes, param_bytes=param_bytes,
-                      reduce_bytes=reduce_bytes, hop_a_spread=hop_a_spread, root_regathered=root_regathered)
+                      reduce_bytes=reduce_bytes, hop_a_spread=hop_a_spread, root_regathered=root_regathered,
+                      pieces=pieces, experts=layout,
+                      token_share=None if layout is None else [m.token_share for m in mats])

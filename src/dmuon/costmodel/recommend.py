@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from dmuon.costmodel.offline import _as_table, _mesh, expand, offline_blocks, step_inputs
+from dmuon.costmodel.offline import (
+    _as_table, _mesh, expand, expert_layout, mats_experts, offline_blocks, owners_and_batches, spread_kinds,
+    step_inputs,
+)
 from dmuon.costmodel.sim_config import Hardware, SimOptions
 from dmuon.costmodel.simulate import NEXT_FORWARD, RETURNS_IN_BACKWARD, simulate
 from dmuon.plan.assign import build_kinds
@@ -85,7 +88,7 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
               balancers: Sequence[str] = ("greedy", "round_robin", "milp"),
               costs: CostTable | None = None, ns_steps: int = 5, wire_bytes: int = 2, param_bytes: int = 2,
               reduce_bytes: int = 4, max_waves: int = RETURN_WAVES, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-              memory_factor: float | None = DEFAULT_MEMORY_FACTOR) -> dict:
+              memory_factor: float | None = DEFAULT_MEMORY_FACTOR, ep: int | None = None) -> dict:
     """Simulates every candidate configuration on a ``world_size``-GPU cluster of ``gpus_per_node``-GPU nodes.
 
     Args:
@@ -96,8 +99,9 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
             :class:`~dmuon.costmodel.sim_config.SimOptions`).
         zero: FSDP2's resharding (3: ``reshard_after_forward=True``; 2: ``False``).
         balancers: The balancers to try (``"milp"`` needs scipy).
-        costs, ns_steps, wire_bytes, param_bytes, reduce_bytes, max_waves, time_limit_s, memory_factor:
-            As :func:`~dmuon.costmodel.offline.plan_offline` takes them.
+        costs, ns_steps, wire_bytes, param_bytes, reduce_bytes, max_waves, time_limit_s, memory_factor, ep:
+            As :func:`~dmuon.costmodel.offline.plan_offline` takes them (``ep``: the routed experts'
+            expert-parallel size, the same in every candidate and in FSDP2 + AdamW's step).
 
     Returns:
         JSON-ready: ``mesh`` ``[R, S]``, ``zero``, ``fsdp_adamw`` (FSDP2 + AdamW's figures on that mesh),
@@ -114,6 +118,7 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
     replicate, shard = _mesh(world_size, zero, min(gpus_per_node, world_size))
     groups = list(groups)
     mats = expand(groups)
+    _, pieces = expert_layout(mats, ep, shard)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
     layouts = ("replicate level", "native HSDP") if replicate > 1 else ("1-D FSDP2",)
@@ -122,13 +127,10 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
     for name in balancers:
         result = place_owners(balance(kinds, items, world_size, name, time_limit_s=time_limit_s,
                                       memory_factor=memory_factor),
-                              items, offline_blocks(mats), [m.numel for m in mats], replicate)
-        owned: dict[int, list[int]] = {}
-        for k, o in enumerate(result.owners):
-            owned.setdefault(o, []).append(k)
-        ns_batches = {r: result.ns_batches(ks, r) for r, ks in sorted(owned.items())}
-        inputs = step_inputs(groups, result.owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
-                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes)
+                              spread_kinds(items, pieces), offline_blocks(mats), [m.numel for m in mats], replicate)
+        owners, ns_batches = owners_and_batches(result, items, pieces, replicate, shard)
+        inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
+                             wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes, ep=ep)
         if baseline is None:  # FSDP2 + AdamW has no owners: one run
             baseline = simulate("fsdp_adamw", inputs, hardware, options)
         for (layout, execution), strategy in STRATEGIES.items():
@@ -147,7 +149,9 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
     near = [c for c in candidates if c["step_seconds"] <= fastest * (1 + TIE)]
     best = dict(min(near, key=lambda c: (_asked(c), c["step_seconds"])))
     best["asks"] = {k: ASKS[(k, best[k])] for k in ("layout", "execution", "balancer") if ASKS[(k, best[k])]}
+    layout, _ = expert_layout(mats, ep, shard)
     return {"world_size": world_size, "gpus_per_node": gpus_per_node, "mesh": [replicate, shard], "zero": zero,
+            "experts": None if layout is None else layout.as_dict(mats_experts(mats)),
             "hardware": hardware.name, "cost_unit": table.unit, "fsdp_adamw": baseline,
             "candidates": candidates, "recommended": best, "tie": TIE}
 
@@ -166,6 +170,11 @@ def recommended_code(rec: dict) -> list[str]:
         replicate_level = best["layout"] == "replicate level"
         lines.append('shard_over = mesh["shard"]' if replicate_level else "shard_over = mesh")
         hsdp = ", hsdp_mesh=mesh" if replicate_level else ""
+    experts = rec.get("experts")
+    if experts:
+        lines.append(f"# routed experts: ep={experts['ep']} inside the shard dim (torchtitan's expert parallelism), "
+                     f"each ep rank's stacks fully_shard-ed over efsdp={experts['efsdp']} ranks on dim "
+                     f"{experts['fsdp_dim']}")
     lines += ["for block in model.layers:",
               f"    fully_shard(block, mesh=shard_over, reshard_after_forward={reshard})",
               f"fully_shard(model, mesh=shard_over, reshard_after_forward={reshard})"]

@@ -101,7 +101,8 @@ class StepBuilder:
             zero=inputs.zero, root_block=inputs.root_block, waves=waves, other_shapes=inputs.other_shapes,
             other_blocks=inputs.other_blocks, max_concurrent=options.peer_concurrency,
             hop_a_spread=inputs.hop_a_spread, publication=inputs.publication,
-            returns_in_backward=self.returns_in_backward, root_regathered=inputs.root_regathered)
+            returns_in_backward=self.returns_in_backward, root_regathered=inputs.root_regathered,
+            pieces=inputs.pieces, experts=inputs.experts)
 
     def note(self, key: tuple, c: Collective) -> None:
         """Reads a listed collective as it is keyed (a strategy's builder notes what it schedules by)."""
@@ -171,9 +172,12 @@ class StepBuilder:
         chosen = min(flops.values()) if self.opt.ns_method == "auto" else flops[self.opt.ns_method]
         return count * chosen / self.hw.ns_flops + copy
 
-    def block_numel(self, b: int, muon: bool = True, other: bool = True) -> int:
+    def block_numel(self, b: int, muon: bool = True, other: bool = True, active: bool = False) -> float:
+        """Elements of block ``b``'s matrices; ``active``: those one token runs through (an expert slice
+        counted at its :attr:`StepInputs.token_share`)."""
         inp = self.inp
-        return (sum(_numel(s) for s, x in zip(inp.shapes, inp.blocks) if x == b) * muon
+        share = inp.token_share if active and inp.token_share is not None else [1.0] * len(inp.shapes)
+        return (sum(_numel(s) * f for s, x, f in zip(inp.shapes, inp.blocks, share) if x == b) * muon
                 + sum(_numel(s) for s, x in zip(inp.other_shapes, inp.other_blocks) if x == b) * other)
 
     # -- FSDP2: forward and backward, the strategy's hook after each block's reduction
@@ -192,7 +196,7 @@ class StepBuilder:
         """Each unit's forward: its GEMMs (2 x parameters x tokens) and its share of the work beyond
         them; backward twice that."""
         order = self.forward_order()
-        numel = {b: self.block_numel(b) for b in order}
+        numel = {b: self.block_numel(b, active=True) for b in order}
         beyond = self.opt.non_gemm_seconds / 3 / max(1, sum(numel.values())) if self.opt.compute else 0.0
         return {b: self.seconds(2.0 * numel[b] * self.opt.tokens_per_gpu, self.hw.compute_flops) + beyond * numel[b]
                 for b in order}
@@ -321,8 +325,11 @@ class StepBuilder:
             momentum = self.elementwise(f"momentum {i}", C, MOMENTUM_BYTES * _numel(shape) / self.inp.shard,
                                         host=self.opt.host_ops.gather_per_matrix)
             gathered = self.coll("gather", "step", self.inp.blocks[i], i, GATHER, [momentum])
-            ns = self.tl.compute(f"NS {i}", C, self.ns_seconds(shape, 1, owner_copy=False), [gathered],
-                                 phase="step", kind="ns")
+            seconds = self.ns_seconds(shape, 1, owner_copy=False)
+            pieces = None if self.inp.pieces is None else self.inp.pieces[i]
+            if pieces is not None:  # an expert slice: the ranks holding its rows run its NS
+                seconds = [seconds if p.rows else None for p in pieces] * self.inp.replicate
+            ns = self.tl.compute(f"NS {i}", C, seconds, [gathered], phase="step", kind="ns")
             self.elementwise(f"apply {i}", C, APPLY_BYTES * _numel(shape) / self.inp.shard, [ns])
         self.adamw(self.other_local(), host=self.local_adamw_ops())
 

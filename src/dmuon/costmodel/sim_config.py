@@ -208,6 +208,14 @@ class StepInputs:
     publication: str | None = None
     """dmuon's route across replicas for every return wave (``"direct"``, ``"scatter"``); None: the
     runtime's choice per wave (:func:`dmuon.plan.publication.choose_route`)."""
+    pieces: list | None = None
+    """Routed experts (:mod:`dmuon.costmodel.moe`): per Muon matrix its pieces per shard position for an
+    expert slice, None for a dense matrix; None: no expert."""
+    experts: object | None = None
+    """The :class:`~dmuon.costmodel.moe.ExpertLayout` of :attr:`pieces` (None without experts)."""
+    token_share: list[float] | None = None
+    """Per Muon matrix, the share of the rank's tokens its forward and backward run (an expert slice:
+    top-k over the experts, the tokens' all-to-all spreading them evenly); None: every token through every one."""
 
     @property
     def world(self) -> int:
