@@ -24,6 +24,7 @@ from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, ReductionGroup
 from dmuon.plan.selection import SelectFn, ViewFn, matrix_views, row_sizes, select_matrices
 from dmuon.prepare.mesh import (
     check_no_all_reduce_hook,
+    check_expert_split,
     check_same_everywhere,
     fingerprint,
     fsdp_blocks,
@@ -66,9 +67,10 @@ def prepare(
     and pass the plan to :class:`dmuon.DMuon`; ``DMuon(model)`` calls it with the defaults.
 
     Args:
-        model: The model: every trainable parameter a DTensor of one mesh or its
-            named sub-meshes (1-D FSDP, 2-D ``(replicate, shard)`` HSDP, with a
-            tensor- or expert-parallel dim after them); a torch
+        model: The model: every trainable parameter a DTensor on meshes cut from one
+            root mesh (1-D FSDP, 2-D ``(replicate, shard)`` HSDP, with a tensor- or
+            expert-parallel dim after them; torchtitan's dense ``fsdp`` and expert
+            ``(efsdp, ep)`` views of one world mesh); a torch
             ``DistributedDataParallel`` (the plan is then its ``.module``'s, over DDP's
             process group: ``Plan.replicas``); or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
@@ -223,6 +225,8 @@ def _matrices_of(name: str, p: nn.Parameter, view, column: list, first: int, blo
     """The matrices of one parameter as ``view`` sees it, numbered from ``first``; ``column`` holds
     every rank's box of it."""
     shard, replicate = topology.shard, topology.replicate
+    if view == "stack":
+        check_expert_split(name, p)
     sizes = row_sizes(view, p.shape[0])
     if sizes:
         matrices = []

@@ -148,12 +148,14 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
 
     FSDP2 alone puts every parameter on one mesh; with tensor parallelism the
     parameters TP split live on the ``(dp..., tp)`` mesh and the others on its
-    ``dp`` sub-mesh. Returns ``(None, False)`` for a model without DTensors.
+    ``dp`` sub-mesh; with expert parallelism the experts live on ``(efsdp, ep)``
+    and the dense parameters on ``fsdp``, views of one root: the mesh returned is
+    the one spanning the data-parallel group (:func:`spanning_mesh`). Returns ``(None, False)`` for a model without DTensors.
 
     Raises:
         ValueError: For trainable plain parameters in a multi-process run (not
-            under ``fully_shard``), meta parameters, or meshes that are not one
-            mesh and its named sub-meshes.
+            under ``fully_shard``), meta parameters, or meshes of no common root
+            (:func:`spanning_mesh`).
     """
     meshes: list[tuple[str, object]] = []
     distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -172,19 +174,8 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
             meshes.append((name, p.device_mesh))
     if not meshes:
         return None, False
-    first, root = max(meshes, key=lambda nm: nm[1].ndim)
+    first, root = spanning_mesh(meshes)
     names = root.mesh_dim_names
-    for name, mesh in meshes:
-        if mesh == root:
-            continue
-        if names is None or mesh.mesh_dim_names is None or not set(mesh.mesh_dim_names) <= set(names):
-            raise ValueError(f"parameter {name!r} lives on a DeviceMesh that is not a named sub-mesh of "
-                             f"{first!r}'s; dmuon needs the parameters on one mesh and its sub-meshes")
-        if mesh.ndim >= root.ndim or not set(mesh.mesh.flatten().tolist()) <= set(root.mesh.flatten().tolist()):
-            raise ValueError(f"parameters {first!r} and {name!r} live on two different data-parallel groups "
-                             f"(ranks {root.mesh.flatten().tolist()} and {mesh.mesh.flatten().tolist()}): one "
-                             "DMuon steps one data-parallel group's parameters; build one per model part "
-                             "(each part fully_shard-ed over its own stage's mesh)")
     if hsdp_mesh is not None:
         return _check_hsdp_mesh(root, hsdp_mesh), True
     _check_not_a_replica(root, first)
@@ -192,10 +183,69 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
     for _, p in model.named_parameters():
         if isinstance(p, DTensor) and replicated:
             dims = p.device_mesh.mesh_dim_names
-            on_root_dim0 = p.device_mesh == root or (dims is not None and dims[0] == names[0])
+            on_root_dim0 = p.device_mesh == root or (dims is not None and names is not None and dims[0] == names[0])
             if on_root_dim0 and not isinstance(p.placements[0], Replicate):
                 replicated = False
     return root, replicated
+
+
+def spanning_mesh(meshes: list[tuple[str, object]]) -> tuple[str, object]:
+    """The mesh of the data-parallel group among the parameters' meshes (each with the first parameter
+    on it): the one holding the most ranks (then the fewest dims), with every other mesh cut from the same
+    root mesh over ranks inside it.
+
+    One mesh (FSDP2 alone), a mesh and its named sub-meshes (tensor parallelism: ``(dp, tp)`` and
+    ``dp``), or several views of one root (expert parallelism as torchtitan lays it out: the dense
+    parameters on ``fsdp``, the routed experts on ``(efsdp, ep)``, both unflattened from the world
+    mesh): dmuon reads each parameter's place from its own mesh and placements, so any of these is one
+    layout. Meshes of no common root cannot be told apart from two models, nor related rank by rank.
+
+    Raises:
+        ValueError: Meshes with no common root, or ranks outside the spanning mesh.
+    """
+    # Of meshes over the same ranks (torchtitan's dense fsdp and expert (efsdp, ep) views), the one of
+    # fewest dims: a 1-D mesh has a process group over exactly its ranks, which dmuon's own groups are
+    # split from when the mesh is a part of the world (comm/topology.py).
+    first, root = max(meshes, key=lambda nm: (nm[1].mesh.numel(), -nm[1].ndim))
+    origin = root_mesh(root)
+    ranks = set(root.mesh.flatten().tolist())
+    for name, mesh in meshes:
+        if mesh == root:
+            continue
+        if root_mesh(mesh) != origin:
+            raise ValueError(f"parameters {first!r} and {name!r} live on DeviceMeshes with no common root "
+                             f"({root} and {mesh}); dmuon needs every parameter's mesh cut from one mesh "
+                             "(init_device_mesh once, then sliced, flattened or unflattened from it)")
+        if not set(mesh.mesh.flatten().tolist()) <= ranks:
+            raise ValueError(f"parameters {first!r} and {name!r} live on two different data-parallel groups "
+                             f"(ranks {root.mesh.flatten().tolist()} and {mesh.mesh.flatten().tolist()}): one "
+                             "DMuon steps one data-parallel group's parameters; build one per model part "
+                             "(each part fully_shard-ed over its own stage's mesh)")
+    return first, root
+
+
+EXPERT_PARALLEL_DIM = "ep"
+"""The mesh dim name that marks expert parallelism (torchtitan's): a stack's experts split whole over it."""
+
+
+def check_expert_split(name: str, p: torch.Tensor) -> None:
+    """An expert stack viewed per expert: split over the ``ep`` mesh dim, it must be split along its expert
+    dim (``Shard(0)``), so that each ep rank holds whole experts and routes tokens to them.
+
+    Split along another dim, each ep rank would hold a part of every expert while the forward dispatches
+    tokens by expert: a layout no MoE layer computes, whose gradients dmuon cannot read as experts'.
+
+    Raises:
+        ValueError: Naming the parameter and its placement on ``ep``.
+    """
+    if not isinstance(p, DTensor) or EXPERT_PARALLEL_DIM not in (p.device_mesh.mesh_dim_names or ()):
+        return
+    placement = p.placements[p.device_mesh.mesh_dim_names.index(EXPERT_PARALLEL_DIM)]
+    if not (isinstance(placement, Shard) and placement.dim == 0):
+        raise ValueError(f"parameter {name!r}: an expert stack split over the {EXPERT_PARALLEL_DIM!r} mesh dim "
+                         f"by {placement!r}, not along its expert dim; expert parallelism keeps whole experts on "
+                         f"each ep rank: distribute it with Shard(0) over {EXPERT_PARALLEL_DIM!r} (torchtitan's "
+                         "ExpertParallel), or view it otherwise (matrix_view)")
 
 
 def momentum_layout(param: DTensor, param_dim: int, hsdp_mesh=None) -> tuple:
