@@ -25,7 +25,9 @@ def _four_ranks(rank: int, world: int) -> dict:
     runs["clipped"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS, clip=0.05)
     runs["frozen experts"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS,
                                                frozen=("layers.1.experts.w1", "layers.1.experts.w2"))
-    for name in ("ep2-dim1", "ep2-native-hsdp"):
+    runs["clipped on the replicate level"] = functools.partial(moe.train, rank, world, "ep2-replicate-level", STEPS,
+                                                               clip=0.05)
+    for name in ("ep2-dim1", "ep2-native-hsdp", "ep2-replicate-level"):
         runs[f"counted {name}"] = functools.partial(moe.train, rank, world, name, 2, counted=True)
     return run_each(runs)
 
@@ -54,7 +56,7 @@ def test_expert_parallel_layouts_equal_one_process(layout):
     """Experts on dim 0 and dim 1 of their local stacks, E = 3 not divisible by ep = 2, ep spanning the whole
     fsdp dim (efsdp = 1), FSDP2's own HSDP outside: torch.optim.Muon per slice + AdamW in one process."""
     results = _results(layout)
-    world, _, experts, _, _ = moe.LAYOUTS[layout]
+    world, _, experts, *_ = moe.LAYOUTS[layout]
     ref = moe.reference(results[0]["initial"], STEPS, world, experts)
     name, err = _worst(results[0]["params"], ref)
     assert err <= 1e-5, (name, err)
@@ -92,10 +94,11 @@ def test_an_expert_without_tokens_and_heavy_imbalance_equal_one_process():
     assert err <= 1e-5, (name, err)
 
 
-def test_clipping_by_the_whole_models_norm_across_the_meshes():
+@pytest.mark.parametrize("run", ["clipped", "clipped on the replicate level"])
+def test_clipping_by_the_whole_models_norm_across_the_meshes(run):
     """``opt.clip_grad_norm_`` over dense and expert DTensors of different meshes (torch's own raises there):
     the one-process norm of every gradient, and the clipped result."""
-    results = _results("clipped")
+    results = _results(run)
     norms: list[float] = []
     ref = moe.reference(results[0]["initial"], STEPS, 4, 3, clip=0.05, norms=norms)
     assert results[0]["norms"] == pytest.approx(norms, rel=1e-6)
@@ -114,23 +117,28 @@ def test_frozen_experts_while_the_rest_trains():
     assert not any(n.startswith(frozen) for n in results[0]["owners"])
 
 
-@pytest.mark.parametrize("layout", ["ep2-dim1", "ep2-native-hsdp"])
+@pytest.mark.parametrize("layout", ["ep2-dim1", "ep2-native-hsdp", "ep2-replicate-level"])
 def test_counted_collectives_equal_the_step_model(layout):
     """Each rank's collectives of the last step (bf16 wire), level by level, are the ones the step model
     prices from the plan's pieces: expert slices' rows come from the efsdp ranks holding them, wherever
-    their owner is."""
+    their owner is; on dmuon's replicate level the gradients' column reduce-scatter across replicas (fp32)
+    and the other parameters' all-reduce too."""
     from dmuon.costmodel.traffic import owner_exchange_collectives
+    from support.step_comm import check_counted_log
 
     results = _results(f"counted {layout}")
     first = results[0]
     shapes, owners, blocks = ([i[k] for i in first["infos"]] for k in range(3))
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
+    level = moe.LAYOUTS[layout][5]
+    # FSDP2's post-backward order: the units with Muon matrices last to first (each layer's experts, then its
+    # dense unit), then the root unit (embedding, norm, head), whose landing carries the pending slices.
+    order = [*sorted(set(blocks), reverse=True), len(set(blocks))]
     backward, step = owner_exchange_collectives(shapes, owners, blocks, first["replicate"], first["shard"], 2,
-                                                waves=first["waves"], pieces=first["pieces"])
-    for r in results:
-        k = r["plan_rank"]
-        expected = [(c.level, *c.ranks[k]) for c in backward + step if c.ranks[k] is not None]
-        assert r["log"] == expected, f"{layout} plan rank {k}"
+                                                waves=first["waves"], pieces=first["pieces"],
+                                                block_order=order if level else None,
+                                                gradient_bytes=4 if level else None, hop_a_spread=8 if level else None)
+    check_counted_log(backward + step, results, first["replicate"], level)
     assert any(c.critical for c in backward) and all(c.critical for c in step)
 
 

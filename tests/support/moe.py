@@ -195,9 +195,13 @@ def reference(initial: dict[str, torch.Tensor], steps: int, world: int, experts:
 
 
 def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: int = 1,
-                    dim1: bool | None = None, force_sum: bool = True):
+                    dim1: bool | None = None, force_sum: bool = True, replicate_level: bool = False):
     """Shards ``model`` as torchtitan does on a ``(replicate x) efsdp x ep`` world of CPU ranks; returns
-    ``(dense_mesh, expert_mesh)``.
+    ``(dense_mesh, expert_mesh)``, each with its replicate dim first when ``replicate > 1``.
+
+    ``replicate_level``: FSDP2 over the non-replicate dims only (dmuon's replicate level reduces across
+    replicas, given both meshes as ``hsdp_mesh``); the experts' gradient is then each replica's mean, divided
+    by the replica's data-parallel size.
 
     ``dim1``: FSDP2 shards the local stacks on dim 1 (torchtitan's choice when ``efsdp * ep > E``;
     None: by that rule). The experts' gradient is divided by the whole data-parallel size
@@ -213,11 +217,14 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
     if replicate > 1:
         dense = world._unflatten(0, (replicate, data), ("dp_replicate", "fsdp"))
         experts = world._unflatten(0, (replicate, efsdp, ep), ("dp_replicate", "efsdp", "ep"))
-        edp = experts["dp_replicate", "efsdp"]
+        edp = experts["efsdp"] if replicate_level else experts["dp_replicate", "efsdp"]
     else:
         dense = world._unflatten(0, (data,), ("fsdp",))
         experts = world._unflatten(0, (efsdp, ep), ("efsdp", "ep"))
         edp = experts["efsdp"]
+    dense_shard = dense["fsdp"] if replicate_level else dense
+    divide = data if replicate_level else world_mesh_size
+    fsdp_ranks = efsdp if replicate_level else efsdp * replicate
     count = model.layers[0].experts.num_experts
     if dim1 is None:
         dim1 = efsdp * ep > count
@@ -226,21 +233,22 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
         for w in ("w1", "w2"):
             setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, experts["ep"], [Shard(0)])))
         fully_shard(routed, mesh=edp, shard_placement_fn=(lambda p: Shard(1)) if dim1 else None)
-        routed.set_gradient_divide_factor(float(world_mesh_size))
-        if force_sum and efsdp * replicate > 1:
+        routed.set_gradient_divide_factor(float(divide))
+        if force_sum and fsdp_ranks > 1:
             routed.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dense)
-    fully_shard(model, mesh=dense)
+        fully_shard(block, mesh=dense_shard)
+    fully_shard(model, mesh=dense_shard)
     return dense, experts
 
 
 LAYOUTS = {
-    # name: (world, ep, experts, dim1, replicate)
-    "ep2-dim1": (4, 2, 3, None, 1),        # efsdp * ep = 4 > E = 3: FSDP2 on the local stacks' dim 1
-    "ep2-dim0-uneven": (4, 2, 3, False, 1),  # E = 3 over ep = 2 (2 + 1 experts), FSDP2 on dim 0
-    "ep2-dim0": (4, 2, 4, None, 1),        # E = 4 = efsdp * ep: FSDP2 on dim 0
-    "ep2-native-hsdp": (4, 2, 3, None, 2),  # dp_replicate = 2 outside (FSDP2's own HSDP), efsdp = 1
-    "ep2-efsdp1": (2, 2, 3, None, 1),      # ep spans the whole fsdp dim
+    # name: (world, ep, experts, dim1, replicate, replicate level)
+    "ep2-dim1": (4, 2, 3, None, 1, False),        # efsdp * ep = 4 > E = 3: FSDP2 on the local stacks' dim 1
+    "ep2-dim0-uneven": (4, 2, 3, False, 1, False),  # E = 3 over ep = 2 (2 + 1 experts), FSDP2 on dim 0
+    "ep2-dim0": (4, 2, 4, None, 1, False),        # E = 4 = efsdp * ep: FSDP2 on dim 0
+    "ep2-native-hsdp": (4, 2, 3, None, 2, False),  # dp_replicate = 2 outside (FSDP2's own HSDP), efsdp = 1
+    "ep2-replicate-level": (4, 2, 3, None, 2, True),  # dp_replicate = 2 outside, reduced by dmuon
+    "ep2-efsdp1": (2, 2, 3, None, 1, False),      # ep spans the whole fsdp dim
 }
 
 
@@ -255,13 +263,13 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
     stack's local momentum size, and the step's figures."""
     import dmuon
 
-    size, ep, experts, dim1, replicate = LAYOUTS[layout]
+    size, ep, experts, dim1, replicate, level = LAYOUTS[layout]
     assert size == world, (layout, world)
     torch.manual_seed(0)
     model = MoENet(experts)
     for block in model.layers:
         block.route_to = route_to
-    expert_parallel(model, world, ep, replicate=replicate, dim1=dim1)
+    dense, expert_mesh = expert_parallel(model, world, ep, replicate=replicate, dim1=dim1, replicate_level=level)
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
@@ -269,7 +277,8 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
     ns_dtype = torch.bfloat16 if counted else torch.float32
     opt = dmuon.DMuon(model, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
                       ns=dmuon.NSConfig(method="standard", dtype=ns_dtype), adamw=dict(ADAMW),
-                      execution=execution or dmuon.ExecutionConfig())
+                      execution=execution or dmuon.ExecutionConfig(),
+                      hsdp_mesh=(dense, expert_mesh) if level else None)
     norms = []
     for step in range(steps):
         loss_of(model, batch(step, dist.get_rank(), world)).backward()
@@ -289,6 +298,11 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
                               for n in stacks(model) if named[n].requires_grad},
            "loads": list(plan.balance_result.loads)}
     if counted:
+        matrices = {id(i.param) for i in plan.infos}
+        # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters' gradient
+        # shards (float32), which dmuon all-reduces across replicas.
+        out["other_bytes"] = [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in matrices)
+                              for g in plan.groups] if plan.reduces_replicas else []
         out.update(log=list(opt.runtime.stats.last_log), waves=stats["return_waves"],
                    infos=[(tuple(i.shape), i.owner, i.block) for i in plan.infos],
                    pieces=[i.pieces for i in plan.infos], replicate=plan.replicate, shard=plan.shard)

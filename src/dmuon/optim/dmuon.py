@@ -126,7 +126,9 @@ class DMuon(torch.optim.Optimizer):
         hsdp_mesh: HSDP with dmuon's replicate level: the ``(replicate, shard[, tp])`` mesh
             whose shard dims the model is ``fully_shard``-ed over (``mesh=hsdp_mesh["shard"]``);
             dmuon then reduces every gradient across replicas itself, each Muon matrix only as
-            far as its owner needs (:func:`dmuon.prepare`). With a plan, the plan's.
+            far as its owner needs (:func:`dmuon.prepare`). Expert parallelism: a tuple of views of
+            one root sharing the replicate dim (``(dense_mesh, expert_mesh)``, e.g. ``(replicate, fsdp)``
+            and ``(replicate, efsdp, ep)``). With a plan, the plan's.
         qk_clip: QK-clip (MuonClip) inside the step (:class:`~dmuon.rules.qk_clip.QKClip`: the
             attention layers, ``tau``, ``alpha``): after each applied step's update, the query and
             key rows of every head whose largest pre-softmax logit (over every rank's tokens, as
@@ -172,7 +174,7 @@ class DMuon(torch.optim.Optimizer):
                  extra_scale_factor: float = 1.0, cautious_weight_decay: bool = False,
                  ns: NSConfig | None = None, execution: ExecutionConfig | None = None,
                  adamw: AdamWConfig | Mapping[str, Any] | None = None,
-                 hsdp_mesh: DeviceMesh | None = None, qk_clip: QKClip | None = None,
+                 hsdp_mesh: DeviceMesh | tuple[DeviceMesh, ...] | None = None, qk_clip: QKClip | None = None,
                  pp_group: DeviceMesh | dist.ProcessGroup | None = None) -> None:
         model, user_groups = model_and_groups(model, module)
         # Under torch's DistributedDataParallel (given the wrapper, or its .module or parameters once it

@@ -18,8 +18,25 @@ def shard_rows(m: int, shard: int) -> list[int]:
     return [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
 
 
+def hsdp_meshes(hsdp_mesh) -> tuple:
+    """``hsdp_mesh`` as a tuple: one ``(replicate, shard[, ...])`` DeviceMesh, or several views of one root
+    that share their replicate dim (expert parallelism: the dense parameters' ``(replicate, fsdp)`` and the
+    experts' ``(replicate, efsdp, ep)``)."""
+    return tuple(hsdp_mesh) if isinstance(hsdp_mesh, (tuple, list)) else (hsdp_mesh,)
+
+
 def replicated_mesh(hsdp_mesh, param):
-    """The sub-mesh of ``hsdp_mesh`` made of its replicate dim and ``param``'s dims (by name): where
-    dmuon's replicate level puts ``param``'s gradient and momentum (native HSDP's layout for it)."""
-    names = (hsdp_mesh.mesh_dim_names[0], *param.device_mesh.mesh_dim_names)
-    return hsdp_mesh if names == tuple(hsdp_mesh.mesh_dim_names) else hsdp_mesh[names]
+    """The mesh made of ``hsdp_mesh``'s replicate dim and ``param``'s dims (by name), from the one of the
+    ``hsdp_mesh`` views (:func:`hsdp_meshes`) whose other dims hold ``param``'s: where dmuon's replicate
+    level puts ``param``'s gradient and momentum (native HSDP's layout for it).
+
+    Raises:
+        ValueError: No view holds the parameter's dims (``prepare`` checks every parameter first).
+    """
+    dims = tuple(param.device_mesh.mesh_dim_names or ())
+    for mesh in hsdp_meshes(hsdp_mesh):
+        names = tuple(mesh.mesh_dim_names)
+        if dims and set(dims) <= set(names[1:]):
+            wanted = (names[0], *dims)
+            return mesh if wanted == names else mesh[wanted]
+    raise ValueError(f"no hsdp_mesh holds the dims {dims} of a parameter's mesh {param.device_mesh}")

@@ -103,8 +103,10 @@ def prepare(
             DeviceMesh whose non-replicate dims the model is ``fully_shard``-ed over
             (``mesh=hsdp_mesh["shard"]``). dmuon then reduces every gradient across the
             replicas itself, each Muon matrix only as far as its owner needs, instead of
-            FSDP2's all-reduce (``docs/architecture.md``, "HSDP"). None: the mesh the
-            parameters live on (FSDP2's native HSDP when it is 2-D).
+            FSDP2's all-reduce (``docs/architecture.md``, "HSDP"). With parameters on several
+            views of one root (expert parallelism), a tuple of ``(replicate, ...)`` views, each
+            parameter on one view's non-replicate dims. None: the mesh the parameters live on
+            (FSDP2's native HSDP when it is 2-D).
 
     Returns:
         The :class:`~dmuon.plan.Plan`.

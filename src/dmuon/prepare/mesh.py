@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.comm.topology import Topology
 from dmuon.ortho.config import NSConfig
-from dmuon.plan.layout import replicated_mesh
+from dmuon.plan.layout import hsdp_meshes, replicated_mesh
 from dmuon.util.torch_compat import has_all_reduce_hook, root_mesh, strided_shard_type
 
 # FSDP2 marks its row split inside a tensor-parallel one with _StridedShard; the momentum's
@@ -70,18 +70,27 @@ def parameter_device(model: nn.Module, chosen: list[tuple[str, nn.Parameter]], m
     return torch.device(mesh.device_type), None
 
 
-def _check_hsdp_mesh(params_mesh, hsdp_mesh):
-    """``hsdp_mesh`` when the parameters live on its non-replicate dims (dmuon reduces across its dim 0).
+def _check_hsdp_mesh(meshes: list[tuple[str, object]], params_mesh, hsdp_mesh):
+    """The mesh dmuon's groups are made over when the parameters live on ``hsdp_mesh``'s non-replicate dims
+    (dmuon reduces across its dim 0): ``hsdp_mesh`` itself, or with several views of one root (expert
+    parallelism: a tuple, :func:`dmuon.plan.layout.hsdp_meshes`) the first, each parameter's mesh a slice
+    of one view's non-replicate dims.
 
     Raises:
         ValueError: Naming what to change: a mesh that is not (replicate, shard, ...) with names,
-            a model sharded over the whole HSDP mesh (FSDP2's native HSDP), or over another mesh.
+            a model sharded over the whole HSDP mesh (FSDP2's native HSDP), or over another mesh;
+            views whose replicate dims or ranks differ.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    if not isinstance(hsdp_mesh, DeviceMesh) or hsdp_mesh.ndim < 2 or hsdp_mesh.mesh_dim_names is None:
-        raise ValueError("hsdp_mesh must be a DeviceMesh with named dims (replicate, shard[, tp...]), e.g. "
-                         "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))")
+    views = hsdp_meshes(hsdp_mesh)
+    for view in views:
+        if not isinstance(view, DeviceMesh) or view.ndim < 2 or view.mesh_dim_names is None:
+            raise ValueError("hsdp_mesh must be a DeviceMesh with named dims (replicate, shard[, tp...]), e.g. "
+                             "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')), or a "
+                             "tuple of such views of one root sharing their replicate dim")
+    if len(views) > 1:
+        return _check_hsdp_views(meshes, views)
     inner = hsdp_mesh[tuple(hsdp_mesh.mesh_dim_names[1:])] if hsdp_mesh.ndim > 2 else \
         hsdp_mesh[hsdp_mesh.mesh_dim_names[1]]
     if params_mesh == hsdp_mesh:
@@ -100,6 +109,28 @@ def _check_hsdp_mesh(params_mesh, hsdp_mesh):
                          f"{hsdp_mesh.mesh_dim_names[1:]} ({inner}); shard the model over "
                          f"hsdp_mesh[{hsdp_mesh.mesh_dim_names[1]!r}] of the hsdp_mesh you pass")
     return hsdp_mesh
+
+
+def _check_hsdp_views(meshes: list[tuple[str, object]], views: tuple) -> object:
+    """Several ``hsdp_mesh`` views (:func:`_check_hsdp_mesh`): the same replicate dim over the same ranks,
+    and every parameter's mesh the slice of one view's non-replicate dims. Returns the first view."""
+    first = views[0]
+    ranks = sorted(first.mesh.flatten().tolist())
+    for view in views[1:]:
+        if view.mesh_dim_names[0] != first.mesh_dim_names[0] or view.size(0) != first.size(0) \
+                or sorted(view.mesh.flatten().tolist()) != ranks or root_mesh(view) != root_mesh(first):
+            raise ValueError(f"the hsdp_mesh views {first} and {view} differ in their replicate dim (name, size) "
+                             "or their ranks or root: pass views of one root mesh that share their replicate dim")
+    for name, mesh in meshes:
+        dims = tuple(mesh.mesh_dim_names or ())
+        if any(mesh == view for view in views):
+            raise ValueError(f"parameter {name!r} is fully_shard-ed over a whole hsdp_mesh view ({mesh}: FSDP2's "
+                             "native HSDP); for dmuon's replicate level shard it over the view's non-replicate dims")
+        held = [view for view in views if dims and set(dims) <= set(view.mesh_dim_names[1:]) and view[dims] == mesh]
+        if not held:
+            raise ValueError(f"parameter {name!r} lives on {mesh}, not on the non-replicate dims of any hsdp_mesh "
+                             f"view ({', '.join(str(v) for v in views)})")
+    return first
 
 
 def _check_not_a_replica(mesh, name: str) -> None:
@@ -177,7 +208,7 @@ def layout_of(model: nn.Module, hsdp_mesh=None):
     first, root = spanning_mesh(meshes)
     names = root.mesh_dim_names
     if hsdp_mesh is not None:
-        return _check_hsdp_mesh(root, hsdp_mesh), True
+        return _check_hsdp_mesh(meshes, root, hsdp_mesh), True
     _check_not_a_replica(root, first)
     replicated = root.ndim >= 2
     for _, p in model.named_parameters():
