@@ -15,7 +15,7 @@ from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
 STEPS = 3
-FOUR = [name for name, layout in moe.LAYOUTS.items() if layout[0] == 4]
+FOUR = [name for name, layout in moe.LAYOUTS.items() if layout.world == 4]
 
 
 def _four_ranks(rank: int, world: int) -> dict:
@@ -54,16 +54,18 @@ def _worst(got: dict, ref: dict) -> tuple[str, float]:
 @pytest.mark.parametrize("layout", [*FOUR, "ep2-efsdp1"])
 def test_expert_parallel_layouts_equal_one_process(layout):
     """Experts on dim 0 and dim 1 of their local stacks, E = 3 not divisible by ep = 2, ep spanning the whole
-    fsdp dim (efsdp = 1), FSDP2's own HSDP outside: torch.optim.Muon per slice + AdamW in one process."""
+    fsdp dim (efsdp = 1), FSDP2's own HSDP or dmuon's replicate level outside, context parallelism folded into
+    the dense shard dim (each sequence split over two ranks, ep borrowing them): torch.optim.Muon per slice +
+    AdamW in one process on the global batch."""
     results = _results(layout)
-    world, _, experts, *_ = moe.LAYOUTS[layout]
-    ref = moe.reference(results[0]["initial"], STEPS, world, experts)
+    shape = moe.LAYOUTS[layout]
+    ref = moe.reference(results[0]["initial"], STEPS, shape.world // shape.cp, shape.experts)
     name, err = _worst(results[0]["params"], ref)
     assert err <= 1e-5, (name, err)
     # Every rank holds the same model, and every Muon matrix ran NS exactly once in the cluster.
     for r in results[1:]:
         assert all(torch.equal(r["params"][n], results[0]["params"][n]) for n in ref)
-    matrices = 2 * (4 + 2 * experts)  # per layer: mix, router, the shared expert's two, w1 and w2 per expert
+    matrices = 2 * (4 + 2 * shape.experts)  # per layer: mix, router, the shared expert's two, w1 and w2 per expert
     assert sum(r["orthogonalized"] for r in results) == matrices == len(results[0]["owners"])
 
 
@@ -130,7 +132,7 @@ def test_counted_collectives_equal_the_step_model(layout):
     first = results[0]
     shapes, owners, blocks = ([i[k] for i in first["infos"]] for k in range(3))
     assert all(r["blocks_in_backward"] == r["blocks"] for r in results)
-    level = moe.LAYOUTS[layout][5]
+    level = moe.LAYOUTS[layout].replicate_level
     # FSDP2's post-backward order: the units with Muon matrices last to first (each layer's experts, then its
     # dense unit), then the root unit (embedding, norm, head), whose landing carries the pending slices.
     order = [*sorted(set(blocks), reverse=True), len(set(blocks))]

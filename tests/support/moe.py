@@ -14,6 +14,8 @@ expert's ``(m, n)`` slice and every dense matrix, ``torch.optim.AdamW`` on the r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -98,11 +100,25 @@ class MoEBlock(nn.Module):
         self.shared_down = nn.Linear(SHARED, DIM, bias=False)
         self.route_to: int | None = None
         """Every token routed to this expert and the next (an expert that receives none, heavy imbalance)."""
+        self.cp_group = None
+        """Context parallelism: the ranks holding the other chunks of this rank's sequences, in order."""
+
+    def _prefix(self, x: torch.Tensor) -> tuple[torch.Tensor | float, int]:
+        """The sum of the earlier chunks' positions and this chunk's first position (the sequence split over
+        ``cp_group`` in rank order): every chunk's sum reaches every rank by an all-to-all with autograd, so
+        each chunk's gradient comes back from the ranks whose positions read it."""
+        if self.cp_group is None:
+            return 0.0, 0
+        size, me = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        b, t, d = x.shape
+        sums = all_to_all_single_autograd(x.sum(1).repeat(size, 1), [b] * size, [b] * size, self.cp_group)
+        return sums.view(size, b, d)[:me].sum(0).unsqueeze(1), me * t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        steps = torch.arange(1, t + 1, dtype=x.dtype, device=x.device).view(1, t, 1)
-        x = x + torch.tanh(self.mix(x.cumsum(1) / steps))
+        prefix, first = self._prefix(x)
+        steps = torch.arange(first + 1, first + t + 1, dtype=x.dtype, device=x.device).view(1, t, 1)
+        x = x + torch.tanh(self.mix((x.cumsum(1) + prefix) / steps))
         flat = x.reshape(-1, d)
         scores = self.router(flat).softmax(-1)
         if self.route_to is None:
@@ -140,9 +156,14 @@ def batch(step: int, rank: int, world: int, per_rank: int = 2, seq: int = 6) -> 
     return tokens[rank * per_rank:(rank + 1) * per_rank]
 
 
-def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+def loss_of(model: nn.Module, tokens: torch.Tensor, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
+    """Next-token loss over ``tokens``' positions, or over chunk ``chunk`` of ``chunks`` of them (context
+    parallelism: the model's blocks see the other chunks through their ``cp_group``)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    length = inputs.shape[1] // chunks
+    inputs, targets = (t[:, chunk * length:(chunk + 1) * length] for t in (inputs, targets))
+    logits = model(inputs)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def stacks(model: MoENet) -> list[str]:
@@ -241,14 +262,29 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
     return dense, experts
 
 
+class Layout(NamedTuple):
+    world: int
+    ep: int
+    experts: int
+    dim1: bool | None = None
+    """FSDP2 on the local stacks' dim 1 (None: torchtitan's rule, when ``efsdp * ep > E``)."""
+    replicate: int = 1
+    """``dp_replicate`` outside (HSDP)."""
+    replicate_level: bool = False
+    """Across replicas dmuon reduces (``hsdp_mesh``), not FSDP2."""
+    cp: int = 1
+    """Context parallelism folded into the dense shard dim (torchtitan's ``dp_shard_cp``): each sequence split
+    over ``cp`` ranks, ``ep`` borrowing them."""
+
+
 LAYOUTS = {
-    # name: (world, ep, experts, dim1, replicate, replicate level)
-    "ep2-dim1": (4, 2, 3, None, 1, False),        # efsdp * ep = 4 > E = 3: FSDP2 on the local stacks' dim 1
-    "ep2-dim0-uneven": (4, 2, 3, False, 1, False),  # E = 3 over ep = 2 (2 + 1 experts), FSDP2 on dim 0
-    "ep2-dim0": (4, 2, 4, None, 1, False),        # E = 4 = efsdp * ep: FSDP2 on dim 0
-    "ep2-native-hsdp": (4, 2, 3, None, 2, False),  # dp_replicate = 2 outside (FSDP2's own HSDP), efsdp = 1
-    "ep2-replicate-level": (4, 2, 3, None, 2, True),  # dp_replicate = 2 outside, reduced by dmuon
-    "ep2-efsdp1": (2, 2, 3, None, 1, False),      # ep spans the whole fsdp dim
+    "ep2-dim1": Layout(4, 2, 3),  # efsdp * ep = 4 > E = 3: FSDP2 on the local stacks' dim 1
+    "ep2-dim0-uneven": Layout(4, 2, 3, dim1=False),  # E = 3 over ep = 2 (2 + 1 experts), FSDP2 on dim 0
+    "ep2-dim0": Layout(4, 2, 4),  # E = 4 = efsdp * ep: FSDP2 on dim 0
+    "ep2-native-hsdp": Layout(4, 2, 3, replicate=2),  # dp_replicate = 2 outside (FSDP2's own HSDP), efsdp = 1
+    "ep2-replicate-level": Layout(4, 2, 3, replicate=2, replicate_level=True),  # the same, reduced by dmuon
+    "cp2-ep2": Layout(4, 2, 3, cp=2),  # two data ranks x two sequence chunks, dense over all four, ep = cp
+    "ep2-efsdp1": Layout(2, 2, 3),  # ep spans the whole fsdp dim
 }
 
 
@@ -263,13 +299,20 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
     stack's local momentum size, and the step's figures."""
     import dmuon
 
-    size, ep, experts, dim1, replicate, level = LAYOUTS[layout]
+    size, ep, experts, dim1, replicate, level, cp = LAYOUTS[layout]
     assert size == world, (layout, world)
     torch.manual_seed(0)
     model = MoENet(experts)
     for block in model.layers:
         block.route_to = route_to
     dense, expert_mesh = expert_parallel(model, world, ep, replicate=replicate, dim1=dim1, replicate_level=level)
+    data_rank, chunk = divmod(dist.get_rank(), cp)
+    if cp > 1:
+        # The cp ranks of one sequence are consecutive, the ep groups' ranks (ep borrows cp).
+        cp_group = expert_mesh["ep"].get_group()
+        assert dist.get_world_size(cp_group) == cp
+        for block in model.layers:
+            block.cp_group = cp_group
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
@@ -281,7 +324,7 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
                       hsdp_mesh=(dense, expert_mesh) if level else None)
     norms = []
     for step in range(steps):
-        loss_of(model, batch(step, dist.get_rank(), world)).backward()
+        loss_of(model, batch(step, data_rank, world // cp), chunk, cp).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
