@@ -268,7 +268,7 @@ def test_misuse_is_refused_on_every_rank_naming_the_fix():
     values, every rank of a stage computing the same ones in the same order (one collective path)."""
     expected = {
         "hsdp_mesh spanning stages": "not one that spans other stages",
-        "two groups": "sub-mesh",
+        "two groups": "live on two different data-parallel groups",
         "two parts, one pp_group": "nn.ModuleList(parts)",
         "tied across stages": "'0.weight' (pipeline rank 1) goes to Muon but is a copy of the embedding "
                               "'0.weight' on pipeline rank 0 (the shape (50, 37)",
