@@ -88,6 +88,40 @@ class RoutedExperts(nn.Module):
         return out
 
 
+class _TakeRows(torch.autograd.Function):
+    """Forward: this rank's contiguous share of the rows (tensor-parallel ranks hold the same rows);
+    backward: every rank's share of the gradient gathered, so the input's gradient is whole everywhere."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size)[me].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's share of the rows gathered (whole on every tensor-parallel rank); backward: the
+    gradient, the same on every rank, cut to this rank's share."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, me = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size)[me].contiguous(), None
+
+
 class MoEBlock(nn.Module):
     """A causal token mix, then top-2 routing over the routed experts plus a shared expert."""
 
@@ -102,6 +136,9 @@ class MoEBlock(nn.Module):
         """Every token routed to this expert and the next (an expert that receives none, heavy imbalance)."""
         self.cp_group = None
         """Context parallelism: the ranks holding the other chunks of this rank's sequences, in order."""
+        self.tp_group = None
+        """Tensor parallelism with the experts on ep (torchtitan's etp = 1, ep borrowing tp): the ranks holding
+        the same tokens; each routes its share of them, so every token reaches its experts once."""
 
     def _prefix(self, x: torch.Tensor) -> tuple[torch.Tensor | float, int]:
         """The sum of the earlier chunks' positions and this chunk's first position (the sequence split over
@@ -127,7 +164,12 @@ class MoEBlock(nn.Module):
             expert = (torch.arange(TOP_K, device=x.device) + self.route_to) % scores.shape[-1]
             expert = expert.expand(flat.shape[0], TOP_K)
             weight = scores.gather(1, expert)
-        routed = self.experts(flat.repeat_interleave(TOP_K, 0), expert.reshape(-1))
+        rows, expert = flat.repeat_interleave(TOP_K, 0), expert.reshape(-1)
+        if self.tp_group is None:
+            routed = self.experts(rows, expert)
+        else:
+            share = expert.chunk(dist.get_world_size(self.tp_group))[dist.get_rank(self.tp_group)]
+            routed = _GatherRows.apply(self.experts(_TakeRows.apply(rows, self.tp_group), share), self.tp_group)
         mixed = (routed.view(-1, TOP_K, d) * weight.unsqueeze(-1)).sum(1)
         shared = self.shared_down(torch.tanh(self.shared_up(flat)))
         return x + (mixed + shared).view(b, t, d)
@@ -216,13 +258,18 @@ def reference(initial: dict[str, torch.Tensor], steps: int, world: int, experts:
 
 
 def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: int = 1,
-                    dim1: bool | None = None, force_sum: bool = True, replicate_level: bool = False):
+                    dim1: bool | None = None, force_sum: bool = True, replicate_level: bool = False,
+                    tp: int = 1):
     """Shards ``model`` as torchtitan does on a ``(replicate x) efsdp x ep`` world of CPU ranks; returns
     ``(dense_mesh, expert_mesh)``, each with its replicate dim first when ``replicate > 1``.
 
     ``replicate_level``: FSDP2 over the non-replicate dims only (dmuon's replicate level reduces across
     replicas, given both meshes as ``hsdp_mesh``); the experts' gradient is then each replica's mean, divided
     by the replica's data-parallel size.
+
+    ``tp``: the shared expert tensor-parallel (colwise, rowwise) over a ``tp`` dim after ``fsdp``, and ``ep``
+    borrowing those ranks (torchtitan's ``etp = 1``: ``ep == tp`` here); the dense parameters on
+    ``(fsdp, tp)``, the experts on ``(efsdp, ep)``, the experts' gradient the mean over the data ranks.
 
     ``dim1``: FSDP2 shards the local stacks on dim 1 (torchtitan's choice when ``efsdp * ep > E``;
     None: by that rule). The experts' gradient is divided by the whole data-parallel size
@@ -239,17 +286,27 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
         dense = world._unflatten(0, (replicate, data), ("dp_replicate", "fsdp"))
         experts = world._unflatten(0, (replicate, efsdp, ep), ("dp_replicate", "efsdp", "ep"))
         edp = experts["efsdp"] if replicate_level else experts["dp_replicate", "efsdp"]
+    elif tp > 1:
+        assert ep == tp and replicate == 1, "ep borrows the tp ranks"
+        dense = world._unflatten(0, (data // tp, tp), ("fsdp", "tp"))
+        experts = world._unflatten(0, (efsdp, ep), ("efsdp", "ep"))
+        edp = experts["efsdp"]
     else:
         dense = world._unflatten(0, (data,), ("fsdp",))
         experts = world._unflatten(0, (efsdp, ep), ("efsdp", "ep"))
         edp = experts["efsdp"]
-    dense_shard = dense["fsdp"] if replicate_level else dense
-    divide = data if replicate_level else world_mesh_size
+    dense_shard = dense["fsdp"] if replicate_level or tp > 1 else dense
+    divide = data if replicate_level else world_mesh_size // tp
     fsdp_ranks = efsdp if replicate_level else efsdp * replicate
     count = model.layers[0].experts.num_experts
     if dim1 is None:
         dim1 = efsdp * ep > count
     for block in model.layers:
+        if tp > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(block, dense["tp"], {"shared_up": ColwiseParallel(), "shared_down": RowwiseParallel()})
+            block.tp_group = dense["tp"].get_group()
         routed = block.experts
         for w in ("w1", "w2"):
             setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, experts["ep"], [Shard(0)])))
@@ -275,6 +332,8 @@ class Layout(NamedTuple):
     cp: int = 1
     """Context parallelism folded into the dense shard dim (torchtitan's ``dp_shard_cp``): each sequence split
     over ``cp`` ranks, ``ep`` borrowing them."""
+    tp: int = 1
+    """Tensor parallelism on the dense parameters, ``ep`` borrowing the tp ranks (torchtitan's ``etp = 1``)."""
 
 
 LAYOUTS = {
@@ -284,6 +343,7 @@ LAYOUTS = {
     "ep2-native-hsdp": Layout(4, 2, 3, replicate=2),  # dp_replicate = 2 outside (FSDP2's own HSDP), efsdp = 1
     "ep2-replicate-level": Layout(4, 2, 3, replicate=2, replicate_level=True),  # the same, reduced by dmuon
     "cp2-ep2": Layout(4, 2, 3, cp=2),  # two data ranks x two sequence chunks, dense over all four, ep = cp
+    "tp2-ep2": Layout(4, 2, 3, tp=2),  # two data ranks x tp 2 on the shared expert, ep = tp
     "ep2-efsdp1": Layout(2, 2, 3),  # ep spans the whole fsdp dim
 }
 
@@ -299,14 +359,15 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
     stack's local momentum size, and the step's figures."""
     import dmuon
 
-    size, ep, experts, dim1, replicate, level, cp = LAYOUTS[layout]
+    size, ep, experts, dim1, replicate, level, cp, tp = LAYOUTS[layout]
     assert size == world, (layout, world)
     torch.manual_seed(0)
     model = MoENet(experts)
     for block in model.layers:
         block.route_to = route_to
-    dense, expert_mesh = expert_parallel(model, world, ep, replicate=replicate, dim1=dim1, replicate_level=level)
-    data_rank, chunk = divmod(dist.get_rank(), cp)
+    dense, expert_mesh = expert_parallel(model, world, ep, replicate=replicate, dim1=dim1, replicate_level=level,
+                                         tp=tp)
+    data_rank, chunk = divmod(dist.get_rank() // tp, cp)  # a data rank's tp ranks read its batch alike
     if cp > 1:
         # The cp ranks of one sequence are consecutive, the ep groups' ranks (ep borrows cp).
         cp_group = expert_mesh["ep"].get_group()
@@ -324,7 +385,7 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
                       hsdp_mesh=(dense, expert_mesh) if level else None)
     norms = []
     for step in range(steps):
-        loss_of(model, batch(step, data_rank, world // cp), chunk, cp).backward()
+        loss_of(model, batch(step, data_rank, world // (cp * tp)), chunk, cp).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
