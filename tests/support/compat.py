@@ -37,6 +37,23 @@ COMPAT_TESTS = {
     "tests/test_tp.py::test_tp_fsdp_equals_single_process_torch_muon[dp2-tp2]",
     "tests/test_tp.py::test_tp_fsdp_equals_single_process_torch_muon[hsdp2x2-tp2]",
     "tests/test_tp.py::test_returns_in_backward_under_tensor_parallelism",
+    # FSDP2's layout APIs (torch 2.12+): fully_shard(dp_mesh_dims=...) over full-mesh DTensor parameters, and
+    # ShardPlacementResult's per-parameter meshes inside one FSDP group (gathered_or_gathering over a unit's
+    # several groups); dmuon reads the meshes and placements they leave. One 4-rank run serves them all.
+    "tests/test_fsdp_layout_apis.py::test_dense_model_under_dp_mesh_dims_equals_one_process[dims-1d]",
+    "tests/test_fsdp_layout_apis.py::test_dense_model_under_dp_mesh_dims_equals_one_process[dims-1d-two-dims]",
+    "tests/test_fsdp_layout_apis.py::test_dense_model_under_dp_mesh_dims_equals_one_process[dims-hsdp]",
+    "tests/test_fsdp_layout_apis.py::test_dense_model_under_dp_mesh_dims_equals_one_process[dims-hsdp-replicate-last]",
+    "tests/test_fsdp_layout_apis.py::test_dense_momentum_is_held_once_across_the_cluster[dims-1d]",
+    "tests/test_fsdp_layout_apis.py::test_dense_momentum_is_held_once_across_the_cluster[dims-1d-two-dims]",
+    "tests/test_fsdp_layout_apis.py::test_dense_momentum_is_held_once_across_the_cluster[dims-hsdp]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[dims-ep2-dim1]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[dims-ep2-dim0]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[dims-ep2-hsdp]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[placement-ep2-dim1]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[placement-ep2-dim0-uneven]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[placement-ep2-hsdp]",
+    "tests/test_fsdp_layout_apis.py::test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process[placement-ep2-hsdp next forward]",
     # Clipping after launches from backward.
     "tests/test_clip.py::test_launches_survive_clipping[3 ranks]",
     "tests/test_clip.py::test_launches_survive_clipping[2x2 replicate level]",
