@@ -1,0 +1,111 @@
+"""Mixture-of-Experts in pipeline stages (tests/support/moe_pipeline.py): 4 gloo ranks as pp = 2 stages x 2 data
+ranks, the dense and expert meshes unflattened from one world mesh as torchtitan does ((pp, fsdp) and
+(pp, efsdp, ep), ep = 2, efsdp = 1), each stage's experts split over its own ep ranks, every data rank reading its
+own micro-batches, torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B, ZBV with its split
+weight backward), one DMuon per rank's parts with pp_group. Each run equals one process on the global batch
+(torch.optim.Muon per expert slice + AdamW, fp32 NS) to 1e-5; each Muon matrix is orthogonalized once in the
+cluster; tokens cross only the stage's ep ranks; clipping by the whole model's norm across stages and meshes,
+by dmuon and as torchtitan clips."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from support import moe, moe_pipeline
+from support.scenarios import run_each, succeeded
+from support.spawn import run_distributed
+
+STEPS, DP, MICROBATCHES, EXPERTS = 3, 2, 4, 3
+CLIP = 0.05  # below every step's norm here: the clip acts on every step
+
+# name -> (schedule, train()'s keywords)
+RUNS = {
+    "gpipe": ("gpipe", {}),
+    "1f1b": ("1f1b", {}),
+    "interleaved1f1b": ("interleaved1f1b", {}),  # two stages per rank, one DMuon over both parts
+    "zbv": ("zbv", {}),  # V-shaped stages, input and weight backward apart
+    "1f1b, no token for two experts": ("1f1b", dict(route_to=0)),
+    "1f1b clipped by dmuon": ("1f1b", dict(clip=CLIP)),
+    "interleaved1f1b clipped by dmuon": ("interleaved1f1b", dict(clip=CLIP)),
+    "1f1b clipped as torchtitan clips": ("1f1b", dict(clip=CLIP, clip_with="torchtitan")),
+}
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    """Every run of this file in one 4-rank process group, each with its own result or error."""
+    return run_each({name: functools.partial(moe_pipeline.train, rank, world, schedule, steps=STEPS,
+                                             experts=EXPERTS, microbatches=MICROBATCHES, **kw)
+                     for name, (schedule, kw) in RUNS.items()})
+
+
+@functools.cache
+def _runs() -> list[dict]:
+    return run_distributed(_four_ranks, 4, timeout_s=600)
+
+
+def _results(run: str) -> list[dict]:
+    return [succeeded(r[run]) for r in _runs()]
+
+
+def _whole(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """The whole model from every rank's parts (the two data ranks of a stage hold the same, whole)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, value in r[key].items():
+            if name in out:
+                assert torch.equal(out[name], value), name
+            out[name] = value
+    return out
+
+
+def _reference(results: list[dict], **kw) -> dict[str, torch.Tensor]:
+    return moe.reference(_whole(results, "initial"), STEPS, moe_pipeline.reference_world(DP, MICROBATCHES),
+                         EXPERTS, layers=results[0]["layers"], **kw)
+
+
+@pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" not in kw])
+def test_schedules_equal_one_process(run):
+    results = _results(run)
+    kw = RUNS[run][1]
+    ref = _reference(results, route_to=kw.get("route_to"))
+    got = _whole(results, "params")
+    assert got.keys() == ref.keys(), "every parameter of the model sits on some stage"
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    # Every Muon matrix (per layer: mix, router, the shared expert's two, w1 and w2 per expert) orthogonalized
+    # exactly once in the cluster, every step: once on one stage's ranks, never on the other stage's.
+    matrices = results[0]["layers"] * (4 + 2 * EXPERTS)
+    for step in range(STEPS):
+        assert sum(r["orthogonalized"][step] for r in results) == matrices, (step, [r["orthogonalized"] for r in results])
+
+
+@pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" not in kw])
+def test_tokens_cross_only_the_stages_ep_ranks(run):
+    """Each token all-to-all runs on the ep group of the rank's own stage (ep spans the stage's data ranks
+    here), never across stages."""
+    for r in _results(run):
+        assert r["token_all_to_alls"] > 0
+        assert r["token_groups"] == [r["stage_ranks"]], (r["stage_ranks"], r["token_groups"])
+
+
+@pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" in kw])
+def test_clipping_by_the_whole_models_norm_across_stages_and_meshes(run):
+    """dmuon's ``clip_grad_norm_`` with ``pp_group`` (dense and expert DTensors of different meshes on each
+    stage, summed over the stages), and torchtitan's ep-aware clipping: the one-process norm of every gradient
+    on every rank, and the clipped training equal to one process.
+
+    The norms are also what pins the gradients' scale: Muon's update does not change with it (nor, but for
+    eps, AdamW's), so an expert gradient divided by other than the stage's data ranks (tried: 1 instead of
+    2) still trains equal to one process unclipped, but fails here."""
+    results = _results(run)
+    norms: list[float] = []
+    ref = _reference(results, clip=CLIP, norms=norms)
+    assert all(n > CLIP for n in norms)  # every step clipped
+    for r in results:
+        assert r["norms"] == pytest.approx(norms, rel=1e-5), (r["stages"], r["norms"], norms)
+    got = _whole(results, "params")
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
