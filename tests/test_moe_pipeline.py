@@ -28,6 +28,9 @@ RUNS = {
     "interleaved1f1b": ("interleaved1f1b", {}),  # two stages per rank, one DMuon over both parts
     "zbv": ("zbv", {}),  # V-shaped stages, input and weight backward apart
     "1f1b, no token for two experts": ("1f1b", dict(route_to=0)),
+    "1f1b zero3": ("1f1b", dict(reshard=True)),  # FSDP2 all-gathers again for every micro-batch's forward
+    # A NaN in stage 1's expert gradient at the last step: every stage skips it (the result: one step less).
+    "1f1b, a NaN in one stage's experts": ("1f1b", dict(nonfinite="skip", poison=(STEPS - 1, 1))),
     "1f1b clipped by dmuon": ("1f1b", dict(clip=CLIP)),
     "interleaved1f1b clipped by dmuon": ("interleaved1f1b", dict(clip=CLIP)),
     "1f1b clipped as torchtitan clips": ("1f1b", dict(clip=CLIP, clip_with="torchtitan")),
@@ -61,8 +64,8 @@ def _whole(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reference(results: list[dict], **kw) -> dict[str, torch.Tensor]:
-    return moe.reference(_whole(results, "initial"), STEPS, moe_pipeline.reference_world(DP, MICROBATCHES),
+def _reference(results: list[dict], steps: int = STEPS, **kw) -> dict[str, torch.Tensor]:
+    return moe.reference(_whole(results, "initial"), steps, moe_pipeline.reference_world(DP, MICROBATCHES),
                          EXPERTS, layers=results[0]["layers"], **kw)
 
 
@@ -70,7 +73,9 @@ def _reference(results: list[dict], **kw) -> dict[str, torch.Tensor]:
 def test_schedules_equal_one_process(run):
     results = _results(run)
     kw = RUNS[run][1]
-    ref = _reference(results, route_to=kw.get("route_to"))
+    skipped = [step == kw["poison"][0] for step in range(STEPS)] if "poison" in kw else [False] * STEPS
+    assert all(r["skipped"] == skipped for r in results), [r["skipped"] for r in results]
+    ref = _reference(results, STEPS - sum(skipped), route_to=kw.get("route_to"))
     got = _whole(results, "params")
     assert got.keys() == ref.keys(), "every parameter of the model sits on some stage"
     for name in ref:
@@ -79,7 +84,29 @@ def test_schedules_equal_one_process(run):
     # exactly once in the cluster, every step: once on one stage's ranks, never on the other stage's.
     matrices = results[0]["layers"] * (4 + 2 * EXPERTS)
     for step in range(STEPS):
-        assert sum(r["orthogonalized"][step] for r in results) == matrices, (step, [r["orthogonalized"] for r in results])
+        expected = 0 if skipped[step] else matrices
+        assert sum(r["orthogonalized"][step] for r in results) == expected, \
+            (step, [r["orthogonalized"] for r in results])
+
+
+@pytest.mark.parametrize("run", ["1f1b", "interleaved1f1b"])
+def test_owners_within_each_stage_and_momentum_beside_the_shards(run):
+    """Each stage's matrices are owned by that stage's ranks only, every one of them owning some expert
+    slices and some dense matrices; each expert stack's momentum is sharded as the stack is (no copy)."""
+    results = _results(run)
+    for stage_ranks in {r["stage_ranks"] for r in results}:
+        stage = [r for r in results if r["stage_ranks"] == stage_ranks]
+        owners = stage[0]["owners"]
+        assert all(r["owners"] == owners for r in stage)
+        assert sorted(r["plan_rank"] for r in stage) == list(range(len(stage)))
+        for r in stage:
+            mine = [n for n, o in owners.items() if o == r["plan_rank"]]
+            assert any(".experts." in n for n in mine) and any(".experts." not in n for n in mine), (r["plan_rank"], mine)
+        whole = _whole(stage, "params")
+        stacks = [n for n in whole if ".experts." in n]
+        assert stacks
+        for name in stacks:
+            assert sum(r["momentum_numel"][name] for r in stage) == whole[name].numel(), name
 
 
 @pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" not in kw])

@@ -75,11 +75,11 @@ def meshes(world_size: int, pp: int, ep: int):
     return dense, experts
 
 
-def shard_stage(part: PipeMoE, dense, experts) -> None:
+def shard_stage(part: PipeMoE, dense, experts, reshard: bool = False) -> None:
     """One stage's part laid out as torchtitan's ``apply_fsdp`` + ``ExpertParallel`` do, on the stage's own
     meshes (``dense["fsdp"]``, ``experts["efsdp"]``, ``experts["ep"]``: the rows of the ``pp`` dim this rank
-    is on). ``reshard_after_forward=False``: torchtitan's default under pipelining (every micro-batch's
-    forward would all-gather again otherwise)."""
+    is on). ``reshard``: ``reshard_after_forward`` (False is torchtitan's default under pipelining: every
+    micro-batch's forward would all-gather again)."""
     from torch.distributed.fsdp import fully_shard
 
     fsdp, efsdp, ep = dense["fsdp"], experts["efsdp"], experts["ep"]
@@ -87,14 +87,14 @@ def shard_stage(part: PipeMoE, dense, experts) -> None:
         routed = block.experts
         for w in ("w1", "w2"):
             setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, ep, [Shard(0)])))
-        fully_shard(routed, mesh=efsdp, reshard_after_forward=False)
+        fully_shard(routed, mesh=efsdp, reshard_after_forward=reshard)
         # The experts' gradient is the mean over every data rank of the stage (torchtitan's
         # gradient_divide_factor). efsdp == 1 here: no force-sum (torch 2.13's FSDP2 would divide twice).
         routed.set_gradient_divide_factor(float(fsdp.size()))
         if efsdp.size() > 1:
             routed.set_force_sum_reduction_for_comms(True)  # gloo refuses PREMUL_SUM
-        fully_shard(block, mesh=fsdp, reshard_after_forward=False)
-    fully_shard(part, mesh=fsdp, reshard_after_forward=False)
+        fully_shard(block, mesh=fsdp, reshard_after_forward=reshard)
+    fully_shard(part, mesh=fsdp, reshard_after_forward=reshard)
 
 
 def ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -149,17 +149,21 @@ def token_groups(seen: list):
 
 def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int = 2, ep: int = 2,
           experts: int = 3, microbatches: int = 4, clip: float | None = None, clip_with: str = "dmuon",
-          route_to: int | None = None) -> dict:
+          route_to: int | None = None, reshard: bool = False, nonfinite: str | None = None,
+          poison: tuple[int, int] | None = None) -> dict:
     """Trains :class:`PipeMoE` on ``pp`` stages (per rank one stage, or two under a multi-stage schedule: then
     twice the layers) with DMuon (fp32 NS), every data rank reading its own ``microbatches`` samples.
 
     ``clip``: clipping by the whole model's norm before each step, by the DMuon's ``clip_grad_norm_``
     (``clip_with="dmuon"``) or by :func:`torchtitan_clip` (``"torchtitan"``). ``route_to``: every token
-    routed to that expert and the next (:attr:`support.moe.MoEBlock.route_to`).
+    routed to that expert and the next (:attr:`support.moe.MoEBlock.route_to`). ``reshard``: ZeRO-3
+    (``reshard_after_forward``). ``nonfinite``: DMuon's; ``poison=(step, stage)`` puts a NaN in that stage's
+    first expert gradient (this rank's shard of it) at that step.
 
     Returns this rank's parts' initial and final full parameters (by name), the clipping norms, per step the
-    matrices this rank orthogonalized, its stage indices, the model's layers, the ranks of its pipeline
-    stage and of every group its token all-to-alls ran on."""
+    matrices this rank orthogonalized and whether the step was skipped, its stage indices, the model's
+    layers, the ranks of its pipeline stage and of every group its token all-to-alls ran on, the plan's
+    owners (ranks of the stage's mesh) and this rank's, and each expert stack's local momentum size."""
     import dmuon
     from torch.distributed import pipelining
 
@@ -174,23 +178,28 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     parts = [part_of(whole, index, n_stages) for index in indices]
     stages = []
     for index, part in zip(indices, parts):
-        shard_stage(part, dense, expert_mesh)
+        shard_stage(part, dense, expert_mesh, reshard)
         stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
                                                group=dense["pp"].get_group()))
     initial = {n: p for part in parts for n, p in moe.full_state(part).items()}
     opt = dmuon.DMuon(parts[0] if len(parts) == 1 else nn.ModuleList(parts), lr=moe.MUON["lr"],
                       weight_decay=moe.MUON["weight_decay"], ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-                      adamw=dict(moe.ADAMW), pp_group=dense["pp"])
+                      adamw=dict(moe.ADAMW), pp_group=dense["pp"],
+                      execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
     kind = getattr(pipelining, SINGLE.get(schedule) or MULTI[schedule])
     # scale_grads: the schedule divides by the micro-batches, FSDP2 by the data ranks: the global batch's mean.
     pipe = kind(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=ce, scale_grads=True)
-    norms, orthogonalized, seen = [], [], []
+    norms, orthogonalized, seen, skipped = [], [], [], []
     for step in range(steps):
         tokens = moe.batch(step, dp_rank, dp, per_rank=microbatches)  # this data rank's own samples
         args = (tokens[:, :-1],) if 0 in indices else ()
         kwargs = {"target": tokens[:, 1:]} if n_stages - 1 in indices else {}
         with token_groups(seen):
             pipe.step(*args, **kwargs)
+        if poison is not None and poison[0] == step and poison[1] in indices:
+            part = parts[indices.index(poison[1])]
+            first = next(p for n, p in part.named_parameters() if ".experts." in n and p.grad is not None)
+            first.grad.to_local().view(-1)[0] = float("nan")
         if clip is not None and clip_with == "dmuon":
             norms.append(opt.clip_grad_norm_(clip).item())
         elif clip is not None:
@@ -198,8 +207,15 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
                                          dense["pp"].get_group()))
         opt.step()
         opt.zero_grad()
-        orthogonalized.append(opt.last_step_stats()["orthogonalized"])
+        stats = opt.last_step_stats()
+        orthogonalized.append(stats["orthogonalized"])
+        skipped.append(opt.last_step_report().skipped_nonfinite)
     final = {n: p for part in parts for n, p in moe.full_state(part).items()}
+    named = {n: p for part in parts for n, p in part.named_parameters()}
+    momentum = {n: opt.state[p]["momentum_buffer"].to_local().numel() for n, p in named.items()
+                if ".experts." in n and "momentum_buffer" in opt.state.get(p, {})}
     return {"initial": initial, "params": final, "norms": norms, "orthogonalized": orthogonalized,
             "stages": indices, "layers": n_stages, "stage_ranks": tuple(dense["fsdp"].mesh.tolist()),
-            "token_groups": sorted(set(seen)), "token_all_to_alls": len(seen)}
+            "token_groups": sorted(set(seen)), "token_all_to_alls": len(seen), "skipped": skipped,
+            "owners": {i.name: i.owner for i in opt.plan.infos}, "plan_rank": opt.runtime.topo.rank,
+            "momentum_numel": momentum}
