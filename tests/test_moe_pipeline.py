@@ -136,3 +136,25 @@ def test_clipping_by_the_whole_models_norm_across_stages_and_meshes(run):
     got = _whole(results, "params")
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("run", ["gpipe", "1f1b zero3", "interleaved1f1b"])
+def test_counted_bytes_per_stage_equal_the_step_model(run):
+    """Each stage's dmuon collectives in the last step, per rank, are the step model's for that stage's
+    matrices on its data ranks, expert slices' rows from the ranks holding them (the plan's pieces), in fp32
+    (the NS dtype here): the launches as a set (the schedule reduces FSDP2's units in its own order), the
+    step's in order."""
+    from dmuon.costmodel.traffic import owner_exchange_collectives
+
+    for r in _results(run):
+        counted = r["counted"]
+        shapes, owners, blocks = (list(x) for x in zip(*counted["infos"]))
+        backward, step = owner_exchange_collectives(shapes, owners, blocks, 1, counted["shard"], 4,
+                                                    waves=counted["waves"], pieces=counted["pieces"])
+        k = r["plan_rank"]
+        launches = [(c.level, *c.ranks[k]) for c in backward if c.ranks[k] is not None]
+        returns = [(c.level, *c.ranks[k]) for c in step if c.ranks[k] is not None]
+        log = counted["log"]
+        assert sorted(log[: len(launches)]) == sorted(launches) and log[len(launches):] == returns, \
+            (r["stages"], log, launches, returns)
+        assert launches and returns, "the stage exchanged something"

@@ -163,7 +163,8 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     Returns this rank's parts' initial and final full parameters (by name), the clipping norms, per step the
     matrices this rank orthogonalized and whether the step was skipped, its stage indices, the model's
     layers, the ranks of its pipeline stage and of every group its token all-to-alls ran on, the plan's
-    owners (ranks of the stage's mesh) and this rank's, and each expert stack's local momentum size."""
+    owners (ranks of the stage's mesh) and this rank's, each expert stack's local momentum size, and the
+    last step's counted collectives with the plan's matrices."""
     import dmuon
     from torch.distributed import pipelining
 
@@ -218,4 +219,9 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
             "stages": indices, "layers": n_stages, "stage_ranks": tuple(dense["fsdp"].mesh.tolist()),
             "token_groups": sorted(set(seen)), "token_all_to_alls": len(seen), "skipped": skipped,
             "owners": {i.name: i.owner for i in opt.plan.infos}, "plan_rank": opt.runtime.topo.rank,
-            "momentum_numel": momentum}
+            "momentum_numel": momentum,
+            # What the runtime counted in the last step (its launches from the schedule's reduction
+            # included), and the plan: the step model's collectives for this stage's matrices.
+            "counted": {"log": list(opt.runtime.stats.last_log), "waves": stats["return_waves"],
+                        "shard": opt.plan.topology.shard, "pieces": [i.pieces for i in opt.plan.infos],
+                        "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos]}}
