@@ -5,7 +5,11 @@ own micro-batches, torch.distributed.pipelining's schedules (GPipe, 1F1B, interl
 weight backward), one DMuon per rank's parts with pp_group. Each run equals one process on the global batch
 (torch.optim.Muon per expert slice + AdamW, fp32 NS) to 1e-5; each Muon matrix is orthogonalized once in the
 cluster; tokens cross only the stage's ep ranks; clipping by the whole model's norm across stages and meshes,
-by dmuon and as torchtitan clips."""
+by dmuon and as torchtitan clips.
+
+With -m slow: 8 ranks as pp = 2 stages x 4 data ranks: ep = 2 x efsdp = 2 inside each stage (FSDP2 on the
+local stacks' dim 1), and dp_replicate = 2 outside each stage's (efsdp = 1) x ep = 2, FSDP2's own HSDP and dmuon's
+replicate level (hsdp_mesh: the stage's dense and expert views), clipped too."""
 
 from __future__ import annotations
 
@@ -64,8 +68,8 @@ def _whole(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reference(results: list[dict], steps: int = STEPS, **kw) -> dict[str, torch.Tensor]:
-    return moe.reference(_whole(results, "initial"), steps, moe_pipeline.reference_world(DP, MICROBATCHES),
+def _reference(results: list[dict], steps: int = STEPS, dp: int = DP, **kw) -> dict[str, torch.Tensor]:
+    return moe.reference(_whole(results, "initial"), steps, moe_pipeline.reference_world(dp, MICROBATCHES),
                          EXPERTS, layers=results[0]["layers"], **kw)
 
 
@@ -115,7 +119,8 @@ def test_tokens_cross_only_the_stages_ep_ranks(run):
     here), never across stages."""
     for r in _results(run):
         assert r["token_all_to_alls"] > 0
-        assert r["token_groups"] == [r["stage_ranks"]], (r["stage_ranks"], r["token_groups"])
+        assert r["token_groups"] == [r["ep_ranks"]] and r["ep_ranks"] == r["stage_ranks"], \
+            (r["stage_ranks"], r["ep_ranks"], r["token_groups"])
 
 
 @pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" in kw])
@@ -158,3 +163,41 @@ def test_counted_bytes_per_stage_equal_the_step_model(run):
         assert sorted(log[: len(launches)]) == sorted(launches) and log[len(launches):] == returns, \
             (r["stages"], log, launches, returns)
         assert launches and returns, "the stage exchanged something"
+
+
+EIGHT = {
+    # pp = 2 x (efsdp = 2 x ep = 2): efsdp * ep = 4 > E = 3, so FSDP2 shards the local stacks on dim 1.
+    "1f1b, efsdp 2": ("1f1b", {}),
+    # pp = 2 x dp_replicate = 2 x (efsdp = 1 x ep = 2)
+    "1f1b, native hsdp": ("1f1b", dict(replicate=2)),
+    "1f1b, replicate level": ("1f1b", dict(replicate=2, level=True)),
+    "interleaved1f1b, replicate level, clipped": ("interleaved1f1b", dict(replicate=2, level=True, clip=CLIP)),
+}
+
+
+def _eight_ranks(rank: int, world: int) -> dict:
+    return run_each({name: functools.partial(moe_pipeline.train, rank, world, schedule, steps=STEPS,
+                                             experts=EXPERTS, microbatches=MICROBATCHES, **kw)
+                     for name, (schedule, kw) in EIGHT.items()})
+
+
+@pytest.mark.slow
+def test_eight_ranks_efsdp_and_replicas_inside_each_stage():
+    """Each run equals one process on its global batch (4 data ranks per stage); NS once per matrix; tokens
+    only on the rank's own ep group inside its stage; clipped: the one-process norms."""
+    runs = run_distributed(_eight_ranks, 8, timeout_s=600)
+    for name, (_, kw) in EIGHT.items():
+        results = [succeeded(r[name]) for r in runs]
+        norms: list[float] = []
+        ref = _reference(results, dp=4, clip=kw.get("clip"), norms=norms)
+        got = _whole(results, "params")
+        assert got.keys() == ref.keys()
+        for p in ref:
+            torch.testing.assert_close(got[p], ref[p], atol=1e-5, rtol=0, msg=lambda m: f"{name} {p}: {m}")
+        matrices = results[0]["layers"] * (4 + 2 * EXPERTS)
+        assert all(sum(r["orthogonalized"][step] for r in results) == matrices for step in range(STEPS)), name
+        for r in results:
+            assert r["token_groups"] == [r["ep_ranks"]] and set(r["ep_ranks"]) < set(r["stage_ranks"]), \
+                (name, r["stage_ranks"], r["ep_ranks"], r["token_groups"])
+            if "clip" in kw:
+                assert r["norms"] == pytest.approx(norms, rel=1e-5), (name, r["norms"], norms)

@@ -63,36 +63,51 @@ def part_of(model: PipeMoE, stage: int, stages: int) -> PipeMoE:
     return part
 
 
-def meshes(world_size: int, pp: int, ep: int):
+def meshes(world_size: int, pp: int, ep: int, replicate: int = 1):
     """torchtitan's meshes: ``(dense, experts)`` unflattened from one 1-D world mesh as ``(pp, fsdp)`` and
-    ``(pp, efsdp, ep)``."""
+    ``(pp, efsdp, ep)``, with ``dp_replicate`` after ``pp`` when ``replicate > 1``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = world_size // pp
+    dp = world_size // pp // replicate
     world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
-    dense = world._unflatten(0, (pp, dp), ("pp", "fsdp"))
-    experts = world._unflatten(0, (pp, dp // ep, ep), ("pp", "efsdp", "ep"))
+    outer, names = ((pp, replicate), ("pp", "dp_replicate")) if replicate > 1 else ((pp,), ("pp",))
+    dense = world._unflatten(0, (*outer, dp), (*names, "fsdp"))
+    experts = world._unflatten(0, (*outer, dp // ep, ep), (*names, "efsdp", "ep"))
     return dense, experts
 
 
-def shard_stage(part: PipeMoE, dense, experts, reshard: bool = False) -> None:
+def data_dims(dense, experts, level: bool = False):
+    """This stage's meshes the way FSDP2 takes them, ``(dense, experts)``: the data-parallel dims
+    (``dp_replicate`` too when there is one, FSDP2's own HSDP); ``level``: the non-replicate dims only (dmuon's
+    replicate level reduces across the replicas)."""
+    if "dp_replicate" in dense.mesh_dim_names and not level:
+        return dense["dp_replicate", "fsdp"], experts["dp_replicate", "efsdp"]
+    return dense["fsdp"], experts["efsdp"]
+
+
+def shard_stage(part: PipeMoE, dense, experts, reshard: bool = False, level: bool = False) -> None:
     """One stage's part laid out as torchtitan's ``apply_fsdp`` + ``ExpertParallel`` do, on the stage's own
-    meshes (``dense["fsdp"]``, ``experts["efsdp"]``, ``experts["ep"]``: the rows of the ``pp`` dim this rank
-    is on). ``reshard``: ``reshard_after_forward`` (False is torchtitan's default under pipelining: every
-    micro-batch's forward would all-gather again)."""
+    meshes (:func:`data_dims`, ``experts["ep"]``: the rows of the ``pp`` dim this rank is on). ``reshard``:
+    ``reshard_after_forward`` (False is torchtitan's default under pipelining: every micro-batch's forward
+    would all-gather again). ``level``: FSDP2 over the non-replicate dims (:func:`data_dims`)."""
     from torch.distributed.fsdp import fully_shard
 
-    fsdp, efsdp, ep = dense["fsdp"], experts["efsdp"], experts["ep"]
+    fsdp, edp = data_dims(dense, experts, level)
+    ep = experts["ep"]
+    # torchtitan's rule: FSDP2 shards the local stacks on dim 1 when efsdp * ep exceeds the experts.
+    dim1 = experts["efsdp"].size() * ep.size() > part.layers[next(iter(part.layers))].experts.num_experts
     for block in part.layers.values():
         routed = block.experts
         for w in ("w1", "w2"):
             setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, ep, [Shard(0)])))
-        fully_shard(routed, mesh=efsdp, reshard_after_forward=reshard)
-        # The experts' gradient is the mean over every data rank of the stage (torchtitan's
-        # gradient_divide_factor). efsdp == 1 here: no force-sum (torch 2.13's FSDP2 would divide twice).
+        fully_shard(routed, mesh=edp, reshard_after_forward=reshard,
+                    shard_placement_fn=(lambda p: Shard(1)) if dim1 else None)
+        # The experts' gradient is the mean over every data rank FSDP2 reduces over (torchtitan's
+        # gradient_divide_factor). On gloo, which refuses PREMUL_SUM, as a sum then a division, but for a
+        # single rank: there torch 2.13's FSDP2 would divide twice.
         routed.set_gradient_divide_factor(float(fsdp.size()))
-        if efsdp.size() > 1:
-            routed.set_force_sum_reduction_for_comms(True)  # gloo refuses PREMUL_SUM
+        if edp.size() > 1:
+            routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=fsdp, reshard_after_forward=reshard)
     fully_shard(part, mesh=fsdp, reshard_after_forward=reshard)
 
@@ -150,7 +165,7 @@ def token_groups(seen: list):
 def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int = 2, ep: int = 2,
           experts: int = 3, microbatches: int = 4, clip: float | None = None, clip_with: str = "dmuon",
           route_to: int | None = None, reshard: bool = False, nonfinite: str | None = None,
-          poison: tuple[int, int] | None = None) -> dict:
+          poison: tuple[int, int] | None = None, replicate: int = 1, level: bool = False) -> dict:
     """Trains :class:`PipeMoE` on ``pp`` stages (per rank one stage, or two under a multi-stage schedule: then
     twice the layers) with DMuon (fp32 NS), every data rank reading its own ``microbatches`` samples.
 
@@ -158,19 +173,23 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     (``clip_with="dmuon"``) or by :func:`torchtitan_clip` (``"torchtitan"``). ``route_to``: every token
     routed to that expert and the next (:attr:`support.moe.MoEBlock.route_to`). ``reshard``: ZeRO-3
     (``reshard_after_forward``). ``nonfinite``: DMuon's; ``poison=(step, stage)`` puts a NaN in that stage's
-    first expert gradient (this rank's shard of it) at that step.
+    first expert gradient (this rank's shard of it) at that step. ``replicate``: a ``dp_replicate`` dim
+    outside each stage's ``fsdp``, FSDP2's own HSDP, or ``level``: dmuon's replicate level (``hsdp_mesh``:
+    the stage's dense and expert views with their replicate dim).
 
     Returns this rank's parts' initial and final full parameters (by name), the clipping norms, per step the
     matrices this rank orthogonalized and whether the step was skipped, its stage indices, the model's
-    layers, the ranks of its pipeline stage and of every group its token all-to-alls ran on, the plan's
+    layers, the ranks of its pipeline stage, of its ep group and of every group its token all-to-alls ran on, the plan's
     owners (ranks of the stage's mesh) and this rank's, each expert stack's local momentum size, and the
     last step's counted collectives with the plan's matrices."""
     import dmuon
     from torch.distributed import pipelining
 
-    dense, expert_mesh = meshes(world_size, pp, ep)
-    dp = dense["fsdp"].size()
+    dense, expert_mesh = meshes(world_size, pp, ep, replicate)
+    dp = world_size // pp  # the stage's data ranks, each reading its own micro-batches
     dp_rank = dense.get_local_rank("fsdp")
+    if replicate > 1:
+        dp_rank += dense.get_local_rank("dp_replicate") * dense["fsdp"].size()
     indices, n_stages = stages_of(schedule, dense.get_local_rank("pp"), pp)
     torch.manual_seed(0)
     whole = PipeMoE(experts, layers=n_stages)  # one MoE block per stage
@@ -179,13 +198,14 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     parts = [part_of(whole, index, n_stages) for index in indices]
     stages = []
     for index, part in zip(indices, parts):
-        shard_stage(part, dense, expert_mesh, reshard)
+        shard_stage(part, dense, expert_mesh, reshard, level)
         stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
                                                group=dense["pp"].get_group()))
     initial = {n: p for part in parts for n, p in moe.full_state(part).items()}
     opt = dmuon.DMuon(parts[0] if len(parts) == 1 else nn.ModuleList(parts), lr=moe.MUON["lr"],
                       weight_decay=moe.MUON["weight_decay"], ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-                      adamw=dict(moe.ADAMW), pp_group=dense["pp"],
+                      adamw=dict(moe.ADAMW), pp_group=dense["pp"], hsdp_mesh=(
+                          dense["dp_replicate", "fsdp"], expert_mesh["dp_replicate", "efsdp", "ep"]) if level else None,
                       execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
     kind = getattr(pipelining, SINGLE.get(schedule) or MULTI[schedule])
     # scale_grads: the schedule divides by the micro-batches, FSDP2 by the data ranks: the global batch's mean.
@@ -216,7 +236,9 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     momentum = {n: opt.state[p]["momentum_buffer"].to_local().numel() for n, p in named.items()
                 if ".experts." in n and "momentum_buffer" in opt.state.get(p, {})}
     return {"initial": initial, "params": final, "norms": norms, "orthogonalized": orthogonalized,
-            "stages": indices, "layers": n_stages, "stage_ranks": tuple(dense["fsdp"].mesh.tolist()),
+            "stages": indices, "layers": n_stages, "stage_ranks": tuple(sorted(
+                (dense["dp_replicate", "fsdp"] if replicate > 1 else dense["fsdp"]).mesh.flatten().tolist())),
+            "ep_ranks": tuple(dist.get_process_group_ranks(expert_mesh["ep"].get_group())),
             "token_groups": sorted(set(seen)), "token_all_to_alls": len(seen), "skipped": skipped,
             "owners": {i.name: i.owner for i in opt.plan.infos}, "plan_rank": opt.runtime.topo.rank,
             "momentum_numel": momentum,
