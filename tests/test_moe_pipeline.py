@@ -5,7 +5,7 @@ own micro-batches, torch.distributed.pipelining's schedules (GPipe, 1F1B, interl
 weight backward), one DMuon per rank's parts with pp_group. Each run equals one process on the global batch
 (torch.optim.Muon per expert slice + AdamW, fp32 NS) to 1e-5; each Muon matrix is orthogonalized once in the
 cluster; tokens cross only the stage's ep ranks; clipping by the whole model's norm across stages and meshes,
-by dmuon and as torchtitan clips.
+by dmuon and as torchtitan clips; a DMuon built before sharding; a DCP checkpoint per stage resumes bit for bit.
 
 With -m slow: 8 ranks as pp = 2 stages x 4 data ranks: ep = 2 x efsdp = 2 inside each stage (FSDP2 on the
 local stacks' dim 1), and dp_replicate = 2 outside each stage's (efsdp = 1) x ep = 2, FSDP2's own HSDP and dmuon's
@@ -13,7 +13,10 @@ replicate level (hsdp_mesh: the stage's dense and expert views), clipped too."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -38,19 +41,28 @@ RUNS = {
     "1f1b clipped by dmuon": ("1f1b", dict(clip=CLIP)),
     "interleaved1f1b clipped by dmuon": ("interleaved1f1b", dict(clip=CLIP)),
     "1f1b clipped as torchtitan clips": ("1f1b", dict(clip=CLIP, clip_with="torchtitan")),
+    # The DMuon built on the plain parts, before ExpertParallel and FSDP2 swap their parameters.
+    "interleaved1f1b built before sharding": ("interleaved1f1b", dict(built_before_sharding=True)),
 }
+SAVED_AT, MORE = 2, 2
 
 
-def _four_ranks(rank: int, world: int) -> dict:
+def _four_ranks(rank: int, world: int, directory: str) -> dict:
     """Every run of this file in one 4-rank process group, each with its own result or error."""
-    return run_each({name: functools.partial(moe_pipeline.train, rank, world, schedule, steps=STEPS,
-                                             experts=EXPERTS, microbatches=MICROBATCHES, **kw)
-                     for name, (schedule, kw) in RUNS.items()})
+    runs = {name: functools.partial(moe_pipeline.train, rank, world, schedule, steps=STEPS, experts=EXPERTS,
+                                    microbatches=MICROBATCHES, **kw) for name, (schedule, kw) in RUNS.items()}
+    train = functools.partial(moe_pipeline.train, rank, world, "1f1b", steps=SAVED_AT + MORE, experts=EXPERTS,
+                              microbatches=MICROBATCHES)
+    runs["checkpoint"] = lambda: {"went_on": train(save_to=(directory, SAVED_AT))["params"],
+                                  "resumed": train(resume_from=(directory, SAVED_AT))["params"]}
+    return run_each(runs)
 
 
 @functools.cache
 def _runs() -> list[dict]:
-    return run_distributed(_four_ranks, 4, timeout_s=600)
+    directory = tempfile.mkdtemp(prefix="dmuon-moe-pipeline-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # the checkpoint outlives no test run
+    return run_distributed(_four_ranks, 4, directory, timeout_s=600)
 
 
 def _results(run: str) -> list[dict]:
@@ -163,6 +175,17 @@ def test_counted_bytes_per_stage_equal_the_step_model(run):
         assert sorted(log[: len(launches)]) == sorted(launches) and log[len(launches):] == returns, \
             (r["stages"], log, launches, returns)
         assert launches and returns, "the stage exchanged something"
+
+
+def test_a_checkpoint_per_stage_resumes_bit_for_bit():
+    """Every stage saves its part's model and DMuon state (expert stacks and their momentum on the stage's
+    (efsdp, ep) mesh) in one DCP checkpoint; fresh stages resume and take the same steps, bit for bit, as the
+    run that went on."""
+    for r in _runs():
+        run = succeeded(r["checkpoint"])
+        assert run["went_on"].keys() == run["resumed"].keys() and any(".experts." in n for n in run["resumed"])
+        for name, p in run["went_on"].items():
+            assert torch.equal(p, run["resumed"][name]), name
 
 
 EIGHT = {

@@ -21,7 +21,9 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from support import moe
@@ -162,10 +164,19 @@ def token_groups(seen: list):
         yield
 
 
+def _states(parts: list[PipeMoE], opt, indices: list[int]) -> dict:
+    """Each part's model and optimizer state dicts, as torchtitan takes them (``get_state_dict`` per part)."""
+    assert len(parts) == 1, "one part per rank: its DMuon steps it alone"
+    return {f"part{index}": dict(zip(("model", "optim"), get_state_dict(part, opt)))
+            for index, part in zip(indices, parts)}
+
+
 def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int = 2, ep: int = 2,
           experts: int = 3, microbatches: int = 4, clip: float | None = None, clip_with: str = "dmuon",
           route_to: int | None = None, reshard: bool = False, nonfinite: str | None = None,
-          poison: tuple[int, int] | None = None, replicate: int = 1, level: bool = False) -> dict:
+          poison: tuple[int, int] | None = None, replicate: int = 1, level: bool = False,
+          built_before_sharding: bool = False, save_to: tuple[str, int] | None = None,
+          resume_from: tuple[str, int] | None = None) -> dict:
     """Trains :class:`PipeMoE` on ``pp`` stages (per rank one stage, or two under a multi-stage schedule: then
     twice the layers) with DMuon (fp32 NS), every data rank reading its own ``microbatches`` samples.
 
@@ -175,7 +186,11 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     (``reshard_after_forward``). ``nonfinite``: DMuon's; ``poison=(step, stage)`` puts a NaN in that stage's
     first expert gradient (this rank's shard of it) at that step. ``replicate``: a ``dp_replicate`` dim
     outside each stage's ``fsdp``, FSDP2's own HSDP, or ``level``: dmuon's replicate level (``hsdp_mesh``:
-    the stage's dense and expert views with their replicate dim).
+    the stage's dense and expert views with their replicate dim). ``built_before_sharding``: the DMuon built
+    on the plain parts (a framework's order), before ExpertParallel and FSDP2 swap their parameters; it sets
+    itself up at the first forward (the schedule's shape inference). ``save_to=(path, k)``: after ``k`` steps,
+    every stage's part saves its model and optimizer state dicts (torch's ``get_state_dict`` per part) in
+    one DCP checkpoint; ``resume_from=(path, k)``: the fresh parts load it and train steps ``k`` on.
 
     Returns this rank's parts' initial and final full parameters (by name), the clipping norms, per step the
     matrices this rank orthogonalized and whether the step was skipped, its stage indices, the model's
@@ -196,22 +211,36 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = 3, pp: int 
     for block in whole.layers.values():
         block.route_to = route_to
     parts = [part_of(whole, index, n_stages) for index in indices]
+
+    def optimizer():
+        return dmuon.DMuon(parts[0] if len(parts) == 1 else nn.ModuleList(parts), lr=moe.MUON["lr"],
+                           weight_decay=moe.MUON["weight_decay"],
+                           ns=dmuon.NSConfig(method="standard", dtype=torch.float32), adamw=dict(moe.ADAMW),
+                           pp_group=dense["pp"], execution=dmuon.ExecutionConfig(nonfinite=nonfinite),
+                           hsdp_mesh=(dense["dp_replicate", "fsdp"], expert_mesh["dp_replicate", "efsdp", "ep"])
+                           if level else None)
+
+    opt = optimizer() if built_before_sharding else None
     stages = []
     for index, part in zip(indices, parts):
         shard_stage(part, dense, expert_mesh, reshard, level)
         stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
                                                group=dense["pp"].get_group()))
     initial = {n: p for part in parts for n, p in moe.full_state(part).items()}
-    opt = dmuon.DMuon(parts[0] if len(parts) == 1 else nn.ModuleList(parts), lr=moe.MUON["lr"],
-                      weight_decay=moe.MUON["weight_decay"], ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-                      adamw=dict(moe.ADAMW), pp_group=dense["pp"], hsdp_mesh=(
-                          dense["dp_replicate", "fsdp"], expert_mesh["dp_replicate", "efsdp", "ep"]) if level else None,
-                      execution=dmuon.ExecutionConfig(nonfinite=nonfinite))
+    opt = opt or optimizer()
     kind = getattr(pipelining, SINGLE.get(schedule) or MULTI[schedule])
     # scale_grads: the schedule divides by the micro-batches, FSDP2 by the data ranks: the global batch's mean.
     pipe = kind(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=ce, scale_grads=True)
     norms, orthogonalized, seen, skipped = [], [], [], []
-    for step in range(steps):
+    if resume_from is not None:
+        states = _states(parts, opt, indices)
+        dcp.load(states, checkpoint_id=resume_from[0])
+        for index, part in zip(indices, parts):
+            set_state_dict(part, opt, model_state_dict=states[f"part{index}"]["model"],
+                           optim_state_dict=states[f"part{index}"]["optim"])
+    for step in range(resume_from[1] if resume_from else 0, steps):
+        if save_to is not None and step == save_to[1]:
+            dcp.save(_states(parts, opt, indices), checkpoint_id=save_to[0])
         tokens = moe.batch(step, dp_rank, dp, per_rank=microbatches)  # this data rank's own samples
         args = (tokens[:, :-1],) if 0 in indices else ()
         kwargs = {"target": tokens[:, 1:]} if n_stages - 1 in indices else {}
