@@ -117,7 +117,8 @@ def test_owners_within_each_stage_and_momentum_beside_the_shards(run):
         assert sorted(r["plan_rank"] for r in stage) == list(range(len(stage)))
         for r in stage:
             mine = [n for n, o in owners.items() if o == r["plan_rank"]]
-            assert any(".experts." in n for n in mine) and any(".experts." not in n for n in mine), (r["plan_rank"], mine)
+            assert any(".experts." in n for n in mine) and any(".experts." not in n for n in mine), \
+                (r["plan_rank"], mine)
         whole = _whole(stage, "params")
         stacks = [n for n in whole if ".experts." in n]
         assert stacks
