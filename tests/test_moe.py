@@ -27,6 +27,7 @@ def _four_ranks(rank: int, world: int) -> dict:
                                                frozen=("layers.1.experts.w1", "layers.1.experts.w2"))
     runs["clipped on the replicate level"] = functools.partial(moe.train, rank, world, "ep2-replicate-level", STEPS,
                                                                clip=0.05)
+    runs["clipped on FSDP2's HSDP"] = functools.partial(moe.train, rank, world, "ep2-native-hsdp", STEPS, clip=0.05)
     for name in ("ep2-dim1", "ep2-native-hsdp", "ep2-replicate-level"):
         runs[f"counted {name}"] = functools.partial(moe.train, rank, world, name, 2, counted=True)
     return run_each(runs)
@@ -97,10 +98,11 @@ def test_an_expert_without_tokens_and_heavy_imbalance_equal_one_process():
     assert err <= 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("run", ["clipped", "clipped on the replicate level"])
+@pytest.mark.parametrize("run", ["clipped", "clipped on the replicate level", "clipped on FSDP2's HSDP"])
 def test_clipping_by_the_whole_models_norm_across_the_meshes(run):
     """``opt.clip_grad_norm_`` over dense and expert DTensors of different meshes (torch's own raises there):
-    the one-process norm of every gradient, and the clipped result."""
+    the one-process norm of every gradient, and the clipped result. The norm is what checks each layout's
+    gradient scale (the experts' divide factor), which Muon's normalized update does not see."""
     results = _results(run)
     norms: list[float] = []
     ref = moe.reference(results[0]["initial"], STEPS, 4, 3, clip=0.05, norms=norms)

@@ -275,7 +275,7 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
     None: by that rule). The experts' gradient is divided by the whole data-parallel size
     (``set_gradient_divide_factor``); on gloo, which refuses ``PREMUL_SUM``, as a sum then a division
     (``set_force_sum_reduction_for_comms``), except with ``efsdp == 1``, where torch 2.13's FSDP2 would
-    divide twice."""
+    divide twice (its one-rank copy divides, then the sum's division again; across HSDP replicas too)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -297,7 +297,6 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
         edp = experts["efsdp"]
     dense_shard = dense["fsdp"] if replicate_level or tp > 1 else dense
     divide = data if replicate_level else world_mesh_size // tp
-    fsdp_ranks = efsdp if replicate_level else efsdp * replicate
     count = model.layers[0].experts.num_experts
     if dim1 is None:
         dim1 = efsdp * ep > count
@@ -312,7 +311,7 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
             setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, experts["ep"], [Shard(0)])))
         fully_shard(routed, mesh=edp, shard_placement_fn=(lambda p: Shard(1)) if dim1 else None)
         routed.set_gradient_divide_factor(float(divide))
-        if force_sum and fsdp_ranks > 1:
+        if force_sum and efsdp > 1:  # with one efsdp rank torch 2.13's FSDP2 would divide twice (the review's note)
             routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dense_shard)
     fully_shard(model, mesh=dense_shard)
