@@ -17,7 +17,9 @@ class ExecutionConfig:
     """When and how :class:`~dmuon.runtime.ShardRuntime` moves and computes; never what.
 
     Every combination gives the same parameters (``overlap`` and
-    ``return_waves`` bit for bit; ``ns_in_backward`` up to NS batching), so
+    ``return_waves`` bit for bit; ``ns_in_backward`` and ``apply_updates="next_forward"``,
+    which batch NS per FSDP2 unit, up to NS batching: a batched matmul may round otherwise
+    than one matrix at a time), so
     these are performance switches, except ``nonfinite`` (what a NaN/Inf
     does) and ``post_optim_event`` (a promise about the user's code).
     """
