@@ -57,8 +57,9 @@ def test_expert_parallel_layouts_equal_one_process(layout):
     """Experts on dim 0 and dim 1 of their local stacks, E = 3 not divisible by ep = 2, ep spanning the whole
     fsdp dim (efsdp = 1), FSDP2's own HSDP or dmuon's replicate level outside, context parallelism folded into
     the dense shard dim (each sequence split over two ranks, ep borrowing them), tensor parallelism on the
-    dense parameters with ep borrowing the tp ranks (torchtitan's etp = 1): torch.optim.Muon per slice +
-    AdamW in one process on the global batch."""
+    dense parameters with ep borrowing the tp ranks (torchtitan's etp = 1) or with the experts split over tp
+    too and ep borrowing data ranks (etp = tp): torch.optim.Muon per slice + AdamW in one process on the global
+    batch."""
     results = _results(layout)
     shape = moe.LAYOUTS[layout]
     ref = moe.reference(results[0]["initial"], STEPS, shape.world // (shape.cp * shape.tp), shape.experts)

@@ -40,6 +40,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, experts: int) -> None:
         super().__init__()
         self.num_experts = experts
+        self.etp_group = None  # set by _local from the stacks' mesh (expert tensor parallelism)
         self.w1 = nn.Parameter(torch.randn(experts, HIDDEN, DIM) / DIM ** 0.5)
         self.w2 = nn.Parameter(torch.randn(experts, DIM, HIDDEN) / HIDDEN ** 0.5)
 
@@ -54,6 +55,7 @@ class RoutedExperts(nn.Module):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         per = -(-self.num_experts // size)  # Shard(0): torch.chunk's rule
         first = min(self.num_experts, me * per)
+        self.etp_group = mesh.get_group("etp") if "etp" in mesh.mesh_dim_names else None
         return range(first, min(self.num_experts, first + per)), w1.to_local(), w2.to_local(), group
 
     def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,13 @@ class RoutedExperts(nn.Module):
         rows = all_to_all_single_autograd(x[order].contiguous(), recv_sizes, send_sizes, group)
         ids = expert.new_empty(sum(recv_sizes))
         dist.all_to_all_single(ids, expert[order].contiguous(), recv_sizes, send_sizes, group=group)
-        out = self._compute(rows, ids, mine, w1, w2)
+        if self.etp_group is None:
+            out = self._compute(rows, ids, mine, w1, w2)
+        else:
+            # Expert tensor parallelism (torchtitan's etp = tp): each etp rank holds a slice of every local
+            # expert's hidden units (w1's rows, w2's columns); the partial outputs are summed over etp.
+            out = _SumOverGroup.apply(self._compute(_CopyToGroup.apply(rows, self.etp_group), ids, mine, w1, w2),
+                                      self.etp_group)
         back = all_to_all_single_autograd(out, send_sizes, recv_sizes, group)
         return torch.empty_like(back).index_copy(0, order, back)
 
@@ -86,6 +94,37 @@ class RoutedExperts(nn.Module):
             h = torch.tanh(x[take] @ w1[k].T)
             out = out.index_add(0, take, h @ w2[k].T)
         return out
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the partial results summed over the group; backward: the gradient as it is (the same on
+    every rank of the group, which all read the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Forward: the input as it is (the same on every rank of the group); backward: the partial gradients
+    each rank's slice of the hidden units gives, summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _TakeRows(torch.autograd.Function):
@@ -259,7 +298,7 @@ def reference(initial: dict[str, torch.Tensor], steps: int, world: int, experts:
 
 def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: int = 1,
                     dim1: bool | None = None, force_sum: bool = True, replicate_level: bool = False,
-                    tp: int = 1):
+                    tp: int = 1, etp: bool = False):
     """Shards ``model`` as torchtitan does on a ``(replicate x) efsdp x ep`` world of CPU ranks; returns
     ``(dense_mesh, expert_mesh)``, each with its replicate dim first when ``replicate > 1``.
 
@@ -270,6 +309,8 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
     ``tp``: the shared expert tensor-parallel (colwise, rowwise) over a ``tp`` dim after ``fsdp``, and ``ep``
     borrowing those ranks (torchtitan's ``etp = 1``: ``ep == tp`` here); the dense parameters on
     ``(fsdp, tp)``, the experts on ``(efsdp, ep)``, the experts' gradient the mean over the data ranks.
+    ``etp``: the experts tensor-parallel too (torchtitan's ``etp = tp``), ``ep`` borrowing data ranks: the
+    stacks on ``(efsdp, ep, etp)``, ``Shard(0)`` on ep and each expert's hidden units split over etp.
 
     ``dim1``: FSDP2 shards the local stacks on dim 1 (torchtitan's choice when ``efsdp * ep > E``;
     None: by that rule). The experts' gradient is divided by the whole data-parallel size
@@ -286,6 +327,12 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
         dense = world._unflatten(0, (replicate, data), ("dp_replicate", "fsdp"))
         experts = world._unflatten(0, (replicate, efsdp, ep), ("dp_replicate", "efsdp", "ep"))
         edp = experts["efsdp"] if replicate_level else experts["dp_replicate", "efsdp"]
+    elif tp > 1 and etp:
+        assert replicate == 1 and (data // tp) % ep == 0, "ep borrows data ranks"
+        dense = world._unflatten(0, (data // tp, tp), ("fsdp", "tp"))
+        efsdp = data // tp // ep
+        experts = world._unflatten(0, (efsdp, ep, tp), ("efsdp", "ep", "etp"))
+        edp = experts["efsdp"]
     elif tp > 1:
         assert ep == tp and replicate == 1, "ep borrows the tp ranks"
         dense = world._unflatten(0, (data // tp, tp), ("fsdp", "tp"))
@@ -305,10 +352,11 @@ def expert_parallel(model: MoENet, world_mesh_size: int, ep: int, *, replicate: 
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             parallelize_module(block, dense["tp"], {"shared_up": ColwiseParallel(), "shared_down": RowwiseParallel()})
-            block.tp_group = dense["tp"].get_group()
+            block.tp_group = None if etp else dense["tp"].get_group()
         routed = block.experts
-        for w in ("w1", "w2"):
-            setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, experts["ep"], [Shard(0)])))
+        for w, hidden in (("w1", 1), ("w2", 2)):
+            mesh, placements = (experts["ep", "etp"], [Shard(0), Shard(hidden)]) if etp else (experts["ep"], [Shard(0)])
+            setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, mesh, placements)))
         fully_shard(routed, mesh=edp, shard_placement_fn=(lambda p: Shard(1)) if dim1 else None)
         routed.set_gradient_divide_factor(float(divide))
         if force_sum and efsdp > 1:  # with one efsdp rank torch 2.13's FSDP2 would divide twice (the review's note)
@@ -333,6 +381,8 @@ class Layout(NamedTuple):
     over ``cp`` ranks, ``ep`` borrowing them."""
     tp: int = 1
     """Tensor parallelism on the dense parameters, ``ep`` borrowing the tp ranks (torchtitan's ``etp = 1``)."""
+    etp: bool = False
+    """The experts tensor-parallel over the tp ranks too (torchtitan's ``etp = tp``), ``ep`` borrowing data ranks."""
 
 
 LAYOUTS = {
@@ -343,6 +393,7 @@ LAYOUTS = {
     "ep2-replicate-level": Layout(4, 2, 3, replicate=2, replicate_level=True),  # the same, reduced by dmuon
     "cp2-ep2": Layout(4, 2, 3, cp=2),  # two data ranks x two sequence chunks, dense over all four, ep = cp
     "tp2-ep2": Layout(4, 2, 3, tp=2),  # two data ranks x tp 2 on the shared expert, ep = tp
+    "tp2-ep2-etp2": Layout(4, 2, 3, tp=2, etp=True),  # two data ranks (ep over them) x tp 2, experts split by tp
     "ep2-efsdp1": Layout(2, 2, 3),  # ep spans the whole fsdp dim
 }
 
@@ -358,14 +409,14 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
     stack's local momentum size, and the step's figures."""
     import dmuon
 
-    size, ep, experts, dim1, replicate, level, cp, tp = LAYOUTS[layout]
+    size, ep, experts, dim1, replicate, level, cp, tp, etp = LAYOUTS[layout]
     assert size == world, (layout, world)
     torch.manual_seed(0)
     model = MoENet(experts)
     for block in model.layers:
         block.route_to = route_to
     dense, expert_mesh = expert_parallel(model, world, ep, replicate=replicate, dim1=dim1, replicate_level=level,
-                                         tp=tp)
+                                         tp=tp, etp=etp)
     data_rank, chunk = divmod(dist.get_rank() // tp, cp)  # a data rank's tp ranks read its batch alike
     if cp > 1:
         # The cp ranks of one sequence are consecutive, the ep groups' ranks (ep borrows cp).
