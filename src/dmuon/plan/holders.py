@@ -58,9 +58,10 @@ def prefer_holders(owners: Sequence[int], kinds: Sequence[int],
 
     Per kind, with ``room[r]`` the matrices of the kind rank ``r`` owns:
 
-    1. the held matrices, grouped by holder set, fewest holders first: in each group the ones already
-       owned on a holder stay (the balancer's or the spreading's choice), the others go to the lowest
-       holder with room left;
+    1. the held matrices, grouped by holder set, fewest holders first, each group's in plan order to the
+       lowest holder with room left (which a matrix's owner was makes no byte of difference: its holders
+       are all alike to it; plan order, the earlier blocks first, is what the step model's figures
+       were made with);
     2. every other matrix of the kind (held by all ranks, or with no holder left with room) keeps its
        owner where that has room left, and the rest fill the remaining room, lowest rank first.
 
@@ -97,16 +98,9 @@ def prefer_holders(owners: Sequence[int], kinds: Sequence[int],
         for i in held:
             groups[tuple(sorted(set(holders[i])))].append(i)
         for ranks in sorted(groups, key=lambda h: (len(h), h)):
-            group = groups[ranks]
-            for i in group:  # already on a holder: stays (keeps the earlier passes' choice)
-                if owners[i] in ranks and room[owners[i]] > 0:
-                    placed[i] = owners[i]
-                    room[owners[i]] -= 1
             free = (r for r in ranks if room.get(r, 0) > 0)
             rank = next(free, None)
-            for i in group:
-                if i in placed:
-                    continue
+            for i in groups[ranks]:
                 while rank is not None and room[rank] == 0:
                     rank = next(free, None)
                 if rank is None:

@@ -65,10 +65,10 @@ def test_a_hand_made_case():
     _check(owners, [0] * 6, holders, moved)
 
 
-def test_what_is_already_on_a_holder_stays_and_a_full_holder_sends_the_rest_elsewhere():
-    # Rank 1 holds slices 0 and 1 but owns one matrix of the kind: slice 1, already there, stays.
+def test_a_full_holder_sends_the_rest_elsewhere_and_kinds_without_holders_keep_their_owners():
+    # Rank 1 holds slices 0 and 1 but owns one matrix of the kind: the first in plan order takes it.
     moved = prefer_holders([0, 1, 2, 2], [0] * 4, [(1,), (1,), None, None])
-    assert moved[1] == 1 and moved[0] != 1 and sorted(moved) == [0, 1, 2, 2]
+    assert moved[0] == 1 and moved[1] != 1 and sorted(moved) == [0, 1, 2, 2]
     # A kind without holders keeps its owners exactly (the spreading's choice).
     assert prefer_holders([3, 0, 2, 1], [0, 0, 1, 1], [None, None, (0,), (1,)])[:2] == [3, 0]
 
