@@ -150,51 +150,6 @@ def merged(first: Collective | None, second: Collective | None) -> Collective | 
                       f"{first.label} + experts", first.role, first.index)
 
 
-def prefer_holders(owners: Sequence[int], kinds: Sequence[int], holder_ranks: Sequence[Sequence[int] | None]
-                   ) -> list[int]:
-    """Owners with every expert slice moved, where the balancer's counts allow, to a rank already holding rows
-    of it; every rank keeps the count of each kind it was given (hence its NS load, batches and state).
-
-    Why: a slice owned on one of its holders moves that holder's rows neither to the owner nor back,
-    which under whole-expert sharding (dim 0) is the whole slice: no exchange at all; under dim 1, ``1/efsdp``
-    of it. The balancer's makespan (the NS phase) is kept: bytes are never bought with NS time.
-
-    Per kind, each rank in turn takes the unassigned slices it holds, up to its count; then the kind's
-    other matrices keep their owner where its count has room left, and the rest fill the remaining counts. ``holder_ranks[i]``:
-    the plan ranks holding matrix ``i`` (None: a dense matrix, which goes with the rest).
-    """
-    owners = list(owners)
-    by_kind: dict[int, list[int]] = {}
-    for i, k in enumerate(kinds):
-        by_kind.setdefault(k, []).append(i)
-    for members in by_kind.values():
-        if all(holder_ranks[i] is None for i in members):
-            continue
-        room: dict[int, int] = {}
-        for i in members:
-            room[owners[i]] = room.get(owners[i], 0) + 1
-        held_by: dict[int, list[int]] = {}
-        for i in members:
-            for r in holder_ranks[i] or ():
-                held_by.setdefault(r, []).append(i)
-        placed: dict[int, int] = {}
-        for r in sorted(room):
-            for i in held_by.get(r, ()):
-                if room[r] == 0:
-                    break
-                if i not in placed:
-                    placed[i] = r
-                    room[r] -= 1
-        for i in members:  # the others keep their owner where it has room left (the spread pass's choice)
-            if i not in placed and room[owners[i]] > 0:
-                placed[i] = owners[i]
-                room[owners[i]] -= 1
-        free = iter([r for r in sorted(room) for _ in range(room[r])])
-        for i in members:
-            owners[i] = placed[i] if i in placed else next(free)
-    return owners
-
-
 def expert_ring_traffic(stacks: Sequence[Sequence[Piece]], layout: ExpertLayout, replicate: int, elem_bytes: int,
                         passes: int) -> RankTraffic:
     """The busiest rank's bytes per step of ``passes`` ring collectives (all-gathers, reduce-scatters) over the

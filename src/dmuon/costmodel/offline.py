@@ -24,12 +24,14 @@ from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.collectives import REPLICAS_STRATEGY
-from dmuon.costmodel.moe import ExpertLayout, expert_ring_traffic, prefer_holders
+from dmuon.costmodel.moe import ExpertLayout, expert_ring_traffic
 from dmuon.costmodel.peer import PEER_STRATEGY
 from dmuon.costmodel.simulate import SIM_STRATEGIES, goal_ratios, simulate_strategies
 from dmuon.costmodel.trace import chrome_trace
 from dmuon.plan.batches import RETURN_WAVES, return_waves
 from dmuon.plan.hop_a import default_spread
+from dmuon.plan.holders import holder_ranks
+from dmuon.plan.plan import row_pieces
 from dmuon.plan.spread import place_owners
 from dmuon.plan.cost_table import CostTable, analytical_table
 
@@ -200,7 +202,7 @@ def plan_offline(
         ep: Expert-parallel size of the groups' routed-expert stacks (:mod:`dmuon.costmodel.moe`; None: 1);
             it must divide the shard dim. With experts the plan also has ``experts``
             (:func:`expert_summary`), each slice owned on a rank holding it where the balancer's counts
-            allow (:func:`~dmuon.costmodel.moe.prefer_holders`), and no ``hsdp_designs``.
+            allow (:func:`~dmuon.plan.holders.prefer_holders`, as the live planner), and no ``hsdp_designs``.
 
     Returns:
         A JSON-ready dict: ``world_size``, ``balancer``, ``makespan``, ``mean``,
@@ -245,8 +247,8 @@ def plan_offline(
     kinds, items = build_kinds([m.shape for m in mats], table)
     result = place_owners(
         balance(kinds, items, world_size, balancer, time_limit_s=time_limit_s, memory_factor=memory_factor),
-        spread_kinds(items, pieces), offline_blocks(mats), [m.numel for m in mats], replicate)
-    owners, ns_batches = owners_and_batches(result, items, pieces, replicate, shard)
+        items, offline_blocks(mats), [m.numel for m in mats], replicate, matrix_holders(mats, pieces, replicate, shard))
+    owners, ns_batches = owners_and_batches(result)
     # The update returns as DMuon pipelines them: wave k holds every owner's k-th NS batch.
     waves = return_waves(ns_batches, [], max_waves)
     shapes = [m.shape for m in mats]
@@ -376,25 +378,20 @@ def expert_layout(mats: Sequence[OfflineMatrix], ep: int | None, shard: int
     return layout, expert_pieces(mats, layout)
 
 
-def spread_kinds(items: Sequence[int], pieces: list | None) -> list[int]:
-    """The kinds :func:`~dmuon.plan.spread.place_owners`' block spreading swaps within: ``items``, each expert
-    slice a kind of its own. Its pairwise swaps grow with the square of a kind's matrices (thousands of
-    slices share a shape), and :func:`owners_and_batches` places the slices by their holders afterwards."""
-    if pieces is None:
-        return list(items)
-    top = max(items, default=-1) + 1
-    return [k if p is None else top + i for i, (k, p) in enumerate(zip(items, pieces))]
+def matrix_holders(mats: Sequence[OfflineMatrix], pieces: list | None, replicate: int, shard: int
+                   ) -> list[tuple[int, ...] | None]:
+    """Each matrix's holder ranks as the live planner reads them (:func:`~dmuon.plan.holders.holder_ranks`):
+    an expert slice's from its ``pieces``, a dense matrix's from FSDP2's row chunks (a matrix with fewer
+    rows than shard positions is on the first ones); None where every rank holds rows."""
+    boxes = [row_pieces(m.shape, shard) if pieces is None or pieces[i] is None else pieces[i]
+             for i, m in enumerate(mats)]
+    return holder_ranks(boxes, replicate, shard)
 
 
-def owners_and_batches(result, items: Sequence[int], pieces: list | None, replicate: int, shard: int
-                       ) -> tuple[list[int], dict[int, list[list[int]]]]:
-    """The plan's owners (with ``pieces``, each expert slice moved to a rank holding it where the balancer's
-    counts allow: :func:`~dmuon.costmodel.moe.prefer_holders`; ``result.owners`` updated) and each owner's
-    NS batches (matrix indices, in the order it runs them)."""
-    if pieces is not None:
-        holder_ranks = [None if p is None else [r * shard + s for r in range(replicate)
-                                                for s, piece in enumerate(p) if piece.rows] for p in pieces]
-        result.owners = prefer_holders(result.owners, items, holder_ranks)
+def owners_and_batches(result) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """The plan's owners (as :func:`~dmuon.plan.spread.place_owners` left them: each matrix some ranks do
+    not hold on a holder where the balancer's counts allow) and each owner's NS batches (matrix indices,
+    in the order it runs them)."""
     owned: dict[int, list[int]] = {}
     for k, o in enumerate(result.owners):
         owned.setdefault(o, []).append(k)

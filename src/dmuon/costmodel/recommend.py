@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from dmuon.costmodel.offline import (
-    _as_table, _mesh, expand, expert_layout, mats_experts, offline_blocks, owners_and_batches, spread_kinds,
+    _as_table, _mesh, expand, expert_layout, mats_experts, matrix_holders, offline_blocks, owners_and_batches,
     step_inputs,
 )
 from dmuon.costmodel.sim_config import Hardware, SimOptions
@@ -121,14 +121,15 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
     _, pieces = expert_layout(mats, ep, shard)
     table = _as_table(costs, mats, ns_steps)
     kinds, items = build_kinds([m.shape for m in mats], table)
+    holders = matrix_holders(mats, pieces, replicate, shard)
     layouts = ("replicate level", "native HSDP") if replicate > 1 else ("1-D FSDP2",)
     baseline = None
     candidates = []
     for name in balancers:
         result = place_owners(balance(kinds, items, world_size, name, time_limit_s=time_limit_s,
                                       memory_factor=memory_factor),
-                              spread_kinds(items, pieces), offline_blocks(mats), [m.numel for m in mats], replicate)
-        owners, ns_batches = owners_and_batches(result, items, pieces, replicate, shard)
+                              items, offline_blocks(mats), [m.numel for m in mats], replicate, holders)
+        owners, ns_batches = owners_and_batches(result)
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes, ep=ep)
         if baseline is None:  # FSDP2 + AdamW has no owners: one run

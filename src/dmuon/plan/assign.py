@@ -10,6 +10,7 @@ import torch
 from dmuon.plan.balance import (
     DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, BalanceResult, balance, canonical,
 )
+from dmuon.plan.holders import holder_ranks
 from dmuon.plan.milp import Kind
 from dmuon.plan.plan import MatrixInfo
 from dmuon.plan.spread import place_owners
@@ -107,7 +108,10 @@ def assign(
         memory_factor: MILP per-rank optimizer-state limit over the mean, or ``None``.
         cache_dir: Profile cache directory (default ``$DMUON_CACHE_DIR`` or ``~/.cache/dmuon``).
         replicate: Replicas of an HSDP mesh; the owners are spread over them and
-            each block's matrices over different owners (:func:`~dmuon.plan.spread.place_owners`).
+            each block's matrices over different owners (:func:`~dmuon.plan.spread.place_owners`),
+            and a matrix whose ``pieces`` leave some ranks without rows (an expert slice) is owned
+            by a rank holding rows of it where its kind's per-rank counts allow
+            (:func:`~dmuon.plan.holders.prefer_holders`), with every balancer.
 
     Returns:
         The :class:`~dmuon.plan.balance.BalanceResult` (owners, loads, the
@@ -145,7 +149,12 @@ def assign(
 
     # The MILP stops on a wall-clock limit, so with a group one rank solves and all follow.
     result = broadcast_from_rank0(solve, group, "assign: balancing") if name in ("milp", "auto") else solve()
-    result = place_owners(result, items, [info.block for info in infos], [info.numel for info in infos], replicate)
+    # Matrices some ranks do not hold (expert slices, matrices with fewer rows than shard positions) go
+    # to a rank holding their rows where the balancer's counts allow: fewer bytes, the same loads.
+    holders = holder_ranks([info.pieces for info in infos], replicate, world_size // replicate) \
+        if world_size % replicate == 0 else None
+    result = place_owners(result, items, [info.block for info in infos], [info.numel for info in infos], replicate,
+                          holders)
     units = {t.unit for t in (tables.values() if isinstance(tables, Mapping) else [tables])}
     result.cost_unit = units.pop() if len(units) == 1 else "mixed"
     if profile and costs is None:

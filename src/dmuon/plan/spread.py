@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from dmuon.plan.balance import BalanceResult, spread_over_replicas
+from dmuon.plan.holders import owned_where_held, prefer_holders, spread_kinds
 
 
 def block_wait_bytes(owners: Sequence[int], blocks: Sequence[int], numels: Sequence[int],
@@ -109,16 +110,27 @@ def spread_blocks(owners: Sequence[int], kinds: Sequence[int], blocks: Sequence[
 
 
 def place_owners(result: BalanceResult, items: Sequence[int], blocks: Sequence[int], numels: Sequence[int],
-                 replicate: int) -> BalanceResult:
-    """The balancer's owners placed on the mesh: spread over the replicas, then over each block.
+                 replicate: int, holders: Sequence[tuple[int, ...] | None] | None = None) -> BalanceResult:
+    """The balancer's owners placed on the mesh: spread over the replicas, then over each block, then
+    each matrix that some ranks do not hold onto one that does.
 
     :func:`~dmuon.plan.balance.spread_over_replicas` relabels whole ranks;
-    :func:`spread_blocks` then swaps same-kind matrices. Both keep every
-    rank's load, batches and state bytes. ``round_robin`` keeps its owners
-    (``i % W``, as documented), so only the relabelling applies to it.
+    :func:`spread_blocks` then swaps same-kind matrices (those of ``holders`` aside:
+    :func:`~dmuon.plan.holders.spread_kinds`), and :func:`~dmuon.plan.holders.prefer_holders`
+    moves the matrices with ``holders`` (:func:`~dmuon.plan.holders.holder_ranks`) within the
+    per-rank counts of their kind. All three keep every rank's load, batches and state bytes.
+    ``round_robin`` skips the block spreading (its owners are ``i % W``, as documented, the
+    comparison point of the balancers), but not the holders: its per-rank counts, hence its loads,
+    are still ``i % W``'s, and the holders' bytes are saved under it too.
     """
     result = spread_over_replicas(result, replicate)
     world = len(result.loads)
     if result.method != "round_robin" and world % replicate == 0:
-        result.owners = spread_blocks(result.owners, items, blocks, numels, replicate, world // replicate)
+        result.owners = spread_blocks(result.owners, spread_kinds(items, holders), blocks, numels, replicate,
+                                      world // replicate)
+    if holders is not None and any(h is not None for h in holders):
+        result.owners = prefer_holders(result.owners, items, holders)
+        on, of = owned_where_held(result.owners, holders)
+        result.notes.append(f"holders: {on} of the {of} matrices not held by every rank owned by a rank holding "
+                            "rows of them (same counts per kind and rank: loads, batches and state unchanged)")
     return result

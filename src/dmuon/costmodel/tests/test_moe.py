@@ -9,7 +9,8 @@ import pytest
 
 from dmuon.bench import plan_cli
 from dmuon.bench.shapes import MatrixShape
-from dmuon.costmodel.moe import ExpertLayout, expert_fsdp2_collective, prefer_holders
+from dmuon.costmodel.moe import ExpertLayout, expert_fsdp2_collective
+from dmuon.plan.holders import prefer_holders
 from dmuon.costmodel.offline import expand, plan_offline, step_inputs
 from dmuon.costmodel.rank_traffic import owner_traffic
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS, SimOptions
