@@ -15,7 +15,6 @@ sharded stages' own initial full weights, torch.optim.Muon per expert slice and 
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 from unittest import mock
 
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from support import moe
+from support import pipeline
 from support.pipeline import MULTI, SINGLE, stages_of
 
 
@@ -50,19 +50,9 @@ class PipeMoE(moe.MoENet):
 
 
 def part_of(model: PipeMoE, stage: int, stages: int) -> PipeMoE:
-    """Stage ``stage`` of ``stages``: a copy of ``model`` keeping an even run of its layers."""
-    part = copy.deepcopy(model)
-    per = len(model.layers) // stages
-    keep = {str(k) for k in range(stage * per, (stage + 1) * per)}
-    for name in list(part.layers):
-        if name not in keep:
-            del part.layers[name]
-    if stage != 0:
-        part.embed = None
-    if stage != stages - 1:
-        part.norm = None
-        part.head = None
-    return part
+    """Stage ``stage`` of ``stages``: a copy of ``model`` keeping an even run of its layers (the pipeline
+    tests' cut: the first stage the embedding, the last the norm and head)."""
+    return pipeline.part_of(model, stage, stages, split=(len(model.layers) // stages,) * stages)
 
 
 def meshes(world_size: int, pp: int, ep: int, replicate: int = 1):
