@@ -100,7 +100,7 @@ def test_moe_under_dp_mesh_dims_and_per_parameter_meshes_equals_one_process(layo
     ``next forward``: the updates applied in the next forward (dmuon asks whether a unit is gathered, of both
     of the block's FSDP groups)."""
     results = _results(layout)
-    world, _, experts, _, replicate = moe.LAYOUTS[layout_apis.MOE_LAYOUTS[layout.split()[0]]]
+    world, _, experts, _, replicate, *_ = moe.LAYOUTS[layout_apis.MOE_LAYOUTS[layout.split()[0]]]
     placed = results[0]["placements"]
     dense_dims = "('dp_replicate', 'fsdp')" if replicate > 1 else "('fsdp',)"
     expert_dims = "('dp_replicate', 'efsdp', 'ep')" if replicate > 1 else "('efsdp', 'ep')"

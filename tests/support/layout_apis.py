@@ -38,7 +38,7 @@ DENSE_LAYOUTS = {
 }
 
 MOE_LAYOUTS = {
-    # name: support.moe.LAYOUTS' entry it takes (world, ep, experts, dim1, replicate) from
+    # name: the support.moe.LAYOUTS entry it takes world, ep, experts, dim1, replicate from
     "dims-ep2-dim1": "ep2-dim1",
     "dims-ep2-dim0": "ep2-dim0",
     "dims-ep2-hsdp": "ep2-native-hsdp",
@@ -244,7 +244,7 @@ def experts(rank: int, world: int, layout: str, steps: int = 3, apply_updates: s
     gathered, of every FSDP group of the unit)."""
     import dmuon
 
-    size, ep, count, dim1, replicate = moe.LAYOUTS[MOE_LAYOUTS[layout]]
+    size, ep, count, dim1, replicate, *_ = moe.LAYOUTS[MOE_LAYOUTS[layout]]
     assert size == world, (layout, world)
     if dim1 is None:
         dim1 = (world // replicate) > count
