@@ -14,12 +14,18 @@ import functools
 import pytest
 import torch
 
-pytestmark = pytest.mark.integrations
-pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[integrations]')")
+from support import float8
+from support.scenarios import run_each, succeeded
+from support.spawn import run_distributed
 
-from support import float8  # noqa: E402
-from support.scenarios import run_each, succeeded  # noqa: E402
-from support.spawn import run_distributed  # noqa: E402
+pytestmark = pytest.mark.integrations
+
+
+@pytest.fixture(autouse=True)
+def _torchao():
+    # In the test, not at import: collecting this file in the default run (which deselects it) then costs
+    # no torchao import (seconds).
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[integrations]')")
 
 MODES = ("in_step", "next_forward")
 TOL = 1e-5
