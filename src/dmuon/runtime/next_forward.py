@@ -27,6 +27,16 @@ step's agreement, the same on every rank) and whose all-gather the forward has i
 on timing, nor on whether this rank already applied them (a flush on some ranks): every
 rank issues the same all-gathers in the same order.
 
+torchao's float8 training (``enable_fsdp_float8_all_gather=True``) casts each weight to float8 in its
+all-gather, with a scale that ``precompute_float8_dynamic_scale_for_fsdp(model)`` may have set after
+``step()``, from the weights before this mode's updates. When a unit's updates are applied, the scales of the
+updated float8 weights that carry a precomputed scale are recomputed from the new weights, by torchao's own
+function on those modules (one all-reduce per unit, on the compute stream, before the unit's all-gather):
+whether to is decided from the step's matrices (every rank's list) and from whether the scale was
+precomputed (the user's precompute is itself a collective, run on every rank), never from this rank's
+pending updates, so every rank issues it, also a rank that flushed. The all-gather then casts the weights it
+sends with their own scale, the bits of ``"in_step"`` with the precompute after ``step()``.
+
 A rule that projects with sums over the updated weight (MuonH) gets them with its returns: ``step()``
 issued each return's totals behind it (:class:`~dmuon.runtime.matrix_norms.TotalsBehind`), and a unit's
 apply lands them, applies and projects, with no collective here.
@@ -47,6 +57,7 @@ from torch.distributed.fsdp import FSDPModule
 from dmuon.comm import Pending
 from dmuon.plan.plan import Plan
 from dmuon.util.autocast import autocast_off
+from dmuon.util.float8 import float8_linears, has_precomputed_scale, recompute_scales
 from dmuon.util.observe import ranged
 from dmuon.util.torch_compat import fsdp_unit, gathered_or_gathering
 
@@ -97,6 +108,12 @@ class NextForwardUpdates:
         not ask for."""
         self._together = _gathered_together(plan)
         """Per unit, the units one unshard gathers with it (``fully_shard([a, b])``), itself included."""
+        linears = float8_linears(root) if root is not None else {}
+        self._float8 = {info.index: linears[id(info.param)] for info in plan.infos if id(info.param) in linears}
+        """The matrices whose weight torchao's float8 training gathers in float8, their ``Float8Linear``."""
+        self._rescale: dict[int, list[nn.Module]] = {}
+        """Per unit holding the last step's updates, its float8 modules among them (the same on every rank:
+        from the step's matrices, not from what this rank still holds), until the unit's all-gather."""
         self._hooks = []
         if root is not None:
             self._hooks.append(root.register_forward_hook(self._root_forward_end))
@@ -131,6 +148,12 @@ class NextForwardUpdates:
         if self._seen:
             self._order, self._seen = self._seen, []
         self._ungathered = set(self._pending)
+        self._rescale = {}
+        for _, members in returns:
+            for i in members:
+                module = self._float8.get(i)
+                if module is not None and module not in self._rescale.setdefault(infos[i].block, []):
+                    self._rescale[infos[i].block].append(module)
         self._open = bool(self._ungathered)
 
     def flush(self) -> None:
@@ -188,7 +211,19 @@ class NextForwardUpdates:
         self._check_not_gathered(block)
         self._ungathered.difference_update(together)
         self._apply_units(together)
+        self._refresh_float8_scales(together)
         return True
+
+    def _refresh_float8_scales(self, blocks: list[int]) -> None:
+        """The float8 scales of ``blocks``' updated weights, recomputed from the weights their all-gather is
+        about to send, where a scale was precomputed (after ``step()``, from the weights before the update);
+        a collective, on every rank alike (see the module's docstring). A weight without one is cast with its
+        own amax in the all-gather already."""
+        modules = [m for b in blocks for m in self._rescale.pop(b, ())]
+        stale = [m for m in modules if has_precomputed_scale(m)]
+        if stale:
+            with autocast_off(self.plan.device):
+                recompute_scales(stale)
 
     def _check_not_gathered(self, block: int) -> None:
         module = self.plan.blocks[block].module
