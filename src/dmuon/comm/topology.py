@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.warm_peers import warm_splits
 from dmuon.util import torch_compat
 from dmuon.util.torch_compat import process_group_count
 
@@ -60,27 +61,65 @@ class Topology:
         return divmod(plan_rank, self.shard)
 
 
-    def warm_up(self, device) -> int:
-        """One small all-to-all on each of :attr:`groups`, in their order, before any step.
+    def warm_up(self, device, pairs: dict | None = None) -> dict[str, int]:
+        """One small collective on each of :attr:`groups`, in their order, before the first backward.
 
-        NCCL creates a group's communicator, and the connections of an all-to-all to each peer,
-        at the group's first collective: without this that is the first all-to-all inside the
-        first backward's hooks, with its latency and memory in the hot path. An all-to-all (one
-        element per member) sets up what dmuon's exchanges use; the all-reduces share the
-        communicator. Every rank walks the groups in the one order they were created in and
-        blocks on each it belongs to, so no two ranks wait for each other in opposite orders.
+        NCCL creates a group's communicator at the group's first collective, and a peer connection
+        (its buffers, outside torch's caching allocator) at the first send to or receive from that
+        peer: without this both happen inside the first backward's hooks, with their latency in the
+        hot path. Each group gets what dmuon issues on it:
+
+        * a group of dmuon's exchanges (the shard group, and the replicate group on HSDP): one
+          all-to-all with one element to each peer of ``pairs`` (:mod:`dmuon.comm.warm_peers`: the
+          plan's exchanges and returns), none to the others;
+        * a group that carries no all-to-all (dmuon's mesh group on HSDP: the agreement and the
+          setup checks, all-reduces and all-gathers; or an exchange group whose pairs are empty):
+          a one-element all-reduce, which creates the communicator without an all-to-all's
+          all-pairs connections.
+
+        torch (with NCCL 2.14 and later) calls ``ncclSend``/``ncclRecv`` for every peer of an
+        all-to-all, zero counts included, and NCCL connects a peer at any send or receive, so an
+        exchange group's all-to-all still connects every pair of it: the split sizes keep only what
+        the plan sends, the saving is the mesh group's (every rank of the mesh, on HSDP).
+
+        Every rank walks the groups in the one order they were created in and enters each it belongs
+        to, so no two ranks wait for each other in opposite orders.
+
+        Args:
+            device: Where the collectives run.
+            pairs: :func:`dmuon.comm.warm_peers.exchange_pairs` of the plan; None: every pair of the
+                exchange groups (a runtime whose peers change from step to step).
 
         Returns:
-            The number of groups warmed (one-member groups are skipped).
+            The number of groups warmed by each op, ``{"all_to_all": n, "all_reduce": m}``
+            (one-member groups are skipped: dmuon issues nothing on them, its hops are local there).
         """
-        warmed = 0
+        warmed = {"all_to_all": 0, "all_reduce": 0}
+        r, s = self.coords
         for group in self.groups:
             size = dist.get_world_size(group)
             if size == 1:
-                continue  # dmuon issues nothing on a one-member level (its hops are local there)
-            received = torch.empty(size, device=device)
-            dist.all_to_all_single(received, torch.zeros(size, device=device), group=group)
-            warmed += 1
+                continue
+            if group is self.shard_group:
+                key, me = ("intra", r), s
+            elif group is self.replicate_group:
+                key, me = ("inter", s), r
+            else:
+                key, me = None, None
+            if key is not None and pairs is None:
+                every = frozenset((a, b) for a in range(size) for b in range(size) if a != b)
+                ours = every
+            else:
+                ours = pairs.get(key, frozenset()) if key is not None else frozenset()
+            if not ours:
+                # No all-to-all on this group (every member knows it alike): the communicator only.
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+                warmed["all_reduce"] += 1
+                continue
+            send, receive = warm_splits(ours, size, me)
+            received = torch.empty(sum(receive), device=device)
+            dist.all_to_all_single(received, torch.zeros(sum(send), device=device), receive, send, group=group)
+            warmed["all_to_all"] += 1
         return warmed
 
 

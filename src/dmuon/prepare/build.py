@@ -177,7 +177,6 @@ def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSCon
     if ddp is not None:
         mesh = ddp_mesh(ddp, device.type)
     topology = single_process() if mesh is None else from_mesh(mesh, replicated, device)
-    topology.warm_up(device)  # dmuon's communicators exist before the first backward
     if topology.world_size > 1:
         # Whether this rank's parameters share one device is part of what every rank compares, so
         # a rank with mixed devices makes every rank raise, none waits in a collective for it.

@@ -121,6 +121,9 @@ class ReplicaRuntime:
         tune_seconds = time.perf_counter() - tune_start
         # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
         log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
+        # DDP's group, before the first backward: every pair, as the scatter route's peers follow each
+        # wave's shares (:func:`~dmuon.plan.replicas.scatter_parts`), not the plan alone.
+        self.topo.warm_up(self.device)
         self.gradients = GradientParts(plan, self.topo.coords, None)
         # The all-gather orders its outputs by the group's ranks (the global ranks, ascending); plan
         # ranks follow DDP's group: each plan rank's slot in the gathered buffer.

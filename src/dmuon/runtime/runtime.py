@@ -42,6 +42,7 @@ import torch
 from dmuon.comm import CommStats, Pending, ShardExchange
 from dmuon.comm.device_streams import streams_for
 from dmuon.comm.replicate import ReplicateReduce
+from dmuon.comm.warm_peers import exchange_pairs
 from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.backward import BackwardLaunches
@@ -115,6 +116,11 @@ class ShardRuntime:
         tune_seconds = time.perf_counter() - tune_start
         # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
         log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
+        # dmuon's communicators and the peer connections its exchanges use, before the first backward;
+        # made here, not in prepare(): the peers come from the plan's owners and this config.
+        self.topo.warm_up(self.device, exchange_pairs(
+            plan.infos, self.topo.replicate, self.topo.shard, reduces_replicas=plan.reduces_replicas,
+            agreement_in_returns=agreement_in_returns(config, waves)))
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
         if plan.reduces_replicas:
@@ -374,6 +380,13 @@ class ShardRuntime:
             self.backward.close()
         if self.next_forward is not None:
             self.next_forward.close()
+
+
+def agreement_in_returns(config: ExecutionConfig, waves: int) -> bool:
+    """Whether a step's agreement may travel with the update return (:meth:`StepSettler._speculate`:
+    launches from backward, one return wave, nothing checked first), its flags then going to every
+    member of every exchange group."""
+    return config.overlap and waves == 1 and config.apply_updates == "in_step" and config.nonfinite is None
 
 
 def _topology(plan: Plan, config: ExecutionConfig):

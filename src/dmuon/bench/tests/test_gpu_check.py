@@ -217,5 +217,42 @@ def test_syncs_that_grow_with_the_matrices_fail_the_check():
             {"config": "dmuon_z3", "size": "mini", "matrices": 28, "syncs": 31}]
     assert not gpu_check.syncs_passed(rows) and not gpu_check.syncs_passed(rows[:1])
     assert gpu_check.syncs_passed([rows[0], {**rows[1], "syncs": 3}, {"config": "adamw", "syncs": 9}])
-    (check,) = gpu_check.syncs_verdicts({"rows": rows, "passed": gpu_check.syncs_passed(rows)})
+    check, device_lr = gpu_check.syncs_verdicts({"rows": rows, "passed": gpu_check.syncs_passed(rows)})
+    assert not device_lr["passed"] and device_lr["detail"] == "no device-lr run"
     assert not check["passed"] and check["detail"] == "3 with 14 matrices, 31 with 28 matrices"
+
+
+def test_a_device_lr_that_adds_waits_fails_the_check():
+    rows = [{"config": "dmuon_z3", "size": "tiny", "matrices": 14, "syncs": 3},
+            {"config": "dmuon_z3", "size": "mini", "matrices": 28, "syncs": 3},
+            {"config": "dmuon_z3_device_lr", "size": "tiny", "matrices": 14, "syncs": 3}]
+    assert gpu_check.device_lr_passed(rows)
+    assert not gpu_check.device_lr_passed(rows[:2] + [{**rows[2], "syncs": 4}])  # one read of the lr a step
+    assert not gpu_check.device_lr_passed(rows[:2])  # the run is missing (a timeout)
+    assert not gpu_check.device_lr_passed([rows[1], rows[2]])  # no float-lr run at its size to compare with
+    checks = gpu_check.syncs_verdicts({"rows": rows[:2] + [{**rows[2], "syncs": 4}], "passed": True})
+    assert [c["passed"] for c in checks] == [True, False]
+    assert checks[1]["detail"] == "4 with a device lr, 14 matrices"
+
+
+def test_device_lr_syncs_on_cpu(monkeypatch):
+    """The row's runs for real on CPU (host reads counted at dispatch): a device lr reads nothing more
+    than a float; a step that reads its lr on the host (injected) is caught."""
+    import dmuon
+    from dmuon.bench.gpu_check_base import one_rank
+
+    cpu = torch.device("cpu")
+    with one_rank(cpu):
+        rows = [gpu_check._step_syncs("dmuon_z3", "tiny", cpu), gpu_check._step_syncs("dmuon_z3", "tiny", cpu, True)]
+        assert gpu_check.device_lr_passed(rows), rows
+        step = dmuon.DMuon.step
+
+        def reading_lr(self, *args, **kwargs):
+            for group in self.param_groups:
+                if isinstance(group["lr"], torch.Tensor):
+                    float(group["lr"])  # what a scheduler-unaware step would do
+            return step(self, *args, **kwargs)
+
+        monkeypatch.setattr(dmuon.DMuon, "step", reading_lr)
+        reading = gpu_check._step_syncs("dmuon_z3", "tiny", cpu, True)
+    assert reading["syncs"] > rows[0]["syncs"] and not gpu_check.device_lr_passed([rows[0], reading])
