@@ -523,6 +523,15 @@ class BackwardLaunches:
         self._ns_done.clear()
         return launches, early
 
+    def learn_divisor(self) -> None:
+        """Before a clip scales the gradients (``DMuon.clip_grad_norm_``, called on every rank of the
+        mesh): the schedule's divisor from the gradients as its division left them. After the
+        clip's scaling ``step()`` could not learn it (``schedule_divisor``'s docstring), and a
+        run that clips on every step would defer every launch for good."""
+        self._compute = self.streams.current()
+        self._join_own_stream()
+        self._learn_divisor()
+
     def _learn_divisor(self) -> None:
         """After launches deferred from a reduction called by hand: the schedule's divisor, from the
         gradients as reduced and as they are now (every rank alike: one small all-reduce)."""
