@@ -162,6 +162,22 @@ def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step()
                         assert launched > 0 and report.rescaled_launches == launched, (run, step, report)
 
 
+def test_the_replicate_level_joins_the_compute_stream_once_per_stage_reduction():
+    """On the replicate level the schedule's reduction by hand lands each unit's reduction across replicas
+    on dmuon's stream; the compute stream waits for dmuon's once per stage, after the stage's last unit
+    (before the schedule's division reads the gradients), not once per unit: FSDP2's reduce-scatter
+    stream waits for the compute stream before each unit, so a wait per unit would queue the next unit's
+    reduce-scatter and the other stages' compute behind inter-node traffic. Counted by the stream
+    checker on interleaved and V schedules (two stages per rank) and 1F1B; the stage's buffers stay
+    ordered (the checker raises otherwise) and the runs equal one process (test_schedules_equal_one_process)."""
+    runs = ["interleaved1f1b built before sharding", "zbv replicate level unscaled", "1f1b replicate level"]
+    for run in runs:
+        for r in _four_runs():
+            result = succeeded(r[run])
+            assert None not in result["joins"], "the stream checker runs in every rank"
+            assert result["joins"] == [result["stages"]] * len(result["joins"]), (run, result["joins"])
+
+
 @pytest.mark.parametrize("run", ["1f1b zero3 unscaled", "gpipe, three micro-batches", "interleaved1f1b one optimizer"])
 def test_counted_bytes_per_stage_equal_the_step_model(run):
     """Each stage's dmuon collectives in a step (launched from the schedule's reduction), per rank, are the

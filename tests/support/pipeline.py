@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.bench.op_count import HostReadCounter
+from dmuon.comm.device_streams import active as active_streams
 
 from support.cases import MUON_KW
 from support.models import OddBlock
@@ -218,9 +219,14 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = STEPS, clip
     """
     run = build(rank, world_size, schedule, nonfinite=nonfinite,
                 pp_group=(clip is not None and clip_with == "dmuon") or nonfinite is not None, **options)
-    reports, norms, reads = [], [], []
+    reports, norms, reads, joins = [], [], [], []
+    streams = active_streams()
     for step in range(steps):
+        # How often the schedule's step made the compute stream wait for dmuon's (the stream checker's count).
+        waits = getattr(streams, "waits", None)
+        before = waits[("compute", "dmuon")] if waits is not None else 0
         run.step(step)
+        joins.append(waits[("compute", "dmuon")] - before if waits is not None else None)
         if poison is not None and poison[0] == step and poison[1] in run.stage_indices:
             first = next(p for p in run.parts[run.stage_indices.index(poison[1])].parameters() if p.grad is not None)
             first.grad.to_local().view(-1)[0] = float("nan")
@@ -243,7 +249,8 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = STEPS, clip
     counted = [{"log": list(opt.runtime.stats.last_log), "plan_rank": opt.runtime.topo.rank,
                 "waves": opt.last_step_stats()["return_waves"], "shard": opt.plan.topology.shard,
                 "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos]} for opt in run.optimizers]
-    return {"params": run.params(), "reports": reports, "norms": norms, "counted": counted, "reads": reads}
+    return {"params": run.params(), "reports": reports, "norms": norms, "counted": counted, "reads": reads,
+            "joins": joins, "stages": len(run.stage_indices)}
 
 
 def _state(run: Pipeline) -> list[dict]:
