@@ -49,6 +49,8 @@ RUNS = {
     # Clipping by the whole model's norm; stage 1 holds only the norm and the head (no Muon matrix).
     "clip, a stage without matrices": ("1f1b", dict(clip=CLIP, split=(4, 0))),
     "clip on the replicate level": ("1f1b", dict(clip=CLIP, hsdp="dmuon")),
+    # Clipping every step with a divisor that is no power of two, a step past the owners' first copies.
+    "gpipe clip every step, three micro-batches": ("gpipe", dict(clip=CLIP, microbatches=3, steps=4)),
     "interleaved1f1b built before sharding": ("interleaved1f1b", dict(built_before_sharding=True, hsdp="dmuon")),
     # A NaN in stage 1's gradients at step 1: every stage skips that step.
     "nan on one stage": ("1f1b", dict(nonfinite="skip", poison=(1, 1))),
@@ -81,13 +83,15 @@ def _four_runs() -> list[dict]:
 
 
 @functools.cache
-def _reference(clip: float | None, skipped: tuple[int, ...], microbatches: int = 4) -> tuple[dict, list[float]]:
-    params = pipeline.reference(2, microbatches, clip=clip, skipped=skipped)
+def _reference(clip: float | None, skipped: tuple[int, ...], microbatches: int = 4,
+               steps: int = pipeline.STEPS) -> tuple[dict, list[float]]:
+    params = pipeline.reference(2, microbatches, steps=steps, clip=clip, skipped=skipped)
     return params, pipeline.reference.norms
 
 
-def _check(results: list[dict], clip: float | None = None, skipped: tuple[int, ...] = (), microbatches: int = 4) -> None:
-    ref, norms = _reference(clip, skipped, microbatches)
+def _check(results: list[dict], clip: float | None = None, skipped: tuple[int, ...] = (), microbatches: int = 4,
+           steps: int = pipeline.STEPS) -> None:
+    ref, norms = _reference(clip, skipped, microbatches, steps)
     seen = set()
     for r in results:
         for name, p in r["params"].items():
@@ -104,7 +108,8 @@ def _check(results: list[dict], clip: float | None = None, skipped: tuple[int, .
 def test_schedules_equal_one_process(run):
     kw = RUNS[run][1]
     results = [succeeded(r[run]) for r in _four_runs()]
-    _check(results, kw.get("clip"), (kw["poison"][0],) if "poison" in kw else (), kw.get("microbatches", 4))
+    _check(results, kw.get("clip"), (kw["poison"][0],) if "poison" in kw else (), kw.get("microbatches", 4),
+           kw.get("steps", pipeline.STEPS))
 
 
 def test_a_nan_on_one_stage_raises_on_every_stage():
@@ -133,6 +138,44 @@ def test_launches_from_the_schedules_reduction_stand():
                     elif report.orthogonalized or report.traffic.collectives:
                         assert launched > 0 and report.traffic.collectives <= report.orthogonalized + 4, \
                             (run, step, report)
+
+
+def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step():
+    """DMuon's clip acting on every step (torchtitan clips every step): the schedule's divisor is learned
+    in the first step's clip, before it scales (after it, reduced / n * c does not tell n), so from the
+    second step on the blocks launch from the reduction; from the third (the owners' momentum copies made)
+    every launch is kept, rescaled by the clip's factor, none exchanged again. The clip and the step
+    read the device a fixed number of times per step from the second on (the first learns and sets up).
+    Equal to one process: test_schedules_equal_one_process."""
+    runs = [name for name, (_, kw) in RUNS.items() if "clip" in kw]
+    assert len(runs) >= 3
+    for run in runs:
+        for r in _four_runs():
+            result = succeeded(r[run])
+            assert max(result["reads"][1:]) <= 4, (run, result["reads"])
+            for step, step_reports in enumerate(result["reports"]):
+                for report in step_reports:
+                    launched = report.blocks_exchanged_in_backward
+                    if step == 0:
+                        assert launched == 0, (run, report)
+                    elif step >= 2 and (report.orthogonalized or report.traffic.collectives):
+                        assert launched > 0 and report.rescaled_launches == launched, (run, step, report)
+
+
+def test_the_replicate_level_joins_the_compute_stream_once_per_stage_reduction():
+    """On the replicate level the schedule's reduction by hand lands each unit's reduction across replicas
+    on dmuon's stream; the compute stream waits for dmuon's once per stage, after the stage's last unit
+    (before the schedule's division reads the gradients), not once per unit: FSDP2's reduce-scatter
+    stream waits for the compute stream before each unit, so a wait per unit would queue the next unit's
+    reduce-scatter and the other stages' compute behind inter-node traffic. Counted by the stream
+    checker on interleaved and V schedules (two stages per rank) and 1F1B; the stage's buffers stay
+    ordered (the checker raises otherwise) and the runs equal one process (test_schedules_equal_one_process)."""
+    runs = ["interleaved1f1b built before sharding", "zbv replicate level unscaled", "1f1b replicate level"]
+    for run in runs:
+        for r in _four_runs():
+            result = succeeded(r[run])
+            assert None not in result["joins"], "the stream checker runs in every rank"
+            assert result["joins"] == [result["stages"]] * len(result["joins"]), (run, result["joins"])
 
 
 @pytest.mark.parametrize("run", ["1f1b zero3 unscaled", "gpipe, three micro-batches", "interleaved1f1b one optimizer"])

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 import dmuon
+from dmuon.bench.op_count import HostReadCounter
+from dmuon.comm.device_streams import active as active_streams
 
 from support.cases import MUON_KW
 from support.models import OddBlock
@@ -217,25 +219,38 @@ def train(rank: int, world_size: int, schedule: str, *, steps: int = STEPS, clip
     """
     run = build(rank, world_size, schedule, nonfinite=nonfinite,
                 pp_group=(clip is not None and clip_with == "dmuon") or nonfinite is not None, **options)
-    reports, norms = [], []
+    reports, norms, reads, joins = [], [], [], []
+    streams = active_streams()
     for step in range(steps):
+        # How often the schedule's step made the compute stream wait for dmuon's (the stream checker's count).
+        waits = getattr(streams, "waits", None)
+        before = waits[("compute", "dmuon")] if waits is not None else 0
         run.step(step)
+        joins.append(waits[("compute", "dmuon")] - before if waits is not None else None)
         if poison is not None and poison[0] == step and poison[1] in run.stage_indices:
             first = next(p for p in run.parts[run.stage_indices.index(poison[1])].parameters() if p.grad is not None)
             first.grad.to_local().view(-1)[0] = float("nan")
-        if clip is not None and clip_with == "dmuon":
-            norms.append([opt.clip_grad_norm_(clip).item() for opt in run.optimizers])
-        elif clip is not None:
+        if clip is not None and clip_with != "dmuon":  # uncounted below: torch's clip reads its norm itself
             norms.append(_torchtitan_clip([p for part in run.parts for p in part.parameters()], clip,
                                           run.world["pp"]))
-        run.optimize()
+        # The host reads of DMuon's clip and the step (torch.optim's AdamW step counters live on the host).
+        counter = HostReadCounter(s["step"] for opt in run.optimizers for s in opt.state.values()
+                                  if isinstance(s.get("step"), torch.Tensor))
+        with counter:
+            if clip is not None and clip_with == "dmuon":
+                step_norms = [opt.clip_grad_norm_(clip) for opt in run.optimizers]
+            run.optimize()
+        reads.append(counter.count)
+        if clip is not None and clip_with == "dmuon":
+            norms.append([n.item() for n in step_norms])
         reports.append([opt.last_step_report() for opt in run.optimizers])
     # What each optimizer's runtime counted in the last step (its launches from the reduction included),
     # and its plan: for the step model's collectives.
     counted = [{"log": list(opt.runtime.stats.last_log), "plan_rank": opt.runtime.topo.rank,
                 "waves": opt.last_step_stats()["return_waves"], "shard": opt.plan.topology.shard,
                 "infos": [(tuple(i.shape), i.owner, i.block) for i in opt.plan.infos]} for opt in run.optimizers]
-    return {"params": run.params(), "reports": reports, "norms": norms, "counted": counted}
+    return {"params": run.params(), "reports": reports, "norms": norms, "counted": counted, "reads": reads,
+            "joins": joins, "stages": len(run.stage_indices)}
 
 
 def _state(run: Pipeline) -> list[dict]:

@@ -38,6 +38,7 @@ allocator's real pools; the GPU check runs the same paths on a GPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -142,6 +143,10 @@ class CheckedStreams(Streams):
         self._emulated_finalize = False
         self._landed_collectives: set[str] = set()
         self._in_backward = False
+        self.waits: collections.Counter = collections.Counter()
+        """Per (waiting stream, stream whose event it waited for), how many :meth:`wait` calls (joins):
+        what a test counts where a wait's place matters (a wait on the compute stream holds up the work
+        queued behind it)."""
         self._tls = threading.local()
         self._home = threading.get_ident()
         self._mode = _Mode(self)
@@ -333,6 +338,7 @@ class CheckedStreams(Streams):
             if event is None:
                 return
             self._check_may_wait(stream, f"an event of stream {event.stream!r}")
+            self.waits[(stream, event.stream)] += 1
             self._join(stream, event.clock)
 
     def _issuing(self, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> str:

@@ -206,6 +206,9 @@ class ReductionGroup:
     """Its trainable parameters (the ones it manages itself, not its FSDP children's)."""
     block: int | None = None
     """Its index in ``Plan.blocks`` when it holds Muon matrices, else None."""
+    root: str = ""
+    """Name of its outermost ``fully_shard``-ed ancestor (itself for a root): a pipeline stage's module,
+    whose groups its schedule reduces by hand in one go."""
 
 
 @dataclass

@@ -135,7 +135,12 @@ def prepare(
     blocks, renumber = _renumber(blocks, infos)
     # What FSDP2 reduces together, every trainable parameter included: dmuon's replicate level
     # reduces these groups (with hsdp_mesh), the Muon matrices' block by block.
-    groups = [ReductionGroup(name, [p for p in params if p.requires_grad], renumber.get(b))
+    names = [name for name, _, _ in block_list]
+
+    def root(name: str) -> str:
+        return next(r for r in names if r == name or r == "" or name.startswith(r + "."))
+
+    groups = [ReductionGroup(name, [p for p in params if p.requires_grad], renumber.get(b), root(name))
               for b, (name, _, params) in enumerate(block_list) if any(p.requires_grad for p in params)]
     balance = assign(
         infos, topology.world_size, balancer, ns_steps=ns.steps, costs=cost_table, profile=profile,

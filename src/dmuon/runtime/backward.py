@@ -117,6 +117,8 @@ class _Unit:
     """The hooked parameters (trainable)."""
     block: int | None
     """Its Muon matrices' block (``Plan.blocks``), or None."""
+    root: str = ""
+    """Its outermost ``fully_shard``-ed module (``ReductionGroup.root``; replicate level only)."""
 
 
 class BackwardLaunches:
@@ -189,8 +191,12 @@ class BackwardLaunches:
             units = [_Unit(list({id(plan.infos[i].param): plan.infos[i].param for i in b.members
                                  if plan.infos[i].param.requires_grad}.values()), b.index) for b in plan.blocks]
         else:
-            units = [_Unit(list(g.params), g.block) for g in plan.groups]
+            units = [_Unit(list(g.params), g.block, g.root) for g in plan.groups]
         self._units = [u for u in units if u.params]
+        # Per fully_shard root (a pipeline stage's module), its units: the schedule reduces them by hand in one go.
+        self._stage_units: dict[str, set[int]] = {}
+        for k, u in enumerate(self._units):
+            self._stage_units.setdefault(u.root, set()).add(k)
         self._unit_of = {id(p): k for k, u in enumerate(self._units) for p in u.params}
         self._landed: dict[int, list[torch.Tensor]] = {}
         self._current: int | None = None
@@ -273,13 +279,25 @@ class BackwardLaunches:
         landed.append(param)
         if len(landed) == len(self._units[unit].params):
             self._complete(unit)
-        if by_hand and self.replicate is not None and self._current is None:
+        if by_hand and self.replicate is not None and self._current is None and self._stage_reduced(unit):
             self._land_by_hand()
 
+    def _stage_reduced(self, unit: int) -> bool:
+        """Whether every unit of ``unit``'s stage (its ``fully_shard`` root) has completed this step: the
+        schedule's reduction by hand of that stage is over, and what it does next (its division) reads
+        the gradients on the compute stream."""
+        return self._stage_units[self._units[unit].root] <= self._fired
+
     def _land_by_hand(self) -> None:
-        """Outside autograd (FSDP2's reduction called by hand): the reductions in flight land on dmuon's
-        stream, and the compute stream (where the caller reads and scales the gradients next) waits
-        for it. FSDP2's stream never waits for dmuon's: its next unit's reduce-scatter goes on."""
+        """Outside autograd (FSDP2's reduction called by hand), once a stage's last unit completed: the
+        reductions in flight land on dmuon's stream, and the compute stream (where the schedule divides
+        the gradients next, or the caller reads them) waits for it, once per stage. Not per unit: FSDP2's
+        reduce-scatter stream waits for the compute stream before each unit's reduce-scatter, so a wait
+        per unit would queue the next unit's reduce-scatter, and the compute of the stages an
+        interleaved or V schedule runs meanwhile, behind each unit's reduction across replicas. FSDP2's
+        stream never waits for dmuon's. Every buffer the landings read stays with its Flight until
+        landed on dmuon's stream (``Streams.land`` keeps it there); the compute stream reads only the
+        gradients, after this wait."""
         with self._on_own_stream():
             self.replicate.land_all()
             if self._to_keep:  # the deferred launches' gradients, as the reductions left them
@@ -522,6 +540,15 @@ class BackwardLaunches:
         self._early.clear()
         self._ns_done.clear()
         return launches, early
+
+    def learn_divisor(self) -> None:
+        """Before a clip scales the gradients (``DMuon.clip_grad_norm_``, called on every rank of the
+        mesh): the schedule's divisor from the gradients as its division left them. After the
+        clip's scaling ``step()`` could not learn it (``schedule_divisor``'s docstring), and a
+        run that clips on every step would defer every launch for good."""
+        self._compute = self.streams.current()
+        self._join_own_stream()
+        self._learn_divisor()
 
     def _learn_divisor(self) -> None:
         """After launches deferred from a reduction called by hand: the schedule's divisor, from the

@@ -370,6 +370,10 @@ class ShardRuntime:
         gradients are reduced across replicas first (:meth:`ReplicateLevel.finish`)."""
         if self.replicate is not None:
             self.replicate.finish()
+        if self.backward is not None:
+            # A pipeline schedule's divisor, where the gradients still hold what its division left:
+            # after the scaling below step() could not tell it (runtime/schedule_divisor.py).
+            self.backward.learn_divisor()
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, replicate=self.replicate,
                                group=self.topo.mesh_group if self.topo.world_size > 1 else None,
                                across=self.pipeline_group, device=self.device)

@@ -10,12 +10,23 @@ two is not even one float32 factor, and the block is exchanged again).
 The division is the same every step, known before backward. So the first step that reduces by
 hand launches nothing from the reduction (its blocks are exchanged in ``step()``, as with
 ``overlap=False``: no extra bytes) and keeps a copy of this rank's part of each matrix's gradient as
-reduced; ``step()`` then finds the integer ``n`` with ``reduced.div(n) == now``, bit for bit, on
-every part, and the ranks agree on it in one small all-reduce. From the next step on, the launches
-read ``gradient.div(n)``, the very bits the schedule's ``div_`` leaves, and stand as sent. A step
-whose gradients were edited otherwise (a clip on top) is what it always is: the launch's verdict in
-``step()`` (rescaled or stale). When no ``n`` fits (gradients edited otherwise at that first step),
-the next step learns again.
+reduced; the first of ``DMuon.clip_grad_norm_`` (before it scales anything) and ``step()`` then finds
+the integer ``n`` with ``reduced.div(n) == now``, bit for bit, on every part, and the ranks agree on
+it in one small all-reduce. From the next step on, the launches read ``gradient.div(n)``, the very
+bits the schedule's ``div_`` leaves, and stand as sent. A step whose gradients were edited otherwise
+(a clip on top) is what it always is: the launch's verdict in ``step()`` (rescaled or stale). When no
+``n`` fits (gradients edited otherwise at that first step), the next step learns again.
+
+Why learn in DMuon's clip: a clip that acts (torchtitan clips every step) multiplies every gradient
+by its coefficient ``c`` after the schedule's division, so ``step()`` sees ``reduced / n * c``. From
+those bits ``n`` is not even determined: for ``n`` a power of two, ``(n, c)`` and ``(1, c / n)`` give
+the same bits, and nothing dmuon can observe between the schedule's ``div_`` and a foreign clip
+(torch's ``stage.scale_grads`` runs inside the schedule's ``REDUCE_GRAD``, with no hook after it)
+tells them apart. DMuon's own ``clip_grad_norm_`` is such a point: there the gradients hold
+``reduced / n`` exactly, and every rank of the stage calls it (it is collective), so the agreement
+takes the same path everywhere. Under torch's clip that acts on every step nothing is learned (each
+step exchanges its blocks in ``step()``); the learning reads a fixed number of host values however
+many matrices it covers.
 """
 
 from __future__ import annotations
@@ -82,24 +93,33 @@ class ScheduleDivisor:
 
 def _proposal(reduced: dict[int, torch.Tensor], now: dict[int, torch.Tensor]) -> int:
     """This rank's divisor: the integer ``n`` with ``reduced[i].div(n) == now[i]`` bit for bit for every
-    ``i`` (guessed from the largest element, where the quotient's rounding matters least), or
-    :data:`NO_ANSWER` / :data:`REFUTED`."""
-    candidate = NO_ANSWER
-    for i, before in reduced.items():
-        if not before.numel():
-            continue
-        flat = before.reshape(-1).double()
-        at = int(flat.abs().argmax())
-        if flat[at] == 0 or not torch.isfinite(flat[at]):
-            continue
-        ratio = float(flat[at] / now[i].reshape(-1)[at].double()) if now[i].reshape(-1)[at] != 0 else 0.0
-        n = round(ratio) if ratio >= 0.5 else REFUTED
-        if n < 1 or (candidate not in (NO_ANSWER, n)):
-            return REFUTED
-        candidate = n
-    if candidate == NO_ANSWER:
+    ``i`` (guessed from each part's largest element, where the quotient's rounding matters least), or
+    :data:`NO_ANSWER` / :data:`REFUTED`.
+
+    Two host reads in all, however many parts: every part's guess travels in one tensor, and the
+    bit-for-bit check of every part is one flag (on an accelerator a read per matrix would wait for
+    the device once per matrix)."""
+    keys = [i for i, before in reduced.items() if before.numel()]
+    if not keys:
         return NO_ANSWER
-    for i, before in reduced.items():
-        if not torch.equal(before.div(candidate) if candidate != 1 else before, now[i]):
-            return REFUTED
-    return candidate
+    tops, bottoms = [], []
+    for i in keys:
+        flat = reduced[i].reshape(-1)
+        at = flat.abs().argmax().reshape(1)
+        tops.append(flat.index_select(0, at).double())
+        bottoms.append(now[i].reshape(-1).index_select(0, at).double())
+    top, bottom = torch.cat(tops), torch.cat(bottoms)
+    # NaN where the part teaches nothing (its largest element zero or not finite); 0 where it turned
+    # zero or non-finite since (no divisor gives that: refuted below).
+    fits = (bottom != 0) & torch.isfinite(bottom)
+    ratio = torch.where(fits, top / torch.where(fits, bottom, torch.ones_like(bottom)), torch.zeros_like(top))
+    ratio = torch.where((top != 0) & torch.isfinite(top), ratio, torch.full_like(top, float("nan")))
+    guesses = {round(r) if r >= 0.5 else REFUTED for r in ratio.tolist() if r == r}
+    if not guesses:
+        return NO_ANSWER
+    if len(guesses) > 1 or min(guesses) < 1:
+        return REFUTED
+    candidate = guesses.pop()
+    same = torch.stack([((before.div(candidate) if candidate != 1 else before) == now[i]).all()
+                        for i, before in reduced.items()])
+    return candidate if bool(same.all()) else REFUTED

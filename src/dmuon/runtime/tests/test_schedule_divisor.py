@@ -40,3 +40,20 @@ def test_gradients_edited_otherwise_teach_nothing():
 
 def test_nothing_to_learn_from_zero_or_empty_parts():
     assert _learned({0: torch.zeros(3, 3), 1: torch.zeros(0, 4)}, lambda t: t) is None
+
+
+def test_learning_reads_the_host_a_fixed_number_of_times():
+    # On an accelerator each read waits for the device: not one (or several) per matrix.
+    from dmuon.bench.op_count import HostReadCounter
+
+    counts = []
+    for parts in (2, 20):
+        g = torch.Generator().manual_seed(parts)
+        before = {i: torch.randn(6, 5, generator=g) for i in range(parts)}
+        divisor = ScheduleDivisor(torch.device("cpu"))
+        divisor.keep(before)
+        with HostReadCounter() as reads:
+            divisor.learn({i: t.div(4) for i, t in before.items()}, None)
+        assert divisor.value == 4
+        counts.append(reads.count)
+    assert counts[0] == counts[1] <= 2, counts
