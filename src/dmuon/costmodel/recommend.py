@@ -158,30 +158,67 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
 
 
 def recommended_code(rec: dict) -> list[str]:
-    """The recommendation as the lines of a training script that ask for it."""
+    """The recommendation as the lines of a training script that ask for it (with routed experts,
+    torchtitan's expert-parallel layout: dense and expert views of one world mesh)."""
     best = rec["recommended"]
     replicate, shard = rec["mesh"]
     reshard = "True" if rec["zero"] == 3 else "False"
     execution = "" if best["execution"] == "in_step" else f", execution={EXECUTIONS[best['execution']]}"
-    if best["layout"] == "1-D FSDP2":
-        lines = [f'mesh = init_device_mesh("cuda", ({shard},))', "shard_over = mesh"]
+    replicate_level = best["layout"] == "replicate level"
+    experts = rec.get("experts")
+    if experts:
+        return _expert_parallel_code(best, replicate, shard, reshard, execution, experts)
+    if best["layout"] == "1-D FSDP2":  # over every rank of the cluster
+        lines = [f'mesh = init_device_mesh("cuda", ({replicate * shard},))', "shard_over = mesh"]
         hsdp = ""
     else:
         lines = [f'mesh = init_device_mesh("cuda", ({replicate}, {shard}), mesh_dim_names=("replicate", "shard"))']
-        replicate_level = best["layout"] == "replicate level"
         lines.append('shard_over = mesh["shard"]' if replicate_level else "shard_over = mesh")
         hsdp = ", hsdp_mesh=mesh" if replicate_level else ""
-    experts = rec.get("experts")
-    if experts:
-        lines.append(f"# routed experts: ep={experts['ep']} inside the shard dim (torchtitan's expert parallelism), "
-                     f"each ep rank's stacks fully_shard-ed over efsdp={experts['efsdp']} ranks on dim "
-                     f"{experts['fsdp_dim']}")
     lines += ["for block in model.layers:",
               f"    fully_shard(block, mesh=shard_over, reshard_after_forward={reshard})",
               f"fully_shard(model, mesh=shard_over, reshard_after_forward={reshard})"]
-    if best["balancer"] == "greedy":
-        lines.append(f"opt = dmuon.DMuon(model{hsdp}{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))")
-    else:
-        lines.append(f'plan = dmuon.prepare(model, balancer="{best["balancer"]}"{hsdp})')
-        lines.append(f"opt = dmuon.DMuon(model, plan{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))")
-    return lines
+    return lines + _optimizer_lines(best["balancer"], hsdp, execution)
+
+
+def _optimizer_lines(balancer: str, hsdp: str, execution: str) -> list[str]:
+    if balancer == "greedy":
+        return [f"opt = dmuon.DMuon(model{hsdp}{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))"]
+    return [f'plan = dmuon.prepare(model, balancer="{balancer}"{hsdp})',
+            f"opt = dmuon.DMuon(model, plan{execution}, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-4))"]
+
+
+def _expert_parallel_code(best: dict, replicate: int, shard: int, reshard: str, execution: str,
+                          experts: dict) -> list[str]:
+    """torchtitan's layout (README, "MoE and expert parallelism"): the dense parameters over the shard dim,
+    each routed-expert stack split whole over ``ep`` and sharded over ``efsdp``, both unflattened from one
+    world mesh with the replicate dim first; the experts' gradient divided by every data rank."""
+    ep, efsdp, dim = experts["ep"], experts["efsdp"], experts["fsdp_dim"]
+    one_d = best["layout"] == "1-D FSDP2"
+    replicate_level = best["layout"] == "replicate level"
+    outer = () if one_d else (replicate,)
+    outer_names = () if one_d else ("replicate",)
+    if one_d:  # the experts sharded over every other data rank of the cluster
+        shard, efsdp = replicate * shard, replicate * efsdp
+        dim = 1 if efsdp * ep > sum(experts["experts_per_ep_rank"]) else 0
+
+    def view(sizes: tuple, dims: tuple) -> str:
+        return f"world._unflatten(0, {sizes}, {dims})"
+
+    lines = [f'world = init_device_mesh("cuda", ({replicate * shard},), mesh_dim_names=("world",))',
+             f"dense = {view((*outer, shard), (*outer_names, 'shard'))}",
+             f"experts = {view((*outer, efsdp, ep), (*outer_names, 'efsdp', 'ep'))}"]
+    dense_over, experts_over = ('dense["shard"]', 'experts["efsdp"]') if replicate_level or one_d else \
+        ("dense", 'experts["replicate", "efsdp"]')
+    divide = shard if replicate_level or one_d else replicate * shard
+    placement = ", shard_placement_fn=lambda p: Shard(1)" if dim == 1 else ""
+    lines += ["for block in model.layers:",
+              "    routed = block.moe.experts  # torchtitan's names; ExpertParallel() also dispatches the tokens",
+              "    for name, w in list(routed.named_parameters(recurse=False)):",
+              '        setattr(routed, name, nn.Parameter(distribute_tensor(w.data, experts["ep"], [Shard(0)])))',
+              f"    fully_shard(routed, mesh={experts_over}{placement}, reshard_after_forward={reshard})",
+              f"    routed.set_gradient_divide_factor({divide})",
+              f"    fully_shard(block, mesh={dense_over}, reshard_after_forward={reshard})",
+              f"fully_shard(model, mesh={dense_over}, reshard_after_forward={reshard})"]
+    return lines + _optimizer_lines(best["balancer"], ", hsdp_mesh=(dense, experts)" if replicate_level else "",
+                                    execution)

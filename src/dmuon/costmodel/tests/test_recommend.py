@@ -67,8 +67,27 @@ def test_the_code_asks_for_each_choice():
     assert "shard_over = mesh\n" in code and 'plan = dmuon.prepare(model, balancer="milp")' in code
     assert "dmuon.DMuon(model, plan, lr=" in code and "execution" not in code
     code = "\n".join(recommended_code(_rec("1-D FSDP2", "returns_in_backward", "round_robin")))
-    assert 'init_device_mesh("cuda", (8,))' in code
+    assert 'init_device_mesh("cuda", (32,))' in code  # every rank of the 4 x 8 cluster
     assert "ExecutionConfig(ns_in_backward=True, returns_in_backward=True)" in code
+
+
+def test_the_code_lays_routed_experts_out_as_torchtitan_does():
+    """With routed experts: the dense and expert views of one world mesh, the stacks split whole over ep and
+    sharded over efsdp (dim 1 where efsdp * ep exceeds the experts), the experts' gradient divided by every
+    data rank, and on the replicate level both views as hsdp_mesh."""
+    experts = {"ep": 4, "efsdp": 2, "fsdp_dim": 1, "experts_per_ep_rank": [2, 2, 2, 2]}
+    code = "\n".join(recommended_code(_rec("replicate level", "next_forward", "greedy") | {"experts": experts}))
+    assert "dense = world._unflatten(0, (4, 8), ('replicate', 'shard'))" in code
+    assert "experts = world._unflatten(0, (4, 2, 4), ('replicate', 'efsdp', 'ep'))" in code
+    assert 'distribute_tensor(w.data, experts["ep"], [Shard(0)])' in code
+    assert 'fully_shard(routed, mesh=experts["efsdp"], shard_placement_fn=lambda p: Shard(1)' in code
+    assert "set_gradient_divide_factor(8)" in code and 'fully_shard(block, mesh=dense["shard"]' in code
+    assert "dmuon.DMuon(model, hsdp_mesh=(dense, experts), execution=" in code
+    code = "\n".join(recommended_code(_rec("native HSDP", "in_step", "milp") | {"experts": experts}))
+    assert 'fully_shard(routed, mesh=experts["replicate", "efsdp"]' in code and "set_gradient_divide_factor(32)" in code
+    assert "fully_shard(block, mesh=dense," in code and "hsdp_mesh" not in code
+    code = "\n".join(recommended_code(_rec("1-D FSDP2", "in_step", "greedy") | {"experts": experts}))
+    assert "experts = world._unflatten(0, (8, 4), ('efsdp', 'ep'))" in code and "set_gradient_divide_factor(32)" in code
 
 
 def test_bad_cluster():
