@@ -139,7 +139,8 @@ def init_from_full_model(model, spec, seed: int = 0) -> None:
 
 
 def batch(step: int, rank: int, world_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s ``(inputs, labels)`` of ``step``: its rows of one global batch of random tokens."""
+    """Rank ``rank``'s ``(inputs, labels)`` of ``step``: its rows of one global batch of random tokens (a
+    new one each step: the losses printed show the run, not learning; put torchtitan's dataloader here)."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, vocab, (world_size * LOCAL_BATCH, SEQ + 1), generator=g)
     mine = tokens[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
