@@ -102,3 +102,43 @@ def test_torchtitan_optimizers_container(tmp_path):
     and its flat state dict through DCP, a resume continues exactly."""
     recipe = _recipe("torchtitan_container", "torchtitan")
     recipe.check(run_distributed(recipe.run, 2, str(tmp_path), timeout_s=300)[0])
+
+
+def test_torchtitan_moe_expert_parallel_equals_one_process():
+    """torchtitan's own deepseek_v3 debugmodel (MLA, 8 routed experts x 5 MoE layers, a shared expert)
+    sharded by its own parallelize_fn with ep=2 on 4 gloo ranks (dense over fsdp=4, experts Shard(0) over
+    ep then fully_shard over efsdp=2), DMuon from torchtitan's optimizer container, torchtitan's
+    load-balancing hook, loss and clip_grad_norm_(ep_enabled=True), 3 steps: equal at 1e-5 to one process
+    (torch.optim.Muon with fp32 NS per expert slice and per dense matrix, AdamW on the rest, the global
+    batch) from the sharded model's own initial weights; each of the 167 Muon matrices orthogonalized
+    once in the cluster.
+
+    One torchtitan detail is switched off in both runs: its routed experts' bf16 grouped GEMMs
+    (support/titan_moe.py's ``fp32_experts``; each expert's weight gradient is a bf16 sum over its tokens,
+    two partial sums here against one in one process, and Newton-Schulz amplifies that full-rank 2^-9
+    difference to a tenth of the experts' update in one step). The gradient norms agree to 1e-4, not
+    1e-6: torch's fp32 norm on CPU accumulates a 2M-element tensor to ~1e-4 (the float64 norm of the
+    same gradient differs by that), in either run; clipping scales the whole gradient, which Muon's
+    normalization and AdamW's ratio cancel within a step."""
+    recipe = _recipe("torchtitan_moe", "torchtitan", "triton")
+    import torch
+
+    import dmuon
+    from support import titan_moe
+
+    ns = dmuon.NSConfig(method="standard", dtype=torch.float32)
+    results = run_distributed(titan_moe.train_fp32_experts, 4, RECIPES, recipe.STEPS, ns, timeout_s=900)
+    first = results[0]
+    with titan_moe.fp32_experts():
+        ref = titan_moe.reference(recipe, first["initial"], recipe.STEPS, 4)
+    assert first["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=0)
+    assert first["norms"] == pytest.approx(ref["norms"], rel=1e-4, abs=0)
+    assert all(n > recipe.MAX_NORM for n in ref["norms"])  # every step clipped
+    worst = max(ref["params"], key=lambda n: (first["params"][n] - ref["params"][n]).abs().max().item())
+    err = (first["params"][worst] - ref["params"][worst]).abs().max().item()
+    assert err <= 1e-5, (worst, err)
+    moved = min((first["params"][n] - first["initial"][n]).abs().max().item() for n in ref["params"])
+    assert moved > 1e-3  # every parameter trained: the comparison is not of untouched weights
+    for r in results[1:]:
+        assert all(torch.equal(r["params"][n], first["params"][n]) for n in ref["params"])
+    assert sum(r["orthogonalized"] for r in results) == ref["muon_matrices"] == 167
