@@ -23,6 +23,8 @@ def _four_ranks(rank: int, world: int) -> dict:
     runs = {name: functools.partial(moe.train, rank, world, name, STEPS) for name in FOUR}
     runs["no token for two experts"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS, route_to=0)
     runs["clipped"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS, clip=0.05)
+    runs["routed experts idle"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS,
+                                                    routed_off_at=STEPS - 1)
     runs["frozen experts"] = functools.partial(moe.train, rank, world, "ep2-dim1", STEPS,
                                                frozen=("layers.1.experts.w1", "layers.1.experts.w2"))
     runs["clipped on the replicate level"] = functools.partial(moe.train, rank, world, "ep2-replicate-level", STEPS,
@@ -99,6 +101,18 @@ def test_an_expert_without_tokens_and_heavy_imbalance_equal_one_process():
     assert err <= 1e-5, (name, err)
 
 
+def test_experts_without_a_gradient_on_every_rank_are_not_stepped():
+    """A step where the last layer's router and routed experts do not run (a framework that skips them): their
+    gradients are None on every rank and, as torch.optim.Muon does, Muon leaves them (no momentum, no decay)."""
+    results = _results("routed experts idle")
+    ref = moe.reference(results[0]["initial"], STEPS, 4, 3, routed_off_at=STEPS - 1)
+    name, err = _worst(results[0]["params"], ref)
+    assert err <= 1e-5, (name, err)
+    idle = 2 * 3 + 1  # the layer's expert slices and its router, at the last step
+    busy = sum(r["orthogonalized"] for r in _results("ep2-dim1"))
+    assert sum(r["orthogonalized"] for r in results) == busy - idle
+
+
 @pytest.mark.parametrize("run", ["clipped", "clipped on the replicate level", "clipped on FSDP2's HSDP"])
 def test_clipping_by_the_whole_models_norm_across_the_meshes(run):
     """``opt.clip_grad_norm_`` over dense and expert DTensors of different meshes (torch's own raises there):
@@ -151,6 +165,7 @@ def test_counted_collectives_equal_the_step_model(layout):
 @pytest.mark.parametrize("kind,message", [
     ("two roots", "live on DeviceMeshes with no common root"),
     ("ep along rows", "an expert stack split over the 'ep' mesh dim by Shard(dim=1), not along its expert dim"),
+    ("rows claimed twice", "['layers.0.mix.weight']: a local shard is not where its DTensor placements put it"),
 ])
 def test_layouts_dmuon_cannot_read_as_experts_raise_on_every_rank(kind, message):
     errors = run_distributed(moe.refused, 2, kind, timeout_s=120)

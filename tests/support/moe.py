@@ -175,6 +175,9 @@ class MoEBlock(nn.Module):
         """Every token routed to this expert and the next (an expert that receives none, heavy imbalance)."""
         self.cp_group = None
         """Context parallelism: the ranks holding the other chunks of this rank's sequences, in order."""
+        self.routed_off = False
+        """Skip the router and the routed experts (the shared expert alone): a step where a framework runs none
+        of them, so their gradients are None on every rank."""
         self.tp_group = None
         """Tensor parallelism with the experts on ep (torchtitan's etp = 1, ep borrowing tp): the ranks holding
         the same tokens; each routes its share of them, so every token reaches its experts once."""
@@ -196,6 +199,8 @@ class MoEBlock(nn.Module):
         steps = torch.arange(first + 1, first + t + 1, dtype=x.dtype, device=x.device).view(1, t, 1)
         x = x + torch.tanh(self.mix((x.cumsum(1) + prefix) / steps))
         flat = x.reshape(-1, d)
+        if self.routed_off:
+            return x + self.shared_down(torch.tanh(self.shared_up(flat))).view(b, t, d)
         scores = self.router(flat).softmax(-1)
         if self.route_to is None:
             weight, expert = scores.topk(TOP_K, dim=-1)
@@ -257,7 +262,7 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reference(initial: dict[str, torch.Tensor], steps: int, world: int, experts: int = 3, layers: int = 2,
               route_to: int | None = None, frozen: tuple[str, ...] = (), clip: float | None = None,
-              norms: list | None = None) -> dict[str, torch.Tensor]:
+              norms: list | None = None, routed_off_at: int | None = None) -> dict[str, torch.Tensor]:
     """One process from the sharded run's own initial weights (``initial``, full tensors) on the global
     batch: torch.optim.Muon (fp32 NS) on each expert slice and each dense matrix, AdamW on the rest
     (``clip``: torch's ``clip_grad_norm_`` over every gradient first, its norms appended to ``norms``)."""
@@ -277,6 +282,7 @@ def reference(initial: dict[str, torch.Tensor], steps: int, world: int, experts:
     muon = torch.optim.Muon(slices + matrices, **MUON)
     adamw = torch.optim.AdamW(rest, **ADAMW)
     for step in range(steps):
+        model.layers[-1].routed_off = step == routed_off_at
         loss_of(model, torch.cat([batch(step, r, world) for r in range(world)])).backward()
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
@@ -400,7 +406,7 @@ LAYOUTS = {
 
 def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int | None = None,
           clip: float | None = None, frozen: tuple[str, ...] = (), counted: bool = False,
-          execution=None) -> dict:
+          execution=None, routed_off_at: int | None = None) -> dict:
     """Trains :class:`MoENet` laid out as ``LAYOUTS[layout]`` with DMuon (fp32 NS; ``counted``: bf16 wire
     and the last step's counted collectives) for ``steps`` steps, every rank reading its own batch.
 
@@ -435,6 +441,7 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
                       hsdp_mesh=(dense, expert_mesh) if level else None)
     norms = []
     for step in range(steps):
+        model.layers[-1].routed_off = step == routed_off_at
         loss_of(model, batch(step, data_rank, world // (cp * tp)), chunk, cp).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
@@ -467,7 +474,9 @@ def refused(rank: int, world: int, kind: str) -> str:
     """The error DMuon raises on this rank for a layout it must refuse (``""``: none raised).
 
     ``"two roots"``: the experts on a mesh of their own ``init_device_mesh``, not cut from the dense
-    parameters' root; ``"ep along rows"``: the stacks split over ep by their rows, not by expert."""
+    parameters' root; ``"ep along rows"``: the stacks split over ep by their rows, not by expert;
+    ``"rows claimed twice"``: a dense matrix whose last rank holds a row more than its placement gives it
+    (past the matrix's end)."""
     import dmuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -479,16 +488,21 @@ def refused(rank: int, world: int, kind: str) -> str:
         experts = init_device_mesh("cpu", (1, world), mesh_dim_names=("efsdp", "ep"))
         placement = Shard(0)
     else:
-        dense, experts = None, None
         world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
         dense = world_mesh._unflatten(0, (world,), ("fsdp",))
         experts = world_mesh._unflatten(0, (1, world), ("efsdp", "ep"))
-        placement = Shard(1)
+        placement = Shard(1) if kind == "ep along rows" else Shard(0)
     routed = model.layers[0].experts
     for w in ("w1", "w2"):
         setattr(routed, w, nn.Parameter(distribute_tensor(getattr(routed, w).data, experts["ep"], [placement])))
     fully_shard(routed, mesh=experts["efsdp"])
     fully_shard(model, mesh=dense)
+    if kind == "rows claimed twice":
+        mix = model.layers[0].mix
+        rows = -(-DIM // world) + (dist.get_rank() == world - 1)
+        local = torch.zeros(rows, DIM)  # the last rank one row more than its placement gives: past the end
+        mix.weight = nn.Parameter(DTensor.from_local(local, dense, [Shard(0)], run_check=False, shape=(DIM, DIM),
+                                                     stride=(DIM, 1)))
     try:
         dmuon.DMuon(model, lr=0.02)
     except ValueError as exc:
