@@ -445,3 +445,28 @@ def test_the_agreement_s_host_flags_go_through_pinned_memory_on_an_accelerator(m
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pinned") or Pinned())
     agreement.host_to_device(host, torch.device("cuda", 0))
     assert calls == ["pinned", (torch.device("cuda", 0), True)]
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon", "muonh", "dion2"])
+def test_updates_applied_in_the_next_forward_keep_their_steps_lr_under_a_scheduler(rule):
+    """``apply_updates="next_forward"`` lands a step's updates after the caller's ``scheduler.step()``;
+    torch.optim.Muon applies each step's update with that step's lr and weight decay, so the held updates keep
+    the settings of the step that made them (they took the next step's lr: 4e-2 off after four steps)."""
+    from support.cases import rule_optimizer
+
+    def run(mode: str) -> list[torch.Tensor]:
+        model = _small()
+        opt = rule_optimizer(rule, model, None, lr=0.05, weight_decay=0.1, ns=FP32_NS,
+                             execution=dmuon.ExecutionConfig(apply_updates=mode))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s))
+        for step in range(4):
+            x, y = _small_batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        opt.flush_updates()
+        return [p.detach().clone() for p in model.parameters()]
+
+    held, applied = run("next_forward"), run("in_step")
+    assert all(torch.equal(a, b) for a, b in zip(held, applied))

@@ -60,6 +60,7 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         self.plan = optimizer.plan
         self._column = divmod(self.plan.rank, self.plan.shard)[1]
         self._host_alphas = HostAlphas()
+        self._held_settings: dict[int, dict] | None = None  # hold_settings
         self._shapes = {info.index: info.matrix_shape for info in self.plan.infos}
 
     # ----------------------------------------------------------------- helpers
@@ -68,6 +69,23 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         opt = self.opt
         return {i: g for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]
                 for i in opt.matrix_indices(p)}
+
+    def hold_settings(self) -> None:
+        """The settings the step just taken applies its updates with, kept for :meth:`apply`: under
+        ``apply_updates="next_forward"`` the updates land in the next forward, after the caller's code
+        between (an lr scheduler's ``step()``), and torch.optim.Muon applies a step's update with that
+        step's ``lr`` and ``weight_decay``. A tensor ``lr`` is copied (a scheduler may change it in place)."""
+        copies: dict[int, dict] = {}
+        for i, group in self._groups().items():
+            if id(group) not in copies:
+                copies[id(group)] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                     for k, v in group.items() if k != "params"}
+        self._held_settings = {i: copies[id(g)] for i, g in self._groups().items()}
+
+    def _apply_groups(self) -> dict[int, dict]:
+        """Plan index -> the settings its update applies with: those :meth:`hold_settings` kept, else the
+        param group's as it is."""
+        return self._held_settings if self._held_settings is not None else self._groups()
 
     def _local(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Matrix ``index``'s part of this rank's shard of ``tensor`` (its parameter or momentum: the
@@ -117,7 +135,7 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
         # Muon keeps no row state (``rows`` is None).
-        groups = self._groups()
+        groups = self._apply_groups()
         alphas = self._host_alphas.get(groups, self._shapes)  # a tensor lr: one read for every matrix
         for i, update in updates.items():
             info, group = self.plan.infos[i], groups[i]
@@ -284,7 +302,7 @@ class MuonHCallbacks(MuonCallbacks, WeightSums):
 
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
-        groups = self._groups()
+        groups = self._apply_groups()
         for i, update in updates.items():
             muonh.step(self._local(i, self.plan.infos[i].param), update, self._radius(i), self._scaled_lr(i, groups[i]))
 
@@ -334,7 +352,7 @@ class Dion2Callbacks(MuonFamily):
 
     @torch.no_grad()
     def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
-        groups = self._groups()
+        groups = self._apply_groups()
         for i, update in updates.items():
             info = self.plan.infos[i]
             buf = self.opt.state[info.param].get("momentum_buffer")

@@ -687,6 +687,8 @@ class DMuon(torch.optim.Optimizer):
                 self._stages_checked = True
             try:
                 self._last_report = self.runtime.step()
+                if self.execution.apply_updates == "next_forward":
+                    self.runtime.callbacks.hold_settings()  # the updates land after a scheduler's step()
                 if self.plan.replicas:
                     self._mark_stepped()
             finally:
