@@ -40,13 +40,7 @@ class PipeMoE(moe.MoENet):
         self.layers = nn.ModuleDict({str(k): block for k, block in enumerate(self.layers)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x
+        return pipeline.stage_forward(self, x)
 
 
 def part_of(model: PipeMoE, stage: int, stages: int) -> PipeMoE:

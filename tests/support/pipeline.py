@@ -46,13 +46,19 @@ class PipeNet(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x
+        return stage_forward(self, x)
+
+
+def stage_forward(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A stage's forward: its embedding (the first stage), its layers in order, its norm and head (the last);
+    :func:`part_of` leaves the others None."""
+    if part.embed is not None:
+        x = part.embed(x)
+    for layer in part.layers.values():
+        x = layer(x)
+    if part.head is not None:
+        x = part.head(part.norm(x))
+    return x
 
 
 def part_of(model: PipeNet, stage: int, stages: int, split: tuple[int, ...] | None = None) -> PipeNet:
