@@ -114,8 +114,11 @@ def test_moe_workload_has_expert_stacks_dmuon_sees_one_by_one():
     assert sum(n.startswith("model.layers.0.mlp.down_proj[") for n in names) == 8
 
 
-def test_interleaved_rounds_train_as_sequential_runs(tmp_path):
-    """Interleaving configurations on one process group must not change what each one computes."""
+def test_interleaved_rounds_train_as_sequential_runs(tmp_path, monkeypatch):
+    """Interleaving configurations on one process group must not change what each one computes. The NS tuning
+    cache is the test's own: both runs then take the choices the first one measured, which another process
+    tuning into the host's cache between them (a second test run beside this one) could otherwise change."""
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "cache"))
     args = ["--model", "tiny", "--world-size", "2", "--steps", "3", "--rounds", "2", "--warmup", "1",
             "--configs", "adamw,dmuon_z2,dmuon_z3", "--quiet"]
     payloads = {}
