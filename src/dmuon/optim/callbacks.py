@@ -75,12 +75,11 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
         ``apply_updates="next_forward"`` the updates land in the next forward, after the caller's code
         between (an lr scheduler's ``step()``), and torch.optim.Muon applies a step's update with that
         step's ``lr`` and ``weight_decay``. A tensor ``lr`` is copied (a scheduler may change it in place)."""
-        copies: dict[int, dict] = {}
-        for i, group in self._groups().items():
-            if id(group) not in copies:
-                copies[id(group)] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                     for k, v in group.items() if k != "params"}
-        self._held_settings = {i: copies[id(g)] for i, g in self._groups().items()}
+        groups = self._groups()
+        unique = {id(g): g for g in groups.values()}  # one copy per group, not per matrix
+        copies = {key: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in g.items() if k != "params"} for key, g in unique.items()}
+        self._held_settings = {i: copies[id(g)] for i, g in groups.items()}
 
     def _apply_groups(self) -> dict[int, dict]:
         """Plan index -> the settings its update applies with: those :meth:`hold_settings` kept, else the
