@@ -2,13 +2,15 @@
 
 * The README's quick start is examples/quickstart.py's core, line for line, and ``python
   examples/quickstart.py`` prints the losses one process with torch.optim.Muon + AdamW gives.
-* Every guide's example (examples/fsdp2.py, hsdp.py, ddp.py, tp.py, pipeline.py) trains 3 steps on the same 4
-  ranks (one process group for all, so the suite pays one start) with an fp32 NS, and ends with the
-  parameters of one process running torch.optim.Muon (fp32 NS) + AdamW on the global batch.
+* Every guide's example (examples/fsdp2.py, hsdp.py, ddp.py, tp.py, pipeline.py, experts.py) trains 3 steps on
+  the same 4 ranks (one process group for all, so the suite pays one start) with an fp32 NS, and ends with the
+  parameters of one process running torch.optim.Muon (fp32 NS; each expert of a stack its own matrix) + AdamW
+  on the global batch.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -16,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import dmuon
 
-from support.reference import reference_training
+from support.reference import ns_precision, reference_training
 from support.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +46,7 @@ RUNS = {
     "ddp, DDP with dmuon": ("ddp", {"kind": "route"}, WORLD, None),
     "tp": ("tp", {}, WORLD // 2, None),
     "pipeline": ("pipeline", {}, WORLD // 2, 1.0),
+    "experts": ("experts", {}, WORLD, 1.0),
 }
 
 
@@ -61,6 +65,32 @@ def test_readme_quick_start_is_the_example():
     assert _quick_start_in_readme() == _quick_start_in_file()
 
 
+def _experts_reference(clip: float) -> dict[str, torch.Tensor]:
+    """One process: examples/experts.py's model (seed 0, every expert here) on every rank's batch at once,
+    torch.optim.Muon on the router matrices and on each expert's ``(m, n)`` slice of a stack, AdamW on the rest."""
+    import experts
+
+    torch.manual_seed(0)
+    model = experts.MoELM()
+    named = dict(model.named_parameters())
+    matrices = [n for n in named if ".router." in n or ".experts." in n]
+    slices = [(named[n], e) for n in matrices if named[n].ndim == 3 for e in range(named[n].shape[0])]
+    views = [nn.Parameter(p.data[e]) for p, e in slices] + [named[n] for n in matrices if named[n].ndim == 2]
+    muon = torch.optim.Muon(views, lr=LR)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
+    for step in range(STEPS):
+        quickstart.loss_of(model, torch.cat([quickstart.batch(step, r) for r in range(WORLD)])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for view, (p, e) in zip(views, slices):
+            view.grad = p.grad[e]
+        with ns_precision(torch.float32):
+            muon.step()
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in named.items()}
+
+
+@functools.lru_cache(maxsize=None)  # several examples share a reference (the same data and clipping)
 def _reference(dp: int, clip: float | None, ns_dtype: torch.dtype, steps: int = STEPS, watch: int | None = None):
     """One process: the quick start's model (seed 0) on every data-parallel rank's batch at once;
     ``watch``: also the loss of that rank's batch before each step (what the quick start prints)."""
@@ -113,7 +143,7 @@ def example_runs() -> list[dict]:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_example_matches_one_process(example_runs, name):
     _, _, dp, clip = RUNS[name]
-    expected, _ = _reference(dp, clip, torch.float32)
+    expected = _experts_reference(clip) if name == "experts" else _reference(dp, clip, torch.float32)[0]
     got = {}
     for ranks in example_runs:        # a pipeline rank holds its stage's parameters only
         got.update(ranks[name])
