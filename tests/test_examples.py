@@ -113,8 +113,9 @@ def _reference(dp: int, clip: float | None, ns_dtype: torch.dtype, steps: int = 
 def test_quick_start_runs_and_matches_one_process():
     """``python examples/quickstart.py`` as a user runs it: 2 ranks, bf16 NS (the default). Its printed
     losses (rank 0's batch) against one process with torch.optim.Muon's own bf16 NS: the first equal (the
-    same initial weights), the later ones within what bf16 NS rounding moves them (0.01 at most,
-    against steps of 0.01-0.25)."""
+    same initial weights), the later ones within what bf16 NS rounding moves them (1.4e-4 measured at step 4,
+    which ``NSConfig(method="auto")`` may run another way on another machine: 2e-3 allowed, against losses that
+    move by 0.01-0.26 a step)."""
     run = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
@@ -122,7 +123,7 @@ def test_quick_start_runs_and_matches_one_process():
     _, expected = _reference(2, None, torch.bfloat16, steps=5, watch=0)
     assert len(printed) == 5
     assert printed[0] == pytest.approx(expected[0], abs=2e-6)
-    assert printed == pytest.approx(expected, abs=1e-2)
+    assert printed == pytest.approx(expected, abs=2e-3)
 
 
 def _run_examples(rank: int, world_size: int) -> dict:
