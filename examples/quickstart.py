@@ -12,26 +12,26 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.util.spawn import run_distributed   # local gloo ranks; under torchrun, call train() yourself
+from dmuon.util.spawn import run_distributed   # local gloo ranks; under torchrun, call train() on each rank
 
 VOCAB, DIM = 64, 32
 
 
-class Block(nn.Module):
+class Block(nn.Module):                                    # Muon: the Linear weights; AdamW: their biases
     def __init__(self) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)   # Muon: weights; AdamW: biases
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(x)))
 
 
-class TinyLM(nn.Module):
+class TinyLM(nn.Module):                                   # AdamW: the embedding and the output head
     def __init__(self, layers: int = 2) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)              # AdamW: an embedding
+        self.embed = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(Block() for _ in range(layers))
-        self.head = nn.Linear(DIM, VOCAB, bias=False)      # AdamW: the output head
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -40,8 +40,7 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def batch(step: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s 4 sequences of 17 tokens counting up from random starts (each rank reads its own)."""
+def batch(step: int, rank: int) -> torch.Tensor:           # 4 sequences counting up from random starts
     start = torch.randint(0, VOCAB, (4, 1), generator=torch.Generator().manual_seed(100 * step + rank))
     return (start + torch.arange(17)) % VOCAB
 
@@ -53,13 +52,13 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def train(rank: int, world_size: int, steps: int = 5) -> None:
     torch.manual_seed(0)                                   # the same initial weights on every rank
     model = TinyLM()
-    mesh = init_device_mesh("cpu", (world_size,))          # "cuda" on GPUs
+    mesh = init_device_mesh("cpu", (world_size,))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3))   # instead of torch.optim.AdamW
     for step in range(steps):
-        loss = loss_of(model, batch(step, rank))
+        loss = loss_of(model, batch(step, rank))           # each rank reads its own batch
         loss.backward()
         opt.step()
         opt.zero_grad()
