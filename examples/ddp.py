@@ -29,9 +29,12 @@ def build(world_size: int, kind: str, options: dict):
 def train(rank: int, world_size: int, kind: str = "ddp", steps: int = 3, **options) -> dict[str, torch.Tensor]:
     model, opt = build(world_size, kind, options)
     for step in range(steps):
-        loss_of(model, batch(step, rank)).backward()
+        loss = loss_of(model, batch(step, rank))
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch)")
     if kind == "ddp":
         return {name: p.detach().clone() for name, p in model.module.named_parameters()}
     return {name: p.full_tensor() for name, p in model.named_parameters()}
@@ -39,5 +42,5 @@ def train(rank: int, world_size: int, kind: str = "ddp", steps: int = 3, **optio
 
 if __name__ == "__main__":
     for kind in ("ddp", "route"):
+        print("torch's DDP:" if kind == "ddp" else "DDP with dmuon:", flush=True)
         run_distributed(train, 2, kind)
-        print(f"{kind}: trained")

@@ -92,10 +92,13 @@ def train(rank: int, world_size: int, ep: int = 2, steps: int = 3, **options) ->
     fully_shard(model, mesh=dense)
     opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), **options)
     for step in range(steps):
-        loss_of(model, batch(step, rank)).backward()                     # every rank reads its own batch
+        loss = loss_of(model, batch(step, rank))                     # every rank reads its own batch
+        loss.backward()
         opt.clip_grad_norm_(1.0)                                         # one norm across both meshes
         opt.step()
         opt.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch)")
     return {name: p.full_tensor() for name, p in model.named_parameters()}
 
 

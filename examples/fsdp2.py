@@ -24,12 +24,17 @@ def train(rank: int, world_size: int, steps: int = 3, **options) -> dict[str, to
     opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), **options)
     for step in range(steps):
         tokens = batch(step, rank)
+        loss = 0.0
         for micro in range(2):          # reduce (and send the owners their directions) after the last only
             model.set_requires_gradient_sync(micro == 1)
-            (loss_of(model, tokens[2 * micro:2 * micro + 2]) / 2).backward()
+            half = loss_of(model, tokens[2 * micro:2 * micro + 2]) / 2
+            half.backward()
+            loss += half.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)   # torch's own
         opt.step()
         opt.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {loss:.4f} (rank 0's batch)")
     if rank == 0:
         print(opt.plan)                 # each Muon matrix's owner and costs
         print(opt.last_step_report())   # the last step's bytes and seconds

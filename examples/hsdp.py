@@ -24,14 +24,17 @@ def train(rank: int, world_size: int, kind: str = "dmuon", steps: int = 3, **opt
     opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3),
                       hsdp_mesh=mesh if kind == "dmuon" else None, **options)
     for step in range(steps):
-        loss_of(model, batch(step, rank)).backward()   # every rank reads its own batch
+        loss = loss_of(model, batch(step, rank))   # every rank reads its own batch
+        loss.backward()
         opt.clip_grad_norm_(1.0)                       # one scalar all-reduce, on either kind
         opt.step()
         opt.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch)")
     return {name: p.full_tensor() for name, p in model.named_parameters()}
 
 
 if __name__ == "__main__":
     for kind in ("dmuon", "fsdp2"):
+        print(f"HSDP, {kind}:", flush=True)
         run_distributed(train, 4, kind)
-        print(f"{kind}: trained")

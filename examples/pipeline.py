@@ -47,14 +47,16 @@ def train(rank: int, world_size: int, steps: int = 3, **options) -> dict[str, to
     schedule = Schedule1F1B(stage, n_microbatches=2,
                             loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     for step in range(steps):
-        tokens = batch(step, dp_rank)
+        tokens, losses = batch(step, dp_rank), []
         if pp_rank == 0:
             schedule.step(tokens[:, :-1])
         else:
-            schedule.step(target=tokens[:, 1:])
+            schedule.step(target=tokens[:, 1:], losses=losses)     # the last stage: each micro-batch's loss
         opt.clip_grad_norm_(1.0)        # the whole model's norm: one scalar all-reduce over pp
         opt.step()
         opt.zero_grad()
+        if losses and dp_rank == 0:
+            print(f"step {step}: loss {sum(l.item() for l in losses) / len(losses):.4f} (dp rank 0's batch)")
     return {name: p.full_tensor() for name, p in part.named_parameters()}
 
 

@@ -23,9 +23,12 @@ def train(rank: int, world_size: int, steps: int = 3, **options) -> dict[str, to
     fully_shard(model, mesh=mesh["dp"])
     opt = dmuon.DMuon(model, lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), **options)
     for step in range(steps):
-        loss_of(model, batch(step, mesh.get_local_rank("dp"))).backward()   # a dp rank's tp ranks read alike
+        loss = loss_of(model, batch(step, mesh.get_local_rank("dp")))   # a dp rank's tp ranks read alike
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        if rank == 0:
+            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch)")
     return {name: p.full_tensor() for name, p in model.named_parameters()}
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,10 +30,23 @@ from support.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.append(str(EXAMPLES))  # the examples import the quick start's model as ``quickstart``
 
-import quickstart  # noqa: E402
+
+def _example(name: str) -> ModuleType:
+    """examples/<name>.py, loaded by path (on sys.path its name could be another module's): the quick start as
+    ``quickstart``, the name the other examples import it by, the others under ``dmuon_examples.``."""
+    key = name if name == "quickstart" else f"dmuon_examples.{name}"
+    path = EXAMPLES / f"{name}.py"
+    if getattr(sys.modules.get(key), "__file__", None) != str(path):
+        if name != "quickstart":
+            _example("quickstart")
+        spec = importlib.util.spec_from_file_location(key, path)
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+quickstart = _example("quickstart")
 
 WORLD = 4
 STEPS = 3
@@ -82,10 +97,8 @@ def _one_thread():
 def _experts_reference(clip: float) -> dict[str, torch.Tensor]:
     """One process: examples/experts.py's model (seed 0, every expert here) on every rank's batch at once,
     torch.optim.Muon on the router matrices and on each expert's ``(m, n)`` slice of a stack, AdamW on the rest."""
-    import experts
-
     torch.manual_seed(0)
-    model = experts.MoELM()
+    model = _example("experts").MoELM()
     named = dict(model.named_parameters())
     matrices = [n for n in named if ".router." in n or ".experts." in n]
     slices = [(named[n], e) for n in matrices if named[n].ndim == 3 for e in range(named[n].shape[0])]
@@ -142,12 +155,8 @@ def test_quick_start_runs_and_matches_one_process():
 
 
 def _run_examples(rank: int, world_size: int) -> dict:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.append(str(EXAMPLES))
-    import importlib
-
     ns = dmuon.NSConfig(dtype=torch.float32, method="standard")
-    return {name: importlib.import_module(module).train(rank, world_size, steps=STEPS, ns=ns, **kwargs)
+    return {name: _example(module).train(rank, world_size, steps=STEPS, ns=ns, **kwargs)
             for name, (module, kwargs, _, _) in RUNS.items()}
 
 
