@@ -93,7 +93,8 @@ def delayed_reduce_scatter(cycles: int, counter: list[int]):
 
 
 @contextlib.contextmanager
-def counting_collectives(group, counts: dict[str, int], names: tuple[str, ...] = ("all_to_all_single", "all_reduce")):
+def counting_collectives(group, counts: dict[str, int],
+                         names: tuple[str, ...] = ("all_to_all_single", "all_reduce")):
     """Counts the calls of the ``torch.distributed`` functions ``names`` on ``group`` (dmuon's) inside the block."""
     originals = {name: getattr(dist, name) for name in names}
 

@@ -176,12 +176,13 @@ def reference(device: torch.device, steps: int = STEPS) -> dict[str, torch.Tenso
 
 
 # ------------------------------------------------------------------ dmuon's runs
-def _dmuon(model: nn.Module):
+def make_dmuon(model: nn.Module, **execution):
+    """DMuon with the pair's settings, fp32 NS and loopback collectives (``execution``: other settings)."""
     import dmuon
 
     return dmuon.DMuon(model, **MUON_KW, adamw=dmuon.AdamWConfig(**ADAMW_KW),
                        ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-                       execution=dmuon.ExecutionConfig(loopback_collectives=True))
+                       execution=dmuon.ExecutionConfig(**{"loopback_collectives": True, **execution}))
 
 
 def _sharded(model: RowNet, mesh) -> RowNet:
@@ -194,19 +195,25 @@ def _sharded(model: RowNet, mesh) -> RowNet:
     return model
 
 
-def _launches(opt) -> tuple[int, int]:
+def _launches(opt) -> list[int]:
+    """The last step's ``[blocks launched from backward that stood, of them rescaled]``."""
     stats = opt.last_step_stats()
-    return stats["blocks_exchanged_in_backward"], stats["rescaled_launches"]
+    return [stats["blocks_exchanged_in_backward"], stats["rescaled_launches"]]
+
+
+def all_gather_name() -> str:
+    """The ``torch.distributed`` function the DDP runtime all-gathers the updates with (the same choice)."""
+    import torch.distributed as dist
+
+    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def _counted(opt, counts: dict[str, int]):
     """Counts dmuon's collectives on its group: the exchanges, the agreement and the updates' all-gather."""
-    import torch.distributed as dist
-
     from dmuon.bench.gpu_check_bench import counting_collectives
 
-    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    return counting_collectives(opt.plan.topology.mesh_group, counts, ("all_to_all_single", "all_reduce", gather))
+    names = ("all_to_all_single", "all_reduce", all_gather_name())
+    return counting_collectives(opt.plan.topology.mesh_group, counts, names)
 
 
 def ddp_run(device: torch.device) -> dict:
@@ -214,7 +221,7 @@ def ddp_run(device: torch.device) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(row_net(device))
-    opt = _dmuon(ddp)
+    opt = make_dmuon(ddp)
     counts, orthogonalized = {}, []
     with _counted(opt, counts):
         for step in range(STEPS):
@@ -236,7 +243,7 @@ def pipeline_run(device: torch.device) -> dict:
 
     mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("pp", "dp"))
     model = _sharded(row_net(device), mesh["dp"])
-    opt = _dmuon(model)
+    opt = make_dmuon(model)
     stage = pipelining.PipelineStage(model, 0, 1, device, group=mesh.get_group("pp"))
     schedule = pipelining.ScheduleGPipe(stage, MICROBATCHES, loss_fn=cross_entropy, scale_grads=True)
     counts, launches = {}, []
@@ -297,7 +304,7 @@ def fp16_run(device: torch.device) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _sharded(row_net(device), init_device_mesh(device.type, (1,)))
-    opt = _dmuon(model)
+    opt = make_dmuon(model)
     scaler = torch.amp.GradScaler(device.type, init_scale=FP16_SCALE)
     ref_model = row_net(device)
     pair, ref_scaler = TorchPair(ref_model), torch.amp.GradScaler(device.type, init_scale=FP16_SCALE)
@@ -328,8 +335,8 @@ CHECKS = {
     "ddp": "DMuon(ddp) on loopback collectives (agreement, updates' all-gather) equals torch's Muon + AdamW",
     "pipeline": f"one-stage GPipe, {MICROBATCHES} micro-batches (by-hand reduction, the divisor learned): "
                 "launches stand, equals torch's Muon + AdamW",
-    "fp16": "fp16 autocast + GradScaler on FSDP2 with loopback: launches stand rescaled, the inf step skipped, "
-            "each step equals torch's Muon + AdamW with GradScaler",
+    "fp16": "fp16 autocast + GradScaler on FSDP2: launches kept rescaled, the inf step skipped, each step "
+            "equals torch's Muon + AdamW + GradScaler",
 }
 """What each row checks: its name in the verdict table."""
 
@@ -364,7 +371,7 @@ def runtimes_section(device: torch.device, out: str) -> dict:
 
 def _ddp_verdict(row: dict) -> tuple[bool, str]:
     counts = row["collectives"]
-    gathers = counts.get("all_gather_single", 0) + counts.get("all_gather_into_tensor", 0)
+    gathers = counts.get(all_gather_name(), 0)
     ok = (row["runtime"] == "ReplicaRuntime" and row["orthogonalized"] == [row["matrices"]] * STEPS
           and counts.get("all_reduce", 0) >= STEPS and gathers >= STEPS and row["max_diff"] <= TOLERANCE)
     return ok, (f"max diff {row['max_diff']:.1e} ({row['worst']}) <= {TOLERANCE:.0e}; {row['runtime']}; "
@@ -375,7 +382,7 @@ def _pipeline_verdict(row: dict) -> tuple[bool, str]:
     """The first step learns the divisor (every block exchanged in ``step()``), every later one launches every
     block from the schedule's reduction, divided alike, and keeps it as sent."""
     want = [[0, 0]] + [[row["blocks"], 0]] * (STEPS - 1)
-    got = [list(pair) for pair in row["launches"]]
+    got = row["launches"]
     ok = got == want and row["collectives"].get("all_to_all_single", 0) > 0 and row["max_diff"] <= TOLERANCE
     return ok, (f"max diff {row['max_diff']:.1e} ({row['worst']}) <= {TOLERANCE:.0e}; (launched, rescaled) "
                 f"per step {got}, expected {want}; collectives {row['collectives']}")
@@ -395,15 +402,15 @@ def _fp16_verdict(row: dict) -> tuple[bool, str]:
     skipped = [s["skipped"] for s in steps]
     want_skipped = [step == INF_STEP for step in range(FP16_STEPS)]
     want = fp16_launches(want_skipped, row["blocks"])
-    got = [list(s["launches"]) if "launches" in s else None for s in steps]
+    got = [s.get("launches") for s in steps]
     diffs = [s["max_diff"] for s in steps if "max_diff" in s]
     worst = max(diffs, default=float("inf"))
     ok = (skipped == want_skipped and [s["reference_skipped"] for s in steps] == want_skipped
           and all(s["scale"] == s["reference_scale"] for s in steps)
           and all(s["unchanged"] for s in steps if s["skipped"]) and got == want and worst <= TOLERANCE)
+    scales = [s["scale"] for s in steps], [s["reference_scale"] for s in steps]
     return ok, (f"max diff per good step {worst:.1e} <= {TOLERANCE:.0e}; skipped {skipped}, expected "
-                f"{want_skipped}; scales {[s['scale'] for s in steps]}, torch's {[s['reference_scale'] for s in steps]};"
-                f" (launched, rescaled) {got}, expected {want}")
+                f"{want_skipped}; scales {scales[0]}, torch's {scales[1]}; (launched, rescaled) {got}, expected {want}")
 
 
 VERDICTS = {"ddp": _ddp_verdict, "pipeline": _pipeline_verdict, "fp16": _fp16_verdict}
@@ -439,8 +446,9 @@ def fake_payload() -> dict:
                                                                 "launches": launches[step]})})
     matrices = 2 * BLOCKS
     rows = [{"row": "ddp", "runtime": "ReplicaRuntime", "matrices": matrices, "orthogonalized": [matrices] * STEPS,
-             "collectives": {"all_reduce": STEPS, "all_gather_single": STEPS}, "max_diff": 0.0, "worst": "embed.weight"},
-            {"row": "pipeline", "blocks": BLOCKS, "launches": [[0, 0]] + [[BLOCKS, 0]] * (STEPS - 2) + [[BLOCKS - 1, 0]],
+             "collectives": {"all_reduce": STEPS, all_gather_name(): STEPS}, "max_diff": 0.0, "worst": "embed.weight"},
+            {"row": "pipeline", "blocks": BLOCKS,
+             "launches": [[0, 0]] + [[BLOCKS, 0]] * (STEPS - 2) + [[BLOCKS - 1, 0]],
              "collectives": {"all_reduce": 1, "all_to_all_single": 14}, "max_diff": 2e-7, "worst": "embed.weight"},
             {"row": "fp16", "blocks": BLOCKS, "steps": fp16_steps}]
     return {"backend": "nccl", "rows": rows}
