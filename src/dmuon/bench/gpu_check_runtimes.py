@@ -18,7 +18,8 @@ sides, :func:`fp32_torch_muon`):
 ``fp16``
     fp16 autocast with ``torch.amp.GradScaler`` on FSDP2 (``unscale_`` before ``step()``), an inf put in one
     gradient at :data:`INF_STEP`: the launches from backward stand rescaled by the scaler's factor (kept, not
-    exchanged again) wherever the owners hold the momentum, the inf's step is skipped (the weights bit for bit
+    exchanged again) from the second step on, but in the step after the skipped one (:func:`fp16_launches`),
+    the inf's step is skipped (the weights bit for bit
     unchanged, the scale halved as torch's scaler halves it), and each good step equals torch's pair's with
     torch's scaler from the same weights (a free run parts by the next fp16 forward's rounding, see
     :func:`fp16_run`).
