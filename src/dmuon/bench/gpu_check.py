@@ -1,6 +1,6 @@
 """``dmuon bench --gpu-check``: one prepared run on one GPU (at most 8 minutes), with a CPU dry run.
 
-Five sections, cheapest and most informative first, each in a subprocess of its own with its own
+Six sections, cheapest and most informative first, each in a subprocess of its own with its own
 timeout (:data:`TIMEOUTS_S`; a section that crashes or hangs fails its checks and the others
 still run, and a section's JSON is rewritten as it goes, so a timeout keeps what finished):
 
@@ -22,6 +22,11 @@ still run, and a section's JSON is rewritten as it goes, so a timeout keeps what
     matrices): how often the host waits for the device (``torch.cuda.set_sync_debug_mode``); dmuon's
     count must not grow with the matrices. Once more with the Muon learning rate a tensor on the device:
     no more waits than with a float.
+``runtimes``
+    dmuon's other step paths with loopback collectives, each against torch.optim.Muon + AdamW in the same
+    process: torch's DDP (:mod:`dmuon.runtime.replicas`), a one-stage pipeline schedule (the by-hand
+    reduction and the schedule's divisor), fp16 with ``torch.amp.GradScaler`` (the launches stand rescaled)
+    (:mod:`dmuon.bench.gpu_check_runtimes`).
 ``ns``
     Standard bf16 Newton–Schulz against Gram NS with the symmetric kernels at qwen2.5-7b's shapes,
     alone and as a stack (batched and looped), timed with CUDA events; the autotuner's pick.
@@ -49,13 +54,16 @@ import torch
 
 from dmuon.bench.gpu_check_base import one_rank
 
-SECTIONS = ("syrk", "bench", "csan", "syncs", "ns")
-TIMEOUTS_S = {"syrk": 80, "bench": 170, "csan": 70, "syncs": 50, "ns": 80}
+SECTIONS = ("syrk", "bench", "csan", "syncs", "runtimes", "ns")
+TIMEOUTS_S = {"syrk": 80, "bench": 150, "csan": 70, "syncs": 50, "runtimes": 30, "ns": 70}
 """Per section, cold Triton compiles included (the syrk section compiles 20 kernels, the bench
 section's first run tunes dmuon's NS). Estimates, no GPU run having measured them yet: the syncs
 section's fifth run (the tiny model with a device lr: a build, NS tuned at its shapes, three steps) adds
-about 10 s to the four the 40 s were for; the ns section, last and judged on its rows' errors only
-(its timings are reported), gives them up."""
+about 10 s to the four the 40 s were for. The runtimes section (a model of 0.1 M parameters, fp32 NS
+without tuning, the references included) takes 6 s of CPU time here on CPU, its interpreter's start
+included; its 30 s leave room for CUDA's and NCCL's starts and a slower host. The bench section (22 runs
+of the tiny bench model) gives up 20 s of its 170 for them, and the ns section, last and judged on its
+rows' errors only (its timings are reported), 10 s."""
 BUDGET_S = 480
 """The whole check: 8 minutes."""
 OVERHEAD_S = 30
@@ -172,6 +180,7 @@ def _bench_verdicts(payload: dict) -> list[dict]:
 def _sections():
     """Per section: (its function, its verdicts from its JSON, its plan for the dry run)."""
     from dmuon.bench import gpu_check_bench as gb
+    from dmuon.bench import gpu_check_runtimes as gr
     from dmuon.bench import gpu_check_sections as gs
 
     return {"syrk": (gs.syrk_section, gs.syrk_verdicts, gs.plan_syrk),
@@ -179,6 +188,7 @@ def _sections():
             "csan": (gs.csan_section, gs.csan_verdicts, gs.plan_csan),
             "syncs": (syncs_section, syncs_verdicts, lambda: [[s, c] for s in SYNC_SIZES for c in ("adamw", "dmuon_z3")]
                       + [[SYNC_SIZES[0], "dmuon_z3_device_lr"]]),
+            "runtimes": (gr.runtimes_section, gr.runtimes_verdicts, gr.plan_runtimes),
             "ns": (gs.ns_section, gs.ns_verdicts, gs.plan_ns)}
 
 
@@ -186,7 +196,7 @@ def section_command(name: str, out: str) -> tuple[list[str], dict[str, str]]:
     """The subprocess command of one section and the environment it adds."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH")]))}
-    if name == "bench":
+    if name in ("bench", "runtimes"):
         env.update(DETERMINISM_ENV)
     if name == "csan":
         env["TORCH_CUDA_SANITIZER"] = "1"  # read when torch initializes, hence its own process
@@ -248,6 +258,7 @@ def budget(sections: tuple[str, ...] = SECTIONS) -> dict:
 def fake_results() -> dict:
     """Made-up section JSONs of the real form, each with a failing case, for the dry run's table."""
     from dmuon.bench import gpu_check_bench as gb
+    from dmuon.bench import gpu_check_runtimes as gr
     from dmuon.bench import gpu_check_sections as gs
 
     syrk = [{**c, "check": {"passed": True, "max_rel_err": 1e-7, "tolerance": gs.syrk_tolerance(c["K"])}}
@@ -273,6 +284,7 @@ def fake_results() -> dict:
              + [{"config": "dmuon_z3_device_lr", "size": SYNC_SIZES[0], "matrices": 14, "syncs": 3}], "passed": True}
     return {"syrk": {**{"cases": syrk}, "wall_s": 1.0}, "bench": {"backend": "nccl", "runs": runs, "wall_s": 1.0},
             "csan": {**csan, "wall_s": 1.0}, "syncs": {**syncs, "wall_s": 1.0},
+            "runtimes": {**gr.fake_payload(), "wall_s": 1.0},
             "ns": {**ns, "error": "timed out after 90 s", "stderr_tail": "", "wall_s": 90.0}}
 
 

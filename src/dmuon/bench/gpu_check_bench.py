@@ -93,9 +93,10 @@ def delayed_reduce_scatter(cycles: int, counter: list[int]):
 
 
 @contextlib.contextmanager
-def counting_collectives(group, counts: dict[str, int]):
-    """Counts ``all_to_all_single`` and ``all_reduce`` calls on ``group`` (dmuon's) inside the block."""
-    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce")}
+def counting_collectives(group, counts: dict[str, int],
+                         names: tuple[str, ...] = ("all_to_all_single", "all_reduce")):
+    """Counts the calls of the ``torch.distributed`` functions ``names`` on ``group`` (dmuon's) inside the block."""
+    originals = {name: getattr(dist, name) for name in names}
 
     def counting(name):
         def call(*args, **kwargs):
@@ -229,7 +230,7 @@ def verdicts(runs: list[dict], device_type: str) -> list[dict]:
     return checks
 
 
-def _released_cleanly() -> None:
+def released_cleanly() -> None:
     """Frees what the run just left (its model, optimizer, buffers) now, and raises what the stream
     checker (on CPU) found in their release (a buffer freed with its collective never landed), so the
     error names this run, not whichever later run a garbage collection happens to fall in."""
@@ -262,7 +263,7 @@ def bench_section(size: str, steps: int, device: torch.device, out: str) -> dict
                 continue  # no stream to delay on CPU
             try:
                 payload["runs"].append(train(config, variant, size, steps, device))
-                _released_cleanly()
+                released_cleanly()
             except Exception as exc:  # the others still run; the verdict names the missing run
                 payload.setdefault("errors", []).append(f"{config} {variant}: {type(exc).__name__}: {exc}")
             with open(out, "w") as f:

@@ -42,6 +42,7 @@ rank enters a collective depends only on the plan and the agreement.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -109,7 +110,8 @@ class ReplicaRuntime:
         self.callbacks = callbacks
         self.config = config
         self.pipeline_group = pipeline_group
-        self.topo = plan.topology
+        # loopback_collectives: one rank's agreement and updates go through its one-member group too.
+        self.topo = dataclasses.replace(plan.topology, loopback=True) if config.loopback_collectives else plan.topology
         self.device = plan.device
         self.streams = streams_for(self.device)
         self.stats = CommStats()
@@ -156,7 +158,7 @@ class ReplicaRuntime:
         checked = cb.checked_gradients() if nonfinite is not None and isinstance(cb, CheckedGradients) else []
         maxima = cb.step_maxima() if isinstance(cb, StepMaxima) else None
         flags, decide = agreement_flags(infos, self.topo.coords[1], managed, here, nonfinite, checked, None, maxima)
-        if self.topo.world_size > 1:
+        if self.topo.world_size > 1 or self.topo.loopback:
             flags = flags.to(self.device)
             self.streams.issue(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.mesh_group,
                                                        async_op=True), reads=(flags,), writes=(flags,)).wait()
@@ -267,7 +269,8 @@ class _Publication:
                 offset += numel
         self.flights: list = []
         self.gathered: torch.Tensor | None = None
-        self.route, self.hops = replica_hops(self.shares, self.mine.element_size()) if n > 1 else ("local", [])
+        local = n == 1 and not runtime.topo.loopback  # with loopback, one rank's all-gather with itself
+        self.route, self.hops = ("local", []) if local else replica_hops(self.shares, self.mine.element_size())
         if self.route == "all_gather":
             self.chunk = max(self.shares)
             send = torch.zeros(self.chunk, dtype=self.mine.dtype, device=runtime.device)
