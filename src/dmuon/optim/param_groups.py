@@ -35,7 +35,6 @@ class ParamGroups:
             self._deferred.record(groups, named)
         return groups
 
-
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """torch.optim's param groups; before setup, every read first puts the model's current parameters
