@@ -16,25 +16,12 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dmuon.optim.groups import canonical_name
 from dmuon.plan.selection import select_matrices
+from dmuon.prepare.setup import waits_for_sharding
 from dmuon.util.torch_compat import active_ddp_module
-
-
-def waits_for_sharding(model: nn.Module) -> bool:
-    """A process group is up and no parameter is a DTensor yet (``fully_shard`` comes later).
-
-    A model sharded in part (some blocks ``fully_shard``-ed, others not) is not waiting for
-    a framework: it is the error :func:`dmuon.prepare` names at once.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    params = list(model.parameters())
-    return any(p.requires_grad for p in params) and not any(isinstance(p, DTensor) for p in params)
 
 
 def default_matrices(model: nn.Module) -> set[str]:
@@ -89,17 +76,6 @@ class DeferredSetup:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    def check_sharded(self) -> None:
-        """Raises ``ValueError`` naming a parameter no ``fully_shard`` manages, when the model still waits
-        for sharding on several ranks."""
-        if waits_for_sharding(self.model) and dist.get_world_size() > 1:
-            bare = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-            raise ValueError(
-                f"DMuon was built before fully_shard and the model is still not sharded (parameter {bare[0]!r} "
-                "is not managed by any fully_shard): shard the model (fully_shard on its blocks and root, or "
-                "through your framework: accelerator.prepare, fabric.setup, Trainer) or wrap it in torch's "
-                "DistributedDataParallel before the first step")
 
     @staticmethod
     def check_split(groups: list[dict[str, Any]], planned: Callable[[torch.Tensor], bool],

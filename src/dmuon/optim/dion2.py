@@ -5,8 +5,61 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dmuon.optim.callbacks import Dion2Callbacks
+import torch
+
+from dmuon.optim.callbacks import MuonFamily
 from dmuon.optim.dmuon import DMuon
+from dmuon.ortho.owner import owner_update
+from dmuon.rules import dion2
+
+
+class Dion2Callbacks(MuonFamily):
+    """Dion2 (:mod:`dmuon.rules.dion2`): ``M += G`` on every rank (``state["momentum_buffer"]``, Muon's
+    layout), the owner selecting the top rows of the whole ``M`` and orthogonalizing them, every rank
+    decaying the selected rows of its part of ``M`` (the nonzero rows of its returned update) and
+    applying Muon's decoupled decay and step (``adjust_lr_fn``, default ``"spectral_unclamped"``).
+
+    Not :class:`~dmuon.runtime.callbacks.Rescalable`: the owners' momentum copies of ``clipped_overlap``
+    would have to follow the owners' selection; a launch whose gradients were since scaled is exchanged
+    again instead.
+    """
+
+    @torch.no_grad()
+    def peek(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            buf = self.opt.state[self.plan.infos[i].param].get("momentum_buffer")
+            g = grads[i].to(torch.float32)
+            # The same kernel as commit's add_ on the same numbers (a fresh buffer is zeros): bit-identical.
+            out[i] = self._wire((torch.zeros_like(g) if buf is None else self._local(i, buf)).add(g))
+        return out
+
+    @torch.no_grad()
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            state = self.opt.state[info.param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = self.opt.momentum.new_buffer(info)
+            buf = self._local(i, state["momentum_buffer"])
+            out[i] = self._wire(buf.add_(grads[i].to(torch.float32)))
+        return out
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        groups = self._groups()
+        return dion2.owner_updates(directions, [groups[i]["fraction"] for i in batch],
+                                   lambda subs: owner_update(subs, self.opt.ns))
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        groups = self._apply_groups()
+        for i, update in updates.items():
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param].get("momentum_buffer")
+            if buf is not None:  # under DDP only the owner keeps the momentum
+                dion2.decay_selected(self._local(i, buf), dion2.selected_rows(update), groups[i]["ef_decay"])
+        super().apply(updates)
 
 
 class Dion2(DMuon):

@@ -5,9 +5,78 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmuon.optim.callbacks import MuonHCallbacks
+import torch
+
+from dmuon.optim.callbacks import MuonCallbacks
 from dmuon.optim.dmuon import DMuon
 from dmuon.optim.momentum import MomentumLayout
+from dmuon.ortho.owner import owner_update
+from dmuon.rules import muonh
+from dmuon.rules.muon import adjusted_lr, scalar_lr
+from dmuon.runtime.callbacks import WeightSums
+from dmuon.util.dtensor import local_tensor
+
+
+class MuonHCallbacks(MuonCallbacks, WeightSums):
+    """MuonH (:mod:`dmuon.rules.muonh`): Muon's momentum and NS, the owner dividing each update by its
+    Frobenius norm, every rank stepping its rows by ``adjusted_lr * R`` and then putting its piece
+    back on the sphere with the whole matrix's norm (the runtime's sums over the weight).
+
+    ``R`` (``state["initial_norm"]``: float32, one value per matrix of the parameter, ``(1,)`` for a
+    matrix, ``(E,)`` for a stack of ``E`` experts or row groups) is the weight's norm before the
+    matrix's first applied step, kept on every rank (a ``Replicate`` DTensor on the parameter's
+    mesh: DCP saves and reshards it). Momentum, Nesterov and the clipping rescale are Muon's.
+    """
+
+    STATE = "initial_norm"
+
+    def _radius(self, index: int) -> torch.Tensor:
+        info = self.plan.infos[index]
+        state = local_tensor(self.opt.state[info.param][self.STATE])
+        return state[self.opt.matrix_indices(info.param).index(index)]
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        return muonh.normalize(owner_update(directions, self.opt.ns), self.opt.ns.eps)
+
+    def weight_sums(self, active: list[int], applied: bool) -> dict[int, torch.Tensor]:
+        infos, state = self.plan.infos, self.opt.state
+        wanted = active if applied else [i for i in active if self.STATE not in state[infos[i].param]]
+        return {i: muonh.sum_of_squares(self._local(i, infos[i].param)) for i in wanted}
+
+    @torch.no_grad()
+    def weight_sums_after(self, members: list[int], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        infos, groups, out = self.plan.infos, self._groups(), {}
+        for i in members:
+            part = self._local(i, infos[i].param)
+            if i in updates:
+                part = part.clone(memory_format=torch.contiguous_format)  # apply's own step, on a copy
+                muonh.step(part, updates[i], self._radius(i), self._scaled_lr(i, groups[i]))
+            out[i] = muonh.sum_of_squares(part)
+        return out
+
+    @torch.no_grad()
+    def weight_totals(self, totals: dict[int, torch.Tensor], applied: bool) -> None:
+        infos, eps = self.plan.infos, self.opt.ns.eps
+        for i, total in totals.items():
+            info = infos[i]
+            if applied:
+                muonh.project(self._local(i, info.param), self._radius(i), total, eps)
+                continue
+            state = self.opt.state[info.param]
+            if self.STATE not in state:
+                state[self.STATE] = self.opt.momentum.new_scalar_buffer(info, len(self.opt.matrix_indices(info.param)))
+            local_tensor(state[self.STATE])[self.opt.matrix_indices(info.param).index(i)] = muonh.radius(total, eps)
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        groups = self._apply_groups()
+        for i, update in updates.items():
+            muonh.step(self._local(i, self.plan.infos[i].param), update, self._radius(i), self._scaled_lr(i, groups[i]))
+
+    def _scaled_lr(self, index: int, group: dict) -> float:
+        """Matrix ``index``'s step length before ``R``: Muon's shape-adjusted learning rate."""
+        return (adjusted_lr(scalar_lr(group["lr"]), group["adjust_lr_fn"], self.plan.infos[index].matrix_shape)
+                * group["extra_scale_factor"])
 
 
 class MuonH(DMuon):

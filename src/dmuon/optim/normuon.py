@@ -4,9 +4,74 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmuon.optim.callbacks import NorMuonCallbacks
+import torch
+
+from dmuon.optim.callbacks import MuonCallbacks, RuleHost
 from dmuon.optim.dmuon import DMuon
 from dmuon.optim.momentum import MomentumLayout
+from dmuon.ortho.owner import owner_update
+from dmuon.rules.normuon import normalize_rows
+from dmuon.runtime.callbacks import RowState
+from dmuon.util.dtensor import local_tensor
+
+
+class NorMuonCallbacks(MuonCallbacks, RowState):
+    """NorMuon: Muon's momentum and step, with the owner normalizing each output row
+    (:mod:`dmuon.rules.normuon`) by a per-row second moment that travels as the row state.
+
+    The second moment (``state["second_momentum_buffer"]``, float32, one value per output
+    row: ``(*param.shape[:param_dim], 1)``) is sharded with the parameter's rows and kept by
+    every holder of a row (:meth:`dmuon.optim.momentum.MomentumLayout.row_layout_for`).
+    """
+
+    row_width = 1
+    STATE = "second_momentum_buffer"
+
+    def __init__(self, optimizer: RuleHost) -> None:
+        super().__init__(optimizer)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _state_rows(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Matrix ``index``'s rows of this rank's shard of a second-moment buffer, ``(rows, 1)``.
+
+        Kept per buffer object (a DTensor's ``to_local`` costs more than the rest of a row's work;
+        a state load puts in new buffers, which get new views)."""
+        cached = self._views.get(index)
+        if cached is not None and cached[0] is buffer:
+            return cached[1]
+        view = self.plan.infos[index].local_view(local_tensor(buffer), self._column)
+        self._views[index] = (buffer, view)
+        return view
+
+    def row_states(self, members: list[int]) -> dict[int, torch.Tensor]:
+        out = {}
+        for i in members:
+            info = self.plan.infos[i]
+            buf = self.opt.state[info.param].get(self.STATE)
+            # A matrix not stepped yet: the zeros its buffer will start from.
+            out[i] = (torch.zeros(info.pieces[self._column].rows, 1, device=self.plan.device) if buf is None
+                      else self._state_rows(i, buf))
+        return out
+
+    @torch.no_grad()
+    def commit(self, members: list[int], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        for i in members:
+            info = self.plan.infos[i]
+            state = self.opt.state[info.param]
+            if self.STATE not in state:
+                state[self.STATE] = self.opt.momentum.new_row_buffer(info, self.row_width)
+        return super().commit(members, grads)
+
+    def owner_work(self, batch: list[int], directions: list[torch.Tensor],
+                   rows: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        groups = self._groups()
+        return normalize_rows(owner_update(directions, self.opt.ns), rows, [groups[i]["beta2"] for i in batch])
+
+    @torch.no_grad()
+    def apply(self, updates: dict[int, torch.Tensor], rows: dict[int, torch.Tensor] | None = None) -> None:
+        super().apply(updates)
+        for i, new in rows.items():
+            self._state_rows(i, self.opt.state[self.plan.infos[i].param][self.STATE]).copy_(new)
 
 
 class NorMuon(DMuon):

@@ -221,3 +221,54 @@ class AttentionClip:
             info = plan.infos[i]
             view = info.local_view(local_tensor(info.param), column)
             view.mul_(row_factors(on_device, head, power).view(-1, *[1] * (view.ndim - 1)))
+
+
+class AttentionClipMethods:
+    """QK-clip's methods of :class:`dmuon.optim.dmuon.DMuon` (a mixin: they read the optimizer's
+    :class:`AttentionClip`, ``_qk``, None without ``qk_clip``)."""
+
+    @torch.compiler.disable  # bookkeeping on a buffer outside the graph; a compiled forward breaks here
+    def report_attention_logits(self, layer: str, max_logits: torch.Tensor, first_head: int = 0) -> None:
+        """QK-clip: this rank's largest pre-softmax attention logit per query head of ``layer``.
+
+        Call it from the layer's forward (or anywhere before ``step()``) with the maximum over
+        this rank's tokens of ``q . k * softmax_scale`` (masked positions left out): an eager
+        ``scores.amax((0, 2, 3))``, or FlexAttention's ``max_scores`` (accelerators only) reduced
+        over batch and positions once checked to be on that scale.
+        Every call between two ``step()`` calls counts (accumulation micro-batches,
+        recomputation): the step takes their maximum, and then the maximum over every rank,
+        carried with the step's agreement (no collective of its own). It issues no collective and
+        does not synchronize the device.
+
+        Args:
+            layer: The layer's key in ``qk_clip.layers``.
+            max_logits: 1-D, one value per query head, heads ``first_head, first_head + 1, ...``;
+                any float dtype and device, detached here.
+            first_head: The first head ``max_logits`` covers (tensor parallelism: this rank's first
+                local head), so a rank may report only the heads it computes.
+
+        What is left out, by design: a NaN or infinite value (the forward already overflowed, and
+        ``tau / inf`` would zero the head for good), a value ``<= tau`` (nothing to clip), a head
+        nobody reported, a layer with no report this step: those heads are not clipped. A skipped
+        step (``nonfinite="skip"``) clips nothing and its reports are dropped.
+
+        Raises:
+            ValueError: Without ``qk_clip``, for an unknown layer or heads past its ``num_heads``
+                (naming the layer); TypeError for a DTensor (pass ``to_local()`` and ``first_head``).
+        """
+        me = self._me()
+        if me._qk is None:
+            raise ValueError("report_attention_logits needs QK-clip: build the optimizer with "
+                             "qk_clip=dmuon.QKClip(layers={...})")
+        me._qk.report(layer, max_logits, first_head)
+
+    @property
+    def attention_clip(self) -> AttentionClip | None:
+        """QK-clip's runtime part (the logits reported this step, the clip after it); None without ``qk_clip``."""
+        return self._qk
+
+    def last_attention_logits(self) -> dict[str, torch.Tensor]:
+        """QK-clip: per layer, the last applied step's largest logit per key head over every rank
+        (what its factors came from; float32, on the CPU). Empty before the first applied step."""
+        me = self._me()
+        return {} if me._qk is None else dict(me._qk.last_maxima)

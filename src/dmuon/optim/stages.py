@@ -1,10 +1,13 @@
-"""What the optimizers of a model's pipeline stages check together (``DMuon(pp_group=)``).
+"""What the optimizers of a model's pipeline stages check (``DMuon(pp_group=)``): one optimizer per rank and
+pipeline group (:func:`claim_pipeline_group`, at construction), and no weight tied across stages split
+between Muon and AdamW (:func:`check_ties_across_stages`, at the first step).
 
 A weight tied between stages (the embedding on the first stage, the output head on the last) is two
 parameters there, one per stage, each routed by its stage's own rule: the embedding to AdamW, the head
 to AdamW only when it is named as one (``lm_head``, ``output``, ``head``) or tied to an embedding *on the
 same stage*, which a stage split breaks. One copy stepped by Muon and the other by AdamW drift apart
-(Megatron-LM #4641). At the first step, the stages compare their embeddings with their Muon matrices.
+(Megatron-LM #4641). At the first step, the stages compare their embeddings with their Muon matrices
+(:func:`check_ties_across_stages`).
 
 What ties the two copies is that they are one weight: the same values (a framework initializes the head
 from the embedding, or loads both from one checkpoint entry, and keeps them equal). A shape alone ties
@@ -14,6 +17,9 @@ has an embedding's shape, dtype *and values* (a fingerprint of them) on another 
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,6 +28,24 @@ from torch.distributed.tensor import DTensor
 from dmuon.plan.plan import Plan
 
 _MASK = (1 << 30) - 1
+
+_PIPELINE_MODELS: dict[int, tuple[Any, list[weakref.ref]]] = {}
+"""Per pipeline group (by id; the group kept, so that its id is never another's), the models of this
+rank's optimizers given it (weakly)."""
+
+
+def claim_pipeline_group(group: Any, model: nn.Module) -> None:
+    """Raises when another live optimizer of this rank steps another model part with the same
+    ``pp_group``: each would agree with the other stages on its part's norm and NaNs alone, pairing
+    with the wrong parts of the other ranks. A new optimizer for the same model (resume) is fine."""
+    if group is None:
+        return
+    models = [m for m in (ref() for ref in _PIPELINE_MODELS.get(id(group), (group, []))[1]) if m is not None]
+    if any(m is not model for m in models):
+        raise ValueError("pp_group: another DMuon on this rank already steps another model part with this "
+                         "pipeline group; with several parts per rank (interleaved or V schedules) build one "
+                         "DMuon over all of them: dmuon.DMuon(torch.nn.ModuleList(parts), ..., pp_group=...)")
+    _PIPELINE_MODELS[id(group)] = (group, [weakref.ref(m) for m in models] + [weakref.ref(model)])
 
 
 def fingerprint(weight: torch.Tensor) -> int:

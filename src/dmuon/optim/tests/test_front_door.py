@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.optim.deferred import waits_for_sharding
+from dmuon.prepare.setup import waits_for_sharding
 
 
 class TwoBlocks(nn.Module):
