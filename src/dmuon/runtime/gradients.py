@@ -33,9 +33,32 @@ class GradientParts:
         infos = self.plan.infos
         return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
 
+    def local_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
+        """This rank's part of each member's local gradient as it is now (``MatrixInfo.kept_view`` of
+        ``param.grad``; on the replicate level its reduced form: R times the mean, once landed)."""
+        r, s = divmod(self.plan.rank, self.plan.shard)
+        infos = self.plan.infos
+        return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
+
+    def copies(self, members: list[int], sums: dict[int, torch.Tensor] | None = None,
+               divisor: int | None = 1) -> dict[int, torch.Tensor]:
+        """A copy of :meth:`local_parts` (``sums``: on the replicate level, the landed reduction's, where
+        the gradient holds them), divided by a pipeline schedule's ``divisor``."""
+        sums = sums or {}
+        local = self.local_parts([i for i in members if i not in sums])
+        parts = {i: sums[i] if i in sums else local[i] for i in members}
+        if divisor and divisor != 1:
+            return divided(parts, divisor)  # copies already
+        return {i: t.clone() for i, t in parts.items()}
+
     def check(self, index: int) -> None:
         """Raises for a gradient Muon cannot step, naming the parameter."""
         grad = self.plan.infos[index].param.grad
         if grad.is_sparse or torch.is_complex(grad):
             raise ValueError(f"parameter {self.plan.infos[index].name!r}: sparse and complex gradients are "
                              "not supported by Muon")
+
+
+def divided(parts: dict[int, torch.Tensor], divisor: int | None) -> dict[int, torch.Tensor]:
+    """``parts`` as a pipeline schedule's in-place division by ``divisor`` leaves them (themselves for 1)."""
+    return parts if not divisor or divisor == 1 else {i: t.div(divisor) for i, t in parts.items()}
