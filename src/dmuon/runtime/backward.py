@@ -99,11 +99,7 @@ class BackwardLaunches:
     def __init__(self, plan: Plan, exchange: ShardExchange, callbacks: StepCallbacks, config: ExecutionConfig,
                  gradients: GradientParts, work: OwnerWork, replicate: ReplicateLevel | None = None,
                  keep_gradients: bool = False) -> None:
-        self.plan = plan
-        self.exchange = exchange
-        self.callbacks = callbacks
-        self.config = config
-        self.gradients = gradients
+        self.plan, self.exchange, self.callbacks, self.config, self.gradients = plan, exchange, callbacks, config, gradients
         self._keep_gradients = keep_gradients
         self.streams = streams_for(plan.device)
         self.own = OwnStream(self.streams)
