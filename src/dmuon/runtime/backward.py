@@ -40,6 +40,7 @@ from dmuon.runtime.callbacks import RowState, StepCallbacks
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradient_hooks import GradientHooks, hooked_units
 from dmuon.runtime.gradients import GradientParts, divided
+from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.own_stream import OwnStream
 from dmuon.runtime.owner_work import OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
@@ -64,8 +65,12 @@ class Launch:
     rows: dict[int, torch.Tensor] | None = None
     """With a row state: this rank's rows of each member's row state, as sent."""
     grads: dict[int, torch.Tensor] | None = None
-    """With ``keep_gradients``: a copy of this rank's part of each member's local gradient as launched
-    (on the replicate level its reduced form), for ``step()`` to recognise a uniform rescale."""
+    """While the owners' momentum copies serve (``OwnerMomentum.ready``): a copy of this rank's part of
+    each member's local gradient as launched (on the replicate level its reduced form), for ``step()``
+    to prove a uniform rescale, bit for bit, before the owners rescale the launch."""
+    grad_extrema: dict[int, torch.Tensor] | None = None
+    """With ``clipped_overlap``, while the copies do not serve: each part's :func:`extrema` as launched,
+    for ``step()`` to recognise the first rescale (then the owners start keeping the momentum)."""
     returned: Pending | None = None
     """With ``returns_in_backward``: the return of the owners' updates from this launch's directions,
     issued in backward (``wait()`` gives this rank's rows of them); None until then."""
@@ -93,14 +98,15 @@ class BackwardLaunches:
         gradients: This rank's gradient parts (no replicate level) and the gradients' check.
         work: The owners' batching (per block with the worker).
         replicate: dmuon's replicate level, or None.
-        keep_gradients: Keep a copy of each launch's gradient parts (:attr:`Launch.grads`).
+        owner_momentum: With ``clipped_overlap``, the owners' momentum copies: the launches keep what
+            tells a later rescale (:attr:`Launch.grads`, :attr:`Launch.grad_extrema`); None: nothing.
     """
 
     def __init__(self, plan: Plan, exchange: ShardExchange, callbacks: StepCallbacks, config: ExecutionConfig,
                  gradients: GradientParts, work: OwnerWork, replicate: ReplicateLevel | None = None,
-                 keep_gradients: bool = False) -> None:
+                 owner_momentum: OwnerMomentum | None = None) -> None:
         self.plan, self.exchange, self.callbacks, self.config, self.gradients = plan, exchange, callbacks, config, gradients
-        self._keep_gradients = keep_gradients
+        self.owner_momentum = owner_momentum
         self.streams = streams_for(plan.device)
         self.own = OwnStream(self.streams)
         self.replicate: ReplicateBackward | None = None
@@ -166,8 +172,9 @@ class BackwardLaunches:
             self.gradients.check(i)
         sent = self.callbacks.peek(members, divided(self.gradients.parts(members), divisor))
         rows = self._rows_sent(members)
-        self._add(Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows,
-                         self._gradient_copies(members, divisor=divisor)))
+        launch = Launch(block, members, sent, self.exchange.send_directions(members, sent, rows), rows)
+        self._keep_gradients(launch, divisor=divisor)
+        self._add(launch)
 
     def _launch_replicated(self, block: int | None, landed: set[int], first: bool,
                            params: list[torch.Tensor]) -> Reduction:
@@ -198,13 +205,26 @@ class BackwardLaunches:
         launch.sent.update(sent)
         launch.rows = self._rows_sent(launch.members)
         # What the directions came from: the reduction's sums (a clip since scaled the gradients, not them).
-        launch.grads = self._gradient_copies(launch.members, sums)
+        self._keep_gradients(launch, sums)
         return self.exchange.send_directions(launch.members, sent, launch.rows, self.replicate.spread_for(launch.block))
 
-    def _gradient_copies(self, members: list[int], sums: dict[int, torch.Tensor] | None = None,
-                         divisor: int | None = 1) -> dict[int, torch.Tensor] | None:
-        """With ``keep_gradients``: :meth:`GradientParts.copies` of the members' gradient parts."""
-        return self.gradients.copies(members, sums, divisor) if self._keep_gradients else None
+    def _keep_gradients(self, launch: Launch, sums: dict[int, torch.Tensor] | None = None,
+                        divisor: int | None = 1) -> None:
+        """What ``step()`` needs to tell a rescale of the launch's gradients: copies of them only while
+        the owners' momentum copies serve (a rescaled launch then stands), else their extrema (the
+        first rescale, which the owners' copies wait for); nothing without ``clipped_overlap``."""
+        if self.owner_momentum is None:
+            return
+        if self.owner_momentum.ready:
+            launch.grads = self.gradients.copies(launch.members, sums, divisor)
+        else:
+            launch.grad_extrema = self.gradients.extrema(launch.members, sums, divisor)
+
+    def kept_gradient_bytes(self) -> int:
+        """The bytes the launches since the last ``take()`` keep of their gradients (memory measurements)."""
+        kept = [t for launch in self._launches.values() for part in (launch.grads, launch.grad_extrema)
+                if part is not None for t in part.values()]
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def _rows_sent(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """With a row state, a copy of this rank's rows of it: the launch keeps what it sent until

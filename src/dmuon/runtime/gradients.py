@@ -51,6 +51,14 @@ class GradientParts:
             return divided(parts, divisor)  # copies already
         return {i: t.clone() for i, t in parts.items()}
 
+    def extrema(self, members: list[int], sums: dict[int, torch.Tensor] | None = None,
+                divisor: int | None = 1) -> dict[int, torch.Tensor]:
+        """:func:`extrema` of each part :meth:`copies` would copy, without copying the parts (a division
+        by a positive divisor keeps the order of the elements, so it divides the extrema alike)."""
+        sums = sums or {}
+        local = self.local_parts([i for i in members if i not in sums])
+        return divided({i: extrema(sums[i] if i in sums else local[i]) for i in members}, divisor)
+
     def check(self, index: int) -> None:
         """Raises for a gradient Muon cannot step, naming the parameter."""
         grad = self.plan.infos[index].param.grad
@@ -62,3 +70,14 @@ class GradientParts:
 def divided(parts: dict[int, torch.Tensor], divisor: int | None) -> dict[int, torch.Tensor]:
     """``parts`` as a pipeline schedule's in-place division by ``divisor`` leaves them (themselves for 1)."""
     return parts if not divisor or divisor == 1 else {i: t.div(divisor) for i, t in parts.items()}
+
+
+def extrema(part: torch.Tensor) -> torch.Tensor:
+    """``part``'s least and largest element (empty for an empty part), in its dtype.
+
+    Enough to recognise a gradient scaled by one positive factor ``c`` since (a clip, a grad scaler's
+    unscale): rounding keeps the order, so ``fl(part * c)``'s extrema are ``fl(extrema * c)``, bit for
+    bit, and an edit that is no one factor almost never keeps that for every matrix's extrema."""
+    if not part.numel():
+        return part.new_empty(0)
+    return torch.stack(torch.aminmax(part.reshape(-1)))
