@@ -54,7 +54,7 @@ from dmuon.util.bits import any_bits_differ
 from dmuon.util.dtensor import local_tensor
 
 if TYPE_CHECKING:
-    from dmuon.runtime.backward import Launch
+    from dmuon.runtime.launch import Launch
 
 IDLE_STEPS = 100
 """Steps without a clip after which the owners drop their copies (their memory)."""

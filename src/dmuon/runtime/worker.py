@@ -28,7 +28,7 @@ from dmuon.runtime.owner_work import OwnerWork
 from dmuon.util.observe import ranged
 
 if TYPE_CHECKING:
-    from dmuon.runtime.backward import Launch
+    from dmuon.runtime.launch import Launch
 
 
 class OwnerResults(NamedTuple):
