@@ -125,7 +125,8 @@ class GradientHooks:
             # the only hook into the end of a backward pass; FSDP2, DDP and FSDP1 install theirs the
             # same way.
             self._in_backward = True
-            queue_end_of_backward(self._end_of_backward)
+            landings = self._tell()  # held by the callback: the pass's launches complete whatever happens meanwhile
+            queue_end_of_backward(lambda: self._end_of_backward(landings))
         if self.replicate is not None:
             self.replicate.arrived(param)
         unit = self._unit_of[id(param)]
@@ -161,13 +162,13 @@ class GradientHooks:
         if self.current is not None:
             self.complete(self.current)
 
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, landings: Landings) -> None:
         """Autograd final callback, on the compute stream after FSDP2's: the last unit completes."""
         self._in_backward = False
         if self.current is not None:
             with autocast_off(self.plan.device):  # the last launch, as the hooks' (under the caller's autocast)
                 self.complete(self.current)
-        self._tell().backward_ended()
+        landings.backward_ended()
 
     def _tell(self) -> Landings:
         landings = self._landings()
