@@ -77,7 +77,8 @@ class BackwardLaunches:
     def __init__(self, plan: Plan, exchange: ShardExchange, callbacks: StepCallbacks, config: ExecutionConfig,
                  gradients: GradientParts, work: OwnerWork, replicate: ReplicateLevel | None = None,
                  owner_momentum: OwnerMomentum | None = None) -> None:
-        self.plan, self.exchange, self.callbacks, self.config, self.gradients = plan, exchange, callbacks, config, gradients
+        self.plan, self.exchange, self.callbacks, self.config = plan, exchange, callbacks, config
+        self.gradients = gradients
         self.owner_momentum = owner_momentum
         self.streams = streams_for(plan.device)
         self.own = OwnStream(self.streams)
