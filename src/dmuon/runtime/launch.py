@@ -27,8 +27,9 @@ class Launch:
     each member's local gradient as launched (on the replicate level its reduced form), for ``step()``
     to prove a uniform rescale, bit for bit, before the owners rescale the launch."""
     grad_extrema: dict[int, torch.Tensor] | None = None
-    """With ``clipped_overlap``, while the copies do not serve: each part's :func:`~dmuon.runtime.gradients.extrema` as launched,
-    for ``step()`` to recognise the first rescale (then the owners start keeping the momentum)."""
+    """With ``clipped_overlap``, while the copies do not serve: each part's least and largest element as
+    launched (:func:`~dmuon.runtime.gradients.extrema`), for ``step()`` to recognise the first rescale
+    (then the owners start keeping the momentum)."""
     returned: Pending | None = None
     """With ``returns_in_backward``: the return of the owners' updates from this launch's directions,
     issued in backward (``wait()`` gives this rank's rows of them); None until then."""
