@@ -29,14 +29,12 @@ class GradientParts:
         replicate level, of the mean over replicas once :meth:`ReplicateLevel.finish` ran)."""
         if self.replicate is not None:
             return {i: self.replicate.mean_part(i) for i in members}
-        r, s = self.coords
-        infos = self.plan.infos
-        return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
+        return self.local_parts(members)
 
     def local_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
         """This rank's part of each member's local gradient as it is now (``MatrixInfo.kept_view`` of
         ``param.grad``; on the replicate level its reduced form: R times the mean, once landed)."""
-        r, s = divmod(self.plan.rank, self.plan.shard)
+        r, s = self.coords
         infos = self.plan.infos
         return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
 

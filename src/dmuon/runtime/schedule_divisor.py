@@ -98,7 +98,6 @@ class ScheduleDivisor:
         if largest >= 1 and least == largest:
             self.value = largest
 
-
     def learn_from(self, gradients: GradientParts, streams: Streams, group) -> None:
         """After launches deferred from a reduction called by hand, at ``step()`` or before a clip: the
         divisor from the gradients as reduced and as they are now (every rank alike: one small
