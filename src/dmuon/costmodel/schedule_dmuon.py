@@ -258,7 +258,7 @@ class DMuonStepBuilder(StepBuilder):
         self.launches.append(launch)
 
     def backward_hook(self, b: int) -> None:
-        """``BackwardLaunches._complete`` of unit ``b``: the earlier launches' next hops, then (the replicate level)
+        """``BackwardLaunches.complete`` of unit ``b``: the earlier launches' next hops, then (the replicate level)
         the unit's reduction across replicas: its gradient columns' all_to_all carrying the hop A of
         the block landed before (one collective: it starts once this unit's reduce-scatter has landed
         and that block's directions are computed), then its other parameters' all-reduce."""

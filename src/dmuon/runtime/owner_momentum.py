@@ -23,6 +23,16 @@ drops them too (the next clip sends the momentum again), so a run resumed from
 a checkpoint and the one that saved it take the same steps, bit for bit. Every
 one of these decisions comes from the step's agreement, the same on every rank.
 
+Telling a rescale needs the gradients as launched. Only while the copies are
+ready does a rescaled launch stand, on proof that every element is the launched
+one times the factor, bit for bit: only then does each launch keep a copy of its
+gradient parts (``Launch.grads``, about the Muon gradients' size per rank from
+backward to ``step()``). Before, a rescale only starts the copies, and each
+launch keeps its parts' least and largest elements (``Launch.grad_extrema``: a
+positive factor maps them exactly, rounding keeps the order), from which the
+first rescale is recognised as from the whole parts; a run that never clips
+keeps no copy.
+
 The copy follows the directions as they arrived: in a 16-bit wire dtype each
 carries its rounding, and an error in the copy shrinks by ``mu / (1 + mu)`` a
 step (Nesterov; under 1/2), so the copy stays within about the largest
@@ -39,11 +49,12 @@ import torch
 
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import NONUNIFORM, SCALE_FLAGS, agreed_scale, scale_flags, uniform_scales
+from dmuon.runtime.gradients import extrema
 from dmuon.util.bits import any_bits_differ
 from dmuon.util.dtensor import local_tensor
 
 if TYPE_CHECKING:
-    from dmuon.runtime.backward import Launch
+    from dmuon.runtime.launch import Launch
 
 IDLE_STEPS = 100
 """Steps without a clip after which the owners drop their copies (their memory)."""
@@ -119,8 +130,7 @@ class OwnerMomentum:
             differ = torch.stack([any_bits_differ([(launches[b].rows[i], rows[i]) for i in launches[b].members],
                                                   self.device) for b in blocks]).tolist()
             same = [ok and not d for ok, d in zip(same, differ)]
-        found = iter(uniform_scales([[(launches[b].grads[i], now[i]) for i in launches[b].members]
-                                     for b, ok in zip(blocks, same) if ok]))
+        found = iter(uniform_scales([self._as_launched(launches[b], now) for b, ok in zip(blocks, same) if ok]))
         factors = [next(found) if ok else NONUNIFORM for ok in same]
         scales = {f for f in factors if f not in (None, 1.0, NONUNIFORM)}
         proposal = scales.pop() if len(scales) == 1 else (NONUNIFORM if scales else None)
@@ -128,6 +138,15 @@ class OwnerMomentum:
         unchanged = [int(f == 1.0) for f in factors]
         incompatible = [int(f == NONUNIFORM or (f not in (None, 1.0) and f != proposal)) for f in factors]
         return rescaled + unchanged + incompatible + scale_flags(proposal) + [int(self.invalidated)]
+
+    def _as_launched(self, launch: "Launch", now: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per member, its gradient part as launched and as it is now: whole while the copies serve (a
+        rescaled launch stands only on a bit-for-bit proof), else their extrema (the first rescale)."""
+        if launch.grads is not None:
+            return [(launch.grads[i], now[i]) for i in launch.members]
+        # The launches keep only extrema while the copies are not ready, and ready turns on only at a step's end.
+        assert not self.ready and launch.grad_extrema is not None, "a launch kept nothing of its gradients"
+        return [(launch.grad_extrema[i], extrema(now[i])) for i in launch.members]
 
     def verdict(self, stale: list[int], flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
         """From the maxima over every rank of the stale flags and :meth:`launch_flags`: per launch 1

@@ -144,7 +144,7 @@ class ShardRuntime:
         if config.overlap or self.replicate is not None:
             self.backward = BackwardLaunches(plan, self.exchange, callbacks, config, self.gradients, self.work,
                                              replicate=self.replicate,
-                                             keep_gradients=self.owner_momentum is not None)
+                                             owner_momentum=self.owner_momentum)
 
     @property
     def column(self) -> int:

@@ -34,6 +34,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.streams import Streams
+from dmuon.runtime.gradients import GradientParts
+
 UNKNOWN = None
 NO_ANSWER = 0
 """A rank's proposal when it holds no nonzero element to learn from."""
@@ -60,6 +63,11 @@ class ScheduleDivisor:
     def defers(self) -> bool:
         """Whether a launch from a reduction called by hand waits for ``step()`` (the divisor unknown)."""
         return self.value is UNKNOWN
+
+    def for_reduction(self, by_hand: bool) -> tuple[bool, int | None]:
+        """For a launch from a reduction (``by_hand``: called by a pipeline schedule): whether it waits
+        for ``step()`` (the divisor unknown), and what its gradients are divided by (1 in a backward pass)."""
+        return by_hand and self.defers, (self.value if by_hand else 1)
 
     def keep(self, parts: dict[int, torch.Tensor]) -> None:
         """A deferred launch: a copy of this rank's part of each matrix's gradient as reduced."""
@@ -89,6 +97,16 @@ class ScheduleDivisor:
         largest, least = agreed
         if largest >= 1 and least == largest:
             self.value = largest
+
+    def learn_from(self, gradients: GradientParts, streams: Streams, group) -> None:
+        """After launches deferred from a reduction called by hand, at ``step()`` or before a clip: the
+        divisor from the gradients as reduced and as they are now (every rank alike: one small
+        all-reduce over ``group``, None for one rank); nothing when no launch was deferred."""
+        kept = self.kept()
+        if kept is None:
+            return
+        streams.keep(kept.values())  # copied on FSDP2's (or dmuon's) stream, read and freed here
+        self.learn(gradients.local_parts(list(kept)), group)
 
 
 def _proposal(reduced: dict[int, torch.Tensor], now: dict[int, torch.Tensor]) -> int:

@@ -57,3 +57,30 @@ def test_learning_reads_the_host_a_fixed_number_of_times():
         assert divisor.value == 4
         counts.append(reads.count)
     assert counts[0] == counts[1] <= 2, counts
+
+
+def test_launches_from_a_reduction_by_hand_wait_until_the_divisor_is_known():
+    divisor = ScheduleDivisor(torch.device("cpu"))
+    assert divisor.for_reduction(by_hand=False) == (False, 1)  # a backward pass: nothing divides after it
+    assert divisor.for_reduction(by_hand=True) == (True, None)
+    divisor.value = 4
+    assert divisor.for_reduction(by_hand=True) == (False, 4)
+    assert divisor.for_reduction(by_hand=False) == (False, 1)
+
+
+def test_learning_from_the_gradients_reads_them_as_they_are_now():
+    from types import SimpleNamespace
+
+    from dmuon.comm.streams import HostStreams
+
+    before = _gradients(3)
+    grads = {i: t.clone() for i, t in before.items()}
+    gradients = SimpleNamespace(local_parts=lambda members: {i: grads[i] for i in members})
+    divisor = ScheduleDivisor(torch.device("cpu"))
+    divisor.learn_from(gradients, HostStreams(), None)
+    assert divisor.value is None  # nothing deferred: nothing to learn, no collective
+    divisor.keep(grads)
+    for t in grads.values():
+        t.div_(6)  # the schedule's division, in place, after the copies
+    divisor.learn_from(gradients, HostStreams(), None)
+    assert divisor.value == 6 and divisor.kept() is None
