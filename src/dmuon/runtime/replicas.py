@@ -42,27 +42,18 @@ rank enters a collective depends only on the plan and the agreement.
 
 from __future__ import annotations
 
-import itertools
-import time
-
 import torch
-import torch.distributed as dist
 
-from dmuon.comm.device_streams import streams_for
-from dmuon.comm.stats import CommStats
-from dmuon.plan.replicas import owner_shares, replica_hops, scatter_parts
-from dmuon.plan.batches import default_return_waves
+from dmuon.comm import Pending
+from dmuon.comm.ddp_returns import DdpReturns
 from dmuon.plan.plan import Plan
-from dmuon.runtime.agreement import agreement_flags
-from dmuon.runtime.callbacks import CheckedGradients, StepCallbacks, StepMaxima, WeightSums, row_width
+from dmuon.runtime.base import Runtime
+from dmuon.runtime.callbacks import StepCallbacks, StepMaxima, WeightSums
 from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradients import GradientParts
 from dmuon.runtime.report import StepReport
-from dmuon.runtime.settle import nonfinite_on_other_stages, with_other_stages
-from dmuon.runtime.setup_log import log_setup
-from dmuon.runtime.tuning import TunedOwnerWork, wait_for_tuning
-from dmuon.util.observe import ranged
+from dmuon.runtime.settle import agree_before_commit, read_gradients
 
 _NOT_UNDER_DDP = {
     "ns_in_backward": "DDP's gradients exist only once its backward ends",
@@ -85,14 +76,16 @@ def check_replica_execution(config: ExecutionConfig) -> None:
                          "model (DDP has no per-unit all-gather in forward to apply them before); leave it \"in_step\"")
 
 
-class ReplicaRuntime:
-    """Owns dmuon's collectives and the step's schedule for a replicas plan (``Plan.replicas``).
+class ReplicaRuntime(Runtime):
+    """Owns dmuon's collectives and the step's schedule for a replicas plan (``Plan.replicas``): the DDP
+    schedule of :class:`~dmuon.runtime.base.Runtime`.
 
     Args:
         plan: The plan :func:`dmuon.prepare` made for a ``DistributedDataParallel`` model.
         callbacks: The optimizer's rule (:class:`~dmuon.runtime.callbacks.StepCallbacks`); called as
             the module docstring says: ``peek`` never, ``commit`` and ``owner_work`` on the owners.
-        config: When things run; settings that need FSDP2 raise (:func:`check_replica_execution`).
+        config: When things run; settings that need FSDP2 raise (:func:`check_replica_execution`);
+            ``loopback_collectives`` issues the agreement and the updates' route on a one-rank group too.
         pipeline_group: The group spanning the pipeline stages (DDP per stage), or None: the gradient
             norm and ``nonfinite`` then cover the whole model.
     """
@@ -105,68 +98,23 @@ class ReplicaRuntime:
         if not plan.replicas:
             raise ValueError("ReplicaRuntime steps a plan made for a DistributedDataParallel model (Plan.replicas)")
         check_replica_execution(config)
-        self.plan = plan
-        self.callbacks = callbacks
-        self.config = config
-        self.pipeline_group = pipeline_group
-        self.topo = plan.topology
-        self.device = plan.device
-        self.streams = streams_for(self.device)
-        self.stats = CommStats()
-        self.row_width = row_width(callbacks)
-        waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
-        self.work = TunedOwnerWork(plan, per_block=False, max_waves=waves)
-        tune_start = time.perf_counter()
-        tuned = self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
-        tune_seconds = time.perf_counter() - tune_start
-        # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
-        log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
-        # DDP's group, before the first backward: every pair, as the scatter route's peers follow each
-        # wave's shares (:func:`~dmuon.plan.replicas.scatter_parts`), not the plan alone.
-        self.topo.warm_up(self.device)
+        # DDP's group is warmed on every pair: the scatter route's peers follow each wave's shares
+        # (:func:`~dmuon.plan.replicas.scatter_parts`), not the plan alone.
+        super().__init__(plan, callbacks, config, pipeline_group)
         self.gradients = GradientParts(plan, self.topo.coords, None)
-        # The all-gather orders its outputs by the group's ranks (the global ranks, ascending); plan
-        # ranks follow DDP's group: each plan rank's slot in the gathered buffer.
-        ranks = list(self.topo.global_ranks) or [0]
-        self._slot = [sorted(ranks).index(g) for g in ranks]
+        self.returns = DdpReturns(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
+        """Each wave's updates from their owners to every rank."""
 
     # ---------------------------------------------------------------- the step
-    @torch.no_grad()
-    @ranged("step")
-    def step(self) -> StepReport:
-        """Runs one step on every rank of DDP's group (a collective call); what it did on this rank."""
-        start = time.perf_counter()
-        agreement = self._agree()
+    def _step(self) -> StepReport:
+        """Step 1: the flags' maximum over every rank (one all-reduce), decided alike everywhere; then the rest."""
+        seen = read_gradients(self.plan, self.callbacks, self.gradients)
+        agreement = agree_before_commit(self.plan, self.topo, self.streams, self.callbacks, self.config.nonfinite,
+                                        seen, self.pipeline_group)
         report = StepReport(skipped_nonfinite=agreement.skipped)
         if not agreement.skipped:
             self._update(agreement, report)
-        report.traffic = CommStats(**self.stats.as_dict())
-        report.step_seconds = time.perf_counter() - start
-        self.stats.reset()
         return report
-
-    def _agree(self):
-        """Step 1: the flags' maximum over every rank (one all-reduce), decided alike everywhere."""
-        cb, infos = self.callbacks, self.plan.infos
-        managed = cb.matrices()
-        here = [i for i in managed if infos[i].param.grad is not None]
-        for i in here:
-            self.gradients.check(i)
-        nonfinite = self.config.nonfinite
-        checked = cb.checked_gradients() if nonfinite is not None and isinstance(cb, CheckedGradients) else []
-        maxima = cb.step_maxima() if isinstance(cb, StepMaxima) else None
-        flags, decide = agreement_flags(infos, self.topo.coords[1], managed, here, nonfinite, checked, None, maxima)
-        if self.topo.world_size > 1:
-            flags = flags.to(self.device)
-            self.streams.issue(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.mesh_group,
-                                                       async_op=True), reads=(flags,), writes=(flags,)).wait()
-        agreed = flags.cpu().tolist()
-        if nonfinite is None:
-            return decide(agreed)
-        # Across the stages before this group decides (its own NaN may raise): every stage takes the all-reduce.
-        elsewhere = nonfinite_on_other_stages(agreed, 3 * len(infos) + len(checked), len(infos),
-                                              self.pipeline_group, self.device)
-        return with_other_stages(decide(agreed), elsewhere, nonfinite)
 
     def _update(self, agreement, report: StepReport) -> None:
         """Steps 2 to 5 of a step that is not skipped."""
@@ -174,31 +122,15 @@ class ReplicaRuntime:
         active = agreement.active
         mine = [i for i in active if plan.infos[i].owner == plan.rank]
         directions = cb.commit(mine, self.gradients.parts(mine))
-        rows = cb.row_states(mine) if self.row_width else None
+        full = {i: d.view(plan.infos[i].matrix_shape) for i, d in directions.items()}
+        rows = cb.row_states(mine) if self.row_width else {}
         self._weight_totals(active, applied=False)
         waves = self.work.return_waves(active, set())
         report.return_waves = [list(members) for members, _ in waves]
-        publications: list[tuple[list[int], dict[int, torch.Tensor], _Publication]] = []
         with self.streams.interval() as span:  # on the compute stream: the device's time there too
-            for members, batches in waves:
-                updates: dict[int, torch.Tensor] = {}
-                new_rows: dict[int, torch.Tensor] = {}
-                for batch in batches:
-                    done, done_rows = self.work.run_batch(
-                        cb.owner_work, batch, [directions.pop(i).view(plan.infos[i].matrix_shape) for i in batch],
-                        [rows.pop(i) for i in batch] if self.row_width else None)
-                    updates.update(done)
-                    new_rows.update(done_rows)
-                for _, _, earlier in publications:
-                    earlier.advance()  # the earlier waves' next hops, behind this wave's work
-                publications.append((members, new_rows, _Publication(self, members, updates)))
+            returns = self._run_waves(waves, full, rows, {}, {}, [])
         cb.independent()  # while the waves travel
-        for members, new_rows, publication in publications:
-            updates = self._unpack(members, publication.land())
-            if self.row_width:
-                cb.apply(updates, new_rows)  # the owner's rows: the only holder of the row state
-            else:
-                cb.apply(updates)
+        self._apply(returns)  # with a row state, the owner's rows: the only holder of the row state
         self._weight_totals(active, applied=True)
         if isinstance(cb, StepMaxima):
             cb.finish_step(active, agreement.maxima)
@@ -206,16 +138,10 @@ class ReplicaRuntime:
         report.ns_seconds = span.host_seconds
         report.ns_spans = [span]
 
-    def _unpack(self, members: list[int], segments: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Each member's whole update from the landed wave: its owner's segment, the owner's members in plan order."""
-        offsets = dict.fromkeys(segments, 0)
-        out = {}
-        for i in members:
-            info = self.plan.infos[i]
-            start = offsets[info.owner]
-            out[i] = segments[info.owner][start : start + info.numel].view(info.matrix_shape)
-            offsets[info.owner] += info.numel
-        return out
+    def _return(self, members: list[int], owned: dict[int, torch.Tensor],
+                owned_rows: dict[int, torch.Tensor]) -> Pending:
+        """One wave's updates to every rank (:meth:`DdpReturns.return_updates`)."""
+        return self.returns.return_updates(members, owned, owned_rows)
 
     def _weight_totals(self, active: list[int], applied: bool) -> None:
         """A :class:`WeightSums` rule's sums: every rank holds each matrix whole, so its own sums are the
@@ -227,9 +153,6 @@ class ReplicaRuntime:
                 cb.weight_totals({i: s.to(torch.float32).to(self.device) for i, s in sums.items()}, applied)
 
     # ---------------------------------------------------------------- the rest
-    def flush_updates(self) -> None:
-        """Nothing is left for the next forward under DDP (every update is applied in ``step()``)."""
-
     @torch.no_grad()
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -237,94 +160,3 @@ class ReplicaRuntime:
         norm is this rank's own (no collective; across pipeline stages, one scalar all-reduce)."""
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, group=None,
                                across=self.pipeline_group, device=self.device)
-
-    def close(self) -> None:
-        """Nothing to remove: no hook, no worker."""
-
-
-class _Publication:
-    """One wave's updates on their way to every rank (:func:`~dmuon.plan.replicas.replica_hops`' route,
-    decided from the plan alike on every rank), hop by hop: issued from the compute stream, the first hop at
-    once, the next by :meth:`advance` (after the next wave's work, so that the transfer overlaps it).
-
-    The updates lie end to end in the group's rank order (each owner's, its members in plan order); on the
-    all-gather route each owner's share padded to the largest, on the scatter route cut in even chunks, each
-    rank's chunk gathered by an all-to-all first."""
-
-    def __init__(self, runtime: "ReplicaRuntime", members: list[int], updates: dict[int, torch.Tensor]) -> None:
-        plan, n, me = runtime.plan, runtime.plan.world_size, runtime.plan.rank
-        self.runtime, self.slot = runtime, runtime._slot
-        shares = owner_shares([info.numel for info in plan.infos], [info.owner for info in plan.infos], n, members)
-        self.shares = [0] * n  # by slot: the group's rank order
-        for r in range(n):
-            self.shares[self.slot[r]] = shares[r]
-        self.mine = torch.empty(shares[me], dtype=plan.ns.dtype, device=runtime.device)
-        offset = 0
-        for i in members:
-            if plan.infos[i].owner == me:
-                numel = plan.infos[i].numel
-                self.mine[offset : offset + numel].copy_(updates[i].reshape(-1))
-                offset += numel
-        self.flights: list = []
-        self.gathered: torch.Tensor | None = None
-        self.route, self.hops = replica_hops(self.shares, self.mine.element_size()) if n > 1 else ("local", [])
-        if self.route == "all_gather":
-            self.chunk = max(self.shares)
-            send = torch.zeros(self.chunk, dtype=self.mine.dtype, device=runtime.device)
-            send[: self.mine.numel()].copy_(self.mine)
-            self._all_gather(send)
-        elif self.route == "scatter":
-            parts, self.chunk = scatter_parts(self.shares)
-            mine = self.slot[me]
-            self.received = torch.empty(sum(parts[a][mine] for a in range(n)), dtype=self.mine.dtype,
-                                        device=runtime.device)
-            mine_in, mine_out = parts[mine], [parts[a][mine] for a in range(n)]
-            group, received, send = runtime.topo.mesh_group, self.received, self.mine
-            self._issue(lambda: dist.all_to_all_single(received, send, mine_out, mine_in, group=group, async_op=True),
-                        (send,), (received,), 0)
-
-    @property
-    def issued(self) -> bool:
-        """Every hop is issued (what is left is landing it)."""
-        return self.gathered is not None or self.route == "local"
-
-    def _issue(self, collective, reads, writes, hop: int) -> None:
-        runtime = self.runtime
-        self.flights.append(runtime.streams.issue(collective, reads, writes))
-        runtime.stats.add("intra", *self.hops[hop][self.slot[runtime.plan.rank]])
-
-    def _all_gather(self, send: torch.Tensor) -> None:
-        runtime = self.runtime
-        self.gathered = torch.empty(runtime.plan.world_size * self.chunk, dtype=send.dtype, device=runtime.device)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        group, gathered = runtime.topo.mesh_group, self.gathered
-        self._issue(lambda: all_gather(gathered, send, group=group, async_op=True), (send,), (gathered,),
-                    len(self.hops) - 1)
-
-    @ranged("exchange")
-    def advance(self) -> None:
-        """Issues the next hop, if any: on the scatter route the even chunks' all-gather, once the compute
-        stream has waited for the all-to-all that brought this rank's chunk."""
-        if self.issued:
-            return
-        self.flights[-1].wait()
-        send = torch.zeros(self.chunk, dtype=self.mine.dtype, device=self.runtime.device)
-        send[: self.received.numel()].copy_(self.received)
-        self._all_gather(send)
-
-    def land(self) -> dict[int, torch.Tensor]:
-        """Every hop issued and landed on the compute stream; each owner's updates by plan rank (views of the
-        landed buffer: a view is a read, taken only now)."""
-        self.advance()
-        for flight in self.flights:
-            flight.wait()
-        n = self.runtime.plan.world_size
-        if self.route == "local":
-            return {self.runtime.plan.rank: self.mine}
-        if self.route == "all_gather":
-            start = [self.slot[r] * self.chunk for r in range(n)]
-        else:
-            ends = list(itertools.accumulate(self.shares))
-            start = [ends[self.slot[r]] - self.shares[self.slot[r]] for r in range(n)]
-        by_slot = {r: self.shares[self.slot[r]] for r in range(n)}
-        return {r: self.gathered[start[r] : start[r] + by_slot[r]] for r in range(n)}
