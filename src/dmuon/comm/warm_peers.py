@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dmuon.plan.layout import position
 from dmuon.plan.plan import MatrixInfo
 from dmuon.plan.publication import DIRECT, SCATTER
 
@@ -48,7 +49,7 @@ def exchange_pairs(infos: Sequence[MatrixInfo], replicate: int, shard: int, *, r
     everyone_s = {(a, b) for a in range(shard) for b in range(shard) if a != b}
     everyone_r = {(a, b) for a in range(replicate) for b in range(replicate) if a != b}
     for info in infos:
-        q, c = divmod(info.owner, shard)
+        q, c = position(info.owner, shard)
         for s, piece in enumerate(info.pieces):
             if not piece.rows:
                 continue

@@ -22,6 +22,7 @@ from dmuon.costmodel.traffic import (
 )
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.layout import position
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.collectives import REPLICAS_STRATEGY
 from dmuon.costmodel.moe import ExpertLayout, expert_ring_traffic
@@ -411,7 +412,7 @@ def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: 
             dense[owner] += 1
             continue
         slices[owner] += 1
-        on_holder[owner] += bool(pieces[i][owner % shard].rows)
+        on_holder[owner] += bool(pieces[i][position(owner, shard)[1]].rows)
     largest = max(((len(batch), mats[batch[0]].shape, r) for r, batches in ns_batches.items()
                    for batch in batches if batch), default=(0, None, None))
     return {**layout.as_dict(mats_experts(mats)), "slices": sum(slices), "dense": sum(dense),

@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from dmuon.plan.layout import shard_rows
+from dmuon.plan.layout import position, shard_rows
 from dmuon.plan.publication import Published, choose_route, route_stages
 from dmuon.plan.replicas import owner_shares, replica_hops
 
@@ -114,7 +114,7 @@ def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int
     0b first (:func:`owner_traffic_column_reduce`): the gradient's column
     slices reduce-scattered across replicas.
     """
-    r_o, s_o = divmod(owner, shard)
+    r_o, s_o = position(owner, shard)
     base = r_o * shard
     inner = math.prod(int(d) for d in shape[2:])
     for s, (count, cols, sends) in enumerate(table):

@@ -14,7 +14,7 @@ from torch import nn
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.balance import rank_loads
 from dmuon.plan.batches import split_into_batches
-from dmuon.plan.layout import shard_rows
+from dmuon.plan.layout import position, shard_rows
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,11 @@ class Plan:
     def shard(self) -> int:
         """S, ranks per replica (the mesh's shard dimension)."""
         return self.world_size // self.replicate
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """This rank's ``(replica, shard position)`` in the mesh (:func:`~dmuon.plan.layout.position`)."""
+        return position(self.rank, self.shard)
 
     @property
     def params(self) -> set[nn.Parameter]:

@@ -257,7 +257,7 @@ def _check_momentum_layouts(infos: list[MatrixInfo], topology: Topology, hsdp_me
     """HSDP: every matrix's momentum has a DTensor layout splitting its columns over the replicas.
 
     Each rank can check only its own momentum shard: one all-reduce puts every rank on the error."""
-    r, s = topology.coords
+    r, s = topology.position
     ok = torch.tensor([int(momentum_ok(info, s, r, hsdp_mesh)) for info in infos] or [1], dtype=torch.int32).to(device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.mesh_group)
     bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})

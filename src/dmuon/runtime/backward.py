@@ -393,7 +393,7 @@ class BackwardLaunches:
 
     def _kept_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
         """This rank's part of each member's local gradient as it is now (``MatrixInfo.kept_view``)."""
-        r, s = divmod(self.plan.rank, self.plan.shard)
+        r, s = self.plan.position
         return {i: self.plan.infos[i].kept_view(local_tensor(self.plan.infos[i].param.grad), r, s) for i in members}
 
     @staticmethod

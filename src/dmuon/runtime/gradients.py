@@ -14,14 +14,14 @@ class GradientParts:
 
     Args:
         plan: The ownership plan.
-        coords: This rank's ``(replica, shard position)``.
+        position: This rank's ``(replica, shard position)``.
         replicate: dmuon's replicate level, whose mean over replicas is the reduced gradient; None:
             FSDP2 (or HSDP) reduced it into ``param.grad``.
     """
 
-    def __init__(self, plan: Plan, coords: tuple[int, int], replicate: ReplicateLevel | None) -> None:
+    def __init__(self, plan: Plan, position: tuple[int, int], replicate: ReplicateLevel | None) -> None:
         self.plan = plan
-        self.coords = coords
+        self.position = position
         self.replicate = replicate
 
     def parts(self, members: list[int]) -> dict[int, torch.Tensor]:
@@ -29,7 +29,7 @@ class GradientParts:
         replicate level, of the mean over replicas once :meth:`ReplicateLevel.finish` ran)."""
         if self.replicate is not None:
             return {i: self.replicate.mean_part(i) for i in members}
-        r, s = self.coords
+        r, s = self.position
         infos = self.plan.infos
         return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
 

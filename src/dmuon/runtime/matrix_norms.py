@@ -79,7 +79,7 @@ class MatrixNorms:
         every rank) over the shard level; its ``wait()`` gives the totals (float32, on the runtime's
         device, the same bits on every rank)."""
         order = sorted(sums)
-        column = self.topo.coords[1]
+        column = self.topo.position[1]
         infos = self.plan.infos
         shapes, parts = [], []
         for i in order:

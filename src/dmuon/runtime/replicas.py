@@ -101,7 +101,7 @@ class ReplicaRuntime(Runtime):
         # DDP's group is warmed on every pair: the scatter route's peers follow each wave's shares
         # (:func:`~dmuon.plan.replicas.scatter_parts`), not the plan alone.
         super().__init__(plan, callbacks, config, pipeline_group)
-        self.gradients = GradientParts(plan, self.topo.coords, None)
+        self.gradients = GradientParts(plan, self.topo.position, None)
         self.returns = DdpReturns(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
         """Each wave's updates from their owners to every rank."""
 

@@ -100,7 +100,7 @@ class ShardRuntime(Runtime):
         if plan.reduces_replicas:
             self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device,
                                                                    self.exchange.across))
-        self.gradients = GradientParts(plan, self.topo.coords, self.replicate)
+        self.gradients = GradientParts(plan, self.topo.position, self.replicate)
         self.owner_momentum: OwnerMomentum | None = None
         """With ``clipped_overlap`` (and a :class:`~dmuon.runtime.callbacks.Rescalable` rule): the owners'
         copies of their whole momenta."""
@@ -125,11 +125,6 @@ class ShardRuntime(Runtime):
         plan = self.plan
         return exchange_pairs(plan.infos, self.topo.replicate, self.topo.shard, reduces_replicas=plan.reduces_replicas,
                               agreement_in_returns=agreement_in_returns(self.config, self.work.max_waves))
-
-    @property
-    def column(self) -> int:
-        """This rank's shard position: which piece of each matrix it holds."""
-        return self.topo.coords[1]
 
     # ---------------------------------------------------------------- the step
     def _step(self) -> StepReport:

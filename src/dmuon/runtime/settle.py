@@ -112,7 +112,7 @@ def agree_before_commit(plan: Plan, topo: Topology, streams: Streams, callbacks:
     """One agreement, waited for, on which matrices have a gradient, whether a gradient is non-finite
     (``nonfinite=``, every pipeline stage told) and the rule's step maxima; no launch verdicts."""
     checked = callbacks.checked_gradients() if nonfinite is not None and isinstance(callbacks, CheckedGradients) else []
-    flags, layout = agreement_flags(plan.infos, topo.coords[1], seen.managed, seen.here, nonfinite, checked, None,
+    flags, layout = agreement_flags(plan.infos, topo.position[1], seen.managed, seen.here, nonfinite, checked, None,
                                     seen.maxima)
     agreed = all_reduce_max(flags, topo, streams, plan.device)().tolist()
     if nonfinite is None:
@@ -180,7 +180,7 @@ class StepSettler:
         the launches' verdicts and the rule's maxima."""
         directions = self.callbacks.commit(here, self.gradients.parts(here))
         rows = self._rows(here)
-        flags, layout = agreement_flags(self.plan.infos, self.topo.coords[1], managed, here, None, (),
+        flags, layout = agreement_flags(self.plan.infos, self.topo.position[1], managed, here, None, (),
                                         self._verdicts(launches, here, directions, rows), maxima)
         settle = self._with_scale(layout.decide, len(launches))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
@@ -281,7 +281,7 @@ class StepSettler:
         stale = self._stale(launches, active, directions, rows)
         if self.owner_momentum is None:
             return stale
-        extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.coords)
+        extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.position)
         return torch.cat([stale, torch.tensor(extra, dtype=torch.int32, device=stale.device)])
 
     def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
