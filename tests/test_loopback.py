@@ -3,6 +3,8 @@ as collectives on its one-member groups, with the same bits as the local hand-ov
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +25,29 @@ SETTINGS = {
 }
 
 
+@contextlib.contextmanager
+def _counted(group, names: list[str]):
+    """Counts the calls of torch.distributed's ``names`` on ``group`` (dmuon's: FSDP2's, DDP's and the
+    test's own collectives pass other groups or none)."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is group:
+                counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float | None) -> dict:
     """OddNet for :data:`STEPS` steps; dmuon's collectives on its own groups counted by kind."""
     # With a clip, both runs exchange the clipped blocks again: one process without loopback never takes
@@ -30,21 +55,8 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
     rescale = {} if clip is None else {"clipped_overlap": False}
     execution = dmuon.ExecutionConfig(loopback_collectives=loopback, **SETTINGS[setting], **rescale)
     model, plan, opt = sharded_oddnet(world_size, execution=execution)
-    ours = plan.topology.mesh_group
-    counts = {"all_to_all_single": 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in counts}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            if kwargs.get("group") is ours:  # FSDP2's and the test's own collectives use other groups
-                counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
     stats = []
-    for name in counts:
-        setattr(dist, name, counting(name))
-    try:
+    with _counted(plan.topology.mesh_group, ["all_to_all_single", "all_reduce"]) as counts:
         for step in range(STEPS):
             loss = lm_loss(model, odd_batch(step, rank))
             loss.backward()
@@ -53,9 +65,6 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
             opt.step()
             opt.zero_grad()
             stats.append(opt.last_step_stats())
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return {"params": full_params(model), "counts": counts, "stats": stats, "blocks": len(plan.blocks)}
 
 
@@ -130,32 +139,16 @@ def _ddp_train(rank: int, world_size: int, loopback: bool, rule: str) -> dict:
         opt = dmuon.NorMuon(ddp, ns=ns, beta2=NORMUON_BETA2, execution=execution, **MUON_KW)
     else:
         opt = dmuon.DMuon(ddp, ns=ns, execution=execution, **MUON_KW)
-    ours = opt.plan.topology.mesh_group
     names = [n for n in ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor")
              if hasattr(dist, n)]
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            if kwargs.get("group") is ours:  # the test's and DDP's own collectives do not pass dmuon's group
-                counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(dist, name, counting(name))
     stats = []
-    try:
+    with _counted(opt.plan.topology.mesh_group, names) as counts:
         for step in range(STEPS):
             ddp.module.skip = SKIP.get(step, set())
             lm_loss(ddp, odd_batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
             stats.append(opt.last_step_stats())
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     gathers = counts.pop("all_gather_single", 0) + counts.pop("all_gather_into_tensor")
     return {"params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
             "counts": {**counts, "all_gather": gathers}, "stats": stats}
