@@ -1,4 +1,4 @@
-"""The shard runtime: every dmuon collective and the step's whole schedule.
+"""The FSDP2 schedule (:class:`ShardRuntime`): every dmuon collective and the step's whole schedule.
 
 FSDP2 keeps the weights: storage, mixed precision, the reduce-scatter in
 backward and the all-gather in forward. The runtime moves each Muon matrix's
@@ -8,9 +8,9 @@ the launches from backward (:mod:`dmuon.runtime.backward`), the step's
 agreement (:mod:`dmuon.runtime.agreement`), the owners' batches and the return
 waves (:mod:`dmuon.runtime.owner_work`). The optimizer supplies the rule as
 callbacks (:class:`~dmuon.runtime.callbacks.StepCallbacks`) and calls
-:meth:`ShardRuntime.step`; the runtime never reads optimizer state.
+:meth:`~dmuon.runtime.base.Runtime.step`; the runtime never reads optimizer state.
 
-One step (:meth:`ShardRuntime.step`), on every rank:
+One step (:meth:`ShardRuntime._step`, framed by :meth:`~dmuon.runtime.base.Runtime.step`), on every rank:
 
 1. take the launches from backward (and the worker's NS results);
 2. settle, with every rank, which matrices have a gradient, which launches
@@ -22,7 +22,7 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 4. run the owners' work in the balancer's batches and return the updates in
    waves (:meth:`ShardRuntime._return_waves`), running ``independent`` (AdamW)
    while transfers travel, and hand each wave's rows to ``apply``
-   (:meth:`ShardRuntime._apply`);
+   (:meth:`~dmuon.runtime.base.Runtime._apply`);
 5. with a rule that asks for sums over the weight (MuonH's norms), add them over the
    ranks that split each matrix, before the first ``apply`` and after the last
    (:mod:`dmuon.runtime.matrix_norms`: one all-gather each, none when no sums are asked; with the
