@@ -1,9 +1,9 @@
 """Each return wave's updates from their owners to every rank of torch's ``DistributedDataParallel`` group.
 
 Every rank holds every matrix whole, so each owner's updates go to all of them, in the wire dtype, by
-:func:`~dmuon.plan.replicas.replica_hops`' route (decided from the plan alike on every rank): one
+:func:`~dmuon.plan.ddp.ddp_hops`' route (decided from the plan alike on every rank): one
 all-gather, each owner's share padded to the largest; or the scatter route, an all-to-all that evens the
-updates out over the ranks (:func:`~dmuon.plan.replicas.scatter_parts`), then an all-gather of the even
+updates out over the ranks (:func:`~dmuon.plan.ddp.scatter_parts`), then an all-gather of the even
 chunks. The updates lie end to end in the group's rank order, each owner's members in plan order.
 
 A wave is one :class:`~dmuon.comm.pending.Pending`, hop by hop as every exchange of :mod:`dmuon.comm`:
@@ -26,7 +26,7 @@ from dmuon.comm.pending import Pending, no_result
 from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
-from dmuon.plan.replicas import owner_shares, replica_hops, scatter_parts
+from dmuon.plan.ddp import owner_shares, ddp_hops, scatter_parts
 
 
 class DdpReturns:
@@ -70,7 +70,7 @@ class DdpReturns:
                 offset += numel
         if n == 1 and not topo.loopback:
             return Pending([], lambda: self._unpack(members, {me: mine}), self.stats, rows=rows)
-        route, hops = replica_hops(shares, mine.element_size())
+        route, hops = ddp_hops(shares, mine.element_size())
         if route == "all_gather":
             chunk = max(shares)
             send = torch.zeros(chunk, dtype=mine.dtype, device=self.device)

@@ -48,7 +48,7 @@ from dmuon.rules.adamw import ADAMW_GROUP_DEFAULTS, check_adamw_group
 from dmuon.rules.muon import check_rule_settings, fill_rule_defaults
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, ShardRuntime, StepReport
-from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.runtime.ddp import DdpRuntime
 from dmuon.runtime.settle import land_unused
 from dmuon.util.autocast import autocast_off
 
@@ -289,8 +289,8 @@ class DMuon(torch.optim.Optimizer):
         if self._qk is not None:
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
-        if self.plan.replicas:  # torch's DDP: every rank holds the whole model and its mean gradient
-            self.runtime = ReplicaRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
+        if self.plan.ddp:  # torch's DDP: every rank holds the whole model and its mean gradient
+            self.runtime = DdpRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
                                           pipeline_group=self._pp_group)
         else:
             self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
@@ -368,7 +368,7 @@ class DMuon(torch.optim.Optimizer):
                 "call dmuon.prepare again on the model as it is now and build DMuon with that plan (or build DMuon "
                 "without a plan, which makes the plan again by itself); to train it with AdamW, give it to DMuon "
                 "in a group {'params': [...], 'algorithm': 'adamw'} when building it")
-        if me.plan.reduces_replicas and any(p.grad is not None for _, p in thawed):
+        if me.plan.replicate_level and any(p.grad is not None for _, p in thawed):
             raise ValueError(
                 f"parameter {name!r} started training (requires_grad=True) after DMuon's plan was made, and this "
                 "backward ran on that plan: with hsdp_mesh dmuon reduces the gradients across replicas in backward "
@@ -689,7 +689,7 @@ class DMuon(torch.optim.Optimizer):
                 self._last_report = self.runtime.step()
                 if self.execution.apply_updates == "next_forward":
                     self.runtime.callbacks.hold_settings()  # the updates land after a scheduler's step()
-                if self.plan.replicas:
+                if self.plan.ddp:
                     self._mark_stepped()
             finally:
                 if self._qk is not None:

@@ -72,7 +72,7 @@ def prepare(
             expert-parallel dim after them; torchtitan's dense ``fsdp`` and expert
             ``(efsdp, ep)`` views of one world mesh); a torch
             ``DistributedDataParallel`` (the plan is then its ``.module``'s, over DDP's
-            process group: ``Plan.replicas``); or plain tensors in a single process.
+            process group: ``Plan.ddp``); or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
         matrix_view: How each chosen parameter is seen: ``"flatten"`` (one
@@ -156,7 +156,7 @@ def prepare(
     plan.ns = ns
     plan.hsdp_mesh = hsdp_mesh
     plan.groups = groups
-    plan.replicas = ddp is not None
+    plan.ddp = ddp is not None
     return plan
 
 

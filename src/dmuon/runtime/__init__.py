@@ -4,7 +4,7 @@
   owners' batches wave by wave, the applies); :meth:`Runtime.step` runs one step.
 * :class:`ShardRuntime`: the FSDP2 schedule: launches from backward, the agreement, the owners'
   batches and return waves.
-* :class:`ReplicaRuntime`: the schedule for torch's DistributedDataParallel (every rank holds the
+* :class:`DdpRuntime`: the schedule for torch's DistributedDataParallel (every rank holds the
   whole model and its mean gradient; the owners' updates go to every rank).
 * :class:`StepCallbacks`: what an optimizer supplies, and the contract it keeps;
   :class:`RowState`, :class:`Rescalable`, :class:`WeightSums`,
@@ -25,9 +25,9 @@ from dmuon.runtime.callbacks import (
     WeightSums,
 )
 from dmuon.runtime.config import ExecutionConfig
-from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.runtime.ddp import DdpRuntime
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.runtime import ShardRuntime
 
-__all__ = ["CheckedGradients", "ExecutionConfig", "Launch", "ReplicaRuntime", "Rescalable", "RowState", "Runtime", "ShardRuntime", "StepCallbacks",
+__all__ = ["CheckedGradients", "ExecutionConfig", "Launch", "DdpRuntime", "Rescalable", "RowState", "Runtime", "ShardRuntime", "StepCallbacks",
            "StepMaxima", "StepReport", "WeightSums"]

@@ -6,7 +6,7 @@ and calls :meth:`Runtime.step`. Two schedules:
 
 * :class:`~dmuon.runtime.runtime.ShardRuntime` (FSDP2, HSDP, TP): every rank holds a part of each matrix;
   directions go to their owners and the updates back, launched from backward where they can be;
-* :class:`~dmuon.runtime.replicas.ReplicaRuntime` (torch's ``DistributedDataParallel``): every rank holds
+* :class:`~dmuon.runtime.ddp.DdpRuntime` (torch's ``DistributedDataParallel``): every rank holds
   every matrix whole; the owners' updates go to every rank.
 
 Shared here: the setup (the topology, loopback included; the streams; the owners' NS tuned at build

@@ -70,7 +70,7 @@ class Reduction:
 
 
 class ReplicateLevel:
-    """Reduces gradients across replicas for one plan (``plan.reduces_replicas``).
+    """Reduces gradients across replicas for one plan (``plan.replicate_level``).
 
     Args:
         plan: The plan (its ``hsdp_mesh`` and matrices).

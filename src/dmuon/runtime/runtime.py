@@ -97,7 +97,7 @@ class ShardRuntime(Runtime):
         """The rule's per-matrix sums over the weight, added over the ranks that split each matrix."""
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
-        if plan.reduces_replicas:
+        if plan.replicate_level:
             self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device,
                                                                    self.exchange.across))
         self.gradients = GradientParts(plan, self.topo.position, self.replicate)
@@ -123,7 +123,7 @@ class ShardRuntime(Runtime):
     def _warm_pairs(self) -> dict:
         """The peers of the plan's exchanges and returns (:func:`~dmuon.comm.warm_peers.exchange_pairs`)."""
         plan = self.plan
-        return exchange_pairs(plan.infos, self.topo.replicate, self.topo.shard, reduces_replicas=plan.reduces_replicas,
+        return exchange_pairs(plan.infos, self.topo.replicate, self.topo.shard, replicate_level=plan.replicate_level,
                               agreement_in_returns=agreement_in_returns(self.config, self.work.max_waves))
 
     # ---------------------------------------------------------------- the step

@@ -1,4 +1,4 @@
-"""The step on replicas of the whole model: torch's ``DistributedDataParallel``.
+"""The step under torch's ``DistributedDataParallel``: every rank holds the whole model.
 
 DDP keeps what it does: it all-reduces every gradient in backward (its buckets, on its own stream;
 ``no_sync``, ``find_unused_parameters``, ``static_graph``, comm hooks as the user set them), so that
@@ -14,8 +14,8 @@ the wire dtype, through every rank once, wave by wave: one all-gather when the o
 are even (``(N-1)`` times the largest share), else the scatter route, an all-to-all that evens them out and
 an all-gather of the even chunks (about ``(N-1)/N`` of the share and of the wave through the busiest rank),
 whichever moves less through the busiest rank, two collectives at most whatever ``N``. With bf16 updates that
-is about a quarter of the Muon matrices' all-reduce bytes (:func:`dmuon.plan.replicas.replica_hops`,
-:func:`dmuon.costmodel.traffic.replica_collectives`). Every gradient element crosses the wire in fp32 once
+is about a quarter of the Muon matrices' all-reduce bytes (:func:`dmuon.plan.ddp.ddp_hops`,
+:func:`dmuon.costmodel.traffic.ddp_collectives`). Every gradient element crosses the wire in fp32 once
 more than on the route where dmuon reduces the gradients itself (README "DDP").
 
 One step, on every rank alike (the same collectives in the same order, decided by the plan and the
@@ -62,7 +62,7 @@ _NOT_UNDER_DDP = {
 }
 
 
-def check_replica_execution(config: ExecutionConfig) -> None:
+def check_ddp_execution(config: ExecutionConfig) -> None:
     """Raises ``ValueError`` naming an ``ExecutionConfig`` setting a DDP model cannot take.
 
     ``overlap`` and ``clipped_overlap`` are accepted and change nothing there: nothing is launched in
@@ -76,15 +76,15 @@ def check_replica_execution(config: ExecutionConfig) -> None:
                          "model (DDP has no per-unit all-gather in forward to apply them before); leave it \"in_step\"")
 
 
-class ReplicaRuntime(Runtime):
-    """Owns dmuon's collectives and the step's schedule for a replicas plan (``Plan.replicas``): the DDP
+class DdpRuntime(Runtime):
+    """Owns dmuon's collectives and the step's schedule for a DDP plan (``Plan.ddp``): the DDP
     schedule of :class:`~dmuon.runtime.base.Runtime`.
 
     Args:
         plan: The plan :func:`dmuon.prepare` made for a ``DistributedDataParallel`` model.
         callbacks: The optimizer's rule (:class:`~dmuon.runtime.callbacks.StepCallbacks`); called as
             the module docstring says: ``peek`` never, ``commit`` and ``owner_work`` on the owners.
-        config: When things run; settings that need FSDP2 raise (:func:`check_replica_execution`);
+        config: When things run; settings that need FSDP2 raise (:func:`check_ddp_execution`);
             ``loopback_collectives`` issues the agreement and the updates' route on a one-rank group too.
         pipeline_group: The group spanning the pipeline stages (DDP per stage), or None: the gradient
             norm and ``nonfinite`` then cover the whole model.
@@ -95,11 +95,11 @@ class ReplicaRuntime(Runtime):
 
     def __init__(self, plan: Plan, callbacks: StepCallbacks, config: ExecutionConfig = ExecutionConfig(),
                  pipeline_group=None) -> None:
-        if not plan.replicas:
-            raise ValueError("ReplicaRuntime steps a plan made for a DistributedDataParallel model (Plan.replicas)")
-        check_replica_execution(config)
+        if not plan.ddp:
+            raise ValueError("DdpRuntime steps a plan made for a DistributedDataParallel model (Plan.ddp)")
+        check_ddp_execution(config)
         # DDP's group is warmed on every pair: the scatter route's peers follow each wave's shares
-        # (:func:`~dmuon.plan.replicas.scatter_parts`), not the plan alone.
+        # (:func:`~dmuon.plan.ddp.scatter_parts`), not the plan alone.
         super().__init__(plan, callbacks, config, pipeline_group)
         self.gradients = GradientParts(plan, self.topo.position, None)
         self.returns = DdpReturns(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device)
