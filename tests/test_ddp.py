@@ -100,7 +100,7 @@ def _replicate_counted(rank: int, world: int, level: bool = False) -> dict:
             "infos": [(tuple(i.shape), i.owner, i.block) for i in plan.infos],
             "waves": opt.last_step_stats()["return_waves"],
             "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in matrices)
-                            for g in plan.groups] if plan.reduces_replicas else []}
+                            for g in plan.groups] if plan.replicate_level else []}
 
 
 def _on_ranks(rank: int, world: int) -> dict:

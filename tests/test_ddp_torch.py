@@ -1,4 +1,4 @@
-"""torch's ``DistributedDataParallel`` as people write it, stepped by dmuon (:mod:`dmuon.runtime.replicas`).
+"""torch's ``DistributedDataParallel`` as people write it, stepped by dmuon (:mod:`dmuon.runtime.ddp`).
 
 DDP keeps reducing every gradient; dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps
 its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks, every rank under the
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.costmodel.traffic import replica_collectives, scatter_parts
+from dmuon.costmodel.traffic import ddp_collectives, scatter_parts
 from support.cases import MUON_KW, NORMUON_BETA2
 from support.equivalence import N_MATRICES, SKIP, STEPS, all_ranks_batches, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
@@ -150,7 +150,7 @@ def _counted(rank: int, world: int, waves: int | None = None) -> dict:
     stats = opt.last_step_stats()
     wire = torch.finfo(opt.plan.ns.dtype).bits // 8
     return {"log": list(opt.runtime.stats.last_log), "waves": stats["return_waves"],
-            "model": replica_collectives([i.shape for i in opt.plan.infos], [i.owner for i in opt.plan.infos],
+            "model": ddp_collectives([i.shape for i in opt.plan.infos], [i.owner for i in opt.plan.infos],
                                          world, stats["return_waves"], wire, opt.plan.rank),
             "ddp_bytes": 2 * (world - 1) * sum(p.numel() * 4 for p in ddp.parameters()) // world,
             "shapes": [info.shape for info in opt.plan.infos], "owners": [info.owner for info in opt.plan.infos]}
@@ -294,7 +294,7 @@ def test_per_rank_state_dicts_resume_bit_for_bit(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_are_the_models_and_the_route_the_cheaper(world):
-    """One step's collectives on every rank equal :func:`replica_collectives` (per wave, a padded all-gather or the
+    """One step's collectives on every rank equal :func:`ddp_collectives` (per wave, a padded all-gather or the
     scatter's all-to-all and even all-gather, whichever moves less through the busiest rank; DDP's all-reduce
     comes on top: README "DDP")."""
     for r in _run(world, "bytes_waves"):  # three waves, each by its own route

@@ -3,6 +3,8 @@ as collectives on its one-member groups, with the same bits as the local hand-ov
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +25,29 @@ SETTINGS = {
 }
 
 
+@contextlib.contextmanager
+def _counted(group, names: list[str]):
+    """Counts the calls of torch.distributed's ``names`` on ``group`` (dmuon's: FSDP2's, DDP's and the
+    test's own collectives pass other groups or none)."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is group:
+                counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float | None) -> dict:
     """OddNet for :data:`STEPS` steps; dmuon's collectives on its own groups counted by kind."""
     # With a clip, both runs exchange the clipped blocks again: one process without loopback never takes
@@ -30,21 +55,8 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
     rescale = {} if clip is None else {"clipped_overlap": False}
     execution = dmuon.ExecutionConfig(loopback_collectives=loopback, **SETTINGS[setting], **rescale)
     model, plan, opt = sharded_oddnet(world_size, execution=execution)
-    ours = plan.topology.mesh_group
-    counts = {"all_to_all_single": 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in counts}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            if kwargs.get("group") is ours:  # FSDP2's and the test's own collectives use other groups
-                counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
     stats = []
-    for name in counts:
-        setattr(dist, name, counting(name))
-    try:
+    with _counted(plan.topology.mesh_group, ["all_to_all_single", "all_reduce"]) as counts:
         for step in range(STEPS):
             loss = lm_loss(model, odd_batch(step, rank))
             loss.backward()
@@ -53,9 +65,6 @@ def _train(rank: int, world_size: int, setting: str, loopback: bool, clip: float
             opt.step()
             opt.zero_grad()
             stats.append(opt.last_step_stats())
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return {"params": full_params(model), "counts": counts, "stats": stats, "blocks": len(plan.blocks)}
 
 
@@ -111,3 +120,60 @@ def test_loopback_needs_process_groups():
         dmuon.DMuon(OddNet(), execution=dmuon.ExecutionConfig(loopback_collectives=True))
     with pytest.raises(ValueError, match="loopback_collectives must be True or False"):
         dmuon.ExecutionConfig(loopback_collectives=1)
+
+
+def _ddp_train(rank: int, world_size: int, loopback: bool, rule: str) -> dict:
+    """torch's DDP around OddNet, stepped by ``rule`` for :data:`STEPS` steps (a block unused at one step);
+    dmuon's collectives on DDP's group counted by kind."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from support.cases import MUON_KW, NORMUON_BETA2
+    from support.equivalence import SKIP
+    from support.models import OddNet
+
+    torch.manual_seed(0)
+    ddp = DDP(OddNet(), find_unused_parameters=True)
+    execution = dmuon.ExecutionConfig(loopback_collectives=loopback, nonfinite="skip" if rule == "muon" else None)
+    ns = dmuon.NSConfig(method="standard", dtype=torch.float32)
+    if rule == "normuon":  # a row state: the owner's rows handed back beside the gathered updates
+        opt = dmuon.NorMuon(ddp, ns=ns, beta2=NORMUON_BETA2, execution=execution, **MUON_KW)
+    else:
+        opt = dmuon.DMuon(ddp, ns=ns, execution=execution, **MUON_KW)
+    names = [n for n in ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor")
+             if hasattr(dist, n)]
+    stats = []
+    with _counted(opt.plan.topology.mesh_group, names) as counts:
+        for step in range(STEPS):
+            ddp.module.skip = SKIP.get(step, set())
+            lm_loss(ddp, odd_batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            stats.append(opt.last_step_stats())
+    gathers = counts.pop("all_gather_single", 0) + counts.pop("all_gather_into_tensor")
+    return {"params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+            "counts": {**counts, "all_gather": gathers}, "stats": stats}
+
+
+def _ddp_pairs(rank: int, world_size: int, rules: list[str]) -> dict[str, dict]:
+    return {rule: {"local": _ddp_train(rank, world_size, False, rule), "looped": _ddp_train(rank, world_size, True, rule)}
+            for rule in rules}
+
+
+def test_ddp_with_loopback_gives_the_same_bits_and_issues_the_collectives():
+    """torch's DDP runtime on one rank with ``loopback_collectives``: the agreement's all-reduce and each
+    wave's all-gather issued on DDP's one-rank group, every parameter bit for bit the local hand-over's
+    (the one-GPU check's row for the DDP runtime, ``scripts/gpu_check.sh``)."""
+    rules = ["muon", "normuon"]
+    (results,) = run_distributed(_ddp_pairs, 1, rules, timeout_s=300)
+    for rule in rules:
+        local, looped = results[rule]["local"], results[rule]["looped"]
+        for name, value in local["params"].items():
+            assert torch.equal(value, looped["params"][name]), f"{rule}: {name} differs with loopback"
+        assert local["counts"] == dict.fromkeys(local["counts"], 0), (rule, local["counts"])
+        waves = sum(len(s["return_waves"]) for s in looped["stats"])
+        assert waves >= STEPS
+        # One agreement per step, one all-gather per wave (one rank: the all-gather route, even shares).
+        assert looped["counts"] == {"all_reduce": STEPS, "all_to_all_single": 0, "all_gather": waves}, \
+            (rule, looped["counts"])
+        assert [s["orthogonalized"] for s in local["stats"]] == [s["orthogonalized"] for s in looped["stats"]]
+        assert [s["return_waves"] for s in local["stats"]] == [s["return_waves"] for s in looped["stats"]]

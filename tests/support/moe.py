@@ -463,7 +463,7 @@ def train(rank: int, world: int, layout: str, steps: int = 3, *, route_to: int |
         # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters' gradient
         # shards (float32), which dmuon all-reduces across replicas.
         out["other_bytes"] = [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in matrices)
-                              for g in plan.groups] if plan.reduces_replicas else []
+                              for g in plan.groups] if plan.replicate_level else []
         out.update(log=list(opt.runtime.stats.last_log), waves=stats["return_waves"],
                    infos=[(tuple(i.shape), i.owner, i.block) for i in plan.infos],
                    pieces=[i.pieces for i in plan.infos], replicate=plan.replicate, shard=plan.shard)

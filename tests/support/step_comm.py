@@ -56,7 +56,7 @@ def counted_step(rank: int, world_size: int, mesh_shape: tuple[int, int] | None,
         # With dmuon's replicate level: per FSDP2 group, this rank's bytes of the other parameters'
         # gradient shards (float32), which dmuon all-reduces across replicas.
         "other_bytes": [sum(p.to_local().numel() * 4 for p in g.params if id(p) not in {id(i.param) for i in plan.infos})
-                        for g in plan.groups] if plan.reduces_replicas else [],
+                        for g in plan.groups] if plan.replicate_level else [],
     }
 
 

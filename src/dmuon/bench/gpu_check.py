@@ -24,7 +24,7 @@ still run, and a section's JSON is rewritten as it goes, so a timeout keeps what
     no more waits than with a float.
 ``runtimes``
     dmuon's other step paths with loopback collectives, each against torch.optim.Muon + AdamW in the same
-    process: torch's DDP (:mod:`dmuon.runtime.replicas`), a one-stage pipeline schedule (the by-hand
+    process: torch's DDP (:mod:`dmuon.runtime.ddp`), a one-stage pipeline schedule (the by-hand
     reduction and the schedule's divisor), fp16 with ``torch.amp.GradScaler`` (the launches stand rescaled)
     (:mod:`dmuon.bench.gpu_check_runtimes`).
 ``ns``

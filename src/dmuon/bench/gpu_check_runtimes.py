@@ -7,7 +7,7 @@ torch.optim.Muon + torch.optim.AdamW trained in this process on the same batches
 sides, :func:`fp32_torch_muon`):
 
 ``ddp``
-    torch's ``DistributedDataParallel`` around the model, ``DMuon(ddp)`` (:mod:`dmuon.runtime.replicas`): the
+    torch's ``DistributedDataParallel`` around the model, ``DMuon(ddp)`` (:mod:`dmuon.runtime.ddp`): the
     agreement's all-reduce and each wave's all-gather of the updates on dmuon's group every step;
 ``pipeline``
     ``torch.distributed.pipelining``'s GPipe schedule with one stage per rank (here the whole model), the
@@ -374,7 +374,7 @@ def runtimes_section(device: torch.device, out: str) -> dict:
 def _ddp_verdict(row: dict) -> tuple[bool, str]:
     counts = row["collectives"]
     gathers = counts.get(all_gather_name(), 0)
-    ok = (row["runtime"] == "ReplicaRuntime" and row["orthogonalized"] == [row["matrices"]] * STEPS
+    ok = (row["runtime"] == "DdpRuntime" and row["orthogonalized"] == [row["matrices"]] * STEPS
           and counts.get("all_reduce", 0) >= STEPS and gathers >= STEPS and row["max_diff"] <= TOLERANCE)
     return ok, (f"max diff {row['max_diff']:.1e} ({row['worst']}) <= {TOLERANCE:.0e}; {row['runtime']}; "
                 f"orthogonalized {row['orthogonalized']} of {row['matrices']}; collectives {counts}")
@@ -447,7 +447,7 @@ def fake_payload() -> dict:
                            **({"unchanged": True} if skip else {"max_diff": 2e-8, "worst": "blocks.0.up.weight",
                                                                 "launches": launches[step]})})
     matrices = 2 * BLOCKS
-    rows = [{"row": "ddp", "runtime": "ReplicaRuntime", "matrices": matrices, "orthogonalized": [matrices] * STEPS,
+    rows = [{"row": "ddp", "runtime": "DdpRuntime", "matrices": matrices, "orthogonalized": [matrices] * STEPS,
              "collectives": {"all_reduce": STEPS, all_gather_name(): STEPS}, "max_diff": 0.0, "worst": "embed.weight"},
             {"row": "pipeline", "blocks": BLOCKS,
              "launches": [[0, 0]] + [[BLOCKS, 0]] * (STEPS - 2) + [[BLOCKS - 1, 0]],

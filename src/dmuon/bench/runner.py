@@ -326,7 +326,7 @@ class _ConfigRun:
         else:
             fsdp_bytes = _fsdp_bytes_per_step(model, self.workload.blocks, world_size, self.opts.hsdp,
                                               self.reshard_after_forward, self.opts.tp,
-                                              all_reduce=not (self.plan is not None and self.plan.reduces_replicas))
+                                              all_reduce=not (self.plan is not None and self.plan.replicate_level))
         live = self.live_bytes()
         balance = self.plan.balance_result if self.plan is not None else None
         rounds = sorted(set(self.round_of_step))
@@ -358,7 +358,7 @@ class _ConfigRun:
             # dmuon: the launches from backward step() kept, per timed step (rank 0's), of the plan's blocks.
             "kept_launches_per_step": list(self.kept),
             # No launches under torch's DDP (its gradients exist only once backward ends): nothing to report.
-            "blocks": len(self.plan.blocks) if self.plan is not None and not self.plan.replicas else 0,
+            "blocks": len(self.plan.blocks) if self.plan is not None and not self.plan.ddp else 0,
             "losses": self.losses,
             "tokens_per_rank": self.workload.tokens_per_rank,
             "imbalance": self.plan.imbalance() if self.plan is not None else None,

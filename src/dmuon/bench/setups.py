@@ -62,7 +62,7 @@ added in ``step()`` behind each return).
 ``ddp_adamw``, ``ddp_torch_muon``, ``ddp_dmuon``: torch's ``DistributedDataParallel`` over every rank (no
 FSDP2; the mesh is not used), with torch.optim.AdamW, with torch.optim.Muon + AdamW (every rank runs every
 NS) and with :class:`dmuon.DMuon` given the DDP model (each matrix's NS on its owner, the updates
-all-gathered: :mod:`dmuon.runtime.replicas`)."""
+all-gathered: :mod:`dmuon.runtime.ddp`)."""
 CLIP_MAX_NORM = 1e-3
 """The ``_clip`` configurations' ``max_norm``: the bench's gradient norms are far above it."""
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS

@@ -87,19 +87,17 @@ class _JoinedWork:
 
 
 class GroupAllToAll:
-    """``all_to_all_single`` on one group (``me``: this rank's index in it), with its bytes counted.
+    """``all_to_all_single`` on one group, with its bytes counted.
 
     Args:
         group: The process group.
-        me: This rank's index in ``group``.
         size: The group's size.
         level: ``"intra"`` or ``"inter"``, the counters' level.
         stats: Counters (one entry per collective issued).
     """
 
-    def __init__(self, group, me: int, size: int, level: str, stats: CommStats) -> None:
+    def __init__(self, group, size: int, level: str, stats: CommStats) -> None:
         self.group = group
-        self.me = me
         self.size = size
         self.level = level
         self.stats = stats

@@ -69,7 +69,7 @@ class DirectionSender:
         """
         core = self.core
         topo, infos = core.topo, core.infos
-        r, s = topo.coords
+        r, s = topo.position
         mine = [i for i in members if infos[i].owner == topo.rank]
         if topo.local:
             pending = Pending([], lambda: {i: local[i].reshape(infos[i].matrix_shape) for i in mine}, core.stats)
@@ -141,7 +141,7 @@ class _SlicesToOwnerReplica:
         self.rows = rows
         self.spread = spread
         self.to_owners = to_owners
-        r, s = core.topo.coords
+        r, s = core.topo.position
         # Members owned in this replica, whose slices this position receives (where it sends its piece).
         self.ours = [i for i in self.members if core.owner(i)[0] == r and core.sent(i, s)]
         self.to_replica = sorted(self.members, key=lambda i: (core.owner(i)[0], i))
@@ -150,7 +150,7 @@ class _SlicesToOwnerReplica:
 
     def _rows(self, i: int, a: int, b: int) -> tuple[int, int]:
         """The rows of this position's piece of member ``i`` in the unit range ``[a, b)`` (none from a copy)."""
-        s = self.core.topo.coords[1]
+        s = self.core.topo.position[1]
         held = self.core.infos[i].rows[s] if self.core.sent(i, s) else 0
         return held * a // UNITS, held * b // UNITS
 
@@ -158,7 +158,7 @@ class _SlicesToOwnerReplica:
     def issue(self) -> Pending:
         core, infos = self.core, self.core.infos
         topo = core.topo
-        r, s = topo.coords
+        r, s = topo.position
         upto = self.spread() if self.spread is not None else {i: UNITS for i in self.members}
         span = {i: self._rows(i, self.sent[i], upto[i]) for i in self.members}
         self.sent = {i: upto[i] for i in self.members}

@@ -37,10 +37,9 @@ class ExchangeCore:
         self.stats = stats
         self.wire_dtype = wire_dtype
         self.device = device
-        r, s = topology.coords
-        self.within = GroupAllToAll(topology.shard_group, s, topology.shard, "intra", stats)
+        self.within = GroupAllToAll(topology.shard_group, topology.shard, "intra", stats)
         """All-to-alls inside this rank's replica (the shard group)."""
-        self.across = GroupAllToAll(topology.replicate_group, r, topology.replicate, "inter", stats)
+        self.across = GroupAllToAll(topology.replicate_group, topology.replicate, "inter", stats)
         """All-to-alls across replicas (this shard position's replicate group); the replicate
         level's reductions share it, so that :meth:`GroupAllToAll.coalesced` can join theirs with hop A."""
         self.row_width = row_width
@@ -50,7 +49,7 @@ class ExchangeCore:
     # ----------------------------------------------------------------- sizes
     def owner(self, i: int) -> tuple[int, int]:
         """The ``(replica, shard position)`` of matrix ``i``'s owner."""
-        return self.topo.coords_of(self.infos[i].owner)
+        return self.topo.position_of(self.infos[i].owner)
 
     def piece(self, i: int, s: int) -> int:
         """Elements of matrix ``i`` on shard position ``s`` (what comes back there)."""

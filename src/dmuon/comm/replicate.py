@@ -105,7 +105,7 @@ class ReplicateReduce:
             rows of.
         """
         topo, infos = self.topo, self.infos
-        r, s = topo.coords
+        r, s = topo.position
         held = [i for i in members if infos[i].pieces[s].rows]
         if not held:
             return Pending([], no_result, self.stats)  # the whole replicate group of this column skips

@@ -97,7 +97,7 @@ class UpdateReturns:
         the replica owns; ``wait()`` gives this rank's rows of those."""
         core = self.core
         topo, infos = core.topo, core.infos
-        r, s = topo.coords
+        r, s = topo.position
         in_replica = [i for i in members if core.owner(i)[0] == r]
         if topo.local or (not in_replica and flags is None):
             return Pending([], lambda: {i: owned[i] for i in in_replica}, core.stats, flags=flags,
@@ -163,7 +163,7 @@ class UpdateReturns:
         (with hop 1's flags, the maximum over my replica, and their row state)."""
         core = self.core
         topo = core.topo
-        r, s = topo.coords
+        r, s = topo.position
         nflags = core.flag_elems(flags)
         from_replica = {q: [i for i in members if core.owner(i)[0] == q] for q in range(topo.replicate)}
         out_splits = [sum(core.piece(i, s) + core.row_back(i, s) for i in from_replica[q]) + nflags
@@ -215,7 +215,7 @@ class UpdateReturns:
         then stage b (:meth:`_parts_to_replicas`)."""
         core = self.core
         topo = core.topo
-        r, s = topo.coords
+        r, s = topo.position
         nflags = core.flag_elems(flags)
         owner = {i: core.owner(i)[0] for i in members}
         held = [i for i in members if core.piece(i, s)]
@@ -259,7 +259,7 @@ class UpdateReturns:
         ``r`` of the others; ``flags``: stage a's maximum, every rank's."""
         core = self.core
         R = core.topo.replicate
-        r, s = core.topo.coords
+        r, s = core.topo.position
         owner = {i: core.owner(i)[0] for i in members}
         held = [i for i in members if core.piece(i, s)]
         others = [i for i in held if owner[i] != r]
@@ -304,7 +304,7 @@ class UpdateReturns:
         hop 1's for the members owned in my replica, the R parts ``got`` joined for the others."""
         core = self.core
         R = core.topo.replicate
-        r, s = core.topo.coords
+        r, s = core.topo.position
         result = {i: updates[i] for i in held if owner[i] == r}
         states = {i: rows[i] for i in held if owner[i] == r} if core.row_elems else {}
         for i in others:

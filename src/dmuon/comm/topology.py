@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.warm_peers import warm_splits
+from dmuon.plan.layout import position
 from dmuon.util import torch_compat
 from dmuon.util.torch_compat import process_group_count
 
@@ -53,12 +54,13 @@ class Topology:
         return self.replicate * self.shard
 
     @property
-    def coords(self) -> tuple[int, int]:
-        return divmod(self.rank, self.shard)
+    def position(self) -> tuple[int, int]:
+        """This rank's ``(replica, shard position)`` (:func:`~dmuon.plan.layout.position`)."""
+        return position(self.rank, self.shard)
 
-    def coords_of(self, plan_rank: int) -> tuple[int, int]:
+    def position_of(self, plan_rank: int) -> tuple[int, int]:
         """``(r, s)`` of a plan rank."""
-        return divmod(plan_rank, self.shard)
+        return position(plan_rank, self.shard)
 
 
     def warm_up(self, device, pairs: dict | None = None) -> dict[str, int]:
@@ -95,7 +97,7 @@ class Topology:
             (one-member groups are skipped: dmuon issues nothing on them, its hops are local there).
         """
         warmed = {"all_to_all": 0, "all_reduce": 0}
-        r, s = self.coords
+        r, s = self.position
         for group in self.groups:
             size = dist.get_world_size(group)
             if size == 1:
@@ -165,7 +167,7 @@ def from_mesh(mesh, replicated: bool, device: torch.device | None = None) -> Top
     if dist.get_rank() not in ranks:
         raise ValueError(f"rank {dist.get_rank()} is not in the parameters' mesh {ranks}: build dmuon only on "
                          "the ranks that hold the model (part) it steps")
-    r, s = divmod(ranks.index(dist.get_rank()), shard)
+    r, s = position(ranks.index(dist.get_rank()), shard)
     rows = [grid[row].tolist() for row in range(replicate)]
     cols = [grid[:, col].tolist() for col in range(shard)]
     everywhere = len(ranks) == dist.get_world_size()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dmuon.plan.layout import position
 from dmuon.plan.plan import MatrixInfo
 from dmuon.plan.publication import DIRECT, SCATTER
 
@@ -34,7 +35,7 @@ Pairs = frozenset[tuple[int, int]]
 """Directed ``(sender, receiver)`` pairs of members of one group."""
 
 
-def exchange_pairs(infos: Sequence[MatrixInfo], replicate: int, shard: int, *, reduces_replicas: bool = False,
+def exchange_pairs(infos: Sequence[MatrixInfo], replicate: int, shard: int, *, replicate_level: bool = False,
                    agreement_in_returns: bool = False, publication: str | None = None) -> dict[tuple[str, int], Pairs]:
     """The pairs each of dmuon's all-to-all groups carries traffic between (module docstring).
 
@@ -48,7 +49,7 @@ def exchange_pairs(infos: Sequence[MatrixInfo], replicate: int, shard: int, *, r
     everyone_s = {(a, b) for a in range(shard) for b in range(shard) if a != b}
     everyone_r = {(a, b) for a in range(replicate) for b in range(replicate) if a != b}
     for info in infos:
-        q, c = divmod(info.owner, shard)
+        q, c = position(info.owner, shard)
         for s, piece in enumerate(info.pieces):
             if not piece.rows:
                 continue
@@ -62,7 +63,7 @@ def exchange_pairs(infos: Sequence[MatrixInfo], replicate: int, shard: int, *, r
             if piece.sends:
                 # Hop A: each other replica's column slice to the owner's replica (none where it keeps no column).
                 inter[s].update((r, q) for r in range(replicate) if r != q and columns[r])
-            if reduces_replicas:
+            if replicate_level:
                 # The gradient's column slice q from every other replica to replica q (copies too).
                 inter[s].update((r, d) for r in range(replicate) for d in range(replicate) if r != d and columns[d])
             if publication != SCATTER:  # direct: the owner replica's whole piece to every other

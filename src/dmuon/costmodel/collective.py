@@ -27,8 +27,8 @@ def shard_rows(m: int, parts: int) -> tuple[int, ...]:
 ROLES: tuple[str, ...] = (
     "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "replicate_all_reduce", "grad_columns",
     "hop_a", "hop_b", "return_shard", "return_replicas", "return_scatter", "return_gather", "gather", "a2a_out",
-    "a2a_back", "weight_norms", "replica_publish")
-""":attr:`Collective.role` values (``"replica_publish"``: under torch's DDP, a wave's updates to every rank, an
+    "a2a_back", "weight_norms", "ddp_publish")
+""":attr:`Collective.role` values (``"ddp_publish"``: under torch's DDP, a wave's updates to every rank, an
 all-gather or one owner's broadcast); FSDP2's three collectives; dmuon's all-reduce of the non-Muon
 gradients across replicas (the replicate level, with ``other_shapes``); the gradient's column reduce-scatter
 (the replicate level), which also carries the previous block's hop A where :attr:`Collective.carries_hop_a`

@@ -30,7 +30,7 @@ from dmuon.costmodel.moe import ExpertLayout, expert_fsdp2_collective, expert_ga
 from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, row_width
 from dmuon.plan.publication import ROUTES
-from dmuon.plan.replicas import owner_shares, replica_hops, scatter_parts
+from dmuon.plan.ddp import owner_shares, ddp_hops, scatter_parts
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
@@ -38,10 +38,10 @@ STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", 
 dmuon reduce-scatters the gradients' column slices across replicas), ``"dmuon_native_hsdp"``
 (native HSDP: FSDP2's own HSDP all-reduce, then dmuon's exchange; the same collectives as
 ``"dmuon"`` with one replica), ``"fsdp_adamw"`` and ``"gather"``."""
-REPLICAS_STRATEGY = "ddp_dmuon"
-"""dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`), one rank per replica: DDP's
+DDP_STRATEGY = "ddp_dmuon"
+"""dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.ddp`), one rank per replica: DDP's
 all-reduce of every gradient (FSDP2's per unit on the ``(N, 1)`` mesh: the same bytes, its buckets being the
-units), then each wave's updates to every rank (:func:`replica_publish_collectives`)."""
+units), then each wave's updates to every rank (:func:`ddp_publish_collectives`)."""
 
 
 def _padded_shard_bytes(shapes: Sequence[Sequence[int]], shard: int, elem_bytes: int) -> int:
@@ -342,11 +342,11 @@ def step_collectives(
             entry), dmuon's exchange moves each slice's pieces, and gather-then-compute gathers a slice over
             the ranks holding it (every one of them then runs its NS).
     """
-    known = STEP_STRATEGIES + (PEER_STRATEGY, REPLICAS_STRATEGY)
+    known = STEP_STRATEGIES + (PEER_STRATEGY, DDP_STRATEGY)
     if strategy not in known:
         raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
-    if strategy == REPLICAS_STRATEGY and shard != 1:
-        raise ValueError(f"{REPLICAS_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, got {shard}")
+    if strategy == DDP_STRATEGY and shard != 1:
+        raise ValueError(f"{DDP_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, got {shard}")
     if zero not in (2, 3):
         raise ValueError(f"zero must be 2 or 3, got {zero}")
     check_mesh(replicate, shard, wire_bytes)
@@ -427,14 +427,14 @@ def step_collectives(
                                           shard - 1, f"gather direction {i}", "gather", i))
     if strategy == PEER_STRATEGY:
         out += peer_collectives(shapes, replicate, shard, wire_bytes, max_concurrent)
-    if strategy == REPLICAS_STRATEGY:
-        out += replica_publish_collectives(shapes, owners, replicate, waves, wire_bytes)
+    if strategy == DDP_STRATEGY:
+        out += ddp_publish_collectives(shapes, owners, replicate, waves, wire_bytes)
     return out
 
 
-def replica_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
+def ddp_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
                                 waves: Sequence[Sequence[int]] | None, wire_bytes: int) -> list[Collective]:
-    """Under torch's DDP, each wave's updates to every rank by :func:`~dmuon.plan.replicas.replica_hops`' route: one all-gather of the shares padded to the largest, or the scatter's all-to-all evening them out
+    """Under torch's DDP, each wave's updates to every rank by :func:`~dmuon.plan.ddp.ddp_hops`' route: one all-gather of the shares padded to the largest, or the scatter's all-to-all evening them out
     (each rank to the ranks whose chunks its updates fall in) and the all-gather of the even chunks (``index``
     ``2 w`` and ``2 w + 1``). Every rank is its own replica: the ``"inter"`` level."""
     if world == 1:
@@ -443,15 +443,15 @@ def replica_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequenc
     out = []
     for w, wave in enumerate(waves if waves is not None else [list(range(len(shapes)))]):
         share = owner_shares(numels, owners, world, wave)
-        route, hops = replica_hops(share, wire_bytes)
+        route, hops = ddp_hops(share, wire_bytes)
         if route == "scatter":
             parts, _ = scatter_parts(share)
             peers = max(max(sum(1 for b in range(world) if b != a and parts[a][b]) for a in range(world)),
                         max(sum(1 for a in range(world) if a != b and parts[a][b]) for b in range(world)))
             out.append(Collective("all_to_all", "inter", "step", None, list(hops[0]), peers,
-                                  f"dmuon updates wave {w} (scatter)", "replica_publish", 2 * w))
+                                  f"dmuon updates wave {w} (scatter)", "ddp_publish", 2 * w))
         out.append(Collective("all_gather", "inter", "step", None, list(hops[-1]), world - 1,
-                              f"dmuon updates wave {w} (all-gather)", "replica_publish", 2 * w + 1))
+                              f"dmuon updates wave {w} (all-gather)", "ddp_publish", 2 * w + 1))
     return out
 
 

@@ -10,6 +10,7 @@ from dmuon.costmodel.backward_order import backward_with_returns, spread_backwar
 from dmuon.costmodel.collective import Collective, Parts, a2a, merge_parts, shard_rows, stage_parts
 from dmuon.costmodel.rank_traffic import piece_table, published_wave
 from dmuon.plan.hop_a import resolve_spread
+from dmuon.plan.layout import position
 from dmuon.plan.publication import DIRECT, SCATTER, choose_route, route_stages
 
 
@@ -71,7 +72,7 @@ class ExchangeModel:
                         received[dst] += moved
                         out[src].add(dst)
                         inn[dst].add(src)
-        return sent, received, out, inn, [any(self.direction_bytes(i, k % shard) for i in members)
+        return sent, received, out, inn, [any(self.direction_bytes(i, position(k, shard)[1]) for i in members)
                                           for k in range(self.world)]
 
     def hop_a_alone(self, b: int, members: list[int]) -> Collective:
@@ -85,7 +86,7 @@ class ExchangeModel:
         sent, received, out, inn = self._fresh()
         shard, owners = self.shard, self.owners
         for i in members:
-            r_o, s_o = divmod(owners[i], shard)
+            r_o, s_o = position(owners[i], shard)
             for s in range(shard):
                 moved = size(i, s)
                 if s != s_o and moved:

@@ -22,8 +22,9 @@ from dmuon.costmodel.traffic import (
 )
 from dmuon.plan.assign import build_kinds
 from dmuon.plan.balance import DEFAULT_MEMORY_FACTOR, DEFAULT_TIME_LIMIT_S, balance
+from dmuon.plan.layout import position
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
-from dmuon.costmodel.collectives import REPLICAS_STRATEGY
+from dmuon.costmodel.collectives import DDP_STRATEGY
 from dmuon.costmodel.moe import ExpertLayout, expert_ring_traffic
 from dmuon.costmodel.peer import PEER_STRATEGY
 from dmuon.costmodel.simulate import SIM_STRATEGIES, goal_ratios, simulate_strategies
@@ -276,7 +277,7 @@ def plan_offline(
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                              hop_a_spread=hop_a_spread, root_regathered=root_regathered, ep=ep)
         # One rank per replica (the (N, 1) layout): torch's DDP + dmuon is one more way to run it.
-        strategies = SIM_STRATEGIES + ((REPLICAS_STRATEGY,) if shard == 1 and replicate > 1 else ())
+        strategies = SIM_STRATEGIES + ((DDP_STRATEGY,) if shard == 1 and replicate > 1 else ())
         if layout is not None:  # the all-to-all peer's batches are not modelled for expert slices
             strategies = tuple(k for k in strategies if k != PEER_STRATEGY)
         plan["simulation"] = simulate_strategies(inputs, hardware, options, strategies)
@@ -411,7 +412,7 @@ def expert_summary(mats: Sequence[OfflineMatrix], result, pieces: list, layout: 
             dense[owner] += 1
             continue
         slices[owner] += 1
-        on_holder[owner] += bool(pieces[i][owner % shard].rows)
+        on_holder[owner] += bool(pieces[i][position(owner, shard)[1]].rows)
     largest = max(((len(batch), mats[batch[0]].shape, r) for r, batches in ns_batches.items()
                    for batch in batches if batch), default=(0, None, None))
     return {**layout.as_dict(mats_experts(mats)), "slices": sum(slices), "dense": sum(dense),

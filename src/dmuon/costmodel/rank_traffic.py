@@ -31,9 +31,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from dmuon.plan.layout import shard_rows
+from dmuon.plan.layout import position, shard_rows
 from dmuon.plan.publication import Published, choose_route, route_stages
-from dmuon.plan.replicas import owner_shares, replica_hops
+from dmuon.plan.ddp import owner_shares, ddp_hops
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _add_owner_exchange(out: list[RankTraffic], shape: Sequence[int], owner: int
     0b first (:func:`owner_traffic_column_reduce`): the gradient's column
     slices reduce-scattered across replicas.
     """
-    r_o, s_o = divmod(owner, shard)
+    r_o, s_o = position(owner, shard)
     base = r_o * shard
     inner = math.prod(int(d) for d in shape[2:])
     for s, (count, cols, sends) in enumerate(table):
@@ -359,21 +359,21 @@ HSDP_DESIGNS: tuple[str, ...] = ("fsdp2_adamw", "a", "b")
 """Keys of :func:`hsdp_design_traffic`: FSDP2 + AdamW, native HSDP (FSDP2's native HSDP
 all-reduce: ``step_comm``'s ``"dmuon_native_hsdp"``), the replicate level (the runtime's on HSDP:
 ``step_comm``'s ``"dmuon"``); with one rank per replica also ``"ddp"``, torch's DistributedDataParallel
-with dmuon (:func:`replica_collectives` after DDP's all-reduce)."""
+with dmuon (:func:`ddp_collectives` after DDP's all-reduce)."""
 
 
-def replica_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
+def ddp_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
                         waves: Sequence[Sequence[int]] | None = None, elem_bytes: int = 2,
                         rank: int = 0) -> list[tuple[int, int]]:
-    """dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.replicas`): ``(sent, received)``
+    """dmuon under torch's ``DistributedDataParallel`` (:mod:`dmuon.runtime.ddp`): ``(sent, received)``
     bytes of ``rank`` in each collective of a step, wave by wave (``waves``: matrix indices; None: one wave
-    of every matrix), each wave's hops by :func:`replica_hops`, in order."""
+    of every matrix), each wave's hops by :func:`ddp_hops`, in order."""
     if world == 1:
         return []
     numels = [math.prod(int(d) for d in shape) for shape in shapes]
     out = []
     for wave in (waves if waves is not None else [range(len(shapes))]):
-        out.extend(hop[rank] for hop in replica_hops(owner_shares(numels, owners, world, wave), elem_bytes)[1])
+        out.extend(hop[rank] for hop in ddp_hops(owner_shares(numels, owners, world, wave), elem_bytes)[1])
     return out
 
 
@@ -420,7 +420,7 @@ def hsdp_design_traffic(
                    within),
     }
     if shard == 1:  # one rank per replica: torch's DDP, its all-reduce, then dmuon's updates to every rank
-        published = [[sum(c) for c in zip(*replica_collectives(shapes, owners, world, waves, elem_bytes, r))]
+        published = [[sum(c) for c in zip(*ddp_collectives(shapes, owners, world, waves, elem_bytes, r))]
                      or [0, 0] for r in range(world)]
         out["ddp"] = [_plus([RankTraffic(0, 0, *p)], fsdp2)[0] for p in published]
     return out

@@ -40,7 +40,7 @@ from typing import Sequence
 from dmuon.costmodel.peer import PEER_STRATEGY
 from dmuon.costmodel.schedule import StepBuilder
 from dmuon.costmodel.schedule_dmuon import NEXT_FORWARD, RETURNS_IN_BACKWARD, DMuonStepBuilder
-from dmuon.costmodel.schedule_replicas import ReplicaStepBuilder
+from dmuon.costmodel.schedule_ddp import DdpStepBuilder
 from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.timeline import Task, Timeline
 
@@ -55,9 +55,9 @@ SIM_STRATEGIES: tuple[str, ...] = ("fsdp_adamw", "gather", "dmuon", "dmuon_nativ
 def step_builder(strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions | None = None
                  ) -> StepBuilder:
     """The builder of ``strategy``'s step: dmuon's (:mod:`dmuon.costmodel.schedule_dmuon`) for dmuon and its
-    variants, :mod:`dmuon.costmodel.schedule_replicas`'s for dmuon under torch's DDP,
+    variants, :mod:`dmuon.costmodel.schedule_ddp`'s for dmuon under torch's DDP,
     :class:`~dmuon.costmodel.schedule.StepBuilder` for the others."""
-    builders = (DMuonStepBuilder, ReplicaStepBuilder, StepBuilder)
+    builders = (DMuonStepBuilder, DdpStepBuilder, StepBuilder)
     known = tuple(s for b in builders for s in b.STRATEGIES)
     if strategy not in known:
         raise ValueError(f"strategy must be one of {known}, got {strategy!r}")

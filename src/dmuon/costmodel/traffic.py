@@ -38,12 +38,12 @@ from dmuon.costmodel.rank_traffic import (
     level_figures,
     owner_traffic,
     owner_traffic_column_reduce,
-    replica_collectives,
+    ddp_collectives,
     replicate_all_reduce_traffic,
     row_width,
 )
 from dmuon.plan.layout import shard_rows
-from dmuon.plan.replicas import replica_hops, replica_route, scatter_parts  # the routes priced here
+from dmuon.plan.ddp import ddp_hops, ddp_route, scatter_parts  # the routes priced here
 
 __all__ = [
     "HSDP_DESIGNS",
@@ -60,9 +60,9 @@ __all__ = [
     "level_figures",
     "owner_exchange_collectives",
     "owner_traffic",
-    "replica_collectives",
-    "replica_hops",
-    "replica_route",
+    "ddp_collectives",
+    "ddp_hops",
+    "ddp_route",
     "owner_traffic_column_reduce",
     "replicate_all_reduce_traffic",
     "row_width",

@@ -58,7 +58,7 @@ class MuonFamily(StepCallbacks, StepMaxima, CheckedGradients):
     def __init__(self, optimizer: RuleHost) -> None:
         self.opt = optimizer
         self.plan = optimizer.plan
-        self._column = divmod(self.plan.rank, self.plan.shard)[1]
+        self._column = self.plan.position[1]
         self._host_alphas = HostAlphas()
         self._held_settings: dict[int, dict] | None = None  # hold_settings
         self._shapes = {info.index: info.matrix_shape for info in self.plan.infos}
@@ -180,7 +180,7 @@ class MuonCallbacks(MuonFamily, Rescalable):
         momentum_after(momentum, direction, group["momentum"], group["nesterov"])
 
     def momentum_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
-        r = divmod(self.plan.rank, self.plan.shard)[0]
+        r = self.plan.position[0]
         out = {}
         for i in members:
             info = self.plan.infos[i]

@@ -20,7 +20,7 @@ from dmuon.plan.selection import select_matrices
 from dmuon.prepare import prepare
 from dmuon.prepare.setup import Parallelism, Setup
 from dmuon.runtime import ExecutionConfig, ShardRuntime
-from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.runtime.ddp import DdpRuntime
 from dmuon.runtime.settle import land_unused
 
 
@@ -60,7 +60,7 @@ class PlanLifecycle:
             self._qk.bind(self.plan, self.matrix_indices,
                           {canonical_name(n): p for n, p in model.named_parameters()})
         if self._setup.ddp_runs:  # torch's DDP: every rank holds the whole model and its mean gradient
-            self.runtime = ReplicaRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
+            self.runtime = DdpRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
                                           pipeline_group=self._pp_group)
         else:
             self.runtime = ShardRuntime(self.plan, self.rule_callbacks(self), self._runtime_execution(),
@@ -138,7 +138,7 @@ class PlanLifecycle:
                 "call dmuon.prepare again on the model as it is now and build DMuon with that plan (or build DMuon "
                 "without a plan, which makes the plan again by itself); to train it with AdamW, give it to DMuon "
                 "in a group {'params': [...], 'algorithm': 'adamw'} when building it")
-        if me.plan.reduces_replicas and any(p.grad is not None for _, p in thawed):
+        if me.plan.replicate_level and any(p.grad is not None for _, p in thawed):
             raise ValueError(
                 f"parameter {name!r} started training (requires_grad=True) after DMuon's plan was made, and this "
                 "backward ran on that plan: with hsdp_mesh dmuon reduces the gradients across replicas in backward "

@@ -110,7 +110,7 @@ class AttentionClip:
                 scales rows after dmuon's update), or a stack of experts.
         """
         self.device = plan.device
-        column = plan.rank % plan.shard
+        column = plan.position[1]
         by_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         where: dict[str, tuple[str, str]] = {}
         for key in self.config.order:
@@ -208,7 +208,7 @@ class AttentionClip:
         clipped = gamma < 1.0  # on the host: the agreement landed there, no device sync
         if not clipped.any():
             return
-        column = plan.rank % plan.shard
+        column = plan.position[1]
         on_device = None  # one small copy to the device per step that clips anything
         for i in active:
             if i not in self.rows:

@@ -18,6 +18,11 @@ def shard_rows(m: int, shard: int) -> list[int]:
     return [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
 
 
+def position(rank: int, shard: int) -> tuple[int, int]:
+    """A plan rank's position in its mesh, ``(replica, shard position)``: plan ranks are ``r * shard + s``."""
+    return divmod(rank, shard)
+
+
 def hsdp_meshes(hsdp_mesh) -> tuple:
     """``hsdp_mesh`` as a tuple: one ``(replicate, shard[, ...])`` DeviceMesh, or several views of one root
     that share their replicate dim (expert parallelism: the dense parameters' ``(replicate, fsdp)`` and the

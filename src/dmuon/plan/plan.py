@@ -14,7 +14,7 @@ from torch import nn
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.balance import rank_loads
 from dmuon.plan.batches import split_into_batches
-from dmuon.plan.layout import shard_rows
+from dmuon.plan.layout import position, shard_rows
 
 
 @dataclass(frozen=True)
@@ -250,13 +250,13 @@ class Plan:
     the model is sharded over; dmuon reduces every gradient across its dim 0. None otherwise."""
     groups: list = field(default_factory=list, repr=False)
     """Every FSDP2 module with trainable parameters (:class:`ReductionGroup`), in model order."""
-    replicas: bool = False
+    ddp: bool = False
     """Every rank holds every parameter whole and its mean gradient after backward (torch's
     ``DistributedDataParallel``): each matrix's owner keeps its momentum and runs its NS, and the
-    updates are all-gathered (:mod:`dmuon.runtime.replicas`); no direction moves."""
+    updates are all-gathered (:mod:`dmuon.runtime.ddp`); no direction moves."""
 
     @property
-    def reduces_replicas(self) -> bool:
+    def replicate_level(self) -> bool:
         """Whether dmuon, not FSDP2, reduces the gradients across replicas (``hsdp_mesh``)."""
         return self.hsdp_mesh is not None and self.replicate > 1
 
@@ -267,6 +267,11 @@ class Plan:
     def shard(self) -> int:
         """S, ranks per replica (the mesh's shard dimension)."""
         return self.world_size // self.replicate
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """This rank's ``(replica, shard position)`` in the mesh (:func:`~dmuon.plan.layout.position`)."""
+        return position(self.rank, self.shard)
 
     @property
     def params(self) -> set[nn.Parameter]:

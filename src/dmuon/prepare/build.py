@@ -72,7 +72,7 @@ def prepare(
             expert-parallel dim after them; torchtitan's dense ``fsdp`` and expert
             ``(efsdp, ep)`` views of one world mesh); a torch
             ``DistributedDataParallel`` (the plan is then its ``.module``'s, over DDP's
-            process group: ``Plan.replicas``); or plain tensors in a single process.
+            process group: ``Plan.ddp``); or plain tensors in a single process.
         select: ``select(name, param) -> bool`` overriding the default matrix rule.
             Parameters with ``requires_grad=False`` are never Muon matrices.
         matrix_view: How each chosen parameter is seen: ``"flatten"`` (one
@@ -156,7 +156,7 @@ def prepare(
     plan.ns = ns
     plan.hsdp_mesh = hsdp_mesh
     plan.groups = groups
-    plan.replicas = ddp is not None
+    plan.ddp = ddp is not None
     return plan
 
 
@@ -257,7 +257,7 @@ def _check_momentum_layouts(infos: list[MatrixInfo], topology: Topology, hsdp_me
     """HSDP: every matrix's momentum has a DTensor layout splitting its columns over the replicas.
 
     Each rank can check only its own momentum shard: one all-reduce puts every rank on the error."""
-    r, s = topology.coords
+    r, s = topology.position
     ok = torch.tensor([int(momentum_ok(info, s, r, hsdp_mesh)) for info in infos] or [1], dtype=torch.int32).to(device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.mesh_group)
     bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})

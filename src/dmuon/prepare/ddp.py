@@ -1,5 +1,5 @@
 """Data parallelism without sharding: torch's ``DistributedDataParallel`` (stepped as replicas of the whole
-model, :mod:`dmuon.runtime.replicas`) and FSDP2's ``replicate`` (read as replicas of one rank each).
+model, :mod:`dmuon.runtime.ddp`) and FSDP2's ``replicate`` (read as replicas of one rank each).
 
 Under DDP every rank holds every parameter whole and, after backward, its mean gradient (DDP's all-reduce):
 dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps its momentum and runs its NS, and

@@ -87,8 +87,8 @@ class Setup:
 
     @classmethod
     def of_plan(cls, model: nn.Module, plan: Plan, ddp: nn.Module | None = None) -> Setup:
-        """The setup ``plan`` was made for (``Plan.replicas``: over torch's DDP)."""
-        return cls(Parallelism.DDP if plan.replicas else Parallelism.FSDP2, model, ddp)
+        """The setup ``plan`` was made for (``Plan.ddp``: over torch's DDP)."""
+        return cls(Parallelism.DDP if plan.ddp else Parallelism.FSDP2, model, ddp)
 
     @property
     def waiting(self) -> bool:

@@ -1,9 +1,11 @@
-"""The shard runtime: every dmuon collective and the step's schedule; the optimizer supplies the rule.
+"""The runtime: the step's schedule over dmuon's collectives; the optimizer supplies the rule.
 
-* :class:`ShardRuntime`: launches from backward, the agreement, the owners'
-  batches and return waves; :meth:`ShardRuntime.step` runs one step.
-* :class:`ReplicaRuntime`: the same step for torch's DistributedDataParallel (every rank holds the
-  whole model and its mean gradient; the owners' updates are all-gathered).
+* :class:`Runtime`: the interface both schedules share (setup, the step's frame and report, the
+  owners' batches wave by wave, the applies); :meth:`Runtime.step` runs one step.
+* :class:`ShardRuntime`: the FSDP2 schedule: launches from backward, the agreement, the owners'
+  batches and return waves.
+* :class:`DdpRuntime`: the schedule for torch's DistributedDataParallel (every rank holds the
+  whole model and its mean gradient; the owners' updates go to every rank).
 * :class:`StepCallbacks`: what an optimizer supplies, and the contract it keeps;
   :class:`RowState`, :class:`Rescalable`, :class:`WeightSums`,
   :class:`StepMaxima` and :class:`CheckedGradients`: what a rule may declare beyond it.
@@ -13,6 +15,7 @@
 """
 
 from dmuon.runtime.backward import Launch
+from dmuon.runtime.base import Runtime
 from dmuon.runtime.callbacks import (
     CheckedGradients,
     Rescalable,
@@ -22,9 +25,9 @@ from dmuon.runtime.callbacks import (
     WeightSums,
 )
 from dmuon.runtime.config import ExecutionConfig
-from dmuon.runtime.replicas import ReplicaRuntime
+from dmuon.runtime.ddp import DdpRuntime
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.runtime import ShardRuntime
 
-__all__ = ["CheckedGradients", "ExecutionConfig", "Launch", "ReplicaRuntime", "Rescalable", "RowState", "ShardRuntime", "StepCallbacks",
+__all__ = ["CheckedGradients", "ExecutionConfig", "Launch", "DdpRuntime", "Rescalable", "RowState", "Runtime", "ShardRuntime", "StepCallbacks",
            "StepMaxima", "StepReport", "WeightSums"]

@@ -21,7 +21,7 @@ and a negative's (sign bit set) cannot be read as a huge one.
 from __future__ import annotations
 
 import struct
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -52,8 +52,8 @@ class Agreement(NamedTuple):
 def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[int], here: Sequence[int],
                     nonfinite: str | None, checked: Sequence[tuple[str, torch.Tensor | None]],
                     stale: torch.Tensor | None, maxima: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, Callable[[list[int]], Agreement]]:
-    """This rank's flags, and the decision from their maximum over every rank (however that travelled).
+                    ) -> tuple[torch.Tensor, "FlagLayout"]:
+    """This rank's flags, and how their maximum over every rank (however that travelled) reads.
 
     Args:
         infos: The plan's matrices.
@@ -68,11 +68,9 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
             the flags are then on their device.
 
     Returns:
-        The flags (int32), and a function of their elementwise maximum over every rank
-        that decides, identically on every rank.
-
-    The decision raises ``RuntimeError`` for a matrix with a gradient on some ranks only,
-    and ``FloatingPointError`` with ``nonfinite="raise"`` for a non-finite gradient on any rank.
+        The flags (int32, laid out as :class:`FlagLayout` says), and their layout, whose
+        :meth:`FlagLayout.decide` reads their elementwise maximum over every rank identically on
+        every rank.
     """
     n = len(infos)
     check = nonfinite is not None
@@ -108,8 +106,7 @@ def agreement_flags(infos: Sequence[MatrixInfo], column: int, managed: Sequence[
     if extra:
         # Beside the values, on their device: reading them to the host here would wait for the device.
         flags = torch.cat([flags.to(maxima.device), maxima_bits(maxima)])
-    names = [name for name, _ in checked]
-    return flags, lambda agreed: _decide(agreed, infos, managed, nonfinite, names, count, extra)
+    return flags, FlagLayout(infos, managed, nonfinite, [name for name, _ in checked], extra)
 
 
 def pins_host_copies(device: torch.device | str) -> bool:
@@ -134,25 +131,53 @@ def maxima_bits(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 0, values, 0.0).contiguous().view(torch.int32)
 
 
-def _decide(flags: list[int], infos: Sequence[MatrixInfo], managed: Sequence[int], nonfinite: str | None,
-            checked_names: list[str], count: int, extra: int = 0) -> Agreement:
-    maxima = torch.tensor(flags[len(flags) - extra:], dtype=torch.int32).view(torch.float32)
-    flags = flags[: len(flags) - extra]
-    n = len(infos)
-    uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
-    if uneven:
-        raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
-                           "gradients on every rank or on none")
-    active = [i for i in sorted(managed) if flags[i]]
-    agreed_stale = flags[2 * n + count:]
-    unscaled = [0] * len(agreed_stale)
-    if nonfinite is None or not any(flags[2 * n : 2 * n + count]):
-        return Agreement(active, False, agreed_stale, unscaled, maxima=maxima)
-    if nonfinite == "raise":
-        names = [infos[i].name for i in range(n) if flags[2 * n + i]]
-        names += [checked_names[k] for k in range(len(checked_names)) if flags[3 * n + k]]
-        raise FloatingPointError(f"non-finite gradients in {names}")
-    return Agreement(active, True, agreed_stale, unscaled, maxima=maxima)
+class FlagLayout:
+    """Where each flag of :func:`agreement_flags` lies, and what their maximum over every rank decides.
+
+    The only reader of the layout, in order: ``n`` "has a gradient" flags, one per matrix; ``n`` "some
+    rank lacks it" flags; with ``nonfinite``, one "non-finite" mark per matrix and one per checked
+    gradient (:attr:`marks`); the launches' verdicts (whatever the caller appended: handed back as
+    :attr:`Agreement.stale`); the rule's step maxima as bit patterns (:attr:`extra` of them, last).
+    """
+
+    def __init__(self, infos: Sequence[MatrixInfo], managed: Sequence[int], nonfinite: str | None,
+                 checked_names: list[str], extra: int) -> None:
+        self.infos, self.managed, self.nonfinite = infos, managed, nonfinite
+        self.checked_names = checked_names
+        self.marks = len(infos) + len(checked_names) if nonfinite is not None else 0
+        """How many non-finite marks follow the two halves (none without ``nonfinite``)."""
+        self.extra = extra
+        """How many step maxima end the flags."""
+
+    def nonfinite_seen(self, flags: Sequence[int]) -> bool:
+        """Whether the agreed flags mark a non-finite gradient on some rank (before anything is decided)."""
+        n = len(self.infos)
+        return any(flags[2 * n : 2 * n + self.marks])
+
+    def decide(self, flags: list[int]) -> Agreement:
+        """The agreement from the flags' maximum over every rank.
+
+        Raises ``RuntimeError`` for a matrix with a gradient on some ranks only, and
+        ``FloatingPointError`` with ``nonfinite="raise"`` for a non-finite gradient on any rank.
+        """
+        infos, extra, count = self.infos, self.extra, self.marks
+        maxima = torch.tensor(flags[len(flags) - extra:], dtype=torch.int32).view(torch.float32)
+        flags = flags[: len(flags) - extra]
+        n = len(infos)
+        uneven = [infos[i].name for i in range(n) if flags[i] and flags[n + i]]
+        if uneven:
+            raise RuntimeError(f"gradients of {uneven[:5]} exist on some ranks only; FSDP2 reduces a block's "
+                               "gradients on every rank or on none")
+        active = [i for i in sorted(self.managed) if flags[i]]
+        agreed_stale = flags[2 * n + count:]
+        unscaled = [0] * len(agreed_stale)
+        if self.nonfinite is None or not any(flags[2 * n : 2 * n + count]):
+            return Agreement(active, False, agreed_stale, unscaled, maxima=maxima)
+        if self.nonfinite == "raise":
+            names = [infos[i].name for i in range(n) if flags[2 * n + i]]
+            names += [self.checked_names[k] for k in range(len(self.checked_names)) if flags[3 * n + k]]
+            raise FloatingPointError(f"non-finite gradients in {names}")
+        return Agreement(active, True, agreed_stale, unscaled, maxima=maxima)
 
 
 NONUNIFORM = "nonuniform"

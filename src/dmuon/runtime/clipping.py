@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from dmuon.comm.sums import reduce_scalar
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.util.dtensor import local_tensor
 
@@ -66,10 +67,9 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
         else:
             total = total + (norms ** norm_type).sum() / copies
     if group is not None:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=group)
+        reduce_scalar(total, math.isinf(norm_type), group)
     if across is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=across)
+        reduce_scalar(total, math.isinf(norm_type), across)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     total = total.float()

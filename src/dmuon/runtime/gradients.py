@@ -14,14 +14,14 @@ class GradientParts:
 
     Args:
         plan: The ownership plan.
-        coords: This rank's ``(replica, shard position)``.
+        position: This rank's ``(replica, shard position)``.
         replicate: dmuon's replicate level, whose mean over replicas is the reduced gradient; None:
             FSDP2 (or HSDP) reduced it into ``param.grad``.
     """
 
-    def __init__(self, plan: Plan, coords: tuple[int, int], replicate: ReplicateLevel | None) -> None:
+    def __init__(self, plan: Plan, position: tuple[int, int], replicate: ReplicateLevel | None) -> None:
         self.plan = plan
-        self.coords = coords
+        self.position = position
         self.replicate = replicate
 
     def parts(self, members: list[int]) -> dict[int, torch.Tensor]:
@@ -34,7 +34,7 @@ class GradientParts:
     def local_parts(self, members: list[int]) -> dict[int, torch.Tensor]:
         """This rank's part of each member's local gradient as it is now (``MatrixInfo.kept_view`` of
         ``param.grad``; on the replicate level its reduced form: R times the mean, once landed)."""
-        r, s = self.coords
+        r, s = self.position
         infos = self.plan.infos
         return {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in members}
 

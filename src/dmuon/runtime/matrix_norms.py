@@ -33,18 +33,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from dmuon.comm import CommStats, Pending
-from dmuon.comm import device_streams
 from dmuon.comm.streams import Streams
+from dmuon.comm.sums import add_over_shard
 from dmuon.plan.plan import Plan
 from dmuon.runtime.callbacks import StepCallbacks, WeightSums
-
-
-def ring_all_gather_bytes(nbytes: int, ranks: int) -> int:
-    """Bytes one rank sends (and receives) in a ring all-gather of ``nbytes`` from each of ``ranks``."""
-    return (ranks - 1) * nbytes
 
 
 class MatrixNorms:
@@ -85,7 +79,7 @@ class MatrixNorms:
         every rank) over the shard level; its ``wait()`` gives the totals (float32, on the runtime's
         device, the same bits on every rank)."""
         order = sorted(sums)
-        column = self.topo.coords[1]
+        column = self.topo.position[1]
         infos = self.plan.infos
         shapes, parts = [], []
         for i in order:
@@ -100,23 +94,7 @@ class MatrixNorms:
             return {i: part.view(shape) for i, part, shape in
                     zip(order, added.split([math.prod(s) for s in shapes]), shapes)}
 
-        shard = self.topo.shard
-        if shard == 1:
-            return Pending([], lambda: totals(flat), self.stats)
-        gathered = [torch.empty_like(flat) for _ in range(shard)]
-        moved = ring_all_gather_bytes(flat.numel() * flat.element_size(), shard)
-        self.stats.add("intra", moved, moved)
-        flight = device_streams.active().issue(
-            lambda: dist.all_gather(gathered, flat, group=self.topo.shard_group, async_op=True),
-            reads=(flat,), writes=tuple(gathered))
-
-        def finish() -> dict[int, torch.Tensor]:
-            added = gathered[0].clone()
-            for part in gathered[1:]:  # rank order: the same bits on every rank, however the calls group
-                added += part
-            return totals(added)
-
-        return Pending([flight], finish, self.stats)
+        return add_over_shard(flat, self.topo, self.stats, totals)
 
 
 class TotalsBehind:

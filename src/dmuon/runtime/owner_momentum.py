@@ -111,7 +111,7 @@ class OwnerMomentum:
 
     # ------------------------------------------------------------ the launches' verdict
     def launch_flags(self, launches: dict[int, "Launch"], active: list[int], rows: dict[int, torch.Tensor] | None,
-                     coords: tuple[int, int]) -> list[int]:
+                     position: tuple[int, int]) -> list[int]:
         """This rank's flags on the launches (block order), beside the runtime's stale flags: per
         launch whether its gradients are now those launched times a factor other than 1, whether
         they are unchanged and not all zero, whether neither (nor are its members and row states
@@ -120,7 +120,7 @@ class OwnerMomentum:
 
         A launch's directions may have been formed after a clip (the last unit's, on the replicate
         level, in ``step()``), so each launch is judged against its own copy of its gradients."""
-        r, s = coords
+        r, s = position
         infos = self.plan.infos
         now = {i: infos[i].kept_view(local_tensor(infos[i].param.grad), r, s) for i in active}
         blocks = sorted(launches)

@@ -70,7 +70,7 @@ class Reduction:
 
 
 class ReplicateLevel:
-    """Reduces gradients across replicas for one plan (``plan.reduces_replicas``).
+    """Reduces gradients across replicas for one plan (``plan.replicate_level``).
 
     Args:
         plan: The plan (its ``hsdp_mesh`` and matrices).
@@ -82,7 +82,7 @@ class ReplicateLevel:
         self.reduce = reduce
         self.mesh = plan.hsdp_mesh
         self.replicate = plan.replicate
-        self.coords = divmod(plan.rank, plan.shard)
+        self.position = plan.position
         self._matrices: dict[int, list[int]] = {}
         for info in plan.infos:
             self._matrices.setdefault(id(info.param), []).append(info.index)
@@ -139,7 +139,7 @@ class ReplicateLevel:
         others = [p for p in params if id(p) not in self._matrices]
         matrices = [p for p in params if id(p) in self._matrices]
         members = sorted(i for p in matrices for i in self._matrices[id(p)])
-        s = self.coords[1]
+        s = self.position[1]
         infos = self.plan.infos
         reduction = Reduction(
             others, matrices, members, {id(p): id(p.grad) for p in params},
@@ -167,7 +167,7 @@ class ReplicateLevel:
                 self._rewrap(p, Replicate())
                 self._reduced[id(p)] = id(p.grad)
         sums = reduction.columns.wait()
-        r, s = self.coords
+        r, s = self.position
         infos = self.plan.infos
         for p in reduction.matrices:
             if id(p.grad) != reduction.issued[id(p)]:
@@ -219,7 +219,7 @@ class ReplicateLevel:
     def mean_part(self, index: int) -> torch.Tensor:
         """Matrix ``index``'s part on this rank of the mean gradient (after :meth:`finish`, or from
         a landed reduction's sums): its kept columns divided by R."""
-        r, s = self.coords
+        r, s = self.position
         info = self.plan.infos[index]
         return info.kept_view(local_tensor(info.param.grad), r, s) / self.replicate
 
@@ -234,5 +234,5 @@ class ReplicateLevel:
                 out[i] = sums[i] / self.replicate
             else:  # this position holds no rows of it
                 info = self.plan.infos[i]
-                out[i] = info.kept_view(local_tensor(info.param.grad), *self.coords).float()
+                out[i] = info.kept_view(local_tensor(info.param.grad), *self.position).float()
         return out

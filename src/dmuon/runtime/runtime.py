@@ -1,4 +1,4 @@
-"""The shard runtime: every dmuon collective and the step's whole schedule.
+"""The FSDP2 schedule (:class:`ShardRuntime`): every dmuon collective and the step's whole schedule.
 
 FSDP2 keeps the weights: storage, mixed precision, the reduce-scatter in
 backward and the all-gather in forward. The runtime moves each Muon matrix's
@@ -8,9 +8,9 @@ the launches from backward (:mod:`dmuon.runtime.backward`), the step's
 agreement (:mod:`dmuon.runtime.agreement`), the owners' batches and the return
 waves (:mod:`dmuon.runtime.owner_work`). The optimizer supplies the rule as
 callbacks (:class:`~dmuon.runtime.callbacks.StepCallbacks`) and calls
-:meth:`ShardRuntime.step`; the runtime never reads optimizer state.
+:meth:`~dmuon.runtime.base.Runtime.step`; the runtime never reads optimizer state.
 
-One step (:meth:`ShardRuntime.step`), on every rank:
+One step (:meth:`ShardRuntime._step`, framed by :meth:`~dmuon.runtime.base.Runtime.step`), on every rank:
 
 1. take the launches from backward (and the worker's NS results);
 2. settle, with every rank, which matrices have a gradient, which launches
@@ -22,7 +22,7 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 4. run the owners' work in the balancer's batches and return the updates in
    waves (:meth:`ShardRuntime._return_waves`), running ``independent`` (AdamW)
    while transfers travel, and hand each wave's rows to ``apply``
-   (:meth:`ShardRuntime._apply`);
+   (:meth:`~dmuon.runtime.base.Runtime._apply`);
 5. with a rule that asks for sums over the weight (MuonH's norms), add them over the
    ranks that split each matrix, before the first ``apply`` and after the last
    (:mod:`dmuon.runtime.matrix_norms`: one all-gather each, none when no sums are asked; with the
@@ -33,20 +33,17 @@ One step (:meth:`ShardRuntime.step`), on every rank:
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from typing import NamedTuple
+from typing import ContextManager, NamedTuple
 
 import torch
 
-from dmuon.comm import CommStats, Pending, ShardExchange
-from dmuon.comm.device_streams import streams_for
+from dmuon.comm import Pending, ShardExchange
 from dmuon.comm.replicate import ReplicateReduce
 from dmuon.comm.warm_peers import exchange_pairs
-from dmuon.plan.batches import default_return_waves
 from dmuon.plan.plan import Plan
 from dmuon.runtime.backward import BackwardLaunches
-from dmuon.runtime.callbacks import Rescalable, StepCallbacks, StepMaxima, WeightSums, row_width
+from dmuon.runtime.base import Runtime
+from dmuon.runtime.callbacks import Rescalable, StepCallbacks, StepMaxima, WeightSums
 from dmuon.runtime.clipping import clip_grad_norm_
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.next_forward import NextForwardUpdates
@@ -56,9 +53,6 @@ from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.replicate import ReplicateLevel
 from dmuon.runtime.report import StepReport
 from dmuon.runtime.settle import Settled, StepSettler, land_unused
-from dmuon.runtime.setup_log import log_setup
-from dmuon.runtime.tuning import TunedOwnerWork, wait_for_tuning
-from dmuon.util.observe import ranged
 
 
 class _Directions(NamedTuple):
@@ -73,8 +67,9 @@ class _Directions(NamedTuple):
     its copy (empty otherwise)."""
 
 
-class ShardRuntime:
-    """Owns dmuon's collectives and the step's schedule for one plan.
+class ShardRuntime(Runtime):
+    """Owns dmuon's collectives and the step's schedule for one plan (the FSDP2 schedule of
+    :class:`~dmuon.runtime.base.Runtime`).
 
     Args:
         plan: The ownership plan (from :func:`dmuon.prepare`); its ``ns.dtype`` is the
@@ -94,39 +89,18 @@ class ShardRuntime:
 
     def __init__(self, plan: Plan, callbacks: StepCallbacks, config: ExecutionConfig = ExecutionConfig(),
                  root=None, pipeline_group=None) -> None:
-        self.plan = plan
-        self.pipeline_group = pipeline_group
-        self.topo = _topology(plan, config)
-        self.device = plan.device
-        self.streams = streams_for(self.device)
-        """Where every stream, event and wait of this runtime goes (:mod:`dmuon.comm.streams`)."""
-        self.config = config
-        self.callbacks = callbacks
-        self._root = _post_optim_root(root, config, self.device)
-        self.stats = CommStats()
-        self.row_width = row_width(callbacks)
+        self._root = _post_optim_root(root, config, plan.device)
+        super().__init__(plan, callbacks, config, pipeline_group, per_block=config.ns_in_backward,
+                         waves_by_unit=config.apply_updates == "next_forward")
         self.exchange = ShardExchange(plan.infos, self.topo, self.stats, plan.ns.dtype, self.device, self.row_width)
         self.norms = MatrixNorms(plan, self.stats)
         """The rule's per-matrix sums over the weight, added over the ranks that split each matrix."""
-        waves = config.return_waves if config.return_waves is not None else default_return_waves(self.device.type)
-        self.work = TunedOwnerWork(plan, per_block=config.ns_in_backward, max_waves=waves,
-                                   waves_by_unit=config.apply_updates == "next_forward")
-        tune_start = time.perf_counter()
-        tuned = self.work.tune(callbacks.owner_work, callbacks.matrices(), self.row_width)  # never inside a step
-        tune_seconds = time.perf_counter() - tune_start
-        # Every rank of the mesh, before its next collective: the host's ranks tune one by one.
-        log_setup(plan, tuned, tune_seconds, spread=wait_for_tuning(self.topo.global_ranks))
-        # dmuon's communicators and the peer connections its exchanges use, before the first backward;
-        # made here, not in prepare(): the peers come from the plan's owners and this config.
-        self.topo.warm_up(self.device, exchange_pairs(
-            plan.infos, self.topo.replicate, self.topo.shard, reduces_replicas=plan.reduces_replicas,
-            agreement_in_returns=agreement_in_returns(config, waves)))
         self.replicate: ReplicateLevel | None = None
         """dmuon's replicate level (``hsdp_mesh``): every gradient reduced across replicas by dmuon."""
-        if plan.reduces_replicas:
+        if plan.replicate_level:
             self.replicate = ReplicateLevel(plan, ReplicateReduce(plan.infos, self.topo, self.stats, self.device,
                                                                    self.exchange.across))
-        self.gradients = GradientParts(plan, self.topo.coords, self.replicate)
+        self.gradients = GradientParts(plan, self.topo.position, self.replicate)
         self.owner_momentum: OwnerMomentum | None = None
         """With ``clipped_overlap`` (and a :class:`~dmuon.runtime.callbacks.Rescalable` rule): the owners'
         copies of their whole momenta."""
@@ -146,17 +120,14 @@ class ShardRuntime:
                                              replicate=self.replicate,
                                              owner_momentum=self.owner_momentum)
 
-    @property
-    def column(self) -> int:
-        """This rank's shard position: which piece of each matrix it holds."""
-        return self.topo.coords[1]
+    def _warm_pairs(self) -> dict:
+        """The peers of the plan's exchanges and returns (:func:`~dmuon.comm.warm_peers.exchange_pairs`)."""
+        plan = self.plan
+        return exchange_pairs(plan.infos, self.topo.replicate, self.topo.shard, replicate_level=plan.replicate_level,
+                              agreement_in_returns=agreement_in_returns(self.config, self.work.max_waves))
 
     # ---------------------------------------------------------------- the step
-    @torch.no_grad()
-    @ranged("step")
-    def step(self) -> StepReport:
-        """Runs one step on every rank (a collective call); what it did on this rank."""
-        start = time.perf_counter()
+    def _step(self) -> StepReport:
         self.flush_updates()  # the last step's updates no forward applied (a unit that did not run)
         launches, early = self.backward.take() if self.backward is not None else ({}, {})
         if self.replicate is not None:
@@ -170,9 +141,6 @@ class ShardRuntime:
         report.rescaled_launches = sum(settled.agreement.rescaled)
         if self.owner_momentum is not None and self.owner_momentum.wanted:
             self._send_momentum_to_owners(settled.managed)
-        report.traffic = CommStats(**self.stats.as_dict())
-        report.step_seconds = time.perf_counter() - start
-        self.stats.reset()
         return report
 
     def _update(self, settled: Settled, report: StepReport) -> None:
@@ -295,35 +263,15 @@ class ShardRuntime:
         # Every rank's matrices whose work ran in backward (not only this rank's): the waves must agree.
         waves = self.work.return_waves(active, {i for i in active if infos[i].block in settled.done})
         report.return_waves = [members for members, _ in waves]
-        full, full_rows = directions.full, directions.rows
         returns = list(back.values())
         for b, returned in back.items():
             behind.follow(returned, settled.launches[b].members)
-        for members, batches in waves:
-            for batch in batches:
-                updates, new_rows = self.work.run_batch(
-                    self.callbacks.owner_work, batch, [full.pop(i) for i in batch],
-                    [full_rows.pop(i) for i in batch] if self.row_width else None)
-                owned.update(updates)
-                owned_rows.update(new_rows)
-            self._forward_returns(returns)  # HSDP: the earlier waves' next hops, behind this wave's work
-            behind.issue_ready()
-            returns.append(self.exchange.return_updates(
-                members, {i: owned[i] for i in members if i in owned}, None,
-                {i: owned_rows[i] for i in members if i in owned_rows} if self.row_width else None))
-            behind.follow(returns[-1], list(members))
-        return returns
+        return self._run_waves(waves, directions.full, directions.rows, owned, owned_rows, returns, behind)
 
-    @ranged("apply")
-    def _apply(self, returns: list[Pending]) -> None:
-        """Hands each return's rows to the rule's ``apply``, in order, forwarding the later ones' hops."""
-        for k, wave in enumerate(returns):
-            while not wave.issued():
-                self._forward_returns(returns[k:])
-            if self.row_width:
-                self.callbacks.apply(wave.wait(), wave.row_states())
-            else:
-                self.callbacks.apply(wave.wait())
+    def _return(self, members: list[int], owned: dict[int, torch.Tensor],
+                owned_rows: dict[int, torch.Tensor]) -> Pending:
+        """One wave's updates back to the ranks that hold their pieces (:meth:`ShardExchange.return_updates`)."""
+        return self.exchange.return_updates(members, owned, None, owned_rows if self.row_width else None)
 
     def _publish(self, returns: list[Pending], behind: TotalsBehind) -> None:
         """``apply_updates="next_forward"``: every hop of every return issued now, in the order
@@ -342,14 +290,12 @@ class ShardRuntime:
         if self.next_forward is not None and self.next_forward.pending:
             self.next_forward.flush()
 
-    def _forward_returns(self, returns: list[Pending]) -> None:
-        """Advances every return in flight by one hop (:meth:`Pending.forward`). On HSDP the hops this
-        issues across replicas (one wave's first, the scatter route's all-gather of the wave before)
-        go to the same peers at the same moment, so they travel as one all-to-all: a latency per
-        peer saved per wave (``owner_exchange_collectives`` lists them as one collective)."""
-        with self.exchange.across.coalesced():
-            for pending in returns:
-                pending.forward()
+    def _coalesced(self) -> ContextManager[None]:
+        """On HSDP the hops one :meth:`_forward_returns` issues across replicas (one wave's first, the
+        scatter route's all-gather of the wave before) go to the same peers at the same moment, so they
+        travel as one all-to-all: a latency per peer saved per wave (``owner_exchange_collectives``
+        lists them as one collective)."""
+        return self.exchange.across.coalesced()
 
     def _send_momentum_to_owners(self, managed: list[int]) -> None:
         """At the end of a step that clipped while the owners kept no copies (the first clip, or the first
@@ -391,17 +337,6 @@ def agreement_in_returns(config: ExecutionConfig, waves: int) -> bool:
     launches from backward, one return wave, nothing checked first), its flags then going to every
     member of every exchange group."""
     return config.overlap and waves == 1 and config.apply_updates == "in_step" and config.nonfinite is None
-
-
-def _topology(plan: Plan, config: ExecutionConfig):
-    """The plan's topology, marked loopback with ``loopback_collectives`` (read by the exchange's hops
-    and the agreement: :attr:`Topology.loopback`; the plan's stays as it is)."""
-    if not config.loopback_collectives:
-        return plan.topology
-    if plan.topology.mesh_group is None:
-        raise ValueError("loopback_collectives=True needs dmuon's process groups: prepare() the "
-                         "plan with torch.distributed initialized (one rank is enough)")
-    return dataclasses.replace(plan.topology, loopback=True)
 
 
 def _post_optim_root(root, config: ExecutionConfig, device: torch.device):

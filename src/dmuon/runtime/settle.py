@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from dmuon.comm import Pending, ShardExchange
+from dmuon.comm.agree import all_reduce_max, any_rank
 from dmuon.comm.streams import Streams
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import Plan
-from dmuon.runtime.agreement import Agreement, agreement_flags
+from dmuon.runtime.agreement import Agreement, FlagLayout, agreement_flags
 from dmuon.runtime.backward import EarlyWork, Launch, OwnerResults
 from dmuon.runtime.callbacks import CheckedGradients, RowState, StepCallbacks, StepMaxima
 from dmuon.runtime.config import ExecutionConfig
@@ -85,6 +85,42 @@ class Settled:
         return (self.kept & self.early.keys()) - self.rescaled
 
 
+class Gradients(NamedTuple):
+    """What a step reads first, on every runtime: which matrices the rule steps and which have a gradient."""
+
+    managed: list[int]
+    """The matrices the rule steps now (``matrices()``, the same on every rank)."""
+    here: list[int]
+    """Those with a gradient on this rank (each checked: :meth:`GradientParts.check`)."""
+    maxima: torch.Tensor | None
+    """The rule's step maxima on this rank (:class:`StepMaxima`), or None."""
+
+
+def read_gradients(plan: Plan, callbacks: StepCallbacks, gradients: GradientParts) -> Gradients:
+    """The step's prelude: the managed matrices, those with a gradient here (refusing the kinds Muon cannot
+    take), and the rule's step maxima."""
+    managed = callbacks.matrices()
+    here = [i for i in managed if plan.infos[i].param.grad is not None]
+    for i in here:
+        gradients.check(i)
+    maxima = callbacks.step_maxima() if isinstance(callbacks, StepMaxima) else None
+    return Gradients(managed, here, maxima)
+
+
+def agree_before_commit(plan: Plan, topo: Topology, streams: Streams, callbacks: StepCallbacks,
+                        nonfinite: str | None, seen: Gradients, pipeline_group) -> Agreement:
+    """One agreement, waited for, on which matrices have a gradient, whether a gradient is non-finite
+    (``nonfinite=``, every pipeline stage told) and the rule's step maxima; no launch verdicts."""
+    checked = callbacks.checked_gradients() if nonfinite is not None and isinstance(callbacks, CheckedGradients) else []
+    flags, layout = agreement_flags(plan.infos, topo.position[1], seen.managed, seen.here, nonfinite, checked, None,
+                                    seen.maxima)
+    agreed = all_reduce_max(flags, topo, streams, plan.device)().tolist()
+    if nonfinite is None:
+        return layout.decide(agreed)
+    elsewhere = nonfinite_on_other_stages(agreed, layout, pipeline_group, plan.device)
+    return with_other_stages(layout.decide(agreed), elsewhere, nonfinite)
+
+
 def land_unused(launches: dict[int, Launch]) -> None:
     """Lands every exchange of ``launches`` unused, on every rank alike."""
     for launch in launches.values():
@@ -124,17 +160,12 @@ class StepSettler:
     @ranged("settle")
     def settle(self, launches: dict[int, Launch], early: EarlyWork) -> Settled:
         """The step's agreement and the rule's directions, from the launches and the worker's results."""
-        cb = self.callbacks
-        managed = cb.matrices()
-        here = [i for i in managed if self.plan.infos[i].param.grad is not None]
-        for i in here:
-            self.gradients.check(i)
-        maxima = cb.step_maxima() if isinstance(cb, StepMaxima) else None
+        managed, here, maxima = seen = read_gradients(self.plan, self.callbacks, self.gradients)
         if self.config.nonfinite is None:
             settled = self._unchecked(launches, early, managed, here, maxima)
         else:
             try:
-                settled = self._checked(launches, early, managed, here, maxima)
+                settled = self._checked(launches, early, seen)
             except FloatingPointError:
                 # Every rank raises alike (nonfinite="raise"): what backward sent lands first, so
                 # no exchange is left in flight, holding buffers, behind a caught error.
@@ -149,9 +180,9 @@ class StepSettler:
         the launches' verdicts and the rule's maxima."""
         directions = self.callbacks.commit(here, self.gradients.parts(here))
         rows = self._rows(here)
-        flags, settle = agreement_flags(self.plan.infos, self.topo.coords[1], managed, here, None, (),
+        flags, layout = agreement_flags(self.plan.infos, self.topo.position[1], managed, here, None, (),
                                         self._verdicts(launches, here, directions, rows), maxima)
-        settle = self._with_scale(settle, len(launches))
+        settle = self._with_scale(layout.decide, len(launches))
         # The owners' work on what landed from backward, returned with the agreement's flags (no
         # collective of its own: on shared cores each one issued costs the issuing rank its turn);
         # kept only if the flags keep every launch and the launches cover every active matrix
@@ -161,7 +192,7 @@ class StepSettler:
         # agreement replaces.
         if launches and not early and self.work.max_waves == 1 and not self.work.waves_by_unit and not self.last_scaled:
             return self._speculate(launches, managed, directions, rows, flags, settle)
-        decide = self._start_all_reduce_max(flags)
+        decide = all_reduce_max(flags, self.topo, self.streams, self.plan.device)
         self.callbacks.independent()  # while the flags travel
         return Settled(settle(decide().tolist()), managed, launches, directions, rows, True, early)
 
@@ -181,26 +212,20 @@ class StepSettler:
             return Settled(agreement, managed, launches, directions, rows, True, speculative, returned)
         return Settled(agreement, managed, launches, directions, rows, True, {})  # landed unused; every rank drops it alike
 
-    def _checked(self, launches: dict[int, Launch], early: EarlyWork, managed: list[int], here: list[int],
-                 maxima: torch.Tensor | None) -> Settled:
+    def _checked(self, launches: dict[int, Launch], early: EarlyWork, seen: Gradients) -> Settled:
         """``nonfinite=`` set: agree on the step (skip or raise) and the rule's maxima before any
         state advances, then on the launches' verdicts."""
-        cb = self.callbacks
-        checked = cb.checked_gradients() if isinstance(cb, CheckedGradients) else []
-        flags, settle = agreement_flags(self.plan.infos, self.topo.coords[1], managed, here, self.config.nonfinite,
-                                        checked, None, maxima)
-        agreed = self._start_all_reduce_max(flags)().tolist()
-        elsewhere = nonfinite_on_other_stages(agreed, flags.numel() - (0 if maxima is None else maxima.numel()),
-                                              len(self.plan.infos), self.pipeline_group, self.plan.device)
-        agreement = with_other_stages(settle(agreed), elsewhere, self.config.nonfinite)
+        agreement = agree_before_commit(self.plan, self.topo, self.streams, self.callbacks, self.config.nonfinite,
+                                        seen, self.pipeline_group)
         if agreement.skipped:
-            return Settled(agreement, managed, launches, {}, None, False, early)
-        directions = cb.commit(agreement.active, self.gradients.parts(agreement.active))
+            return Settled(agreement, seen.managed, launches, {}, None, False, early)
+        directions = self.callbacks.commit(agreement.active, self.gradients.parts(agreement.active))
         rows = self._rows(agreement.active)
-        verdicts = self._start_all_reduce_max(self._verdicts(launches, agreement.active, directions, rows))().tolist()
+        verdicts = all_reduce_max(self._verdicts(launches, agreement.active, directions, rows), self.topo,
+                                  self.streams, self.plan.device)().tolist()
         stale, scaled, scale = self._launch_verdict(verdicts, len(launches))
-        return Settled(agreement._replace(stale=stale, rescaled=scaled, scale=scale), managed, launches, directions,
-                       rows, False, early)
+        return Settled(agreement._replace(stale=stale, rescaled=scaled, scale=scale), seen.managed, launches,
+                       directions, rows, False, early)
 
     def _rows(self, members: list[int]) -> dict[int, torch.Tensor] | None:
         """A :class:`RowState` rule's rows of its state for ``members`` (what travels beside their directions)."""
@@ -256,7 +281,7 @@ class StepSettler:
         stale = self._stale(launches, active, directions, rows)
         if self.owner_momentum is None:
             return stale
-        extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.coords)
+        extra = self.owner_momentum.launch_flags(launches, active, rows, self.topo.position)
         return torch.cat([stale, torch.tensor(extra, dtype=torch.int32, device=stale.device)])
 
     def _launch_verdict(self, flags: list[int], launches: int) -> tuple[list[int], list[int], float | None]:
@@ -280,37 +305,17 @@ class StepSettler:
 
         return decide
 
-    def _start_all_reduce_max(self, flags: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Issues the elementwise maximum of ``flags`` over every rank; the returned function waits
-        for it (work can go on meanwhile)."""
-        if self.topo.world_size == 1 and not self.topo.loopback:
-            return lambda: flags.cpu()
-        flags = flags.to(self.plan.device)
-        work = self.streams.issue(
-            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.mesh_group, async_op=True),
-            reads=(flags,), writes=(flags,))
 
-        def landed() -> torch.Tensor:
-            work.wait()
-            return flags.cpu()
-
-        return landed
-
-
-def nonfinite_on_other_stages(agreed: list[int], length: int, matrices: int, pipeline_group,
-                              device: torch.device) -> bool:
+def nonfinite_on_other_stages(agreed: list[int], layout: FlagLayout, pipeline_group, device: torch.device) -> bool:
     """With a pipeline group: whether another stage saw a NaN/Inf, from one scalar all-reduce over the
-    stages of whether this data-parallel group saw one (``agreed[:length]``: its agreed flags without the
-    maxima, ``agreement_flags``' layout, no launch verdicts riding on them; the marks follow the
-    ``matrices``' two halves). Every stage's ranks call it before deciding anything from their own flags
-    (a decision that raises first would leave the other stages waiting in this all-reduce). False, and
-    no collective, without a pipeline group."""
+    stages of whether this data-parallel group saw one (its agreed flags, read by ``layout``). Every
+    stage's ranks call it before deciding anything from their own flags (a decision that raises first
+    would leave the other stages waiting in this all-reduce). False, and no collective, without a
+    pipeline group."""
     if pipeline_group is None:
         return False
-    mine = any(agreed[2 * matrices : length])
-    seen = torch.tensor([int(mine)], dtype=torch.int32, device=device)
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=pipeline_group)
-    return bool(seen.item()) and not mine
+    mine = layout.nonfinite_seen(agreed)
+    return any_rank(mine, pipeline_group, device) and not mine
 
 
 def with_other_stages(agreement: Agreement, elsewhere: bool, nonfinite: str | None) -> Agreement:

@@ -95,7 +95,7 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
     }
     if topo.replicate > 1:
         scenarios["joined", "chunked", "two_hop"] = lambda: _hop_a_variants(exchange, infos, topo)
-    out: dict = {"plan_rank": topo.rank, "coords": topo.coords}
+    out: dict = {"plan_rank": topo.rank, "position": topo.position}
     for keys, result in run_each(scenarios).items():
         out.update({key: result if isinstance(result, ScenarioFailed) else result[key] for key in keys})
     return out
@@ -103,7 +103,7 @@ def exchange_on_ranks(rank: int, world_size: int, mesh: str) -> dict:
 
 def _each_block_and_all(exchange: ShardExchange, infos: list[MatrixInfo], topo: Topology) -> dict:
     """Every block's directions to the owners and updates back, then all updates at once."""
-    r, s = topo.coords
+    r, s = topo.position
     stats = exchange.stats
     out: dict = {"blocks": {}}
     for block in sorted(set(BLOCKS)):
@@ -154,7 +154,7 @@ def _float_flag_returns(infos: list[MatrixInfo], topo: Topology, flags: torch.Te
 def _row_state_exchanges(infos: list[MatrixInfo], topo: Topology) -> dict:
     """A per-row state riding along (NorMuon's): every member at once, in float32 and (bit for bit,
     two wire elements a value) in bfloat16; fresh counters, so the logs hold these alone."""
-    r, s = topo.coords
+    r, s = topo.position
     everything = list(range(len(SHAPES)))
     out = {}
     for wire, width in ROW_STATE_RUNS:
@@ -176,7 +176,7 @@ def _row_state_exchanges(infos: list[MatrixInfo], topo: Topology) -> dict:
 def _hop_a_variants(exchange: ShardExchange, infos: list[MatrixInfo], topo: Topology) -> dict:
     """HSDP: block 0's hop A joined with another all-to-all, hop A in row chunks, and a two-hop
     exchange of each kind landed by a side thread."""
-    r, s = topo.coords
+    r, s = topo.position
     stats = exchange.stats
     members = _members(0)
 
@@ -225,7 +225,7 @@ def _results(mesh: str) -> list[dict]:
 def test_owners_get_full_directions_and_every_rank_its_rows(mesh):
     infos = _infos(mesh)
     for res in _results(mesh):
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         for block, got in res["blocks"].items():
             members = _members(block)
             where = f"{mesh} rank {rank} block {block}"
@@ -262,7 +262,7 @@ def test_row_state_travels_with_the_matrices_exactly(mesh):
     replicate, shard = _grid(mesh)
     everything = list(range(len(SHAPES)))
     for res in _results(mesh):
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         for wire, width in ROW_STATE_RUNS:
             got = res["row_state"][str(wire)]
             where = f"{mesh} rank {rank} wire {wire}"
@@ -295,7 +295,7 @@ def test_flags_sent_with_the_return_reach_every_rank(mesh):
     infos = _infos(mesh)
     results = _results(mesh)
     for res in results:
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         for block, got in res["flagged"].items():
             where = f"{mesh} rank {rank} block {block}"
             assert got["agreed"] == [1] * len(results) + [1], where
@@ -313,7 +313,7 @@ def test_float32_bit_patterns_ride_as_flags_exactly_in_every_wire_dtype(mesh):
     results = _results(mesh)
     expected = torch.stack([_float_flags(k) for k in range(len(results))]).amax(0)
     for res in results:
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         for wire in FLOAT_FLAG_WIRES:
             got = res["float_flags"][str(wire)]
             where = f"{mesh} rank {rank} wire {wire}"
@@ -332,7 +332,7 @@ def test_hop_a_joined_with_another_all_to_all_lands_both_in_one_collective():
     results = _results("2x2")
     separate = {res["plan_rank"]: res["blocks"][0] for res in results}
     for res in results:
-        r, s = res["coords"]
+        r, s = res["position"]
         joined = res["joined"]
         assert "waited on before the block ended" in joined["early"]
         assert set(joined["directions"]) == set(separate[res["plan_rank"]]["directions"])
@@ -355,7 +355,7 @@ def test_hop_a_in_row_chunks_lands_the_same_directions():
     replicate, shard = _grid(mesh)
     members = _members(0)
     for res in _results(mesh):
-        rank, (r, s) = res["plan_rank"], res["coords"]
+        rank, (r, s) = res["plan_rank"], res["position"]
         got = res["chunked"]
         mine = [k for k in members if OWNERS[k] == rank]
         assert sorted(got["directions"]) == mine
@@ -390,7 +390,7 @@ def test_hop_a_in_row_chunks_lands_the_same_directions():
 
 def test_a_replica_owning_none_of_a_block_skips_its_collectives():
     for res in _results("2x2"):
-        r, s = res["coords"]
+        r, s = res["position"]
         got = res["blocks"][2]  # owned by ranks 0 and 1, replica 0
         levels = [level for level, _, _ in got["send_log"]]
         # The column slices still cross to replica 0; only replica 0's ranks gather the rows.
@@ -417,7 +417,7 @@ def test_two_hop_exchange_waits_for_the_main_threads_forward(what):
     infos = _infos("2x2")
     members = _members(0)
     for res in _results("2x2"):
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         got = res["two_hop"][what]
         send, back = _expected_log(members, rank, "2x2")
         expected = send if what == "directions" else back

@@ -59,7 +59,7 @@ def publication_on_ranks(rank: int, world_size: int, layout: str) -> dict:
     topo = from_mesh(init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")), replicated=True)
     infos = _publication_infos(layout)
     flags = torch.tensor([int(k == topo.rank) for k in range(world_size)] + [topo.rank % 2], dtype=torch.int32)
-    out: dict = {"plan_rank": topo.rank, "coords": topo.coords, "runs": {}}
+    out: dict = {"plan_rank": topo.rank, "position": topo.position, "runs": {}}
     for route in (*ROUTES, None):
         for wire, width, flagged in PUBLICATION_RUNS:
             stats = CommStats()
@@ -116,7 +116,7 @@ def test_both_publication_routes_give_every_holder_its_rows_state_and_the_flags(
     infos = _publication_infos(layout)
     results = _publication_results(layout)
     for res in results:
-        rank, s = res["plan_rank"], res["coords"][1]
+        rank, s = res["plan_rank"], res["position"][1]
         for (route, wire, width, flagged), got in res["runs"].items():
             dtype = getattr(torch, wire.removeprefix("torch."))
             for name, members in [*_publication_returns(), ("waves", list(range(len(SHAPES))))]:

@@ -103,7 +103,7 @@ def test_pairs_equal_the_step_models(case):
         infos, replicate, shard = _hsdp(), 2, 2
         gradient_bytes = 4 if case == "hsdp_replicate_level" else None
     for publication in (["direct", "scatter"] if replicate > 1 else [None]):
-        got = exchange_pairs(infos, replicate, shard, reduces_replicas=gradient_bytes is not None,
+        got = exchange_pairs(infos, replicate, shard, replicate_level=gradient_bytes is not None,
                              publication=publication)
         assert got == _modelled_pairs(infos, replicate, shard, gradient_bytes, publication), publication
 

@@ -662,27 +662,27 @@ def test_updates_applied_in_the_next_forward_by_hand():
 def test_torchs_ddp_with_dmuon_serialised_is_the_alpha_beta_sum_of_its_collectives(replicate, return_waves):
     """dmuon under torch's DDP (one rank per replica): serialised and without compute, its step is the alpha-beta
     sum of step_collectives' list for it (FSDP2's all-reduce per unit: DDP's buckets) and the agreement; the
-    updates' collectives carry per rank what replica_collectives counts (the runtime's bytes)."""
-    from dmuon.costmodel.collectives import REPLICAS_STRATEGY
-    from dmuon.costmodel.traffic import replica_collectives
+    updates' collectives carry per rank what ddp_collectives counts (the runtime's bytes)."""
+    from dmuon.costmodel.collectives import DDP_STRATEGY
+    from dmuon.costmodel.traffic import ddp_collectives
 
     inputs = _inputs(replicate, 1, return_waves)
     options = SimOptions(overlap=False, compute=False)
-    timeline, _ = build_step(REPLICAS_STRATEGY, inputs, HW, options)
+    timeline, _ = build_step(DDP_STRATEGY, inputs, HW, options)
     used = [t.collective for t in timeline.tasks if t.collective is not None]
-    figures = simulate(REPLICAS_STRATEGY, inputs, HW, options)
+    figures = simulate(DDP_STRATEGY, inputs, HW, options)
     assert figures["step_seconds"] == pytest.approx(step_figures(used, LINKS)["seconds"]["total"])
-    waves = step_builder(REPLICAS_STRATEGY, inputs, HW, options).waves
-    listed = step_collectives(REPLICAS_STRATEGY, inputs.shapes, inputs.owners, inputs.blocks, replicate, 1,
+    waves = step_builder(DDP_STRATEGY, inputs, HW, options).waves
+    listed = step_collectives(DDP_STRATEGY, inputs.shapes, inputs.owners, inputs.blocks, replicate, 1,
                               waves=waves, other_shapes=inputs.other_shapes, other_blocks=inputs.other_blocks)
     assert sorted(c.label for c in used if c.role != "agreement") == sorted(c.label for c in listed)
     assert len([c for c in used if c.role == "agreement"]) == (replicate > 1)
     assert not [c for c in listed if c.role in ("fsdp_all_gather", "fsdp_reduce_scatter") and max(map(max, c.ranks))]
-    published = [c for c in listed if c.role == "replica_publish"]
+    published = [c for c in listed if c.role == "ddp_publish"]
     for rank in range(replicate):
-        assert [tuple(c.ranks[rank]) for c in published] == replica_collectives(
+        assert [tuple(c.ranks[rank]) for c in published] == ddp_collectives(
             inputs.shapes, inputs.owners, replicate, waves, 2, rank)
     with pytest.raises(ValueError, match="shard must be 1"):
-        step_collectives(REPLICAS_STRATEGY, inputs.shapes, inputs.owners, inputs.blocks, 1, 2)
+        step_collectives(DDP_STRATEGY, inputs.shapes, inputs.owners, inputs.blocks, 1, 2)
     with pytest.raises(ValueError, match="shard must be 1"):
-        build_step(REPLICAS_STRATEGY, _inputs(1, 2), HW, options)
+        build_step(DDP_STRATEGY, _inputs(1, 2), HW, options)

@@ -751,25 +751,25 @@ def test_step_model_rejects_bad_input():
     assert step_figures([])["critical_bytes"]["total"] == 0
 
 
-def test_replica_hops_take_the_route_with_the_fewer_bytes_through_the_busiest_rank():
+def test_ddp_hops_take_the_route_with_the_fewer_bytes_through_the_busiest_rank():
     """dmuon under torch's DDP: per wave, a padded all-gather ((N-1) x the largest share through every rank) or
     the scatter (an all-to-all evening the updates into ceil(total/N) chunks, then their all-gather), whichever
     moves less through the busiest rank; from shapes and owners, by formulas written here."""
-    from dmuon.costmodel.traffic import replica_collectives, replica_hops, scatter_parts
+    from dmuon.costmodel.traffic import ddp_collectives, ddp_hops, scatter_parts
 
-    assert replica_hops([5, 5, 5, 5], 1) == ("all_gather", [[(15, 15)] * 4])
+    assert ddp_hops([5, 5, 5, 5], 1) == ("all_gather", [[(15, 15)] * 4])
     # 20 elements in chunks of 5: owner 0's 12 fill chunks 0, 1 and 2 of 3; owners 1 and 2 the rest.
     parts, chunk = scatter_parts([12, 4, 4, 0])
     assert chunk == 5 and parts == [[5, 5, 2, 0], [0, 0, 3, 1], [0, 0, 0, 4], [0, 0, 0, 0]]
-    route, hops = replica_hops([12, 4, 4, 0], 1)
+    route, hops = ddp_hops([12, 4, 4, 0], 1)
     assert route == "scatter"  # padded: 3 x 12 = 36 through every rank; scattered: at most 7 + 15 = 22
     assert hops[0] == [(7, 0), (4, 5), (4, 5), (0, 5)] and hops[1] == [(15, 15)] * 4
     shapes, owners = [(4, 3), (4, 3), (2, 3), (2, 3)], [0, 1, 0, 1]  # shares 18 and 18 elements
-    assert replica_collectives(shapes, owners, 2, elem_bytes=2) == [(36, 36)]
+    assert ddp_collectives(shapes, owners, 2, elem_bytes=2) == [(36, 36)]
     shapes, owners = [(8, 8), (2, 2), (1, 3)], [0, 1, 2]  # shares 64, 4, 3 on 3 ranks
-    route, hops = replica_hops([64, 4, 3], 2)
+    route, hops = ddp_hops([64, 4, 3], 2)
     assert route == "scatter"
     for rank in range(3):
-        assert replica_collectives(shapes, owners, 3, elem_bytes=2, rank=rank) == [h[rank] for h in hops]
+        assert ddp_collectives(shapes, owners, 3, elem_bytes=2, rank=rank) == [h[rank] for h in hops]
         assert hops[1][rank] == (2 * 24 * 2, 2 * 24 * 2)  # chunks of ceil(71 / 3) = 24, from two peers
-    assert replica_collectives(shapes, owners, 1) == []
+    assert ddp_collectives(shapes, owners, 1) == []

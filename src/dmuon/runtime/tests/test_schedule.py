@@ -131,8 +131,8 @@ def _agreed_maxima(step: int) -> torch.Tensor:
 class FakeRule(StepCallbacks, StepMaxima, CheckedGradients):
     """Direction = gradient + steps committed so far; the owner mixes rows and columns."""
 
-    def __init__(self, infos: list[MatrixInfo], coords: tuple[int, int], checked: list[torch.Tensor]) -> None:
-        self.infos, self.coords = infos, coords
+    def __init__(self, infos: list[MatrixInfo], position: tuple[int, int], checked: list[torch.Tensor]) -> None:
+        self.infos, self.position = infos, position
         self.count = {k: 0 for k in MANAGED}
         self.applied: dict[int, torch.Tensor] = {}
         self.events: list[str] = []
@@ -144,7 +144,7 @@ class FakeRule(StepCallbacks, StepMaxima, CheckedGradients):
     def _part(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         # The runtime's part must be this rank's kept columns of its piece of the gradient.
         info = self.infos[i]
-        assert torch.equal(grad, _kept(info, *self.coords, info.param.grad)), f"matrix {i}: wrong gradient part"
+        assert torch.equal(grad, _kept(info, *self.position, info.param.grad)), f"matrix {i}: wrong gradient part"
         return (grad + self.count[i]).reshape(-1)
 
     def matrices(self) -> list[int]:
@@ -177,7 +177,7 @@ class FakeRule(StepCallbacks, StepMaxima, CheckedGradients):
         self.events.append("independent")
 
     def step_maxima(self):
-        return _step_maxima(self.coords[0] * len(self.infos[0].pieces) + self.coords[1], self.step_index)
+        return _step_maxima(self.position[0] * len(self.infos[0].pieces) + self.position[1], self.step_index)
 
     def finish_step(self, active, maxima):
         self.events.append("finish")
@@ -192,9 +192,9 @@ class FakeRowRule(FakeRule, RowState):
 
     row_width = 2
 
-    def __init__(self, infos: list[MatrixInfo], coords: tuple[int, int], checked: list[torch.Tensor]) -> None:
-        super().__init__(infos, coords, checked)
-        s = coords[1]
+    def __init__(self, infos: list[MatrixInfo], position: tuple[int, int], checked: list[torch.Tensor]) -> None:
+        super().__init__(infos, position, checked)
+        s = position[1]
         self.rows = {k: _initial_rows(k)[infos[k].pieces[s].row:][: infos[k].pieces[s].rows].clone()
                      for k in range(len(SHAPES))}
 
@@ -245,8 +245,8 @@ def run_scenarios(rank: int, world_size: int, mesh: str) -> dict:
     device_mesh = init_device_mesh("cpu", (world_size,)) if shape is None else \
         init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     topo = from_mesh(device_mesh, replicated=shape is not None)
-    r, s = topo.coords
-    out = {"coords": (r, s), "plan_rank": topo.rank}
+    r, s = topo.position
+    out = {"position": (r, s), "plan_rank": topo.rank}
     for name in SCENARIOS:
         skeleton = _infos(mesh)
         params = [nn.Parameter(torch.zeros(_box(info, s, torch.zeros(info.shape)).shape)) for info in skeleton]
@@ -342,7 +342,7 @@ def _expected(mesh: str, step: int, count: int, edited: bool) -> dict[int, torch
 
 def _check_applied(mesh: str, res: dict, name: str, step: int, count: int, edited: bool) -> None:
     infos = _infos(mesh)
-    s = res["coords"][1]
+    s = res["position"][1]
     got = res[name]["steps"][step]["applied"]
     where = f"{mesh} {name} rank {res['plan_rank']} step {step}"
     expected = _expected(mesh, step, count, edited)
@@ -482,7 +482,7 @@ def test_a_row_state_travels_with_its_matrix_and_back_to_every_holder(mesh):
         for step in range(STEPS):
             updates, rows = _expected_with_rows(mesh, step, edit_at, skipped)
             for res in results:
-                s = res["coords"][1]
+                s = res["position"][1]
                 got = res[name]["steps"][step]
                 where = f"{mesh} {name} rank {res['plan_rank']} step {step}"
                 holds = {k for k in updates if infos[k].piece_numel(s)}

@@ -1,12 +1,12 @@
-"""dmuon's step under torch's ``DistributedDataParallel`` on the timeline (:class:`ReplicaStepBuilder`), as
-:class:`dmuon.runtime.replicas.ReplicaRuntime` runs it.
+"""dmuon's step under torch's ``DistributedDataParallel`` on the timeline (:class:`DdpStepBuilder`), as
+:class:`dmuon.runtime.ddp.DdpRuntime` runs it.
 
 Forward and backward are :class:`~dmuon.costmodel.schedule.StepBuilder`'s on the ``(N, 1)`` layout: nothing is
 gathered and every unit's gradients are all-reduced as backward produces them, which is DDP's bucketed
 all-reduce with the units as its buckets (the same bytes, overlapped with the backward of the units before).
 Nothing of dmuon's runs in backward. ``step()``: the agreement's all-reduce with AdamW while it travels, each
 owner's momentum on its matrices, then wave by wave the owners' NS and the wave's updates to every rank
-(:func:`~dmuon.costmodel.collectives.replica_publish_collectives`: on the scatter route its all-gather goes
+(:func:`~dmuon.costmodel.collectives.ddp_publish_collectives`: on the scatter route its all-gather goes
 behind the next wave's NS, as the runtime advances it), and every rank's apply of every update.
 """
 
@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import math
 
-from dmuon.costmodel.collectives import REPLICAS_STRATEGY
+from dmuon.costmodel.collectives import DDP_STRATEGY
 from dmuon.costmodel.schedule import C, DW, StepBuilder
 from dmuon.costmodel.sim_config import APPLY_BYTES, MOMENTUM_BYTES, Hardware, SimOptions, StepInputs
 from dmuon.costmodel.timeline import Task
 
 
-class ReplicaStepBuilder(StepBuilder):
-    """torch's DDP + dmuon (:data:`~dmuon.costmodel.collectives.REPLICAS_STRATEGY`) on one rank per replica."""
+class DdpStepBuilder(StepBuilder):
+    """torch's DDP + dmuon (:data:`~dmuon.costmodel.collectives.DDP_STRATEGY`) on one rank per replica."""
 
-    STRATEGIES = (REPLICAS_STRATEGY,)
+    STRATEGIES = (DDP_STRATEGY,)
 
     def __init__(self, strategy: str, inputs: StepInputs, hardware: Hardware, options: SimOptions):
         if inputs.shard != 1:
-            raise ValueError(f"{REPLICAS_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, "
+            raise ValueError(f"{DDP_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, "
                              f"got {inputs.shard}")
         super().__init__(strategy, inputs, hardware, options)
 
@@ -52,17 +52,17 @@ class ReplicaStepBuilder(StepBuilder):
             while scattered:
                 w, first = scattered.pop(0)
                 landed = self.wait(f"wave {w} scattered", C, [first])
-                published[w] = self.coll("replica_publish", "step", None, 2 * w + 1, DW, [landed])
+                published[w] = self.coll("ddp_publish", "step", None, 2 * w + 1, DW, [landed])
 
         for w, wave in enumerate(self.waves):
             ns = tl.compute(f"NS wave {w}", C, [sum(self.ns_seconds(shape, n, owner_copy=False) for shape, n in
                                                     mine[k][w]) for k in range(inp.world)], phase="step", kind="ns")
             second_hops()
-            first = self.coll("replica_publish", "step", None, 2 * w, DW, [ns])
+            first = self.coll("ddp_publish", "step", None, 2 * w, DW, [ns])
             if first is not None:
                 scattered.append((w, first))
             else:
-                published[w] = self.coll("replica_publish", "step", None, 2 * w + 1, DW, [ns])
+                published[w] = self.coll("ddp_publish", "step", None, 2 * w + 1, DW, [ns])
         second_hops()
         for w, wave in enumerate(self.waves):
             landed = self.wait(f"wave {w} landed", C, [published[w]])

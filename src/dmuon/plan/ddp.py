@@ -1,5 +1,5 @@
 """How each return wave's updates reach every rank under torch's ``DistributedDataParallel``
-(:mod:`dmuon.runtime.replicas`): every rank holds every matrix whole, so each owner's updates go to all of
+(:mod:`dmuon.runtime.ddp`): every rank holds every matrix whole, so each owner's updates go to all of
 them. Pure functions of the owners' shares, so every rank decides alike; the runtime issues the route's hops,
 :mod:`dmuon.costmodel` prices them.
 """
@@ -19,7 +19,7 @@ def owner_shares(numels: Sequence[int], owners: Sequence[int], world: int, membe
 
 
 def scatter_parts(shares: Sequence[int]) -> tuple[list[list[int]], int]:
-    """The scatter route's first hop under torch's DDP (:mod:`dmuon.runtime.replicas`): the wave's updates laid
+    """The scatter route's first hop under torch's DDP (:mod:`dmuon.runtime.ddp`): the wave's updates laid
     end to end, owner after owner in rank order (``shares[r]`` elements each), cut in ``N`` chunks of
     ``ceil(total / N)``; ``parts[a][b]`` is how much of owner ``a``'s updates falls in chunk ``b`` (what rank ``a``
     sends rank ``b``). Returns ``(parts, chunk)``."""
@@ -35,7 +35,7 @@ def scatter_parts(shares: Sequence[int]) -> tuple[list[list[int]], int]:
     return parts, chunk
 
 
-def replica_hops(shares: Sequence[int], elem_bytes: int = 2) -> tuple[str, list[list[tuple[int, int]]]]:
+def ddp_hops(shares: Sequence[int], elem_bytes: int = 2) -> tuple[str, list[list[tuple[int, int]]]]:
     """How one wave of owners' updates reaches every rank under torch's DDP, from each rank's share of the
     wave's elements (every rank decides alike, from the plan), and each hop's ``(sent, received)`` bytes per rank:
 
@@ -62,6 +62,6 @@ def replica_hops(shares: Sequence[int], elem_bytes: int = 2) -> tuple[str, list[
     return ("all_gather", direct) if busiest(direct) <= busiest(scattered) else ("scatter", scattered)
 
 
-def replica_route(shares: Sequence[int]) -> str:
-    """:func:`replica_hops`' route for a wave with these owner shares."""
-    return replica_hops(shares)[0]
+def ddp_route(shares: Sequence[int]) -> str:
+    """:func:`ddp_hops`' route for a wave with these owner shares."""
+    return ddp_hops(shares)[0]
