@@ -3,7 +3,7 @@
 import os
 
 # Every rank the suite spawns runs dmuon's streams under the CPU stream checker
-# (dmuon.comm.stream_check): an unordered hand-over between CUDA streams fails the test here.
+# (dmuon.testing.stream_check): an unordered hand-over between CUDA streams fails the test here.
 os.environ.setdefault("DMUON_CHECK_STREAMS", "1")
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon.comm.stream_check import StreamOrderError
+from dmuon.testing.stream_check import StreamOrderError
 from support.cases import Case, run_cases
 from support.scenarios import ScenarioFailed, run_each
 from support.spawn import run_distributed

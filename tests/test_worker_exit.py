@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dmuon.util.spawn import free_port
+from dmuon.testing.spawn import free_port
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _RANK = """
