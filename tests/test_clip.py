@@ -66,6 +66,7 @@ def test_clipped_training_matches_one_process(world_size, mesh_shape, hsdp):
         assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, (name, worst)
 
 
+@pytest.mark.streams
 @pytest.mark.parametrize("world_size,mesh_shape,hsdp", MESHES, ids=IDS)
 def test_launches_survive_clipping(world_size, mesh_shape, hsdp):
     runs = _runs(world_size, mesh_shape, hsdp)

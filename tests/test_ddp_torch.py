@@ -203,6 +203,7 @@ def _check_owners_only(results: list[dict]) -> None:
         assert held == [owner], (name, held, owner)
 
 
+@pytest.mark.streams
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before", "compiled", "waves"])
 def test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner(world, how):

@@ -106,6 +106,7 @@ def _four(run: str) -> list:
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), pytest.param((2, 4), marks=EIGHT_RANKS),
                                         pytest.param((4, 2), marks=EIGHT_RANKS)], ids=["2x2", "3x2", "2x4", "4x2"])
+@pytest.mark.streams
 def test_replicate_level_matches_single_process_reference(mesh_shape):
     world = mesh_shape[0] * mesh_shape[1]
     full = mesh_shape == (2, 2)  # every variant on one mesh; the others run the two main ones (8 ranks cost)

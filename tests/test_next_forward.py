@@ -23,6 +23,9 @@ from support.spawn import run_distributed
 from support.step_comm import check_counted_log, counted_step
 from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, with_weight_norms_per_wave
 
+# Its point is stream order (updates landing in the next forward): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 MODES = ("in_step", "next_forward")
 
 

@@ -14,6 +14,9 @@ from support.cases import Case, run_cases
 from support.scenarios import ScenarioFailed, run_each
 from support.spawn import run_distributed
 
+# Its point is stream order (a checker error ending every rank): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 
 def _sum_of_ranks() -> float:
     t = torch.tensor([float(dist.get_rank())])

@@ -192,6 +192,7 @@ def test_tiling_check_catches_gaps_overlaps_and_bounds():
 CLIP = 1e-3  # below every gradient norm of TPNet here: every step clips
 
 
+@pytest.mark.streams
 def test_launches_survive_clipping_under_tensor_parallelism():
     """``DMuon.clip_grad_norm_`` on the (dp, tp) mesh every step: from the second clipped step on every
     block's launch stands for the clipped gradients (the owners rescale), and the result is
@@ -207,6 +208,7 @@ def test_launches_survive_clipping_under_tensor_parallelism():
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6
 
 
+@pytest.mark.streams
 def test_returns_in_backward_under_tensor_parallelism():
     """``returns_in_backward`` on a (dp, tp) mesh: TP's pieces and copies come back in backward for the
     blocks launched first, and the parameters are the single-process reference's."""
