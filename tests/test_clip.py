@@ -15,6 +15,10 @@ from support.clipping import resumed_clipping, state_dict_on_one_rank
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
+# Its point is stream order (launches from backward standing through clipping): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 
 CLIP = 0.3  # below the gradient norms of this model, so clipping acts every step
 STEPS = 3
@@ -66,7 +70,6 @@ def test_clipped_training_matches_one_process(world_size, mesh_shape, hsdp):
         assert (got[worst] - ref[worst]).abs().max().item() <= 1e-5, (name, worst)
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("world_size,mesh_shape,hsdp", MESHES, ids=IDS)
 def test_launches_survive_clipping(world_size, mesh_shape, hsdp):
     runs = _runs(world_size, mesh_shape, hsdp)

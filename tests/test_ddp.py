@@ -153,7 +153,6 @@ def _check_momentum_split(momentum: list[dict], shapes: dict, world: int) -> Non
         assert sorted(numels) == sorted(per_column * w for w in widths[:world]), (name, numels)
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_with_dmuon_matches_single_process(world):
     """FSDP2 over the one-rank shard dim of an (N, 1) mesh, ``hsdp_mesh=mesh``: one process's

@@ -157,7 +157,6 @@ def test_row_groups_must_divide_the_rows():
 CLIP = 1e-3  # below every gradient norm here: every step clips
 
 
-@pytest.mark.streams
 def test_launches_of_expert_stacks_survive_clipping():
     """Each expert its own matrix and owner: after torch's clip_grad_norm_ every launch stands for the
     clipped gradients (the owners rescale), within float32 rounding of ``overlap=False``."""

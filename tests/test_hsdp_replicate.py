@@ -23,6 +23,10 @@ from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 from support.scenarios import run_each, succeeded
 
+# Its point is stream order (the replicate level's reduction across replicas beside backward): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
 FROZEN = ("layers.1.mid",)
 
@@ -106,7 +110,6 @@ def _four(run: str) -> list:
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), pytest.param((2, 4), marks=EIGHT_RANKS),
                                         pytest.param((4, 2), marks=EIGHT_RANKS)], ids=["2x2", "3x2", "2x4", "4x2"])
-@pytest.mark.streams
 def test_replicate_level_matches_single_process_reference(mesh_shape):
     world = mesh_shape[0] * mesh_shape[1]
     full = mesh_shape == (2, 2)  # every variant on one mesh; the others run the two main ones (8 ranks cost)

@@ -54,7 +54,6 @@ def _worst(got: dict, ref: dict) -> tuple[str, float]:
     return name, (got[name] - ref[name]).abs().max().item()
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("layout", [*FOUR, "ep2-efsdp1"])
 def test_expert_parallel_layouts_equal_one_process(layout):
     """Experts on dim 0 and dim 1 of their local stacks, E = 3 not divisible by ep = 2, ep spanning the whole

@@ -85,7 +85,6 @@ def _reference(results: list[dict], steps: int = STEPS, dp: int = DP, **kw) -> d
                          EXPERTS, layers=results[0]["layers"], **kw)
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("run", [n for n, (_, kw) in RUNS.items() if "clip" not in kw])
 def test_schedules_equal_one_process(run):
     results = _results(run)

@@ -32,6 +32,10 @@ from support import pipeline
 from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
+# Its point is stream order (the schedule's reduction by hand, its launches and joins): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 CLIP = 0.05  # below every step's norm here: the clip acts on every step
 
 # name -> (schedule, train()'s keywords); each equals the single-process reference to 1e-5. The zero-bubble
@@ -121,7 +125,6 @@ def test_a_nan_on_one_stage_raises_on_every_stage():
         assert "FloatingPointError: non-finite gradients on another pipeline stage" in text, text  # stage 0's
 
 
-@pytest.mark.streams
 def test_launches_from_the_schedules_reduction_stand():
     """The hooks fire in the schedule's REDUCE_GRAD (outside autograd). The first step learns what the
     schedule divides the gradients by (its blocks exchanged in step(), no extra bytes); from the second
@@ -141,7 +144,6 @@ def test_launches_from_the_schedules_reduction_stand():
                             (run, step, report)
 
 
-@pytest.mark.streams
 def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step():
     """DMuon's clip acting on every step (torchtitan clips every step): the schedule's divisor is learned
     in the first step's clip, before it scales (after it, reduced / n * c does not tell n), so from the
@@ -164,7 +166,6 @@ def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step()
                         assert launched > 0 and report.rescaled_launches == launched, (run, step, report)
 
 
-@pytest.mark.streams
 def test_the_replicate_level_joins_the_compute_stream_once_per_stage_reduction():
     """On the replicate level the schedule's reduction by hand lands each unit's reduction across replicas
     on dmuon's stream; the compute stream waits for dmuon's once per stage, after the stage's last unit

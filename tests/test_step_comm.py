@@ -171,7 +171,6 @@ def _check_replicate_level(results: list[dict], replicate: int, shard: int, publ
     return step
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("run", [k for k in RUNS if k.endswith("-rbwd")])
 def test_returns_in_backward_counted_collectives_equal_the_model(run):
     """``returns_in_backward``: each block's return issued at the landing after its directions' last hop,

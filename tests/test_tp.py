@@ -17,6 +17,10 @@ from support.spawn import run_distributed
 from support.scenarios import run_each, succeeded
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 
+# Its point is stream order (TP's pieces launched from backward and returned in it): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 STEPS = 3
 MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
 
@@ -192,7 +196,6 @@ def test_tiling_check_catches_gaps_overlaps_and_bounds():
 CLIP = 1e-3  # below every gradient norm of TPNet here: every step clips
 
 
-@pytest.mark.streams
 def test_launches_survive_clipping_under_tensor_parallelism():
     """``DMuon.clip_grad_norm_`` on the (dp, tp) mesh every step: from the second clipped step on every
     block's launch stands for the clipped gradients (the owners rescale), and the result is
@@ -208,7 +211,6 @@ def test_launches_survive_clipping_under_tensor_parallelism():
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6
 
 
-@pytest.mark.streams
 def test_returns_in_backward_under_tensor_parallelism():
     """``returns_in_backward`` on a (dp, tp) mesh: TP's pieces and copies come back in backward for the
     blocks launched first, and the parameters are the single-process reference's."""

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
