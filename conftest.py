@@ -12,6 +12,10 @@ CHECK_ENV = "DMUON_CHECK_STREAMS"
 _CALLERS_CHOICE = os.environ.get(CHECK_ENV)
 
 
+def pytest_configure(config):
+    config.check_streams_choice = _CALLERS_CHOICE  # what the caller set (None: per marker), for the tests of the rule
+
+
 @pytest.fixture(autouse=True)
 def _stream_checker(request, monkeypatch):
     """``$DMUON_CHECK_STREAMS`` for the ranks this test spawns (each rank installs the checker by it)."""

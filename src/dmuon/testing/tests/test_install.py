@@ -1,5 +1,6 @@
-"""The stream checker runs where it is asked for: in a spawned rank with ``$DMUON_CHECK_STREAMS=1``, never in
-a process without a process group, and installing nothing leaves dmuon's CPU streams the host's."""
+"""The stream checker runs where it is asked for: in a spawned rank with ``$DMUON_CHECK_STREAMS=1`` (the suite sets
+it for the tests marked ``streams``), never in a process without a process group, and installing nothing leaves
+dmuon's CPU streams the host's."""
 
 from __future__ import annotations
 
@@ -43,3 +44,17 @@ def _installed_then_removed(rank: int, world_size: int) -> list[str]:
 def test_installing_none_builds_host_streams_again(monkeypatch):
     monkeypatch.setenv(CHECK_ENV, "1")
     assert run_distributed(_installed_then_removed, 1) == [["CheckedStreams", "HostStreams"]]
+
+
+@pytest.mark.streams
+def test_a_test_marked_streams_runs_its_ranks_under_the_checker(request):
+    """The suite's rule (conftest.py): the marker asks for the checker in every rank the test spawns."""
+    if request.config.check_streams_choice == "0":
+        pytest.skip("DMUON_CHECK_STREAMS=0: the caller chose no checker for every test")
+    assert run_distributed(_streams_kind, 2) == ["CheckedStreams", "CheckedStreams"]
+
+
+def test_an_unmarked_test_runs_its_ranks_without_the_checker(request):
+    if request.config.check_streams_choice == "1":
+        pytest.skip("DMUON_CHECK_STREAMS=1: the caller chose the checker for every test")
+    assert run_distributed(_streams_kind, 2) == ["HostStreams", "HostStreams"]
