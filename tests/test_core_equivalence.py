@@ -25,7 +25,6 @@ from support.spawn import run_distributed
 BF16_TOL = STEPS * 0.02 * 5.4 * 1.2 / 64
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_matches_single_process_reference(world_size):
     cases = [

@@ -14,7 +14,6 @@ from support.equivalence import N_MATRICES, SKIP, STEPS, check_sharded_state, ma
 from support.spawn import run_distributed
 
 
-@pytest.mark.streams
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)])
 def test_hsdp_matches_single_process_reference(mesh_shape):
     world_size = mesh_shape[0] * mesh_shape[1]
