@@ -2,9 +2,25 @@
 
 import os
 
-# Every rank the suite spawns runs dmuon's streams under the CPU stream checker
-# (dmuon.comm.stream_check): an unordered hand-over between CUDA streams fails the test here.
-os.environ.setdefault("DMUON_CHECK_STREAMS", "1")
+import pytest
+
+# The CPU stream checker (dmuon.testing.stream_check) fails a test on an unordered hand-over between
+# CUDA streams, at about twice a run's time: it watches the ranks of the tests whose point is stream
+# order (marked ``streams``) and of no other. DMUON_CHECK_STREAMS set by the caller decides for every
+# test instead (1: each rank checked, the thorough run; 0: none).
+CHECK_ENV = "DMUON_CHECK_STREAMS"
+_CALLERS_CHOICE = os.environ.get(CHECK_ENV)
+
+
+def pytest_configure(config):
+    config.check_streams_choice = _CALLERS_CHOICE  # what the caller set (None: per marker), for the tests of the rule
+
+
+@pytest.fixture(autouse=True)
+def _stream_checker(request, monkeypatch):
+    """``$DMUON_CHECK_STREAMS`` for the ranks this test spawns (each rank installs the checker by it)."""
+    if _CALLERS_CHOICE is None:
+        monkeypatch.setenv(CHECK_ENV, "1" if request.node.get_closest_marker("streams") else "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 from quickstart import TinyLM, batch, loss_of
 
 

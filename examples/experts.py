@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 from quickstart import DIM, VOCAB, batch, loss_of
 
 EXPERTS, HIDDEN = 4, 48

@@ -1,7 +1,7 @@
 """FSDP2 on a 1-D mesh (docs/guides/fsdp2.md): ZeRO-2, two micro-batches accumulated, torch's clipping,
 the plan and the last step's report. ``python examples/fsdp2.py`` runs it on 2 gloo CPU ranks.
 
-``options`` of :func:`train` are more ``DMuon`` keywords (tests/test_examples.py passes an fp32 NS to
+``options`` of :func:`train` are more ``DMuon`` keywords (tests/layouts/test_examples.py passes an fp32 NS to
 compare every parameter with one process running torch.optim.Muon + AdamW).
 """
 
@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 from quickstart import TinyLM, batch, loss_of
 
 

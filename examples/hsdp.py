@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 from quickstart import TinyLM, batch, loss_of
 
 

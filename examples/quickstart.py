@@ -1,7 +1,7 @@
 """dmuon's quick start: a tiny language model trained with FSDP2 and DMuon on 2 gloo CPU ranks.
 
 Run it with ``python examples/quickstart.py``. The README's quick start is this file between the two
-``# ---`` markers (tests/test_examples.py checks that they agree, and runs the file).
+``# ---`` markers (tests/layouts/test_examples.py checks that they agree, and runs the file).
 """
 
 # --- quick start ---
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.util.spawn import run_distributed   # local gloo ranks; under torchrun, call train() on each rank
+from dmuon.testing.spawn import run_distributed   # local gloo ranks; under torchrun, call train() on each rank
 
 VOCAB, DIM = 64, 32
 

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 from quickstart import TinyLM, batch, loss_of
 
 

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             finish(payload, args)
         return 0
-    from dmuon.util.spawn import run_distributed
+    from dmuon.testing.spawn import run_distributed
 
     if not args.quiet:
         print(f"train_lm: spawning {args.world_size} gloo CPU ranks", file=sys.stderr)

@@ -131,7 +131,7 @@ def main() -> None:
     model, opt = model_and_optimizer()
     step_seconds(model, opt, 2)
     per_step = count_ranges(lambda: step_seconds(model, opt, 1)) // 4  # step_seconds runs 1 + 3 warm-up steps
-    from dmuon.util.spawn import run_distributed
+    from dmuon.testing.spawn import run_distributed
     per_step_2 = run_distributed(two_rank_count, 2)
     print(f"ranges per step: {per_step} (one process, 8 matrices), {per_step_2} per rank (2 gloo ranks, 1-D FSDP2)")
     # A and B alternate, so drift of the shared machine hits both alike.

@@ -8,7 +8,7 @@ from pathlib import Path
 import dmuon
 
 # Lowest first (docs/architecture.md, "Layers"). Tests beside a package may import anything.
-LAYERS = ["util", "ortho", "rules", "plan", "costmodel", "comm", "runtime", "prepare", "optim", "baselines", "bench", "cli"]
+LAYERS = ["util", "ortho", "rules", "plan", "costmodel", "comm", "runtime", "prepare", "optim", "baselines", "testing", "bench", "cli"]
 ROOT = Path(dmuon.__file__).parent
 
 

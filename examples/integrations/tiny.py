@@ -88,7 +88,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
         if not dist.is_initialized():
             dist.init_process_group()
         return fn(dist.get_rank(), dist.get_world_size(), *args)
-    from dmuon.util.spawn import run_distributed
+    from dmuon.testing.spawn import run_distributed
 
     return run_distributed(fn, world_size, *args, timeout_s=300)[0]
 

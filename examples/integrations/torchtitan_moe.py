@@ -30,7 +30,7 @@ On a machine without CUDA it runs on CPU with gloo; what that takes from torchti
 On CPU the weights come from one unsharded init (:func:`init_from_full_model`: torch's DTensor init on a
 CPU mesh repeats one shard). FSDP keeps fp32 parameters for the forward (``mixed_precision_param=
 "float32"``; torchtitan's default is bf16), so the run can be checked against one process
-(tests/test_integrations.py); the routed experts' grouped GEMMs run in bf16 whatever it is (torchtitan's
+(tests/frameworks/test_integrations.py); the routed experts' grouped GEMMs run in bf16 whatever it is (torchtitan's
 ``GroupedExperts`` casts to bf16). The CUDA path (NCCL, torchtitan's own init) has not been run yet.
 """
 

@@ -1,4 +1,4 @@
-"""Rank function for ``tests/test_clip.py``: clipped training resumed from an optimizer state dict."""
+"""Rank function for ``tests/conventions/test_clip.py``: clipped training resumed from an optimizer state dict."""
 
 from __future__ import annotations
 

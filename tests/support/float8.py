@@ -1,4 +1,4 @@
-"""float8 training as torchtitan runs it, for tests/test_float8.py: torchao's ``convert_to_float8_training``
+"""float8 training as torchtitan runs it, for tests/frameworks/test_float8.py: torchao's ``convert_to_float8_training``
 with ``enable_fsdp_float8_all_gather=True`` before ``fully_shard`` (each weight cast to float8 in FSDP2's
 all-gather), and ``precompute_float8_dynamic_scale_for_fsdp(model)`` after each ``step()``; and its one-process
 reference. torchao is imported inside the functions: the test module skips before calling them without it.

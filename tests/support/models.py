@@ -74,3 +74,16 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
     tokens, targets = batch
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def small_mlp() -> nn.Module:
+    """Six layers (three Linear matrices, a LayerNorm) from seed 0: the one-process convention and rule-change tests'
+    model, small enough to step torch's optimizers beside it in a blink."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def small_mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`small_mlp`'s inputs and regression targets of ``step`` (five rows, seeded by the step)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 4, generator=g)

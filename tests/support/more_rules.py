@@ -1,5 +1,5 @@
 """MuonH's and Dion2's single-process references, written from the rules' formulas (torch's NS in
-fp32, nothing of dmuon's), and the rank functions of ``tests/test_muonh.py`` and ``tests/test_dion2.py``:
+fp32, nothing of dmuon's), and the rank functions of ``tests/rules/test_muonh.py`` and ``tests/rules/test_dion2.py``:
 each world size's runs of both rules in one process group (a spawn costs more than the work), cached
 here so both test files share them."""
 
@@ -151,7 +151,7 @@ so its first step's weights differ in the last float32 bit; from the second step
 weight's bfloat16 rounding in the forward, and NS, which lifts a gradient's small singular directions
 hundreds of times, makes that a different update (measured on 3 ranks: 1.2e-7 after one step, 3.3e-4
 after two, with equal losses). So MuonH is compared after its first step; its longer bf16 run is held
-to the sphere (tests/test_muonh.py)."""
+to the sphere (tests/rules/test_muonh.py)."""
 
 
 def bf16_oracle_pair(rule: str) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """NorMuon's single-process reference, written from the rule's formula, and the rank functions of
-``tests/test_normuon.py`` (each world size's runs in one process group: a spawn costs more than the work)."""
+``tests/rules/test_normuon.py`` (each world size's runs in one process group: a spawn costs more than the work)."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def resume_normuon(rank: int, world_size: int, path: str, mesh_shape=None, hsdp:
 
 
 def normuon_runs(rank: int, world_size: int, directory: str) -> dict:
-    """Every run of ``tests/test_normuon.py`` on ``world_size`` ranks, in one process group.
+    """Every run of ``tests/rules/test_normuon.py`` on ``world_size`` ranks, in one process group.
 
     2 ranks save the checkpoint (``directory``) that 3 and 4 ranks (1-D, and dmuon's replicate
     level on 2x2) resume; 4 ranks also run TP (dp2 x tp2) against the reference and the oracle, and

@@ -15,7 +15,7 @@ the others went into a collective), that group is out of step for good: no later
 launcher's closing barrier, can run on it, so every rank raises an error naming the scenario with the
 ranks' tracebacks, and the whole run fails with that text. A rank that does not reach the gather in time
 raises its scenario's exception, and the run fails as it would without this module. A scenario that
-raised a :class:`~dmuon.comm.stream_check.StreamOrderError` (the CPU stream checker's) skips the agreement:
+raised a :class:`~dmuon.testing.stream_check.StreamOrderError` (the CPU stream checker's) skips the agreement:
 the checker raises mid-step, where the other ranks wait in the step's collectives until the group's
 timeout, so the rank raises at once and the launcher ends every rank.
 """
@@ -29,7 +29,7 @@ from typing import Any, Callable, Hashable, Mapping
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.stream_check import StreamOrderError
+from dmuon.testing.stream_check import StreamOrderError
 
 
 class ScenarioFailed(dict):

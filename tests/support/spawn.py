@@ -1,4 +1,4 @@
-"""Launching ranks for the tests: :func:`dmuon.util.spawn.run_distributed` plus what only a test suite wants.
+"""Launching ranks for the tests: :func:`dmuon.testing.spawn.run_distributed` plus what only a test suite wants.
 
 * :func:`run_distributed`: a rank that dies of a native crash (SIGSEGV, SIGABRT, ... in torch's gloo
   ranks; seen about once in a few full runs, each time in a test that passes on its own) runs the
@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from dmuon.util import spawn
-from dmuon.util.spawn import _join_gloo_group, _result_path, _start_method, free_port
+from dmuon.testing import spawn
+from dmuon.testing.spawn import _join_gloo_group, _result_path, _start_method, free_port
 
 NATIVE_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL")
 """The signals :func:`run_distributed` counts as a native crash of a rank (not a Python exception)."""
@@ -72,7 +72,7 @@ def _current_test() -> str:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
                     threads: int = 1, crash_retries: int = CRASH_RETRIES,
                     crashes: list[Crash] | None = None) -> list[Any]:
-    """:func:`dmuon.util.spawn.run_distributed`, run again after a native crash of a rank.
+    """:func:`dmuon.testing.spawn.run_distributed`, run again after a native crash of a rank.
 
     Args:
         crash_retries: Runs after a crash before the crash fails the call.

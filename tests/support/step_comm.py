@@ -1,4 +1,4 @@
-"""Rank function for ``tests/test_step_comm.py``: dmuon's counted collectives of one training step."""
+"""Rank function for ``tests/runtime/test_step_comm.py``: dmuon's counted collectives of one training step."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dmuon.bench.calibrate_fit import combine, compute_flags, costs_records, figures_lines, ns_rate, plan_flags
 from dmuon.bench.calibrate_meter import Meter, muon_counts
 from dmuon.bench.shapes import bench_model_shapes
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 
 
 def _measure(rank: int, world_size: int, model: str, size: str | None, tokens: int, repeats: int) -> dict:

@@ -17,7 +17,7 @@ from dmuon.bench.models import resolve_size
 from dmuon.bench.options import bench_options, build_parser
 from dmuon.bench.runner import run_all
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, DDP_CONFIGS, SWEPT_BALANCERS
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 
 def _configs(args) -> list[str]:
     """The configurations ``--configs`` names, each dmuon one once per balancer with ``--balancer all``."""

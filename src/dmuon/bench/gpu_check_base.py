@@ -21,7 +21,8 @@ def one_rank(device: torch.device):
     """A one-rank process group in this process (NCCL on CUDA, else gloo); yields the backend."""
     import torch.distributed as dist
 
-    from dmuon.util.spawn import free_port
+    from dmuon.testing import install_checker_from_env
+    from dmuon.testing.spawn import free_port
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -29,6 +30,7 @@ def one_rank(device: torch.device):
     if backend == "nccl":
         torch.cuda.set_device(0)
     dist.init_process_group(backend, rank=0, world_size=1)
+    install_checker_from_env()  # the CPU run's streams under the checker where $DMUON_CHECK_STREAMS is 1
     try:
         yield backend
     finally:

@@ -237,7 +237,7 @@ def released_cleanly() -> None:
     import gc
 
     from dmuon.comm import device_streams
-    from dmuon.comm.stream_check import CheckedStreams
+    from dmuon.testing.stream_check import CheckedStreams
 
     gc.collect()
     streams = device_streams.active()

@@ -3,7 +3,7 @@ reads of tensor values into Python among them.
 
 :class:`~dmuon.costmodel.host.HostOps` holds such counts for the step simulation; this is how they
 are taken (``src/dmuon/bench/tests/test_host_ops.py`` recounts them against the code).
-:class:`HostReadCounter` counts the reads (``tests/test_host_reads.py``, ``dmuon bench --gpu-check``'s
+:class:`HostReadCounter` counts the reads (``tests/runtime/test_host_reads.py``, ``dmuon bench --gpu-check``'s
 dry run)."""
 
 from __future__ import annotations

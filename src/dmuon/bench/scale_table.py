@@ -5,7 +5,7 @@ size, the critical bytes (all, and inter-node) and alpha-beta seconds of one ste
 for dmuon (the replicate level on HSDP), dmuon_native_hsdp (native HSDP), FSDP2 + AdamW and
 gather-then-compute, and the balancer's NS makespan per rank. Everything is modelled from shape
 lists; the per-collective bytes are checked against counted runs on 4 gloo ranks by
-``tests/test_step_comm.py``.
+``tests/runtime/test_step_comm.py``.
 """
 
 from __future__ import annotations

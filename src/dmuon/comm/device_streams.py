@@ -1,42 +1,33 @@
-"""Which :class:`~dmuon.comm.streams.Streams` a process runs on: one per device, the checker's on request."""
+"""Which :class:`~dmuon.comm.streams.Streams` a process runs on: one per device, a tool's on request."""
 
 from __future__ import annotations
 
-import os
 import threading
+from typing import Callable
 
 import torch
 
-from dmuon.comm.stream_check import CheckedStreams
 from dmuon.comm.streams import CudaStreams, HostStreams, Streams
 
-__all__ = ["CHECK_ENV", "active", "install", "streams_for"]
+__all__ = ["active", "install", "install_cpu_streams", "streams_for"]
 
 _active: Streams | None = None
 _by_device: dict[str, Streams] = {}
 _registry_lock = threading.Lock()
-
-
-CHECK_ENV = "DMUON_CHECK_STREAMS"
-"""Set to 1 to run the CPU ranks of a process group under :class:`dmuon.comm.stream_check.CheckedStreams`
-(the test suite does, for every rank it spawns; a process without a process group is left alone)."""
+_cpu_streams: Callable[[torch.device], Streams] = HostStreams
+"""What builds a CPU device's streams: :class:`HostStreams` unless a tool installed its own."""
 
 
 def streams_for(device: torch.device | str) -> Streams:
-    """The process's streams of ``device`` (the checker's where one was installed, or on a CPU rank with
-    ``$DMUON_CHECK_STREAMS=1``, started on the calling thread); also made :func:`active`."""
+    """The process's streams of ``device`` (built on the calling thread at its first call: the installed
+    CPU streams, such as the test tools' checker, start on the thread that runs the runtime); also made
+    :func:`active`."""
     global _active
     device = torch.device(device)
     with _registry_lock:
         key = str(device)
         if key not in _by_device:
-            if device.type == "cuda":
-                _by_device[key] = CudaStreams(device)
-            elif os.environ.get(CHECK_ENV) == "1" and torch.distributed.is_available() and \
-                    torch.distributed.is_initialized():
-                _by_device[key] = CheckedStreams(device).start()
-            else:
-                _by_device[key] = HostStreams(device)
+            _by_device[key] = CudaStreams(device) if device.type == "cuda" else _cpu_streams(device)
         _active = _by_device[key]
         return _active
 
@@ -57,3 +48,16 @@ def install(streams: Streams) -> Streams | None:
         _by_device[str(streams.device)] = streams
         _active = streams
         return previous
+
+
+def install_cpu_streams(build: Callable[[torch.device], Streams] | None) -> None:
+    """Makes ``build(device)`` the streams of each CPU device this process's runtime uses from now on
+    (:func:`dmuon.testing.install_checker_from_env` installs the stream checker so in a test's ranks);
+    None: :class:`HostStreams` again. Streams already built are dropped, so the next use builds anew."""
+    global _active, _cpu_streams
+    with _registry_lock:
+        _cpu_streams = HostStreams if build is None else build
+        for key in [k for k, s in _by_device.items() if s.device.type == "cpu"]:
+            del _by_device[key]
+        if _active is not None and _active.device.type == "cpu":
+            _active = None

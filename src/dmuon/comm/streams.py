@@ -21,7 +21,7 @@ other than the one that allocated it is kept for that stream (:meth:`Streams.kee
 references at the first ``wait()``, while the copy may still be on the wire for another stream.
 
 Three implementations: :class:`HostStreams` (CPU: no streams, ``wait()`` blocks the host),
-:class:`CudaStreams`, and :class:`dmuon.comm.stream_check.CheckedStreams`, a CPU implementation
+:class:`CudaStreams`, and :class:`dmuon.testing.stream_check.CheckedStreams`, a CPU implementation
 that emulates CUDA's placement with logical streams and raises on any unordered use;
 :mod:`dmuon.comm.device_streams` picks the process's.
 Whether a rank enters a collective never depends on an event's, a timer's or a lock's state:

@@ -5,6 +5,4 @@
 * :mod:`~dmuon.util.records`: validation of JSON lists of records, errors
   naming the entry and field.
 * :mod:`~dmuon.util.rank0`: compute on rank 0 of a group, broadcast the result.
-* :mod:`~dmuon.util.spawn`: run a function on N local gloo ranks and collect
-  what each returns.
 """

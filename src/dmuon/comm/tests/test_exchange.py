@@ -31,6 +31,9 @@ from dmuon.plan.hop_a import UNITS
 from dmuon.plan.plan import MatrixInfo
 from support.spawn import run_distributed
 
+# Its point is stream order (exchanges issued and landed on dmuon's streams): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 
 def _landed_by_a_side_thread(stats: CommStats, issue) -> dict:
     """Issues a two-hop exchange, has a side thread ``wait(exposed=False)`` on it, and only then

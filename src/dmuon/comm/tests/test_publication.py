@@ -26,6 +26,9 @@ from dmuon.plan.plan import MatrixInfo, row_pieces
 from dmuon.plan.publication import ROUTES
 from support.spawn import run_distributed
 
+# Its point is stream order (the update return's hops on dmuon's streams): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 PUBLICATION_LAYOUTS = {
     "2x2": ((2, 2), "rows", OWNERS),
     # Block 0 owned in replica 0 alone (the scatter route's case), block 1 in replicas 1 and 2,

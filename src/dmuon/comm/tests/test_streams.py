@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -16,6 +17,9 @@ from dmuon.comm.topology import from_mesh
 from dmuon.plan.plan import MatrixInfo, row_pieces
 
 from support.spawn import run_distributed
+
+# Its point is stream order (the streams themselves): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
 
 SHAPES = [(6, 4), (5, 3)]
 

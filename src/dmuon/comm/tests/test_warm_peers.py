@@ -21,6 +21,9 @@ from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
 
 from support.spawn import run_distributed
 
+# Its point is stream order (the warm-up's collectives on the exchange streams): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 
 def _info(index: int, pieces: tuple[Piece, ...], owner: int, replicate: int = 1) -> MatrixInfo:
     return MatrixInfo(index, f"m{index}", torch.empty(0), (8, 4), 0, owner=owner, pieces=pieces, replicate=replicate)

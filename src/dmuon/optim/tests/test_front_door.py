@@ -1,7 +1,7 @@
 """The front door's own logic on one process: param groups split into Muon and AdamW halves, the
 setup that waits for sharding, and the validation of DMuon's keywords and of AdamWConfig, each error
 naming its parameter. (NS keywords against ns= and the plan, ExecutionConfig's fields:
-tests/test_single_process.py; NSConfig's fields: ortho/tests/test_config.py.)"""
+tests/layouts/test_single_process.py; NSConfig's fields: ortho/tests/test_config.py.)"""
 
 from __future__ import annotations
 

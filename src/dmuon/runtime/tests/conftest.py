@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dmuon.comm import device_streams
-from dmuon.comm.stream_check import CheckedStreams
+from dmuon.testing.stream_check import CheckedStreams
 
 
 @pytest.fixture

@@ -42,6 +42,9 @@ from dmuon.plan.plan import BlockInfo, MatrixInfo, Plan, row_pieces
 from dmuon.runtime import CheckedGradients, ExecutionConfig, RowState, ShardRuntime, StepCallbacks, StepMaxima
 from support.spawn import run_distributed
 
+# Its point is stream order (the overlapped step's order): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 WORLD = 4
 # Uneven rows, a conv kernel, a 1xn matrix; matrix 4 never gets a gradient (an unused matrix in
 # block 1) and matrix 6 is not stepped by the optimizer (outside its param groups).

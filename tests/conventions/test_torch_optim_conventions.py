@@ -16,18 +16,10 @@ from torch import nn
 
 import dmuon
 
+from support.models import small_mlp as _model, small_mlp_batch as _batch
+
 NS = dmuon.NSConfig(method="standard")  # torch.optim.Muon's iteration, in bf16 as torch's
 STEPS = 4
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 4, generator=g)
 
 
 def _backward(model: nn.Module, step: int, scale: float = 1.0) -> None:

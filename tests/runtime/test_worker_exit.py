@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from dmuon.util.spawn import free_port
+from dmuon.testing.spawn import free_port
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, support's folder
 _RANK = """
 import sys
 from datetime import timedelta
@@ -30,7 +30,7 @@ def test_a_rank_raising_mid_backward_exits_with_its_worker_waiting():
     timeout). The NS worker, blocked on a hop the raising main thread will never issue, must not
     keep the interpreter from exiting: concurrent.futures joins its threads at exit, a daemon is
     left where it waits."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_HERE, os.path.join(os.path.dirname(_HERE), "src"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_TESTS, os.path.join(os.path.dirname(_TESTS), "src"),
                                                         os.environ.get("PYTHONPATH", "")]))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), "2", port], env=env, stdout=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.stream_check import CheckedStreams, StreamOrderError
+from dmuon.testing.stream_check import CheckedStreams, StreamOrderError
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from support.spawn import run_distributed
 
 pytestmark = pytest.mark.integrations
 
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "integrations")
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "integrations")
 
 
 def _recipe(name: str, *frameworks: str):

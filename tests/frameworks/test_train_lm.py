@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_lm.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "train_lm.py")
 STEPS, K = 6, 3
 # Tiny model and batches, 2 gloo ranks; activation checkpointing and accumulation on, so the
 # resumed path goes through them too.

@@ -34,6 +34,9 @@ gives each piece of work the stream it has on CUDA, as *logical* streams, and ra
 Every op is seen through a ``TorchDispatchMode`` (DTensors by their local tensors;
 ``c10d`` ops only through :meth:`issue`). What it cannot see: NCCL's own timing and the
 allocator's real pools; the GPU check runs the same paths on a GPU.
+
+One file past 500 lines: the checker is one state machine (its clocks, buffers and the torch patches that
+feed them), read together.
 """
 
 from __future__ import annotations

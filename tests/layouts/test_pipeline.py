@@ -32,6 +32,10 @@ from support import pipeline
 from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
+# Its point is stream order (the schedule's reduction by hand, its launches and joins): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 CLIP = 0.05  # below every step's norm here: the clip acts on every step
 
 # name -> (schedule, train()'s keywords); each equals the single-process reference to 1e-5. The zero-bubble

@@ -28,7 +28,7 @@ import dmuon
 from support.reference import ns_precision, reference_training
 from support.spawn import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

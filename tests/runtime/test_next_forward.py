@@ -58,13 +58,17 @@ def _assert_same(results, k: int, label: str) -> None:
 
 
 @pytest.mark.parametrize("mesh_shape, world_size, hsdp", [
-    (None, 2, "fsdp2"), (None, 1, "fsdp2"), (None, 4, "fsdp2"), ((2, 2), 4, "fsdp2"), ((2, 2), 4, "dmuon"),
+    (None, 2, "fsdp2"), (None, 1, "fsdp2"),
+    # 1-D on 4 ranks under -m slow: test_muonh_next_forward_on_every_mesh[1-D-4-ranks] trains it bit for bit as
+    # "in_step" by default, and [1-D] here against the one-process reference.
+    pytest.param(None, 4, "fsdp2", marks=pytest.mark.slow), ((2, 2), 4, "fsdp2"), ((2, 2), 4, "dmuon"),
     # Three replicas: the returns across replicas take the scatter route, a wave's all-gather coalesced with
     # the next wave's first hop; the next forward reads the coalesced copy-out on the compute stream.
     ((3, 2), 6, "dmuon"),
     pytest.param((2, 4), 8, "dmuon", marks=pytest.mark.slow)],  # eight processes on two cores (-m slow)
     ids=["1-D", "one-rank", "1-D-4-ranks", "native-2x2", "replicate-level-2x2", "replicate-level-3x2",
          "replicate-level-2x4"])
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_size, hsdp):
     """ZeRO-3 and ZeRO-2, a block unused at step 1: bit for bit ``"in_step"``, and within 1e-5 of
     torch.optim.Muon + AdamW in one process (fp32 NS)."""
@@ -95,6 +99,7 @@ def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
             assert abs(params[name].norm().item() - r.item()) <= 1e-5 * r.item(), name
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_next_forward_as_people_train():
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
     checkpointing, ``torch.compile`` of each block (dmuon's hooks run eagerly, as FSDP2's), NorMuon, Dion2
@@ -138,6 +143,7 @@ def _tp_and_experts(rank: int, world_size: int) -> dict:
     return run_each({(kind, mode): functools.partial(run, kind, mode) for kind in TP_AND_EXPERTS for mode in MODES})
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_next_forward_with_tensor_parallelism_and_experts():
     """Tensor parallelism (dp 2 x tp 2) and a stack of experts (4 ranks), under Muon and MuonH: bit for bit
     ``"in_step"``."""
@@ -155,6 +161,7 @@ def _qk_clip(rank: int, world_size: int) -> dict:
     return run_each({mode: (lambda mode=mode: qk_clip.train(world_size, apply_updates=mode)) for mode in MODES})
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_next_forward_with_qk_clip():
     """QK-clip (GQA, fused QKV and MLA layers; some heads clipped): each unit's query and key rows are
     scaled right after its update in the next forward, bit for bit as ``"in_step"`` scales them."""
@@ -234,6 +241,7 @@ def _resumed(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     return out if rank == 0 else {}
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_reads_between_step_and_the_next_forward_see_every_update(tmp_path):
     results = run_distributed(_reads, 2, str(tmp_path / "ckpt"), timeout_s=300)
     for seen in results:
@@ -263,6 +271,7 @@ def _read_on_one_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_a_read_on_one_rank_between_step_and_the_next_forward():
     """A flush on one rank only (its optimizer state dict, under Muon and MuonH): no hang, what it reads is
     ``"in_step"``'s, and both ranks go on bit for bit as ``"in_step"``."""
@@ -325,6 +334,7 @@ def _grouped(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_units_sharded_together_are_applied_together():
     """``fully_shard([a, b])``: one unshard gathers both, so both units' updates are applied before it; bit
     for bit ``"in_step"``, a block unused at step 1 included."""
@@ -343,6 +353,7 @@ def _whole_model_compiled(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.streams  # updates landing in the next forward: stream order
 def test_next_forward_with_the_whole_model_compiled():
     results = run_distributed(_whole_model_compiled, 2, timeout_s=300)
     _assert_same_params(results[0]["in_step"], results[0]["next_forward"], "whole model compiled")

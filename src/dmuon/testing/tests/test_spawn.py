@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon.util.spawn import run_distributed
+from dmuon.testing.spawn import run_distributed
 
 
 def _rank_and_size(rank: int, world_size: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Run a function on N local gloo ranks and collect what each returns.
 
 Used by ``dmuon bench``, ``examples/train_lm.py`` and dmuon's own tests (whose support adds a retry
-after a native crash of a rank, ``tests/support/spawn.py``); handy for users' tests too.
+after a native crash of a rank, ``tests/support/spawn.py``); handy for users' tests too. Each rank runs
+under the stream checker where ``$DMUON_CHECK_STREAMS`` is 1 (:func:`dmuon.testing.install_checker_from_env`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dmuon.testing import install_checker_from_env
 
 # Ranks are forked from a server process that has imported torch and dmuon once (the first call
 # starts it), instead of each starting a fresh interpreter that imports them again: a 4-rank start
@@ -55,6 +58,7 @@ def _join_gloo_group(rank: int, world_size: int, port: int, timeout_s: float, th
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    install_checker_from_env()
 
 
 def _result_path(out_dir: str, rank: int) -> str:

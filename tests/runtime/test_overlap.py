@@ -11,6 +11,9 @@ from support.spawn import run_distributed
 from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference
 
+# Its point is stream order (exchanges launched from FSDP2's backward): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
 def test_overlap_is_bit_identical_to_sync(mesh_shape):

@@ -25,6 +25,9 @@ from support.cases import sharded_oddnet
 from support.checkpoint import _local
 from support.models import lm_loss
 
+# Its point is stream order (the launches' check reading the device): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
+
 
 def _reads_per_step(rank: int, world_size: int, mesh_shape, blocks: int, variant: str) -> list[int]:
     execution = dmuon.ExecutionConfig(nonfinite="skip" if variant == "nonfinite" else None)

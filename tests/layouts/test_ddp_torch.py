@@ -28,6 +28,10 @@ from support.reference import reference_training
 from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
+# Its point is stream order (dmuon's exchange beside DDP's own reduction): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
 ADAMW_KW = dict(lr=3e-3, weight_decay=0.01)
 FP32 = dmuon.NSConfig(method="standard", dtype=torch.float32)

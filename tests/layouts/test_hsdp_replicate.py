@@ -23,6 +23,10 @@ from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 from support.scenarios import run_each, succeeded
 
+# Its point is stream order (the replicate level's reduction across replicas beside backward): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 CLIP = 0.3  # below every step's gradient norm here: the clip acts on every step
 FROZEN = ("layers.1.mid",)
 

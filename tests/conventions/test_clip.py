@@ -15,6 +15,10 @@ from support.clipping import resumed_clipping, state_dict_on_one_rank
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
 
+# Its point is stream order (launches from backward standing through clipping): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 
 CLIP = 0.3  # below the gradient norms of this model, so clipping acts every step
 STEPS = 3

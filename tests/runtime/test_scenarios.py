@@ -9,10 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon.comm.stream_check import StreamOrderError
+from dmuon.testing.stream_check import StreamOrderError
 from support.cases import Case, run_cases
 from support.scenarios import ScenarioFailed, run_each
 from support.spawn import run_distributed
+
+# Its point is stream order (a checker error ending every rank): every rank runs under the stream checker.
+pytestmark = pytest.mark.streams
 
 
 def _sum_of_ranks() -> float:

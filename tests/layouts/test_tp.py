@@ -17,6 +17,10 @@ from support.spawn import run_distributed
 from support.scenarios import run_each, succeeded
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 
+# Its point is stream order (TP's pieces launched from backward and returned in it): every rank, its shared runs' included, runs under the
+# stream checker.
+pytestmark = pytest.mark.streams
+
 STEPS = 3
 MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
 

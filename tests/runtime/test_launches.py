@@ -45,7 +45,7 @@ def test_a_launch_stands_only_for_the_gradients_step_uses():
         assert any(not torch.equal(on[n], plain[n]) for n in on)
     # In one process the default (clipped_overlap=True) is clipped_overlap=False: a rescaled launch would
     # save no transfer there and cost the bits, so a clipped step forms its directions again, exactly
-    # (several ranks, and loopback collectives, keep the rescaled launches: tests/test_clip.py, test_loopback.py).
+    # (several ranks, and loopback collectives, keep the rescaled launches: tests/conventions/test_clip.py, test_loopback.py).
     on, kept = _trained(overlap=True, backwards_per_step=1, clip=0.1)
     off, _ = _trained(overlap=False, backwards_per_step=1, clip=0.1)
     assert kept == [0, 0]

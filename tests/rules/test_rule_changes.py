@@ -13,20 +13,10 @@ from torch import nn
 import dmuon
 from support.cases import full_params, sharded_oddnet
 from support.equivalence import max_diff
-from support.models import lm_loss, odd_batch
+from support.models import lm_loss, odd_batch, small_mlp as _small, small_mlp_batch as _small_batch
 from support.spawn import run_distributed
 
 FP32_NS = dmuon.NSConfig(method="standard", dtype=torch.float32)
-
-
-def _small() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-
-
-def _small_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 4, generator=g)
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
