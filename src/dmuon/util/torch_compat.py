@@ -294,10 +294,11 @@ def keep_partial_in_place() -> None:
         name = op._schema.name
         if not name.startswith("aten::_foreach_") or not name.endswith("_"):
             continue  # only in-place foreach ops: the out-of-place ones return a new (replicated) result
-        if name.removeprefix("aten::") in _SCALING_OPS:
-            strategies[op] = _linear_in_place(common, schema)
-        else:
-            strategies[op] = _refusing_partial_change(strategies[op], schema)
+        # A scaling keeps Partial("sum") and Partial("avg"); any placement it would still change (a
+        # Partial("max") scaled) is refused like the other ops' changes.
+        linear = name.removeprefix("aten::") in _SCALING_OPS
+        own = _linear_in_place(common, schema) if linear else strategies[op]
+        strategies[op] = _refusing_partial_change(own, schema)
     # Strategies already looked up (cached per op and placements) are computed again.
     _private("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache")()
     _private("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache")()
