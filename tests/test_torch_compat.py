@@ -228,6 +228,44 @@ def _ddp_wrapper(rank: int, world_size: int, mesh) -> str | None:
     return None
 
 
+def _partial_in_place(rank: int, world_size: int, mesh) -> str | None:
+    """keep_partial_in_place, as the replicate level calls it: torch's clip_grad_norm_ (its _foreach_mul_) and
+    the other in-place foreach scalings scale a Partial DTensor's local tensors and keep it Partial; an
+    in-place foreach op that is not linear is refused rather than written into a reduced copy."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    torch_compat.keep_partial_in_place()
+    mine = torch.full((2, 3), float(rank + 1))
+    scalings = {"_foreach_mul_ by a tensor": lambda ts: torch._foreach_mul_(ts, torch.tensor(0.5)),
+                "_foreach_mul_ by a number": lambda ts: torch._foreach_mul_(ts, 0.5),
+                "_foreach_mul_ by numbers": lambda ts: torch._foreach_mul_(ts, [0.5]),
+                "_foreach_div_ by a number": lambda ts: torch._foreach_div_(ts, 2.0),
+                "_foreach_div_ by a tensor": lambda ts: torch._foreach_div_(ts, torch.tensor(2.0))}
+    for reduce in ("avg", "sum"):
+        for name, scale in scalings.items():
+            grad = DTensor.from_local(mine.clone(), mesh, [Partial(reduce)], run_check=False)
+            scale([grad])
+            if grad.placements != (Partial(reduce),) or not torch.equal(grad.to_local(), mine * 0.5):
+                return f"{TORCH}: {name} on a Partial({reduce!r}) DTensor left {grad.to_local()[0, 0].item()} " \
+                       f"{grad.placements} on rank {rank}, expected {(mine * 0.5)[0, 0].item()} (Partial)"
+    param = nn.Parameter(DTensor.from_local(torch.zeros(2, 3), mesh, [Replicate()]))
+    param.grad = DTensor.from_local(mine.clone(), mesh, [Partial("avg")], run_check=False)
+    norm = torch.nn.utils.clip_grad_norm_([param], 1.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)  # torch's clip coefficient
+    if not torch.equal(param.grad.to_local(), mine * coef):
+        return f"{TORCH}: clip_grad_norm_ left a Partial gradient's local tensor {param.grad.to_local()[0, 0].item()} " \
+               f"on rank {rank}, expected {(mine * coef)[0, 0].item()}"
+    grad = DTensor.from_local(mine.clone(), mesh, [Partial("avg")], run_check=False)
+    try:
+        torch._foreach_sqrt_([grad])
+    except RuntimeError as e:
+        if "in-place operations that require placement changes" not in str(e):
+            return f"{TORCH}: _foreach_sqrt_ on a Partial DTensor raised {e}"
+        return None
+    return f"{TORCH}: _foreach_sqrt_ on a Partial DTensor ran (into {grad.to_local()[0, 0].item()}) instead of raising"
+
+
 def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -236,7 +274,7 @@ def _every_check(rank: int, world_size: int) -> dict[str, str | None]:
     for name, fn in (("local_shape_and_offset", _local_shape_and_offset), ("strided_shard", _strided_shard),
                      ("all_reduce_hook", _all_reduce_hook), ("reduced_gradients", _reduced_gradients),
                      ("unshard_state", _unshard_state), ("groups_and_meshes", _groups_and_meshes),
-                     ("ddp_wrapper", _ddp_wrapper)):
+                     ("ddp_wrapper", _ddp_wrapper), ("partial_in_place", _partial_in_place)):
         _check(results, name, lambda fn=fn: fn(rank, world_size, mesh))
     return results
 
@@ -247,7 +285,7 @@ def on_ranks() -> list[dict[str, str | None]]:
 
 
 @pytest.mark.parametrize("name", ["local_shape_and_offset", "strided_shard", "all_reduce_hook", "reduced_gradients",
-                                  "unshard_state", "groups_and_meshes", "ddp_wrapper"])
+                                  "unshard_state", "groups_and_meshes", "ddp_wrapper", "partial_in_place"])
 def test_each_wrapper_on_fsdp2_and_dtensor(on_ranks, name):
     problems = [f"rank {r}: {res[name]}" for r, res in enumerate(on_ranks) if res[name] is not None]
     assert not problems, "\n".join(problems)
@@ -371,3 +409,29 @@ def test_profiler_active_follows_every_profiler_on_every_thread():
 def test_a_moved_profiler_flag_is_named(monkeypatch):
     monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
     _raises_naming(torch_compat.profiler_active, "torch.autograd.profiler._is_profiler_enabled")
+
+
+def test_keep_partial_in_place_changes_only_in_place_foreach_ops_and_only_on_torch_2_11():
+    from torch.distributed.tensor import DTensor
+
+    strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    before = dict(strategies)
+    torch_compat.keep_partial_in_place()
+    changed = [op for op in before if strategies[op] is not before[op]]
+    assert set(strategies) == set(before)
+    assert all(op._schema.name.startswith("aten::_foreach_") and op._schema.name.endswith("_") for op in changed)
+    mul = torch.ops.aten._foreach_mul_.Tensor
+    if torch_compat.INPLACE_FOREACH_DROPS_PARTIAL:
+        assert mul in strategies and strategies[mul].__module__ == torch_compat.__name__  # dmuon's rule
+    else:  # torch 2.12 and later have the rules: nothing of theirs is replaced
+        assert not changed
+
+
+def test_a_moved_pointwise_strategy_is_named(monkeypatch):
+    import torch.distributed.tensor._ops._pointwise_ops as pointwise
+
+    monkeypatch.setattr(torch_compat, "INPLACE_FOREACH_DROPS_PARTIAL", True)
+    monkeypatch.setattr(torch_compat, "_kept_partial", False)
+    monkeypatch.delattr(pointwise, "common_pointwise_strategy", raising=False)  # not in torch 2.12+
+    _raises_naming(torch_compat.keep_partial_in_place,
+                   "torch.distributed.tensor._ops._pointwise_ops.common_pointwise_strategy")

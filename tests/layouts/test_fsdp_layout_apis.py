@@ -25,6 +25,25 @@ from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
 STEPS = 3
+
+
+def _missing_layout_apis() -> list[str]:
+    """The FSDP2 layout APIs these runs build with that this torch lacks: torch 2.11 has neither
+    ``DataParallelMeshDims`` (``fully_shard(dp_mesh_dims=...)``) nor ``ShardPlacementResult``; 2.12+ have both."""
+    missing = []
+    for module, name in (("torch.distributed.fsdp", "DataParallelMeshDims"),
+                         ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")):
+        try:
+            layout_apis.layout_api(module, name)
+        except RuntimeError:
+            missing.append(f"{module}.{name}")
+    return missing
+
+
+# No model can be laid out so on a torch without these APIs: nothing of dmuon's to run there.
+pytestmark = pytest.mark.skipif(bool(_missing_layout_apis()),
+                                reason=f"torch {torch.__version__} has no {', '.join(_missing_layout_apis())} "
+                                       "(FSDP2's layout APIs, torch 2.12+)")
 DENSE = list(layout_apis.DENSE_LAYOUTS)
 MOE = list(layout_apis.MOE_LAYOUTS)
 NEXT_FORWARD = "placement-ep2-hsdp next forward"

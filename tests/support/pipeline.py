@@ -153,6 +153,27 @@ class Pipeline:
                 for part in self.parts for name, p in part.named_parameters()}
 
 
+def _without_messages_to_itself(stage):
+    """``stage``, able to start a V-shaped schedule (ZBV) on gloo under torch 2.11 too.
+
+    torch 2.11's schedules open each stage's links by sending a dummy tensor to the neighbouring stages'
+    ranks (``_get_init_p2p_neighbors_ops``), the V's turn included, whose two stages sit on the same rank;
+    gloo has no pair from a rank to itself and raises ("Pair is not connected") on that rank while the
+    others wait. Those messages to itself carry nothing the schedule reads (activations between the turn's
+    stages pass on the rank), so they are dropped here; torch 2.12+ opens the links otherwise and sends none.
+    """
+    opener = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if opener is None:
+        return stage
+    me = dist.get_rank(stage.group)
+
+    def links_to_others():
+        return [op for op in opener() if op.group_peer != me]
+
+    stage._get_init_p2p_neighbors_ops = links_to_others
+    return stage
+
+
 def build(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatches: int = 4,
           scale_grads: bool = True, zero: int = 2, hsdp: str | None = None, pp_group: bool = False,
           nonfinite: str | None = None, one_optimizer: bool = False, split: tuple[int, ...] | None = None,
@@ -196,8 +217,8 @@ def build(rank: int, world_size: int, schedule: str, *, pp: int = 2, microbatche
         for layer in part.layers.values():
             fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
         fully_shard(part, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=zero == 3)
-        stages.append(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
-                                               group=world.get_group("pp")))
+        stages.append(_without_messages_to_itself(pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"),
+                                                                           group=world.get_group("pp"))))
     optimizers = optimizers or optimizers_of(parts)
     divide = 1 if scale_grads else microbatches
 

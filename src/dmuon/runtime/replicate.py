@@ -48,6 +48,7 @@ from dmuon.plan.layout import replicated_mesh
 from dmuon.plan.plan import Plan
 from dmuon.util.dtensor import local_tensor
 from dmuon.util.observe import ranged
+from dmuon.util.torch_compat import keep_partial_in_place
 
 
 @dataclass
@@ -78,6 +79,9 @@ class ReplicateLevel:
     """
 
     def __init__(self, plan: Plan, reduce: ReplicateReduce) -> None:
+        # The Muon matrices' gradients are Partial between backward and step(): torch's clip_grad_norm_ must
+        # scale them (torch 2.11's DTensor would scale a reduced copy).
+        keep_partial_in_place()
         self.plan = plan
         self.reduce = reduce
         self.mesh = plan.hsdp_mesh

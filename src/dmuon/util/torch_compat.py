@@ -23,11 +23,16 @@ Private APIs:
 * :func:`in_backward`: ``torch._C._current_graph_task_id``.
 * :func:`root_mesh`: ``DeviceMesh._get_root_mesh``.
 * :func:`profiler_active`: ``torch.autograd.profiler._is_profiler_enabled``.
+* :func:`keep_partial_in_place`: DTensor's sharding propagator (``DTensor._op_dispatcher.sharding_propagator``,
+  ``torch.distributed.tensor._ops._pointwise_ops.common_pointwise_strategy``), on torch 2.11 only.
 
-Behaviour of FSDP2 (public APIs whose semantics changed across releases):
+Behaviour of FSDP2 and DTensor (public APIs whose semantics changed across releases):
 
 * :func:`on_reduced_gradient`: FSDP2 calls a sharded parameter's post-accumulate-grad hooks itself,
   right after writing the reduced gradient shard, on its post-reduce stream.
+* :func:`keep_partial_in_place`: an in-place foreach op (``torch._foreach_mul_``, how ``clip_grad_norm_``
+  scales) on a ``Partial`` DTensor acts on each rank's local tensor from torch 2.12 on; 2.11 writes into a
+  reduced copy and leaves the DTensor unchanged.
 """
 
 from __future__ import annotations
@@ -245,3 +250,95 @@ def root_mesh(mesh) -> Any:
     if get_root is None:
         raise _moved("DeviceMesh._get_root_mesh", "a DeviceMesh has no _get_root_mesh")
     return get_root()
+
+
+INPLACE_FOREACH_DROPS_PARTIAL = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+"""Whether this torch runs an in-place foreach op on a ``Partial`` DTensor on a reduced copy, silently
+(torch 2.11: the propagator turns the ``Partial`` into ``Replicate`` and the op writes into the all-reduced
+copy; single-tensor in-place ops raise there instead). From 2.12 on, ``_foreach_mul_`` and ``_foreach_div_``
+by a replicated factor keep the ``Partial`` and scale each rank's local tensor, and the in-place foreach ops
+that are not linear raise."""
+
+_SCALING_OPS = ("_foreach_mul_", "_foreach_div_")
+_kept_partial = False
+
+
+def keep_partial_in_place() -> None:
+    """Gives DTensor the rules torch 2.12 and later have for in-place foreach ops on a ``Partial`` DTensor,
+    on a torch that lacks them (:data:`INPLACE_FOREACH_DROPS_PARTIAL`); nothing on any other.
+
+    dmuon's replicate level leaves a Muon matrix's gradient ``Partial("avg")`` between backward and
+    ``step()``. ``torch.nn.utils.clip_grad_norm_`` scales gradients with ``torch._foreach_mul_``, which torch
+    2.11 applies to an all-reduced copy: the clip does not clip, and nothing says so. Here
+    ``_foreach_mul_`` and ``_foreach_div_`` (every overload) by a replicated factor keep the ``Partial`` and
+    scale each rank's local tensor, as ``Tensor.mul_`` does on 2.11 and both do on 2.12+ (a linear op: the
+    reduction of the scaled tensors is the scaled reduction); every other in-place foreach op that would
+    change a ``Partial`` placement raises, as 2.11 raises for single-tensor in-place ops. Process-wide (it
+    is DTensor's own registry), done once; the change only turns a silent no-op into the later releases'
+    result or error. The decision is the placements', the same on every rank: no rank enters a collective
+    the others skip.
+    """
+    global _kept_partial
+    if _kept_partial or not INPLACE_FOREACH_DROPS_PARTIAL:
+        return
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    strategies = getattr(propagator, "op_strategy_funcs", None)
+    if strategies is None:
+        raise _moved("DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs",
+                     "DTensor's dispatcher has no sharding propagator registry")
+    common = _private("torch.distributed.tensor._ops._pointwise_ops", "common_pointwise_strategy")
+    schema = importlib.import_module("torch.distributed.tensor._op_schema")
+    for op in list(strategies):
+        name = op._schema.name
+        if not name.startswith("aten::_foreach_") or not name.endswith("_"):
+            continue  # only in-place foreach ops: the out-of-place ones return a new (replicated) result
+        # A scaling keeps Partial("sum") and Partial("avg"); any placement it would still change (a
+        # Partial("max") scaled) is refused like the other ops' changes.
+        linear = name.removeprefix("aten::") in _SCALING_OPS
+        own = _linear_in_place(common, schema) if linear else strategies[op]
+        strategies[op] = _refusing_partial_change(own, schema)
+    # Strategies already looked up (cached per op and placements) are computed again.
+    _private("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache")()
+    _private("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache")()
+    _kept_partial = True
+
+
+def _linear_in_place(common: Callable, schema) -> Callable:
+    """The strategy of an in-place foreach scaling: per tensor of the list, torch's pointwise strategy with
+    multiplicative linearity (the list's tensor followed, ``Partial`` kept; a factor that is a DTensor is
+    made ``Replicate``)."""
+
+    def strategy(op_schema):
+        args = op_schema.args_schema
+        tensors = args[0]
+
+        def part(arg, i):
+            if isinstance(arg, schema.TupleStrategy):
+                return arg.children[i]
+            return arg if isinstance(arg, schema.OpStrategy) else None  # a scalar or a list of them
+
+        return schema.TupleStrategy([common(op_schema.op, [part(a, i) for a in args], child, 0, linearity=2)
+                                     for i, child in enumerate(tensors.children)])
+
+    return strategy
+
+
+def _refusing_partial_change(original: Callable, schema) -> Callable:
+    """``original`` (an in-place foreach op's strategy), raising where it would change a ``Partial``
+    placement of the list it writes (the op would write into a redistributed copy)."""
+
+    def strategy(op_schema):
+        out = original(op_schema)
+        tensors = op_schema.args_schema[0]
+        for i, child in enumerate(getattr(out, "children", ())):
+            before = tensors.children[i].strategies[0].output_spec.placements
+            if any(p.is_partial() for p in before) and any(s.output_spec.placements != before
+                                                           for s in child.strategies):
+                raise RuntimeError(f"{op_schema.op}: in-place operations that require placement changes are not "
+                                   f"supported: the input has placement {before}; use the out-of-place operation "
+                                   f"(torch {torch.__version__} would write into a redistributed copy)")
+        return out
+
+    return strategy
