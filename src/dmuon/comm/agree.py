@@ -39,3 +39,10 @@ def any_rank(flag: bool, group, device: torch.device) -> bool:
     seen = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
     return bool(seen.item())
+
+
+def least_over(values: torch.Tensor, group) -> list[int]:
+    """The elementwise minimum of ``values`` (an integer tensor) over every rank of ``group``, on the host
+    (one all-reduce from the current stream, waited for at once)."""
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in values.tolist()]

@@ -32,8 +32,8 @@ many matrices it covers.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from dmuon.comm.agree import least_over
 from dmuon.comm.streams import Streams
 from dmuon.runtime.gradients import GradientParts
 
@@ -92,8 +92,8 @@ class ScheduleDivisor:
             # rank that proposed a divisor proposed the same one and none refuted every divisor.
             flags = torch.tensor([-max(proposal, 0), proposal if proposal != NO_ANSWER else _NONE_ABOVE],
                                  dtype=torch.int64, device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-            agreed = [-int(flags[0]), int(flags[1])]
+            least = least_over(flags, group)
+            agreed = [-least[0], least[1]]
         largest, least = agreed
         if largest >= 1 and least == largest:
             self.value = largest
