@@ -4,27 +4,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Callable
-from unittest import mock
 
 import torch
-import torch.optim._muon as torch_muon
 from torch import nn
 
 from dmuon.plan.selection import select_matrices
-
-
-def _fp32_zeropower(grad, ns_coefficients, ns_steps, eps):
-    # torch's own iteration with the bf16 cast replaced by fp32; written out
-    # here so the reference does not depend on dmuon's NS code.
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        g = x @ x.T
-        x = torch.addmm(x, torch.addmm(g, g, g, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
+from dmuon.testing.reference import fp32_newton_schulz as _fp32_zeropower  # noqa: F401 - the support modules' name
+from dmuon.testing.reference import fp32_torch_muon
 
 
 @contextmanager
@@ -33,7 +19,7 @@ def ns_precision(dtype: torch.dtype):
     if dtype == torch.bfloat16:
         yield
     else:
-        with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", _fp32_zeropower):
+        with fp32_torch_muon():
             yield
 
 

@@ -25,6 +25,10 @@ def one_rank(device: torch.device):
     from dmuon.testing.spawn import free_port
 
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # The launcher's variables, as a torchrun rank has them; restored after, so that what runs next in this
+    # process (a test of `dmuon bench`, which reads them to tell a torchrun rank) does not see a rank 0 of 1.
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {name: os.environ.get(name) for name in names}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     if backend == "nccl":
@@ -35,3 +39,8 @@ def one_rank(device: torch.device):
         yield backend
     finally:
         dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -29,13 +29,14 @@ Each row's figures go to the section's JSON (rewritten after every row); :func:`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import traceback
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dmuon.testing.reference import fp32_torch_muon
 
 VOCAB, DIM, HIDDEN, BLOCKS = 61, 48, 104, 3
 BATCH, SEQ = 6, 9
@@ -118,32 +119,6 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tup
 
 
 # ------------------------------------------------------------------ the reference: torch's pair
-def _fp32_newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
-    """torch.optim.Muon's iteration (``torch.optim._muon``) with its bfloat16 cast replaced by float32."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
-@contextlib.contextmanager
-def fp32_torch_muon():
-    """torch.optim.Muon iterating in float32 inside the block (dmuon's side runs ``NSConfig(dtype=float32)``)."""
-    import torch.optim._muon as torch_muon
-
-    original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = _fp32_newton_schulz
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = original
-
-
 class TorchPair:
     """torch.optim.Muon on the model's Muon matrices (dmuon's default selection), AdamW on the rest."""
 

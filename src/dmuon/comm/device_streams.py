@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from dmuon.comm.streams import CudaStreams, HostStreams, Streams
 
-__all__ = ["active", "install", "install_cpu_streams", "streams_for"]
+__all__ = ["active", "install", "install_cpu_streams", "installed", "streams_for"]
 
 _active: Streams | None = None
 _by_device: dict[str, Streams] = {}
@@ -48,6 +49,23 @@ def install(streams: Streams) -> Streams | None:
         _by_device[str(streams.device)] = streams
         _active = streams
         return previous
+
+
+@contextlib.contextmanager
+def installed(streams: Streams) -> Iterator[Streams]:
+    """:func:`install` for the ``with`` block only: the streams of the device and the active ones as they
+    were are put back after it (a tool's checker for one test in a process that goes on)."""
+    global _active
+    previous_active, previous = _active, install(streams)
+    try:
+        yield streams
+    finally:
+        with _registry_lock:
+            _active = previous_active
+            if previous is None:
+                _by_device.pop(str(streams.device), None)
+            else:
+                _by_device[str(streams.device)] = previous
 
 
 def install_cpu_streams(build: Callable[[torch.device], Streams] | None) -> None:

@@ -256,3 +256,15 @@ def test_device_lr_syncs_on_cpu(monkeypatch):
         monkeypatch.setattr(dmuon.DMuon, "step", reading_lr)
         reading = gpu_check._step_syncs("dmuon_z3", "tiny", cpu, True)
     assert reading["syncs"] > rows[0]["syncs"] and not gpu_check.device_lr_passed([rows[0], reading])
+
+
+def test_one_rank_leaves_the_launcher_variables_as_it_found_them(monkeypatch):
+    """A section's one-rank group sets torchrun's variables for its run only: `dmuon bench` later in the
+    same process reads them to tell a torchrun rank (it saw a rank 0 of 1 once a section had run)."""
+    from dmuon.bench.gpu_check_base import one_rank
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    with one_rank(torch.device("cpu")):
+        assert os.environ["RANK"] == "0" and os.environ["MASTER_PORT"] != "12345"
+    assert "RANK" not in os.environ and os.environ["MASTER_PORT"] == "12345"

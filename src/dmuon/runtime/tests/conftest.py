@@ -13,13 +13,8 @@ def checker():
     """The stream checker, started on this thread and made the process's active streams (what Pending
     records its events on); the streams before it restored after."""
     streams = CheckedStreams().start()
-    previous_active, previous = device_streams._active, device_streams.install(streams)
     try:
-        yield streams
+        with device_streams.installed(streams):
+            yield streams
     finally:
-        device_streams._active = previous_active
-        if previous is None:
-            device_streams._by_device.pop(str(streams.device), None)
-        else:
-            device_streams._by_device[str(streams.device)] = previous
         streams.stop()

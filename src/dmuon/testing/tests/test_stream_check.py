@@ -226,15 +226,8 @@ def active_checker(streams):
     """``streams`` as the process's active streams (what Pending and the coalesced all-to-alls use)."""
     from dmuon.comm import device_streams
 
-    previous_active, previous = device_streams._active, device_streams.install(streams)
-    try:
+    with device_streams.installed(streams):
         yield streams
-    finally:
-        device_streams._active = previous_active
-        if previous is None:
-            device_streams._by_device.pop(str(streams.device), None)
-        else:
-            device_streams._by_device[str(streams.device)] = previous
 
 
 def test_a_pending_result_reaches_a_second_stream_behind_its_event_and_kept(active_checker):
