@@ -13,6 +13,7 @@ from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, SWEPT_BALANCERS, Hyper
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+# Reads better whole: an argparse table, one option after another.
 def build_parser() -> argparse.ArgumentParser:
     """``dmuon bench``'s command line."""
     p = argparse.ArgumentParser(

@@ -21,16 +21,15 @@ with :class:`Collective` in :mod:`dmuon.costmodel.collective`, the all-to-all pe
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from dmuon.costmodel.collective import AlphaBeta, Collective, step_figures, uniform_collective
+from dmuon.costmodel.ddp_collectives import ddp_publish_collectives
 from dmuon.costmodel.exchange_model import ExchangeModel
 from dmuon.costmodel.moe import ExpertLayout, expert_fsdp2_collective, expert_gather_collective, merged
 from dmuon.costmodel.peer import PEER_STRATEGY, peer_collectives
 from dmuon.costmodel.rank_traffic import check_mesh, check_owners, row_width
 from dmuon.plan.publication import ROUTES
-from dmuon.plan.ddp import owner_shares, ddp_hops, scatter_parts
 
 
 STEP_STRATEGIES: tuple[str, ...] = ("dmuon", "dmuon_native_hsdp", "fsdp_adamw", "gather")
@@ -70,6 +69,7 @@ def fsdp2_block_collectives(shapes: Sequence[Sequence[int]], replicate: int, sha
     raise ValueError(f"unknown FSDP2 collective {op!r}")
 
 
+# Reads better whole: the length is the public docstring (every argument and the issue order); the body is short.
 def owner_exchange_collectives(
     shapes: Sequence[Sequence[int]],
     owners: Sequence[int],
@@ -241,6 +241,54 @@ def with_weight_norms_per_wave(returns: list[Collective], waves: Sequence[Sequen
     return out
 
 
+def _check_step_args(strategy: str, shapes: Sequence[Sequence[int]], blocks: Sequence[int], replicate: int,
+                     shard: int, wire_bytes: int, zero: int, apply_updates: str, weight_norms: bool,
+                     returns_in_backward: bool, waves: Sequence[Sequence[int]] | None,
+                     other_shapes: Sequence[Sequence[int]], other_blocks: Sequence[int], pieces: Sequence | None,
+                     experts: ExpertLayout | None) -> None:
+    """:func:`step_collectives`' arguments checked, a ValueError naming the one that is wrong."""
+    known = STEP_STRATEGIES + (PEER_STRATEGY, DDP_STRATEGY)
+    if strategy not in known:
+        raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
+    if strategy == DDP_STRATEGY and shard != 1:
+        raise ValueError(f"{DDP_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, got {shard}")
+    if zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, got {zero}")
+    check_mesh(replicate, shard, wire_bytes)
+    if apply_updates not in ("in_step", "next_forward"):
+        raise ValueError(f"apply_updates must be 'in_step' or 'next_forward', got {apply_updates!r}")
+    per_wave = weight_norms and apply_updates == "next_forward"
+    if per_wave and (returns_in_backward or waves is None):
+        raise ValueError("weight_norms with apply_updates='next_forward' is modelled for the step's waves "
+                         "(waves= given, returns_in_backward=False)")
+    if len(blocks) != len(shapes):
+        raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
+    if len(other_blocks) != len(other_shapes):
+        raise ValueError(f"{len(other_shapes)} other shapes but {len(other_blocks)} other blocks")
+    if (pieces is None) != (experts is None) or (pieces is not None and len(pieces) != len(shapes)):
+        raise ValueError("pieces (one entry per matrix) and experts go together")
+    if pieces is not None and strategy == PEER_STRATEGY:
+        raise ValueError(f"{PEER_STRATEGY} is not modelled for routed experts")
+
+
+def _gather_collectives(shapes: Sequence[Sequence[int]], blocks: Sequence[int], pieces: Sequence | None,
+                        expert: Sequence[bool], replicate: int, shard: int, wire_bytes: int) -> list[Collective]:
+    """Gather-then-compute's step: every matrix's direction all-gathered over its shard group, in plan order
+    (an expert slice over the ranks holding it)."""
+    out: list[Collective] = []
+    world = replicate * shard
+    for i, shape in enumerate(shapes):
+        if expert[i]:
+            gathered = expert_gather_collective(pieces[i], replicate, blocks[i], i, wire_bytes)
+            out += [gathered] if gathered is not None else []
+            continue
+        out.append(uniform_collective("all_gather", "intra", "step", blocks[i], world,
+                                      (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
+                                      shard - 1, f"gather direction {i}", "gather", i))
+    return out
+
+
+# Reads better whole: the length is the public docstring and signature (every argument); checks and gathers are apart.
 def step_collectives(
     strategy: str,
     shapes: Sequence[Sequence[int]],
@@ -342,28 +390,9 @@ def step_collectives(
             entry), dmuon's exchange moves each slice's pieces, and gather-then-compute gathers a slice over
             the ranks holding it (every one of them then runs its NS).
     """
-    known = STEP_STRATEGIES + (PEER_STRATEGY, DDP_STRATEGY)
-    if strategy not in known:
-        raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
-    if strategy == DDP_STRATEGY and shard != 1:
-        raise ValueError(f"{DDP_STRATEGY} is one rank per replica (torch's DDP): shard must be 1, got {shard}")
-    if zero not in (2, 3):
-        raise ValueError(f"zero must be 2 or 3, got {zero}")
-    check_mesh(replicate, shard, wire_bytes)
-    if apply_updates not in ("in_step", "next_forward"):
-        raise ValueError(f"apply_updates must be 'in_step' or 'next_forward', got {apply_updates!r}")
+    _check_step_args(strategy, shapes, blocks, replicate, shard, wire_bytes, zero, apply_updates, weight_norms,
+                     returns_in_backward, waves, other_shapes, other_blocks, pieces, experts)
     per_wave = weight_norms and apply_updates == "next_forward"
-    if per_wave and (returns_in_backward or waves is None):
-        raise ValueError("weight_norms with apply_updates='next_forward' is modelled for the step's waves "
-                         "(waves= given, returns_in_backward=False)")
-    if len(blocks) != len(shapes):
-        raise ValueError(f"{len(shapes)} shapes but {len(blocks)} blocks")
-    if len(other_blocks) != len(other_shapes):
-        raise ValueError(f"{len(other_shapes)} other shapes but {len(other_blocks)} other blocks")
-    if (pieces is None) != (experts is None) or (pieces is not None and len(pieces) != len(shapes)):
-        raise ValueError("pieces (one entry per matrix) and experts go together")
-    if pieces is not None and strategy == PEER_STRATEGY:
-        raise ValueError(f"{PEER_STRATEGY} is not modelled for routed experts")
     expert = [pieces is not None and pieces[i] is not None for i in range(len(shapes))]
     order = sorted(set(blocks) | set(other_blocks))
     of = {b: [shapes[i] for i in range(len(shapes)) if blocks[i] == b and not expert[i]] for b in order}
@@ -416,42 +445,11 @@ def step_collectives(
     else:
         out += returns + (weight_norm_collective(len(shapes), replicate, shard) if norms else [])
     if strategy == "gather" and shard > 1:
-        world = replicate * shard
-        for i, shape in enumerate(shapes):
-            if expert[i]:
-                gathered = expert_gather_collective(pieces[i], replicate, blocks[i], i, wire_bytes)
-                out += [gathered] if gathered is not None else []
-                continue
-            out.append(uniform_collective("all_gather", "intra", "step", blocks[i], world,
-                                          (shard - 1) * _padded_shard_bytes([shape], shard, wire_bytes),
-                                          shard - 1, f"gather direction {i}", "gather", i))
+        out += _gather_collectives(shapes, blocks, pieces, expert, replicate, shard, wire_bytes)
     if strategy == PEER_STRATEGY:
         out += peer_collectives(shapes, replicate, shard, wire_bytes, max_concurrent)
     if strategy == DDP_STRATEGY:
         out += ddp_publish_collectives(shapes, owners, replicate, waves, wire_bytes)
-    return out
-
-
-def ddp_publish_collectives(shapes: Sequence[Sequence[int]], owners: Sequence[int], world: int,
-                                waves: Sequence[Sequence[int]] | None, wire_bytes: int) -> list[Collective]:
-    """Under torch's DDP, each wave's updates to every rank by :func:`~dmuon.plan.ddp.ddp_hops`' route: one all-gather of the shares padded to the largest, or the scatter's all-to-all evening them out
-    (each rank to the ranks whose chunks its updates fall in) and the all-gather of the even chunks (``index``
-    ``2 w`` and ``2 w + 1``). Every rank is its own replica: the ``"inter"`` level."""
-    if world == 1:
-        return []
-    numels = [math.prod(int(d) for d in shape) for shape in shapes]
-    out = []
-    for w, wave in enumerate(waves if waves is not None else [list(range(len(shapes)))]):
-        share = owner_shares(numels, owners, world, wave)
-        route, hops = ddp_hops(share, wire_bytes)
-        if route == "scatter":
-            parts, _ = scatter_parts(share)
-            peers = max(max(sum(1 for b in range(world) if b != a and parts[a][b]) for a in range(world)),
-                        max(sum(1 for a in range(world) if a != b and parts[a][b]) for b in range(world)))
-            out.append(Collective("all_to_all", "inter", "step", None, list(hops[0]), peers,
-                                  f"dmuon updates wave {w} (scatter)", "ddp_publish", 2 * w))
-        out.append(Collective("all_gather", "inter", "step", None, list(hops[-1]), world - 1,
-                              f"dmuon updates wave {w} (all-gather)", "ddp_publish", 2 * w + 1))
     return out
 
 

@@ -141,6 +141,7 @@ def _uniform(t: RankTraffic) -> dict:
     return {"sent": t.sent, "received": t.received, **t.as_dict()}
 
 
+# Reads better whole: the length is the public docstring (every argument and every key of the plan).
 def plan_offline(
     groups: Iterable,
     world_size: int,
@@ -272,29 +273,39 @@ def plan_offline(
                                   root_regathered=root_regathered, pieces=pieces, experts=layout)
     plan["step_comm_model"] = _step_comm_model(alpha_beta, wire_bytes, param_bytes, reduce_bytes, waves)
     if hardware is not None:
-        options = sim_options or SimOptions()
         inputs = step_inputs(groups, owners, ns_batches, replicate, shard, zero=zero, max_waves=max_waves,
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
                              hop_a_spread=hop_a_spread, root_regathered=root_regathered, ep=ep)
-        # One rank per replica (the (N, 1) layout): torch's DDP + dmuon is one more way to run it.
-        strategies = SIM_STRATEGIES + ((DDP_STRATEGY,) if shard == 1 and replicate > 1 else ())
-        if layout is not None:  # the all-to-all peer's batches are not modelled for expert slices
-            strategies = tuple(k for k in strategies if k != PEER_STRATEGY)
-        plan["simulation"] = simulate_strategies(inputs, hardware, options, strategies)
-        plan["simulation_ratios"] = goal_ratios(plan["simulation"])
-        if trace is not None:
-            plan["simulation_trace"] = chrome_trace(inputs, hardware, options, **trace)
-        plan["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
-                                    "root_regathered": root_regathered,
-                                    "return_waves": max_waves,
-                                    "hop_a_spread": hop_a_spread if hop_a_spread is not None else
-                                    f"{default_spread(False)}; {default_spread(True)} for dmuon_rbwd",
-                                    "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
+        plan.update(_simulation(inputs, hardware, sim_options or SimOptions(), replicate, shard,
+                                experts=layout is not None, trace=trace, zero=zero, root_regathered=root_regathered, max_waves=max_waves,
+                                hop_a_spread=hop_a_spread))
     if replicate > 1 and layout is None:
         plan["hsdp_designs"] = compare_hsdp_designs(
             shapes, owners, replicate, shard, wire_bytes, fsdp_elem_bytes,
             reshard_after_forward=zero == 3, other_numels=non_muon_numels(groups), waves=waves)
     return plan
+
+
+def _simulation(inputs: StepInputs, hardware: Hardware, options: SimOptions, replicate: int, shard: int, *,
+                experts: bool, trace: dict | None, zero: int, root_regathered: bool, max_waves: int,
+                hop_a_spread: int | None) -> dict:
+    """:func:`plan_offline`'s ``simulation``, ``simulation_ratios``, ``simulation_trace`` (with ``trace``)
+    and ``simulation_model``: one step's timeline per strategy on ``hardware``."""
+    # One rank per replica (the (N, 1) layout): torch's DDP + dmuon is one more way to run it.
+    strategies = SIM_STRATEGIES + ((DDP_STRATEGY,) if shard == 1 and replicate > 1 else ())
+    if experts:  # the all-to-all peer's batches are not modelled for expert slices
+        strategies = tuple(k for k in strategies if k != PEER_STRATEGY)
+    out = {"simulation": simulate_strategies(inputs, hardware, options, strategies)}
+    out["simulation_ratios"] = goal_ratios(out["simulation"])
+    if trace is not None:
+        out["simulation_trace"] = chrome_trace(inputs, hardware, options, **trace)
+    out["simulation_model"] = {"hardware": hardware.as_dict(), **options.as_dict(), "zero": zero,
+                               "root_regathered": root_regathered,
+                               "return_waves": max_waves,
+                               "hop_a_spread": hop_a_spread if hop_a_spread is not None else
+                               f"{default_spread(False)}; {default_spread(True)} for dmuon_rbwd",
+                               "blocks": "as step_comm, the non-Muon groups in the root unless named 'stack.*'"}
+    return out
 
 
 def _mesh(world_size: int, zero: int, ranks_per_node: int | None) -> tuple[int, int]:

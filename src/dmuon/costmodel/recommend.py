@@ -83,6 +83,34 @@ def _asked(candidate: dict) -> int:
     return sum(bool(ASKS[(k, candidate[k])]) for k in ("layout", "execution", "balancer"))
 
 
+def _candidates(balancer: str, result, inputs, hardware: Hardware, options: SimOptions | None,
+                layouts: Sequence[str], baseline: dict) -> list[dict]:
+    """One candidate per (layout, execution) of ``layouts`` for one balancer's owners, simulated."""
+    out = []
+    for (layout, execution), strategy in STRATEGIES.items():
+        if layout not in layouts:
+            continue
+        figures = simulate(strategy, inputs, hardware, options)
+        out.append({
+            "layout": layout, "execution": execution, "balancer": balancer, "strategy": strategy,
+            "step_seconds": figures["step_seconds"], "optimizer_seconds": figures["optimizer_seconds"],
+            "exposed_comm_seconds": figures["exposed_comm_seconds"],
+            "vs_fsdp_adamw": figures["step_seconds"] / baseline["step_seconds"],
+            "imbalance": result.imbalance, "balancer_method": result.method,
+        })
+    return out
+
+
+def _recommended(candidates: list[dict]) -> dict:
+    """Of the candidates within :data:`TIE` of the fastest (sorted fastest first), the one asking the
+    least of the user, with ``asks``: what each of its choices asks."""
+    fastest = candidates[0]["step_seconds"]
+    near = [c for c in candidates if c["step_seconds"] <= fastest * (1 + TIE)]
+    best = dict(min(near, key=lambda c: (_asked(c), c["step_seconds"])))
+    best["asks"] = {k: ASKS[(k, best[k])] for k in ("layout", "execution", "balancer") if ASKS[(k, best[k])]}
+    return best
+
+
 def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: Hardware,
               options: SimOptions | None = None, *, zero: int = 3,
               balancers: Sequence[str] = ("greedy", "round_robin", "milp"),
@@ -134,22 +162,9 @@ def recommend(groups: Iterable, world_size: int, gpus_per_node: int, hardware: H
                              wire_bytes=wire_bytes, param_bytes=param_bytes, reduce_bytes=reduce_bytes, ep=ep)
         if baseline is None:  # FSDP2 + AdamW has no owners: one run
             baseline = simulate("fsdp_adamw", inputs, hardware, options)
-        for (layout, execution), strategy in STRATEGIES.items():
-            if layout not in layouts:
-                continue
-            figures = simulate(strategy, inputs, hardware, options)
-            candidates.append({
-                "layout": layout, "execution": execution, "balancer": name, "strategy": strategy,
-                "step_seconds": figures["step_seconds"], "optimizer_seconds": figures["optimizer_seconds"],
-                "exposed_comm_seconds": figures["exposed_comm_seconds"],
-                "vs_fsdp_adamw": figures["step_seconds"] / baseline["step_seconds"],
-                "imbalance": result.imbalance, "balancer_method": result.method,
-            })
+        candidates += _candidates(name, result, inputs, hardware, options, layouts, baseline)
     candidates.sort(key=lambda c: (c["step_seconds"], _asked(c)))
-    fastest = candidates[0]["step_seconds"]
-    near = [c for c in candidates if c["step_seconds"] <= fastest * (1 + TIE)]
-    best = dict(min(near, key=lambda c: (_asked(c), c["step_seconds"])))
-    best["asks"] = {k: ASKS[(k, best[k])] for k in ("layout", "execution", "balancer") if ASKS[(k, best[k])]}
+    best = _recommended(candidates)
     layout, _ = expert_layout(mats, ep, shard)
     return {"world_size": world_size, "gpus_per_node": gpus_per_node, "mesh": [replicate, shard], "zero": zero,
             "experts": None if layout is None else layout.as_dict(mats_experts(mats)),

@@ -6,7 +6,7 @@ gathered and every unit's gradients are all-reduced as backward produces them, w
 all-reduce with the units as its buckets (the same bytes, overlapped with the backward of the units before).
 Nothing of dmuon's runs in backward. ``step()``: the agreement's all-reduce with AdamW while it travels, each
 owner's momentum on its matrices, then wave by wave the owners' NS and the wave's updates to every rank
-(:func:`~dmuon.costmodel.collectives.ddp_publish_collectives`: on the scatter route its all-gather goes
+(:func:`~dmuon.costmodel.ddp_collectives.ddp_publish_collectives`: on the scatter route its all-gather goes
 behind the next wave's NS, as the runtime advances it), and every rank's apply of every update.
 """
 

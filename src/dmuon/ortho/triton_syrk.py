@@ -143,6 +143,7 @@ def _flags(A: torch.Tensor, C: torch.Tensor | None, allow_tf32: bool) -> tuple[b
     return C is not None, ieee, upcast
 
 
+# Reads better whole: one kernel launch, its checks and its pinned-or-autotuned tile choice side by side.
 def syrk(
     A: torch.Tensor,
     alpha: float = 1.0,

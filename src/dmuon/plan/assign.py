@@ -67,6 +67,24 @@ def _dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _profiled_tables(infos: Sequence[MatrixInfo], shapes: list, dtypes: list, ns_steps: int,
+                     ns_kwargs: Mapping | None, group, cache_dir) -> dict[str, CostTable]:
+    """One measured :class:`CostTable` per parameter dtype (by its label), each over that dtype's shapes."""
+    settings = {"steps": ns_steps, **dict(ns_kwargs or {})}
+    device = infos[0].param.device if infos else None
+    tables = {}
+    # Sorted so every rank issues the profile broadcasts in the same order.
+    for dtype in sorted(set(dtypes), key=_dtype_label):
+        counts: dict[tuple[int, int], int] = {}
+        for s, d in zip(shapes, dtypes):
+            if d == dtype:
+                counts[s] = counts.get(s, 0) + 1
+        tables[_dtype_label(dtype)] = profile_costs(counts, dtype=dtype, ns_kwargs=settings, group=group,
+                                                    cache_dir=cache_dir, device=device)
+    return tables
+
+
+# Reads better whole: the length is the public docstring (every argument, the determinism contract).
 def assign(
     infos: Sequence[MatrixInfo],
     world_size: int,
@@ -127,17 +145,7 @@ def assign(
         tables: Mapping[object, CostTable] | CostTable = costs
         labels = None
     elif profile:
-        settings = {"steps": ns_steps, **dict(ns_kwargs or {})}
-        device = infos[0].param.device if infos else None
-        tables = {}
-        # Sorted so every rank issues the profile broadcasts in the same order.
-        for dtype in sorted(set(dtypes), key=_dtype_label):
-            counts: dict[tuple[int, int], int] = {}
-            for s, d in zip(shapes, dtypes):
-                if d == dtype:
-                    counts[s] = counts.get(s, 0) + 1
-            tables[_dtype_label(dtype)] = profile_costs(counts, dtype=dtype, ns_kwargs=settings, group=group,
-                                                        cache_dir=cache_dir, device=device)
+        tables = _profiled_tables(infos, shapes, dtypes, ns_steps, ns_kwargs, group, cache_dir)
         labels = [_dtype_label(d) for d in dtypes]
     else:
         tables = analytical_table([(s, 1) for s in shapes], ns_steps)

@@ -51,6 +51,37 @@ def spread_kinds(items: Sequence[int], holders: Sequence[tuple[int, ...] | None]
     return [k if h is None else top + i for i, (k, h) in enumerate(zip(items, holders))]
 
 
+def _prefer_holders_of_kind(members: list[int], owners: list[int], holders: Sequence[Sequence[int] | None]) -> None:
+    """:func:`prefer_holders`' two steps for the matrices ``members`` of one kind, ``owners`` updated in place."""
+    held = [i for i in members if holders[i] is not None]
+    if not held:
+        return
+    room: dict[int, int] = defaultdict(int)
+    for i in members:
+        room[owners[i]] += 1
+    placed: dict[int, int] = {}
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i in held:
+        groups[tuple(sorted(set(holders[i])))].append(i)
+    for ranks in sorted(groups, key=lambda h: (len(h), h)):
+        free = (r for r in ranks if room.get(r, 0) > 0)
+        rank = next(free, None)
+        for i in groups[ranks]:
+            while rank is not None and room[rank] == 0:
+                rank = next(free, None)
+            if rank is None:
+                break
+            placed[i] = rank
+            room[rank] -= 1
+    for i in members:  # the rest keep their owner where it has room left (the spreading's choice)
+        if i not in placed and room[owners[i]] > 0:
+            placed[i] = owners[i]
+            room[owners[i]] -= 1
+    left = iter([r for r in sorted(room) for _ in range(room[r])])
+    for i in members:
+        owners[i] = placed[i] if i in placed else next(left)
+
+
 def prefer_holders(owners: Sequence[int], kinds: Sequence[int],
                    holders: Sequence[Sequence[int] | None]) -> list[int]:
     """Owners with every matrix that some ranks do not hold moved, where the counts allow, to a rank that
@@ -87,33 +118,7 @@ def prefer_holders(owners: Sequence[int], kinds: Sequence[int],
     for i, k in enumerate(kinds):
         by_kind[k].append(i)
     for members in by_kind.values():
-        held = [i for i in members if holders[i] is not None]
-        if not held:
-            continue
-        room: dict[int, int] = defaultdict(int)
-        for i in members:
-            room[owners[i]] += 1
-        placed: dict[int, int] = {}
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i in held:
-            groups[tuple(sorted(set(holders[i])))].append(i)
-        for ranks in sorted(groups, key=lambda h: (len(h), h)):
-            free = (r for r in ranks if room.get(r, 0) > 0)
-            rank = next(free, None)
-            for i in groups[ranks]:
-                while rank is not None and room[rank] == 0:
-                    rank = next(free, None)
-                if rank is None:
-                    break
-                placed[i] = rank
-                room[rank] -= 1
-        for i in members:  # the rest keep their owner where it has room left (the spreading's choice)
-            if i not in placed and room[owners[i]] > 0:
-                placed[i] = owners[i]
-                room[owners[i]] -= 1
-        left = iter([r for r in sorted(room) for _ in range(room[r])])
-        for i in members:
-            owners[i] = placed[i] if i in placed else next(left)
+        _prefer_holders_of_kind(members, owners, holders)
     return owners
 
 

@@ -46,6 +46,7 @@ class _Layout:
     device: torch.device
 
 
+# Reads better whole: the length is the public docstring (every argument of dmuon's entry point).
 def prepare(
     model: nn.Module,
     *,
@@ -133,15 +134,7 @@ def prepare(
     if topology.replicate > 1:
         _check_momentum_layouts(infos, topology, hsdp_mesh, layout.device)
     blocks, renumber = _renumber(blocks, infos)
-    # What FSDP2 reduces together, every trainable parameter included: dmuon's replicate level
-    # reduces these groups (with hsdp_mesh), the Muon matrices' block by block.
-    names = [name for name, _, _ in block_list]
-
-    def root(name: str) -> str:
-        return next(r for r in names if r == name or r == "" or name.startswith(r + "."))
-
-    groups = [ReductionGroup(name, [p for p in params if p.requires_grad], renumber.get(b), root(name))
-              for b, (name, _, params) in enumerate(block_list) if any(p.requires_grad for p in params)]
+    groups = _reduction_groups(block_list, renumber)
     balance = assign(
         infos, topology.world_size, balancer, ns_steps=ns.steps, costs=cost_table, profile=profile,
         ns_kwargs=ns.kwargs(), group=topology.mesh_group if topology.world_size > 1 else None,
@@ -158,6 +151,18 @@ def prepare(
     plan.groups = groups
     plan.ddp = ddp is not None
     return plan
+
+
+def _reduction_groups(block_list: list, renumber: dict) -> list[ReductionGroup]:
+    """What FSDP2 reduces together, every trainable parameter included: dmuon's replicate level
+    reduces these groups (with hsdp_mesh), the Muon matrices' block by block."""
+    names = [name for name, _, _ in block_list]
+
+    def root(name: str) -> str:
+        return next(r for r in names if r == name or r == "" or name.startswith(r + "."))
+
+    return [ReductionGroup(name, [p for p in params if p.requires_grad], renumber.get(b), root(name))
+            for b, (name, _, params) in enumerate(block_list) if any(p.requires_grad for p in params)]
 
 
 def _read_layout(model: nn.Module, select, matrix_view, balancer: str, ns: NSConfig, hsdp_mesh, ddp=None) -> _Layout:

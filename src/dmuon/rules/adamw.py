@@ -99,14 +99,10 @@ def check_adamw_group(group: dict, where: str = "") -> None:
                          "Muon does not update is AdamW (decoupled weight decay); leave decoupled_weight_decay=True")
 
 
-@torch.no_grad()
-def adamw_group_step(group: dict, state: dict) -> None:
-    """Runs ``torch.optim.AdamW``'s update on every parameter of ``group`` that has a gradient.
-
-    State layout, keys and defaults follow ``torch.optim.AdamW`` (``amsgrad``, ``maximize``,
-    ``foreach``, ``fused``, ``capturable``, a tensor ``lr`` or ``betas``), so that state dicts and
-    results are interchangeable with it.
-    """
+def _with_state(group: dict, state: dict) -> tuple[list, list, list, list, list, list, bool]:
+    """The parameters of ``group`` that have a gradient, each with its gradient and AdamW state (made on
+    first use, as ``torch.optim.AdamW`` makes it): ``(params, grads, exp_avgs, exp_avg_sqs,
+    max_exp_avg_sqs, steps, has_complex)``."""
     amsgrad, fused = group.get("amsgrad", False), group.get("fused")
     capturable = group.get("capturable", False)
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
@@ -135,6 +131,20 @@ def adamw_group_step(group: dict, state: dict) -> None:
         if amsgrad:
             max_exp_avg_sqs.append(s["max_exp_avg_sq"])
         steps.append(s["step"])
+    return params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, has_complex
+
+
+@torch.no_grad()
+def adamw_group_step(group: dict, state: dict) -> None:
+    """Runs ``torch.optim.AdamW``'s update on every parameter of ``group`` that has a gradient.
+
+    State layout, keys and defaults follow ``torch.optim.AdamW`` (``amsgrad``, ``maximize``,
+    ``foreach``, ``fused``, ``capturable``, a tensor ``lr`` or ``betas``), so that state dicts and
+    results are interchangeable with it.
+    """
+    amsgrad, fused = group.get("amsgrad", False), group.get("fused")
+    capturable = group.get("capturable", False)
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, has_complex = _with_state(group, state)
     if not params:
         return
     foreach, lr = group.get("foreach"), group["lr"]

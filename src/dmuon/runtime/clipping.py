@@ -44,21 +44,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=device)
-    # As torch's clip_grad_norm_: one _foreach_norm per group of gradients alike (device, dtype, and here
-    # how many ranks hold each shard and whether it holds the replicate level's sums, which divide its
-    # norm), a constant number of kernels per group rather than about five per parameter.
-    classes: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        copies = 1
-        if isinstance(p.grad, DTensor):
-            mesh = p.grad.device_mesh
-            copies = math.prod(mesh.size(d) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Replicate))
-        sums = replicate is not None and replicate.holds_sums(p)
-        local = local_tensor(p.grad)
-        classes.setdefault((local.device, local.dtype, copies, sums), []).append(local)
-    for (_, _, copies, sums), tensors in classes.items():
+    for (_, _, copies, sums), tensors in _norm_classes(params, replicate).items():
         norms = torch.stack(torch._foreach_norm(tensors, norm_type)).double().to(device)
         if sums:
             norms = norms / replicate.replicate
@@ -78,10 +64,34 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, norm_type: floa
                            "so it cannot be clipped. To disable this error and scale the gradients by the "
                            "non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    _scale(grads, coef)
+    return total
+
+
+def _norm_classes(params: list[torch.Tensor], replicate: ReplicateLevel | None) -> dict[tuple, list[torch.Tensor]]:
+    """The local gradients by ``(device, dtype, copies, sums)``: how many ranks hold each shard and whether
+    it holds the replicate level's sums (both divide its norm), in parameter order."""
+    # As torch's clip_grad_norm_: one _foreach_norm per group of gradients alike, a constant number of
+    # kernels per group rather than about five per parameter.
+    classes: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        copies = 1
+        if isinstance(p.grad, DTensor):
+            mesh = p.grad.device_mesh
+            copies = math.prod(mesh.size(d) for d, pl in enumerate(p.grad.placements) if isinstance(pl, Replicate))
+        sums = replicate is not None and replicate.holds_sums(p)
+        local = local_tensor(p.grad)
+        classes.setdefault((local.device, local.dtype, copies, sums), []).append(local)
+    return classes
+
+
+def _scale(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Every local gradient times ``coef``, one ``_foreach_mul_`` per device and dtype."""
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = local_tensor(g)
         by_device.setdefault((local.device, local.dtype), []).append(local)
     for (where, _), tensors in by_device.items():
         torch._foreach_mul_(tensors, coef.to(where))  # as torch's: the float32 factor, per device and dtype
-    return total

@@ -205,6 +205,7 @@ def test_blas_threads_follow_torch_and_are_restored():
     assert blas_counts() == before
 
 
+# Reads better whole: one script the Triton interpreter runs in a subprocess of its own.
 @pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
 @pytest.mark.parametrize("configs", ["T.TILE_CONFIGS[:1] + (T.INTERPRET_CONFIG,)",
                                      pytest.param("T.TILE_CONFIGS[1:]", marks=pytest.mark.slow)],
