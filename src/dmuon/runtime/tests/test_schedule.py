@@ -1,5 +1,8 @@
 """The runtime's step on its own: fake callbacks, no model, 4 gloo ranks on four layouts.
 
+One file over 500 lines: the fake rule, its expected values and the tests that read them are one
+argument, read top to bottom; apart, each half would only make sense with the other open.
+
 A fake rule stands in for the optimizer: its "state" is a per-matrix step
 count, a direction is the gradient plus that count (elementwise, as momentum
 is), and the owner's work mixes whole rows and whole columns
