@@ -14,7 +14,7 @@
 * :class:`StepReport`: what one step did on this rank.
 """
 
-from dmuon.runtime.backward import Launch
+from dmuon.runtime.launch import Launch
 from dmuon.runtime.base import Runtime
 from dmuon.runtime.callbacks import (
     CheckedGradients,

@@ -45,10 +45,9 @@ from dmuon.runtime.owner_work import OwnerWork
 from dmuon.runtime.replicate import ReplicateLevel, Reduction
 from dmuon.runtime.replicate_backward import ReplicateBackward
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
-from dmuon.runtime.worker import EarlyWork, NSWorker, OwnerResults
+from dmuon.runtime.worker import EarlyWork, NSWorker
 
-# Launch (launch.py) and the worker's results (worker.py) are what step() takes from here.
-__all__ = ["BackwardLaunches", "EarlyWork", "Launch", "OwnerResults"]
+__all__ = ["BackwardLaunches"]
 
 
 class BackwardLaunches:

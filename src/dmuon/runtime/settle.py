@@ -31,12 +31,13 @@ from dmuon.comm.streams import Streams
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import Plan
 from dmuon.runtime.agreement import Agreement, FlagLayout, agreement_flags
-from dmuon.runtime.backward import EarlyWork, Launch, OwnerResults
 from dmuon.runtime.callbacks import CheckedGradients, RowState, StepCallbacks, StepMaxima
 from dmuon.runtime.config import ExecutionConfig
 from dmuon.runtime.gradients import GradientParts
+from dmuon.runtime.launch import Launch
 from dmuon.runtime.owner_momentum import OwnerMomentum
 from dmuon.runtime.owner_work import OwnerWork
+from dmuon.runtime.worker import EarlyWork, OwnerResults
 from dmuon.util.bits import any_bits_differ
 from dmuon.util.observe import ranged
 
