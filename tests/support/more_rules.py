@@ -18,12 +18,12 @@ import dmuon
 
 from dmuon.costmodel.traffic import owner_exchange_collectives
 from dmuon.plan.selection import select_matrices
+from dmuon.testing.reference import fp32_newton_schulz
 from support.spawn import run_distributed
 
 from support.cases import DION2_KW, MUON_KW, Case, run_cases
 from support.equivalence import SKIP, STEPS, all_ranks_batches, max_diff
 from support.models import OddNet, lm_loss
-from support.reference import _fp32_zeropower
 from support.scenarios import run_grouped
 
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
@@ -81,14 +81,14 @@ def reference_training(rule: str, model: nn.Module, matrices: list[tuple], batch
                     r = radii.setdefault(name, w.norm().clamp_min(EPS))
                     buf.lerp_(g, 1 - momentum)
                     d = g.lerp(buf, momentum) if nesterov else buf
-                    u = _fp32_zeropower(d, KELLER, 5, EPS)
+                    u = fp32_newton_schulz(d, KELLER, 5, EPS)
                     w.add_(u / u.norm().clamp_min(EPS) * r, alpha=-lr * math.sqrt(max(1, m / n)))
                     w.mul_(r / w.norm().clamp_min(EPS))
                 else:
                     buf.add_(g)
                     k = max(1, math.ceil(fraction * m))
                     rows = torch.topk(buf.abs().sum(dim=-1), k).indices.sort().values
-                    o = _fp32_zeropower(buf[rows], KELLER, 5, EPS)
+                    o = fp32_newton_schulz(buf[rows], KELLER, 5, EPS)
                     buf[rows] *= ef_decay
                     w.mul_(1 - lr * weight_decay)
                     w[rows] -= lr * math.sqrt(m / n) * o

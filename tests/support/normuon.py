@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from dmuon.plan.selection import select_matrices
+from dmuon.testing.reference import fp32_newton_schulz
 
 from support.cases import MUON_KW, NORMUON_BETA2, Case, run_cases
 from support.equivalence import SKIP, STEPS, all_ranks_batches  # block 1 unused at step 1: its matrices keep their state
 from support.models import OddNet, lm_loss
-from support.reference import _fp32_zeropower
 from support.scenarios import run_grouped
 
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults, which the runs use: 5 steps, eps 1e-7
@@ -63,7 +63,7 @@ def normuon_reference_training(model: nn.Module, matrices: list[tuple], batches:
                 v = seconds.setdefault(name, torch.zeros(m, 1))
                 buf.lerp_(g, 1 - momentum)
                 d = g.lerp(buf, momentum) if nesterov else buf
-                o = _fp32_zeropower(d, KELLER, 5, 1e-7)
+                o = fp32_newton_schulz(d, KELLER, 5, 1e-7)
                 v.lerp_(o.square().mean(dim=-1, keepdim=True), 1 - beta2)
                 o2 = o / (v.sqrt() + 1e-10)
                 o2 *= o.norm() / (o2.norm() + 1e-10)

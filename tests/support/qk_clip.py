@@ -31,8 +31,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
+from dmuon.testing.reference import fp32_newton_schulz
 
-from support.reference import _fp32_zeropower, ns_precision
+from support.reference import ns_precision
 
 VOCAB, WIDTH, SEQ = 16, 10, 6
 TAU, ALPHA = 2.0, 0.4
@@ -231,7 +232,7 @@ def _normuon_step(weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, v
     m, n = weight.shape
     buf.lerp_(grad, 1 - MUON["momentum"])
     d = grad.lerp(buf, MUON["momentum"])
-    o = _fp32_zeropower(d, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    o = fp32_newton_schulz(d, (3.4445, -4.7750, 2.0315), 5, 1e-7)
     v.lerp_(o.square().mean(dim=-1, keepdim=True), 1 - BETA2)
     o2 = o / (v.sqrt() + 1e-10)
     o2 *= o.norm() / (o2.norm() + 1e-10)
@@ -246,7 +247,7 @@ def _dion2_step(weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor) -> 
     m, n = weight.shape
     buf.add_(grad)
     rows = torch.topk(buf.abs().sum(dim=-1), max(1, math.ceil(DION2_KW["fraction"] * m))).indices.sort().values
-    o = _fp32_zeropower(buf[rows], (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    o = fp32_newton_schulz(buf[rows], (3.4445, -4.7750, 2.0315), 5, 1e-7)
     buf[rows] *= DION2_KW["ef_decay"]
     weight.mul_(1 - MUON["lr"] * MUON["weight_decay"])
     weight[rows] -= MUON["lr"] * math.sqrt(m / n) * o

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from dmuon.plan.selection import select_matrices
-from dmuon.testing.reference import fp32_newton_schulz as _fp32_zeropower  # noqa: F401 - the support modules' name
 from dmuon.testing.reference import fp32_torch_muon
 
 
