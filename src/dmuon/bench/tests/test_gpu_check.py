@@ -260,7 +260,7 @@ def test_device_lr_syncs_on_cpu(monkeypatch):
 
 def test_one_rank_leaves_the_launcher_variables_as_it_found_them(monkeypatch):
     """A section's one-rank group sets torchrun's variables for its run only: `dmuon bench` later in the
-    same process reads them to tell a torchrun rank (it saw a rank 0 of 1 once a section had run)."""
+    same process reads them to tell a torchrun rank, and would take itself for rank 0 of 1."""
     from dmuon.bench.gpu_check_base import one_rank
 
     monkeypatch.delenv("RANK", raising=False)
