@@ -176,7 +176,8 @@ def _reduced_gradients(rank: int, world_size: int, mesh) -> str | None:
 
 
 def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
-    """process_group_count, in_backward and root_mesh, as dmuon's setup and hooks read them."""
+    """process_group_count, in_backward, root_mesh and all_gather_into_tensor, as dmuon's setup and hooks
+    read them."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -195,6 +196,10 @@ def _groups_and_meshes(rank: int, world_size: int, mesh) -> str | None:
     dist.all_gather_object(names, dist.distributed_c10d._get_process_group_name(group))
     if len(set(names)) != 1:
         return f"{TORCH}: one group created with use_local_synchronization has the names {names} on the ranks"
+    gathered = torch.empty(2 * world_size)
+    torch_compat.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), group=group)
+    if gathered.tolist() != [float(r) for r in range(world_size) for _ in range(2)]:
+        return f"{TORCH}: all_gather_into_tensor gave {gathered.tolist()} on rank {rank}"
     seen = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2

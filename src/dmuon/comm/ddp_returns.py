@@ -27,6 +27,7 @@ from dmuon.comm.stats import CommStats
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo
 from dmuon.plan.ddp import owner_shares, ddp_hops, scatter_parts
+from dmuon.util.torch_compat import all_gather_into_tensor
 
 
 class DdpReturns:
@@ -102,9 +103,9 @@ class DdpReturns:
         at its slot's chunk (``padded``: the all-gather route) or end to end (the scatter route)."""
         n = self.topo.world_size
         gathered = torch.empty(n * chunk, dtype=send.dtype, device=self.device)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         group = self.topo.mesh_group
-        flight = self._issue(lambda: all_gather(gathered, send, group=group, async_op=True), (send,), (gathered,), hop)
+        flight = self._issue(lambda: all_gather_into_tensor(gathered, send, group=group, async_op=True),
+                             (send,), (gathered,), hop)
 
         def landed() -> dict[int, torch.Tensor]:
             ends = [sum(shares[: k + 1]) for k in range(n)]

@@ -19,7 +19,8 @@ The class reads as the front door: construction, ``step()``, the state dict hook
 delegate to sits beside it: the param groups (:mod:`dmuon.optim.param_groups`), the plan and runtime made and
 made again (:mod:`dmuon.optim.lifecycle`) under the parallelism decided once at construction
 (:mod:`dmuon.prepare.setup`), state dicts and copies (:mod:`dmuon.optim.state`), QK-clip
-(:mod:`dmuon.optim.qk_clip`) and the pipeline stages' checks (:mod:`dmuon.optim.stages`).
+(:mod:`dmuon.optim.qk_clip`) and the pipeline stages' checks (:mod:`dmuon.optim.stages`, one optimizer per
+rank and group; :mod:`dmuon.prepare.ties`, no weight tied across stages split between the rules).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from dmuon.optim.qk_clip import AttentionClip, AttentionClipMethods
 from dmuon.optim.settings import (AdamWConfig, check_execution, check_nonnegative, check_plan_inputs,
                                   check_tensor_lr, model_and_groups, pipeline_group, refuse_settings_elsewhere,
                                   resolve_ns)
-from dmuon.optim.stages import check_ties_across_stages, claim_pipeline_group
+from dmuon.optim.stages import claim_pipeline_group
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.plan import Plan
 from dmuon.prepare import prepare
 from dmuon.prepare.setup import Setup
+from dmuon.prepare.ties import check_ties_across_stages
 from dmuon.rules.muon import check_rule_settings
 from dmuon.rules.qk_clip import QKClip
 from dmuon.runtime import ExecutionConfig, StepReport

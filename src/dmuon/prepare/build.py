@@ -13,9 +13,9 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dmuon.comm.setup_collectives import least_over
 from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
@@ -264,8 +264,8 @@ def _check_momentum_layouts(infos: list[MatrixInfo], topology: Topology, hsdp_me
     Each rank can check only its own momentum shard: one all-reduce puts every rank on the error."""
     r, s = topology.position
     ok = torch.tensor([int(momentum_ok(info, s, r, hsdp_mesh)) for info in infos] or [1], dtype=torch.int32).to(device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=topology.mesh_group)
-    bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok.cpu().tolist()) if not v and infos})
+    ok = least_over(ok, topology.mesh_group)
+    bad = sorted({infos[k].name.split("[")[0] for k, v in enumerate(ok) if not v and infos})
     if bad:
         raise ValueError(f"parameters {bad[:5]}: no DTensor layout splits their momentum's columns over the "
                          "replicas inside their tensor-parallel split; dmuon does not support it")

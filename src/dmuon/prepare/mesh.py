@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dmuon.comm.setup_collectives import gather_rows
 from dmuon.comm.topology import Topology
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.layout import hsdp_meshes, replicated_mesh
@@ -30,11 +31,7 @@ def fingerprint(model: nn.Module, chosen: list[str], balancer: str, ns: NSConfig
 
 def check_same_everywhere(fingerprint: torch.Tensor, topology: Topology, device) -> None:
     world_size = topology.world_size
-    gathered = torch.zeros(world_size * fingerprint.numel(), dtype=fingerprint.dtype, device=device)
-    # torch 2.13 renamed all_gather_into_tensor; keep older releases working.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, fingerprint.to(device), group=topology.mesh_group)
-    rows = gathered.view(world_size, -1).cpu()
+    rows = gather_rows(fingerprint.to(device), topology.mesh_group, world_size).cpu()
     differing = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
     if differing:
         raise ValueError(

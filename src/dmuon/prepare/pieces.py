@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon.comm.setup_collectives import gather_rows
 from dmuon.comm.topology import Topology
 from dmuon.plan.plan import MatrixInfo, Piece
 from dmuon.prepare.mesh import momentum_layout
@@ -47,10 +47,8 @@ def gather_boxes(chosen: list[tuple[str, nn.Parameter]], topology: Topology, dev
     mine = [_local_box(p, width) for _, p in chosen]
     if topology.world_size == 1:
         return [mine]
-    flat = torch.tensor(mine, dtype=torch.int64).reshape(-1)
-    gathered = torch.zeros(topology.world_size * flat.numel(), dtype=torch.int64, device=device)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, flat.to(device), group=topology.mesh_group)
+    flat = torch.tensor(mine, dtype=torch.int64, device=device).reshape(-1)
+    gathered = gather_rows(flat, topology.mesh_group, topology.world_size)
     # The group orders its members by global rank; plan ranks follow the mesh.
     by_global = gathered.cpu().view(topology.world_size, len(chosen), 1 + 2 * width).tolist()
     position = {g: k for k, g in enumerate(sorted(topology.global_ranks))}

@@ -30,6 +30,8 @@ Behaviour of FSDP2 and DTensor (public APIs whose semantics changed across relea
 
 * :func:`on_reduced_gradient`: FSDP2 calls a sharded parameter's post-accumulate-grad hooks itself,
   right after writing the reduced gradient shard, on its post-reduce stream.
+* :func:`all_gather_into_tensor`: the all-gather into one flat tensor, ``dist.all_gather_single`` from
+  torch 2.13 on, ``dist.all_gather_into_tensor`` before.
 * :func:`keep_partial_in_place`: an in-place foreach op (``torch._foreach_mul_``, how ``clip_grad_norm_``
   scales) on a ``Partial`` DTensor acts on each rank's local tensor from torch 2.12 on; 2.11 writes into a
   reduced copy and leaves the DTensor unchanged.
@@ -42,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.autograd.profiler as _autograd_profiler
+import torch.distributed as dist
 
 
 def _moved(what: str, detail: str) -> RuntimeError:
@@ -242,6 +245,13 @@ def in_backward() -> bool:
     may be called); False in FSDP2's reduction called by hand, as torch's pipeline schedules do."""
     current = _private("torch._C", "_current_graph_task_id")
     return current() != -1
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Any:
+    """torch's all-gather of equal tensors into one flat output: ``dist.all_gather_single`` from torch 2.13,
+    ``dist.all_gather_into_tensor`` (its earlier name) before."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
 
 
 def root_mesh(mesh) -> Any:
