@@ -86,3 +86,42 @@ def test_the_optimizer_reaches_collectives_only_through_the_runtime():
         wrong += [f"{rel} imports {name}" for name in sorted(_imported_names(path, package))
                   if name == "dmuon.comm" or name.startswith("dmuon.comm.")]
     assert not wrong, "\n".join(wrong)
+
+
+# torch.distributed's collectives and point-to-point calls (what another rank must enter too).
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
+               "scatter_object_list", "reduce"}
+# Where a collective may be issued outside comm/: the layers above the library's runtime (the bench and its
+# oracles, the test launcher) and two floor modules below comm/ that comm/ cannot serve: the rank-0 broadcast
+# the NS autotuner (ortho/, below comm/) shares its choices with, and torch_compat's one function for torch's
+# two names of the flat all-gather.
+COLLECTIVES_ALLOWED = ("comm/", "bench/", "baselines/", "testing/", "util/rank0.py", "util/torch_compat.py")
+
+
+def _collective_calls(path: Path) -> list[str]:
+    """``dist.X(...)`` or ``torch.distributed.X(...)`` calls of a collective in ``path``, by line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = ast.unparse(node.func.value)
+        if node.func.attr in COLLECTIVES and owner in ("dist", "torch.distributed"):
+            found.append(f"{node.lineno}: {owner}.{node.func.attr}")
+    return found
+
+
+def test_every_collective_of_the_library_is_issued_from_comm():
+    """The runtime, prepare and the optimizer issue their collectives through comm/ (the step's and setup's
+    alike), so one package knows every collective dmuon enters and the order the ranks enter them in."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if "/tests/" in f"/{rel}" or rel.startswith(COLLECTIVES_ALLOWED):
+            continue
+        wrong += [f"{rel}:{call}" for call in _collective_calls(path)]
+    assert not wrong, "\n".join(wrong)
+    # The check sees a collective where one is: comm/ has them.
+    assert _collective_calls(ROOT / "comm" / "agree.py")
