@@ -84,10 +84,28 @@ def test_ns_in_backward_needs_overlap():
         dmuon.DMuon(model, execution=dmuon.ExecutionConfig(ns_in_backward=True, overlap=False))
 
 
-# Native HSDP under -m slow: the replicate level's 2x2 (by default) runs the same returns plus its own hops.
-@pytest.mark.parametrize("mesh_shape,hsdp", [(None, "fsdp2"), pytest.param((2, 2), "fsdp2", marks=pytest.mark.slow),
-                                             ((2, 2), "dmuon")])
-def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, hsdp):
+RETURN_VARIANTS = {"plain": dict(), "clip": dict(clip=0.3, return_waves=2), "normuon": dict(rule="normuon"),
+                   "nonfinite": dict(nonfinite="skip"), "muonh": dict(rule="muonh"), "dion2": dict(rule="dion2"),
+                   # Two micro-batches, FSDP2 reducing both: the first backward's launches and returns are stale.
+                   "micro": dict(micro_batches=2, micro_sync=True)}
+"""The runs of :func:`test_returns_in_backward_give_the_same_bits_as_returns_in_step`, each with the returns in
+backward and in ``step()``."""
+EVERY_VARIANT = tuple(RETURN_VARIANTS)
+# By default each layout runs the plain returns, clipping and the stale micro-batch (the return path's own
+# cases) and half of the rest: the replicate level NorMuon's row state riding its hops and MuonH's norms around
+# its applies, 1-D the nonfinite check and Dion2's rows decayed where the updates land. Every variant on each
+# layout runs under -m slow, native HSDP's too (the replicate level's 2x2 runs the same returns plus its own hops).
+ON_1D = ("plain", "clip", "nonfinite", "dion2", "micro")
+ON_THE_REPLICATE_LEVEL = ("plain", "clip", "normuon", "muonh", "micro")
+
+
+@pytest.mark.parametrize("mesh_shape, hsdp, variants", [
+    (None, "fsdp2", ON_1D), pytest.param(None, "fsdp2", EVERY_VARIANT, marks=pytest.mark.slow),
+    pytest.param((2, 2), "fsdp2", EVERY_VARIANT, marks=pytest.mark.slow),
+    ((2, 2), "dmuon", ON_THE_REPLICATE_LEVEL), pytest.param((2, 2), "dmuon", EVERY_VARIANT, marks=pytest.mark.slow)],
+    ids=["1-D", "1-D-every-variant", "native-2x2-every-variant", "replicate-level-2x2",
+         "replicate-level-2x2-every-variant"])
+def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, hsdp, variants):
     """``returns_in_backward``: the blocks whose launches stand apply updates that came back during backward;
     the parameters are those of ``ns_in_backward`` alone bit for bit (the same per-block NS), with an unused
     block, with clipping (every launch then stands for rescaled gradients: the returns from backward land
@@ -98,10 +116,7 @@ def test_returns_in_backward_give_the_same_bits_as_returns_in_step(mesh_shape, h
     # late-block count below), 8 without (the same bits: spreading moves when slices go, not what they are).
     base = dict(zero=3, ns_in_backward=True, ns_dtype=torch.float32, steps=STEPS, skip=SKIP, mesh_shape=mesh_shape,
                 hsdp=hsdp, hop_a_spread=None)
-    variants = [dict(), dict(clip=0.3, return_waves=2), dict(rule="normuon"), dict(nonfinite="skip"),
-                dict(rule="muonh"), dict(rule="dion2"),
-                # Two micro-batches, FSDP2 reducing both: the first backward's launches and returns are stale.
-                dict(micro_batches=2, micro_sync=True)]
+    variants = [RETURN_VARIANTS[name] for name in variants]
     cases = [Case(returns_in_backward=back, **base, **v) for v in variants for back in (True, False)]
     results = run_distributed(run_cases, world_size, cases, timeout_s=240)
     ref, _ = reference(world_size, torch.float32)
