@@ -26,6 +26,9 @@ from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives
 
 MODES = ("in_step", "next_forward")
 
+_reference = functools.cache(reference)
+"""The one-process reference per world size, trained once for every test here (read, never changed)."""
+
 
 def _pairs(**kw) -> list[Case]:
     return [Case(apply_updates=mode, steps=STEPS, **kw) for mode in MODES]
@@ -81,7 +84,7 @@ def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_siz
     torch.optim.Muon + AdamW in one process (fp32 NS)."""
     cases = [c for zero in zeros for c in _pairs(zero=zero, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
     results = run_distributed(run_cases, world_size, cases, timeout_s=300)
-    ref, _ = reference(world_size, torch.float32)
+    ref, _ = _reference(world_size, torch.float32)
     for k in range(0, len(cases), 2):
         _assert_same(results, k, f"zero={cases[k].zero}")
         diff, worst = max_diff(results[0][k + 1]["params"], ref)
