@@ -109,23 +109,39 @@ def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
             assert abs(params[name].norm().item() - r.item()) <= 1e-5 * r.item(), name
 
 
+EACH_SETTING_ALONE = {
+    "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
+    "frozen": dict(frozen=("layers.1.mid",)),
+    "accumulation": dict(micro_batches=2),
+    "clip": dict(clip=0.3),
+    "checkpointing": dict(activation_checkpointing="full"),
+    "compile": dict(compile=True),
+    "normuon": dict(rule="normuon"),
+    "dion2": dict(rule="dion2"),
+    "muonh": dict(rule="muonh"),
+    "muonh returns in backward": dict(rule="muonh", ns_in_backward=True, returns_in_backward=True),
+}
+SHARED_RUNS = {
+    "bf16 frozen": EACH_SETTING_ALONE["bf16"] | EACH_SETTING_ALONE["frozen"],
+    "accumulation checkpointing": EACH_SETTING_ALONE["accumulation"] | EACH_SETTING_ALONE["checkpointing"],
+    "clip compile": EACH_SETTING_ALONE["clip"] | EACH_SETTING_ALONE["compile"],
+    **{name: EACH_SETTING_ALONE[name] for name in ("normuon", "dion2", "muonh returns in backward")},
+}
+"""The settings of :data:`EACH_SETTING_ALONE` that act on different things share a run (mixed precision and a
+frozen matrix, accumulation and activation checkpointing, clipping and compiled blocks); MuonH without the
+returns in backward is test_muonh_next_forward_on_every_mesh's (4 ranks, clipping every step, ZeRO-2)."""
+
+
+# Each setting alone under -m slow: [shared-runs] runs every one of them by default (MuonH alone
+# test_muonh_next_forward_on_every_mesh), each bit for bit its "in_step" run.
+@pytest.mark.parametrize("variants", [SHARED_RUNS, pytest.param(EACH_SETTING_ALONE, marks=pytest.mark.slow)],
+                         ids=["shared-runs", "each-setting-alone"])
 @pytest.mark.streams  # updates landing in the next forward: stream order
-def test_next_forward_as_people_train():
+def test_next_forward_as_people_train(variants):
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
     checkpointing, ``torch.compile`` of each block (dmuon's hooks run eagerly, as FSDP2's), NorMuon, Dion2
-    and MuonH with the returns issued in backward (whose totals follow them from ``step()``): each bit for
-    bit its ``"in_step"`` run (2 ranks). Settings that touch different things share a run: mixed precision
-    casts the weights a frozen matrix also skips, accumulation the gradients checkpointing recomputes, and
-    clipping rescales the gradients of compiled blocks."""
-    # MuonH alone is test_muonh_next_forward_on_every_mesh's, on 4 ranks with clipping every step and ZeRO-2.
-    variants = {
-        "bf16 frozen": dict(bf16=True, ns_dtype=torch.bfloat16, frozen=("layers.1.mid",)),
-        "accumulation checkpointing": dict(micro_batches=2, activation_checkpointing="full"),
-        "clip compile": dict(clip=0.3, compile=True),
-        "normuon": dict(rule="normuon"),
-        "dion2": dict(rule="dion2"),
-        "muonh returns in backward": dict(rule="muonh", ns_in_backward=True, returns_in_backward=True),
-    }
+    and MuonH (also with the returns issued in backward, whose totals follow them from ``step()``): each bit
+    for bit its ``"in_step"`` run (2 ranks)."""
     cases = [c for kw in variants.values() for c in _pairs(skip=SKIP, **kw)]
     results = run_distributed(run_cases, 2, cases, timeout_s=400)
     for k, label in enumerate(variants):
