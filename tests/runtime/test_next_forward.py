@@ -19,11 +19,15 @@ import dmuon
 from support.cases import Case, full_params, run_cases, sharded_oddnet
 from support.equivalence import SKIP, STEPS, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
+from support.scenarios import succeeded
 from support.spawn import run_distributed
 from support.step_comm import check_counted_log, counted_step
 from dmuon.costmodel.traffic import owner_exchange_collectives, step_collectives, with_weight_norms_per_wave
 
 MODES = ("in_step", "next_forward")
+
+_reference = functools.cache(reference)
+"""The one-process reference per world size, trained once for every test here (read, never changed)."""
 
 
 def _pairs(**kw) -> list[Case]:
@@ -57,41 +61,56 @@ def _assert_same(results, k: int, label: str) -> None:
     assert [r[k]["losses"] for r in results] == [r[k + 1]["losses"] for r in results], label
 
 
-@pytest.mark.parametrize("mesh_shape, world_size, hsdp", [
-    (None, 2, "fsdp2"), (None, 1, "fsdp2"),
+BOTH_ZEROS = (3, 2)
+
+
+@pytest.mark.parametrize("mesh_shape, world_size, hsdp, zeros", [
+    (None, 2, "fsdp2", BOTH_ZEROS), (None, 1, "fsdp2", BOTH_ZEROS),
     # 1-D on 4 ranks under -m slow: test_muonh_next_forward_on_every_mesh[1-D-4-ranks] trains it bit for bit as
     # "in_step" by default, and [1-D] here against the one-process reference.
-    pytest.param(None, 4, "fsdp2", marks=pytest.mark.slow), ((2, 2), 4, "fsdp2"), ((2, 2), 4, "dmuon"),
+    pytest.param(None, 4, "fsdp2", BOTH_ZEROS, marks=pytest.mark.slow), ((2, 2), 4, "fsdp2", BOTH_ZEROS),
+    ((2, 2), 4, "dmuon", BOTH_ZEROS),
     # Three replicas: the returns across replicas take the scatter route, a wave's all-gather coalesced with
-    # the next wave's first hop; the next forward reads the coalesced copy-out on the compute stream.
-    ((3, 2), 6, "dmuon"),
-    pytest.param((2, 4), 8, "dmuon", marks=pytest.mark.slow)],  # eight processes on two cores (-m slow)
+    # the next wave's first hop; the next forward reads the coalesced copy-out on the compute stream. ZeRO-3
+    # only by default (six processes): dmuon's exchange is the same under ZeRO-2 (reshard_after_forward changes
+    # FSDP2's gathers only), which [replicate-level-2x2] runs on the replicate level; ZeRO-2 under -m slow.
+    ((3, 2), 6, "dmuon", (3,)), pytest.param((3, 2), 6, "dmuon", (2,), marks=pytest.mark.slow),
+    pytest.param((2, 4), 8, "dmuon", BOTH_ZEROS, marks=pytest.mark.slow)],  # eight processes on two cores (-m slow)
     ids=["1-D", "one-rank", "1-D-4-ranks", "native-2x2", "replicate-level-2x2", "replicate-level-3x2",
-         "replicate-level-2x4"])
+         "replicate-level-3x2-zero2", "replicate-level-2x4"])
 @pytest.mark.streams  # updates landing in the next forward: stream order
-def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_size, hsdp):
+def test_next_forward_trains_as_in_step_and_as_one_process(mesh_shape, world_size, hsdp, zeros):
     """ZeRO-3 and ZeRO-2, a block unused at step 1: bit for bit ``"in_step"``, and within 1e-5 of
     torch.optim.Muon + AdamW in one process (fp32 NS)."""
-    cases = [c for zero in (3, 2) for c in _pairs(zero=zero, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
+    cases = [c for zero in zeros for c in _pairs(zero=zero, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
     results = run_distributed(run_cases, world_size, cases, timeout_s=300)
-    ref, _ = reference(world_size, torch.float32)
-    for k in (0, 2):
+    ref, _ = _reference(world_size, torch.float32)
+    for k in range(0, len(cases), 2):
         _assert_same(results, k, f"zero={cases[k].zero}")
         diff, worst = max_diff(results[0][k + 1]["params"], ref)
         assert diff <= 1e-5, worst
 
 
-@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
-                         ids=["1-D-4-ranks", "native-2x2", "replicate-level-2x2"])
-def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
+ZERO3_CLIPPED, ZERO2 = (3, 0.3), (2, None)
+
+
+# ZeRO-2 on the 2x2 layouts under -m slow: dmuon's exchange is the same under ZeRO-2 (reshard_after_forward
+# changes FSDP2's gathers only); by default [1-D-4-ranks] runs MuonH's ZeRO-2, and the ZeRO-2 of those layouts in
+# "next_forward" runs in test_next_forward_trains_as_in_step_and_as_one_process[native-2x2, replicate-level-2x2].
+@pytest.mark.parametrize("mesh_shape, hsdp, runs", [
+    (None, "fsdp2", (ZERO3_CLIPPED, ZERO2)), ((2, 2), "fsdp2", (ZERO3_CLIPPED,)),
+    pytest.param((2, 2), "fsdp2", (ZERO2,), marks=pytest.mark.slow), ((2, 2), "dmuon", (ZERO3_CLIPPED,)),
+    pytest.param((2, 2), "dmuon", (ZERO2,), marks=pytest.mark.slow)],
+    ids=["1-D-4-ranks", "native-2x2", "native-2x2-zero2", "replicate-level-2x2", "replicate-level-2x2-zero2"])
+def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp, runs):
     """MuonH, whose projection needs sums over the updated weight from every shard: ``step()`` issues each
     return's totals behind it, so the next forward's applies issue no collective. ZeRO-3 with torch's
     clipping every step and ZeRO-2, a block unused at step 1, 4 ranks: bit for bit ``"in_step"``, every
     matrix on its sphere (``||W||_F = R``)."""
-    cases = [c for zero, clip in ((3, 0.3), (2, None))
+    cases = [c for zero, clip in runs
              for c in _pairs(rule="muonh", zero=zero, clip=clip, skip=SKIP, mesh_shape=mesh_shape, hsdp=hsdp)]
     results = run_distributed(run_cases, 4, cases, timeout_s=300)
-    for k in (0, 2):
+    for k in range(0, len(cases), 2):
         _assert_same(results, k, f"zero={cases[k].zero}")
         params, radii = results[0][k + 1]["params"], results[0][k + 1]["rule_state"]
         assert radii, "no radius"
@@ -99,24 +118,39 @@ def test_muonh_next_forward_on_every_mesh(mesh_shape, hsdp):
             assert abs(params[name].norm().item() - r.item()) <= 1e-5 * r.item(), name
 
 
+EACH_SETTING_ALONE = {
+    "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
+    "frozen": dict(frozen=("layers.1.mid",)),
+    "accumulation": dict(micro_batches=2),
+    "clip": dict(clip=0.3),
+    "checkpointing": dict(activation_checkpointing="full"),
+    "compile": dict(compile=True),
+    "normuon": dict(rule="normuon"),
+    "dion2": dict(rule="dion2"),
+    "muonh": dict(rule="muonh"),
+    "muonh returns in backward": dict(rule="muonh", ns_in_backward=True, returns_in_backward=True),
+}
+SHARED_RUNS = {
+    "bf16 frozen": EACH_SETTING_ALONE["bf16"] | EACH_SETTING_ALONE["frozen"],
+    "accumulation checkpointing": EACH_SETTING_ALONE["accumulation"] | EACH_SETTING_ALONE["checkpointing"],
+    "clip compile": EACH_SETTING_ALONE["clip"] | EACH_SETTING_ALONE["compile"],
+    **{name: EACH_SETTING_ALONE[name] for name in ("normuon", "dion2", "muonh returns in backward")},
+}
+"""The settings of :data:`EACH_SETTING_ALONE` that act on different things share a run (mixed precision and a
+frozen matrix, accumulation and activation checkpointing, clipping and compiled blocks); MuonH without the
+returns in backward is test_muonh_next_forward_on_every_mesh's (4 ranks, clipping every step, ZeRO-2)."""
+
+
+# Each setting alone under -m slow: [shared-runs] runs every one of them by default (MuonH alone
+# test_muonh_next_forward_on_every_mesh), each bit for bit its "in_step" run.
+@pytest.mark.parametrize("variants", [SHARED_RUNS, pytest.param(EACH_SETTING_ALONE, marks=pytest.mark.slow)],
+                         ids=["shared-runs", "each-setting-alone"])
 @pytest.mark.streams  # updates landing in the next forward: stream order
-def test_next_forward_as_people_train():
+def test_next_forward_as_people_train(variants):
     """bf16 mixed precision, frozen matrices, accumulation, torch's clipping every step, activation
     checkpointing, ``torch.compile`` of each block (dmuon's hooks run eagerly, as FSDP2's), NorMuon, Dion2
     and MuonH (also with the returns issued in backward, whose totals follow them from ``step()``): each bit
     for bit its ``"in_step"`` run (2 ranks)."""
-    variants = {
-        "bf16": dict(bf16=True, ns_dtype=torch.bfloat16),
-        "frozen": dict(frozen=("layers.1.mid",)),
-        "accumulation": dict(micro_batches=2),
-        "clip": dict(clip=0.3),
-        "checkpointing": dict(activation_checkpointing="full"),
-        "compile": dict(compile=True),
-        "normuon": dict(rule="normuon"),
-        "dion2": dict(rule="dion2"),
-        "muonh": dict(rule="muonh"),
-        "muonh returns in backward": dict(rule="muonh", ns_in_backward=True, returns_in_backward=True),
-    }
     cases = [c for kw in variants.values() for c in _pairs(skip=SKIP, **kw)]
     results = run_distributed(run_cases, 2, cases, timeout_s=400)
     for k, label in enumerate(variants):
@@ -284,16 +318,34 @@ def test_a_read_on_one_rank_between_step_and_the_next_forward():
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rule
 
 
+COUNTED_MESHES = {"1-D": (None, "fsdp2"), "native-2x2": ((2, 2), "fsdp2"), "replicate-level-2x2": ((2, 2), "dmuon")}
+"""The layouts of :func:`test_next_forward_counted_collectives_equal_the_model`: ``(mesh_shape, hsdp)``."""
+
+
+def _every_counted_step(rank: int, world_size: int) -> dict:
+    """:func:`counted_step` in ``"next_forward"`` on each layout under each rule, in one process group (a launch
+    costs more than the run); a run that raised fails only its own test (:func:`support.scenarios.run_each`)."""
+    from support.scenarios import run_each
+
+    return run_each({(layout, rule): functools.partial(counted_step, rank, world_size, mesh_shape, torch.bfloat16, 3,
+                                                        2, None, hsdp, rule, 8, None, False, 3, "next_forward")
+                     for layout, (mesh_shape, hsdp) in COUNTED_MESHES.items() for rule in ("muon", "muonh")})
+
+
+@functools.cache
+def _counted_steps() -> list[dict]:
+    return run_distributed(_every_counted_step, 4, timeout_s=300)
+
+
 @pytest.mark.parametrize("rule", ["muon", "muonh"])
-@pytest.mark.parametrize("mesh_shape, hsdp", [(None, "fsdp2"), ((2, 2), "fsdp2"), ((2, 2), "dmuon")],
-                         ids=["1-D", "native-2x2", "replicate-level-2x2"])
-def test_next_forward_counted_collectives_equal_the_model(mesh_shape, hsdp, rule):
+@pytest.mark.parametrize("layout", COUNTED_MESHES)
+def test_next_forward_counted_collectives_equal_the_model(layout, rule):
     """One return per unit in plan order, every hop issued in ``step()``: per rank the model's collectives
     for those waves (in issue order; on the replicate level, whose reductions interleave, as a multiset);
     MuonH's weight-norm all-gather of each wave right behind the wave's last hop, as the step model places
     it (``step_collectives(weight_norms=True, apply_updates="next_forward")``)."""
-    results = run_distributed(counted_step, 4, mesh_shape, torch.bfloat16, 3, 2, None, hsdp, rule, 8, None, False,
-                              3, "next_forward", timeout_s=300)
+    mesh_shape, hsdp = COUNTED_MESHES[layout]
+    results = [succeeded(r[layout, rule]) for r in _counted_steps()]
     infos = results[0]["infos"]
     shapes, owners, blocks = [i[0] for i in infos], [i[1] for i in infos], [i[2] for i in infos]
     waves = results[0]["waves"]
