@@ -228,25 +228,29 @@ def test_plan_cli_json(tmp_path, capsys, ns_dtype, elem):
             in text)
 
 
-def test_plan_hsdp_traffic_levels(tmp_path, capsys):
+# 1024 ranks (128 replicas) under -m slow: planning its step's collectives takes about 10 s;
+# [64] checks every figure below by default on 8 replicas of 8 ranks.
+@pytest.mark.parametrize("world_size", [64, pytest.param(1024, marks=pytest.mark.slow)])
+def test_plan_hsdp_traffic_levels(tmp_path, capsys, world_size):
     out = tmp_path / "hsdp.json"
-    assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", "1024", "--ranks-per-node", "8",
+    replicas = world_size // 8
+    assert plan_cli.main(["--model", "qwen2.5-7b", "--world-size", str(world_size), "--ranks-per-node", "8",
                           "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
-    assert plan["mesh"] == [128, 8]
+    assert plan["mesh"] == [replicas, 8]
     ranks = plan["ranks"]
     mats = expand(full_size_shapes("qwen2.5-7b"))
     numel = sum(m.numel for m in mats)
     total = numel * 2  # bf16 on dmuon's wire
     # Across nodes (the replicate level, the runtime's on HSDP): each rank's fp32 gradient rows go, column
-    # slice by column slice, to the other 127 replicas (127 / 128 of every matrix from each of the
-    # 128 replicas: 127 copies in all); each matrix's update reaches the other 127 replicas once,
+    # slice by column slice, to the other R - 1 replicas ((R - 1) / R of every matrix from each of the
+    # R replicas: R - 1 copies in all); each matrix's update reaches the other R - 1 replicas once,
     # and the direction's column slices kept by the other replicas (the momentum's Shard(1) over
     # the replicas) reach the owner's replica once.
     owner = {name: r["rank"] for r in ranks for name in r["matrices"]}
-    slices = sum((m.numel - m.shape[0] * shard_rows(m.shape[1], 128)[owner[m.name] // 8]) * 2 for m in mats)
+    slices = sum((m.numel - m.shape[0] * shard_rows(m.shape[1], replicas)[owner[m.name] // 8]) * 2 for m in mats)
     assert (sum(r["inter_sent"] for r in ranks) == sum(r["inter_received"] for r in ranks)
-            == 127 * numel * 4 + 127 * total + slices)
+            == (replicas - 1) * (numel * 4 + total) + slices)
     # Shard level: each matrix's rows off the owner go to it and come back once.
     intra = 0
     for m in mats:
@@ -257,31 +261,31 @@ def test_plan_hsdp_traffic_levels(tmp_path, capsys):
     assert all(r["bytes_sent"] == r["intra_sent"] + r["inter_sent"] for r in ranks)
     # FSDP2's HSDP gradient all-reduce crosses nodes; so does gather-then-compute's, no more.
     fsdp2, gather = plan["fsdp2_bytes_per_rank"], plan["gather_bytes_per_rank"]
-    assert fsdp2["inter_sent"] == gather["inter_sent"] == 2 * (numel // 8) * 127 // 128 * 4
+    assert fsdp2["inter_sent"] == gather["inter_sent"] == 2 * (numel // 8) * (replicas - 1) // replicas * 4
     crit = plan["critical_path_bytes"]
     assert crit["dmuon"] == max(max(r["bytes_sent"], r["bytes_received"]) for r in ranks)
-    native = owner_traffic([m.shape for m in mats], [owner[m.name] for m in mats], 128, 8, 2)
+    native = owner_traffic([m.shape for m in mats], [owner[m.name] for m in mats], replicas, 8, 2)
     assert crit["dmuon_native_hsdp"] == max(t.busiest for t in native)
     assert crit["dmuon_native_hsdp"] < crit["dmuon"] < crit["fsdp2"] < crit["gather_then_compute"]
     # The replicate-level designs, inter level, Muon matrices: FSDP2's all-reduce on every
-    # rank; (a) adds the update's 127 copies and the direction slices; (b) replaces the
-    # all-reduce by the column reduce-scatter (127 fp32 copies in all) and adds the same.
+    # rank; (a) adds the update's R - 1 copies and the direction slices; (b) replaces the
+    # all-reduce by the column reduce-scatter (R - 1 fp32 copies in all) and adds the same.
     designs = plan["hsdp_designs"]
-    assert designs["fsdp2_adamw"]["inter"] == {"total": 1024 * fsdp2["inter_sent"], "critical": fsdp2["inter_sent"]}
-    assert designs["a"]["inter"]["total"] == 1024 * fsdp2["inter_sent"] + 127 * total + slices
-    assert designs["b"]["inter"]["total"] == 127 * numel * 4 + 127 * total + slices
+    assert designs["fsdp2_adamw"]["inter"] == {"total": world_size * fsdp2["inter_sent"], "critical": fsdp2["inter_sent"]}
+    assert designs["a"]["inter"]["total"] == world_size * fsdp2["inter_sent"] + (replicas - 1) * total + slices
+    assert designs["b"]["inter"]["total"] == (replicas - 1) * (numel * 4 + total) + slices
     assert designs["a"]["inter"]["critical"] == fsdp2["inter_sent"] + max(
         max(t.inter_sent, t.inter_received) for t in native)
     assert designs["b"]["inter"]["critical"] == max(max(r["inter_sent"], r["inter_received"]) for r in ranks)
     assert designs["a"]["intra"] == designs["b"]["intra"]
-    assert designs["a"]["intra"]["total"] == 1024 * fsdp2["intra_sent"] + intra
+    assert designs["a"]["intra"]["total"] == world_size * fsdp2["intra_sent"] + intra
     # The embedding and LM head are all-reduced alike under every design.
     other = sum(g.numel for g in full_size_shapes("qwen2.5-7b") if not g.muon)
-    rest = 2 * (other // 8) * 127 // 128 * 4
-    assert designs["non_muon_all_reduce"] == {"total": 1024 * rest, "critical": rest}
+    rest = 2 * (other // 8) * (replicas - 1) // replicas * 4
+    assert designs["non_muon_all_reduce"] == {"total": world_size * rest, "critical": rest}
     for key in ("fsdp2_adamw", "a", "b"):
         whole = designs[key]["inter_whole_model"]
-        assert whole == {"total": designs[key]["inter"]["total"] + 1024 * rest,
+        assert whole == {"total": designs[key]["inter"]["total"] + world_size * rest,
                          "critical": designs[key]["inter"]["critical"] + rest}
     text = capsys.readouterr().out
     for label in ("FSDP2 + AdamW (gradient all-reduce): total", "native HSDP, dmuon_native_hsdp",

@@ -27,14 +27,21 @@ from dmuon.testing import install_checker_from_env
 # Ranks are forked from a server process that has imported torch and dmuon once (the first call
 # starts it), instead of each starting a fresh interpreter that imports them again: a 4-rank start
 # then takes a fraction of a second instead of seconds of CPU per rank. The server imports but
-# runs nothing (no threads, no process group), so forking it is safe; each rank gets the caller's
+# runs nothing (no process group, no work of its own), so forking it is safe; each rank gets the caller's
 # sys.path and working directory (multiprocessing's preparation data) and its environment (below).
+# The server also imports transformers' Qwen2 model, which the bench's workloads build in every rank:
+# importing it takes seconds of CPU per rank, more than the rank's own work in a short bench. Without
+# transformers the server skips it (multiprocessing ignores a preload's ImportError). Its import
+# loads numpy's OpenBLAS, whose idle thread pool OpenBLAS's own fork handler stops before each fork.
+RANK_PRELOAD = ["torch", "torch.distributed", "dmuon", "transformers.models.qwen2.modeling_qwen2"]
+
+
 def _start_method() -> str:
     """``"forkserver"`` where the platform has it, its preload set here (at the first start, not at
     import: importing dmuon leaves a program's own multiprocessing settings alone); else ``"spawn"``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "dmuon"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
     return "forkserver"
 
 

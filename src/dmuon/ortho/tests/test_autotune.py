@@ -215,7 +215,10 @@ def _tune_in_a_process(cache_dir: str, barrier) -> int:
 def test_processes_sharing_a_cache_measure_each_problem_once(tmp_path):
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # Separate processes that share nothing but the cache directory. Forked from the forkserver, which
+    # in a test session has imported torch and dmuon for the ranks already (a spawned process imports
+    # them again: seconds of CPU each); where the platform lacks it, spawned.
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(2)
         with ctx.Pool(2) as pool:

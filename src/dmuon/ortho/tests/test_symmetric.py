@@ -207,9 +207,14 @@ def test_blas_threads_follow_torch_and_are_restored():
 
 # Reads better whole: one script the Triton interpreter runs in a subprocess of its own.
 @pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
-@pytest.mark.parametrize("configs", ["T.TILE_CONFIGS[:1] + (T.INTERPRET_CONFIG,)",
-                                     pytest.param("T.TILE_CONFIGS[1:]", marks=pytest.mark.slow)],
-                         ids=["first-and-interpreter", "the-others"])  # about 6.5 s a config: the rest with -m slow
+# About 6.5 s a config, so the default run takes the first one only. The interpreter runs a
+# config's BLOCK and BLOCK_K and ignores num_warps and num_stages, so INTERPRET_CONFIG (32, 32, 4, 1)
+# runs the same tiles as TILE_CONFIGS[0] (32, 32, 4, 2); it is also syrk's config=None path, which
+# test_triton_syrk_under_interpreter runs by default. Under -m slow: the other tiles and INTERPRET_CONFIG.
+@pytest.mark.parametrize("configs", ["T.TILE_CONFIGS[:1]",
+                                     pytest.param("T.TILE_CONFIGS[1:] + (T.INTERPRET_CONFIG,)",
+                                                  marks=pytest.mark.slow)],
+                         ids=["first", "the-others-and-interpreter"])
 def test_every_triton_tile_config_under_interpreter(configs):
     # Every tile configuration in the file, not only the one the autotuner picks: ragged
     # shapes, M = 1, K = 1, 16-bit operands, the fused addend, a stack, and M = 512 (the
