@@ -22,8 +22,13 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from dmuon.bench.models.qwen2 import TRANSFORMERS_MODULE
 from dmuon.testing import spawn
 from dmuon.testing.spawn import _join_gloo_group, _result_path, _start_method, free_port
+
+# The suite's rank server is started by whichever test launches first; the bench's tests launch ranks that
+# build transformers' Qwen2 model, so the server imports it once for all of them.
+spawn.preload(TRANSFORMERS_MODULE)
 
 NATIVE_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL")
 """The signals :func:`run_distributed` counts as a native crash of a rank (not a Python exception)."""

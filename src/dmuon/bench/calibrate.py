@@ -23,7 +23,8 @@ import torch.distributed as dist
 from dmuon.bench.calibrate_fit import combine, compute_flags, costs_records, figures_lines, ns_rate, plan_flags
 from dmuon.bench.calibrate_meter import Meter, muon_counts
 from dmuon.bench.shapes import bench_model_shapes
-from dmuon.testing.spawn import run_distributed
+from dmuon.bench.models.qwen2 import TRANSFORMERS_MODULE
+from dmuon.testing.spawn import preload, run_distributed
 
 
 def _measure(rank: int, world_size: int, model: str, size: str | None, tokens: int, repeats: int) -> dict:
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.world_size < 1:
             raise SystemExit("dmuon bench --calibrate: --world-size must be >= 1")
+        preload(TRANSFORMERS_MODULE)
         per_rank = run_distributed(_measure, args.world_size, args.model, args.size, tokens, args.repeats,
                                    timeout_s=900)
     world_size, device = len(per_rank), per_rank[0]["device"]

@@ -17,7 +17,8 @@ from dmuon.bench.models import resolve_size
 from dmuon.bench.options import bench_options, build_parser
 from dmuon.bench.runner import run_all
 from dmuon.bench.setups import ALL_CONFIGS, CONFIGS, DDP_CONFIGS, SWEPT_BALANCERS
-from dmuon.testing.spawn import run_distributed
+from dmuon.bench.models.qwen2 import TRANSFORMERS_MODULE
+from dmuon.testing.spawn import preload, run_distributed
 
 def _configs(args) -> list[str]:
     """The configurations ``--configs`` names, each dmuon one once per balancer with ``--balancer all``."""
@@ -81,6 +82,7 @@ def _run_spawned(args, configs: list[str], opts) -> tuple[list[dict], int]:
               f"configs {', '.join(configs)}", file=sys.stderr)
     # One spawn for all configurations: process start-up (torch, transformers)
     # would otherwise dominate a short run. Peak memory is reset per config.
+    preload(TRANSFORMERS_MODULE)
     return run_distributed(run_all, world_size, configs, opts, timeout_s=600)[0], world_size
 
 

@@ -29,11 +29,15 @@ from dmuon.testing import install_checker_from_env
 # then takes a fraction of a second instead of seconds of CPU per rank. The server imports but
 # runs nothing (no process group, no work of its own), so forking it is safe; each rank gets the caller's
 # sys.path and working directory (multiprocessing's preparation data) and its environment (below).
-# The server also imports transformers' Qwen2 model, which the bench's workloads build in every rank:
-# importing it takes seconds of CPU per rank, more than the rank's own work in a short bench. Without
-# transformers the server skips it (multiprocessing ignores a preload's ImportError). Its import
-# loads numpy's OpenBLAS, whose idle thread pool OpenBLAS's own fork handler stops before each fork.
-RANK_PRELOAD = ["torch", "torch.distributed", "dmuon", "transformers.models.qwen2.modeling_qwen2"]
+_RANK_PRELOAD = ["torch", "torch.distributed", "dmuon"]
+
+
+def preload(*modules: str) -> None:
+    """Has the rank server import ``modules`` too, once, before it forks ranks: for a module every rank
+    imports whose import costs seconds of CPU (the bench's ranks build transformers' Qwen2 model). Call it
+    before this process's first launch: a running server keeps what it imported. A module that does not
+    import is skipped there (each rank then imports it itself, or fails as it would have)."""
+    _RANK_PRELOAD.extend(m for m in modules if m not in _RANK_PRELOAD)
 
 
 def _start_method() -> str:
@@ -41,7 +45,7 @@ def _start_method() -> str:
     import: importing dmuon leaves a program's own multiprocessing settings alone); else ``"spawn"``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_RANK_PRELOAD))
     return "forkserver"
 
 

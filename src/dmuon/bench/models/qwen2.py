@@ -10,6 +10,11 @@ from torch import nn
 from dmuon.bench.models.data import make_global_batch, seeded_generator
 from dmuon.bench.models.workload import Batch, Workload, lm_cross_entropy, module_device
 
+TRANSFORMERS_MODULE = "transformers.models.qwen2.modeling_qwen2"
+"""The transformers module every bench rank imports to build its model: the rank server imports it once
+(:func:`dmuon.testing.spawn.preload`), as its import costs each rank seconds of CPU."""
+
+
 QWEN2_DATA_SALT = 0x51_57_45_4E  # distinct data streams for the two families
 
 
