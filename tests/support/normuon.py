@@ -174,8 +174,8 @@ def resume_normuon(rank: int, world_size: int, path: str, mesh_shape=None, hsdp:
 def normuon_runs(rank: int, world_size: int, directory: str) -> dict:
     """Every run of ``tests/rules/test_normuon.py`` on ``world_size`` ranks, in one process group.
 
-    2 ranks save the checkpoint (``directory``) that 3 and 4 ranks (1-D, and dmuon's replicate
-    level on 2x2) resume; 4 ranks also run TP (dp2 x tp2) against the reference and the oracle, and
+    2 ranks save the checkpoint (``directory``) that 3 ranks (1-D) and 4 (dmuon's replicate level
+    on 2x2) resume; 4 ranks also run TP (dp2 x tp2) against the reference and the oracle, and
     the counted-byte steps.
     """
     from support.step_comm import counted_step
@@ -187,11 +187,11 @@ def normuon_runs(rank: int, world_size: int, directory: str) -> dict:
     path = f"{directory}/saved"
     if world_size == 2:
         scenarios = {("saved", "1-D"): functools.partial(save_normuon, rank, world_size, path)}
-    else:
+    elif world_size == 3:
         scenarios = {("resumed", "1-D"): functools.partial(resume_normuon, rank, world_size, path)}
-        if world_size == 4:
-            scenarios[("resumed", "replicate level 2x2")] = functools.partial(
-                resume_normuon, rank, world_size, path, (2, 2), "dmuon")
+    else:
+        scenarios = {("resumed", "replicate level 2x2"): functools.partial(
+            resume_normuon, rank, world_size, path, (2, 2), "dmuon")}
     if world_size == 4:
         for name, (mesh, dtype, waves, hsdp) in COUNTED.items():
             scenarios[("counted", name)] = functools.partial(counted_step, rank, world_size, mesh, dtype, 3, 2,
