@@ -42,8 +42,13 @@ def _uninterrupted() -> dict[str, torch.Tensor]:
     return params
 
 
-@pytest.mark.parametrize("world_size,zero,mesh_shape", [(2, 3, None), (3, 2, None), (4, 3, (2, 2))],
-                         ids=["2-ranks-zero3", "3-ranks-zero2", "hsdp-2x2"])
+@pytest.mark.parametrize("world_size,zero,mesh_shape", [
+    (2, 3, None),
+    # Under -m slow: test_hsdp_checkpoint_holds_each_momentum_once resumes on 3 ranks ZeRO-2 by default.
+    pytest.param(3, 2, None, marks=pytest.mark.slow),
+    # Under -m slow: test_replicate_level_checkpoint_resumes_on_other_layouts resumes on 2x2 native HSDP by default.
+    pytest.param(4, 3, (2, 2), marks=pytest.mark.slow),
+], ids=["2-ranks-zero3", "3-ranks-zero2", "hsdp-2x2"])
 def test_resume_on_another_cluster_continues_exactly(saved_on_4_ranks, world_size, zero, mesh_shape):
     path, _ = saved_on_4_ranks
     got = run_distributed(resume_and_train, world_size, path, SAVED_AT, MORE, zero, mesh_shape, timeout_s=120)[0]

@@ -131,29 +131,51 @@ def _variants(hsdp: str) -> list[str]:
 
 
 @functools.cache
-def _variant_runs(world_size: int, mesh_shape, hsdp: str) -> dict[str, list[list[dict]]]:
+def _variant_runs(world_size: int, mesh_shape, hsdp: str, names: tuple[str, ...]) -> dict[str, list[list[dict]]]:
+    """The variants ``names`` on one mesh, each with overlap and without, in one launch."""
     cases = []
-    for fields, _, _ in (VARIANTS[name] for name in _variants(hsdp)):
+    for fields, _, _ in (VARIANTS[name] for name in names):
         for overlap in (True, False):
             cases.append(Case(**{"ns_dtype": torch.float32, "steps": STEPS, "clip": CLIP, "mesh_shape": mesh_shape,
                                  "hsdp": hsdp, "overlap": overlap, **fields}))
     results = run_distributed(run_cases, world_size, cases, timeout_s=300)
-    return {name: [[r[2 * k] for r in results], [r[2 * k + 1] for r in results]]
-            for k, name in enumerate(_variants(hsdp))}
+    return {name: [[r[2 * k] for r in results], [r[2 * k + 1] for r in results]] for k, name in enumerate(names)}
 
 
 VARIANT_MESHES = {"3 ranks": (3, None, "fsdp2"), "2x2 replicate level": (4, (2, 2), "dmuon")}
+DEFAULT_VARIANTS = {
+    "3 ranks": ("clipped on steps 1 and 2", "clip_grad_value_", "bf16 mixed precision"),
+    "2x2 replicate level": ("accumulation", "nonfinite=skip", "activation checkpointing, a frozen matrix"),
+}
+"""Each variant runs by default on one of the meshes: the one-process equivalence of clipped training on
+both meshes is test_clipped_training_matches_one_process's, and a variant's launches depend on its own
+fields, not on the mesh. The other mesh's run of each variant is under ``-m slow``."""
 
 
-@pytest.mark.parametrize("mesh,variant", [(mesh, variant) for mesh, (_, _, hsdp) in VARIANT_MESHES.items()
-                                          for variant in _variants(hsdp)])
+def _variant_params() -> list:
+    params = []
+    for mesh, (_, _, hsdp) in VARIANT_MESHES.items():
+        for variant in _variants(hsdp):
+            if variant in DEFAULT_VARIANTS[mesh]:
+                params.append(pytest.param(mesh, variant))
+            else:
+                # Under -m slow: test_clipping_variants_against_overlap_false[<other mesh>-<variant>] runs the
+                # variant by default, test_clipped_training_matches_one_process[<mesh>] clipping on this mesh.
+                params.append(pytest.param(mesh, variant, marks=pytest.mark.slow))
+    return params
+
+
+@pytest.mark.parametrize("mesh,variant", _variant_params())
 def test_clipping_variants_against_overlap_false(mesh, variant):
     """Clipping on some steps only, with accumulation (FSDP2's no-sync micro-batches), with
     ``nonfinite="skip"`` (the verdicts in the second all-reduce), an edit that is no one factor
     (``clip_grad_value_``, exchanged again), bf16 mixed precision, activation checkpointing with a frozen
     matrix: the launches kept are the ones expected, and the result is ``overlap=False``'s, bit for bit
     where nothing was rescaled, within float32 rounding where it was."""
-    on, off = _variant_runs(*VARIANT_MESHES[mesh])[variant]
+    # The default variants of a mesh share one launch, the slow ones another.
+    slow = tuple(v for v in _variants(VARIANT_MESHES[mesh][2]) if v not in DEFAULT_VARIANTS[mesh])
+    names = DEFAULT_VARIANTS[mesh] if variant in DEFAULT_VARIANTS[mesh] else slow
+    on, off = _variant_runs(*VARIANT_MESHES[mesh], names)[variant]
     _, kept, rescaled = VARIANTS[variant]
     for r in on:
         assert [s["blocks_exchanged_in_backward"] for s in r["stats"]] == kept, variant

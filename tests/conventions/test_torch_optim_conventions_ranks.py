@@ -102,9 +102,22 @@ def _reference(skipped: int | None = None) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("how", ["plain", "grad scaler", "sharded grad scaler, inf on one rank", "deepcopy"])
+HOWS = ("plain", "grad scaler", "sharded grad scaler, inf on one rank", "deepcopy")
+
+
+def _every_how(rank: int, world_size: int) -> dict:
+    """:func:`_ranks` for each of :data:`HOWS` in one process group, each with its own result or error."""
+    return run_each({how: functools.partial(_ranks, rank, world_size, how) for how in HOWS})
+
+
+@functools.cache
+def _tensor_lr_runs() -> dict:
+    return run_distributed(_every_how, WORLD)[0]
+
+
+@pytest.mark.parametrize("how", HOWS)
 def test_tensor_lr_and_one_cycle_on_two_ranks_match_torch_pair(how):
-    result = run_distributed(_ranks, WORLD, how)[0]
+    result = succeeded(_tensor_lr_runs()[how])
     diff, where = max_diff(result["params"], _reference(SKIPPED if "inf" in how else None))
     assert diff <= 1e-5, f"{how}: {where} differs by {diff}"
 
@@ -173,9 +186,19 @@ def _unfrozen_reference(added: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _every_unfrozen(rank: int, world_size: int) -> dict:
+    """:func:`_unfrozen_ranks` added before sharding and after 2 steps, in one process group."""
+    return run_each({added: functools.partial(_unfrozen_ranks, rank, world_size, added) for added in (0, 2)})
+
+
+@functools.cache
+def _unfrozen_runs() -> dict:
+    return run_distributed(_every_unfrozen, WORLD)[0]
+
+
 @pytest.mark.parametrize("added", [0, 2], ids=["before sharding", "after 2 steps"])
 def test_a_matrix_unfrozen_and_added_later_goes_to_muon_on_two_ranks(added):
-    result = run_distributed(_unfrozen_ranks, WORLD, added)[0]
+    result = succeeded(_unfrozen_runs()[added])
     diff, where = max_diff(result["params"], _unfrozen_reference(added))
     assert diff <= 1e-5, f"{where} differs by {diff}"
 

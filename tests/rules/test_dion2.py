@@ -74,9 +74,13 @@ def test_expert_stacks_and_row_groups_select_per_matrix():
 
 # ----------------------------------------------------------------------- on 2, 3, 4 ranks
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_equals_the_formula_on_every_mesh(world_size):
-    for label, case, out in checked_mesh_runs(RULE, world_size):
+@pytest.mark.parametrize("world_size,slow", [
+    (2, False), (3, False), (4, False),
+    # Under -m slow: the plain 1-D case on 4 ranks (more_rules.SLOW_CASES); [4] runs the column-sharded case, 1-D
+    # on 4 ranks, by default, [2] and [3] the plain one.
+    pytest.param(4, True, marks=pytest.mark.slow)], ids=["2", "3", "4", "4 plain 1-D"])
+def test_equals_the_formula_on_every_mesh(world_size, slow):
+    for label, case, out in checked_mesh_runs(RULE, world_size, slow):
         if case.clip is not None:  # not rescalable: clipped launches go again, none stands rescaled
             assert all(s["rescaled_launches"] == 0 for s in out["stats"]), label
 

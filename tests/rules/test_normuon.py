@@ -32,10 +32,10 @@ _DIRECTORY = tempfile.TemporaryDirectory()
 
 
 @functools.cache
-def _runs(world_size: int) -> list[dict]:
-    if world_size != 2:
+def _runs(world_size: int, slow: bool = False) -> list[dict]:
+    if world_size != 2 and not slow:
         _runs(2)  # saves the checkpoint the other world sizes resume
-    return run_distributed(normuon_runs, world_size, _DIRECTORY.name, timeout_s=600)
+    return run_distributed(normuon_runs, world_size, _DIRECTORY.name, slow, timeout_s=600)
 
 
 # ------------------------------------------------------------------------ the rule alone
@@ -126,10 +126,14 @@ def _copies(case, name: str, world_size: int) -> int:
     return replicas * (shard if name in case.column_sharded else 1)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_equals_the_formula_on_every_mesh(world_size):
-    results = _runs(world_size)
-    cases = equivalence_cases(world_size)
+@pytest.mark.parametrize("world_size,slow", [
+    (2, False), (3, False), (4, False),
+    # Under -m slow: the plain 1-D case on 4 ranks; [4] runs the column-sharded case, 1-D on 4 ranks, by
+    # default, [2] and [3] the plain one.
+    pytest.param(4, True, marks=pytest.mark.slow)], ids=["2", "3", "4", "4 plain 1-D"])
+def test_equals_the_formula_on_every_mesh(world_size, slow):
+    results = _runs(world_size, slow)
+    cases = equivalence_cases(world_size, slow)
     ref, ref_losses, ref_seconds = oddnet_reference(world_size)
     per_step_active = [N_MATRICES - 3 * len(SKIP.get(s, ())) for s in range(STEPS)]
     for label, case in cases.items():

@@ -161,8 +161,14 @@ def bf16_oracle_pair(rule: str) -> tuple[str, str]:
     return label + (f", {steps} steps" if steps != STEPS else ""), f"{label}, gather oracle"
 
 
-def equivalence_cases(world_size: int) -> dict[str, Case]:
-    """Per rule the OddNet runs compared with the single-process reference, spread over the world sizes."""
+SLOW_CASES = {4: ("muonh zero3", "dion2 zero3")}
+"""World size -> the cases run under ``-m slow`` only: each rule's plain 1-D case on 4 ranks (its column-sharded
+case is 1-D on 4 ranks by default, its plain case on 2 and 3)."""
+
+
+def equivalence_cases(world_size: int, slow: bool = False) -> dict[str, Case]:
+    """Per rule the OddNet runs compared with the single-process reference, spread over the world sizes
+    (``slow``: :data:`SLOW_CASES` instead)."""
     cases = {}
     for rule in RULES:
         cases[f"{rule} zero3"] = Case(rule=rule, steps=STEPS, skip=SKIP)
@@ -193,7 +199,7 @@ def equivalence_cases(world_size: int) -> dict[str, Case]:
         cases["muonh column-sharded, nonfinite skip"] = Case(
             rule="muonh", steps=STEPS, skip=SKIP, nonfinite="skip",
             column_sharded=("layers.1.down.weight", "layers.2.down.weight"))
-    return cases
+    return {label: case for label, case in cases.items() if (label in SLOW_CASES.get(world_size, ())) == slow}
 
 
 COUNTED = {"1-D bf16 NS, 4 waves": (None, torch.bfloat16, 4, "fsdp2"),
@@ -229,16 +235,19 @@ def resume_rule(rank: int, world_size: int, path: str, rule: str, mesh_shape=Non
     return {"params": params if rank == 0 else None, "layout": layout}
 
 
-def rule_runs(rank: int, world_size: int, directory: str) -> dict:
-    """Every run of both test files on ``world_size`` ranks, in one process group.
+def rule_runs(rank: int, world_size: int, directory: str, slow: bool = False) -> dict:
+    """Every run of both test files on ``world_size`` ranks, in one process group (``slow``: the
+    :data:`SLOW_CASES` alone).
 
     2 ranks save each rule's checkpoint that 3 ranks and 4 (dmuon's replicate level on 2x2) resume;
     4 ranks also run TP (dp2 x tp2) and the counted-byte steps."""
     from support.step_comm import counted_step
     from support.tp import train
 
-    cases = equivalence_cases(world_size)
+    cases = equivalence_cases(world_size, slow)
     out = {"cases": dict(zip(cases, run_cases(rank, world_size, list(cases.values())))), "resumed": {}}
+    if slow:
+        return out
     # Each run on its own (support.scenarios): a run that raises fails only the tests reading it.
     scenarios = {}
     for rule in RULES:
@@ -266,11 +275,11 @@ _DIRECTORY = tempfile.TemporaryDirectory()
 
 
 @functools.cache
-def runs(world_size: int) -> list[dict]:
+def runs(world_size: int, slow: bool = False) -> list[dict]:
     """:func:`rule_runs` on ``world_size`` ranks (2 first: it saves the checkpoints the others resume)."""
-    if world_size != 2:
+    if world_size != 2 and not slow:
         runs(2)
-    return run_distributed(rule_runs, world_size, _DIRECTORY.name, timeout_s=600)
+    return run_distributed(rule_runs, world_size, _DIRECTORY.name, slow, timeout_s=600)
 
 
 def check_oracle_runs(rule: str) -> None:
@@ -352,15 +361,16 @@ def rule_reference(rule: str, **rule_kwargs):
         **rule_kwargs)
 
 
-def checked_mesh_runs(rule: str, world_size: int):
-    """``rule``'s dmuon runs on ``world_size`` ranks (:func:`equivalence_cases`, bf16 left out), each
+def checked_mesh_runs(rule: str, world_size: int, slow: bool = False):
+    """``rule``'s dmuon runs on ``world_size`` ranks (:func:`equivalence_cases`, bf16 left out; ``slow``: its
+    slow cases), each
     checked against its float32 formula (parameters, losses, the rule's state) and for one NS per
     active matrix in the cluster; yields ``(label, case, out)`` for the rule's own checks."""
     from support.equivalence import N_MATRICES
 
-    results = runs(world_size)
+    results = runs(world_size, slow)
     per_step_active = [N_MATRICES - 3 * len(SKIP.get(s, ())) for s in range(STEPS)]
-    for label, case in equivalence_cases(world_size).items():
+    for label, case in equivalence_cases(world_size, slow).items():
         if case.rule != rule or case.bf16 or case.kind != "dmuon":
             continue
         out = results[0]["cases"][label]
