@@ -1,7 +1,8 @@
 """torch's ``DistributedDataParallel`` as people write it, stepped by dmuon (:mod:`dmuon.runtime.ddp`).
 
 DDP keeps reducing every gradient; dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps
-its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks, every rank under the
+its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks (4 by default: one
+training run, the bytes, DDP over subgroups and pipeline stages; every case with -m slow), every rank under the
 stream checker, against one process with torch.optim.Muon + AdamW on the global batch (fp32 NS):
 ``DMuon(ddp)``, ``DMuon(ddp.module)``, ``DMuon(ddp.parameters(), module=ddp)``, an optimizer built before
 ``DDP(...)``; ``find_unused_parameters`` (a block unused at step 1), ``static_graph``, ``no_sync()``
