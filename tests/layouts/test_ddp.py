@@ -103,8 +103,14 @@ def _replicate_counted(rank: int, world: int, level: bool = False) -> dict:
                             for g in plan.groups] if plan.replicate_level else []}
 
 
-def _on_ranks(rank: int, world: int) -> dict:
-    """Every run of this file on ``world`` ranks in one process group, each with its own result or error."""
+# The 4-rank runs of the default suite: TP (on 4 ranks only), the route's training and its bytes. Every other
+# run on 4 ranks is -m slow: its 2-rank case runs the same code by default (see SLOW_ON_FOUR).
+FOUR_RANKS_BY_DEFAULT = ("tp", "ddp_with_dmuon", "ddp_with_dmuon_bytes")
+
+
+def _on_ranks(rank: int, world: int, part: str = "all") -> dict:
+    """Every run of this file on ``world`` ranks in one process group, each with its own result or error
+    (``part``: "all", or on 4 ranks "default", FOUR_RANKS_BY_DEFAULT, or "rest")."""
     mesh = (world, 1)
     with_tp = {"tp": lambda: tp.train(rank, world, STEPS, (world // 2, 1, 2), "dmuon", False, False, "dmuon")}
     rules = {rule: functools.partial(run_case, rank, world, Case(mesh_shape=mesh, hsdp="dmuon", rule=rule, steps=STEPS,
@@ -114,7 +120,7 @@ def _on_ranks(rank: int, world: int) -> dict:
     usage = {"accumulate": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", steps=STEPS,
                                                               micro_batches=2)),
              "clip": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", steps=STEPS, clip=CLIP))}
-    return run_each(with_tp if world == 4 else rules | usage) | run_each({
+    return _each_of(part, with_tp if world == 4 else rules | usage) | _each_of(part, {
         "ddp_with_dmuon": lambda: run_case(rank, world, Case(mesh_shape=mesh, hsdp="dmuon", ns_dtype=torch.float32,
                                                              steps=STEPS, skip=SKIP, zero=3)),
         "ddp_with_dmuon_bytes": lambda: counted_step(rank, world, mesh, torch.bfloat16, 3, 2, None, "dmuon"),
@@ -129,13 +135,27 @@ def _on_ranks(rank: int, world: int) -> dict:
     })
 
 
+def _each_of(part: str, runs: dict) -> dict:
+    if part != "all":
+        runs = {name: run for name, run in runs.items() if (name in FOUR_RANKS_BY_DEFAULT) == (part == "default")}
+    return run_each(runs)
+
+
 @functools.cache
-def _runs(world: int) -> list[dict]:
-    return run_distributed(_on_ranks, world, timeout_s=600)
+def _runs(world: int, part: str = "all") -> list[dict]:
+    return run_distributed(_on_ranks, world, part, timeout_s=600)
 
 
 def _run(world: int, name: str) -> list:
-    return [succeeded(r[name]) for r in _runs(world)]
+    part = "all" if world != 4 else "default" if name in FOUR_RANKS_BY_DEFAULT else "rest"
+    return [succeeded(r[name]) for r in _runs(world, part)]
+
+
+SLOW_ON_FOUR = pytest.mark.slow
+"""A 4-rank case under -m slow: the same test's 2-rank case runs the same run by default, and 4 ranks train
+and count bytes by default in test_ddp_with_dmuon_matches_single_process[4],
+test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model[ddp_with_dmuon_bytes-4] and
+test_tensor_parallel_then_ddp_with_dmuon."""
 
 
 def _check_even(totals: list[int]) -> None:
@@ -166,8 +186,9 @@ def test_ddp_with_dmuon_matches_single_process(world):
     _check_momentum_split([r["momentum_numel"] for r in results], results[0]["shapes"], world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("run", ["ddp_with_dmuon_bytes", "replicate_level_bytes", "ddp_with_dmuon_rbwd_bytes"])
+@pytest.mark.parametrize("run,world", [
+    pytest.param(run, world, marks=SLOW_ON_FOUR if world == 4 and run not in FOUR_RANKS_BY_DEFAULT else ())
+    for run in ["ddp_with_dmuon_bytes", "replicate_level_bytes", "ddp_with_dmuon_rbwd_bytes"] for world in (2, 4)])
 def test_ddp_with_dmuon_bytes_are_at_most_ddps_and_equal_the_model(world, run):
     """Every collective of the step is dmuon's (FSDP2 over one rank moves nothing, ``fully_shard`` or
     ``replicate`` there): per rank, the step model's (``step_collectives("dmuon")`` on an (N, 1) mesh: the Muon
@@ -215,7 +236,7 @@ def _check_ddp_with_dmuon_bytes(results: list[dict], world: int, model_blocks: i
         _check_even(received)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=SLOW_ON_FOUR)])
 @pytest.mark.parametrize("run", ["replicate", "replicate_level"])
 def test_fsdp2_replicate_matches_single_process(world, run):
     """torch's FSDP2-based ``replicate`` over every rank: N replicas of one rank each (not N identical shards,
@@ -230,7 +251,7 @@ def test_fsdp2_replicate_matches_single_process(world, run):
     _check_momentum_split([r["momentum_numel"] for r in results], results[0]["shapes"], world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=SLOW_ON_FOUR)])
 @pytest.mark.parametrize("run", ["replicate_bytes", "native_bytes"])
 def test_fsdp2_replicate_and_native_bytes_equal_the_model(world, run):
     """``replicate``, and FSDP2's native HSDP on the (N, 1) mesh: FSDP2's all-reduce (DDP's bytes) and then

@@ -1,7 +1,8 @@
 """torch's ``DistributedDataParallel`` as people write it, stepped by dmuon (:mod:`dmuon.runtime.ddp`).
 
 DDP keeps reducing every gradient; dmuon gives each Muon matrix one owner among DDP's ranks, which alone keeps
-its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks, every rank under the
+its momentum and runs its NS, and all-gathers the updates. Checked on 2 and 4 gloo ranks (4 by default: one
+training run, the bytes, DDP over subgroups and pipeline stages; every case with -m slow), every rank under the
 stream checker, against one process with torch.optim.Muon + AdamW on the global batch (fp32 NS):
 ``DMuon(ddp)``, ``DMuon(ddp.module)``, ``DMuon(ddp.parameters(), module=ddp)``, an optimizer built before
 ``DDP(...)``; ``find_unused_parameters`` (a block unused at step 1), ``static_graph``, ``no_sync()``
@@ -160,7 +161,14 @@ def _counted(rank: int, world: int, waves: int | None = None) -> dict:
             "shapes": [info.shape for info in opt.plan.infos], "owners": [info.owner for info in opt.plan.infos]}
 
 
-def _on_ranks(rank: int, world: int) -> dict:
+# The 4-rank runs of the default suite: one training run, the bytes (only there owners are uneven enough for
+# the scatter's two hops), two DDP groups side by side and two pipeline stages. Every other run on 4 ranks is -m slow: its 2-rank case runs the same code by
+# default (see SLOW_ON_FOUR).
+FOUR_RANKS_BY_DEFAULT = ("wrapper", "bytes", "bytes_waves", "subgroups", "stages")
+
+
+def _on_ranks(rank: int, world: int, part: str = "all") -> dict:
+    """The runs on ``world`` ranks: ``part`` "all", or on 4 ranks "default" (FOUR_RANKS_BY_DEFAULT) or "rest"."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     scenarios = {
@@ -186,17 +194,32 @@ def _on_ranks(rank: int, world: int) -> dict:
     }
     if world == 2:
         scenarios |= {rule: functools.partial(_rule, rank, rule) for rule in ("normuon", "muonh", "dion2")}
+    else:
+        scenarios |= {"subgroups": lambda: _subgroups(rank, world), "stages": lambda: _stages(rank, world)}
     assert DDP
+    if part != "all":
+        scenarios = {n: run for n, run in scenarios.items() if (n in FOUR_RANKS_BY_DEFAULT) == (part == "default")}
     return run_each(scenarios)
 
 
 @functools.cache
-def _runs(world: int) -> list[dict]:
-    return run_distributed(_on_ranks, world, timeout_s=600)
+def _runs(world: int, part: str = "all") -> list[dict]:
+    return run_distributed(_on_ranks, world, part, timeout_s=600)
 
 
 def _run(world: int, name: str) -> list:
-    return [succeeded(r[name]) for r in _runs(world)]
+    part = "all" if world != 4 else "default" if name in FOUR_RANKS_BY_DEFAULT else "rest"
+    return [succeeded(r[name]) for r in _runs(world, part)]
+
+
+SLOW_ON_FOUR = pytest.mark.slow
+"""A 4-rank case under -m slow: the same test's 2-rank case runs the same run by default, and 4 ranks train
+by default in test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner[wrapper-4] and count bytes in
+test_bytes_are_the_models_and_the_route_the_cheaper[4]."""
+
+
+def _worlds(default_on_four: bool = False) -> list:
+    return [2, 4 if default_on_four else pytest.param(4, marks=SLOW_ON_FOUR)]
 
 
 def _check_owners_only(results: list[dict]) -> None:
@@ -207,8 +230,9 @@ def _check_owners_only(results: list[dict]) -> None:
         assert held == [owner], (name, held, owner)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("how", ["wrapper", "module", "parameters", "built_before", "compiled", "waves"])
+@pytest.mark.parametrize("how,world", [
+    pytest.param(how, world, marks=SLOW_ON_FOUR if world == 4 and how != "wrapper" else ())
+    for how in ["wrapper", "module", "parameters", "built_before", "compiled", "waves"] for world in (2, 4)])
 def test_ddp_trains_as_one_process_ns_once_momentum_on_its_owner(world, how):
     """``DDP(model, find_unused_parameters=True)`` with a block unused at step 1: one process's result on the
     global batch (fp32 NS), each matrix orthogonalized once across the ranks, its momentum on its owner only."""
@@ -240,7 +264,7 @@ def _reference_on(world: int, micro: int = 1, clip: float | None = None, skip: d
                               ns_dtype=torch.float32, clip=clip)[0]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", _worlds())
 @pytest.mark.parametrize("case", ["static_graph", "no_sync", "clip"])
 def test_ddps_own_features_train_as_one_process(world, case):
     """``static_graph=True``, ``no_sync()`` accumulation over two micro-batches, torch's ``clip_grad_norm_`` on
@@ -256,7 +280,7 @@ def test_ddps_own_features_train_as_one_process(world, case):
             assert r["norms"] == pytest.approx(list(reference_training.norms), rel=1e-5)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", _worlds())
 def test_bf16_autocast_equals_torchs_pair_on_the_same_ddp_gradients(world):
     """bf16 autocast: DDP's gradients are the same bits under either optimizer, so DMuon equals torch's
     Muon + AdamW run on every rank of the same DDP setup (fp32 NS) after three steps."""
@@ -288,7 +312,7 @@ def test_the_other_rules_under_ddp_equal_their_formulas(rule):
             assert [k for k, r in enumerate(results) if name in r["rule_state"]] == [owners[name]], name
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", _worlds())
 def test_per_rank_state_dicts_resume_bit_for_bit(world):
     """Each rank's ``opt.state_dict()`` (its owned momenta and AdamW's state) through torch.save and
     ``torch.load(weights_only=True)``: the resumed run equals the straight one, bit for bit."""
@@ -387,7 +411,7 @@ def _subgroups(rank: int, world: int) -> dict:
 def test_ddp_over_a_subgroup_steps_that_group():
     """DDP over a process group of part of the world (a pipeline stage's data-parallel ranks): dmuon's plan,
     groups and collectives are that group's; each group trains as one process on its own batches."""
-    results = run_distributed(_subgroups, 4, timeout_s=300)
+    results = _run(4, "subgroups")
     ref = reference(2, torch.float32)[0]
     for r in results:
         assert r["plan_world"] == 2
@@ -429,7 +453,7 @@ def _stages(rank: int, world: int) -> dict:
 def test_a_nan_on_one_stage_raises_or_skips_on_every_stage_under_ddp():
     """DDP per pipeline stage with ``pp_group``: the stages agree on a NaN before any of them decides (a stage
     whose own NaN raised first would leave the others waiting in the stages' all-reduce)."""
-    results = run_distributed(_stages, 4, timeout_s=300)
+    results = _run(4, "stages")
     for rank, r in enumerate(results):
         expected = "non-finite gradients in" if rank < 2 else "non-finite gradients on another pipeline stage"
         assert isinstance(r["raise"], str) and expected in r["raise"], (rank, r["raise"])

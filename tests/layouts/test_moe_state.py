@@ -47,6 +47,10 @@ RESUMED_2 = {
     "2 ranks ep 1": ("ep2", (1, EXPERTS, None, 1)),         # efsdp 2
     "2 ranks hsdp to ep 2": ("hsdp", (2, 3, None, 1)),
 }
+SLOW_RESUMES = ("ep 1", "hsdp to ep2 dim 1", "2 ranks ep 1")
+"""Resumes under -m slow, in 4-rank and 2-rank runs of their own after the default ones: by default ep 1
+is resumed on from the HSDP checkpoint ("hsdp to ep 1"), the HSDP checkpoint on another layout ("hsdp to
+ep 1", "2 ranks hsdp to ep 2"), efsdp 1 on world 2 ("2 ranks ep 2") and the stacks' dim 1 ("experts on dim 1")."""
 BIT_FOR_BIT = ("same layout", "experts on dim 1", "hsdp same layout")
 """Resumes whose every sum adds the same terms in the same order as the run that went on: the same
 ranks' tokens meet each expert (one GEMM over the same rows), the dense reductions are the same, and the
@@ -64,16 +68,22 @@ def _options(checkpoint: str) -> dict:
     return HSDP_RUN if checkpoint == "hsdp" else {}
 
 
+def _resumes(rank: int, world: int, directory: str, resumed: dict, slow: bool) -> dict:
+    """The runs resuming on the layouts of ``resumed`` that are (``slow``) or are not in SLOW_RESUMES."""
+    return {name: functools.partial(ms.resume, rank, world, f"{directory}/{checkpoint}", layout, SAVED_AT, MORE,
+                                    **_options(checkpoint))
+            for name, (checkpoint, layout) in resumed.items() if (name in SLOW_RESUMES) == slow}
+
+
 def _four_ranks(rank: int, world: int, directory: str) -> dict:
-    """Every 4-rank run of this file in one process group: the saves come before the resumes that read them."""
+    """Every 4-rank run of this file in one process group (but SLOW_RESUMES): the saves come before the
+    resumes that read them."""
     runs = {
         "saved ep2": functools.partial(ms.save_and_go_on, rank, world, f"{directory}/ep2", SAVED, SAVED_AT, MORE),
         "saved hsdp": functools.partial(ms.save_and_go_on, rank, world, f"{directory}/hsdp", SAVED_HSDP, SAVED_AT,
                                         MORE, **HSDP_RUN),
     }
-    for name, (checkpoint, layout) in RESUMED_4.items():
-        runs[name] = functools.partial(ms.resume, rank, world, f"{directory}/{checkpoint}", layout, SAVED_AT, MORE,
-                                       **_options(checkpoint))
+    runs |= _resumes(rank, world, directory, RESUMED_4, slow=False)
     for mode in ("skip", "raise"):
         runs[f"nonfinite {mode}"] = functools.partial(ms.nonfinite_run, rank, world, mode, **NONFINITE)
     for name, layout in QK_LAYOUTS.items():
@@ -81,10 +91,8 @@ def _four_ranks(rank: int, world: int, directory: str) -> dict:
     return run_each(runs)
 
 
-def _two_ranks(rank: int, world: int, directory: str) -> dict:
-    return run_each({name: functools.partial(ms.resume, rank, world, f"{directory}/{checkpoint}", layout, SAVED_AT,
-                                             MORE, **_options(checkpoint))
-                     for name, (checkpoint, layout) in RESUMED_2.items()})
+def _resumed_on(rank: int, world: int, directory: str, slow: bool) -> dict:
+    return run_each(_resumes(rank, world, directory, RESUMED_4 if world == 4 else RESUMED_2, slow))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +107,15 @@ def four(directory):
 
 @pytest.fixture(scope="module")
 def two(four, directory):
-    return run_distributed(_two_ranks, 2, directory, timeout_s=300)  # after the 4-rank group saved
+    return run_distributed(_resumed_on, 2, directory, False, timeout_s=300)  # after the 4-rank group saved
+
+
+@pytest.fixture(scope="module")
+def slow_resumes(four, directory) -> dict:
+    """SLOW_RESUMES' results by name (every rank's), from runs after the 4-rank group saved."""
+    return {name: [r[name] for r in runs] for runs in (run_distributed(_resumed_on, world, directory, True,
+                                                                       timeout_s=300) for world in (4, 2))
+            for name in runs[0]}
 
 
 def _worst(got: dict, ref: dict) -> tuple[str, float]:
@@ -141,12 +157,15 @@ def test_the_saved_state_is_torch_muons_and_adamws(four, directory, checkpoint):
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
 
 
-def _resumed(four, two, name):
-    return [succeeded(r[name]) for r in (four if name in RESUMED_4 else two)]
+def _resumed(request, four, name):
+    if name in SLOW_RESUMES:
+        return [succeeded(r) for r in request.getfixturevalue("slow_resumes")[name]]
+    return [succeeded(r[name]) for r in (four if name in RESUMED_4 else request.getfixturevalue("two"))]
 
 
-@pytest.mark.parametrize("name", [*RESUMED_4, *RESUMED_2])
-def test_a_checkpoint_resumes_on_another_ep_and_world_as_the_run_that_went_on(four, two, name):
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_RESUMES else name
+                                  for name in [*RESUMED_4, *RESUMED_2]])
+def test_a_checkpoint_resumes_on_another_ep_and_world_as_the_run_that_went_on(request, four, name):
     """A fresh model on another layout loads the checkpoint (``dcp.load`` + ``set_*_state_dict``, torch's own
     calls) and trains the same steps: its full model and optimizer state right after the load are the saved
     ones bit for bit, every rank ends with the same parameters, and those equal the run that went on: bit
@@ -154,7 +173,7 @@ def test_a_checkpoint_resumes_on_another_ep_and_world_as_the_run_that_went_on(fo
     rounding of the reordered sums (below)."""
     checkpoint = RESUMED_4.get(name, RESUMED_2.get(name))[0]
     went_on = succeeded(four[0][f"saved {checkpoint}"])
-    ranks = _resumed(four, two, name)
+    ranks = _resumed(request, four, name)
     loaded, saved = ranks[0]["loaded"], went_on["saved"]
     assert loaded["model"].keys() == saved["model"].keys()
     for key, value in saved["model"].items():

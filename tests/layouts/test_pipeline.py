@@ -5,8 +5,8 @@ the whole model with torch.optim.Muon + AdamW (fp32 NS) on the same global batch
 4 ranks as (pp=2, dp=2) in the default suite: GPipe, 1F1B, interleaved 1F1B and ZBV (split input/weight
 backward), with the schedule's gradient scaling and without, ZeRO-2 and ZeRO-3, FSDP2's own HSDP and dmuon's
 replicate level as (pp=2, replicate=2, shard=1); clipping by the whole model's norm, a stage without any
-Muon matrix, a NaN on one stage skipping every stage, checkpoints, bad setups. Every rank runs under the
-stream checker (conftest.py). With -m slow: every schedule torch ships (looped BFS and interleaved zero
+Muon matrix, a NaN on one stage skipping every stage, checkpoints, bad setups. Every training run's ranks
+run under the stream checker (conftest.py). With -m slow: every schedule torch ships (looped BFS and interleaved zero
 bubble too) on every level, and 8 ranks as (pp=2, replicate=2, shard=2); torch's clipping as torchtitan
 calls it runs in the torchtitan recipe (pytest -m integrations).
 """
@@ -32,9 +32,10 @@ from support import pipeline
 from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 
-# Its point is stream order (the schedule's reduction by hand, its launches and joins): every rank, its shared runs' included, runs under the
-# stream checker.
-pytestmark = pytest.mark.streams
+# The training runs' point is stream order (the schedule's reduction by hand, its launches and joins): their
+# ranks run under the stream checker. The misuse and the checkpoints (whose point is what a setup is refused
+# with and what a checkpoint holds) run in 4-rank and 2-rank runs of their own without it.
+STREAMS = pytest.mark.streams
 
 CLIP = 0.05  # below every step's norm here: the clip acts on every step
 
@@ -42,7 +43,8 @@ CLIP = 0.05  # below every step's norm here: the clip acts on every step
 # schedules run ZeRO-2 only: with reshard_after_forward=True torch 2.13's split weight backward gives FSDP2
 # other gradients than one process, with no optimizer involved (see ZERO_BUBBLE).
 RUNS = {
-    "gpipe": ("gpipe", {}),
+    # GPipe with four micro-batches under -m slow (test_every_schedule_on_every_level[gpipe]): by default
+    # GPipe runs with three (and clipped with three) through every check.
     "gpipe, three micro-batches": ("gpipe", dict(microbatches=3)),  # a divisor that is no power of two
     "1f1b zero3 unscaled": ("1f1b", dict(zero=3, scale_grads=False)),
     "interleaved1f1b one optimizer": ("interleaved1f1b", dict(one_optimizer=True)),
@@ -64,13 +66,16 @@ RUNS = {
 SAVED_AT, MORE = 2, 2
 
 
-def _on_four_ranks(rank: int, world: int, directory: str) -> dict:
+def _on_four_ranks(rank: int, world: int, directory: str, checked: bool) -> dict:
+    """The 4-rank runs under the stream checker (``checked``: RUNS and the NaN's raise) or the others."""
+    if not checked:
+        return run_each({"misuse": lambda: _bad_setups(rank, world),
+                         "checkpoint": lambda: pipeline.save_and_go_on(rank, world, f"{directory}/dp2", SAVED_AT,
+                                                                       MORE)})
     runs = {name: functools.partial(pipeline.train, rank, world, schedule, **kw)
             for name, (schedule, kw) in RUNS.items()}
-    runs["misuse"] = lambda: _bad_setups(rank, world)
     runs["nan on one stage, raise"] = functools.partial(pipeline.train, rank, world, "1f1b", nonfinite="raise",
                                                          poison=(1, 1))
-    runs["checkpoint"] = lambda: pipeline.save_and_go_on(rank, world, f"{directory}/dp2", SAVED_AT, MORE)
     return run_each(runs)
 
 
@@ -82,8 +87,8 @@ def _checkpoints() -> str:
 
 
 @functools.cache
-def _four_runs() -> list[dict]:
-    return run_distributed(_on_four_ranks, 4, _checkpoints(), timeout_s=600)
+def _four_runs(checked: bool = True) -> list[dict]:
+    return run_distributed(_on_four_ranks, 4, _checkpoints(), checked, timeout_s=600)
 
 
 @functools.cache
@@ -108,6 +113,7 @@ def _check(results: list[dict], clip: float | None = None, skipped: tuple[int, .
     assert seen == set(ref), "every parameter of the model sits on some stage"
 
 
+@STREAMS
 @pytest.mark.parametrize("run", list(RUNS))
 def test_schedules_equal_one_process(run):
     kw = RUNS[run][1]
@@ -116,6 +122,7 @@ def test_schedules_equal_one_process(run):
            kw.get("steps", pipeline.STEPS))
 
 
+@STREAMS
 def test_a_nan_on_one_stage_raises_on_every_stage():
     """nonfinite="raise" with pp_group: the stage that saw the NaN names it, every other stage raises too."""
     for r in _four_runs():
@@ -125,6 +132,7 @@ def test_a_nan_on_one_stage_raises_on_every_stage():
         assert "FloatingPointError: non-finite gradients on another pipeline stage" in text, text  # stage 0's
 
 
+@STREAMS
 def test_launches_from_the_schedules_reduction_stand():
     """The hooks fire in the schedule's REDUCE_GRAD (outside autograd). The first step learns what the
     schedule divides the gradients by (its blocks exchanged in step(), no extra bytes); from the second
@@ -144,6 +152,7 @@ def test_launches_from_the_schedules_reduction_stand():
                             (run, step, report)
 
 
+@STREAMS
 def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step():
     """DMuon's clip acting on every step (torchtitan clips every step): the schedule's divisor is learned
     in the first step's clip, before it scales (after it, reduced / n * c does not tell n), so from the
@@ -166,6 +175,7 @@ def test_launches_from_the_schedules_reduction_stand_under_clipping_every_step()
                         assert launched > 0 and report.rescaled_launches == launched, (run, step, report)
 
 
+@STREAMS
 def test_the_replicate_level_joins_the_compute_stream_once_per_stage_reduction():
     """On the replicate level the schedule's reduction by hand lands each unit's reduction across replicas
     on dmuon's stream; the compute stream waits for dmuon's once per stage, after the stage's last unit
@@ -182,6 +192,7 @@ def test_the_replicate_level_joins_the_compute_stream_once_per_stage_reduction()
             assert result["joins"] == [result["stages"]] * len(result["joins"]), (run, result["joins"])
 
 
+@STREAMS
 @pytest.mark.parametrize("run", ["1f1b zero3 unscaled", "gpipe, three micro-batches", "interleaved1f1b one optimizer"])
 def test_counted_bytes_per_stage_equal_the_step_model(run):
     """Each stage's dmuon collectives in a step (launched from the schedule's reduction), per rank, are the
@@ -203,7 +214,7 @@ def test_counted_bytes_per_stage_equal_the_step_model(run):
 def test_a_checkpoint_per_stage_resumes_bit_for_bit():
     """Every stage saves its part (torch's get_state_dict per part, one DCP checkpoint); a fresh pipeline
     resumes and takes the same steps, bit for bit, as the run that went on."""
-    for r in _four_runs():
+    for r in _four_runs(checked=False):
         run = succeeded(r["checkpoint"])
         assert run["went_on"].keys() == run["resumed"].keys()
         for name, p in run["went_on"].items():
@@ -217,7 +228,7 @@ def _resume_on_one_rank_per_stage(rank: int, world: int, path: str) -> dict:
 
 def test_a_checkpoint_per_stage_resumes_on_another_data_parallel_size():
     """Saved with two data-parallel ranks per stage, resumed with one: the whole run equals one process."""
-    for r in _four_runs():
+    for r in _four_runs(checked=False):
         succeeded(r["checkpoint"])
     results = run_distributed(_resume_on_one_rank_per_stage, 2, f"{_checkpoints()}/dp2", timeout_s=600)
     ref = pipeline.reference(2, 4, steps=SAVED_AT + MORE)
@@ -322,7 +333,7 @@ def test_misuse_is_refused_on_every_rank_naming_the_fix():
         "pp_group not a mesh or group": "pp_group must be a 1-D DeviceMesh or a ProcessGroup",
         "pp_group of two dims": "pp_group must be a 1-D DeviceMesh",
     }
-    for r in _four_runs():
+    for r in _four_runs(checked=False):
         errors = succeeded(r["misuse"])
         for name, words in expected.items():
             assert errors[name] is not None and words in errors[name], (name, errors[name])
@@ -342,6 +353,7 @@ def _on_eight_ranks(rank: int, world: int) -> dict:
     return run_each(runs)
 
 
+@STREAMS
 @pytest.mark.slow
 def test_eight_ranks_as_pp2_replicate2_shard2():
     results = run_distributed(_on_eight_ranks, 8, timeout_s=900)
@@ -364,6 +376,7 @@ def _every_level(rank: int, world: int, schedule: str) -> dict:
                      for level in (None, "fsdp2", "dmuon") for scale in (True, False) for zero in zeros})
 
 
+@STREAMS
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "interleavedzb"])
 def test_every_schedule_on_every_level(schedule):

@@ -167,15 +167,18 @@ def test_ns_runs_in_the_batches_the_balancer_priced(monkeypatch):
 def test_second_prepare_with_profile_reuses_the_cache(tmp_path, monkeypatch):
     import dmuon.plan.profile as profile
 
+    # A fixed NS (method and batching): the profile's cache is the point here, and the NS autotuner would
+    # measure its own choices first (seconds).
+    ns = dmuon.NSConfig(method="standard", dtype=torch.float32, batching="batched")
     torch.manual_seed(0)
-    first = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path)
+    first = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path, ns=ns)
     assert list(tmp_path.iterdir()), "the profile was not cached"
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again despite a cached profile")
 
     monkeypatch.setattr(profile, "measure_update", no_measuring)
-    second = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path)
+    second = dmuon.prepare(_FiveHeads(), profile=True, balancer="milp", cache_dir=tmp_path, ns=ns)
     assert [i.cost for i in second.infos] == [i.cost for i in first.infos]
     # The plan says what profiling cost: something measured the first time, nothing the second.
     first_note = [n for n in first.balance_result.notes if n.startswith("profile")]

@@ -17,21 +17,26 @@ from support.spawn import run_distributed
 from support.scenarios import run_each, succeeded
 from support.tp import BLOCKS, HIDDEN, MATRICES, WIDTH, TPNet, reference, train
 
-# Its point is stream order (TP's pieces launched from backward and returned in it): every rank, its shared runs' included, runs under the
-# stream checker.
-pytestmark = pytest.mark.streams
+# Its point is stream order (TP's pieces launched from backward and returned in it): the ranks of dmuon's fp32
+# runs run under the stream checker. The bf16 mixed-precision pair and the gather-then-compute oracle (whose
+# point is what they compute) share a 4-rank run of their own without it.
+STREAMS = pytest.mark.streams
 
 STEPS = 3
 MESHES = {"dp2-tp2": (2, 2), "hsdp2x2-tp2": (2, 2, 2)}
 
 
-def _on_four(rank: int, world: int) -> dict:
-    """Every 4-rank run of this file in one process group (a spawn costs more than the work), each with its
-    own result or its own error."""
+UNCHECKED = (("dp2-tp2", "gather"), ("bf16", "dmuon"), ("bf16", "gather"))
+"""The 4-rank runs whose ranks run without the stream checker (see STREAMS)."""
+
+
+def _on_four(rank: int, world: int, checked: bool) -> dict:
+    """Every 4-rank run of this file under the stream checker (``checked``) or not, in one process group (a
+    spawn costs more than the work), each with its own result or its own error."""
     from support.tp import counted_tp_step
 
     shape = MESHES["dp2-tp2"]
-    return run_each({
+    runs = {
         ("dp2-tp2", "dmuon"): lambda: train(rank, world, STEPS, shape, "dmuon"),
         ("dp2-tp2", "gather"): lambda: train(rank, world, STEPS, shape, "gather"),
         ("dp2-tp2", "counted"): lambda: counted_tp_step(rank, world, shape),
@@ -42,7 +47,8 @@ def _on_four(rank: int, world: int) -> dict:
         ("clip", "off"): lambda: train(rank, world, STEPS, shape, "dmuon", clip=CLIP, overlap=False),
         ("dp2-tp2", "returns in backward"): lambda: train(
             rank, world, STEPS, shape, "dmuon",
-            execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True))})
+            execution=dmuon.ExecutionConfig(ns_in_backward=True, returns_in_backward=True))}
+    return run_each({key: run for key, run in runs.items() if (key in UNCHECKED) != checked})
 
 
 def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
@@ -56,8 +62,8 @@ def _on_eight(rank: int, world: int, checkpoint: str) -> dict:
 
 
 @functools.cache
-def _four() -> list[dict]:
-    return run_distributed(_on_four, 4, timeout_s=300)
+def _four(checked: bool = True) -> list[dict]:
+    return run_distributed(_on_four, 4, checked, timeout_s=300)
 
 
 @functools.cache
@@ -73,7 +79,7 @@ def _ranks(runs: list[dict], key) -> list[dict]:
 
 def _run(mesh: str, what: str = "dmuon") -> list[dict]:
     """Every rank's result of one run (``mesh``: a key of MESHES, or ``"bf16"``: dp2-tp2 in bf16)."""
-    return _ranks(_eight() if mesh == "hsdp2x2-tp2" else _four(), (mesh, what))
+    return _ranks(_eight() if mesh == "hsdp2x2-tp2" else _four((mesh, what) not in UNCHECKED), (mesh, what))
 
 
 def _worst(got: dict, ref: dict) -> tuple[str, float]:
@@ -81,6 +87,7 @@ def _worst(got: dict, ref: dict) -> tuple[str, float]:
     return name, (got[name] - ref[name]).abs().max().item()
 
 
+@STREAMS
 @pytest.mark.parametrize("mesh", MESHES)
 def test_tp_fsdp_equals_single_process_torch_muon(mesh):
     results = _run(mesh)
@@ -96,6 +103,7 @@ def test_tp_fsdp_equals_single_process_torch_muon(mesh):
     assert all(r["owners"] == results[0]["owners"] for r in results)
 
 
+@STREAMS
 @pytest.mark.parametrize("mesh", MESHES)
 def test_momentum_is_held_once_except_for_tp_copies(mesh):
     results = _run(mesh)
@@ -107,6 +115,7 @@ def test_momentum_is_held_once_except_for_tp_copies(mesh):
         assert held == numel * (tp if ".mix." in n else 1), (n, held, numel)
 
 
+@STREAMS
 def test_pieces_follow_torchs_layouts():
     pieces = _run("dp2-tp2")[0]["pieces"]
     # Positions s = dp * 2 + tp. Colwise: TP's row chunk (5 rows each), FSDP2's 3 + 2 rows inside it.
@@ -128,6 +137,7 @@ def test_gather_then_compute_on_the_same_tp_model_agrees():
     assert err <= 1e-6, (name, err)
 
 
+@STREAMS
 @pytest.mark.parametrize("mesh", MESHES)
 def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
     from dmuon.costmodel.traffic import owner_exchange_collectives
@@ -145,6 +155,7 @@ def test_counted_collectives_equal_the_traffic_model_with_pieces(mesh):
     assert any(c.critical for c in backward) and all(c.critical for c in step)
 
 
+@STREAMS
 def test_sequence_parallel_norms_and_embedding():
     """SequenceParallel norms, a rowwise embedding and colwise head around the blocks: the residual
     stream split over the sequence; the matrices' result is still single-process torch.optim.Muon's."""
@@ -159,6 +170,7 @@ def test_sequence_parallel_norms_and_embedding():
     assert sum(r["orthogonalized"] for r in results) == len(SP_MATRICES)
 
 
+@STREAMS
 def test_dcp_checkpoint_resumes_exactly_on_hsdp_tp():
     """get_model/optimizer_state_dict + dcp.save/load + set_*: the rowwise momentum's columns are split
     over the replicas inside TP's split (_StridedShard), and the resumed run continues bit for bit."""
@@ -196,6 +208,7 @@ def test_tiling_check_catches_gaps_overlaps_and_bounds():
 CLIP = 1e-3  # below every gradient norm of TPNet here: every step clips
 
 
+@STREAMS
 def test_launches_survive_clipping_under_tensor_parallelism():
     """``DMuon.clip_grad_norm_`` on the (dp, tp) mesh every step: from the second clipped step on every
     block's launch stands for the clipped gradients (the owners rescale), and the result is
@@ -211,6 +224,7 @@ def test_launches_survive_clipping_under_tensor_parallelism():
     assert max((got[n] - want[n]).abs().max().item() for n in want) <= 1e-6
 
 
+@STREAMS
 def test_returns_in_backward_under_tensor_parallelism():
     """``returns_in_backward`` on a (dp, tp) mesh: TP's pieces and copies come back in backward for the
     blocks launched first, and the parameters are the single-process reference's."""
