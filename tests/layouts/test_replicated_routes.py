@@ -7,7 +7,7 @@
 * torch's ``replicate`` (``replicate_with_fsdp``) per block and root over every rank, and FSDP2's native
   HSDP on the ``(N, 1)`` mesh: FSDP2 all-reduces every gradient; dmuon reads the mesh as N replicas of one
   rank each.
-* torch's ``DistributedDataParallel`` itself: ``tests/layouts/test_ddp_torch.py``; here its checkpoints resume on the
+* torch's ``DistributedDataParallel`` itself: ``tests/layouts/test_torch_ddp.py``; here its checkpoints resume on the
   other routes and theirs under it.
 * ``dmuon plan --ddp`` (the route's bytes against DDP's, the simulated step) and ``dmuon bench --ddp``.
 
