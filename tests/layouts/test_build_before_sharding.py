@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import dmuon
-from support.spawn import run_distributed
 
 from support.lazy import before_and_after, unsharded_step
 from support.models import OddNet, lm_loss, odd_batch
-from support.scenarios import run_each, succeeded
+from support.scenarios import run_each, shared_runs
 
 
 def _same(got: dict, ref: dict) -> None:
@@ -38,23 +37,8 @@ def _on_four(rank: int, world: int) -> dict:
                      for hsdp in ("fsdp2", "dmuon")})
 
 
-@functools.cache
-def _two_runs() -> list[dict]:
-    return run_distributed(_on_two, 2, timeout_s=300)
-
-
-@functools.cache
-def _four_runs() -> list[dict]:
-    return run_distributed(_on_four, 4, timeout_s=300)
-
-
-def _two(run: str) -> list:
-    """Each rank's result of the 2-rank run ``run`` (its ranks' error when it raised)."""
-    return [succeeded(r[run]) for r in _two_runs()]
-
-
-def _four(run: str) -> list:
-    return [succeeded(r[run]) for r in _four_runs()]
+_two = shared_runs(_on_two, 2)  # each rank's result of a 2-rank run (its ranks' error when it raised)
+_four = shared_runs(_on_four, 4)
 
 
 @pytest.mark.parametrize("layout", ["1d-2-ranks", "hsdp-2x2-native", "hsdp-2x2-replicate-level"])

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import dmuon
-from support.spawn import run_distributed
 
 from support.experts import ExpertNet, reference, train
-from support.scenarios import run_each, succeeded
+from support.scenarios import run_each, shared_runs
 
 STEPS = 3
 
@@ -73,23 +72,8 @@ def _on_four(rank: int, world: int) -> dict:
                                                      overlap=False)})
 
 
-@functools.cache
-def _two_runs() -> list[dict]:
-    return run_distributed(_on_two, 2, timeout_s=300)
-
-
-@functools.cache
-def _four_runs() -> list[dict]:
-    return run_distributed(_on_four, 4, timeout_s=300)
-
-
-def _two(run: str) -> list:
-    """Each rank's result of the 2-rank run ``run`` (its ranks' error when it raised)."""
-    return [succeeded(r[run]) for r in _two_runs()]
-
-
-def _four(run: str) -> list:
-    return [succeeded(r[run]) for r in _four_runs()]
+_two = shared_runs(_on_two, 2)  # each rank's result of a 2-rank run (its ranks' error when it raised)
+_four = shared_runs(_on_four, 4)
 
 
 @pytest.mark.parametrize("world,run", [(2, "stacks"), (4, "stacks 4-ranks-waves"), (4, "stacks hsdp-2x2-waves")],

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from support.spawn import run_distributed, run_with_crashes
 from support import faults
 from support.cases import Case, run_cases
 from support.equivalence import SKIP, STEPS, max_diff, reference
-from support.scenarios import run_each, succeeded
+from support.scenarios import run_each, shared_runs
 
 
 def _on_two(rank: int, world: int) -> dict:
@@ -36,23 +34,8 @@ def _on_three(rank: int, world: int) -> dict:
         "milp": lambda: faults.milp_owners(rank, world)})
 
 
-@functools.cache
-def _two_runs() -> list[dict]:
-    return run_distributed(_on_two, 2, timeout_s=120)
-
-
-@functools.cache
-def _three_runs() -> list[dict]:
-    return run_distributed(_on_three, 3, timeout_s=120)
-
-
-def _two(run: str) -> list:
-    """Each rank's result of the 2-rank case ``run`` (its ranks' error when it raised)."""
-    return [succeeded(r[run]) for r in _two_runs()]
-
-
-def _three(run: str) -> list:
-    return [succeeded(r[run]) for r in _three_runs()]
+_two = shared_runs(_on_two, 2, timeout_s=120)  # each rank's result of a 2-rank case (its ranks' error when it raised)
+_three = shared_runs(_on_three, 3, timeout_s=120)
 
 
 def test_ranks_with_different_models_fail_clearly():

@@ -22,6 +22,7 @@ timeout, so the rank raises at once and the launcher ends every rank.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Mapping
@@ -144,3 +145,21 @@ def run_grouped(scenarios: Mapping[tuple[Hashable, Hashable], Callable[[], Any]]
 def run_listed(scenarios: list[Callable[[], Any]]) -> list[Any]:
     """:func:`run_each` over a list: the results in the list's order."""
     return list(run_each(dict(enumerate(scenarios))).values())
+
+
+def shared_runs(on_ranks: Callable[[int, int], dict], world_size: int, timeout_s: float = 300.0
+                ) -> Callable[[Hashable], list]:
+    """One launch of ``on_ranks`` (each rank returning :func:`run_each`'s ``{name: result}``) that several tests
+    read: ``runs(name)`` gives each rank's result of ``name`` (its error raised again where it raised, through
+    :func:`succeeded`). The ranks start at the first read, once per test process."""
+
+    @functools.cache
+    def launched() -> list[dict]:
+        from support.spawn import run_distributed
+
+        return run_distributed(on_ranks, world_size, timeout_s=timeout_s)
+
+    def runs(name: Hashable) -> list:
+        return [succeeded(r[name]) for r in launched()]
+
+    return runs
