@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import re
@@ -81,19 +80,6 @@ def test_readme_quick_start_is_the_example():
     assert _quick_start_in_readme() == _quick_start_in_file()
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """The references' tiny ops on one thread: on a loaded machine torch's intra-op threads wait for each
-    other at every op (the experts' reference: 7.5 s on two threads, 0.4 s on one, under load 30)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@_one_thread()
 def _experts_reference(clip: float) -> dict[str, torch.Tensor]:
     """One process: examples/experts.py's model (seed 0, every expert here) on every rank's batch at once,
     torch.optim.Muon on the router matrices and on each expert's ``(m, n)`` slice of a stack, AdamW on the rest."""
@@ -118,7 +104,6 @@ def _experts_reference(clip: float) -> dict[str, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)  # several examples share a reference (the same data and clipping)
-@_one_thread()
 def _reference(dp: int, clip: float | None, ns_dtype: torch.dtype, steps: int = STEPS, watch: int | None = None):
     """One process: the quick start's model (seed 0) on every data-parallel rank's batch at once;
     ``watch``: also the loss of that rank's batch before each step (what the quick start prints)."""

@@ -30,7 +30,7 @@ from support import tp
 from support.cases import Case, full_params, run_case
 from support.equivalence import N_MATRICES, SKIP, STEPS, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
-from support.scenarios import run_each, succeeded
+from support.scenarios import LaunchesByWorld, run_each, succeeded
 from support.spawn import run_distributed
 from support.step_comm import counted_step
 
@@ -136,19 +136,10 @@ def _on_ranks(rank: int, world: int, part: str = "all") -> dict:
 
 
 def _each_of(part: str, runs: dict) -> dict:
-    if part != "all":
-        runs = {name: run for name, run in runs.items() if (name in FOUR_RANKS_BY_DEFAULT) == (part == "default")}
-    return run_each(runs)
+    return run_each(_run.keep(part, runs))
 
 
-@functools.cache
-def _runs(world: int, part: str = "all") -> list[dict]:
-    return run_distributed(_on_ranks, world, part, timeout_s=600)
-
-
-def _run(world: int, name: str) -> list:
-    part = "all" if world != 4 else "default" if name in FOUR_RANKS_BY_DEFAULT else "rest"
-    return [succeeded(r[name]) for r in _runs(world, part)]
+_run = LaunchesByWorld(_on_ranks, 4, FOUR_RANKS_BY_DEFAULT)
 
 
 SLOW_ON_FOUR = pytest.mark.slow

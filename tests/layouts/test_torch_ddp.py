@@ -26,7 +26,7 @@ from support.cases import MUON_KW, NORMUON_BETA2
 from support.equivalence import N_MATRICES, SKIP, STEPS, all_ranks_batches, max_diff, reference
 from support.models import OddNet, lm_loss, odd_batch
 from support.reference import reference_training
-from support.scenarios import run_each, succeeded
+from support.scenarios import LaunchesByWorld, run_each
 from support.spawn import run_distributed
 
 # Its point is stream order (dmuon's exchange beside DDP's own reduction): every rank, its shared runs' included, runs under the
@@ -197,19 +197,10 @@ def _on_ranks(rank: int, world: int, part: str = "all") -> dict:
     else:
         scenarios |= {"subgroups": lambda: _subgroups(rank, world), "stages": lambda: _stages(rank, world)}
     assert DDP
-    if part != "all":
-        scenarios = {n: run for n, run in scenarios.items() if (n in FOUR_RANKS_BY_DEFAULT) == (part == "default")}
-    return run_each(scenarios)
+    return run_each(_run.keep(part, scenarios))
 
 
-@functools.cache
-def _runs(world: int, part: str = "all") -> list[dict]:
-    return run_distributed(_on_ranks, world, part, timeout_s=600)
-
-
-def _run(world: int, name: str) -> list:
-    part = "all" if world != 4 else "default" if name in FOUR_RANKS_BY_DEFAULT else "rest"
-    return [succeeded(r[name]) for r in _runs(world, part)]
+_run = LaunchesByWorld(_on_ranks, 4, FOUR_RANKS_BY_DEFAULT)
 
 
 SLOW_ON_FOUR = pytest.mark.slow

@@ -163,3 +163,30 @@ def shared_runs(on_ranks: Callable[[int, int], dict], world_size: int, timeout_s
         return [succeeded(r[name]) for r in launched()]
 
     return runs
+
+
+class LaunchesByWorld:
+    """Each world size's runs of ``on_ranks(rank, world, part)`` in one launch, read by several tests, except on
+    ``split_world`` ranks: there two launches, ``part="default"`` with the runs named in ``by_default`` and
+    ``part="rest"`` with the others, so that a default run (whose tests read only the first) starts no more."""
+
+    def __init__(self, on_ranks: Callable[[int, int, str], dict], split_world: int, by_default: tuple,
+                 timeout_s: float = 600.0) -> None:
+        self.on_ranks, self.split_world, self.by_default, self.timeout_s = on_ranks, split_world, by_default, timeout_s
+
+    def keep(self, part: str, runs: dict) -> dict:
+        """Of ``runs`` (name -> run), those launch ``part`` holds: all of them for ``"all"``."""
+        if part == "all":
+            return runs
+        return {name: run for name, run in runs.items() if (name in self.by_default) == (part == "default")}
+
+    @functools.cache
+    def _launched(self, world: int, part: str) -> list[dict]:
+        from support.spawn import run_distributed
+
+        return run_distributed(self.on_ranks, world, part, timeout_s=self.timeout_s)
+
+    def __call__(self, world: int, name: Hashable) -> list:
+        """Each rank's result of the run ``name`` on ``world`` ranks (its error raised again where it raised)."""
+        part = "all" if world != self.split_world else "default" if name in self.by_default else "rest"
+        return [succeeded(r[name]) for r in self._launched(world, part)]
