@@ -4,7 +4,8 @@ weights tied across stages.
 Each is issued from the current stream and waited for at once, on every rank of the group in the same order
 (whether a rank enters one depends on what every rank knows alike: the plan, the topology, names and shapes
 already gathered), so a check that fails on one rank fails on all of them instead of leaving the others
-waiting. The step's collectives are elsewhere in ``comm/``; these run once, before the first step.
+waiting. The step's collectives are elsewhere in ``comm/`` (prepare's momentum-layout check takes the same
+minimum as the step's divisor, :func:`dmuon.comm.agree.least_over`); these run once, before the first step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.agree import least_over  # noqa: F401 - prepare's checks take the same minimum as the step's divisor
 from dmuon.util.torch_compat import all_gather_into_tensor
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dmuon.comm.setup_collectives import least_over
+from dmuon.comm.agree import least_over
 from dmuon.comm.topology import Topology, from_mesh, single_process
 from dmuon.ortho.config import NSConfig
 from dmuon.plan.assign import assign
