@@ -21,7 +21,7 @@ import dmuon
 from support.cases import full_params, sharded_oddnet
 from support.equivalence import max_diff
 from support.models import OddNet, lm_loss, odd_batch
-from support.reference import ns_precision
+from support.reference import ns_precision, torch_pair
 from support.scenarios import run_each, succeeded
 from support.spawn import run_distributed
 from dmuon.plan.selection import select_matrices
@@ -76,27 +76,16 @@ def _reference(skipped: int | None = None) -> dict[str, torch.Tensor]:
     """torch's pair in one process on all ranks' batches, with a tensor lr and one OneCycleLR each."""
     torch.manual_seed(0)
     model = OddNet()
-    matrices = select_matrices(model)
-    ids = {id(p) for _, p in matrices}
-    views = [(p, torch.nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
-    muon = torch.optim.Muon([v for _, v in views], lr=torch.tensor(LR), weight_decay=0.1, momentum=0.95,
-                            nesterov=True)
-    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=torch.tensor(ADAMW_LR),
-                              weight_decay=0.01)
-    schedulers = _schedulers([muon, adamw], [LR, ADAMW_LR])
+    pair = torch_pair(model, dict(lr=torch.tensor(LR), weight_decay=0.1, momentum=0.95, nesterov=True),
+                      dict(lr=torch.tensor(ADAMW_LR), weight_decay=0.01))
+    schedulers = _schedulers([pair.muon, pair.adamw], [LR, ADAMW_LR])
     for step in range(STEPS):
         parts = [odd_batch(step, r) for r in range(WORLD)]
         lm_loss(model, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
-        for p, v in views:
-            if v is not p:
-                v.grad = p.grad.view(v.shape)
+        pair.hand_grads()
         if step != skipped:
-            with ns_precision(torch.float32):
-                muon.step()
-            adamw.step()
-        model.zero_grad(set_to_none=True)
-        for _, v in views:
-            v.grad = None
+            pair.step(torch.float32)
+        pair.zero_grad()
         for s in schedulers:
             s.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -331,11 +320,9 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]], params_in_fp16: bool 
     root's ``output_dtype`` does), each batch's gradients cast to float32 before they are summed."""
     torch.manual_seed(0)
     model = OddNet()
-    matrices = select_matrices(model)
-    ids = {id(p) for _, p in matrices}
-    views = [(p, torch.nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
-    muon = torch.optim.Muon([v for _, v in views], lr=LR, weight_decay=0.1, momentum=0.95, nesterov=True)
-    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=ADAMW_LR, weight_decay=0.01)
+    pair = torch_pair(model, dict(lr=LR, weight_decay=0.1, momentum=0.95, nesterov=True),
+                      dict(lr=ADAMW_LR, weight_decay=0.01))
+    muon, adamw = pair.muon, pair.adamw
     scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
     half = copy.deepcopy(model).half() if params_in_fp16 else None
     assert max_diff(full_params(model), starts[0])[0] == 0  # the same initial weights, bit for bit
@@ -358,9 +345,7 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]], params_in_fp16: bool 
                 h.grad = None
         for p in model.parameters():
             p.grad.div_(WORLD)
-        for p, v in views:
-            if v is not p:
-                v.grad = p.grad.view(v.shape)
+        pair.hand_grads()
         scaler.unscale_(muon)
         scaler.unscale_(adamw)
         overflow = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
@@ -375,9 +360,7 @@ def _fp16_reference(starts: list[dict[str, torch.Tensor]], params_in_fp16: bool 
         ends.append(full_params(model))
         scales.append(scaler.get_scale())
         skipped.append(overflow)
-        model.zero_grad(set_to_none=True)
-        for _, v in views:
-            v.grad = None
+        pair.zero_grad()
     return {"ends": ends, "scales": scales, "norms": norms, "skipped": skipped}
 
 

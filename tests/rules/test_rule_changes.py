@@ -189,31 +189,21 @@ def _thawed_reference(thaw_at: int, world_size: int = 2) -> dict[str, torch.Tens
     """torch.optim.Muon (fp32 NS) + AdamW in one process on every rank's batches, Muon holding the frozen
     matrix from the start (it steps nothing without a gradient)."""
     from support.models import OddNet
-    from support.reference import ns_precision
-    from dmuon.plan.selection import select_matrices
+    from support.reference import torch_pair
 
     torch.manual_seed(0)
     model = OddNet(blocks=2)
     model.get_parameter(THAWED).requires_grad_(False)
-    matrices = select_matrices(model)
-    views = [(p, nn.Parameter(p.data.view(p.shape[0], -1)) if p.ndim > 2 else p) for _, p in matrices]
-    muon = torch.optim.Muon([v for _, v in views], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-    ids = {id(p) for _, p in matrices}
-    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=3e-3, weight_decay=0.01)
+    pair = torch_pair(model, dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True),
+                      dict(lr=3e-3, weight_decay=0.01))
     for step in range(STEPS):
         if step == thaw_at:
             model.get_parameter(THAWED).requires_grad_(True)
         parts = [odd_batch(step, r) for r in range(world_size)]
         lm_loss(model, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))).backward()
-        for p, v in views:
-            if v is not p:
-                v.grad = None if p.grad is None else p.grad.view(v.shape)
-        with ns_precision(torch.float32):
-            muon.step()
-        adamw.step()
-        model.zero_grad(set_to_none=True)
-        for _, v in views:
-            v.grad = None
+        pair.hand_grads()
+        pair.step(torch.float32)
+        pair.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
