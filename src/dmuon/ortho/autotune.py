@@ -182,7 +182,7 @@ class Autotuner:
         self.measurements = 0  # number of measurement sessions run (for tests/diagnostics)
         self.frozen_misses = 0  # problems asked for while frozen with no verdict (each got the fallback)
         self._warned: set[str] = set()
-        self.cooldown_s: float | None = None  # None: COOLDOWN_S on CPU
+        self.cooldown_s: float | None = None  # None: timing.default_cooldown_s (COOLDOWN_S on a multi-threaded CPU)
         self._files: dict[str, dict] = {}
         self._lock = threading.RLock()
 

@@ -15,7 +15,7 @@ import torch
 SLOW_RUN_S = 0.5
 # Upper bound on timed rounds for cheap candidates.
 MAX_ROUNDS = 15
-# Pause before timing each candidate on CPU (see time_candidates).
+# Pause before timing each candidate on CPU with more than one thread (see time_candidates).
 COOLDOWN_S = 0.2
 
 
@@ -109,6 +109,12 @@ class _EventClock:
         return start.elapsed_time(end) / 1e3
 
 
+def default_cooldown_s(device: torch.device) -> float:
+    """The pause before each candidate's block: :data:`COOLDOWN_S` on a CPU with more than one torch
+    thread (another thread pool may still be spinning), else 0."""
+    return COOLDOWN_S if device.type == "cpu" and torch.get_num_threads() > 1 else 0.0
+
+
 def time_candidates(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, budget_s: float = 0.25,
     cooldown_s: float | None = None, stat: Callable[[list[float]], float] = statistics.median,
@@ -134,10 +140,13 @@ def time_candidates(
     threads (measured: a 2-thread standard Newton–Schulz ran 1.7x slower right after
     a NumPy matmul). The pause before each block (``cooldown_s``, default
     :data:`COOLDOWN_S` on CPU, 0 elsewhere) lets them go idle, so one candidate does
-    not bill its successor.
+    not bill its successor. With one torch thread there is no pool to spin: torch runs
+    on the calling thread and NumPy's BLAS is held to torch's thread count
+    (:func:`dmuon.ortho.symmetric.blas_threads`), so the default pause is 0 there (the
+    ranks of a CPU run, one thread each, tune without sleeping).
     """
     if cooldown_s is None:
-        cooldown_s = COOLDOWN_S if device.type == "cpu" else 0.0
+        cooldown_s = default_cooldown_s(device)
     clock = _EventClock(device) if device.type == "cuda" else _HostClock(device)
     out: dict[str, float] = {}
     with measuring_stream(device):

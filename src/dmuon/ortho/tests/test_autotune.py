@@ -245,3 +245,22 @@ def test_key_and_fingerprint_name_the_fp32_matmul_precision():
         assert len({s[0] for s in seen}) == 2 and len({s[1] for s in seen}) == 2 and len({s[2] for s in seen}) == 2
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("threads, pauses", [(1, 0), (2, 2)])
+def test_candidates_pause_only_where_a_second_thread_may_spin(monkeypatch, threads, pauses):
+    # With one torch thread NumPy's BLAS is held to one thread too: no pool is left spinning
+    # after a candidate, so there is nothing to wait out before the next.
+    from dmuon.ortho import timing
+
+    monkeypatch.setattr(timing, "COOLDOWN_S", 0.05)
+    slept = []
+    monkeypatch.setattr(timing.time, "sleep", slept.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x = torch.randn(8, 8)
+    timing.time_candidates({"a": lambda: x @ x, "b": lambda: x + x}, torch.device("cpu"), repeats=1)
+    assert slept == [0.05] * pauses
+    assert timing.default_cooldown_s(torch.device("cpu")) == 0.05 * (threads > 1)
+    slept.clear()  # an explicit pause is kept whatever the thread count
+    timing.time_candidates({"a": lambda: x @ x}, torch.device("cpu"), repeats=1, cooldown_s=0.01)
+    assert slept == [0.01]
