@@ -105,14 +105,38 @@ def _local(t: Any) -> torch.Tensor | None:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _tensors(value: Any, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors (a DTensor's local one) in ``value``, a tensor or a nested list/tuple of them, except
+    tensors on the meta device."""
+    found = [] if into is None else into
     if isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
-        return
-    t = _local(value)
-    if t is not None and t.device.type != "meta":
-        yield t
+            _tensors(v, found)
+        return found
+    t = value if type(value) is torch.Tensor else _local(value)  # a plain tensor: most of what an op sees
+    if t is not None and not t.is_meta:
+        found.append(t)
+    return found
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """What :meth:`CheckedStreams._op` reads of an op's schema, worked out once per op."""
+
+    name: str
+    arguments: tuple[tuple[int, str, bool], ...]
+    """(position, keyword, written) of each argument whose type can hold a tensor."""
+    returns: int
+    fresh_returns: tuple[int, ...]
+    """The positions of the returns that alias no argument (new storage, or an existing one returned)."""
+
+    @staticmethod
+    def of(func: Any) -> "_Signature":
+        schema = func._schema
+        arguments = tuple((k, arg.name, arg.alias_info is not None and arg.alias_info.is_write)
+                          for k, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
+        fresh = tuple(k for k, ret in enumerate(schema.returns) if ret.alias_info is None)
+        return _Signature(str(func), arguments, len(schema.returns), fresh)
 
 
 def _key(t: torch.Tensor) -> int | None:
@@ -138,6 +162,9 @@ class CheckedStreams(Streams):
         self._lock = threading.RLock()
         self._clocks: dict[str, dict[str, int]] = {}
         self._buffers: dict[int, _Buffer] = {}
+        self._watched: dict[int, weakref.ref] = {}
+        """The weak reference to each tracked storage (its callback releases the buffer)."""
+        self._signatures: dict[Any, _Signature] = {}
         self._freed: dict[str, list[tuple[str, list[tuple[str, int, str]]]]] = {}
         """Per allocating stream, the buffers freed while other streams might still use them."""
         self._pending_errors: list[str] = []
@@ -351,9 +378,9 @@ class CheckedStreams(Streams):
             name = f"collective#{self._collectives}"
             self._join(name, self._clock(stream))  # NCCL's stream waits for the issuing one
             self._tick(name)
-            for t in _tensors(list(reads)):
+            for t in _tensors(reads):
                 self._access(t, name, False, name)
-            for t in _tensors(list(writes)):
+            for t in _tensors(writes):
                 self._access(t, name, True, name)
             return name
 
@@ -414,26 +441,30 @@ class CheckedStreams(Streams):
                                    "compute would queue behind it")
 
     def _op(self, func, args, kwargs, out) -> None:
+        signature = self._signatures.get(func)
+        if signature is None:
+            signature = self._signatures[func] = _Signature.of(func)
         with self._lock:
-            self.raise_pending()
+            if self._pending_errors:
+                self.raise_pending()
             stream = self._here()
             clock = self._tick(stream)
-            op = str(func)
+            op = signature.name
             if self.trace:
                 op += " at\n" + "".join(traceback.format_stack(limit=12)[:-3])
-            schema = func._schema
-            for k, arg in enumerate(schema.arguments):
-                value = args[k] if k < len(args) else kwargs.get(arg.name)
+            given = len(args)
+            for k, keyword, written in signature.arguments:
+                value = args[k] if k < given else kwargs.get(keyword)
                 if value is None:
                     continue
-                written = arg.alias_info is not None and arg.alias_info.is_write
                 for t in _tensors(value):
                     if t.numel():  # an empty view moves no byte on a GPU either
                         self._access(t, stream, written, op, clock)
-            outs = out if isinstance(out, (list, tuple)) else (out,)
-            for ret, value in zip(schema.returns, outs):
-                if ret.alias_info is None:
-                    for t in _tensors(value):
+            if signature.fresh_returns:
+                # One return may be a list (a foreach op's Tensor[]); several come as a tuple.
+                outs = (out,) if signature.returns == 1 else out
+                for k in signature.fresh_returns:
+                    for t in _tensors(outs[k]):
                         self._allocated(t, stream, op, clock)
 
     def _access(self, t: torch.Tensor, stream: str, written: bool, op: str, clock: int | None = None) -> None:
@@ -471,7 +502,7 @@ class CheckedStreams(Streams):
         if self.trace:
             name += ", first used at\n" + "".join(traceback.format_stack(limit=14)[:-4])
         buf = self._buffers[key] = _Buffer(name, None)
-        weakref.finalize(t.untyped_storage(), self._released, key)
+        self._watch(t, key)
         return buf
 
     def _allocated(self, t: torch.Tensor, stream: str, op: str, clock: int) -> None:
@@ -483,10 +514,16 @@ class CheckedStreams(Streams):
         if self.trace:
             name += " allocated at\n" + "".join(traceback.format_stack(limit=14)[:-4])
         self._buffers[key] = _Buffer(name, stream, (stream, clock, op))
-        weakref.finalize(t.untyped_storage(), self._released, key)
+        self._watch(t, key)
+
+    def _watch(self, t: torch.Tensor, key: int) -> None:
+        """Calls :meth:`_released` when ``t``'s storage goes (a weak reference's callback: the storage's id
+        cannot be reused before it runs)."""
+        self._watched[key] = weakref.ref(t.untyped_storage(), lambda _ref, key=key: self._released(key))
 
     def _released(self, key: int) -> None:
         with self._lock:
+            self._watched.pop(key, None)
             buf = self._buffers.pop(key, None)
             if buf is None:
                 return
