@@ -30,14 +30,11 @@ class TinyLM(nn.Module):                                   # AdamW: the embeddin
     def __init__(self, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.layers = nn.Sequential(*(Block() for _ in range(layers)))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+        return self.head(self.layers(self.embed(tokens)))
 
 
 def batch(step: int, rank: int) -> torch.Tensor:           # 4 sequences counting up from random starts

@@ -432,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             finish(payload, args)
         return 0
-    from dmuon.testing.spawn import run_distributed
+    from dmuon.testing.spawn import preload, run_distributed
 
+    preload("transformers.models.qwen2.modeling_qwen2")  # imported once for every rank, not once per rank
     if not args.quiet:
         print(f"train_lm: spawning {args.world_size} gloo CPU ranks", file=sys.stderr)
     payload = run_distributed(_spawned_rank, args.world_size, args, timeout_s=1800)[0]

@@ -3,6 +3,8 @@ rule), and which mesh dmuon's replicate level puts a parameter's gradient and mo
 
 from __future__ import annotations
 
+import functools
+
 
 def shard_rows(m: int, shard: int) -> list[int]:
     """Rows of an ``m``-row matrix on each of ``shard`` columns, by ``torch.chunk``'s rule.
@@ -10,12 +12,18 @@ def shard_rows(m: int, shard: int) -> list[int]:
     FSDP2's ``Shard(0)`` gives every column ``ceil(m / shard)`` rows until the
     rows run out, so trailing columns may hold fewer rows, or none.
     """
+    return list(_shard_rows(m, shard))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_rows(m: int, shard: int) -> tuple[int, ...]:
+    # Cached: the cost model asks for the same few (rows, shard) pairs hundreds of thousands of times per plan.
     if shard < 1:
         raise ValueError(f"shard must be >= 1, got {shard}")
     if m < 0:
         raise ValueError(f"rows must be >= 0, got {m}")
     chunk = -(-m // shard)
-    return [max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard)]
+    return tuple(max(0, min(m, (s + 1) * chunk) - s * chunk) for s in range(shard))
 
 
 def position(rank: int, shard: int) -> tuple[int, int]:
