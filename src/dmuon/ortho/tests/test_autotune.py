@@ -161,7 +161,14 @@ def test_plan_measures_joint_choice_once_and_caches(tmp_path):
     assert n == 2
     assert t.plan(p, 6, "cpu") == (method, batched) and t.measurements == n
     entry = t.lookup(p, 6) or t._entries(p.device)[p.key(6) + "|method=auto"]
-    assert set(entry["times_s"]) == {"standard|batched", "standard|looped", "gram|batched", "gram|looped"}
+    # Stacks are timed for the accurate methods within PLAN_SLACK of the best single-matrix time (which
+    # ones that is depends on the timings: an 8x24 matrix takes microseconds, one hiccup makes a method 3x).
+    single = t.lookup(p)
+    best = min(single["times_s"].values())
+    timed = {m for m, s in single["times_s"].items() if s <= at.PLAN_SLACK * best
+             and (m != "gram" or single["gram_accurate"])}
+    assert "standard" in single["times_s"] and "gram" in single["times_s"]
+    assert set(entry["times_s"]) == {f"{m}|{mode}" for m in timed for mode in ("batched", "looped")}
     assert Autotuner(tmp_path).plan(p, 6, "cpu") == (method, batched)
     assert t.plan(p, 1, "cpu") == (t.method(p, "cpu"), False)
     with pytest.raises(ValueError):
