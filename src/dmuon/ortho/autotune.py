@@ -15,11 +15,11 @@ Two decisions are tuned, each per device, compute dtype, matrix shape and schedu
   calls, for the chosen method. On CPU batching wins when per-call dispatch
   dominates (many small matrices) and can lose for mid-sized ones.
 
-The cache is one JSON file per device fingerprint, under ``cache_dir`` (argument,
-else ``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``), kept with
-:mod:`dmuon.util.jsoncache`. Its header names the device, torch version and schema
-version; a file that does not parse, or whose header differs, is ignored (and
-replaced on the next write), never trusted; writes are atomic. Processes sharing the
+The cache is one JSON file per device fingerprint, torch version and schema version
+(its header, which also names the file), under ``cache_dir`` (argument, else
+``$DMUON_CACHE_DIR``, else ``~/.cache/dmuon``), kept with :mod:`dmuon.util.jsoncache`;
+a file that does not parse, or whose header differs, is ignored (and replaced on the
+next write), never trusted; writes are atomic. Processes sharing the
 cache (the ranks of one host) measure one at a time under a lock file and re-read the
 cache first, so each problem is measured once per host, on otherwise idle tuning
 slots. Timing is :func:`dmuon.ortho.timing.time_candidates`: on CUDA device time from
@@ -39,6 +39,7 @@ the lock, has not issued; and its figures would time the step's own traffic.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import socket
@@ -189,7 +190,9 @@ class Autotuner:
     # ------------------------------------------------------------------ storage
 
     def cache_path(self, device_fp: str) -> Path:
-        return cache_file(self.cache_dir, "ortho-autotune", device_fp, 10)
+        # Named by the whole header: venvs of two torch releases sharing a cache directory each keep their file,
+        # instead of replacing each other's verdicts at every switch (a file is trusted for its header only).
+        return cache_file(self.cache_dir, "ortho-autotune", json.dumps(self._header(device_fp), sort_keys=True), 10)
 
     def _header(self, device_fp: str) -> dict:
         return {"schema": SCHEMA_VERSION, "torch": torch.__version__, "device": device_fp}

@@ -94,6 +94,25 @@ def test_file_from_other_device_or_version_is_not_trusted(tmp_path, field, value
     assert calls == [1]
 
 
+
+def test_two_torch_releases_sharing_a_directory_keep_their_own_verdicts(tmp_path, monkeypatch):
+    # Venvs of two torch releases pointed at one cache directory: each finds its verdicts after the other ran.
+    t = Autotuner(tmp_path, repeats=1)
+    p = _problem(t)
+    t.method(p, "cpu")
+    first = t.cache_path(p.device)
+    assert t.measurements == 1 and first.exists()
+    monkeypatch.setattr(torch, "__version__", "0.0.1-other")
+    other = Autotuner(tmp_path, repeats=1)
+    assert other.cache_path(p.device) != first
+    other.method(p, "cpu")
+    assert other.measurements == 1  # nothing of the first release's file is trusted
+    assert other.cache_path(p.device).exists() and first.exists()
+    monkeypatch.undo()
+    again = Autotuner(tmp_path, repeats=1)
+    again.method(p, "cpu")
+    assert again.measurements == 0 and again.cache_path(p.device) == first
+
 def test_malformed_entry_is_remeasured(tmp_path):
     t = Autotuner(tmp_path, repeats=1)
     p = _problem(t)
