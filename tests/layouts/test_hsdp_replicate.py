@@ -171,12 +171,7 @@ def test_bf16_mixed_precision_equals_native_hsdp():
 def test_tensor_parallel_on_a_3d_mesh():
     """(replicate, shard, tp) = (2, 2, 2): TP over tp, FSDP2 over shard, dmuon across replicas."""
     results = run_distributed(tp.train, 8, STEPS, (2, 2, 2), "dmuon", False, False, "dmuon", timeout_s=300)
-    params, momenta = tp.reference(4, STEPS)
-    diff = max((results[0]["params"][n] - params[n]).abs().max().item() for n in params)
-    assert diff <= 1e-5
-    diff = max((results[0]["momentum"][n] - momenta[n]).abs().max().item() for n in momenta)
-    assert diff <= 1e-5
-    assert sum(r["orthogonalized"] for r in results) == len(tp.MATRICES)
+    tp.check_equals_reference(results, 4, STEPS)
 
 
 @STREAMS

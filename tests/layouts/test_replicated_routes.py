@@ -271,12 +271,7 @@ def test_tensor_parallel_then_ddp_with_dmuon():
     ``(replicate, shard, tp) = (2, 1, 2)`` mesh, FSDP2 over the one-rank shard dim, ``hsdp_mesh=mesh``.
     One process's result (fp32 NS), NS once per matrix, each momentum held once over the mesh."""
     results = _run(4, "tp")
-    params, momenta = tp.reference(2, STEPS)
-    diff = max((results[0]["params"][n] - params[n]).abs().max().item() for n in params)
-    assert diff <= 1e-5
-    diff = max((results[0]["momentum"][n] - momenta[n]).abs().max().item() for n in momenta)
-    assert diff <= 1e-5
-    assert sum(r["orthogonalized"] for r in results) == len(tp.MATRICES)
+    _, momenta = tp.check_equals_reference(results, 2, STEPS)
     for n in momenta:
         # TP leaves ``mix`` whole: each tp rank keeps a copy (as it does of the weight and of AdamW's state).
         held = sum(r["momentum_numel"][n] for r in results)

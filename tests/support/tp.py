@@ -104,6 +104,19 @@ def reference(dp: int, steps: int, sequence_parallel: bool = False) -> tuple[dic
     return {n: full(p) for n, p in model.named_parameters()}, momenta
 
 
+
+def check_equals_reference(results: list[dict], dp: int, steps: int,
+                           sequence_parallel: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Rank 0's parameters and momenta are one process's (:func:`reference`, ``dp`` data-parallel batches) to
+    1e-5, and each matrix was orthogonalized once over the whole mesh. Returns the reference."""
+    params, momenta = reference(dp, steps, sequence_parallel)
+    for what, got, want in (("params", results[0]["params"], params), ("momentum", results[0]["momentum"], momenta)):
+        worst = max(want, key=lambda n: (got[n] - want[n]).abs().max().item())
+        err = (got[worst] - want[worst]).abs().max().item()
+        assert err <= 1e-5, (what, worst, err)
+    assert sum(r["orthogonalized"] for r in results) == len(SP_MATRICES if sequence_parallel else MATRICES)
+    return params, momenta
+
 def tp_mesh(world: int, mesh_shape: tuple[int, ...], hsdp: str = "fsdp2"):
     """``(dp, tp)`` or ``(replicate, shard, tp)``; returns the mesh, its dp part (FSDP2's mesh: with
     ``hsdp="dmuon"`` only the shard dim, dmuon reducing across replicas) and this rank's dp index."""
