@@ -139,11 +139,11 @@ def time_candidates(
     OpenBLAS worker threads keep spinning for ~0.1 s and slow down torch's own
     threads (measured: a 2-thread standard Newton–Schulz ran 1.7x slower right after
     a NumPy matmul). The pause before each block (``cooldown_s``, default
-    :data:`COOLDOWN_S` on CPU, 0 elsewhere) lets them go idle, so one candidate does
-    not bill its successor. With one torch thread there is no pool to spin: torch runs
-    on the calling thread and NumPy's BLAS is held to torch's thread count
-    (:func:`dmuon.ortho.symmetric.blas_threads`), so the default pause is 0 there (the
-    ranks of a CPU run, one thread each, tune without sleeping).
+    :func:`default_cooldown_s`) lets them go idle, so one candidate does not bill its
+    successor. With one torch thread there is no pool to spin: torch runs on the calling
+    thread and NumPy's BLAS is held to torch's thread count
+    (:func:`dmuon.ortho.symmetric.blas_threads`), so the default pause is 0 there, as it
+    is off CPU (the ranks of a CPU run, one thread each, tune without sleeping).
     """
     if cooldown_s is None:
         cooldown_s = default_cooldown_s(device)

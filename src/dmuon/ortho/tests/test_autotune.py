@@ -94,7 +94,6 @@ def test_file_from_other_device_or_version_is_not_trusted(tmp_path, field, value
     assert calls == [1]
 
 
-
 def test_two_torch_releases_sharing_a_directory_keep_their_own_verdicts(tmp_path, monkeypatch):
     # Venvs of two torch releases pointed at one cache directory: each finds its verdicts after the other ran.
     t = Autotuner(tmp_path, repeats=1)
@@ -112,6 +111,7 @@ def test_two_torch_releases_sharing_a_directory_keep_their_own_verdicts(tmp_path
     again = Autotuner(tmp_path, repeats=1)
     again.method(p, "cpu")
     assert again.measurements == 0 and again.cache_path(p.device) == first
+
 
 def test_malformed_entry_is_remeasured(tmp_path):
     t = Autotuner(tmp_path, repeats=1)
