@@ -1,12 +1,13 @@
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from dmuon.ortho import symmetric as sym
+
+pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 BACKENDS = ["reference", "torch"] + (["blas"] if sym._np is not None else [])
 # Sizes below and above the half-work threshold, and ones not divisible by the blocks.
@@ -131,50 +132,6 @@ def _triton_installed() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
-def test_triton_syrk_under_interpreter():
-    # TRITON_INTERPRET must be set before the kernel is defined, hence a subprocess.
-    script = textwrap.dedent(
-        """
-        import torch
-        from dmuon.ortho import triton_syrk as T
-        assert T.is_available("cpu")
-        for M, K in [(1, 5), (33, 70), (64, 64), (100, 33)]:
-            g = torch.Generator().manual_seed(M)
-            A = torch.randn(M, K, generator=g)
-            C0 = torch.randn(M, M, generator=g)
-            C0 = C0 + C0.T
-            out = T.syrk(A, 2.0, -0.5, C0)
-            A64 = A.double()
-            ref = 2 * A64 @ A64.T - 0.5 * C0.double()
-            assert out.dtype == torch.float32 and torch.equal(out, out.T)
-            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
-            Ab = A.bfloat16()
-            out = T.syrk(Ab)
-            torch.testing.assert_close(out.double(), Ab.double() @ Ab.double().T, rtol=1e-5, atol=1e-4)
-        # The Gram iteration wired to the kernel (all syrk calls go through Triton).
-        from dmuon.ortho import symmetric as sym
-        from dmuon.ortho.gram import gram_newton_schulz
-        from dmuon.ortho.newton_schulz import newton_schulz
-        assert sym._resolve("triton", torch.zeros(2, 2)) == "triton"
-        sym._MIN_HALF = 16  # let the small test matrix take the kernel path
-        calls = []
-        real = T.syrk
-        T.syrk = lambda *a, **k: calls.append(1) or real(*a, **k)
-        G = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
-        got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.float32, backend="triton")
-        assert len(calls) >= 8, len(calls)
-        ref = newton_schulz(G.double(), "polar_express", 5, dtype=torch.float64)
-        assert float((got.double() - ref).norm() / ref.norm()) < 1e-4
-        print("ok")
-        """
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().endswith("ok")
-
-
 def test_triton_module_imports_and_reports_availability():
     from dmuon.ortho import triton_syrk
 
@@ -205,72 +162,111 @@ def test_blas_threads_follow_torch_and_are_restored():
     assert blas_counts() == before
 
 
-# Reads better whole: one script the Triton interpreter runs in a subprocess of its own.
-@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
-# About 6.5 s a config, so the default run takes the first one only. The interpreter runs a
-# config's BLOCK and BLOCK_K and ignores num_warps and num_stages, so INTERPRET_CONFIG (32, 32, 4, 1)
-# runs the same tiles as TILE_CONFIGS[0] (32, 32, 4, 2); it is also syrk's config=None path, which
-# test_triton_syrk_under_interpreter runs by default. Under -m slow: the other tiles and INTERPRET_CONFIG.
-@pytest.mark.parametrize("configs", ["T.TILE_CONFIGS[:1]",
-                                     pytest.param("T.TILE_CONFIGS[1:] + (T.INTERPRET_CONFIG,)",
-                                                  marks=pytest.mark.slow)],
-                         ids=["first", "the-others-and-interpreter"])
-def test_every_triton_tile_config_under_interpreter(configs):
-    # Every tile configuration in the file, not only the one the autotuner picks: ragged
-    # shapes, M = 1, K = 1, 16-bit operands, the fused addend, a stack, and M = 512 (the
-    # largest that runs in about a second per config in the interpreter on a 2-core CPU).
-    # Bound: float32 accumulation of K products (16-bit products are exact in float32),
-    # |error| <= K * 2**-24 * (|alpha| |A| |A|ᵀ + |beta| |C|) elementwise, doubled for the
-    # final scaling and addition.
-    script = textwrap.dedent(
-        """
-        import torch
-        from dmuon.ortho import triton_syrk as T
-        g = torch.Generator().manual_seed(0)
-        shapes = [(1, 1), (1, 37), (37, 1), (70, 45), (129, 130), (512, 40)]
-        for cfg in CONFIGS:
-            for M, K in shapes:
-                for dt in (torch.float32, torch.bfloat16, torch.float16):
-                    for stack in ((), (3,)) if M == 70 else ((),):
-                        A = torch.randn(*stack, M, K, generator=g).to(dt)
-                        C0 = torch.randn(*stack, M, M, generator=g)
-                        C0 = C0 + C0.mT
-                        for alpha, beta, C in ((1.0, 0.0, None), (-2.5, 1.5, C0)):
-                            out = T.syrk(A, alpha, beta, C, config=cfg)
-                            A64 = A.double()
-                            ref = alpha * A64 @ A64.mT
-                            mag = abs(alpha) * A64.abs() @ A64.abs().mT
-                            if C is not None:
-                                ref = ref + beta * C.double()
-                                mag = mag + abs(beta) * C.double().abs()
-                            err = (out.double() - ref).abs()
-                            bound = 2 * (K + 2) * 2.0 ** -24 * mag + 1e-30
-                            assert out.dtype == torch.float32 and out.shape == ref.shape
-                            assert torch.equal(out, out.mT), (cfg, M, K, dt)
-                            assert bool((err <= bound).all()), (cfg, M, K, dt, stack, float((err / bound).max()))
-        # Tuning state is keyed by dtype and flags, not only (M, K).
-        T.pin_config(64, 32, (32, 32, 4, 2), torch.bfloat16, has_c0=True, ieee=False)
-        assert T.best_config(64, 32, torch.bfloat16, True, False) == (32, 32, 4, 2)
-        assert T.best_config(64, 32) is None and T.best_config(64, 32, torch.float16, True, False) is None
-        # A stack through the Gram iteration runs batched on the kernel, output in bf16.
-        from dmuon.ortho import symmetric as sym
-        from dmuon.ortho.gram import gram_newton_schulz
-        sym._MIN_HALF = 16
-        calls = []
-        real = T.syrk
-        T.syrk = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
-        G = torch.randn(3, 40, 96, generator=g)
-        got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="triton")
-        ref = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="reference")
-        assert calls and all(len(s) == 3 for s in calls), calls
-        # Both round float32 results that agree to ~1e-6 to bf16: at most one bf16 ulp
-        # (2**-7 relative) apart per element.
-        assert got.dtype == torch.bfloat16 and float((got.double() - ref.double()).norm() / ref.double().norm()) < 2.0 ** -7
-        print("ok")
-        """
-    )
-    script = script.replace("CONFIGS", configs)
+# The Triton interpreter's scripts: TRITON_INTERPRET must be set before the kernel is defined, hence a
+# subprocess, one per test (an interpreter start imports torch, dmuon and Triton: seconds).
+
+# syrk's config=None path (INTERPRET_CONFIG) on ragged shapes, and the Gram iteration wired to the kernel.
+_DEFAULT_PATH = """
+g = torch.Generator().manual_seed(1)
+for M, K in [(1, 5), (33, 70), (64, 64), (100, 33)]:
+    A = torch.randn(M, K, generator=g)
+    C0 = torch.randn(M, M, generator=g)
+    C0 = C0 + C0.T
+    out = T.syrk(A, 2.0, -0.5, C0)
+    A64 = A.double()
+    ref = 2 * A64 @ A64.T - 0.5 * C0.double()
+    assert out.dtype == torch.float32 and torch.equal(out, out.T)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    Ab = A.bfloat16()
+    out = T.syrk(Ab)
+    torch.testing.assert_close(out.double(), Ab.double() @ Ab.double().T, rtol=1e-5, atol=1e-4)
+assert sym._resolve("triton", torch.zeros(2, 2)) == "triton"
+calls = []
+real = T.syrk
+T.syrk = lambda *a, **k: calls.append(1) or real(*a, **k)
+G = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.float32, backend="triton")
+assert len(calls) >= 8, len(calls)  # every syrk of the iteration went through Triton
+ref = newton_schulz(G.double(), "polar_express", 5, dtype=torch.float64)
+assert float((got.double() - ref).norm() / ref.norm()) < 1e-4
+T.syrk = real
+"""
+
+# Tile configurations given by CONFIGS: ragged shapes, M = 1, K = 1, 16-bit operands, the fused addend and
+# a stack on each; M = 512 (a grid of 136 tiles: the triangular enumeration past a few rows) once, in
+# float32 with the addend, where each call costs about a second in the interpreter on a 2-core CPU.
+# Bound: float32 accumulation of K products (16-bit products are exact in float32),
+# |error| <= K * 2**-24 * (|alpha| |A| |A|ᵀ + |beta| |C|) elementwise, doubled for the final scaling
+# and addition. Then the tuning state's keys, and a stack through the Gram iteration on the kernel.
+_TILES = """
+g = torch.Generator().manual_seed(0)
+shapes = [(1, 1), (1, 37), (37, 1), (70, 45), (129, 130), (512, 40)]
+for cfg in CONFIGS:
+    for M, K in shapes:
+        for dt in (torch.float32, torch.bfloat16, torch.float16) if M < 512 else (torch.float32,):
+            for stack in ((), (3,)) if M == 70 else ((),):
+                A = torch.randn(*stack, M, K, generator=g).to(dt)
+                C0 = torch.randn(*stack, M, M, generator=g)
+                C0 = C0 + C0.mT
+                for alpha, beta, C in ((1.0, 0.0, None), (-2.5, 1.5, C0)) if M < 512 else ((-2.5, 1.5, C0),):
+                    out = T.syrk(A, alpha, beta, C, config=cfg)
+                    A64 = A.double()
+                    ref = alpha * A64 @ A64.mT
+                    mag = abs(alpha) * A64.abs() @ A64.abs().mT
+                    if C is not None:
+                        ref = ref + beta * C.double()
+                        mag = mag + abs(beta) * C.double().abs()
+                    err = (out.double() - ref).abs()
+                    bound = 2 * (K + 2) * 2.0 ** -24 * mag + 1e-30
+                    assert out.dtype == torch.float32 and out.shape == ref.shape
+                    assert torch.equal(out, out.mT), (cfg, M, K, dt)
+                    assert bool((err <= bound).all()), (cfg, M, K, dt, stack, float((err / bound).max()))
+# Tuning state is keyed by dtype and flags, not only (M, K).
+T.pin_config(64, 32, (32, 32, 4, 2), torch.bfloat16, has_c0=True, ieee=False)
+assert T.best_config(64, 32, torch.bfloat16, True, False) == (32, 32, 4, 2)
+assert T.best_config(64, 32) is None and T.best_config(64, 32, torch.float16, True, False) is None
+# A stack through the Gram iteration runs batched on the kernel, output in bf16.
+calls = []
+real = T.syrk
+T.syrk = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+G = torch.randn(3, 40, 96, generator=g)
+got = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="triton")
+ref = gram_newton_schulz(G, "polar_express", 5, dtype=torch.bfloat16, backend="reference")
+assert calls and all(len(s) == 3 for s in calls), calls
+# Both round float32 results that agree to ~1e-6 to bf16: at most one bf16 ulp
+# (2**-7 relative) apart per element.
+assert got.dtype == torch.bfloat16 and float((got.double() - ref.double()).norm() / ref.double().norm()) < 2.0 ** -7
+T.syrk = real
+"""
+
+
+def _run_under_interpreter(*parts: str) -> None:
+    script = "\n".join([
+        "import torch",
+        "from dmuon.ortho import symmetric as sym, triton_syrk as T",
+        "from dmuon.ortho.gram import gram_newton_schulz",
+        "from dmuon.ortho.newton_schulz import newton_schulz",
+        "assert T.is_available('cpu')",
+        "sym._MIN_HALF = 16  # small test matrices take the kernel path",
+        *parts,
+        "print('ok')",
+    ])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+def test_triton_syrk_under_interpreter():
+    """The default path, the Gram wiring and the first tile configuration, in one interpreter process."""
+    _run_under_interpreter(_DEFAULT_PATH, _TILES.replace("CONFIGS", "T.TILE_CONFIGS[:1]"))
+
+
+@pytest.mark.slow  # the other tiles: test_triton_syrk_under_interpreter runs the first by default
+@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed")
+def test_every_other_triton_tile_config_under_interpreter():
+    """The interpreter runs a config's BLOCK and BLOCK_K and ignores num_warps and num_stages, so
+    INTERPRET_CONFIG (32, 32, 4, 1) runs the same tiles as TILE_CONFIGS[0] (32, 32, 4, 2), which the
+    default test runs; here the others and INTERPRET_CONFIG through the explicit-config path."""
+    _run_under_interpreter(_TILES.replace("CONFIGS", "T.TILE_CONFIGS[1:] + (T.INTERPRET_CONFIG,)"))
