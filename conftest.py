@@ -1,6 +1,8 @@
 """Settings for every test of the suite (tests/ and each package's tests)."""
 
+import dataclasses
 import os
+import sys
 
 import pytest
 
@@ -14,6 +16,7 @@ _CALLERS_CHOICE = os.environ.get(CHECK_ENV)
 
 def pytest_configure(config):
     config.check_streams_choice = _CALLERS_CHOICE  # what the caller set (None: per marker), for the tests of the rule
+    _refuse_launches_from_one_process_tests()
 
 
 @pytest.fixture(autouse=True)
@@ -23,11 +26,55 @@ def _stream_checker(request, monkeypatch):
         monkeypatch.setenv(CHECK_ENV, "1" if request.node.get_closest_marker("streams") else "0")
 
 
+# The default run takes two pytest-xdist workers (pyproject.toml's addopts: ``-n 2 --dist loadgroup``): every
+# test that starts ranks runs on one worker, in collection order, as a serial run would run them (the launches a
+# file or two files share run once; no two launches share the two cores), and the tests marked ``one_process``
+# run on the other meanwhile, a file at a time, in the CPU time the ranks leave idle (they wait on each other's
+# collectives). ``-n 0`` runs everything in this process (a debugger, ``-s``).
+RANKS_GROUP = "ranks"
+
+
+def _worker_group(item) -> str:
+    """The tests' xdist group: the file of a ``one_process`` test (its module's caches stay in one worker),
+    :data:`RANKS_GROUP` for every other (a test that starts ranks, or may)."""
+    if item.get_closest_marker("one_process") is not None:
+        return item.nodeid.split("::")[0]
+    return RANKS_GROUP
+
+
+_RUNNING: list = [None]
+"""The test running in this process (its item), for :func:`_refuse_launches_from_one_process_tests`."""
+
+
+@pytest.fixture(autouse=True)
+def _running_test(request):
+    _RUNNING[0] = request.node
+    yield
+    _RUNNING[0] = None
+
+
+def _refuse_launches_from_one_process_tests() -> None:
+    """A test marked ``one_process`` that starts ranks fails, naming the mark: beside the other worker's
+    launches it would share the cores with them, and it is not where a reader of the mark looks for ranks."""
+    import dmuon.testing.spawn as spawn
+
+    launch = spawn.run_distributed
+
+    def checked(fn, world_size, *args, **kwargs):
+        item = _RUNNING[0]
+        if item is not None and item.get_closest_marker("one_process") is not None:
+            raise RuntimeError(f"{item.nodeid} is marked one_process and starts {world_size} ranks: drop the "
+                               "mark (its file's pytestmark) so that it runs with the other launches")
+        return launch(fn, world_size, *args, **kwargs)
+
+    spawn.run_distributed = checked
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Marks the compatibility subset (tests/support/compat.py) ``compat``; with ``-m compat``, a listed
-    test that is not collected fails the run instead of leaving the subset."""
-    import pytest
-
+    test that is not collected fails the run instead of leaving the subset. Gives each test its
+    pytest-xdist group (:func:`_worker_group`)."""
     from support.compat import COMPAT_TESTS
 
     found = set()
@@ -35,6 +82,8 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in COMPAT_TESTS:
             item.add_marker(pytest.mark.compat)
             found.add(item.nodeid)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
     if "compat" in (config.getoption("markexpr") or "") and not config.getoption("keyword"):
         # Run on the default paths, every listed test must be there; on chosen paths, those of their files.
         everything = config.args_source == pytest.Config.ArgsSource.TESTPATHS
@@ -45,18 +94,39 @@ def pytest_collection_modifyitems(config, items):
                                     "removed?): " + ", ".join(missing))
 
 
+_CRASHES_ON_REPORTS = [0]
+"""How many of this process's crashes (``support.spawn.CRASHES``) a test report carries already."""
+_REPORTED_CRASHES: list[dict] = []
+"""The crashes the reports carried, from this process or from each pytest-xdist worker."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Puts each native crash of a rank on the report of the test phase that saw it (the report reaches the
+    process that prints the summary, a pytest-xdist worker's included)."""
+    outcome = yield
+    launcher = sys.modules.get("support.spawn")
+    if launcher is None:
+        return
+    new = launcher.CRASHES[_CRASHES_ON_REPORTS[0]:]
+    _CRASHES_ON_REPORTS[0] += len(new)
+    outcome.get_result().user_properties.extend(("rank_crash", dataclasses.asdict(c)) for c in new)
+
+
+def pytest_runtest_logreport(report):
+    _REPORTED_CRASHES.extend(value for key, value in report.user_properties if key == "rank_crash")
+
+
 def pytest_terminal_summary(terminalreporter):
     """Every native crash of a rank that the tests' launcher saw (support.spawn.run_distributed runs the
     function again once): the test, the rank, the signal and the rank's stacks, so a retry that let a
     test pass is still in plain sight."""
-    from support.spawn import CRASHES
-
-    if not CRASHES:
+    if not _REPORTED_CRASHES:
         return
-    terminalreporter.section(f"ranks that died of a native crash ({len(CRASHES)})", yellow=True)
-    for crash in CRASHES:
-        outcome = "ran again on fresh ranks" if crash.retried else "no retry left: the test failed"
-        terminalreporter.write_line(f"{crash.test}: {crash.launch}: rank {crash.rank} died of {crash.signal}; "
-                                    f"{outcome}")
-        for line in crash.stacks.splitlines():
+    terminalreporter.section(f"ranks that died of a native crash ({len(_REPORTED_CRASHES)})", yellow=True)
+    for crash in _REPORTED_CRASHES:
+        outcome = "ran again on fresh ranks" if crash["retried"] else "no retry left: the test failed"
+        terminalreporter.write_line(f"{crash['test']}: {crash['launch']}: rank {crash['rank']} died of "
+                                    f"{crash['signal']}; {outcome}")
+        for line in crash["stacks"].splitlines():
             terminalreporter.write_line("    " + line)

@@ -3,13 +3,16 @@
     PYTHONPATH=scripts python -m pytest -q --durations=60 -p pytest_launch_count
 
 prints, after the run, the launches by world size, the wall time spent inside them, and what an empty
-4-rank launch costs on this machine (three of them, after the run).
+4-rank launch costs on this machine (three of them, after the run). Under pytest-xdist each worker counts
+its own launches and hands them to the controller, which prints the sum.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+
+import pytest
 
 COUNT: collections.Counter = collections.Counter()
 WALL = [0.0]
@@ -41,6 +44,22 @@ def pytest_configure(config):
         return crashing(fn, world_size, *args, **kwargs)
 
     tests_spawn.run_with_crashes = counted_crashing
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set on a pytest-xdist worker only
+    if workeroutput is not None:
+        workeroutput["launches"] = {str(k): v for k, v in COUNT.items()}
+        workeroutput["launch_wall"] = WALL[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent under -p no:xdist
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's counts, added to this process's."""
+    output = getattr(node, "workeroutput", {})
+    for world, count in output.get("launches", {}).items():
+        COUNT[int(world) if world.isdigit() else world] += count
+    WALL[0] += output.get("launch_wall", 0.0)
 
 
 def pytest_terminal_summary(terminalreporter):
