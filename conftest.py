@@ -28,7 +28,7 @@ def _stream_checker(request, monkeypatch):
 
 # The default run takes two pytest-xdist workers (pyproject.toml's addopts: ``-n 2 --dist loadgroup``): every
 # test that starts ranks runs on one worker, in collection order, as a serial run would run them (the launches a
-# file or two files share run once; no two launches share the two cores), and the tests marked ``one_process``
+# file or several files share run once; no two launches share the two cores), and the tests marked ``one_process``
 # run on the other meanwhile, a file at a time, in the CPU time the ranks leave idle (they wait on each other's
 # collectives). ``-n 0`` runs everything in this process (a debugger, ``-s``).
 RANKS_GROUP = "ranks"
@@ -82,8 +82,11 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in COMPAT_TESTS:
             item.add_marker(pytest.mark.compat)
             found.add(item.nodeid)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+        if item.get_closest_marker("xdist_group") is not None:
+            # A group of its own would run beside the ranks' group: launches sharing the cores.
+            raise pytest.UsageError(f"{item.nodeid}: conftest.py makes the xdist groups (mark a file that starts "
+                                    "no ranks one_process; leave the others unmarked), not xdist_group")
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
     if "compat" in (config.getoption("markexpr") or "") and not config.getoption("keyword"):
         # Run on the default paths, every listed test must be there; on chosen paths, those of their files.
         everything = config.args_source == pytest.Config.ArgsSource.TESTPATHS

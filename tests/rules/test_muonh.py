@@ -23,9 +23,6 @@ from support.more_rules import (
 )
 from support.step_comm import check_counted_log, expected_log
 
-# One group under pytest-xdist: both files read the same launches (support.more_rules.runs).
-pytestmark = pytest.mark.xdist_group("more_rules")
-
 RULE = "muonh"
 
 
