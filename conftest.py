@@ -16,7 +16,6 @@ _CALLERS_CHOICE = os.environ.get(CHECK_ENV)
 
 def pytest_configure(config):
     config.check_streams_choice = _CALLERS_CHOICE  # what the caller set (None: per marker), for the tests of the rule
-    _refuse_launches_from_one_process_tests()
 
 
 @pytest.fixture(autouse=True)
@@ -26,55 +25,19 @@ def _stream_checker(request, monkeypatch):
         monkeypatch.setenv(CHECK_ENV, "1" if request.node.get_closest_marker("streams") else "0")
 
 
-# The default run takes two pytest-xdist workers (pyproject.toml's addopts: ``-n 2 --dist loadgroup``): every
-# test that starts ranks runs on one worker, in collection order, as a serial run would run them (the launches a
-# file or several files share run once; no two launches share the two cores), and the tests marked ``one_process``
-# run on the other meanwhile, a file at a time, in the CPU time the ranks leave idle (they wait on each other's
-# collectives). ``-n 0`` runs everything in this process (a debugger, ``-s``).
-RANKS_GROUP = "ranks"
-
-
-def _worker_group(item) -> str:
-    """The tests' xdist group: the file of a ``one_process`` test (its module's caches stay in one worker),
-    :data:`RANKS_GROUP` for every other (a test that starts ranks, or may)."""
-    if item.get_closest_marker("one_process") is not None:
-        return item.nodeid.split("::")[0]
-    return RANKS_GROUP
-
-
-_RUNNING: list = [None]
-"""The test running in this process (its item), for :func:`_refuse_launches_from_one_process_tests`."""
-
-
-@pytest.fixture(autouse=True)
-def _running_test(request):
-    _RUNNING[0] = request.node
-    yield
-    _RUNNING[0] = None
-
-
-def _refuse_launches_from_one_process_tests() -> None:
-    """A test marked ``one_process`` that starts ranks fails, naming the mark: beside the other worker's
-    launches it would share the cores with them, and it is not where a reader of the mark looks for ranks."""
-    import dmuon.testing.spawn as spawn
-
-    launch = spawn.run_distributed
-
-    def checked(fn, world_size, *args, **kwargs):
-        item = _RUNNING[0]
-        if item is not None and item.get_closest_marker("one_process") is not None:
-            raise RuntimeError(f"{item.nodeid} is marked one_process and starts {world_size} ranks: drop the "
-                               "mark (its file's pytestmark) so that it runs with the other launches")
-        return launch(fn, world_size, *args, **kwargs)
-
-    spawn.run_distributed = checked
+# The default run takes two pytest-xdist workers (pyproject.toml's addopts: ``-n 2 --dist loadgroup``), each
+# running a test file at a time: a file is one xdist group, so the launches its tests share (support.scenarios)
+# and its module's caches stay in one process; files that read the same launches are one group by an
+# ``xdist_group`` mark (tests/rules/test_muonh.py and test_dion2.py). Two launches then share the two cores,
+# which one launch leaves partly idle while its ranks wait on each other's collectives. ``-n 0`` runs every test
+# in this process (a debugger, ``-s``).
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Marks the compatibility subset (tests/support/compat.py) ``compat``; with ``-m compat``, a listed
-    test that is not collected fails the run instead of leaving the subset. Gives each test its
-    pytest-xdist group (:func:`_worker_group`)."""
+    test that is not collected fails the run instead of leaving the subset. Puts each test in its file's
+    pytest-xdist group unless it is marked with one."""
     from support.compat import COMPAT_TESTS
 
     found = set()
@@ -82,11 +45,8 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in COMPAT_TESTS:
             item.add_marker(pytest.mark.compat)
             found.add(item.nodeid)
-        if item.get_closest_marker("xdist_group") is not None:
-            # A group of its own would run beside the ranks' group: launches sharing the cores.
-            raise pytest.UsageError(f"{item.nodeid}: conftest.py makes the xdist groups (mark a file that starts "
-                                    "no ranks one_process; leave the others unmarked), not xdist_group")
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if "compat" in (config.getoption("markexpr") or "") and not config.getoption("keyword"):
         # Run on the default paths, every listed test must be there; on chosen paths, those of their files.
         everything = config.args_source == pytest.Config.ArgsSource.TESTPATHS

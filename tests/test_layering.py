@@ -5,11 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import dmuon
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 # Lowest first (docs/architecture.md, "Layers"). Tests beside a package may import anything.
 LAYERS = ["util", "ortho", "rules", "plan", "costmodel", "comm", "runtime", "prepare", "optim", "baselines", "testing", "bench", "cli"]

@@ -18,8 +18,6 @@ import dmuon
 
 from support.models import small_mlp as _model, small_mlp_batch as _batch
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 NS = dmuon.NSConfig(method="standard")  # torch.optim.Muon's iteration, in bf16 as torch's
 STEPS = 4
 

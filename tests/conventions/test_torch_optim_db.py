@@ -19,8 +19,6 @@ from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_
 
 import dmuon
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 INFOS = {info.optim_cls: info for info in optim_db if info.optim_cls in (torch.optim.Muon, torch.optim.AdamW)}
 MUON_INPUTS = INFOS[torch.optim.Muon].optim_inputs_func("cpu", torch.float32)
 ADAMW_INPUTS = INFOS[torch.optim.AdamW].optim_inputs_func("cpu", torch.float32)

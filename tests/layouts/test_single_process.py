@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import dmuon
 
 from support.cases import MUON_KW
 from support.models import OddNet, lm_loss, odd_batch
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 def _batches(steps):

@@ -23,6 +23,9 @@ from support.more_rules import (
 )
 from support.step_comm import check_counted_log
 
+# One xdist group: both files read the same launches (support.more_rules.runs).
+pytestmark = pytest.mark.xdist_group("more_rules")
+
 RULE = "dion2"
 
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
 import torch
 
 import dmuon
 
 from support.models import OddNet, lm_loss, odd_batch
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 KW = dict(lr=0.02, adamw=dmuon.AdamWConfig(lr=3e-3), ns=dmuon.NSConfig(method="standard", dtype=torch.float32))
 

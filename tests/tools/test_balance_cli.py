@@ -11,8 +11,6 @@ from dmuon.bench.shapes import full_size_shapes
 from dmuon.costmodel.offline import expand, plan_offline
 from dmuon.plan.profile import load_costs_json
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SHAPES = [{"name": "a", "shape": [64, 256], "count": 5}, {"name": "b", "shape": [256, 64], "count": 2},
           {"name": "c", "shape": [32, 32], "count": 3}]
 

@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import random
 import socket
 import sys
 import tempfile
@@ -49,7 +50,37 @@ def _start_method() -> str:
     return "forkserver"
 
 
+_EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range: the ports ``bind(0)`` and ``connect()`` hand out."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1, free now, for a launch's store (``MASTER_PORT``).
+
+    Chosen at random below the kernel's ephemeral range, where only an explicit choice binds: a port that
+    ``bind(0)`` hands out is free again once that probe closes, and any socket's ``bind(0)`` or ``connect()``
+    (another launch's gloo connections, when two test processes launch at once) may take it before rank 0's
+    store binds it. Two explicit choices meet with odds of one in the range's size (16k ports). ``bind(0)``
+    where no port below the range is free in 64 tries."""
+    low, _ = _ephemeral_ports()
+    first = max(1024, low - 16384)
+    if first < low:
+        for port in random.SystemRandom().sample(range(first, low), min(64, low - first)):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 import dmuon
 from dmuon.baselines import GatherThenCompute
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 class Mixed(nn.Module):

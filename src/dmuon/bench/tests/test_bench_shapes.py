@@ -15,8 +15,6 @@ from dmuon.bench.shapes import (
     total_params,
 )
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_qwen25_7b_totals():
     shapes = full_size_shapes("qwen2.5-7b")

@@ -21,8 +21,6 @@ from dmuon.bench.calibrate_fit import (
 from dmuon.plan.cost import gram_ns_flops, ns_flops
 from dmuon.plan.profile import load_costs_json
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SIZES = (16384, 65536, 262144, 1048576, 4194304)
 
 

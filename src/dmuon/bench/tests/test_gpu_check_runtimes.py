@@ -8,14 +8,11 @@ import copy
 import functools
 import json
 
-import pytest
 import torch
 
 from dmuon.bench import gpu_check
 from dmuon.bench import gpu_check_runtimes as gr
 from dmuon.bench.gpu_check_base import one_rank
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 CPU = torch.device("cpu")
 

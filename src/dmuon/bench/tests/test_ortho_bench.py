@@ -8,8 +8,6 @@ import torch
 
 from dmuon.bench.ortho_bench import format_kernel_table, format_table, main, run_kernel_bench, run_ortho_bench
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ from dmuon.bench import plan_cli
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS
 from dmuon.costmodel.simulate import SIM_STRATEGIES
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_plan_simulate_json_and_overrides(tmp_path, capsys):
     out = tmp_path / "plan.json"

@@ -16,8 +16,6 @@ from dmuon.costmodel.rank_traffic import owner_traffic
 from dmuon.costmodel.sim_config import HARDWARE_PRESETS, SimOptions
 from dmuon.costmodel.simulate import simulate
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_uneven_experts_over_ep_split_rows_over_efsdp():
     # 4 ranks, ep 2, 3 experts: torch.chunk gives ep rank 0 experts 0-1 and ep rank 1 expert 2; efsdp 2 x ep 2 > 3,

@@ -12,8 +12,6 @@ from dmuon.costmodel.offline import plan_offline
 from dmuon.costmodel.recommend import ASKS, TIE, recommend, recommended_code
 from dmuon.costmodel.sim_config import Hardware, SimOptions
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 @dataclass
 class Group:

@@ -21,8 +21,6 @@ from dmuon.plan.cost import gram_ns_flops, ns_flops
 
 from ._helpers import HW, LINKS, small_step_inputs, transfer
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _ends(task) -> dict[int, float]:
     return dict(sorted(task.end.items()))

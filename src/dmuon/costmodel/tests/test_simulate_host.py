@@ -10,8 +10,6 @@ from dmuon.costmodel.simulate import SIM_STRATEGIES, Timeline, build_step, simul
 
 from ._helpers import LINKS, small_step_inputs, transfer
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 # ------------------------------------------------------------------ per-kind links and the host's work
 def _kind(op: str, sent: int, messages: int = 1) -> Collective:

@@ -21,8 +21,6 @@ from dmuon.costmodel.simulate import (
 
 from ._helpers import HW, LINKS, small_step_inputs
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 @pytest.mark.parametrize("replicate,shard", [(1, 4), (2, 2), (4, 2)])
 def test_returns_in_backward_move_the_returns_behind_backward(replicate, shard):

@@ -27,8 +27,6 @@ from dmuon.costmodel.traffic import (
 
 from ._helpers import summed_per_rank
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _ring_all_reduce(replicate: int, shard: int, numel: int, elem_bytes: int) -> list[RankTraffic]:
     """A ring all-reduce of each rank's numel / S shard across the R ranks of its column,

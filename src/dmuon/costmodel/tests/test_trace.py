@@ -12,8 +12,6 @@ from dmuon.costmodel.sim_config import Hardware, SimOptions, StepInputs
 from dmuon.costmodel.simulate import RETURNS_IN_BACKWARD, build_step, simulate
 from dmuon.costmodel.trace import LANE_NAMES, chrome_trace
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 HW = Hardware("test", compute_flops=1e12, ns_flops=1e12, elementwise_bytes=1e11,
               links=AlphaBeta(intra_bandwidth=1.0, inter_bandwidth=1.0, intra_latency=1.0, inter_latency=2.0))
 OPTIONS = SimOptions(tokens_per_gpu=1000)

@@ -22,8 +22,6 @@ from dmuon.plan.publication import SCATTER, Published, choose_route
 
 from ._helpers import summed_per_rank
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _torch_rows(m: int, shard: int) -> list[int]:
     """Row counts as FSDP2 gets them: torch.chunk, padded with empty columns."""

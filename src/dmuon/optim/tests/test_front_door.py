@@ -12,8 +12,6 @@ from torch import nn
 import dmuon
 from dmuon.prepare.setup import waits_for_sharding
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 class TwoBlocks(nn.Module):
     """Two linear blocks (matrices: Muon) with biases and a norm (vectors: AdamW)."""

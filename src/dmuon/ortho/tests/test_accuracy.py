@@ -25,8 +25,6 @@ from dmuon.ortho.newton_schulz import newton_schulz
 
 from ._helpers import emulated_bf16_newton_schulz, gradient_like, rel
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 KINDS = ["gauss", "lowrank", "powerlaw", "logspec", "student"]
 
 

@@ -8,8 +8,6 @@ from dmuon.ortho.coefficients import KELLER
 
 from ._helpers import rel
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 class CountingTuner(Autotuner):
     """A tuner with fixed answers that records what it was asked."""

@@ -8,8 +8,6 @@ from dmuon.ortho import autotune as at
 from dmuon.ortho.autotune import Autotuner
 from dmuon.ortho.coefficients import KELLER, resolve_schedule
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SCHED = resolve_schedule(KELLER, 5)
 
 

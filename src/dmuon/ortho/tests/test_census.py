@@ -15,8 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmuon.ortho.gram import gram_newton_schulz
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 # Kernels that write memory (everything else in the census is a view or metadata).
 KERNELS = MATMULS | {"copy_", "where", "empty", "mul", "add", "add_", "_to_copy", "linalg_vector_norm",

@@ -16,8 +16,6 @@ from dmuon.ortho.newton_schulz import newton_schulz
 
 from ._helpers import polar_factor, rel, with_spectrum
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _compose(schedule, x):
     for a, b, c in schedule:

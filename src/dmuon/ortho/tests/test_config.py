@@ -7,8 +7,6 @@ import torch
 
 from dmuon.ortho import KELLER, NSConfig, orthogonalize_many
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(method="magic"), "method"), (dict(dtype=torch.int32), "dtype"), (dict(steps=0), "steps"),

@@ -11,8 +11,6 @@ from dmuon.ortho.api import orthogonalize_many
 from dmuon.ortho.autotune import Autotuner
 from dmuon.ortho.coefficients import KELLER, resolve_schedule
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SCHED = resolve_schedule(KELLER, 5)
 
 

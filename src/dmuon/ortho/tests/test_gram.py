@@ -8,8 +8,6 @@ from dmuon.ortho.newton_schulz import newton_schulz
 
 from ._helpers import gradient_like, rel
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 BACKENDS = ["reference", "torch"] + (["blas"] if sym._np is not None else [])
 
 

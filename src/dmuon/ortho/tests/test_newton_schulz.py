@@ -5,8 +5,6 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from dmuon.ortho.coefficients import KELLER, polar_express_schedule
 from dmuon.ortho.newton_schulz import newton_schulz
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SHAPES = [(1, 64), (64, 1), (1, 1), (200, 48), (48, 200), (96, 96), (300, 700), (513, 129)]
 
 

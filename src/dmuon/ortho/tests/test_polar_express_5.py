@@ -18,8 +18,6 @@ from dmuon.ortho.newton_schulz import newton_schulz
 
 from ._helpers import rel
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 # Typed again from KellerJordan/modded-nanogpt train_gpt.py (commit f411b3d) so that a change to
 # the library's copy is caught; microsoft/dion dion/polar_express.py holds the same numbers.
 MODDED_NANOGPT = [

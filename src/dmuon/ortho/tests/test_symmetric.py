@@ -7,8 +7,6 @@ import torch
 
 from dmuon.ortho import symmetric as sym
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 BACKENDS = ["reference", "torch"] + (["blas"] if sym._np is not None else [])
 # Sizes below and above the half-work threshold, and ones not divisible by the blocks.
 SIZES = [5, 127, 130, 301, 390, 777]

@@ -5,12 +5,9 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
 import torch
 
 from dmuon.ortho import triton_syrk
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 SRC = pathlib.Path(__file__).resolve().parents[2]
 GUARDS = {"on_device", "torch.cuda.device"}

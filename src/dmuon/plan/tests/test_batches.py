@@ -4,8 +4,6 @@ import pytest
 
 from dmuon.plan.batches import return_waves, split_into_batches
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_planned_sizes_are_followed_per_kind():
     kind_of = ["a", "b", "a", "a", "b", "a", "a"]

@@ -16,8 +16,6 @@ from dmuon.plan.cost_table import CostTable
 from dmuon.plan.holders import holder_ranks, owned_where_held, prefer_holders, spread_kinds
 from dmuon.plan.plan import MatrixInfo, Piece, row_pieces
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _most_on_holders(owners, kinds, holders) -> int:
     """The oracle: the most matrices on a holder any owners with the same per-rank kind counts reach (a maximum

@@ -9,8 +9,6 @@ import pytest
 from dmuon.plan.hop_a import UNITS, HopASpreader, SliceShape, column_reduce_loads, slice_shape
 from dmuon.plan.layout import shard_rows
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 R, S, WIRE = 4, 2, 2
 
 

@@ -7,8 +7,6 @@ import torch
 
 from dmuon.plan.layout import shard_rows
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _torch_rows(m: int, shard: int) -> list[int]:
     """Row counts as FSDP2 gets them: torch.chunk, padded with empty columns."""

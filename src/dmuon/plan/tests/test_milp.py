@@ -18,8 +18,6 @@ from dmuon.plan.milp import Kind, best_partition, owners_from_counts, useful_bat
 
 from ._balancing import assign_owners
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _brute_partition(costs: dict[int, float], n: int) -> float:
     """Cheapest split of n into available batch sizes, by plain recursion (independent of the DP)."""

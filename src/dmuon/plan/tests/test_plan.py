@@ -15,8 +15,6 @@ from dmuon.plan.cost import ns_flops
 from ._balancing import assign_owners, kinds_from_costs
 from ._models import OddNet
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 class TiedLM(nn.Module):
     def __init__(self):

@@ -19,8 +19,6 @@ from dmuon.plan.profile import (
     table_from_records,
 )
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 SHAPES = {(8, 16): 3, (16, 4): 2}
 # "standard" with fixed batching keeps the autotuner out of these small, fast runs.
 NS = {"method": "standard", "batching": "batched", "steps": 2}

@@ -9,8 +9,6 @@ import pytest
 from dmuon.plan.layout import shard_rows
 from dmuon.plan.publication import DIRECT, SCATTER, Published, choose_route, part_sizes, route_stages
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _matrix(rows: int, cols: int, owner_replica: int, shard: int, inner: int = 1) -> Published:
     """FSDP2's full-width row chunks of a ``rows x cols`` matrix."""

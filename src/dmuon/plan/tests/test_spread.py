@@ -10,8 +10,6 @@ import pytest
 
 from dmuon.plan.spread import block_wait_bytes, spread_blocks
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_two_blocks_of_two_big_matrices_end_on_different_ranks():
     # LPT-like owners: each block's two big matrices on one rank, so each exchange waits

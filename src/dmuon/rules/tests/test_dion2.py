@@ -9,8 +9,6 @@ import torch
 
 from dmuon.rules import dion2
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _ns(subs):
     # A stand-in orthogonalization that keeps each row's identity visible: rows scaled by their index + 1.

@@ -7,8 +7,6 @@ import torch
 
 from dmuon.rules.muon import apply_update, momentum_update, peek_direction
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("shape", [(37, 91), (1, 200), (13, 37, 3), (0, 5)])

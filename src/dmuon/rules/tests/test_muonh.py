@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dmuon.rules import muonh
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 def test_normalize_is_u_over_its_frobenius_norm_per_matrix():

@@ -9,8 +9,6 @@ import torch
 
 from dmuon.rules.muon import adjusted_lr, apply_update, check_rule_settings
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 WIDE, TALL = (24, 96), (96, 24)
 
 

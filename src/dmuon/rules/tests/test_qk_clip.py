@@ -7,8 +7,6 @@ import torch
 
 from dmuon.rules.qk_clip import AttentionHeads, QKClip, clip_factors, row_factors
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def test_factors_clip_only_maxima_above_tau_and_never_make_nan():
     maxima = torch.tensor([250.0, 100.0, 99.0, 0.0, -3.0, float("nan"), 1e30, 100.00001])

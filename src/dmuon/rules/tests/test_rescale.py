@@ -8,8 +8,6 @@ import torch
 
 from dmuon.rules.muon import momentum_after, momentum_update, peek_direction, rescaled_direction
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 U_BF16 = 2.0 ** -8  # bfloat16's unit roundoff (8 significand bits with the implicit one, round to nearest)
 U_FP32 = 2.0 ** -24
 

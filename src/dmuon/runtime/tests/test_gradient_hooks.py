@@ -5,13 +5,10 @@ from __future__ import annotations
 import gc
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from dmuon.comm.streams import HostStreams
 from dmuon.runtime.gradient_hooks import GradientHooks, Unit
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 class Landings:

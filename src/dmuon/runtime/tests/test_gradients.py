@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from dmuon.runtime.gradients import GradientParts, divided
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 def _parts() -> tuple[GradientParts, list[torch.Tensor]]:

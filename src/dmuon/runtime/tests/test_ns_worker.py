@@ -14,8 +14,6 @@ from dmuon.comm.stats import CommStats
 from dmuon.comm.streams import HostStreams
 from dmuon.runtime.worker import NSWorker
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 class Rule:
     """An owner work that doubles each direction, noting the thread it ran on."""

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from dmuon.runtime.own_stream import OwnStream
 from dmuon.runtime.replicate_backward import ReplicateBackward
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 class Level:

@@ -1,12 +1,9 @@
 """ScheduleDivisor: the divisor a pipeline schedule applies after its reduction, learned from one step's
 gradients as reduced and as divided in place (one process: no agreement collective)."""
 
-import pytest
 import torch
 
 from dmuon.runtime.schedule_divisor import ScheduleDivisor
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 def _learned(before: dict, divide) -> int | None:

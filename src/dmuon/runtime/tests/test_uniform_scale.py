@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dmuon.bench.op_count import HostReadCounter
 from dmuon.runtime.agreement import NONUNIFORM, agreed_scale, scale_flags, uniform_scale, uniform_scales
-
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
 
 
 def _clipped(gs, c):

@@ -1,9 +1,11 @@
-"""run_distributed: results in rank order; a native crash or an exception of a rank fails the call (no retry)."""
+"""run_distributed: results in rank order; a native crash or an exception of a rank fails the call (no retry).
+free_port: a bindable port below the kernel's ephemeral range."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -12,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon.testing.spawn import run_distributed
+from dmuon.testing import spawn
+from dmuon.testing.spawn import free_port, run_distributed
 
 
 def _rank_and_size(rank: int, world_size: int) -> tuple[int, int]:
@@ -70,3 +73,28 @@ def test_a_rank_that_raises_while_the_others_wait_in_a_collective_fails_the_call
     elapsed = time.monotonic() - start
     assert "-- Process 1 terminated with the following error" in str(info.value)
     assert elapsed < 120, f"the launch took {elapsed:.0f} s to fail"
+
+
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind():
+    """No bind(0) or connect() of another process hands out these ports (a parallel test run's gloo
+    connections), so a launch's store finds its port still free."""
+    low, high = spawn._ephemeral_ports()
+    assert 1024 < low <= high
+    ports = [free_port() for _ in range(8)]
+    assert all(max(1024, low - 16384) <= p < low for p in ports), (ports, low)
+    assert all(_binds(p) for p in ports) and len(set(ports)) > 1, ports
+
+
+def test_free_port_takes_bind_0_where_nothing_lies_below_the_range(monkeypatch):
+    monkeypatch.setattr(spawn, "_ephemeral_ports", lambda: (1024, 65535))
+    port = free_port()
+    assert port >= 1024 and _binds(port)

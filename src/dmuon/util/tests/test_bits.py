@@ -9,8 +9,6 @@ import torch
 from dmuon.bench.op_count import HostReadCounter
 from dmuon.util.bits import any_bits_differ, bits_differ, bitwise_equal
 
-pytestmark = pytest.mark.one_process  # starts no ranks (conftest.py: beside the launches under xdist)
-
 
 def _bits(t: torch.Tensor) -> list[int]:
     # The reference: every element's bit pattern, one by one (uint8 views tile every dtype).
