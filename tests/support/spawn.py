@@ -54,7 +54,8 @@ class Crash:
 
 
 CRASHES: list[Crash] = []
-"""Every crash :func:`run_distributed` saw in this pytest process, read by conftest.py's summary hook."""
+"""Every crash :func:`run_distributed` saw in this pytest process; conftest.py puts each on the report of the
+test phase that saw it, and its summary hook prints them from the reports."""
 
 _stacks_file = None
 """The rank's faulthandler file, kept open for the rank's lifetime (faulthandler writes to its fd)."""

@@ -73,17 +73,22 @@ def free_port() -> int:
     where no port below the range is free in 64 tries."""
     low, _ = _ephemeral_ports()
     first = max(1024, low - 16384)
-    if first < low:
-        for port in random.SystemRandom().sample(range(first, low), min(64, low - first)):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
+    below = range(first, low)
+    for port in random.SystemRandom().sample(below, min(64, len(below))):
+        if _bindable(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _join_gloo_group(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
